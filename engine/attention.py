@@ -1,0 +1,33 @@
+"""Per-step attention metadata: how the packed tokens of one step map onto sequences and KV slots."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Describes one packed step. Decode sequences (one query token each) come first, then prefill chunks.
+
+    Attributes:
+        slot_mapping: [num_tokens] int64, KV slot for every token of the step.
+        num_decodes: sequences with a single query token; they own token rows [0, num_decodes).
+        decode_block_tables: [num_decodes, max_blocks] int32.
+        decode_context_lens: [num_decodes] int32, context length including the new token.
+        prefill_cu_seqlens: [num_prefills + 1] int32, prefix sums of chunk lengths over rows [num_decodes, T).
+        prefill_context_lens: [num_prefills] int32, context length including the chunk.
+        prefill_block_tables: [num_prefills, max_blocks] int32.
+    """
+
+    slot_mapping: torch.Tensor
+    num_decodes: int
+    decode_block_tables: torch.Tensor
+    decode_context_lens: torch.Tensor
+    prefill_cu_seqlens: torch.Tensor
+    prefill_context_lens: torch.Tensor
+    prefill_block_tables: torch.Tensor
+
+    @property
+    def num_prefills(self) -> int:
+        return int(self.prefill_context_lens.shape[0])

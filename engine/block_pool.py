@@ -1,0 +1,130 @@
+"""Ref-counted pool of KV cache blocks with a prefix cache keyed by chained block hashes.
+
+Lives off the device: it only hands out block ids; `engine.kv_cache.KVCache` owns the memory. Owned by the
+engine thread; not thread-safe.
+
+Free blocks sit in an LRU queue. A free block may still hold prefix-cache content (it has a hash): a later
+request with the same prefix revives it (`touch`), and `allocate` evicts the least recently freed first.
+"""
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from collections.abc import Sequence
+
+import numpy as np
+
+
+def hash_block_tokens(parent_hash: bytes | None, token_ids: Sequence[int]) -> bytes:
+    """Chained hash of one full block: blake2b(parent hash || token ids as int64). 16 bytes.
+
+    Chaining makes a block's hash identify the whole prefix up to and including it, as in vLLM's prefix cache.
+    """
+    h = hashlib.blake2b(digest_size=16)
+    if parent_hash is not None:
+        h.update(parent_hash)
+    h.update(np.asarray(token_ids, dtype=np.int64).tobytes())
+    return h.digest()
+
+
+class BlockPool:
+    """Hands out KV block ids with reference counts.
+
+    Invariants (checked by `check_integrity`): a block is in the free queue iff its ref count is 0; every entry of
+    the hash map points at a block carrying that hash; block ids are 0..num_blocks-1.
+    """
+
+    def __init__(self, num_blocks: int):
+        if num_blocks <= 0:
+            raise ValueError(f"num_blocks must be positive, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.ref_counts = [0] * num_blocks
+        self.block_hashes: list[bytes | None] = [None] * num_blocks
+        self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self._cached: dict[bytes, int] = {}
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_cached_free_blocks(self) -> int:
+        """Free blocks that still hold reusable prefix-cache content."""
+        return sum(1 for b in self._free if self.block_hashes[b] is not None)
+
+    def allocate(self, n: int) -> list[int]:
+        """Take n free blocks (ref count 1), evicting their old prefix-cache entries.
+
+        Raises:
+            MemoryError: fewer than n blocks are free (callers check `num_free_blocks` first).
+        """
+        if n > len(self._free):
+            raise MemoryError(f"asked for {n} KV blocks, {len(self._free)} free")
+        out = []
+        for _ in range(n):
+            block, _ = self._free.popitem(last=False)
+            old = self.block_hashes[block]
+            if old is not None:
+                if self._cached.get(old) == block:
+                    del self._cached[old]
+                self.block_hashes[block] = None
+            self.ref_counts[block] = 1
+            out.append(block)
+        return out
+
+    def free(self, block_ids: Sequence[int]) -> None:
+        """Drop one reference from each block; blocks reaching 0 join the free queue.
+
+        Freed in reverse so that a request's tail blocks (least likely shared) are evicted before its head.
+
+        Raises:
+            ValueError: a block was already free (double free).
+        """
+        for block in reversed(block_ids):
+            if self.ref_counts[block] <= 0:
+                raise ValueError(f"double free of KV block {block}")
+            self.ref_counts[block] -= 1
+            if self.ref_counts[block] == 0:
+                self._free[block] = None
+
+    def lookup(self, block_hash: bytes) -> int | None:
+        """Block id holding this prefix hash, or None."""
+        return self._cached.get(block_hash)
+
+    def touch(self, block_ids: Sequence[int]) -> None:
+        """Take one more reference on cached blocks (prefix-cache hit), reviving free ones."""
+        for block in block_ids:
+            if self.ref_counts[block] == 0:
+                del self._free[block]
+            self.ref_counts[block] += 1
+
+    def cache_block(self, block_id: int, block_hash: bytes) -> None:
+        """Record that block_id holds the full block identified by block_hash (first writer wins)."""
+        if self.block_hashes[block_id] is not None:
+            return
+        if block_hash in self._cached:
+            return  # same content computed twice by concurrent requests; keep the first copy
+        self.block_hashes[block_id] = block_hash
+        self._cached[block_hash] = block_id
+
+    def reset_prefix_cache(self) -> None:
+        """Forget all cached prefixes (blocks stay allocated/free as they are)."""
+        for h, b in self._cached.items():
+            self.block_hashes[b] = None
+        self._cached.clear()
+
+    def check_integrity(self) -> list[str]:
+        """Return a list of violated invariants (empty when the pool is consistent)."""
+        errors = []
+        for b in range(self.num_blocks):
+            rc = self.ref_counts[b]
+            if rc < 0:
+                errors.append(f"block {b} has ref count {rc}")
+            if (rc == 0) != (b in self._free):
+                errors.append(f"block {b}: ref count {rc} but in free queue={b in self._free}")
+        for h, b in self._cached.items():
+            if self.block_hashes[b] != h:
+                errors.append(f"hash map entry for block {b} does not match its hash")
+        if len(self._free) > self.num_blocks:
+            errors.append("free queue longer than the pool")
+        return errors

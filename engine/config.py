@@ -1,0 +1,146 @@
+"""Typed configuration for the engine. Built once per process from CLI flags; never mutated afterwards."""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Architecture of a Llama-family decoder, read from an HF `config.json`.
+
+    Attributes are in the field's usual units: sizes in elements, `rope_theta` the RoPE base.
+    """
+
+    name: str
+    path: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    eos_token_ids: tuple[int, ...]
+    dtype: str = "float32"
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @classmethod
+    def from_hf(cls, hf_config: Any, name: str, path: str, dtype: str = "float32") -> "ModelConfig":
+        """Build from a `transformers.PretrainedConfig` of a Llama-architecture model.
+
+        Raises:
+            ValueError: the architecture or its RoPE scaling is not supported, or dtype is unknown.
+        """
+        if getattr(hf_config, "model_type", None) not in ("llama", "mistral", "qwen2"):
+            raise ValueError(f"unsupported model_type {hf_config.model_type!r}; pdserve serves Llama-family models")
+        rope_scaling = getattr(hf_config, "rope_scaling", None)
+        if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type")) not in (None, "default"):
+            raise ValueError(f"unsupported rope_scaling {rope_scaling}")
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+        if getattr(hf_config, "attention_bias", False) or getattr(hf_config, "mlp_bias", False):
+            raise ValueError("attention/MLP bias terms are not supported")
+        eos = hf_config.eos_token_id
+        eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
+        num_heads = hf_config.num_attention_heads
+        rope_theta = getattr(hf_config, "rope_theta", None)
+        if rope_theta is None:  # transformers >= 5 keeps it in rope_parameters
+            rope_theta = (getattr(hf_config, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
+        return cls(
+            name=name,
+            path=path,
+            vocab_size=hf_config.vocab_size,
+            hidden_size=hf_config.hidden_size,
+            intermediate_size=hf_config.intermediate_size,
+            num_layers=hf_config.num_hidden_layers,
+            num_heads=num_heads,
+            num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or num_heads,
+            head_dim=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads,
+            rms_norm_eps=hf_config.rms_norm_eps,
+            rope_theta=float(rope_theta),
+            max_position_embeddings=hf_config.max_position_embeddings,
+            tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+            eos_token_ids=eos_ids,
+            dtype=dtype,
+        )
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Paged KV cache geometry.
+
+    Attributes:
+        block_size: tokens per KV block.
+        num_blocks: blocks in the pool (the KV budget). Derive it with `num_blocks_for_budget`.
+    """
+
+    block_size: int = 16
+    num_blocks: int = 1024
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0 or self.num_blocks <= 0:
+            raise ValueError(f"block_size and num_blocks must be positive, got {self}")
+
+
+def kv_bytes_per_block(model: ModelConfig, block_size: int) -> int:
+    """Bytes one KV block takes across all layers: layers x {K,V} x block_size x kv_heads x head_dim x itemsize."""
+    itemsize = torch.empty((), dtype=model.torch_dtype).element_size()
+    return model.num_layers * 2 * block_size * model.num_kv_heads * model.head_dim * itemsize
+
+
+def num_blocks_for_budget(model: ModelConfig, block_size: int, kv_bytes: int | None, kv_tokens: int | None) -> int:
+    """Number of KV blocks for a budget given in bytes or in tokens (exactly one of them).
+
+    Raises:
+        ValueError: neither or both budgets given, or the budget holds less than one block.
+    """
+    if (kv_bytes is None) == (kv_tokens is None):
+        raise ValueError("give exactly one of kv_bytes / kv_tokens")
+    n = kv_bytes // kv_bytes_per_block(model, block_size) if kv_bytes is not None else kv_tokens // block_size
+    if n < 1:
+        raise ValueError(f"KV budget too small for one block of {block_size} tokens")
+    return int(n)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Step scheduling limits.
+
+    Attributes:
+        max_num_batched_tokens: token budget per step (prefill chunks + one token per decode).
+        max_num_seqs: most requests in the running batch.
+        max_model_len: most tokens (prompt + output) one request may hold.
+        enable_prefix_caching: reuse full KV blocks whose chained token hash matches.
+    """
+
+    max_num_batched_tokens: int = 512
+    max_num_seqs: int = 64
+    max_model_len: int = 2048
+    enable_prefix_caching: bool = True
+
+
+def compat_hash(model: ModelConfig, cache: CacheConfig) -> str:
+    """Hash that two workers must share to exchange KV blocks: model shapes, dtype, block size and layout.
+
+    The layout tag names the KV tensor layout in `engine.kv_cache` ([num_blocks, layers, 2, block_size,
+    kv_heads, head_dim], block-major); change it whenever that layout changes.
+    """
+    fields = asdict(model)
+    fields.pop("path")
+    fields["block_size"] = cache.block_size
+    fields["layout"] = "block-major-v1"
+    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]

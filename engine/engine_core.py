@@ -1,0 +1,147 @@
+"""The engine loop: drain commands, reserve, schedule, execute, update, emit. Runs in its own thread so the
+asyncio loop (gRPC, KV transfers) stays responsive while torch computes; torch releases the GIL in its ops.
+
+Only this thread touches the scheduler, block pool and model. Other threads talk to it through `submit`.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+from engine.model_runner import ModelRunner
+from engine.outputs import RequestFailed, StepRecord
+from engine.request import FinishReason, Request
+from engine.scheduler import Scheduler
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class AddRequest:
+    request: Request
+
+
+@dataclass
+class Abort:
+    request_id: str
+
+
+@dataclass
+class KvArrived:
+    request_id: str
+    first_token: int
+
+
+@dataclass
+class Call:
+    """Run fn(scheduler) on the engine thread and resolve future with its result (stats, integrity checks)."""
+
+    fn: Callable[[Scheduler], Any]
+    future: Future
+
+
+class EngineCore:
+    """Single-threaded owner of scheduler + runner.
+
+    Args:
+        scheduler, runner: the engine's halves.
+        emit: called on the engine thread with each batch of output events (Reserved, TokenOutput,
+            RequestFailed, and an abort confirmation as TokenOutput-free RequestFailed is never sent for aborts).
+        step_log_size: how many StepRecords to keep.
+    """
+
+    def __init__(self, scheduler: Scheduler, runner: ModelRunner, emit: Callable[[list], None],
+                 step_log_size: int = 4096):
+        self.scheduler = scheduler
+        self.runner = runner
+        self.emit = emit
+        self._commands: queue.Queue = queue.Queue()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.num_steps = 0
+        self.step_log: deque[StepRecord] = deque(maxlen=step_log_size)
+        self._last_batch: list[str] = []
+
+    def submit(self, command: AddRequest | Abort | KvArrived | Call) -> None:
+        """Thread-safe: queue a command for the next loop iteration."""
+        self._commands.put(command)
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="engine-core", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._commands.put(None)
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._drain(block=not self.scheduler.has_work())
+                events: list = list(self.scheduler.reserve())
+                out = self.scheduler.schedule()
+                if not out.is_empty:
+                    sampled = self.runner.execute(out)
+                    events.extend(self.scheduler.update(out, sampled))
+                    self._record_step(out)
+                if events:
+                    self.emit(events)
+            except Exception:  # a bug here must not silently wedge every request: fail them all loudly
+                log.exception("engine step failed; aborting all requests")
+                failed = [RequestFailed(rid, "INTERNAL", "engine step failed; see worker log")
+                          for rid in list(self.scheduler.requests)]
+                for f in failed:
+                    self.scheduler.abort(f.request_id)
+                self.emit(failed)
+
+    def _drain(self, block: bool) -> None:
+        try:
+            cmd = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while cmd is not None or not self._commands.empty():
+            if cmd is not None:
+                self._apply(cmd)
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _apply(self, cmd: Any) -> None:
+        s = self.scheduler
+        if isinstance(cmd, AddRequest):
+            failure = s.add_request(cmd.request)
+            if failure is not None:
+                self.emit([failure])
+        elif isinstance(cmd, Abort):
+            s.abort(cmd.request_id)
+        elif isinstance(cmd, KvArrived):
+            s.kv_arrived(cmd.request_id, cmd.first_token)
+        elif isinstance(cmd, Call):
+            try:
+                cmd.future.set_result(cmd.fn(s))
+            except Exception as e:  # surfaced to the caller, not the loop
+                cmd.future.set_exception(e)
+
+    def _record_step(self, out) -> None:
+        self.num_steps += 1
+        batch = [s.request.request_id for s in out.decodes + out.prefills]
+        prev = set(self._last_batch)
+        joined = [r for r in batch if r not in prev]
+        left = [r for r in self._last_batch if r not in set(batch)]
+        self.step_log.append(StepRecord(self.num_steps, out.num_tokens, batch, joined, left))
+        if joined or left:
+            log.info("step %d: batch=%d tokens=%d joined=%s left=%s", self.num_steps, len(batch), out.num_tokens,
+                     joined, left)
+        self._last_batch = batch
+
+
+__all__ = ["EngineCore", "AddRequest", "Abort", "KvArrived", "Call", "FinishReason"]

@@ -1,0 +1,46 @@
+"""The paged KV cache memory of one worker.
+
+Layout (block-major): kv[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]. One block's K and V for
+every layer are a single contiguous region, so the transfer connectors send and receive whole blocks straight
+from/into the cache (no staging copies, one message per block). The attention ops see per-layer views
+k_cache/v_cache of shape [num_blocks, block_size, num_kv_heads, head_dim] (strided in dim 0).
+Trade-off: layer-by-layer streaming during prefill would prefer layer-major; we chose zero-copy whole blocks.
+"""
+from __future__ import annotations
+
+import torch
+
+from engine.config import CacheConfig, ModelConfig
+
+
+class KVCache:
+    """Owns the KV tensor and exposes per-layer views and per-block byte views.
+
+    Args:
+        model: shapes and dtype.
+        cache: block size and count.
+        device: where the cache lives.
+    """
+
+    def __init__(self, model: ModelConfig, cache: CacheConfig, device: torch.device | str = "cpu"):
+        self.block_size = cache.block_size
+        self.num_blocks = cache.num_blocks
+        # kv: [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]
+        self.kv = torch.zeros(cache.num_blocks, model.num_layers, 2, cache.block_size, model.num_kv_heads,
+                              model.head_dim, dtype=model.torch_dtype, device=device)
+        self.layers = [(self.kv[:, i, 0], self.kv[:, i, 1]) for i in range(model.num_layers)]
+
+    @property
+    def block_nbytes(self) -> int:
+        """Bytes of one block across all layers."""
+        return self.kv[0].numel() * self.kv.element_size()
+
+    def block_bytes(self, block_id: int):
+        """A writable, zero-copy uint8 numpy view of one block's memory (CPU caches only).
+
+        Raises:
+            IndexError: block_id out of range.
+        """
+        if not 0 <= block_id < self.num_blocks:
+            raise IndexError(f"block {block_id} out of range [0, {self.num_blocks})")
+        return self.kv[block_id].view(-1).view(torch.uint8).numpy()

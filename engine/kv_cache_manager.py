@@ -1,0 +1,94 @@
+"""Per-request block tables on top of the block pool, with prefix-cache lookup and registration."""
+from __future__ import annotations
+
+from engine.block_pool import BlockPool, hash_block_tokens
+from engine.request import Request
+
+
+class KVCacheManager:
+    """Maps request ids to their block tables. Owned by the engine thread.
+
+    Args:
+        num_blocks: pool size.
+        block_size: tokens per block.
+        enable_prefix_caching: look up and register full blocks by chained hash.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool):
+        self.pool = BlockPool(num_blocks)
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.block_tables: dict[str, list[int]] = {}
+        self._hashes: dict[str, list[bytes]] = {}  # chained hashes of each request's registered full blocks
+        self.prefix_hit_tokens = 0
+        self.prefix_query_tokens = 0
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def get_computed_blocks(self, request: Request) -> list[int]:
+        """Longest run of cached full blocks matching the request's tokens (at least one token is left to compute,
+        so the step still produces logits). Does not take references; see `allocate_slots`."""
+        if not self.enable_prefix_caching:
+            return []
+        tokens = request.all_token_ids
+        max_blocks = (len(tokens) - 1) // self.block_size
+        hits, parent = [], None
+        for i in range(max_blocks):
+            parent = hash_block_tokens(parent, tokens[i * self.block_size:(i + 1) * self.block_size])
+            block = self.pool.lookup(parent)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def allocate_slots(self, request_id: str, num_total_tokens: int, computed_blocks: list[int] | None = None) -> bool:
+        """Make the request's block table cover its first num_total_tokens tokens.
+
+        computed_blocks (from `get_computed_blocks`, first allocation only) are shared, not allocated.
+        Returns False, changing nothing, when the pool lacks free blocks.
+        """
+        table = self.block_tables.get(request_id, [])
+        computed_blocks = computed_blocks or []
+        need = self.blocks_needed(num_total_tokens) - len(table) - len(computed_blocks)
+        # Reviving a cached free block removes it from the free queue too.
+        revived = sum(1 for b in computed_blocks if self.pool.ref_counts[b] == 0)
+        if max(need, 0) + revived > self.pool.num_free_blocks:
+            return False
+        if computed_blocks:
+            self.pool.touch(computed_blocks)
+            table = table + computed_blocks
+        if need > 0:
+            table = table + self.pool.allocate(need)
+        self.block_tables[request_id] = table
+        return True
+
+    def record_prefix_query(self, num_prompt_tokens: int, num_hit_tokens: int) -> None:
+        self.prefix_query_tokens += num_prompt_tokens
+        self.prefix_hit_tokens += num_hit_tokens
+
+    def cache_full_blocks(self, request: Request) -> None:
+        """Register the request's newly completed full blocks in the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        table = self.block_tables.get(request.request_id)
+        if not table:
+            return
+        hashes = self._hashes.setdefault(request.request_id, [])
+        num_full = min(request.num_computed_tokens // self.block_size, len(table))
+        tokens = request.all_token_ids
+        for i in range(len(hashes), num_full):
+            parent = hashes[-1] if hashes else None
+            h = hash_block_tokens(parent, tokens[i * self.block_size:(i + 1) * self.block_size])
+            hashes.append(h)
+            self.pool.cache_block(table[i], h)
+
+    def free(self, request_id: str) -> None:
+        """Release every block of the request (no-op if it holds none)."""
+        self._hashes.pop(request_id, None)
+        table = self.block_tables.pop(request_id, None)
+        if table:
+            self.pool.free(table)
+
+    def get_block_table(self, request_id: str) -> list[int]:
+        return self.block_tables.get(request_id, [])

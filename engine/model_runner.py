@@ -1,0 +1,89 @@
+"""Runs one scheduled step on the model: packs tokens, builds attention metadata, samples."""
+from __future__ import annotations
+
+import torch
+
+from engine.attention import AttentionMetadata
+from engine.config import CacheConfig, ModelConfig
+from engine.kv_cache import KVCache
+from engine.llama import LlamaModel
+from engine.outputs import SampledToken, ScheduledRequest, SchedulerOutput
+from engine.sampler import Sampler
+
+
+class ModelRunner:
+    """Owns the model, the KV cache memory and the sampler of one worker.
+
+    Args:
+        model_config: architecture.
+        cache_config: KV geometry.
+        state_dict: HF-named weights; None leaves random init (tests).
+        device: torch device.
+        seed: seed for unseeded sampling and random init.
+    """
+
+    def __init__(self, model_config: ModelConfig, cache_config: CacheConfig,
+                 state_dict: dict[str, torch.Tensor] | None, device: str = "cpu", seed: int = 0):
+        torch.manual_seed(seed)
+        self.model_config = model_config
+        self.device = torch.device(device)
+        self.model = LlamaModel(model_config).to(device=self.device, dtype=model_config.torch_dtype)
+        if state_dict is not None:
+            self.model.load_weights(state_dict)
+        self.model.eval()
+        self.kv_cache = KVCache(model_config, cache_config, self.device)
+        self.block_size = cache_config.block_size
+        self.sampler = Sampler(model_config.vocab_size, seed)
+
+    def execute(self, out: SchedulerOutput) -> dict[str, SampledToken]:
+        """Compute the step's tokens and sample for every request whose chunk reaches its last token."""
+        scheduled = out.decodes + out.prefills
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        sample_rows: list[int] = []
+        for s in scheduled:
+            start = s.request.num_computed_tokens
+            input_ids.extend(s.request.all_token_ids[start:start + s.num_new_tokens])
+            for p in range(start, start + s.num_new_tokens):
+                positions.append(p)
+                slots.append(s.block_ids[p // self.block_size] * self.block_size + p % self.block_size)
+            if s.sample:
+                sample_rows.append(len(input_ids) - 1)
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            num_decodes=len(out.decodes),
+            decode_block_tables=self._block_tables(out.decodes),
+            decode_context_lens=torch.tensor([s.request.num_computed_tokens + 1 for s in out.decodes],
+                                             dtype=torch.int32, device=dev),
+            prefill_cu_seqlens=torch.tensor(_cumsum([s.num_new_tokens for s in out.prefills]), dtype=torch.int32,
+                                            device=dev),
+            prefill_context_lens=torch.tensor(
+                [s.request.num_computed_tokens + s.num_new_tokens for s in out.prefills], dtype=torch.int32,
+                device=dev),
+            prefill_block_tables=self._block_tables(out.prefills),
+        )
+        hidden = self.model(torch.tensor(input_ids, dtype=torch.long, device=dev),
+                            torch.tensor(positions, dtype=torch.long, device=dev), meta, self.kv_cache.layers)
+        sampling = [s for s in scheduled if s.sample]
+        if not sampling:
+            return {}
+        logits = self.model.compute_logits(hidden[sample_rows]).cpu()
+        tokens = self.sampler(logits, [s.request for s in sampling])
+        return {s.request.request_id: t for s, t in zip(sampling, tokens)}
+
+    def _block_tables(self, group: list[ScheduledRequest]) -> torch.Tensor:
+        """[len(group), max_blocks] int32, zero-padded."""
+        width = max((len(s.block_ids) for s in group), default=0)
+        table = torch.zeros(len(group), max(width, 1), dtype=torch.int32)
+        for i, s in enumerate(group):
+            table[i, :len(s.block_ids)] = torch.tensor(s.block_ids, dtype=torch.int32)
+        return table.to(self.device)
+
+
+def _cumsum(lengths: list[int]) -> list[int]:
+    out = [0]
+    for n in lengths:
+        out.append(out[-1] + n)
+    return out

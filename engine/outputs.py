@@ -1,0 +1,91 @@
+"""Plain dataclasses that cross the engine boundary: scheduler -> runner -> scheduler -> server."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.request import FinishReason, Request
+
+
+@dataclass
+class ScheduledRequest:
+    """One request's share of a step: compute tokens [num_computed_tokens, num_computed_tokens + num_new_tokens).
+
+    sample is True when the chunk reaches the last known token, so the step yields a new token for it.
+    """
+
+    request: Request
+    num_new_tokens: int
+    block_ids: list[int]
+    sample: bool
+
+
+@dataclass
+class SchedulerOutput:
+    """A step: decodes (one new token each) first, then prefill chunks."""
+
+    decodes: list[ScheduledRequest] = field(default_factory=list)
+    prefills: list[ScheduledRequest] = field(default_factory=list)
+    preempted_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.decodes) + sum(s.num_new_tokens for s in self.prefills)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.decodes and not self.prefills
+
+
+@dataclass
+class SampledToken:
+    """A sampled token; logprob and top alternatives (natural log, after penalties, before temperature) when asked."""
+
+    token_id: int
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass
+class Reserved:
+    """Blocks are reserved for a remote-KV request: the prefill worker may send (decode worker)."""
+
+    request_id: str
+    block_ids: list[int]
+
+
+@dataclass
+class TokenOutput:
+    """A new token for a request, possibly with its finish.
+
+    finish_reason PREFILL_DONE (prefill worker): the request's KV is complete and held in block_ids until
+    `release`; the caller must release it after the transfer, success or not.
+    """
+
+    request_id: str
+    token: SampledToken
+    finish_reason: FinishReason | None = None
+    stop_token_id: int | None = None
+    num_cached_tokens: int = 0
+    queue_ms: float = 0.0
+    prefill_ms: float = 0.0
+    block_ids: list[int] | None = None
+
+
+@dataclass
+class RequestFailed:
+    """The engine gave up on a request. code is a gRPC status name (e.g. 'RESOURCE_EXHAUSTED')."""
+
+    request_id: str
+    code: str
+    message: str
+
+
+@dataclass
+class StepRecord:
+    """What one engine step ran (kept in a bounded log; shows continuous batching at work)."""
+
+    step: int
+    num_tokens: int
+    batch_ids: list[str]
+    joined_ids: list[str]
+    left_ids: list[str]

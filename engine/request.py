@@ -1,0 +1,117 @@
+"""Engine-side request state. Tokens are counted, not phases: prefill chunks, prefix-cache hits and KV received
+from a prefill worker all simply advance `num_computed_tokens`."""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Resolved sampling parameters (defaults filled in by the coordinator). Semantics follow vLLM's.
+
+    Attributes:
+        temperature: 0 = greedy.
+        top_p: nucleus mass in (0, 1].
+        top_k: 0 = off.
+        min_p: 0 = off.
+        seed: None = unseeded.
+        repetition_penalty: 1 = off (CTRL; applies to prompt and output tokens).
+        presence_penalty, frequency_penalty: 0 = off (OpenAI; output tokens only).
+        max_tokens: output tokens at most.
+        min_tokens: EOS / stop token ids suppressed before this many output tokens.
+        stop_token_ids: extra ids that end generation.
+        ignore_eos: do not stop on the model's EOS.
+        logprobs: None = off; k = sampled token's logprob plus the top-k alternatives.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    max_tokens: int = 16
+    min_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+class RequestStatus(enum.Enum):
+    WAITING_FOR_BLOCKS = "waiting_for_blocks"  # remote-KV request queued for a reservation
+    WAITING_FOR_KV = "waiting_for_kv"          # blocks reserved, KV transfer pending
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    HELD = "held"                               # prefill done; blocks held until the KV send completes
+    FINISHED = "finished"
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+    PREFILL_DONE = "prefill_done"  # prefill-only request sampled its first token
+
+
+@dataclass
+class Request:
+    """One generation request inside an engine.
+
+    Attributes:
+        prompt_token_ids: the prompt.
+        output_token_ids: sampled tokens so far (for a remote-KV decode request, starts with the prefill's token).
+        num_computed_tokens: tokens whose KV is in this engine's cache.
+        num_cached_tokens: prompt tokens served by the prefix cache at first scheduling.
+        prefill_only: stop after the first sampled token and hold the blocks (prefill worker).
+        remote_kv: the prompt's KV arrives from a prefill worker (decode worker).
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    eos_token_ids: tuple[int, ...] = ()
+    prefill_only: bool = False
+    remote_kv: bool = False
+    arrival_time: float = field(default_factory=time.time)
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    stop_token_id: int | None = None
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    _all_token_ids: list[int] = field(default_factory=list, repr=False)
+
+    def __post_init__(self) -> None:
+        self._all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        """Prompt followed by output (a live list: do not mutate)."""
+        return self._all_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self._all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    def append_output(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self._all_token_ids.append(token_id)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == RequestStatus.FINISHED

@@ -1,0 +1,98 @@
+"""Token sampling with per-request parameters (temperature, top-k, top-p, min-p, penalties, seeds, logprobs).
+
+Semantics follow vLLM's SamplingParams. Seeded requests draw from a generator seeded by (seed, output position),
+so the prefill worker (first token) and the decode worker (the rest) produce the same stream as one process would.
+"""
+from __future__ import annotations
+
+import torch
+
+from engine.outputs import SampledToken
+from engine.request import Request
+
+_MASK64 = (1 << 63) - 1
+
+
+class Sampler:
+    """Samples one token per row of logits.
+
+    Args:
+        vocab_size: logits width.
+        seed: seed of the shared generator used by unseeded requests.
+    """
+
+    def __init__(self, vocab_size: int, seed: int = 0):
+        self.vocab_size = vocab_size
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> list[SampledToken]:
+        """logits: [N, vocab] fp32, one row per request, in order. Returns N sampled tokens."""
+        simple = [i for i, r in enumerate(requests) if _is_plain_greedy(r)]
+        out: list[SampledToken | None] = [None] * len(requests)
+        if simple:  # batched fast path for the common greedy case
+            ids = logits[simple].argmax(dim=-1).tolist()
+            for i, t in zip(simple, ids):
+                out[i] = SampledToken(t)
+        for i, req in enumerate(requests):
+            if out[i] is None:
+                out[i] = self._sample_row(logits[i].clone(), req)
+        return out  # type: ignore[return-value]
+
+    def _sample_row(self, row: torch.Tensor, req: Request) -> SampledToken:
+        sp = req.sampling
+        _apply_penalties(row, req)
+        if len(req.output_token_ids) < sp.min_tokens:
+            banned = list(sp.stop_token_ids) + ([] if sp.ignore_eos else list(req.eos_token_ids))
+            if banned:
+                row[torch.tensor(banned)] = float("-inf")
+        logprobs = torch.log_softmax(row, dim=-1) if sp.logprobs is not None else None
+        if sp.greedy:
+            token = int(row.argmax())
+        else:
+            token = self._draw(row, req)
+        if logprobs is None:
+            return SampledToken(token)
+        top = []
+        if sp.logprobs:
+            vals, idx = logprobs.topk(sp.logprobs)
+            top = list(zip(idx.tolist(), vals.tolist()))
+        return SampledToken(token, float(logprobs[token]), top)
+
+    def _draw(self, row: torch.Tensor, req: Request) -> int:
+        sp = req.sampling
+        x = row / sp.temperature
+        if 0 < sp.top_k < x.numel():
+            kth = torch.topk(x, sp.top_k).values[-1]
+            x = x.masked_fill(x < kth, float("-inf"))
+        probs = torch.softmax(x, dim=-1)
+        if sp.top_p < 1.0:
+            sorted_p, order = probs.sort(descending=True)
+            cum = sorted_p.cumsum(0)
+            drop = (cum - sorted_p) > sp.top_p  # keep the smallest prefix whose mass reaches top_p
+            probs = probs.scatter(0, order, sorted_p.masked_fill(drop, 0.0))
+        if sp.min_p > 0.0:
+            probs = probs.masked_fill(probs < sp.min_p * probs.max(), 0.0)
+        gen = self.generator
+        if sp.seed is not None:
+            gen = torch.Generator().manual_seed(
+                (sp.seed * 6364136223846793005 + len(req.output_token_ids) * 1442695040888963407) & _MASK64)
+        return int(torch.multinomial(probs, 1, generator=gen))
+
+
+def _is_plain_greedy(req: Request) -> bool:
+    sp = req.sampling
+    return (sp.greedy and sp.logprobs is None and sp.repetition_penalty == 1.0 and sp.presence_penalty == 0.0
+            and sp.frequency_penalty == 0.0 and len(req.output_token_ids) >= sp.min_tokens)
+
+
+def _apply_penalties(row: torch.Tensor, req: Request) -> None:
+    """In place. Repetition (CTRL, Keskar et al. 2019; HF convention) over prompt + output; presence/frequency
+    (OpenAI API definition) over output only."""
+    sp = req.sampling
+    if sp.repetition_penalty != 1.0:
+        ids = torch.tensor(sorted(set(req.all_token_ids)), dtype=torch.long)
+        vals = row[ids]
+        row[ids] = torch.where(vals > 0, vals / sp.repetition_penalty, vals * sp.repetition_penalty)
+    if (sp.presence_penalty or sp.frequency_penalty) and req.output_token_ids:
+        counts = torch.bincount(torch.tensor(req.output_token_ids, dtype=torch.long), minlength=row.numel()).float()
+        row -= sp.frequency_penalty * counts + sp.presence_penalty * (counts > 0).float()

@@ -1,0 +1,208 @@
+"""Continuous-batching step scheduler with a token budget, chunked prefill, prefix caching, remote-KV
+reservations and preemption by recompute (the vLLM v1 scheme: count tokens, not phases).
+
+Each step: running requests first (one token each for decodes, the next chunk for partial prefills), preempting
+the newest running request when blocks run out; then waiting requests join while budget, batch slots and blocks
+allow. Owned by the engine thread; not thread-safe.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+
+from engine.config import SchedulerConfig
+from engine.kv_cache_manager import KVCacheManager
+from engine.outputs import Reserved, RequestFailed, SampledToken, ScheduledRequest, SchedulerOutput, TokenOutput
+from engine.request import FinishReason, Request, RequestStatus
+
+
+class Scheduler:
+    """Decides what each step computes and applies each step's sampled tokens.
+
+    Args:
+        config: step limits.
+        kv: block tables and pool.
+    """
+
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager):
+        self.config = config
+        self.kv = kv
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.reserving: deque[Request] = deque()
+
+    # ---- admission -------------------------------------------------------------------------------------------
+    def add_request(self, request: Request) -> RequestFailed | None:
+        """Queue a request. Returns a failure when it can never fit this worker's KV pool or context."""
+        if request.request_id in self.requests:
+            return RequestFailed(request.request_id, "ALREADY_EXISTS", f"request id {request.request_id!r} is in use")
+        need = request.num_prompt_tokens + (1 if request.prefill_only else request.sampling.max_tokens)
+        if need > self.config.max_model_len:
+            return RequestFailed(request.request_id, "INVALID_ARGUMENT",
+                                 f"prompt ({request.num_prompt_tokens}) + max_tokens exceeds max_model_len "
+                                 f"{self.config.max_model_len}")
+        if self.kv.blocks_needed(need) > self.kv.pool.num_blocks:
+            return RequestFailed(request.request_id, "RESOURCE_EXHAUSTED",
+                                 f"request needs {self.kv.blocks_needed(need)} KV blocks, the pool has "
+                                 f"{self.kv.pool.num_blocks}; lower max_tokens or raise the KV budget")
+        self.requests[request.request_id] = request
+        if request.remote_kv:
+            request.status = RequestStatus.WAITING_FOR_BLOCKS
+            self.reserving.append(request)
+        else:
+            request.status = RequestStatus.WAITING
+            self.waiting.append(request)
+        return None
+
+    def reserve(self) -> list[Reserved]:
+        """Reserve blocks for queued remote-KV requests, in arrival order, while the pool allows."""
+        out = []
+        while self.reserving:
+            req = self.reserving[0]
+            if not self.kv.allocate_slots(req.request_id, req.num_prompt_tokens):
+                break
+            self.reserving.popleft()
+            req.status = RequestStatus.WAITING_FOR_KV
+            out.append(Reserved(req.request_id, list(self.kv.get_block_table(req.request_id))))
+        return out
+
+    def kv_arrived(self, request_id: str, first_token: int) -> bool:
+        """The prompt's KV landed in the reserved blocks: the request joins the batch with its first token.
+
+        Returns False when the request is not waiting for KV (aborted meanwhile)."""
+        req = self.requests.get(request_id)
+        if req is None or req.status != RequestStatus.WAITING_FOR_KV:
+            return False
+        req.num_computed_tokens = req.num_prompt_tokens
+        req.append_output(first_token)
+        req.first_token_time = time.time()
+        req.status = RequestStatus.WAITING
+        self.waiting.append(req)
+        return True
+
+    # ---- scheduling --------------------------------------------------------------------------------------------
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not self.kv.allocate_slots(req.request_id, req.num_computed_tokens + n):
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted_ids.append(victim.request_id)
+                if victim is req:
+                    break
+            if req.status != RequestStatus.RUNNING:
+                break  # req preempted itself: nothing after it is left either
+            self._add_scheduled(out, req, n)
+            budget -= n
+            i += 1
+
+        while not out.preempted_ids and self.waiting and budget > 0 \
+                and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            computed_blocks: list[int] = []
+            if req.num_computed_tokens == 0:
+                computed_blocks = self.kv.get_computed_blocks(req)
+            num_computed = req.num_computed_tokens or len(computed_blocks) * self.kv.block_size
+            n = min(req.num_tokens - num_computed, budget)
+            if not self.kv.allocate_slots(req.request_id, num_computed + n, computed_blocks):
+                break
+            self.waiting.popleft()
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = time.time()
+                if not req.remote_kv:
+                    req.num_cached_tokens = num_computed
+                    self.kv.record_prefix_query(req.num_prompt_tokens, num_computed)
+            req.num_computed_tokens = num_computed
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            self._add_scheduled(out, req, n)
+            budget -= n
+        return out
+
+    def _add_scheduled(self, out: SchedulerOutput, req: Request, n: int) -> None:
+        s = ScheduledRequest(req, n, self.kv.get_block_table(req.request_id),
+                             sample=req.num_computed_tokens + n == req.num_tokens)
+        (out.decodes if n == 1 else out.prefills).append(s)
+
+    def _preempt(self, req: Request) -> None:
+        """Free a running request's blocks; it recomputes its prompt + output later (front of the queue)."""
+        self.kv.free(req.request_id)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.PREEMPTED
+        self.waiting.appendleft(req)
+
+    # ---- results -----------------------------------------------------------------------------------------------
+    def update(self, out: SchedulerOutput, sampled: dict[str, SampledToken]) -> list[TokenOutput]:
+        """Advance computed counts, register full blocks, append sampled tokens and finish requests."""
+        events = []
+        for s in out.decodes + out.prefills:
+            req = s.request
+            req.num_computed_tokens += s.num_new_tokens
+            self.kv.cache_full_blocks(req)
+            if not s.sample:
+                continue
+            token = sampled[req.request_id]
+            req.append_output(token.token_id)
+            now = time.time()
+            ev = TokenOutput(req.request_id, token, num_cached_tokens=req.num_cached_tokens)
+            if req.first_token_time is None:
+                req.first_token_time = now
+                ev.queue_ms = (req.first_scheduled_time - req.arrival_time) * 1e3
+                ev.prefill_ms = (now - req.first_scheduled_time) * 1e3
+            self._check_stop(req, token.token_id, ev)
+            if ev.finish_reason is not None:
+                self.running.remove(req)
+                if ev.finish_reason == FinishReason.PREFILL_DONE:
+                    req.status = RequestStatus.HELD
+                    ev.block_ids = list(self.kv.get_block_table(req.request_id))
+                else:
+                    self._finish(req)
+            events.append(ev)
+        return events
+
+    def _check_stop(self, req: Request, token_id: int, ev: TokenOutput) -> None:
+        sp = req.sampling
+        num_out = len(req.output_token_ids)
+        # The sampler masks stop tokens while num_out <= min_tokens; checking again keeps the rule in one place.
+        if num_out > sp.min_tokens and (
+                (not sp.ignore_eos and token_id in req.eos_token_ids) or token_id in sp.stop_token_ids):
+            ev.finish_reason, ev.stop_token_id = FinishReason.STOP, token_id
+            return
+        if num_out >= sp.max_tokens or req.num_tokens >= self.config.max_model_len:
+            ev.finish_reason = FinishReason.LENGTH
+        elif req.prefill_only:
+            ev.finish_reason = FinishReason.PREFILL_DONE
+
+    def _finish(self, req: Request) -> None:
+        req.status = RequestStatus.FINISHED
+        self.kv.free(req.request_id)
+        del self.requests[req.request_id]
+
+    # ---- lifecycle -----------------------------------------------------------------------------------------------
+    def abort(self, request_id: str) -> bool:
+        """Drop a request wherever it is and free its blocks. Returns False if unknown (idempotent)."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return False
+        for queue in (self.waiting, self.reserving):
+            if req in queue:
+                queue.remove(req)
+        if req in self.running:
+            self.running.remove(req)
+        self._finish(req)
+        return True
+
+    def release(self, request_id: str) -> bool:
+        """Free a HELD (prefill-done) request after its KV was sent or the send failed."""
+        return self.abort(request_id)
+
+    def num_requests(self) -> int:
+        return len(self.requests)

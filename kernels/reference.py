@@ -1,0 +1,101 @@
+"""Pure-torch reference implementations of the paged KV cache ops (CPU and any device).
+
+They read K/V through block tables straight from the paged cache: no per-request contiguous KV is kept between
+steps; a step gathers the blocks it attends over and drops the gather afterwards.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def write_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   slot_mapping: torch.Tensor) -> None:
+    """Scatter new keys/values into the paged cache, in place.
+
+    Args:
+        key, value: [num_tokens, num_kv_heads, head_dim], the cache's dtype.
+        k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim].
+        slot_mapping: [num_tokens] int64; slot = block_id * block_size + offset.
+    """
+    block_size = k_cache.shape[1]
+    blocks = torch.div(slot_mapping, block_size, rounding_mode="floor")
+    offsets = slot_mapping - blocks * block_size
+    k_cache[blocks, offsets] = key
+    v_cache[blocks, offsets] = value
+
+
+def _gather(cache: torch.Tensor, block_table: torch.Tensor, num_blocks: int) -> torch.Tensor:
+    """[B, max_blocks] block table -> [B, num_blocks * block_size, kv_heads, head_dim] gathered keys or values."""
+    g = cache[block_table[:, :num_blocks].long()]  # [B, nb, bs, kvh, hd]
+    return g.reshape(g.shape[0], -1, g.shape[3], g.shape[4])
+
+
+def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """Attention for one query token per sequence over its paged context (GQA aware).
+
+    Args:
+        query: [num_seqs, num_q_heads, head_dim]; num_q_heads is a multiple of num_kv_heads.
+        k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim].
+        block_tables: [num_seqs, max_blocks] int32.
+        context_lens: [num_seqs] int32, tokens to attend over (including the query's own token, already written).
+        scale: softmax scale, usually head_dim ** -0.5.
+
+    Returns:
+        [num_seqs, num_q_heads, head_dim] in the query's dtype; softmax accumulates in fp32.
+    """
+    num_seqs, num_q_heads, head_dim = query.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_q_heads // num_kv_heads
+    max_len = int(context_lens.max())
+    num_blocks = -(-max_len // block_size)
+    k = _gather(k_cache, block_tables, num_blocks).float()  # [B, S, kvh, hd]
+    v = _gather(v_cache, block_tables, num_blocks).float()
+    q = query.float().view(num_seqs, num_kv_heads, group, head_dim)
+    scores = torch.einsum("bhgd,bshd->bhgs", q, k) * scale  # [B, kvh, g, S]
+    pos = torch.arange(k.shape[1], device=query.device)
+    mask = pos[None, :] >= context_lens[:, None].to(pos.device)  # [B, S], True = padding
+    scores.masked_fill_(mask[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.einsum("bhgs,bshd->bhgd", probs, v)
+    return out.reshape(num_seqs, num_q_heads, head_dim).to(query.dtype)
+
+
+def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, block_tables: torch.Tensor,
+                      scale: float) -> torch.Tensor:
+    """Causal attention for packed variable-length query chunks over cached prefix + new tokens.
+
+    Sequence i owns query rows cu_seqlens_q[i]:cu_seqlens_q[i+1] (its newest q_len tokens) and attends over the
+    first context_lens[i] tokens of its paged KV (cached prefix, earlier chunks and this chunk, all already
+    written to the cache). Query j of a chunk sits at absolute position context_len - q_len + j.
+
+    Args:
+        query: [num_tokens, num_q_heads, head_dim].
+        k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim].
+        cu_seqlens_q: [num_seqs + 1] int32 prefix sums of query lengths.
+        context_lens: [num_seqs] int32.
+        block_tables: [num_seqs, max_blocks] int32.
+        scale: softmax scale.
+
+    Returns:
+        [num_tokens, num_q_heads, head_dim] in the query's dtype.
+    """
+    out = torch.empty_like(query)
+    block_size = k_cache.shape[1]
+    starts = cu_seqlens_q.tolist()
+    lens = context_lens.tolist()
+    for i, ctx in enumerate(lens):
+        s, e = starts[i], starts[i + 1]
+        q_len = e - s
+        nb = -(-ctx // block_size)
+        k = _gather(k_cache, block_tables[i:i + 1], nb)[0, :ctx]  # [ctx, kvh, hd]
+        v = _gather(v_cache, block_tables[i:i + 1], nb)[0, :ctx]
+        q_pos = torch.arange(ctx - q_len, ctx, device=query.device)
+        mask = torch.arange(ctx, device=query.device)[None, :] <= q_pos[:, None]  # [q_len, ctx]
+        o = F.scaled_dot_product_attention(
+            query[s:e].transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+            attn_mask=mask, scale=scale, enable_gqa=True)
+        out[s:e] = o[0].transpose(0, 1)
+    return out
