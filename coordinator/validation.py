@@ -1,0 +1,104 @@
+"""Validation of public requests into resolved sampling parameters. Raises RequestError (never asserts)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import grpc
+
+from coordinator.errors import RequestError, invalid
+from engine.request import SamplingParams
+from pdserve.v1 import generate_pb2
+
+MAX_LOGPROBS = 20
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What the cluster can take, from the workers' GetInfo.
+
+    Attributes:
+        context_length: most prompt + output tokens (model / max_model_len).
+        kv_capacity_tokens: most tokens one request can hold in the smallest worker KV pool.
+        vocab_size: valid token ids are [0, vocab_size).
+    """
+
+    context_length: int
+    kv_capacity_tokens: int
+    vocab_size: int
+
+
+def resolve_sampling(p: generate_pb2.SamplingParams, num_prompt_tokens: int, limits: Limits) -> SamplingParams:
+    """Check ranges and fill defaults.
+
+    Raises:
+        RequestError: INVALID_ARGUMENT naming the field and its allowed range, or RESOURCE_EXHAUSTED when the
+            request could never fit a worker's KV pool.
+    """
+    temperature = p.temperature if p.HasField("temperature") else 1.0
+    if not temperature >= 0.0:
+        raise invalid(f"sampling.temperature must be >= 0 (0 = greedy), got {temperature}")
+    top_p = p.top_p if p.HasField("top_p") else 1.0
+    if not 0.0 < top_p <= 1.0:
+        raise invalid(f"sampling.top_p must be in (0, 1], got {top_p}")
+    top_k = p.top_k if p.HasField("top_k") else 0
+    if top_k < 0:
+        raise invalid(f"sampling.top_k must be >= 0 (0 = off), got {top_k}")
+    min_p = p.min_p if p.HasField("min_p") else 0.0
+    if not 0.0 <= min_p <= 1.0:
+        raise invalid(f"sampling.min_p must be in [0, 1], got {min_p}")
+    rep = p.repetition_penalty if p.HasField("repetition_penalty") else 1.0
+    if not rep > 0.0:
+        raise invalid(f"sampling.repetition_penalty must be > 0 (1 = off), got {rep}")
+    for name in ("presence_penalty", "frequency_penalty"):
+        v = getattr(p, name)
+        if not -2.0 <= v <= 2.0:
+            raise invalid(f"sampling.{name} must be in [-2, 2], got {v}")
+    room = limits.context_length - num_prompt_tokens
+    max_tokens = p.max_tokens if p.HasField("max_tokens") else min(room, limits.kv_capacity_tokens - num_prompt_tokens)
+    if max_tokens <= 0:
+        raise invalid(f"sampling.max_tokens must be >= 1, got {max_tokens}")
+    if max_tokens > room:
+        raise invalid(f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) exceeds the context "
+                      f"window of {limits.context_length} tokens; lower max_tokens to at most {room}")
+    if num_prompt_tokens + max_tokens > limits.kv_capacity_tokens:
+        raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                           f"prompt + max_tokens = {num_prompt_tokens + max_tokens} tokens exceeds the KV cache "
+                           f"capacity of {limits.kv_capacity_tokens} tokens per request; lower max_tokens")
+    min_tokens = p.min_tokens if p.HasField("min_tokens") else 0
+    if not 0 <= min_tokens <= max_tokens:
+        raise invalid(f"sampling.min_tokens must be in [0, max_tokens={max_tokens}], got {min_tokens}")
+    if any(s == "" for s in p.stop):
+        raise invalid("sampling.stop must not contain empty strings")
+    bad = [t for t in p.stop_token_ids if t >= limits.vocab_size]
+    if bad:
+        raise invalid(f"sampling.stop_token_ids {bad} are outside the vocabulary [0, {limits.vocab_size})")
+    logprobs = p.logprobs if p.HasField("logprobs") else None
+    if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
+        raise invalid(f"sampling.logprobs must be in [0, {MAX_LOGPROBS}], got {logprobs}")
+    return SamplingParams(
+        temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+        seed=p.seed if p.HasField("seed") else None, repetition_penalty=rep, presence_penalty=p.presence_penalty,
+        frequency_penalty=p.frequency_penalty, max_tokens=max_tokens, min_tokens=min_tokens,
+        stop_token_ids=tuple(p.stop_token_ids), ignore_eos=p.ignore_eos, logprobs=logprobs)
+
+
+def check_prompt(token_ids: list[int], limits: Limits) -> None:
+    """Raises RequestError INVALID_ARGUMENT for an empty, too long or out-of-vocabulary prompt."""
+    if not token_ids:
+        raise invalid("prompt is empty: give non-empty text, chat messages or token ids")
+    if len(token_ids) >= limits.context_length:
+        raise invalid(f"prompt has {len(token_ids)} tokens; the context window is {limits.context_length} "
+                      f"tokens (prompt must leave room for at least one output token)")
+    bad = next((t for t in token_ids if t >= limits.vocab_size), None)
+    if bad is not None:
+        raise invalid(f"token id {bad} is outside the vocabulary [0, {limits.vocab_size})")
+
+
+def check_chat(chat: generate_pb2.ChatMessages) -> None:
+    """Raises RequestError INVALID_ARGUMENT for malformed chat messages."""
+    if not chat.messages:
+        raise invalid("chat.messages is empty")
+    for i, m in enumerate(chat.messages):
+        if m.role not in CHAT_ROLES:
+            raise invalid(f"chat.messages[{i}].role is {m.role!r}; expected one of {', '.join(CHAT_ROLES)}")

@@ -1,0 +1,45 @@
+"""Backend registry: names map to lazily imported backends."""
+from __future__ import annotations
+
+import importlib.util
+
+from engine.transfer.channel import Backend
+
+
+def get_backend(name: str) -> Backend:
+    """Instantiate a backend by name ("tcp" or "ucx").
+
+    Raises:
+        ValueError: unknown name, or ucx asked for but ucxx is not installed.
+    """
+    if name == "tcp":
+        from engine.transfer.tcp import TcpBackend
+
+        return TcpBackend()
+    if name == "ucx":
+        if importlib.util.find_spec("ucxx") is None:
+            raise ValueError("connector 'ucx' needs ucxx: pip install ucxx-cu12")
+        from engine.transfer.ucx import UcxBackend
+
+        return UcxBackend()
+    raise ValueError(f"unknown KV connector {name!r}; choose tcp, ucx or auto")
+
+
+def available_backends() -> list[str]:
+    names = ["tcp"]
+    if importlib.util.find_spec("ucxx") is not None:
+        names.insert(0, "ucx")
+    return names
+
+
+def parse_address(address: str) -> tuple[str, str, int]:
+    """'ucx://host:port' -> ('ucx', host, port).
+
+    Raises:
+        ValueError: malformed address.
+    """
+    scheme, sep, rest = address.partition("://")
+    host, _, port = rest.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"malformed KV address {address!r}; expected scheme://host:port")
+    return scheme, host, int(port)

@@ -1,0 +1,226 @@
+"""The KV transfer protocol, shared by every backend (see the package docstring for the message flow)."""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from engine.transfer.backends import get_backend, parse_address
+from engine.transfer.channel import Backend, Channel, ChannelClosed, Listener
+
+log = logging.getLogger(__name__)
+
+PROTOCOL_VERSION = 1
+
+
+class TransferError(Exception):
+    """A transfer failed. `code` is a gRPC status name the caller can surface (UNAVAILABLE, DEADLINE_EXCEEDED,
+    FAILED_PRECONDITION for incompatible peers, ABORTED when the receiver rejected the request)."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass
+class TransferStats:
+    num_blocks: int
+    num_bytes: int
+    seconds: float
+
+
+BlockView = Callable[[int], np.ndarray]
+
+
+def _encode(msg: dict) -> bytes:
+    return json.dumps(msg).encode()
+
+
+def _decode(raw: bytes) -> dict:
+    return json.loads(raw)
+
+
+class KvSender:
+    """Pushes held KV blocks to decode workers, reusing one channel per transfer from a per-peer pool.
+
+    Args:
+        compat_hash: this worker's `engine.config.compat_hash`; the receiver refuses a mismatch.
+        block_view: block id -> zero-copy uint8 view of that block (`KVCache.block_bytes`).
+        timeout_s: bound on connecting + the whole transfer, seconds.
+    """
+
+    def __init__(self, compat_hash: str, block_view: BlockView, timeout_s: float = 30.0):
+        self.compat_hash = compat_hash
+        self.block_view = block_view
+        self.timeout_s = timeout_s
+        self._idle: dict[str, list[Channel]] = defaultdict(list)
+        self._backends: dict[str, Backend] = {}
+
+    async def send(self, address: str, request_id: str, first_token: int, block_ids: list[int],
+                   num_tokens: int) -> TransferStats:
+        """Send one request's blocks in order; returns when the receiver acknowledged them.
+
+        Raises:
+            TransferError: rejected, incompatible, peer died, or timed out. The channel is closed on any failure
+                that could leave it mid-message; the caller still owns (and must free) the blocks.
+            asyncio.CancelledError: the caller cancelled; the channel is closed so the receiver aborts too.
+        """
+        start = time.perf_counter()
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                ch = await self._checkout(address)
+                reusable = False
+                try:
+                    nbytes = self.block_view(block_ids[0]).nbytes if block_ids else 0
+                    await ch.send_msg(_encode({"type": "offer", "request_id": request_id,
+                                               "num_blocks": len(block_ids), "block_nbytes": nbytes,
+                                               "first_token": first_token, "num_tokens": num_tokens}))
+                    reply = _decode(await ch.recv_msg())
+                    if not reply.get("ok"):
+                        reusable = True
+                        raise TransferError("ABORTED", f"decode worker rejected {request_id}: {reply.get('error')}")
+                    for b in block_ids:
+                        await ch.send_buffer(self.block_view(b))
+                    done = _decode(await ch.recv_msg())
+                    if not done.get("ok"):
+                        reusable = True
+                        raise TransferError("UNAVAILABLE", f"decode worker failed {request_id}: {done.get('error')}")
+                    reusable = True
+                finally:
+                    if reusable:
+                        self._idle[address].append(ch)
+                    else:
+                        ch.close()
+        except TimeoutError as e:
+            raise TransferError("DEADLINE_EXCEEDED",
+                                f"KV transfer of {request_id} to {address} exceeded {self.timeout_s:.1f}s") from e
+        except ChannelClosed as e:
+            raise TransferError("UNAVAILABLE", f"KV transfer of {request_id} to {address} failed: {e}") from e
+        return TransferStats(len(block_ids), sum(self.block_view(b).nbytes for b in block_ids),
+                             time.perf_counter() - start)
+
+    async def _checkout(self, address: str) -> Channel:
+        idle = self._idle[address]
+        if idle:
+            return idle.pop()
+        scheme, host, port = parse_address(address)
+        backend = self._backends.get(scheme)
+        if backend is None:
+            backend = self._backends[scheme] = get_backend(scheme)
+        ch = await backend.connect(host, port)
+        try:
+            await ch.send_msg(_encode({"type": "hello", "version": PROTOCOL_VERSION, "compat_hash": self.compat_hash}))
+            ack = _decode(await ch.recv_msg())
+        except BaseException:
+            ch.close()
+            raise
+        if not ack.get("ok"):
+            ch.close()
+            raise TransferError("FAILED_PRECONDITION", f"decode worker {address} refused the handshake: "
+                                                       f"{ack.get('error')}")
+        return ch
+
+    def close(self) -> None:
+        for chans in self._idle.values():
+            for ch in chans:
+                ch.close()
+        self._idle.clear()
+
+
+class ReceiveSink(Protocol):
+    """What the receiver needs from the decode worker (called on the event loop thread)."""
+
+    def begin_receive(self, request_id: str, num_blocks: int, num_tokens: int) -> list[int]:
+        """Return the reserved block ids to fill, in order, and mark the request as receiving.
+
+        Raises:
+            LookupError: reject the offer (unknown or aborted request, or a block count mismatch); the message is
+                sent back to the prefill worker.
+        """
+
+    def end_receive(self, request_id: str, first_token: int, error: str | None) -> None:
+        """The blocks are complete (error None) or the transfer failed (the request must be aborted)."""
+
+
+class KvReceiver:
+    """Accepts channels from prefill workers and receives blocks in place into the reserved KV blocks.
+
+    Args:
+        backend: transport to listen on.
+        compat_hash: this worker's layout hash.
+        block_view: block id -> zero-copy writable uint8 view.
+        sink: reservation bookkeeping of the decode worker.
+        timeout_s: bound on receiving one request's blocks once accepted, seconds.
+    """
+
+    def __init__(self, backend: Backend, compat_hash: str, block_view: BlockView, sink: ReceiveSink,
+                 timeout_s: float = 30.0):
+        self.backend, self.compat_hash, self.block_view, self.sink = backend, compat_hash, block_view, sink
+        self.timeout_s = timeout_s
+        self._listener: Listener | None = None
+        self.host = ""
+
+    async def start(self, host: str, port: int = 0) -> str:
+        """Listen and return this receiver's address, e.g. 'tcp://127.0.0.1:40123'."""
+        self._listener = await self.backend.listen(host, port, self._serve)
+        self.host = host
+        return self.address
+
+    @property
+    def address(self) -> str:
+        assert self._listener is not None
+        return f"{self.backend.name}://{self.host}:{self._listener.port}"
+
+    def close(self) -> None:
+        if self._listener is not None:
+            self._listener.close()
+
+    async def _serve(self, ch: Channel) -> None:
+        try:
+            hello = _decode(await asyncio.wait_for(ch.recv_msg(), self.timeout_s))
+            if hello.get("version") != PROTOCOL_VERSION or hello.get("compat_hash") != self.compat_hash:
+                err = (f"incompatible peer: version {hello.get('version')} / layout {hello.get('compat_hash')}, "
+                       f"expected {PROTOCOL_VERSION} / {self.compat_hash} (same model, dtype and block size?)")
+                log.error(err)
+                await ch.send_msg(_encode({"type": "hello_ack", "ok": False, "error": err}))
+                return
+            await ch.send_msg(_encode({"type": "hello_ack", "ok": True}))
+            while True:
+                offer = _decode(await ch.recv_msg())  # idle channel: no timeout, peer death ends the wait
+                if not await self._receive_one(ch, offer):
+                    return
+        except (ChannelClosed, asyncio.TimeoutError, ValueError) as e:
+            log.info("KV channel closed: %s", e)
+        finally:
+            ch.close()
+
+    async def _receive_one(self, ch: Channel, offer: dict) -> bool:
+        """Handle one offer; returns False when the channel must be dropped."""
+        rid = offer["request_id"]
+        try:
+            block_ids = self.sink.begin_receive(rid, offer["num_blocks"], offer["num_tokens"])
+            if offer["num_blocks"] and offer["block_nbytes"] != self.block_view(block_ids[0]).nbytes:
+                self.sink.end_receive(rid, 0, "block size mismatch")
+                raise LookupError(f"block of {offer['block_nbytes']} bytes, expected "
+                                  f"{self.block_view(block_ids[0]).nbytes}")
+        except LookupError as e:
+            await ch.send_msg(_encode({"type": "accept", "ok": False, "error": str(e)}))
+            return True
+        await ch.send_msg(_encode({"type": "accept", "ok": True}))
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                for b in block_ids:
+                    await ch.recv_into(self.block_view(b))
+        except BaseException as e:
+            self.sink.end_receive(rid, 0, f"KV transfer interrupted: {type(e).__name__}: {e}")
+            raise
+        self.sink.end_receive(rid, offer["first_token"], None)
+        await ch.send_msg(_encode({"type": "done", "ok": True}))
+        return True

@@ -1,0 +1,99 @@
+"""TCP backend on asyncio's low-level socket API, so blocks are received with recv_into straight into the cache."""
+from __future__ import annotations
+
+import asyncio
+import socket
+import struct
+
+import numpy as np
+
+from engine.transfer.channel import Backend, Channel, ChannelClosed, Listener, OnChannel
+
+_LEN = struct.Struct("!I")
+
+
+class TcpChannel(Channel):
+    def __init__(self, sock: socket.socket):
+        sock.setblocking(False)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.sock = sock
+        self.loop = asyncio.get_running_loop()
+
+    async def send_msg(self, msg: bytes) -> None:
+        await self.loop.sock_sendall(self.sock, _LEN.pack(len(msg)) + msg)
+
+    async def recv_msg(self) -> bytes:
+        header = bytearray(_LEN.size)
+        await self._recv_exact(memoryview(header))
+        (n,) = _LEN.unpack(header)
+        body = bytearray(n)
+        await self._recv_exact(memoryview(body))
+        return bytes(body)
+
+    async def send_buffer(self, buf: np.ndarray) -> None:
+        await self.loop.sock_sendall(self.sock, memoryview(buf).cast("B"))
+
+    async def recv_into(self, buf: np.ndarray) -> None:
+        await self._recv_exact(memoryview(buf).cast("B"))
+
+    async def _recv_exact(self, view: memoryview) -> None:
+        got = 0
+        while got < len(view):
+            try:
+                n = await self.loop.sock_recv_into(self.sock, view[got:])
+            except OSError as e:
+                raise ChannelClosed(f"tcp peer error: {e}") from e
+            if n == 0:
+                raise ChannelClosed("tcp peer closed the connection")
+            got += n
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+class TcpListener(Listener):
+    def __init__(self, sock: socket.socket, task: asyncio.Task, handlers: set[asyncio.Task]):
+        self._sock, self._task, self._handlers = sock, task, handlers
+
+    @property
+    def port(self) -> int:
+        return self._sock.getsockname()[1]
+
+    def close(self) -> None:
+        self._task.cancel()
+        for t in list(self._handlers):
+            t.cancel()
+        self._sock.close()
+
+
+class TcpBackend(Backend):
+    name = "tcp"
+
+    async def listen(self, host: str, port: int, on_channel: OnChannel) -> Listener:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(64)
+        sock.setblocking(False)
+        loop = asyncio.get_running_loop()
+        handlers: set[asyncio.Task] = set()
+
+        async def accept_loop() -> None:
+            while True:
+                conn, _ = await loop.sock_accept(sock)
+                t = asyncio.create_task(on_channel(TcpChannel(conn)))
+                handlers.add(t)
+                t.add_done_callback(handlers.discard)
+
+        return TcpListener(sock, asyncio.create_task(accept_loop()), handlers)
+
+    async def connect(self, host: str, port: int) -> Channel:
+        loop = asyncio.get_running_loop()
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setblocking(False)
+        try:
+            await loop.sock_connect(sock, (host, port))
+        except OSError as e:
+            sock.close()
+            raise ChannelClosed(f"cannot connect to tcp://{host}:{port}: {e}") from e
+        return TcpChannel(sock)

@@ -1,0 +1,194 @@
+"""Python client for the pdserve coordinator (sync and asyncio), over the generated gRPC stubs.
+
+    from pdserve import Client, SamplingParams
+    with Client("127.0.0.1:50051") as c:
+        for chunk in c.generate("Hello", SamplingParams(max_tokens=32, temperature=0)):
+            print(chunk.text, end="", flush=True)
+
+Errors surface as grpc.RpcError with the server's status code and message.
+"""
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import grpc
+
+from pdserve.v1 import generate_pb2, generate_pb2_grpc
+
+FINISH_REASONS = {generate_pb2.FINISH_REASON_STOP: "stop", generate_pb2.FINISH_REASON_LENGTH: "length",
+                  generate_pb2.FINISH_REASON_ABORT: "abort"}
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Typed sampling parameters; None leaves the server default (see proto/pdserve/v1/generate.proto)."""
+
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    min_tokens: int | None = None
+    stop: Sequence[str] = ()
+    stop_token_ids: Sequence[int] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    include_stop_str_in_output: bool = False
+
+    def to_proto(self) -> generate_pb2.SamplingParams:
+        msg = generate_pb2.SamplingParams(stop=list(self.stop), stop_token_ids=list(self.stop_token_ids),
+                                          ignore_eos=self.ignore_eos,
+                                          include_stop_str_in_output=self.include_stop_str_in_output)
+        for name in ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty",
+                     "presence_penalty", "frequency_penalty", "min_tokens", "logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                setattr(msg, name, value)
+        return msg
+
+
+@dataclass
+class GenerateChunk:
+    """One streamed piece: new token ids and their text; `final` is set on the last item only."""
+
+    token_ids: list[int]
+    text: str
+    logprobs: list = field(default_factory=list)
+    final: Completion | None = None
+
+
+@dataclass
+class Completion:
+    """The end of a stream: finish reason ("stop", "length", "abort"), usage and timings (ms)."""
+
+    request_id: str
+    finish_reason: str
+    matched_stop: str
+    prompt_tokens: int
+    completion_tokens: int
+    cached_prompt_tokens: int
+    timings: dict[str, float]
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+
+
+def build_request(prompt: str | Sequence[int] | Sequence[dict], sampling: SamplingParams | None, request_id: str,
+                  model: str) -> generate_pb2.GenerateRequest:
+    """A str is text; a sequence of ints is token ids; a sequence of {"role", "content"} dicts is chat."""
+    req = generate_pb2.GenerateRequest(request_id=request_id, model=model,
+                                       sampling=(sampling or SamplingParams()).to_proto())
+    if isinstance(prompt, str):
+        req.text = prompt
+    elif prompt and isinstance(prompt[0], dict):
+        req.chat.messages.extend(generate_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in prompt)
+    else:
+        req.token_ids.ids.extend(int(t) for t in prompt)
+        if not prompt:
+            req.token_ids.SetInParent()
+    return req
+
+
+def _convert(resp: generate_pb2.GenerateResponse) -> GenerateChunk:
+    if resp.WhichOneof("response") == "chunk":
+        c = resp.chunk
+        return GenerateChunk(list(c.token_ids), c.text, list(c.logprobs))
+    f = resp.final
+    t = f.timings
+    return GenerateChunk([], "", final=Completion(
+        request_id=f.request_id, finish_reason=FINISH_REASONS.get(f.finish_reason, "unspecified"),
+        matched_stop=f.matched_stop, prompt_tokens=f.usage.prompt_tokens,
+        completion_tokens=f.usage.completion_tokens, cached_prompt_tokens=f.usage.cached_prompt_tokens,
+        timings={"queue_ms": t.queue_ms, "prefill_ms": t.prefill_ms, "transfer_ms": t.transfer_ms,
+                 "ttft_ms": t.ttft_ms, "decode_ms": t.decode_ms, "e2e_ms": t.e2e_ms}))
+
+
+class Client:
+    """Blocking client. Use as a context manager or call close()."""
+
+    def __init__(self, address: str):
+        self.channel = grpc.insecure_channel(address)
+        self.stub = generate_pb2_grpc.GenerationStub(self.channel)
+
+    def generate(self, prompt, sampling: SamplingParams | None = None, request_id: str = "", model: str = "",
+                 timeout: float | None = None) -> Iterator[GenerateChunk]:
+        """Stream chunks; the last one carries `final`. Closing the iterator early cancels the request."""
+        call = self.stub.Generate(build_request(prompt, sampling, request_id, model), timeout=timeout)
+        try:
+            for resp in call:
+                yield _convert(resp)
+        finally:
+            call.cancel()
+
+    def complete(self, prompt, sampling: SamplingParams | None = None, **kw) -> Completion:
+        """Run to the end and return the Completion with the whole text and token ids."""
+        text, ids = [], []
+        for chunk in self.generate(prompt, sampling, **kw):
+            if chunk.final is not None:
+                chunk.final.text, chunk.final.token_ids = "".join(text), ids
+                return chunk.final
+            text.append(chunk.text)
+            ids.extend(chunk.token_ids)
+        raise RuntimeError("stream ended without a final message")
+
+    def abort(self, request_id: str) -> bool:
+        return self.stub.Abort(generate_pb2.AbortRequest(request_id=request_id)).found
+
+    def model_info(self) -> generate_pb2.ModelInfo:
+        return self.stub.GetModelInfo(generate_pb2.GetModelInfoRequest())
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class AsyncClient:
+    """asyncio client. Use with `async with` or call `await close()`."""
+
+    def __init__(self, address: str):
+        self.channel = grpc.aio.insecure_channel(address)
+        self.stub = generate_pb2_grpc.GenerationStub(self.channel)
+
+    async def generate(self, prompt, sampling: SamplingParams | None = None, request_id: str = "",
+                       model: str = "", timeout: float | None = None) -> AsyncIterator[GenerateChunk]:
+        """Stream chunks; the last one carries `final`. Leaving the loop early cancels the request."""
+        call = self.stub.Generate(build_request(prompt, sampling, request_id, model), timeout=timeout)
+        try:
+            async for resp in call:
+                yield _convert(resp)
+        finally:
+            call.cancel()
+
+    async def complete(self, prompt, sampling: SamplingParams | None = None, **kw) -> Completion:
+        text, ids = [], []
+        async for chunk in self.generate(prompt, sampling, **kw):
+            if chunk.final is not None:
+                chunk.final.text, chunk.final.token_ids = "".join(text), ids
+                return chunk.final
+            text.append(chunk.text)
+            ids.extend(chunk.token_ids)
+        raise RuntimeError("stream ended without a final message")
+
+    async def abort(self, request_id: str) -> bool:
+        return (await self.stub.Abort(generate_pb2.AbortRequest(request_id=request_id))).found
+
+    async def model_info(self) -> generate_pb2.ModelInfo:
+        return await self.stub.GetModelInfo(generate_pb2.GetModelInfoRequest())
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+    async def __aenter__(self) -> "AsyncClient":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
