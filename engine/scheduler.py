@@ -159,6 +159,7 @@ class Scheduler:
                 ev.prefill_ms = (now - req.first_scheduled_time) * 1e3
             self._check_stop(req, token.token_id, ev)
             if ev.finish_reason is not None:
+                req.finish_reason, req.stop_token_id = ev.finish_reason, ev.stop_token_id
                 self.running.remove(req)
                 if ev.finish_reason == FinishReason.PREFILL_DONE:
                     req.status = RequestStatus.HELD
@@ -197,6 +198,8 @@ class Scheduler:
                 queue.remove(req)
         if req in self.running:
             self.running.remove(req)
+        if req.finish_reason is None:
+            req.finish_reason = FinishReason.ABORT
         self._finish(req)
         return True
 

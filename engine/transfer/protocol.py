@@ -165,6 +165,7 @@ class KvReceiver:
         self.backend, self.compat_hash, self.block_view, self.sink = backend, compat_hash, block_view, sink
         self.timeout_s = timeout_s
         self._listener: Listener | None = None
+        self._channels: set[Channel] = set()
         self.host = ""
 
     async def start(self, host: str, port: int = 0) -> str:
@@ -179,10 +180,14 @@ class KvReceiver:
         return f"{self.backend.name}://{self.host}:{self._listener.port}"
 
     def close(self) -> None:
+        """Stop listening and drop every open channel (transfers in flight fail on both sides)."""
         if self._listener is not None:
             self._listener.close()
+        for ch in list(self._channels):
+            ch.close()
 
     async def _serve(self, ch: Channel) -> None:
+        self._channels.add(ch)
         try:
             hello = _decode(await asyncio.wait_for(ch.recv_msg(), self.timeout_s))
             if hello.get("version") != PROTOCOL_VERSION or hello.get("compat_hash") != self.compat_hash:
@@ -199,6 +204,7 @@ class KvReceiver:
         except (ChannelClosed, asyncio.TimeoutError, ValueError) as e:
             log.info("KV channel closed: %s", e)
         finally:
+            self._channels.discard(ch)
             ch.close()
 
     async def _receive_one(self, ch: Channel, offer: dict) -> bool:

@@ -20,7 +20,7 @@ class TcpChannel(Channel):
         self.loop = asyncio.get_running_loop()
 
     async def send_msg(self, msg: bytes) -> None:
-        await self.loop.sock_sendall(self.sock, _LEN.pack(len(msg)) + msg)
+        await self._send(_LEN.pack(len(msg)) + msg)
 
     async def recv_msg(self) -> bytes:
         header = bytearray(_LEN.size)
@@ -31,7 +31,13 @@ class TcpChannel(Channel):
         return bytes(body)
 
     async def send_buffer(self, buf: np.ndarray) -> None:
-        await self.loop.sock_sendall(self.sock, memoryview(buf).cast("B"))
+        await self._send(memoryview(buf).cast("B"))
+
+    async def _send(self, data) -> None:
+        try:
+            await self.loop.sock_sendall(self.sock, data)
+        except OSError as e:  # broken pipe / reset: the peer is gone
+            raise ChannelClosed(f"tcp peer error: {e}") from e
 
     async def recv_into(self, buf: np.ndarray) -> None:
         await self._recv_exact(memoryview(buf).cast("B"))

@@ -1,0 +1,57 @@
+"""Shared fixtures: a tiny random-weight Llama (built from a config, with the real tokenizer), the packaged model,
+and clusters of real processes on ports chosen at run time."""
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("UCX_TLS", "tcp,self")
+os.environ.setdefault("UCX_NET_DEVICES", "lo")
+os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+
+
+@pytest.fixture(scope="session")
+def real_model_dir() -> Path:
+    """The packaged SmolLM2-135M-Instruct, converted once to safetensors."""
+    from engine.loader import resolve_model
+
+    return resolve_model(None)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, real_model_dir) -> Path:
+    """A 2-layer random-weight Llama (GQA 4 q / 2 kv heads) saved in HF format with SmolLM2's tokenizer."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    out = tmp_path_factory.mktemp("tiny-llama")
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                      rms_norm_eps=1e-5, tie_word_embeddings=False, eos_token_id=2, bos_token_id=1, pad_token_id=2)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():  # sharper random logits so greedy choices are far from ties
+        model.lm_head.weight.mul_(8.0)
+    model.save_pretrained(str(out))
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (real_model_dir / name).exists():
+            shutil.copy(real_model_dir / name, out / name)
+    return out
+
+
+def hf_greedy(model_dir: Path, prompt_ids: list[int], max_new_tokens: int, _cache: dict = {}) -> list[int]:
+    """Reference greedy continuation from HF transformers on the same weights (models cached per directory)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    key = str(model_dir)
+    if key not in _cache:
+        _cache[key] = AutoModelForCausalLM.from_pretrained(key, dtype=torch.float32).eval()
+    ids = torch.tensor([prompt_ids])
+    with torch.no_grad():
+        out = _cache[key].generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                   do_sample=False, pad_token_id=2)
+    return out[0, len(prompt_ids):].tolist()

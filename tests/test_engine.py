@@ -1,0 +1,120 @@
+"""Engine-level tests on a tiny random-weight Llama: greedy equals HF transformers, chunked prefill, prefix cache,
+preemption by recompute, remote-KV reservations, and seeded sampling."""
+import random
+
+import pytest
+
+from conftest import hf_greedy
+from engine.builder import EngineArgs, build_engine
+from engine.request import Request, SamplingParams
+
+
+def run_to_completion(parts, requests, max_steps=10_000):
+    s, r = parts.scheduler, parts.runner
+    for req in requests:
+        assert s.add_request(req) is None
+    steps = 0
+    while s.has_work():
+        out = s.schedule()
+        assert not out.is_empty, "scheduler stalled with work left"
+        s.update(out, r.execute(out))
+        steps += 1
+        assert steps < max_steps
+    assert s.kv.pool.check_integrity() == []
+    return steps
+
+
+def greedy(rid, prompt, n, **kw):
+    return Request(rid, prompt, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, **kw),
+                   eos_token_ids=(2,))
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = random.Random(0)
+    return [[rng.randrange(3, 49152) for _ in range(n)] for n in (1, 5, 16, 17, 40, 63, 100, 7, 33)]
+
+
+@pytest.mark.parametrize("budget,num_blocks", [(512, 256), (24, 256), (512, 20)])
+def test_concurrent_greedy_matches_hf(tiny_model_dir, prompts, budget, num_blocks):
+    """Mixed lengths in one batch; a small budget forces chunked prefill; a small pool forces preemption."""
+    parts = build_engine(EngineArgs(model_dir=str(tiny_model_dir), block_size=8, kv_tokens=num_blocks * 8,
+                                    max_num_batched_tokens=budget, max_model_len=512))
+    reqs = [greedy(f"r{i}", p, 4 + 3 * i) for i, p in enumerate(prompts)]
+    run_to_completion(parts, reqs)
+    for req, p in zip(reqs, prompts):
+        assert req.output_token_ids == hf_greedy(tiny_model_dir, p, req.sampling.max_tokens), req.request_id
+    pool = parts.scheduler.kv.pool
+    assert pool.num_free_blocks == pool.num_blocks
+
+
+def test_prefix_cache_hit_gives_same_tokens(tiny_model_dir, prompts):
+    parts = build_engine(EngineArgs(model_dir=str(tiny_model_dir), block_size=8, kv_tokens=2048, max_model_len=512))
+    first = greedy("a", prompts[6], 6)
+    run_to_completion(parts, [first])
+    again = greedy("b", prompts[6][:96] + [5, 6, 7], 6)
+    run_to_completion(parts, [again])
+    assert again.num_cached_tokens == 96
+    assert again.output_token_ids == hf_greedy(tiny_model_dir, again.prompt_token_ids, 6)
+
+
+def test_remote_kv_request_reserves_then_decodes(tiny_model_dir, prompts):
+    """Decode-side path: reserve blocks, fill them (here by a prefill-only engine), join the batch."""
+    args = EngineArgs(model_dir=str(tiny_model_dir), block_size=8, kv_tokens=1024, max_model_len=512)
+    prefill, decode = build_engine(args), build_engine(args)
+    prompt = prompts[4]
+    p_req = Request("x", prompt, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), prefill_only=True)
+    d_req = Request("x", prompt, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), remote_kv=True)
+    assert prefill.scheduler.add_request(p_req) is None
+    events = []
+    while prefill.scheduler.has_work():
+        out = prefill.scheduler.schedule()
+        events += prefill.scheduler.update(out, prefill.runner.execute(out))
+    held = events[-1]
+    assert held.finish_reason.value == "prefill_done" and held.block_ids
+
+    assert decode.scheduler.add_request(d_req) is None
+    (reserved,) = decode.scheduler.reserve()
+    assert len(reserved.block_ids) == len(held.block_ids)
+    for src, dst in zip(held.block_ids, reserved.block_ids):  # what the connector does, minus the wire
+        decode.runner.kv_cache.block_bytes(dst)[:] = prefill.runner.kv_cache.block_bytes(src)
+    assert decode.scheduler.kv_arrived("x", held.token.token_id)
+    while decode.scheduler.has_work():
+        out = decode.scheduler.schedule()
+        assert not out.prefills  # nothing recomputed: the prompt's KV came from the prefill engine
+        decode.scheduler.update(out, decode.runner.execute(out))
+    assert d_req.output_token_ids == hf_greedy(tiny_model_dir, prompt, 8)
+    prefill.scheduler.release("x")
+    for e in (prefill, decode):
+        assert e.scheduler.kv.pool.num_free_blocks == e.scheduler.kv.pool.num_blocks
+
+
+def test_seeded_sampling_reproducible_and_split_invariant(tiny_model_dir, prompts):
+    """Same seed -> same tokens, whether one engine samples everything or the first token comes from another."""
+    args = EngineArgs(model_dir=str(tiny_model_dir), block_size=8, kv_tokens=1024, max_model_len=512)
+    sp = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=1234, max_tokens=10, ignore_eos=True)
+    a, b = Request("a", prompts[3], sp), Request("b", prompts[3], sp)
+    run_to_completion(build_engine(args), [a])
+    run_to_completion(build_engine(args), [b])
+    assert a.output_token_ids == b.output_token_ids
+    c = Request("c", prompts[3], SamplingParams(temperature=1.0, seed=99, max_tokens=10, ignore_eos=True))
+    run_to_completion(build_engine(args), [c])
+    assert c.output_token_ids != a.output_token_ids
+
+
+def test_stop_token_and_min_tokens(tiny_model_dir, prompts):
+    args = EngineArgs(model_dir=str(tiny_model_dir), block_size=8, kv_tokens=1024, max_model_len=512)
+    ref = hf_greedy(tiny_model_dir, prompts[2], 6)
+    stop = Request("s", prompts[2], SamplingParams(temperature=0.0, max_tokens=6, stop_token_ids=(ref[2],)))
+    run_to_completion(build_engine(args), [stop])
+    assert stop.output_token_ids == ref[:ref.index(ref[2]) + 1] and stop.finish_reason.value == "stop"
+    held_back = Request("m", prompts[2], SamplingParams(temperature=0.0, max_tokens=6, min_tokens=4,
+                                                        stop_token_ids=(ref[0],)))
+    run_to_completion(build_engine(args), [held_back])
+    assert ref[0] not in held_back.output_token_ids[:4]
+
+
+def test_request_that_can_never_fit_is_rejected(tiny_model_dir):
+    parts = build_engine(EngineArgs(model_dir=str(tiny_model_dir), block_size=8, kv_tokens=64, max_model_len=512))
+    failure = parts.scheduler.add_request(greedy("big", [5] * 60, 20))
+    assert failure is not None and failure.code == "RESOURCE_EXHAUSTED"
