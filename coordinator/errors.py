@@ -10,6 +10,7 @@ class RequestError(Exception):
     def __init__(self, code: grpc.StatusCode, message: str):
         super().__init__(message)
         self.code = code
+        self.message = message
 
 
 def invalid(message: str) -> RequestError:

@@ -92,10 +92,18 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"KV transfer for {rid} failed: {reservation.error}")
 
 
-async def choose_backend(name: str, compat: str, host: str):
-    """Resolve 'auto' to ucx when ucxx imports and completes a loopback handshake, else tcp. Logs the pick."""
+async def choose_backend(name: str, compat: str, host: str, device: str):
+    """Resolve 'auto': ucx when the KV cache is on a GPU and ucxx completes a loopback handshake, else tcp.
+
+    On CPU-only hosts ucx is not picked: UCX's TCP path is slower than plain TCP on loopback (DESIGN.md §5), and
+    we saw ucxx abort the process when many in-flight endpoints were cancelled at once (100 concurrent
+    client cancellations). UCX's value is GPU memory (cuda_ipc/cuda_copy) and RDMA. Logs the pick and why.
+    """
     if name != "auto":
         return get_backend(name)
+    if not device.startswith("cuda"):
+        log.info("KV connector auto -> tcp (CPU KV cache: ucx brings no transport benefit here)")
+        return get_backend("tcp")
     if "ucx" in available_backends():
         try:
             backend = get_backend("ucx")
@@ -126,7 +134,7 @@ async def serve(config: WorkerConfig) -> None:
     receiver = None
     kv_address = connector = ""
     if config.role == "decode":
-        backend = await choose_backend(config.connector, compat, config.host)
+        backend = await choose_backend(config.connector, compat, config.host, config.engine.device)
         receiver = KvReceiver(backend, compat, parts.runner.kv_cache.block_bytes, reservations,
                               timeout_s=config.transfer_timeout_s)
         kv_address, connector = await receiver.start(config.host), backend.name

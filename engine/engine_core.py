@@ -66,7 +66,7 @@ class EngineCore:
         self._thread: threading.Thread | None = None
         self.num_steps = 0
         self.step_log: deque[StepRecord] = deque(maxlen=step_log_size)
-        self._last_batch: list[str] = []
+        self._running: set[str] = set()
 
     def submit(self, command: AddRequest | Abort | KvArrived | Call) -> None:
         """Thread-safe: queue a command for the next loop iteration."""
@@ -132,16 +132,17 @@ class EngineCore:
                 cmd.future.set_exception(e)
 
     def _record_step(self, out) -> None:
+        """Log batch membership changes: joined = newly running this step, left = finished or preempted by it."""
         self.num_steps += 1
         batch = [s.request.request_id for s in out.decodes + out.prefills]
-        prev = set(self._last_batch)
-        joined = [r for r in batch if r not in prev]
-        left = [r for r in self._last_batch if r not in set(batch)]
+        running_after = {r.request_id for r in self.scheduler.running}
+        joined = [r for r in batch if r not in self._running]
+        left = [r for r in batch if r not in running_after] + list(out.preempted_ids)
         self.step_log.append(StepRecord(self.num_steps, out.num_tokens, batch, joined, left))
         if joined or left:
             log.info("step %d: batch=%d tokens=%d joined=%s left=%s", self.num_steps, len(batch), out.num_tokens,
                      joined, left)
-        self._last_batch = batch
+        self._running = running_after
 
 
 __all__ = ["EngineCore", "AddRequest", "Abort", "KvArrived", "Call", "FinishReason"]

@@ -19,6 +19,7 @@ class Cluster:
     processes: list[subprocess.Popen] = field(default_factory=list)
     workdir: str = ""
     log_files: dict[str, str] = field(default_factory=dict)
+    worker_addresses: dict[str, str] = field(default_factory=dict)  # name ("prefill-0", ...) -> gRPC address
 
     def stop(self, timeout_s: float = 20.0) -> None:
         for p in self.processes:
@@ -92,6 +93,7 @@ def start_cluster(model_dir: str, model_name: str, num_prefill: int = 1, num_dec
                 cluster.log_files[name] = log_path
                 waits.append((name, proc, ready, role))
         infos = _wait_ready([(n, p, r) for n, p, r, _ in waits], timeout_s)
+        cluster.worker_addresses = {w[0]: i["address"] for i, w in zip(infos, waits)}
         prefill = [i["address"] for i, w in zip(infos, waits) if w[3] == "prefill"]
         decode = [i["address"] for i, w in zip(infos, waits) if w[3] != "prefill"]
         args = ["coordinator", "--model-dir", model_dir, "--served-model-name", model_name, "--port", str(port),

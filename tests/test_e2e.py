@@ -1,0 +1,224 @@
+"""End-to-end: real coordinator + prefill + decode processes on ports chosen at run time, driven through the SDK."""
+import asyncio
+import random
+import re
+import time
+
+import grpc
+import pytest
+
+from conftest import hf_greedy
+from pdserve import AsyncClient, Client, SamplingParams
+from pdserve.launcher import start_cluster
+from pdserve.v1 import worker_pb2, worker_pb2_grpc
+
+pytestmark = pytest.mark.e2e
+
+WORKER_ARGS = ["--kv-tokens", "4096", "--max-model-len", "1024", "--log-level", "INFO"]
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "List three colors:", "Water boils at",
+           "Once upon a time", "import numpy as np\n", "The quick brown fox", "1, 2, 3, 4,"]
+
+
+@pytest.fixture(scope="module")
+def cluster(real_model_dir, tmp_path_factory):
+    c = start_cluster(str(real_model_dir), "SmolLM2-135M-Instruct", worker_args=WORKER_ARGS,
+                      log_dir=str(tmp_path_factory.mktemp("logs")))
+    yield c
+    c.stop()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(real_model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(real_model_dir))
+
+
+def worker_stats(address):
+    with grpc.insecure_channel(address) as ch:
+        return worker_pb2_grpc.WorkerStub(ch).GetStats(worker_pb2.WorkerStatsRequest(), timeout=10)
+
+
+def assert_idle(cluster, timeout_s=30.0):
+    """Every worker returns to its idle pool counts (no leaked blocks or requests) within timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = {n: worker_stats(a) for n, a in cluster.worker_addresses.items()}
+        if all(s.num_free_blocks == s.num_total_blocks and s.num_requests == 0 for s in stats.values()):
+            assert all(s.pool_integrity_ok for s in stats.values())
+            return
+        if time.monotonic() > deadline:
+            pytest.fail(f"workers not idle: {stats}")
+        time.sleep(0.2)
+
+
+def greedy(n, **kw):
+    return SamplingParams(max_tokens=n, temperature=0.0, **kw)
+
+
+def test_model_info(cluster):
+    with Client(cluster.address) as c:
+        info = c.model_info()
+    assert info.model == "SmolLM2-135M-Instruct" and info.topology == "disaggregated"
+    assert info.vocab_size == 49152 and info.kv_connector in ("ucx", "tcp")
+
+
+def test_greedy_matches_hf_on_real_model(cluster, tokenizer, real_model_dir):
+    with Client(cluster.address) as c:
+        for prompt in PROMPTS[:3]:
+            out = c.complete(prompt, greedy(24, ignore_eos=True))
+            ids = tokenizer(prompt)["input_ids"]
+            assert out.token_ids == hf_greedy(real_model_dir, ids, 24), prompt
+            assert out.text == tokenizer.decode(out.token_ids, skip_special_tokens=True)
+            assert out.finish_reason == "length" and out.prompt_tokens == len(ids)
+            assert out.timings["transfer_ms"] > 0 and out.timings["ttft_ms"] > 0
+    assert_idle(cluster)
+
+
+def test_concurrent_requests_match_hf(cluster, tokenizer, real_model_dir):
+    lengths = [5, 30, 12, 40, 8, 20, 3, 16]
+
+    async def main():
+        async with AsyncClient(cluster.address) as c:
+            return await asyncio.gather(*(c.complete(p, greedy(n, ignore_eos=True))
+                                          for p, n in zip(PROMPTS, lengths)))
+
+    outs = asyncio.run(main())
+    for p, n, out in zip(PROMPTS, lengths, outs):
+        assert out.token_ids == hf_greedy(real_model_dir, tokenizer(p)["input_ids"], n), p
+    assert_idle(cluster)
+
+
+def test_short_request_overtakes_long_one(cluster):
+    """Continuous batching: a short request arriving while a long one decodes joins the running batch and
+    finishes first; the decode worker's step log shows both joining and the short one leaving."""
+    async def main():
+        async with AsyncClient(cluster.address) as c:
+            finished = []
+
+            async def run(rid, n):
+                out = await c.complete("Tell me a long story about a dragon.", greedy(n, ignore_eos=True),
+                                       request_id=rid)
+                finished.append(rid)
+                return out
+
+            long_task = asyncio.create_task(run("long-1", 150))
+            async for chunk in c.generate("Hi", greedy(150, ignore_eos=True), request_id="warm"):
+                break  # make sure decoding is under way before the short request arrives
+            await asyncio.sleep(0.5)
+            await run("short-1", 5)
+            await long_task
+            return finished
+
+    assert asyncio.run(main()) == ["short-1", "long-1"]
+    log = open(cluster.log_files["decode-0"]).read()
+    joined = re.findall(r"step (\d+): batch=(\d+) tokens=\d+ joined=\[([^\]]*)\] left=\[([^\]]*)\]", log)
+    join_step = {rid: int(s) for s, _, j, _ in joined for rid in re.findall(r"'([^']+)'", j)}
+    leave_step = {rid: int(s) for s, _, _, lft in joined for rid in re.findall(r"'([^']+)'", lft)}
+    assert join_step["long-1"] < join_step["short-1"] < leave_step["short-1"] < leave_step["long-1"]
+    assert any(int(b) >= 2 and "short-1" in j for _, b, j, _ in joined)
+    assert_idle(cluster)
+
+
+@pytest.mark.parametrize("prompt,sampling,needle", [
+    ("", greedy(4), "prompt is empty"),
+    ([], greedy(4), "prompt is empty"),
+    ("x " * 1100, greedy(4), "context window"),
+    ("hi", SamplingParams(max_tokens=0), "max_tokens must be >= 1"),
+    ("hi", SamplingParams(max_tokens=5000), "exceeds the context window"),
+    ("hi", SamplingParams(max_tokens=4, temperature=-1.0), "temperature"),
+    ("hi", SamplingParams(max_tokens=4, top_p=0.0), "top_p"),
+    ("hi", SamplingParams(max_tokens=4, top_p=1.5), "top_p"),
+    ([1, 2, 10 ** 6], greedy(4), "outside the vocabulary"),
+    ([{"role": "wizard", "content": "hi"}], greedy(4), "role"),
+])
+def test_bad_input_is_invalid_argument(cluster, prompt, sampling, needle):
+    with Client(cluster.address) as c:
+        with pytest.raises(grpc.RpcError) as e:
+            c.complete(prompt, sampling)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert needle in e.value.details()
+
+
+def test_unknown_model_is_invalid_argument(cluster):
+    with Client(cluster.address) as c:
+        with pytest.raises(grpc.RpcError) as e:
+            c.complete("hi", greedy(2), model="gpt-9")
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "unknown model" in e.value.details()
+
+
+def test_chat_and_stop_string(cluster):
+    with Client(cluster.address) as c:
+        full = c.complete([{"role": "user", "content": "Count from 1 to 10."}], greedy(40))
+        stop = full.text.strip()[3:6]  # a stop string taken from inside the real output
+        cut = c.complete([{"role": "user", "content": "Count from 1 to 10."}], greedy(40, stop=[stop]))
+    assert cut.finish_reason == "stop" and cut.matched_stop == stop
+    assert cut.text == full.text[:full.text.index(stop)]
+    assert_idle(cluster)
+
+
+def test_cancel_and_abort_free_every_block(cluster):
+    with Client(cluster.address) as c:
+        stream = c.generate("Write a poem.", greedy(200, ignore_eos=True), request_id="to-cancel")
+        next(stream)
+        next(stream)
+        stream.close()  # client cancellation mid-stream
+        assert_idle(cluster)
+
+        stream = c.generate("Write a poem.", greedy(200, ignore_eos=True), request_id="to-abort")
+        next(stream)
+        assert c.abort("to-abort")
+        chunks = list(stream)
+        assert chunks[-1].final.finish_reason == "abort"
+        assert not c.abort("to-abort")
+    assert_idle(cluster)
+
+
+def test_random_cancellations_do_not_leak(cluster):
+    rng = random.Random(7)
+
+    async def one(c, i, sem):
+        async with sem:
+            n = rng.randint(2, 12)
+            cancel_after = rng.choice([None, 0, 1, 3])
+            got = 0
+            async for chunk in c.generate(PROMPTS[i % len(PROMPTS)], greedy(n, ignore_eos=True),
+                                          request_id=f"rc-{i}"):
+                got += 1
+                if cancel_after is not None and got > cancel_after:
+                    break
+
+    async def main():
+        sem = asyncio.Semaphore(16)
+        async with AsyncClient(cluster.address) as c:
+            await asyncio.wait_for(asyncio.gather(*(one(c, i, sem) for i in range(100))), 600)
+
+    asyncio.run(main())
+    assert_idle(cluster)
+
+
+@pytest.mark.parametrize("mode", ["ucx", "tcp", "colocated"])
+def test_tiny_model_cluster_matches_hf(tiny_model_dir, tmp_path, mode):
+    """A random-weight Llama built from a config, through each topology / connector, equals HF greedy."""
+    args = ["--kv-tokens", "2048", "--max-model-len", "512", "--connector", "tcp" if mode == "colocated" else mode]
+    c = start_cluster(str(tiny_model_dir), "tiny", colocated=mode == "colocated", worker_args=args,
+                      log_dir=str(tmp_path))
+    try:
+        rng = random.Random(1)
+        prompts = [[rng.randrange(3, 49152) for _ in range(n)] for n in (3, 17, 40, 64)]
+
+        async def main():
+            async with AsyncClient(c.address) as client:
+                return await asyncio.gather(*(client.complete(p, greedy(6 + i, ignore_eos=True))
+                                              for i, p in enumerate(prompts)))
+
+        outs = asyncio.run(main())
+        for i, (p, out) in enumerate(zip(prompts, outs)):
+            assert out.token_ids == hf_greedy(tiny_model_dir, p, 6 + i)
+        with Client(c.address) as client:
+            info = client.model_info()
+        assert info.topology == ("colocated" if mode == "colocated" else "disaggregated")
+        assert info.kv_connector == ("" if mode == "colocated" else mode)
+        assert_idle(c)
+    finally:
+        c.stop()
