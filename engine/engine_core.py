@@ -16,7 +16,7 @@ from typing import Any
 
 from engine.model_runner import ModelRunner
 from engine.outputs import RequestFailed, StepRecord
-from engine.request import FinishReason, Request
+from engine.request import Request
 from engine.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
@@ -52,7 +52,7 @@ class EngineCore:
     Args:
         scheduler, runner: the engine's halves.
         emit: called on the engine thread with each batch of output events (Reserved, TokenOutput,
-            RequestFailed, and an abort confirmation as TokenOutput-free RequestFailed is never sent for aborts).
+            RequestFailed). Aborts emit nothing: the caller that aborted already stopped listening.
         step_log_size: how many StepRecords to keep.
     """
 
@@ -144,5 +144,3 @@ class EngineCore:
                      joined, left)
         self._running = running_after
 
-
-__all__ = ["EngineCore", "AddRequest", "Abort", "KvArrived", "Call", "FinishReason"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -47,7 +47,6 @@ class WorkerConfig:
     transfer_timeout_s: float = 30.0
     ready_file: str | None = None
     random_weights: bool = False
-    extra: dict = field(default_factory=dict)
 
 
 def build_async_engine(config: WorkerConfig) -> tuple[AsyncEngine, EngineParts]:
