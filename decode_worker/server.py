@@ -12,7 +12,7 @@ from engine.config import compat_hash
 from engine.outputs import Reserved, RequestFailed, TokenOutput
 from engine.request import Request
 from engine.transfer import available_backends, get_backend
-from engine.transfer.protocol import KvReceiver, KvSender, TransferError
+from engine.transfer.protocol import KvReceiver, KvSender
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 from worker_common.convert import FINISH_REASON_TO_PROTO, sampling_from_proto, token_to_proto
 from worker_common.worker import (WorkerConfig, WorkerServicer, build_async_engine, start_grpc_server,
@@ -118,7 +118,7 @@ async def choose_backend(name: str, compat: str, host: str, device: str):
                 probe.close()
             log.info("KV connector auto -> ucx (handshake ok)")
             return backend
-        except (Exception, TransferError) as e:  # noqa: BLE001 - any failure means "not usable here"
+        except Exception as e:  # noqa: BLE001 - any failure means "not usable here"
             log.warning("KV connector auto: ucx unusable (%s); using tcp", e)
     else:
         log.info("KV connector auto -> tcp (ucxx not installed)")

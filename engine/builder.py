@@ -61,9 +61,8 @@ def build_engine(args: EngineArgs, random_weights: bool = False) -> EngineParts:
     path = Path(args.model_dir)
     hf_config = AutoConfig.from_pretrained(str(path))
     model_config = ModelConfig.from_hf(hf_config, name=path.name, path=str(path), dtype=args.dtype)
-    kv_tokens = args.kv_tokens if args.kv_tokens is not None else None
     num_blocks = num_blocks_for_budget(model_config, args.block_size,
-                                       None if kv_tokens is not None else args.kv_bytes, kv_tokens)
+                                       None if args.kv_tokens is not None else args.kv_bytes, args.kv_tokens)
     cache_config = CacheConfig(block_size=args.block_size, num_blocks=num_blocks)
     max_len = args.max_model_len or model_config.max_position_embeddings
     scheduler_config = SchedulerConfig(

@@ -73,12 +73,12 @@ class KvSender:
             asyncio.CancelledError: the caller cancelled; the channel is closed so the receiver aborts too.
         """
         start = time.perf_counter()
+        nbytes = self.block_view(block_ids[0]).nbytes if block_ids else 0  # every block of a cache is one size
         try:
             async with asyncio.timeout(self.timeout_s):
                 ch = await self._checkout(address)
                 reusable = False
                 try:
-                    nbytes = self.block_view(block_ids[0]).nbytes if block_ids else 0
                     await ch.send_msg(_encode({"type": "offer", "request_id": request_id,
                                                "num_blocks": len(block_ids), "block_nbytes": nbytes,
                                                "first_token": first_token, "num_tokens": num_tokens}))
@@ -103,8 +103,7 @@ class KvSender:
                                 f"KV transfer of {request_id} to {address} exceeded {self.timeout_s:.1f}s") from e
         except ChannelClosed as e:
             raise TransferError("UNAVAILABLE", f"KV transfer of {request_id} to {address} failed: {e}") from e
-        return TransferStats(len(block_ids), sum(self.block_view(b).nbytes for b in block_ids),
-                             time.perf_counter() - start)
+        return TransferStats(len(block_ids), nbytes * len(block_ids), time.perf_counter() - start)
 
     async def _checkout(self, address: str) -> Channel:
         idle = self._idle[address]
