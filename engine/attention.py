@@ -18,6 +18,7 @@ class AttentionMetadata:
         prefill_cu_seqlens: [num_prefills + 1] int32, prefix sums of chunk lengths over rows [num_decodes, T).
         prefill_context_lens: [num_prefills] int32, context length including the chunk.
         prefill_block_tables: [num_prefills, max_blocks] int32.
+        prefill_max_query_len: longest prefill chunk in tokens (sizes the prefill kernel's grid without a sync).
     """
 
     slot_mapping: torch.Tensor
@@ -27,6 +28,7 @@ class AttentionMetadata:
     prefill_cu_seqlens: torch.Tensor
     prefill_context_lens: torch.Tensor
     prefill_block_tables: torch.Tensor
+    prefill_max_query_len: int
 
     @property
     def num_prefills(self) -> int:

@@ -26,6 +26,7 @@ class EngineArgs:
         enable_prefix_caching: reuse cached prefix blocks.
         device: torch device.
         seed: sampler seed for unseeded requests.
+        attention_backend: "auto" (Triton kernels on CUDA, torch reference on CPU), "triton" or "torch".
     """
 
     model_dir: str
@@ -39,6 +40,7 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     device: str = "cpu"
     seed: int = 0
+    attention_backend: str = "auto"
 
 
 @dataclass
@@ -70,7 +72,8 @@ def build_engine(args: EngineArgs, random_weights: bool = False) -> EngineParts:
         max_model_len=min(max_len, model_config.max_position_embeddings),
         enable_prefix_caching=args.enable_prefix_caching)
     state = None if random_weights else load_state_dict(path)
-    runner = ModelRunner(model_config, cache_config, state, device=args.device, seed=args.seed)
+    runner = ModelRunner(model_config, cache_config, state, device=args.device, seed=args.seed,
+                         attention_backend=args.attention_backend)
     kv = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching)
     return EngineParts(model_config, cache_config, scheduler_config, Scheduler(scheduler_config, kv), runner)
 

@@ -10,9 +10,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import kernels
 from engine.attention import AttentionMetadata
 from engine.config import ModelConfig
+from kernels import AttentionOps
 
 
 class RMSNorm(nn.Module):
@@ -54,8 +54,11 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    """GQA self-attention over the paged KV cache through the worker's `AttentionOps` (Triton or torch)."""
+
+    def __init__(self, cfg: ModelConfig, ops: AttentionOps):
         super().__init__()
+        self.ops = ops
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size, self.kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=False)
@@ -71,15 +74,16 @@ class Attention(nn.Module):
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         q, k = rope(positions, q, k)
-        kernels.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        self.ops.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty_like(q)
         nd = meta.num_decodes
         if nd:
-            out[:nd] = kernels.paged_decode_attention(q[:nd], k_cache, v_cache, meta.decode_block_tables,
-                                                      meta.decode_context_lens, self.scale)
+            out[:nd] = self.ops.paged_decode_attention(q[:nd], k_cache, v_cache, meta.decode_block_tables,
+                                                       meta.decode_context_lens, self.scale)
         if meta.num_prefills:
-            out[nd:] = kernels.prefill_attention(q[nd:], k_cache, v_cache, meta.prefill_cu_seqlens,
-                                                 meta.prefill_context_lens, meta.prefill_block_tables, self.scale)
+            out[nd:] = self.ops.prefill_attention(q[nd:], k_cache, v_cache, meta.prefill_cu_seqlens,
+                                                  meta.prefill_context_lens, meta.prefill_block_tables, self.scale,
+                                                  max_query_len=meta.prefill_max_query_len)
         return self.o_proj(out.view(num_tokens, self.q_size))
 
 
@@ -96,10 +100,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, ops: AttentionOps):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, ops)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
@@ -109,14 +113,14 @@ class LlamaModel(nn.Module):
 
     forward() takes one packed step (tokens of many sequences concatenated) and the per-layer paged KV cache
     views; it writes the step's K/V into the cache and returns hidden states. Use `load_weights` to fill it from
-    an HF state dict.
+    an HF state dict. `ops` are the paged attention ops (`kernels.select_ops`).
     """
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, ops: AttentionOps):
         super().__init__()
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, ops) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta)

@@ -9,6 +9,7 @@ from engine.kv_cache import KVCache
 from engine.llama import LlamaModel
 from engine.outputs import SampledToken, ScheduledRequest, SchedulerOutput
 from engine.sampler import Sampler
+from kernels import select_ops
 
 
 class ModelRunner:
@@ -20,14 +21,20 @@ class ModelRunner:
         state_dict: HF-named weights; None leaves random init (tests).
         device: torch device.
         seed: seed for unseeded sampling and random init.
+        attention_backend: "auto" (Triton on CUDA, torch reference elsewhere), "triton" or "torch".
+
+    Raises:
+        ValueError: an unknown or unusable attention backend (`kernels.select_ops`).
     """
 
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig,
-                 state_dict: dict[str, torch.Tensor] | None, device: str = "cpu", seed: int = 0):
+                 state_dict: dict[str, torch.Tensor] | None, device: str = "cpu", seed: int = 0,
+                 attention_backend: str = "auto"):
         torch.manual_seed(seed)
         self.model_config = model_config
         self.device = torch.device(device)
-        self.model = LlamaModel(model_config).to(device=self.device, dtype=model_config.torch_dtype)
+        self.attention_ops = select_ops(attention_backend, self.device)
+        self.model = LlamaModel(model_config, self.attention_ops).to(device=self.device, dtype=model_config.torch_dtype)
         if state_dict is not None:
             self.model.load_weights(state_dict)
         self.model.eval()
@@ -63,6 +70,7 @@ class ModelRunner:
                 [s.request.num_computed_tokens + s.num_new_tokens for s in out.prefills], dtype=torch.int32,
                 device=dev),
             prefill_block_tables=self._block_tables(out.prefills),
+            prefill_max_query_len=max((s.num_new_tokens for s in out.prefills), default=0),
         )
         hidden = self.model(torch.tensor(input_ids, dtype=torch.long, device=dev),
                             torch.tensor(positions, dtype=torch.long, device=dev), meta, self.kv_cache.layers)

@@ -64,7 +64,7 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
 
 def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, block_tables: torch.Tensor,
-                      scale: float) -> torch.Tensor:
+                      scale: float, max_query_len: int | None = None) -> torch.Tensor:
     """Causal attention for packed variable-length query chunks over cached prefix + new tokens.
 
     Sequence i owns query rows cu_seqlens_q[i]:cu_seqlens_q[i+1] (its newest q_len tokens) and attends over the
@@ -78,6 +78,7 @@ def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         context_lens: [num_seqs] int32.
         block_tables: [num_seqs, max_blocks] int32.
         scale: softmax scale.
+        max_query_len: longest chunk (a launch-size hint for the Triton kernel; unused here).
 
     Returns:
         [num_tokens, num_q_heads, head_dim] in the query's dtype.

@@ -25,6 +25,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--threads", type=int, default=1, help="torch threads per worker process")
     g.add_argument("--device", default="cpu")
     g.add_argument("--seed", type=int, default=0, help="seed for unseeded sampling")
+    g.add_argument("--attention-backend", default="auto", choices=["auto", "triton", "torch"],
+                   help="paged attention ops (auto = Triton kernels on CUDA, torch reference on CPU)")
     g.add_argument("--connector", default="auto", choices=["auto", "ucx", "tcp"],
                    help="KV transfer connector (decode workers listen on it; auto = ucx if it handshakes, else tcp)")
     g.add_argument("--kv-timeout-s", type=float, default=60.0, help="lease on reserved decode blocks")
@@ -64,7 +66,7 @@ def _worker_config(role: str, args):
                         kv_tokens=kv_tokens, kv_bytes=args.kv_bytes,
                         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
                         max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
-                        device=args.device, seed=args.seed)
+                        device=args.device, seed=args.seed, attention_backend=args.attention_backend)
     return WorkerConfig(role=role, engine=engine, host=args.host, port=args.port, threads=args.threads,
                         connector=args.connector, kv_timeout_s=args.kv_timeout_s,
                         transfer_timeout_s=args.transfer_timeout_s, ready_file=args.ready_file,
@@ -113,6 +115,8 @@ def cmd_serve(args) -> None:
     worker_args = ["--threads", str(args.threads), "--dtype", args.dtype, "--block-size", str(args.block_size),
                    "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--max-num-seqs",
                    str(args.max_num_seqs), "--max-model-len", str(args.max_model_len), "--connector", args.connector,
+                   "--device", args.device, "--seed", str(args.seed), "--attention-backend", args.attention_backend,
+                   "--kv-timeout-s", str(args.kv_timeout_s), "--transfer-timeout-s", str(args.transfer_timeout_s),
                    "--log-level", args.log_level]
     if args.kv_tokens is not None:
         worker_args += ["--kv-tokens", str(args.kv_tokens)]
@@ -120,6 +124,8 @@ def cmd_serve(args) -> None:
         worker_args += ["--kv-bytes", str(args.kv_bytes)]
     if args.no_prefix_caching:
         worker_args.append("--no-prefix-caching")
+    if args.random_weights:
+        worker_args.append("--random-weights")
     print(f"starting pdserve ({'colocated' if args.colocated else 'disaggregated'}) with {name} ...", flush=True)
     cluster = start_cluster(model_dir, name, num_prefill=args.num_prefill, num_decode=args.num_decode,
                             colocated=args.colocated, port=args.port, worker_args=worker_args,

@@ -1,5 +1,6 @@
 """Engine-level tests on a tiny random-weight Llama: greedy equals HF transformers, chunked prefill, prefix cache,
 preemption by recompute, remote-KV reservations, and seeded sampling."""
+import os
 import random
 
 import pytest
@@ -35,11 +36,17 @@ def prompts():
     return [[rng.randrange(3, 49152) for _ in range(n)] for n in (1, 5, 16, 17, 40, 63, 100, 7, 33)]
 
 
-@pytest.mark.parametrize("budget,num_blocks", [(512, 256), (24, 256), (512, 20)])
-def test_concurrent_greedy_matches_hf(tiny_model_dir, prompts, budget, num_blocks):
-    """Mixed lengths in one batch; a small budget forces chunked prefill; a small pool forces preemption."""
+@pytest.mark.parametrize("budget,num_blocks,backend", [
+    (512, 256, "torch"), (24, 256, "torch"), (512, 20, "torch"),
+    pytest.param(24, 256, "triton", marks=pytest.mark.skipif(
+        os.environ.get("TRITON_INTERPRET") != "1", reason="Triton on CPU needs TRITON_INTERPRET=1")),
+])
+def test_concurrent_greedy_matches_hf(tiny_model_dir, prompts, budget, num_blocks, backend):
+    """Mixed lengths in one batch; a small budget forces chunked prefill (so chunks attend over cached blocks);
+    a small pool forces preemption. The Triton row runs the whole model through the kernels."""
     parts = build_engine(EngineArgs(model_dir=str(tiny_model_dir), block_size=8, kv_tokens=num_blocks * 8,
-                                    max_num_batched_tokens=budget, max_model_len=512))
+                                    max_num_batched_tokens=budget, max_model_len=512, attention_backend=backend))
+    assert parts.runner.attention_ops.name == backend
     reqs = [greedy(f"r{i}", p, 4 + 3 * i) for i, p in enumerate(prompts)]
     run_to_completion(parts, reqs)
     for req, p in zip(reqs, prompts):

@@ -1,0 +1,46 @@
+"""Argument checks shared by the Triton wrappers: a bad shape, stride, dtype or device is a `ValueError` naming the
+offending tensor and its shape, raised on the host before any launch (a wrong launch would read out of bounds)."""
+from __future__ import annotations
+
+import torch
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def check(cond: bool, message: str) -> None:
+    """Raise `ValueError(message)` unless cond holds."""
+    if not cond:
+        raise ValueError(message)
+
+
+def check_tensor(name: str, t: torch.Tensor, ndim: int, dtypes: tuple[torch.dtype, ...], device: torch.device,
+                 inner_contiguous: bool = False) -> None:
+    """Check rank, dtype and device; with inner_contiguous, also stride 1 on the last dim (kernels load rows).
+
+    Raises:
+        ValueError: naming `name` with its shape, dtype, device or strides.
+    """
+    check(isinstance(t, torch.Tensor), f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    check(t.dim() == ndim, f"{name} must have {ndim} dims, got shape {tuple(t.shape)}")
+    check(t.dtype in dtypes, f"{name} must have dtype in {[str(d) for d in dtypes]}, got {t.dtype}")
+    check(t.device == device, f"{name} is on {t.device}, expected {device} (all operands on one device)")
+    if inner_contiguous:
+        check(t.stride(-1) == 1, f"{name} must be contiguous in its last dim, got strides {t.stride()}"
+                                 f" for shape {tuple(t.shape)}")
+
+
+def check_kv_caches(k_cache: torch.Tensor, v_cache: torch.Tensor, device: torch.device,
+                    dtype: torch.dtype) -> None:
+    """k_cache/v_cache: [num_blocks, block_size, num_kv_heads, head_dim], `dtype`, each (block_size, heads,
+    head_dim) slab dense so a token's heads are one row (dim 0 may be strided: the per-layer view of the cache).
+
+    Raises:
+        ValueError: on any mismatch.
+    """
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        check_tensor(name, c, 4, (dtype,), device, inner_contiguous=True)
+        h, d = c.shape[2], c.shape[3]
+        check(c.stride(2) == d and c.stride(1) == h * d,
+              f"{name} must be dense within a block, got strides {c.stride()} for shape {tuple(c.shape)}")
+    check(k_cache.shape == v_cache.shape,
+          f"k_cache shape {tuple(k_cache.shape)} != v_cache shape {tuple(v_cache.shape)}")

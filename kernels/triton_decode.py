@@ -1,0 +1,191 @@
+"""Triton paged decode attention with split-K (flash-decoding, Dao et al. 2023).
+
+Grid: (num_seqs, num_kv_heads, num_splits). Each program owns one KV head of one sequence and all `group` query
+heads that share it (GQA), so every K/V byte is read from memory once per step, and a contiguous slice of the
+sequence's context. It walks its slice in tiles of BLOCK_N tokens gathered through the block table (any block
+size, power of two or not), keeping an online softmax (Milakov & Gimelshein 2018) in fp32 in the log2 domain.
+With one split the program normalises and writes the output; with several, it writes its unnormalised partial
+(acc, running max m, running sum l) and a second kernel merges the splits:
+    out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s,   M = max_s m_s.
+Splitting lets a batch of few long sequences still fill the GPU; it is chosen on the host without a device sync
+(the block table's width bounds the longest context).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.checks import FLOAT_DTYPES, check, check_kv_caches, check_tensor
+from kernels.triton_dot import dot_mode, mma
+
+_LOG2E = 1.4426950408889634
+# Fewest context tokens worth one split: below this the merge costs more than the parallelism gains.
+_MIN_SPLIT_TOKENS = 256
+_MAX_SPLITS = 64
+
+
+@triton.jit
+def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
+                   qk_scale,
+                   stride_q_seq, stride_q_head, stride_k_block, stride_v_block, stride_bt_seq,
+                   stride_o_seq, stride_o_head,
+                   BLOCK_SIZE: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
+                   GROUP_PAD: tl.constexpr,
+                   HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+                   NUM_SPLITS: tl.constexpr, UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    ctx = tl.load(ctx_ptr + seq)
+    # Split lengths are whole tiles so that only the sequence's last tile is ragged.
+    split_len = tl.cdiv(tl.cdiv(ctx, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * split_len
+    end = tl.minimum(start + split_len, ctx)
+
+    offs_g = tl.arange(0, GROUP_PAD)
+    offs_d = tl.arange(0, HEAD_PAD)
+    offs_n = tl.arange(0, BLOCK_N)
+    g_mask = offs_g < GROUP
+    d_mask = offs_d < HEAD_DIM
+    heads = kv_head * GROUP + offs_g
+    q = tl.load(q_ptr + seq * stride_q_seq + heads[:, None] * stride_q_head + offs_d[None, :],
+                mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+
+    row = NUM_KV_HEADS * HEAD_DIM  # one token's heads inside a block (dense, checked by the wrapper)
+    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_PAD], tl.float32)
+    for tile in range(start, end, BLOCK_N):
+        pos = tile + offs_n
+        n_mask = pos < end
+        block = tl.load(bt_ptr + seq * stride_bt_seq + pos // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+        inner = (pos % BLOCK_SIZE) * row + kv_head * HEAD_DIM
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(k_ptr + block[:, None] * stride_k_block + inner[:, None] + offs_d[None, :], mask=kv_mask,
+                    other=0.0)
+        s = mma(q, tl.trans(k), UPCAST_DOT, DOT_PRECISION) * qk_scale  # [GROUP_PAD, BLOCK_N], log2 units
+        s = tl.where(n_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: the tile's first position is always valid
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_ptr + block[:, None] * stride_v_block + inner[:, None] + offs_d[None, :], mask=kv_mask,
+                    other=0.0)
+        acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, UPCAST_DOT, DOT_PRECISION)
+        m_i = m_new
+
+    out_mask = g_mask[:, None] & d_mask[None, :]
+    if NUM_SPLITS == 1:
+        out = acc / l_i[:, None]
+        tl.store(out_ptr + seq * stride_o_seq + heads[:, None] * stride_o_head + offs_d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        # partials: acc [S, Hq, NUM_SPLITS, HEAD_PAD], ml [S, Hq, NUM_SPLITS, 2] (fp32, contiguous)
+        part = (seq * (NUM_KV_HEADS * GROUP) + heads) * NUM_SPLITS + split  # [GROUP_PAD]
+        tl.store(part_acc_ptr + part[:, None] * HEAD_PAD + offs_d[None, :], acc, mask=out_mask)
+        tl.store(part_ml_ptr + part * 2, m_i, mask=g_mask)
+        tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=g_mask)
+
+
+@triton.jit
+def _merge_kernel(part_acc_ptr, part_ml_ptr, out_ptr, stride_o_seq, stride_o_head,
+                  NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
+                  NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, SPLITS_PAD)
+    offs_d = tl.arange(0, HEAD_PAD)
+    s_mask = offs_s < NUM_SPLITS
+    part = (seq * NUM_Q_HEADS + head) * NUM_SPLITS + offs_s
+    m = tl.load(part_ml_ptr + part * 2, mask=s_mask, other=float("-inf"))
+    l = tl.load(part_ml_ptr + part * 2 + 1, mask=s_mask, other=0.0)
+    acc = tl.load(part_acc_ptr + part[:, None] * HEAD_PAD + offs_d[None, :], mask=s_mask[:, None], other=0.0)
+    m_max = tl.max(m, 0)  # finite: split 0 always holds the sequence's first tile
+    w = tl.exp2(m - m_max)  # empty splits have m = -inf -> weight 0
+    out = tl.sum(acc * w[:, None], 0) / tl.sum(l * w, 0)
+    tl.store(out_ptr + seq * stride_o_seq + head * stride_o_head + offs_d, out.to(out_ptr.dtype.element_ty),
+             mask=offs_d < HEAD_DIM)
+
+
+def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, num_sms: int) -> int:
+    """Splits per (sequence, KV head) so that about two programs run per SM, but no split is shorter than
+    256 tokens (below that the merge costs more than the parallelism gains). Returns 1..64."""
+    programs = max(1, num_seqs * num_kv_heads)
+    want = math.ceil(2 * num_sms / programs)
+    most = max(1, max_context // _MIN_SPLIT_TOKENS)
+    return max(1, min(want, most, _MAX_SPLITS))
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 8  # interpreter on CPU: any value works; this one exercises the split path on long contexts
+
+
+def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float, *,
+                           num_splits: int | None = None) -> torch.Tensor:
+    """Attention for one query token per sequence over its paged context (same contract as `kernels.reference`).
+
+    Args:
+        query: [num_seqs, num_q_heads, head_dim] fp32/fp16/bf16, last dim contiguous; num_q_heads is a multiple
+            of num_kv_heads.
+        k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], the query's dtype, dense within a block.
+        block_tables: [num_seqs, max_blocks] int32; max_blocks * block_size must cover every context.
+        context_lens: [num_seqs] int32, each >= 1 (the query's own token is already in the cache).
+        scale: softmax scale, usually head_dim ** -0.5.
+        num_splits: split-K factor; None picks one from the batch shape (`choose_num_splits`).
+
+    Returns:
+        [num_seqs, num_q_heads, head_dim] in the query's dtype; scores, softmax and accumulation in fp32
+        (fp32 inputs use IEEE fp32 dots, not TF32).
+
+    Raises:
+        ValueError: a shape, stride, dtype or device mismatch, or num_splits < 1.
+    """
+    device = query.device
+    check_tensor("query", query, 3, FLOAT_DTYPES, device, inner_contiguous=True)
+    check_kv_caches(k_cache, v_cache, device, query.dtype)
+    num_seqs, num_q_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
+    check(cache_head_dim == head_dim, f"query head_dim {head_dim} != cache head_dim {cache_head_dim} "
+                                      f"(query {tuple(query.shape)}, cache {tuple(k_cache.shape)})")
+    check(num_q_heads % num_kv_heads == 0,
+          f"num_q_heads {num_q_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+    check_tensor("block_tables", block_tables, 2, (torch.int32,), device, inner_contiguous=True)
+    check(block_tables.shape[0] == num_seqs, f"block_tables shape {tuple(block_tables.shape)} != num_seqs {num_seqs}")
+    check_tensor("context_lens", context_lens, 1, (torch.int32,), device)
+    check(context_lens.shape[0] == num_seqs, f"context_lens shape {tuple(context_lens.shape)} != num_seqs {num_seqs}")
+    if num_splits is None:
+        num_splits = choose_num_splits(num_seqs, num_kv_heads, block_tables.shape[1] * block_size, _num_sms(device))
+    check(num_splits >= 1, f"num_splits must be >= 1, got {num_splits}")
+
+    out = torch.empty_like(query)
+    if num_seqs == 0:
+        return out
+    group = num_q_heads // num_kv_heads
+    head_pad = max(16, triton.next_power_of_2(head_dim))
+    upcast, precision = dot_mode(query.dtype)
+    if num_splits == 1:
+        part_acc = part_ml = out  # unused
+    else:
+        part_acc = torch.empty(num_seqs, num_q_heads, num_splits, head_pad, dtype=torch.float32, device=device)
+        part_ml = torch.empty(num_seqs, num_q_heads, num_splits, 2, dtype=torch.float32, device=device)
+    _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
+        query, k_cache, v_cache, block_tables, context_lens.contiguous(), out, part_acc, part_ml,
+        scale * _LOG2E,
+        query.stride(0), query.stride(1), k_cache.stride(0), v_cache.stride(0), block_tables.stride(0),
+        out.stride(0), out.stride(1),
+        BLOCK_SIZE=block_size, NUM_KV_HEADS=num_kv_heads, GROUP=group,
+        GROUP_PAD=max(16, triton.next_power_of_2(group)),  # tl.dot needs >= 16 rows
+        HEAD_DIM=head_dim, HEAD_PAD=head_pad, BLOCK_N=64 if head_pad <= 128 else 32, NUM_SPLITS=num_splits,
+        UPCAST_DOT=upcast, DOT_PRECISION=precision)
+    if num_splits > 1:
+        _merge_kernel[(num_seqs, num_q_heads)](
+            part_acc, part_ml, out, out.stride(0), out.stride(1),
+            NUM_Q_HEADS=num_q_heads, HEAD_DIM=head_dim, HEAD_PAD=head_pad, NUM_SPLITS=num_splits,
+            SPLITS_PAD=triton.next_power_of_2(num_splits))
+    return out

@@ -1,0 +1,140 @@
+"""Triton prefill attention over packed variable-length chunks that also reads cached prefix blocks.
+
+Grid: (cdiv(max_query_len, BLOCK_M), num_seqs, num_q_heads). A program takes BLOCK_M query rows of one chunk and
+one head, and streams that sequence's K/V from the paged cache in BLOCK_N-token tiles (gathered through the block
+table, so cached prefix blocks, earlier chunks and the chunk itself are read alike) with a FlashAttention-2 style
+online softmax (Dao 2023) in fp32, log2 domain. Query row j of a chunk of q_len tokens sits at absolute position
+context_len - q_len + j and sees keys at positions <= its own (causal); tiles past the last row's position are
+never loaded. Programs past a chunk's end do no work (ragged chunks share one launch).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.checks import FLOAT_DTYPES, check, check_kv_caches, check_tensor
+from kernels.triton_dot import dot_mode, mma
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _prefill_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, cu_ptr, ctx_ptr, out_ptr, qk_scale,
+                    stride_q_tok, stride_q_head, stride_k_block, stride_v_block, stride_bt_seq,
+                    stride_o_tok, stride_o_head,
+                    BLOCK_SIZE: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
+                    HEAD_DIM: tl.constexpr,
+                    HEAD_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    m_block = tl.program_id(0)
+    seq = tl.program_id(1)
+    head = tl.program_id(2)
+    kv_head = head // GROUP
+    q_start = tl.load(cu_ptr + seq)
+    q_len = tl.load(cu_ptr + seq + 1) - q_start
+    ctx = tl.load(ctx_ptr + seq)
+    prefix = ctx - q_len
+
+    offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_PAD)
+    m_mask = offs_m < q_len
+    d_mask = offs_d < HEAD_DIM
+    q_pos = prefix + offs_m
+    rows = (q_start + offs_m).to(tl.int64)
+    q = tl.load(q_ptr + rows[:, None] * stride_q_tok + head * stride_q_head + offs_d[None, :],
+                mask=m_mask[:, None] & d_mask[None, :], other=0.0)
+
+    # Keys this block can see: up to its last row's position; none when the block lies past the chunk.
+    hi = tl.minimum(ctx, prefix + (m_block + 1) * BLOCK_M)
+    hi = tl.where(m_block * BLOCK_M < q_len, hi, 0)
+    row = NUM_KV_HEADS * HEAD_DIM
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
+    for tile in range(0, hi, BLOCK_N):
+        pos = tile + offs_n
+        n_mask = pos < hi
+        block = tl.load(bt_ptr + seq * stride_bt_seq + pos // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+        inner = (pos % BLOCK_SIZE) * row + kv_head * HEAD_DIM
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(k_ptr + block[:, None] * stride_k_block + inner[:, None] + offs_d[None, :], mask=kv_mask,
+                    other=0.0)
+        s = mma(q, tl.trans(k), UPCAST_DOT, DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
+        # Tile 0 holds position 0, which every row sees, so each row's running max is finite from then on.
+        s = tl.where(n_mask[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_ptr + block[:, None] * stride_v_block + inner[:, None] + offs_d[None, :], mask=kv_mask,
+                    other=0.0)
+        acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, UPCAST_DOT, DOT_PRECISION)
+        m_i = m_new
+
+    l_i = tl.where(l_i == 0.0, 1.0, l_i)  # rows past the chunk: never stored, keep them finite
+    out = acc / l_i[:, None]
+    tl.store(out_ptr + rows[:, None] * stride_o_tok + head * stride_o_head + offs_d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
+
+
+def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, block_tables: torch.Tensor,
+                      scale: float, max_query_len: int | None = None) -> torch.Tensor:
+    """Causal attention for packed query chunks over cached prefix + new tokens (contract of `kernels.reference`).
+
+    Args:
+        query: [num_tokens, num_q_heads, head_dim] fp32/fp16/bf16, last dim contiguous.
+        k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], the query's dtype, dense within a block;
+            every chunk's K/V already written.
+        cu_seqlens_q: [num_seqs + 1] int32 prefix sums of chunk lengths (cu[0] = 0, cu[-1] = num_tokens).
+        context_lens: [num_seqs] int32, each >= its chunk length (cached prefix + chunk).
+        block_tables: [num_seqs, max_blocks] int32.
+        scale: softmax scale.
+        max_query_len: longest chunk in tokens, if the caller knows it; None reads it from cu_seqlens_q (one
+            device sync).
+
+    Returns:
+        [num_tokens, num_q_heads, head_dim] in the query's dtype; fp32 softmax and accumulation.
+
+    Raises:
+        ValueError: a shape, stride, dtype or device mismatch.
+    """
+    device = query.device
+    check_tensor("query", query, 3, FLOAT_DTYPES, device, inner_contiguous=True)
+    check_kv_caches(k_cache, v_cache, device, query.dtype)
+    num_tokens, num_q_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
+    check(cache_head_dim == head_dim, f"query head_dim {head_dim} != cache head_dim {cache_head_dim} "
+                                      f"(query {tuple(query.shape)}, cache {tuple(k_cache.shape)})")
+    check(num_q_heads % num_kv_heads == 0,
+          f"num_q_heads {num_q_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+    check_tensor("cu_seqlens_q", cu_seqlens_q, 1, (torch.int32,), device)
+    num_seqs = cu_seqlens_q.shape[0] - 1
+    check(num_seqs >= 0, "cu_seqlens_q must have num_seqs + 1 entries, got shape (0,)")
+    check_tensor("context_lens", context_lens, 1, (torch.int32,), device)
+    check(context_lens.shape[0] == num_seqs,
+          f"context_lens shape {tuple(context_lens.shape)} != num_seqs {num_seqs} (from cu_seqlens_q)")
+    check_tensor("block_tables", block_tables, 2, (torch.int32,), device, inner_contiguous=True)
+    check(block_tables.shape[0] == num_seqs,
+          f"block_tables shape {tuple(block_tables.shape)} != num_seqs {num_seqs} (from cu_seqlens_q)")
+
+    out = torch.empty_like(query)
+    if num_seqs == 0 or num_tokens == 0:
+        return out
+    if max_query_len is None:
+        max_query_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
+    head_pad = max(16, triton.next_power_of_2(head_dim))
+    block_m = 64 if head_pad <= 128 else 32
+    grid = (triton.cdiv(max_query_len, block_m), num_seqs, num_q_heads)
+    upcast, precision = dot_mode(query.dtype)
+    _prefill_kernel[grid](
+        query, k_cache, v_cache, block_tables, cu_seqlens_q.contiguous(), context_lens.contiguous(), out,
+        scale * _LOG2E,
+        query.stride(0), query.stride(1), k_cache.stride(0), v_cache.stride(0), block_tables.stride(0),
+        out.stride(0), out.stride(1),
+        BLOCK_SIZE=block_size, NUM_KV_HEADS=num_kv_heads, GROUP=num_q_heads // num_kv_heads, HEAD_DIM=head_dim,
+        HEAD_PAD=head_pad, BLOCK_M=block_m, BLOCK_N=64 if head_pad <= 128 else 32, UPCAST_DOT=upcast,
+        DOT_PRECISION=precision)
+    return out
