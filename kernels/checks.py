@@ -44,3 +44,28 @@ def check_kv_caches(k_cache: torch.Tensor, v_cache: torch.Tensor, device: torch.
               f"{name} must be dense within a block, got strides {c.stride()} for shape {tuple(c.shape)}")
     check(k_cache.shape == v_cache.shape,
           f"k_cache shape {tuple(k_cache.shape)} != v_cache shape {tuple(v_cache.shape)}")
+
+
+def check_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                    context_lens: torch.Tensor, num_seqs: int) -> None:
+    """Checks shared by the attention wrappers: query [*, num_q_heads, head_dim] float with a dense last dim;
+    caches of the query's dtype and head_dim with num_q_heads a multiple of num_kv_heads; block_tables
+    [num_seqs, max_blocks] int32; context_lens [num_seqs] int32; all on the query's device.
+
+    Raises:
+        ValueError: naming the offending tensor and its shape.
+    """
+    device = query.device
+    check_tensor("query", query, 3, FLOAT_DTYPES, device, inner_contiguous=True)
+    check_kv_caches(k_cache, v_cache, device, query.dtype)
+    num_q_heads, head_dim = query.shape[1:]
+    num_kv_heads, cache_head_dim = k_cache.shape[2:]
+    check(cache_head_dim == head_dim, f"query head_dim {head_dim} != cache head_dim {cache_head_dim} "
+                                      f"(query {tuple(query.shape)}, cache {tuple(k_cache.shape)})")
+    check(num_q_heads % num_kv_heads == 0,
+          f"num_q_heads {num_q_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+    check_tensor("block_tables", block_tables, 2, (torch.int32,), device, inner_contiguous=True)
+    check(block_tables.shape[0] == num_seqs, f"block_tables shape {tuple(block_tables.shape)} != num_seqs {num_seqs}")
+    check_tensor("context_lens", context_lens, 1, (torch.int32,), device)
+    check(context_lens.shape[0] == num_seqs,
+          f"context_lens shape {tuple(context_lens.shape)} != num_seqs {num_seqs}")

@@ -18,8 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.checks import FLOAT_DTYPES, check, check_kv_caches, check_tensor
-from kernels.triton_dot import dot_mode, mma
+from kernels.checks import check, check_attention
+from kernels.triton_common import attend_paged_tile, dot_mode
 
 _LOG2E = 1.4426950408889634
 # Fewest context tokens worth one split: below this the merge costs more than the parallelism gains.
@@ -54,28 +54,16 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, out_ptr, part_acc_ptr, 
     q = tl.load(q_ptr + seq * stride_q_seq + heads[:, None] * stride_q_head + offs_d[None, :],
                 mask=g_mask[:, None] & d_mask[None, :], other=0.0)
 
-    row = NUM_KV_HEADS * HEAD_DIM  # one token's heads inside a block (dense, checked by the wrapper)
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_PAD], tl.float32)
-    for tile in range(start, end, BLOCK_N):
+    for tile in range(start, end, BLOCK_N):  # the tile's first position is always valid: max stays finite
         pos = tile + offs_n
         n_mask = pos < end
-        block = tl.load(bt_ptr + seq * stride_bt_seq + pos // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
-        inner = (pos % BLOCK_SIZE) * row + kv_head * HEAD_DIM
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_ptr + block[:, None] * stride_k_block + inner[:, None] + offs_d[None, :], mask=kv_mask,
-                    other=0.0)
-        s = mma(q, tl.trans(k), UPCAST_DOT, DOT_PRECISION) * qk_scale  # [GROUP_PAD, BLOCK_N], log2 units
-        s = tl.where(n_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: the tile's first position is always valid
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptr + block[:, None] * stride_v_block + inner[:, None] + offs_d[None, :], mask=kv_mask,
-                    other=0.0)
-        acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, UPCAST_DOT, DOT_PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = attend_paged_tile(
+            q, m_i, l_i, acc, k_ptr, v_ptr, bt_ptr + seq * stride_bt_seq, pos, n_mask, n_mask[None, :], kv_head,
+            stride_k_block, stride_v_block, qk_scale, offs_d, d_mask,
+            BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, UPCAST_DOT, DOT_PRECISION)
 
     out_mask = g_mask[:, None] & d_mask[None, :]
     if NUM_SPLITS == 1:
@@ -146,19 +134,10 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     Raises:
         ValueError: a shape, stride, dtype or device mismatch, or num_splits < 1.
     """
+    check_attention(query, k_cache, v_cache, block_tables, context_lens, num_seqs=query.shape[0])
     device = query.device
-    check_tensor("query", query, 3, FLOAT_DTYPES, device, inner_contiguous=True)
-    check_kv_caches(k_cache, v_cache, device, query.dtype)
     num_seqs, num_q_heads, head_dim = query.shape
-    _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
-    check(cache_head_dim == head_dim, f"query head_dim {head_dim} != cache head_dim {cache_head_dim} "
-                                      f"(query {tuple(query.shape)}, cache {tuple(k_cache.shape)})")
-    check(num_q_heads % num_kv_heads == 0,
-          f"num_q_heads {num_q_heads} is not a multiple of num_kv_heads {num_kv_heads}")
-    check_tensor("block_tables", block_tables, 2, (torch.int32,), device, inner_contiguous=True)
-    check(block_tables.shape[0] == num_seqs, f"block_tables shape {tuple(block_tables.shape)} != num_seqs {num_seqs}")
-    check_tensor("context_lens", context_lens, 1, (torch.int32,), device)
-    check(context_lens.shape[0] == num_seqs, f"context_lens shape {tuple(context_lens.shape)} != num_seqs {num_seqs}")
+    _, block_size, num_kv_heads, _ = k_cache.shape
     if num_splits is None:
         num_splits = choose_num_splits(num_seqs, num_kv_heads, block_tables.shape[1] * block_size, _num_sms(device))
     check(num_splits >= 1, f"num_splits must be >= 1, got {num_splits}")

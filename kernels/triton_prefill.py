@@ -13,8 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.checks import FLOAT_DTYPES, check, check_kv_caches, check_tensor
-from kernels.triton_dot import dot_mode, mma
+from kernels.checks import check, check_attention, check_tensor
+from kernels.triton_common import attend_paged_tile, dot_mode
 
 _LOG2E = 1.4426950408889634
 
@@ -49,29 +49,18 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, cu_ptr, ctx_ptr, out_ptr, qk_sc
     # Keys this block can see: up to its last row's position; none when the block lies past the chunk.
     hi = tl.minimum(ctx, prefix + (m_block + 1) * BLOCK_M)
     hi = tl.where(m_block * BLOCK_M < q_len, hi, 0)
-    row = NUM_KV_HEADS * HEAD_DIM
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
     for tile in range(0, hi, BLOCK_N):
         pos = tile + offs_n
         n_mask = pos < hi
-        block = tl.load(bt_ptr + seq * stride_bt_seq + pos // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
-        inner = (pos % BLOCK_SIZE) * row + kv_head * HEAD_DIM
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_ptr + block[:, None] * stride_k_block + inner[:, None] + offs_d[None, :], mask=kv_mask,
-                    other=0.0)
-        s = mma(q, tl.trans(k), UPCAST_DOT, DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
         # Tile 0 holds position 0, which every row sees, so each row's running max is finite from then on.
-        s = tl.where(n_mask[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptr + block[:, None] * stride_v_block + inner[:, None] + offs_d[None, :], mask=kv_mask,
-                    other=0.0)
-        acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, UPCAST_DOT, DOT_PRECISION)
-        m_i = m_new
+        visible = n_mask[None, :] & (pos[None, :] <= q_pos[:, None])
+        m_i, l_i, acc = attend_paged_tile(
+            q, m_i, l_i, acc, k_ptr, v_ptr, bt_ptr + seq * stride_bt_seq, pos, n_mask, visible, kv_head,
+            stride_k_block, stride_v_block, qk_scale, offs_d, d_mask,
+            BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, UPCAST_DOT, DOT_PRECISION)
 
     l_i = tl.where(l_i == 0.0, 1.0, l_i)  # rows past the chunk: never stored, keep them finite
     out = acc / l_i[:, None]
@@ -101,24 +90,12 @@ def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     Raises:
         ValueError: a shape, stride, dtype or device mismatch.
     """
-    device = query.device
-    check_tensor("query", query, 3, FLOAT_DTYPES, device, inner_contiguous=True)
-    check_kv_caches(k_cache, v_cache, device, query.dtype)
-    num_tokens, num_q_heads, head_dim = query.shape
-    _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
-    check(cache_head_dim == head_dim, f"query head_dim {head_dim} != cache head_dim {cache_head_dim} "
-                                      f"(query {tuple(query.shape)}, cache {tuple(k_cache.shape)})")
-    check(num_q_heads % num_kv_heads == 0,
-          f"num_q_heads {num_q_heads} is not a multiple of num_kv_heads {num_kv_heads}")
-    check_tensor("cu_seqlens_q", cu_seqlens_q, 1, (torch.int32,), device)
+    check_tensor("cu_seqlens_q", cu_seqlens_q, 1, (torch.int32,), query.device)
     num_seqs = cu_seqlens_q.shape[0] - 1
     check(num_seqs >= 0, "cu_seqlens_q must have num_seqs + 1 entries, got shape (0,)")
-    check_tensor("context_lens", context_lens, 1, (torch.int32,), device)
-    check(context_lens.shape[0] == num_seqs,
-          f"context_lens shape {tuple(context_lens.shape)} != num_seqs {num_seqs} (from cu_seqlens_q)")
-    check_tensor("block_tables", block_tables, 2, (torch.int32,), device, inner_contiguous=True)
-    check(block_tables.shape[0] == num_seqs,
-          f"block_tables shape {tuple(block_tables.shape)} != num_seqs {num_seqs} (from cu_seqlens_q)")
+    check_attention(query, k_cache, v_cache, block_tables, context_lens, num_seqs)
+    num_tokens, num_q_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
 
     out = torch.empty_like(query)
     if num_seqs == 0 or num_tokens == 0:

@@ -182,7 +182,7 @@ def test_prefill_and_write_wrappers_reject_bad_arguments():
     with pytest.raises(ValueError, match="cu_seqlens_q must have dtype"):
         ops.prefill_attention(a["query"], a["k_cache"], a["v_cache"], cu.long(), a["context_lens"],
                               a["block_tables"], 0.25)
-    with pytest.raises(ValueError, match=r"context_lens shape \(2,\) != num_seqs 1"):
+    with pytest.raises(ValueError, match=r"block_tables shape \(2, 3\) != num_seqs 1"):
         ops.prefill_attention(a["query"], a["k_cache"], a["v_cache"], cu[:2], a["context_lens"],
                               a["block_tables"], 0.25)
     key = torch.randn(3, 2, 16, device=DEVICE)
