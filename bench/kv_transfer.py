@@ -1,0 +1,193 @@
+"""KV-transfer micro-benchmark: bytes/s of each connector moving one request's KV between two processes, against
+a plain-socket ceiling measured in the same run, and the share of TTFT the transfer costs.
+
+For prompts of 128 / 512 / 2048 tokens of the default model (SmolLM2-135M, fp32 KV, block 16: 30 layers x K,V x
+16 tokens x 3 heads x 64 dims x 4 B = 720 KiB per block) it measures, median of --repeats after one warm-up:
+- each connector (ucx, tcp): `KvSender.send` to a `KvReceiver` in a spawned process, receiver writing straight
+  into its cache tensor (the production path, one message per block, channel reused as in serving);
+- plain socket: one `sendall` of the same bytes over a fresh-process TCP socket with a 1-byte ack (the ceiling);
+- prefill: the engine's own prefill step for that prompt on this machine (1 torch thread, as a worker runs);
+and prints transfer time / (prefill + transfer), the share of a disaggregated TTFT spent moving KV.
+
+Usage: python bench/kv_transfer.py [--repeats 5] [--out kv_transfer.json]
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import socket
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+
+PROMPTS = (128, 512, 2048)
+
+
+def _geometry(model_dir: str, block_size: int) -> tuple[int, int]:
+    """(bytes per block, num_layers) for the model's fp32 KV."""
+    from transformers import AutoConfig
+
+    from engine.config import ModelConfig
+
+    cfg = ModelConfig.from_hf(AutoConfig.from_pretrained(model_dir), name="m", path=model_dir, dtype="float32")
+    return cfg.num_layers * 2 * block_size * cfg.num_kv_heads * cfg.head_dim * 4, cfg.num_layers
+
+
+def _receiver_main(backend: str, block_nbytes: int, num_blocks: int, conn) -> None:
+    """Spawned process: serve KV offers into a preallocated cache until told to stop."""
+    from engine.transfer import get_backend
+    from engine.transfer.protocol import KvReceiver
+
+    cache = np.zeros((num_blocks, block_nbytes), dtype=np.uint8)
+
+    class Sink:
+        def begin_receive(self, request_id, n, num_tokens):
+            return list(range(n))
+
+        def end_receive(self, request_id, first_token, error):
+            pass
+
+    async def main():
+        receiver = KvReceiver(get_backend(backend), "bench", lambda b: cache[b], Sink(), timeout_s=120)
+        conn.send(await receiver.start("127.0.0.1"))
+        await asyncio.get_running_loop().run_in_executor(None, conn.recv)  # wait for "stop"
+        receiver.close()
+
+    asyncio.run(main())
+
+
+def _socket_receiver(port_conn, total: int) -> None:
+    srv = socket.create_server(("127.0.0.1", 0))
+    port_conn.send(srv.getsockname()[1])
+    sock, _ = srv.accept()
+    buf = memoryview(bytearray(total))
+    while True:
+        got = 0
+        while got < total:
+            n = sock.recv_into(buf[got:])
+            if n == 0:
+                return
+            got += n
+        sock.sendall(b"k")
+
+
+def plain_socket(nbytes: int, repeats: int) -> float:
+    """Median seconds to push nbytes through a loopback TCP socket to another process (with a 1-byte ack)."""
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_socket_receiver, args=(child, nbytes), daemon=True)
+    proc.start()
+    sock = socket.create_connection(("127.0.0.1", parent.recv()))
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    data = np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8)
+    times = []
+    for i in range(repeats + 1):
+        t = time.perf_counter()
+        sock.sendall(memoryview(data))
+        sock.recv(1)
+        if i:
+            times.append(time.perf_counter() - t)
+    sock.close()
+    proc.join(5)
+    return statistics.median(times)
+
+
+def connector(backend: str, block_nbytes: int, num_blocks: int, repeats: int) -> float:
+    """Median seconds of KvSender.send for num_blocks blocks to a receiver process over `backend`."""
+    from engine.transfer.protocol import KvSender
+
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_receiver_main, args=(backend, block_nbytes, num_blocks, child), daemon=True)
+    proc.start()
+    address = parent.recv()
+    src = np.random.default_rng(1).integers(0, 256, (num_blocks, block_nbytes), dtype=np.uint8)
+
+    async def main():
+        sender = KvSender("bench", lambda b: src[b], timeout_s=120)
+        times = []
+        for i in range(repeats + 1):  # the first send also connects: left out
+            stats = await sender.send(address, f"r{i}", 0, list(range(num_blocks)), num_blocks * 16)
+            if i:
+                times.append(stats.seconds)
+        sender.close()
+        return statistics.median(times)
+
+    try:
+        return asyncio.run(main())
+    finally:
+        parent.send("stop")
+        proc.join(10)
+        if proc.is_alive():
+            proc.kill()
+
+
+def prefill_seconds(model_dir: str, prompt_len: int, repeats: int) -> float:
+    """Median seconds of the engine's prefill step (whole prompt in one step, 1 thread, no prefix cache hit)."""
+    import torch
+
+    from engine.builder import EngineArgs, build_engine
+    from engine.request import Request, SamplingParams
+
+    torch.set_num_threads(1)
+    parts = build_engine(EngineArgs(model_dir=model_dir, kv_tokens=4 * 2048, max_num_batched_tokens=2048,
+                                    max_model_len=4096, enable_prefix_caching=False))
+    times = []
+    rng = np.random.default_rng(prompt_len)
+    for i in range(repeats + 1):
+        req = Request(f"p{i}", rng.integers(3, 40000, prompt_len).tolist(),
+                      SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
+        parts.scheduler.add_request(req)
+        out = parts.scheduler.schedule()
+        t = time.perf_counter()
+        sampled = parts.runner.execute(out)
+        if i:
+            times.append(time.perf_counter() - t)
+        parts.scheduler.update(out, sampled)
+        while parts.scheduler.has_work():
+            o = parts.scheduler.schedule()
+            parts.scheduler.update(o, parts.runner.execute(o))
+    return statistics.median(times)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model-dir", default=None)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--prompts", default=",".join(map(str, PROMPTS)), help="prompt lengths in tokens")
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    from engine.loader import resolve_model
+    from engine.transfer import available_backends
+
+    model_dir = args.model_dir or str(resolve_model(None))
+    block_nbytes, _ = _geometry(model_dir, 16)
+    rows = []
+    for n in (int(x) for x in args.prompts.split(",")):
+        blocks = -(-n // 16)
+        nbytes = blocks * block_nbytes
+        row = {"prompt_tokens": n, "blocks": blocks, "mib": nbytes / 2 ** 20,
+               "plain_socket_mib_s": nbytes / 2 ** 20 / plain_socket(nbytes, args.repeats),
+               "prefill_ms": prefill_seconds(model_dir, n, min(args.repeats, 3)) * 1e3}
+        for backend in available_backends():
+            s = connector(backend, block_nbytes, blocks, args.repeats)
+            row[f"{backend}_ms"] = s * 1e3
+            row[f"{backend}_mib_s"] = nbytes / 2 ** 20 / s
+            row[f"{backend}_vs_socket"] = row[f"{backend}_mib_s"] / row["plain_socket_mib_s"]
+            row[f"{backend}_ttft_share"] = s * 1e3 / (row["prefill_ms"] + s * 1e3)
+        rows.append(row)
+        print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,59 @@
+"""Render sweep results: a Markdown table per system and a four-panel PNG (E2E latency, ITL, output throughput,
+TTFT against concurrency; one line per system), after seed 004's summary figure."""
+from __future__ import annotations
+
+from pathlib import Path
+
+COLUMNS = [("concurrency", "conc", "{:d}"), ("completed", "done", "{:d}"), ("failed", "fail", "{:d}"),
+           ("ttft_ms_p50", "TTFT p50", "{:.0f}"), ("ttft_ms_p90", "p90", "{:.0f}"), ("ttft_ms_p99", "p99", "{:.0f}"),
+           ("itl_ms_p50", "ITL p50", "{:.1f}"), ("itl_ms_p90", "p90", "{:.1f}"), ("itl_ms_p99", "p99", "{:.1f}"),
+           ("tpot_ms_p50", "TPOT p50", "{:.1f}"), ("tpot_ms_p90", "p90", "{:.1f}"), ("tpot_ms_p99", "p99", "{:.1f}"),
+           ("e2e_ms_p50", "E2E p50", "{:.0f}"), ("e2e_ms_p99", "p99", "{:.0f}"),
+           ("output_tok_s", "out tok/s", "{:.1f}"), ("req_s", "req/s", "{:.2f}"), ("goodput_req_s", "goodput", "{:.2f}")]
+
+
+def markdown(results: dict) -> str:
+    """results: {"config": ..., "systems": {name: [level rows]}} -> Markdown (times in ms)."""
+    cfg = results["config"]
+    lines = [f"Model `{cfg['model']}`; input {cfg['input_len']} / output {cfg['output_len']} tokens "
+             f"(range ratio {cfg['range_ratio']}); {cfg['num_requests']} requests per level; SLO TTFT <= "
+             f"{cfg['slo_ttft_ms']:.0f} ms, TPOT <= {cfg['slo_tpot_ms']:.0f} ms. Times in ms.", ""]
+    for name, rows in results["systems"].items():
+        lines += [f"**{name}**", "", "| " + " | ".join(c[1] for c in COLUMNS) + " |",
+                  "|" + "---:|" * len(COLUMNS)]
+        for r in rows:
+            lines.append("| " + " | ".join(fmt.format(r[k]) if r.get(k) == r.get(k) else "-"
+                                           for k, _, fmt in COLUMNS) + " |")
+        lines.append("")
+    ratios = results.get("ratios", {})
+    if ratios:
+        lines.append("Output-throughput ratio against the naive baseline at the same concurrency:")
+        lines.append("")
+        for name, by_conc in ratios.items():
+            lines.append(f"- {name}: " + ", ".join(f"c={c}: {v:.1f}x" for c, v in by_conc.items()))
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [("e2e_ms_p50", "E2E latency p50 (s)", 1e-3), ("itl_ms_p50", "ITL p50 (ms)", 1.0),
+              ("output_tok_s", "output throughput (tok/s)", 1.0), ("ttft_ms_p50", "TTFT p50 (s)", 1e-3)]
+    fig, axes = plt.subplots(2, 2, figsize=(11, 8))
+    for ax, (key, title, scale) in zip(axes.flat, panels):
+        for name, rows in results["systems"].items():
+            ax.plot([r["concurrency"] for r in rows], [r[key] * scale for r in rows], marker="o", label=name)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrency")
+        ax.set_title(title)
+        ax.grid(True, alpha=0.3)
+    axes.flat[0].legend()
+    cfg = results["config"]
+    fig.suptitle(f"{cfg['model']}, in {cfg['input_len']} / out {cfg['output_len']} tokens, {cfg['machine']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

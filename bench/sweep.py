@@ -1,0 +1,175 @@
+"""The concurrency sweep (seed 004's benchmark shape): pdserve disaggregated vs colocated vs the naive
+`model.generate()` server, plus optional OpenAI-compatible peers, on one model and machine in one run.
+
+    python bench/sweep.py --quick                 # < 10 min on a 2-core CPU
+    python bench/sweep.py                         # concurrency 1,4,8,16,32,64 x 64 requests each
+    python bench/sweep.py --peer vllm=http://127.0.0.1:8000,SmolLM2   # add a running peer
+
+Writes results.json, results.md and results.png to --out-dir. Each level sends fresh prompts (different windows of
+real text) after a warm-up request per system, so first-connect costs stay out of the numbers.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from loadgen import run_level  # noqa: E402
+from metrics import Slo, summarize  # noqa: E402
+from prompts import make_requests  # noqa: E402
+from report import markdown, plot  # noqa: E402
+import systems  # noqa: E402
+
+ALL_SYSTEMS = ("pdserve-disagg", "pdserve-colocated", "naive")
+
+
+def machine() -> str:
+    cpu = platform.processor() or ""
+    try:
+        cpu = next(l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return f"{cpu}, {os.cpu_count()} cores"
+
+
+def commit() -> str:
+    out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=HERE, capture_output=True, text=True)
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=HERE, capture_output=True,
+                           text=True).stdout.strip()
+    return (out.stdout.strip() or "unknown") + ("+dirty" if dirty else "")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--systems", default=",".join(ALL_SYSTEMS), help=f"comma list from {ALL_SYSTEMS}")
+    p.add_argument("--peer", action="append", default=[], help="name=http://host:port[,model] (repeat)")
+    p.add_argument("--model-dir", default=None, help="HF directory (default: the packaged SmolLM2-135M)")
+    p.add_argument("--concurrency", default="1,4,8,16,32,64")
+    p.add_argument("--num-requests", type=int, default=64, help="requests per concurrency level")
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--range-ratio", type=float, default=0.0, help="0 = fixed lengths; r = uniform +-r")
+    p.add_argument("--slo-ttft-ms", type=float, default=2000.0)
+    p.add_argument("--slo-tpot-ms", type=float, default=150.0)
+    p.add_argument("--level-time-limit-s", type=float, default=1200.0, help="bound on one level")
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads per system in total")
+    p.add_argument("--worker-args", default="", help="extra flags for pdserve workers, e.g. '--kv-tokens 8192'")
+    p.add_argument("--quick", action="store_true",
+                   help="output 32 tokens, max(concurrency, 16) requests per level, 180 s per level at most")
+    p.add_argument("--out-dir", default=None, help="default bench/results/<UTC timestamp>")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.output_len = min(args.output_len, 32)
+        args.level_time_limit_s = min(args.level_time_limit_s, 180.0)
+    return args
+
+
+def requests_per_level(args, concurrency: int) -> int:
+    return max(concurrency, 16) if args.quick else args.num_requests
+
+
+async def sweep_system(name: str, backend, args, tokenizer, levels: list[int], slo: Slo) -> list[dict]:
+    """Warm up, then run every concurrency level. Returns one metrics row per level.
+
+    Raises:
+        RuntimeError: the warm-up request failed (the system is not serving).
+    """
+    from tqdm import tqdm
+
+    warm = make_requests(tokenizer, 1, args.input_len, 4, seed=10_000)[0]
+    res = await backend.run(warm)
+    if res.error:
+        raise RuntimeError(f"{name}: warm-up request failed: {res.error}")
+    rows = []
+    for i, conc in enumerate(levels):
+        reqs = make_requests(tokenizer, requests_per_level(args, conc), args.input_len, args.output_len,
+                             args.range_ratio, seed=i)
+        with tqdm(total=len(reqs), desc=f"{name} c={conc}", unit="req", leave=False) as bar:
+            results, duration = await run_level(backend, reqs, conc, args.level_time_limit_s,
+                                                on_done=lambda r: bar.update(1))
+        row = {"concurrency": conc, **summarize(results, duration, slo)}
+        errors = sorted({r.error for r in results if r.error})
+        if errors:
+            row["errors"] = errors[:5]
+        rows.append(row)
+        print(f"{name:>18} c={conc:<3} done={row['completed']:<3} fail={row['failed']:<3} "
+              f"TTFT p50={row['ttft_ms_p50']:8.0f} ms  ITL p50={row['itl_ms_p50']:7.1f} ms  "
+              f"TPOT p50={row['tpot_ms_p50']:7.1f} ms  {row['output_tok_s']:7.1f} tok/s  "
+              f"goodput={row['goodput_req_s']:.2f} req/s", flush=True)
+    return rows
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from transformers import AutoTokenizer
+
+    from engine.loader import resolve_model
+
+    model_dir = args.model_dir or str(resolve_model(None))
+    levels = [int(c) for c in args.concurrency.split(",")]
+    names = [n for n in args.systems.split(",") if n]
+    unknown = set(names) - set(ALL_SYSTEMS)
+    if unknown:
+        raise SystemExit(f"unknown systems {sorted(unknown)}; choose from {ALL_SYSTEMS} or use --peer")
+    out_dir = Path(args.out_dir or HERE / "results" / datetime.datetime.utcnow().strftime("%Y%m%dT%H%M%SZ"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    log_dir = out_dir / "logs"
+    log_dir.mkdir(exist_ok=True)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    slo = Slo(args.slo_ttft_ms, args.slo_tpot_ms)
+    results = {"config": {"model": Path(model_dir).name, "input_len": args.input_len, "output_len": args.output_len,
+                          "range_ratio": args.range_ratio, "num_requests": "max(c,16)" if args.quick else
+                          args.num_requests, "levels": levels, "slo_ttft_ms": args.slo_ttft_ms,
+                          "slo_tpot_ms": args.slo_tpot_ms, "threads": args.threads, "machine": machine(),
+                          "commit": commit(), "date": datetime.datetime.utcnow().isoformat(timespec="seconds") + "Z",
+                          "quick": args.quick},
+               "systems": {}}
+    starters = {
+        "pdserve-disagg": lambda: systems.start_pdserve("pdserve-disagg", model_dir, False, args.threads,
+                                                        str(log_dir), args.worker_args.split()),
+        "pdserve-colocated": lambda: systems.start_pdserve("pdserve-colocated", model_dir, True, args.threads,
+                                                           str(log_dir), args.worker_args.split()),
+        "naive": lambda: systems.start_naive(model_dir, args.threads, str(log_dir)),
+    }
+    plan = [(n, starters[n]) for n in names] + [(spec.split("=")[0], lambda s=spec: systems.peer(s))
+                                               for spec in args.peer]
+    for name, start in plan:
+        print(f"starting {name} ...", flush=True)
+        system = start()
+        try:
+            results["systems"][name] = asyncio.run(_run(system, args, tokenizer, levels, slo))
+        finally:
+            system.stop()
+    naive = {r["concurrency"]: r["output_tok_s"] for r in results["systems"].get("naive", [])}
+    if naive:
+        results["ratios"] = {name: {r["concurrency"]: r["output_tok_s"] / naive[r["concurrency"]]
+                                    for r in rows if naive.get(r["concurrency"])}
+                             for name, rows in results["systems"].items() if name != "naive"}
+    (out_dir / "results.json").write_text(json.dumps(results, indent=1))
+    (out_dir / "results.md").write_text(markdown(results))
+    plot(results, out_dir / "results.png")
+    print(markdown(results))
+    print(f"wrote {out_dir}/results.{{json,md,png}}")
+    failed = sum(r["failed"] for rows in results["systems"].values() for r in rows)
+    return 1 if failed else 0
+
+
+async def _run(system, args, tokenizer, levels, slo):
+    backend = system.make_backend()
+    try:
+        return await sweep_system(system.name, backend, args, tokenizer, levels, slo)
+    finally:
+        await backend.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,76 @@
+"""Start and stop the systems a sweep compares, each on localhost ports chosen at run time.
+
+- `pdserve-disagg`: coordinator + 1 prefill + 1 decode worker (`pdserve.launcher.start_cluster`);
+- `pdserve-colocated`: coordinator + 1 worker running both phases (same engine, no KV transfer);
+- `naive`: `naive_server.py`, HF `generate()` one request at a time (seed 004's baseline);
+- peers: any OpenAI-compatible server already running (`--peer name=url`), see bench/README.md.
+Every system gets the whole machine: `threads` torch threads in total (the disaggregated pair splits them).
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+from pathlib import Path
+
+from backends import OpenAIBackend, PdserveBackend
+
+HERE = Path(__file__).resolve().parent
+
+
+@dataclass
+class RunningSystem:
+    """A started system: how to make its client backend (inside the event loop that will use it: gRPC aio
+    channels bind to the loop that creates them) and how to stop it."""
+
+    name: str
+    make_backend: Callable[[], object]
+    stop: Callable[[], None] = field(default=lambda: None)
+
+
+def start_pdserve(name: str, model_dir: str, colocated: bool, threads: int, log_dir: str | None,
+                  extra_args: list[str]) -> RunningSystem:
+    """Raises RuntimeError if a process dies or is not ready in 10 minutes."""
+    from pdserve.launcher import start_cluster
+
+    per_worker = threads if colocated else max(1, threads // 2)
+    cluster = start_cluster(model_dir, Path(model_dir).name, colocated=colocated, port=0, log_dir=log_dir,
+                            worker_args=["--threads", str(per_worker), "--log-level", "WARNING", *extra_args],
+                            coordinator_args=["--log-level", "WARNING"])
+    return RunningSystem(name, lambda: PdserveBackend(cluster.address), cluster.stop)
+
+
+def start_naive(model_dir: str, threads: int, log_dir: str | None, timeout_s: float = 600.0) -> RunningSystem:
+    """Raises RuntimeError if the server dies or is not ready within timeout_s."""
+    ready = Path(tempfile.mkdtemp(prefix="pdserve-bench-")) / "naive.ready"
+    log = open(Path(log_dir) / "naive.log", "w") if log_dir else subprocess.DEVNULL
+    proc = subprocess.Popen([sys.executable, str(HERE / "naive_server.py"), "--model-dir", model_dir, "--port", "0",
+                             "--threads", str(threads), "--ready-file", str(ready)], stdout=log, stderr=log)
+    deadline = time.monotonic() + timeout_s
+    while not ready.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError(f"naive server did not start (exit {proc.poll()}); see its log")
+        time.sleep(0.2)
+    address = json.loads(ready.read_text())["address"]
+
+    def stop() -> None:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    return RunningSystem("naive", lambda: OpenAIBackend(address, "naive"), stop)
+
+
+def peer(spec: str) -> RunningSystem:
+    """`name=http://host:port[,model]` -> an already-running OpenAI-compatible server (not stopped by us)."""
+    name, _, rest = spec.partition("=")
+    url, _, model = rest.partition(",")
+    if not name or not url.startswith("http"):
+        raise ValueError(f"--peer wants name=http://host:port[,model], got {spec!r}")
+    return RunningSystem(name, lambda: OpenAIBackend(url, model or name))

@@ -1,0 +1,47 @@
+"""Smoke runs of the benchmark harness (not benchmarks): a few requests through the sweep against pdserve and the
+naive baseline, and one small KV transfer per connector, on the tiny model. They check the harness works end to
+end: processes start and stop, every request completes, the outputs (JSON, Markdown, PNG) are written."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.e2e
+
+
+def _run(args, tmp_path, timeout=600):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return proc.stdout
+
+
+def test_sweep_smoke(tiny_model_dir, tmp_path):
+    out = tmp_path / "sweep"
+    _run(["bench/sweep.py", "--model-dir", str(tiny_model_dir), "--systems", "pdserve-disagg,naive",
+          "--concurrency", "1,3", "--num-requests", "3", "--input-len", "20", "--output-len", "5",
+          "--threads", "1", "--out-dir", str(out)], tmp_path)
+    results = json.loads((out / "results.json").read_text())
+    assert set(results["systems"]) == {"pdserve-disagg", "naive"}
+    for name, rows in results["systems"].items():
+        assert [r["concurrency"] for r in rows] == [1, 3]
+        for r in rows:
+            assert (r["completed"], r["failed"], r["output_tokens"]) == (3, 0, 15), (name, r)
+            assert 0 < r["ttft_ms_p50"] <= r["e2e_ms_p50"] and r["itl_ms_p50"] > 0
+    assert set(results["ratios"]["pdserve-disagg"]) == {"1", "3"}
+    assert "**naive**" in (out / "results.md").read_text()
+    assert (out / "results.png").stat().st_size > 10_000
+
+
+def test_kv_transfer_smoke(tiny_model_dir, tmp_path):
+    out = tmp_path / "kv.json"
+    _run(["bench/kv_transfer.py", "--model-dir", str(tiny_model_dir), "--prompts", "40", "--repeats", "1",
+          "--out", str(out)], tmp_path)
+    (row,) = json.loads(out.read_text())
+    assert row["blocks"] == 3 and row["plain_socket_mib_s"] > 0 and row["prefill_ms"] > 0
+    assert row["tcp_mib_s"] > 0 and 0 < row["tcp_ttft_share"] < 1
