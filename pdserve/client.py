@@ -107,6 +107,25 @@ def _convert(resp: generate_pb2.GenerateResponse) -> GenerateChunk:
                  "ttft_ms": t.ttft_ms, "decode_ms": t.decode_ms, "e2e_ms": t.e2e_ms}))
 
 
+class _CompletionBuilder:
+    """Accumulates streamed chunks; `add` returns the Completion (with the whole text and ids) at the final one."""
+
+    def __init__(self):
+        self.text: list[str] = []
+        self.ids: list[int] = []
+
+    def add(self, chunk: GenerateChunk) -> Completion | None:
+        if chunk.final is None:
+            self.text.append(chunk.text)
+            self.ids.extend(chunk.token_ids)
+            return None
+        chunk.final.text, chunk.final.token_ids = "".join(self.text), self.ids
+        return chunk.final
+
+
+_NO_FINAL = "stream ended without a final message"
+
+
 class Client:
     """Blocking client. Use as a context manager or call close()."""
 
@@ -125,15 +144,16 @@ class Client:
             call.cancel()
 
     def complete(self, prompt, sampling: SamplingParams | None = None, **kw) -> Completion:
-        """Run to the end and return the Completion with the whole text and token ids."""
-        text, ids = [], []
+        """Run to the end and return the Completion with the whole text and token ids.
+
+        Raises:
+            grpc.RpcError: the server's status; RuntimeError: the stream ended without a final message.
+        """
+        builder = _CompletionBuilder()
         for chunk in self.generate(prompt, sampling, **kw):
-            if chunk.final is not None:
-                chunk.final.text, chunk.final.token_ids = "".join(text), ids
-                return chunk.final
-            text.append(chunk.text)
-            ids.extend(chunk.token_ids)
-        raise RuntimeError("stream ended without a final message")
+            if (done := builder.add(chunk)) is not None:
+                return done
+        raise RuntimeError(_NO_FINAL)
 
     def abort(self, request_id: str) -> bool:
         return self.stub.Abort(generate_pb2.AbortRequest(request_id=request_id)).found
@@ -169,14 +189,12 @@ class AsyncClient:
             call.cancel()
 
     async def complete(self, prompt, sampling: SamplingParams | None = None, **kw) -> Completion:
-        text, ids = [], []
+        """The asyncio twin of `Client.complete`."""
+        builder = _CompletionBuilder()
         async for chunk in self.generate(prompt, sampling, **kw):
-            if chunk.final is not None:
-                chunk.final.text, chunk.final.token_ids = "".join(text), ids
-                return chunk.final
-            text.append(chunk.text)
-            ids.extend(chunk.token_ids)
-        raise RuntimeError("stream ended without a final message")
+            if (done := builder.add(chunk)) is not None:
+                return done
+        raise RuntimeError(_NO_FINAL)
 
     async def abort(self, request_id: str) -> bool:
         return (await self.stub.Abort(generate_pb2.AbortRequest(request_id=request_id))).found
