@@ -31,14 +31,14 @@ sys.path.insert(0, str(HERE.parent))
 PROMPTS = (128, 512, 2048)
 
 
-def _geometry(model_dir: str, block_size: int) -> tuple[int, int]:
-    """(bytes per block, num_layers) for the model's fp32 KV."""
+def _block_nbytes(model_dir: str, block_size: int) -> int:
+    """Bytes of one KV block (all layers, K and V) of the model in fp32, as the workers allocate it."""
     from transformers import AutoConfig
 
-    from engine.config import ModelConfig
+    from engine.config import ModelConfig, kv_bytes_per_block
 
     cfg = ModelConfig.from_hf(AutoConfig.from_pretrained(model_dir), name="m", path=model_dir, dtype="float32")
-    return cfg.num_layers * 2 * block_size * cfg.num_kv_heads * cfg.head_dim * 4, cfg.num_layers
+    return kv_bytes_per_block(cfg, block_size)
 
 
 def _receiver_main(backend: str, block_nbytes: int, num_blocks: int, conn) -> None:
@@ -169,7 +169,7 @@ def main() -> None:
     from engine.transfer import available_backends
 
     model_dir = args.model_dir or str(resolve_model(None))
-    block_nbytes, _ = _geometry(model_dir, 16)
+    block_nbytes = _block_nbytes(model_dir, 16)
     rows = []
     for n in (int(x) for x in args.prompts.split(",")):
         blocks = -(-n // 16)

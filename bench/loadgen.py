@@ -24,9 +24,8 @@ async def run_level(backend, requests: list[BenchRequest], concurrency: int, tim
     async def worker() -> None:
         while queue and time.perf_counter() < deadline:
             req = queue.pop()
-            task = asyncio.ensure_future(backend.run(req))
             try:
-                res = await asyncio.wait_for(task, max(0.001, deadline - time.perf_counter()))
+                res = await asyncio.wait_for(backend.run(req), max(0.001, deadline - time.perf_counter()))
             except asyncio.TimeoutError:
                 res = RequestResult(start=0.0, error="time limit", end=time.perf_counter())
             results.append(res)

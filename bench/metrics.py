@@ -37,7 +37,7 @@ def summarize(results: list[RequestResult], duration_s: float, slo: Slo) -> dict
     ttft = [(r.chunk_times[0] - r.start) * 1e3 for r in ok]
     e2e = [(r.end - r.start) * 1e3 for r in ok]
     itl = [(b - a) * 1e3 for r in ok for a, b in zip(r.chunk_times, r.chunk_times[1:])]
-    tpot_by_req = [((r.end - r.start) - (r.chunk_times[0] - r.start)) * 1e3 / (r.output_tokens - 1)
+    tpot_by_req = [(r.end - r.chunk_times[0]) * 1e3 / (r.output_tokens - 1)
                    if r.output_tokens > 1 else 0.0 for r in ok]
     good = sum(1 for t, p in zip(ttft, tpot_by_req) if t <= slo.ttft_ms and p <= slo.tpot_ms)
     out_tokens = sum(r.output_tokens for r in ok)

@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import threading
-import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.generation.streamers import BaseStreamer
+
+from worker_common.worker import write_ready_file
 
 
 class _SseStreamer(BaseStreamer):
@@ -100,10 +100,7 @@ def main() -> None:
     server = _Server((args.host, args.port),
                                  make_handler(model, tokenizer, "naive", threading.Lock()))
     address = f"http://{args.host}:{server.server_address[1]}"
-    if args.ready_file:
-        with open(args.ready_file + ".tmp", "w") as f:
-            json.dump({"address": address, "time": time.time()}, f)
-        os.replace(args.ready_file + ".tmp", args.ready_file)
+    write_ready_file(args.ready_file, address)
     print(f"naive server on {address}", flush=True)
     server.serve_forever()
 

@@ -8,11 +8,9 @@ Every system gets the whole machine: `threads` torch threads in total (the disag
 """
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import dataclass, field
 from typing import Callable
 from pathlib import Path
@@ -46,17 +44,17 @@ def start_pdserve(name: str, model_dir: str, colocated: bool, threads: int, log_
 
 def start_naive(model_dir: str, threads: int, log_dir: str | None, timeout_s: float = 600.0) -> RunningSystem:
     """Raises RuntimeError if the server dies or is not ready within timeout_s."""
+    from pdserve.launcher import wait_ready
+
     ready = Path(tempfile.mkdtemp(prefix="pdserve-bench-")) / "naive.ready"
     log = open(Path(log_dir) / "naive.log", "w") if log_dir else subprocess.DEVNULL
     proc = subprocess.Popen([sys.executable, str(HERE / "naive_server.py"), "--model-dir", model_dir, "--port", "0",
                              "--threads", str(threads), "--ready-file", str(ready)], stdout=log, stderr=log)
-    deadline = time.monotonic() + timeout_s
-    while not ready.exists():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise RuntimeError(f"naive server did not start (exit {proc.poll()}); see its log")
-        time.sleep(0.2)
-    address = json.loads(ready.read_text())["address"]
+    try:
+        address = wait_ready([("naive server", proc, ready)], timeout_s)[0]["address"]
+    except RuntimeError:
+        proc.kill()
+        raise
 
     def stop() -> None:
         proc.terminate()

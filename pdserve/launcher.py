@@ -47,8 +47,9 @@ def _spawn(args: list[str], name: str, workdir: Path, log_dir: Path | None, env:
     return proc, ready, log_path
 
 
-def _wait_ready(procs: list[tuple[str, subprocess.Popen, Path]], timeout_s: float) -> list[dict]:
-    """Wait for every ready file. Raises RuntimeError naming a process that exited or timed out."""
+def wait_ready(procs: list[tuple[str, subprocess.Popen, Path]], timeout_s: float) -> list[dict]:
+    """Wait for every (name, process, ready file) to write its file (`worker_common.worker.write_ready_file`)
+    and return their contents in order. Raises RuntimeError naming a process that exited or timed out."""
     deadline = time.monotonic() + timeout_s
     out = []
     for name, proc, ready in procs:
@@ -92,7 +93,7 @@ def start_cluster(model_dir: str, model_name: str, num_prefill: int = 1, num_dec
                 cluster.processes.append(proc)
                 cluster.log_files[name] = log_path
                 waits.append((name, proc, ready, role))
-        infos = _wait_ready([(n, p, r) for n, p, r, _ in waits], timeout_s)
+        infos = wait_ready([(n, p, r) for n, p, r, _ in waits], timeout_s)
         cluster.worker_addresses = {w[0]: i["address"] for i, w in zip(infos, waits)}
         prefill = [i["address"] for i, w in zip(infos, waits) if w[3] == "prefill"]
         decode = [i["address"] for i, w in zip(infos, waits) if w[3] != "prefill"]
@@ -105,7 +106,7 @@ def start_cluster(model_dir: str, model_name: str, num_prefill: int = 1, num_dec
         proc, ready, log_path = _spawn(args, "coordinator", workdir, logs, env)
         cluster.processes.append(proc)
         cluster.log_files["coordinator"] = log_path
-        cluster.address = _wait_ready([("coordinator", proc, ready)], timeout_s)[0]["address"]
+        cluster.address = wait_ready([("coordinator", proc, ready)], timeout_s)[0]["address"]
         return cluster
     except BaseException:
         cluster.stop()
