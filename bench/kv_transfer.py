@@ -134,7 +134,8 @@ def prefill_seconds(model_dir: str, prompt_len: int, repeats: int) -> float:
     """Median seconds of the engine's prefill step (whole prompt in one step, 1 thread, no prefix cache hit)."""
     import torch
 
-    from engine.builder import EngineArgs, build_engine
+    from engine.args import EngineArgs
+    from engine.builder import build_engine
     from engine.request import Request, SamplingParams
 
     torch.set_num_threads(1)
@@ -165,7 +166,7 @@ def main() -> None:
     p.add_argument("--prompts", default=",".join(map(str, PROMPTS)), help="prompt lengths in tokens")
     p.add_argument("--out", default=None)
     args = p.parse_args()
-    from engine.loader import resolve_model
+    from cli.models import resolve_model
     from engine.transfer import available_backends
 
     model_dir = args.model_dir or str(resolve_model(None))

@@ -112,7 +112,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     from transformers import AutoTokenizer
 
-    from engine.loader import resolve_model
+    from cli.models import resolve_model
 
     model_dir = args.model_dir or str(resolve_model(None))
     levels = [int(c) for c in args.concurrency.split(",")]

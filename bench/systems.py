@@ -1,6 +1,6 @@
 """Start and stop the systems a sweep compares, each on localhost ports chosen at run time.
 
-- `pdserve-disagg`: coordinator + 1 prefill + 1 decode worker (`pdserve.launcher.start_cluster`);
+- `pdserve-disagg`: coordinator + 1 prefill + 1 decode worker (`cli.launcher.start_cluster`);
 - `pdserve-colocated`: coordinator + 1 worker running both phases (same engine, no KV transfer);
 - `naive`: `naive_server.py`, HF `generate()` one request at a time (seed 004's baseline);
 - peers: any OpenAI-compatible server already running (`--peer name=url`), see bench/README.md.
@@ -33,10 +33,10 @@ class RunningSystem:
 def start_pdserve(name: str, model_dir: str, colocated: bool, threads: int, log_dir: str | None,
                   extra_args: list[str]) -> RunningSystem:
     """Raises RuntimeError if a process dies or is not ready in 10 minutes."""
-    from pdserve.launcher import start_cluster
+    from cli.launcher import ServeConfig, start_cluster
 
     per_worker = threads if colocated else max(1, threads // 2)
-    cluster = start_cluster(model_dir, Path(model_dir).name, colocated=colocated, port=0, log_dir=log_dir,
+    cluster = start_cluster(model_dir, Path(model_dir).name, ServeConfig(log_dir=log_dir), colocated=colocated,
                             worker_args=["--threads", str(per_worker), "--log-level", "WARNING", *extra_args],
                             coordinator_args=["--log-level", "WARNING"])
     return RunningSystem(name, lambda: PdserveBackend(cluster.address), cluster.stop)
@@ -44,7 +44,7 @@ def start_pdserve(name: str, model_dir: str, colocated: bool, threads: int, log_
 
 def start_naive(model_dir: str, threads: int, log_dir: str | None, timeout_s: float = 600.0) -> RunningSystem:
     """Raises RuntimeError if the server dies or is not ready within timeout_s."""
-    from pdserve.launcher import wait_ready
+    from cli.launcher import wait_ready
 
     ready = Path(tempfile.mkdtemp(prefix="pdserve-bench-")) / "naive.ready"
     log = open(Path(log_dir) / "naive.log", "w") if log_dir else subprocess.DEVNULL

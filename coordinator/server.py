@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -10,47 +11,22 @@ from dataclasses import dataclass, field
 import grpc
 
 from coordinator import flow as flows
+from coordinator.config import CoordinatorConfig
 from coordinator.errors import RequestError, invalid
-from coordinator.router import Router, WorkerHandle
-from coordinator.text import IncrementalDetokenizer, StopMatcher, Tokenizer
+from coordinator.router import Router, WorkerHandle, poll_loads
+from coordinator.text import IncrementalDetokenizer, StopMatcher
+from coordinator.tokenizer import Tokenizer
 from coordinator.validation import Limits, check_chat, check_prompt, resolve_sampling
 from pdserve.v1 import generate_pb2, generate_pb2_grpc, worker_pb2, worker_pb2_grpc
-from worker_common.worker import start_grpc_server, write_ready_file
+from server_common.grpc_server import MAX_MESSAGE_BYTES, start_grpc_server, write_ready_file
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class CoordinatorConfig:
-    """Coordinator process configuration.
-
-    Attributes:
-        model_dir: HF-format directory (for the tokenizer).
-        model_name: the name clients may pass in GenerateRequest.model.
-        prefill_addresses / decode_addresses: worker gRPC addresses; colocated mode uses decode_addresses only.
-        colocated: route each request to one worker that runs both phases.
-        max_in_flight: requests admitted at once; more get RESOURCE_EXHAUSTED.
-        request_timeout_s: deadline of each worker call, seconds.
-        kv_timeout_ms: lease on decode blocks waiting for KV, ms.
-        connect_timeout_s: how long to wait for every worker to answer GetInfo at start.
-    """
-
-    model_dir: str
-    model_name: str
-    decode_addresses: tuple[str, ...]
-    prefill_addresses: tuple[str, ...] = ()
-    colocated: bool = False
-    host: str = "127.0.0.1"
-    port: int = 0
-    max_in_flight: int = 256
-    request_timeout_s: float = 600.0
-    kv_timeout_ms: int = 60000
-    connect_timeout_s: float = 300.0
-    ready_file: str | None = None
-
-
 @dataclass
 class Cluster:
+    """The workers behind this coordinator and what they agreed on at start."""
+
     router: Router
     limits: Limits
     eos_token_id: int
@@ -65,7 +41,7 @@ async def connect_worker(address: str, timeout_s: float) -> WorkerHandle:
     Raises:
         TimeoutError: the worker did not answer within timeout_s.
     """
-    channel = grpc.aio.insecure_channel(address, options=[("grpc.max_receive_message_length", 64 << 20)])
+    channel = grpc.aio.insecure_channel(address, options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)])
     stub = worker_pb2_grpc.WorkerStub(channel)
     deadline = time.monotonic() + timeout_s
     while True:
@@ -86,9 +62,10 @@ async def build_cluster(config: CoordinatorConfig) -> Cluster:
 
     Raises:
         ValueError: a worker has the wrong role or an incompatible layout (different compat_hash).
+        TimeoutError: a worker did not answer within config.connect_timeout_s.
     """
-    prefill = await asyncio.gather(*(connect_worker(a, config.connect_timeout_s) for a in config.prefill_addresses))
-    decode = await asyncio.gather(*(connect_worker(a, config.connect_timeout_s) for a in config.decode_addresses))
+    prefill = await asyncio.gather(*(connect_worker(a, config.connect_timeout_s) for a in config.prefill))
+    decode = await asyncio.gather(*(connect_worker(a, config.connect_timeout_s) for a in config.decode))
     want_decode = "colocated" if config.colocated else "decode"
     for w in prefill:
         if w.info.role != "prefill":
@@ -98,11 +75,10 @@ async def build_cluster(config: CoordinatorConfig) -> Cluster:
             raise ValueError(f"{w.address} is a {w.info.role} worker, expected {want_decode}")
     if not decode or (not config.colocated and not prefill):
         raise ValueError("need at least one decode worker, and one prefill worker unless colocated")
-    hashes = {w.info.compat_hash for w in [*prefill, *decode]}
-    if len(hashes) != 1:
-        raise ValueError("workers disagree on model/dtype/block size: " +
-                         ", ".join(f"{w.address}={w.info.compat_hash}" for w in [*prefill, *decode]))
     everyone = [*prefill, *decode]
+    if len({w.info.compat_hash for w in everyone}) != 1:
+        raise ValueError("workers disagree on model/dtype/block size: " +
+                         ", ".join(f"{w.address}={w.info.compat_hash}" for w in everyone))
     limits = Limits(context_length=min(w.info.context_length for w in everyone),
                     kv_capacity_tokens=min(w.info.max_request_tokens for w in everyone),
                     vocab_size=decode[0].info.vocab_size)
@@ -111,6 +87,8 @@ async def build_cluster(config: CoordinatorConfig) -> Cluster:
 
 
 class GenerationServicer(generate_pb2_grpc.GenerationServicer):
+    """Generate / Abort / GetModelInfo: validate and tokenize, route, stream text back, free on every exit."""
+
     def __init__(self, config: CoordinatorConfig, cluster: Cluster, tokenizer: Tokenizer):
         self.config, self.cluster, self.tokenizer = config, cluster, tokenizer
 
@@ -118,13 +96,13 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         arrival_wall, t0 = time.time(), flows.now_ms()
         rid = request.request_id or uuid.uuid4().hex
         try:
-            prompt, sp = await self._prepare(request, rid)
+            prompt, sampling = await self._prepare(request, rid)
         except RequestError as e:
             await context.abort(e.code, e.message)
         flow = flows.Flow(rid)
         self.cluster.flows[rid] = flow
         try:
-            async for msg in self._stream(flow, request, prompt, sp, arrival_wall, t0):
+            async for msg in self._stream(flow, request, prompt, sampling, arrival_wall, t0):
                 yield msg
         except RequestError as e:
             await context.abort(e.code, f"request {rid}: {e}")
@@ -132,7 +110,9 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             flow.cancel()
             self.cluster.flows.pop(rid, None)
 
-    async def _prepare(self, request, rid: str):
+    async def _prepare(self, request: generate_pb2.GenerateRequest,
+                       rid: str) -> tuple[list[int], generate_pb2.SamplingParams]:
+        """(prompt token ids, resolved sampling). Raises RequestError with the status to return."""
         if rid in self.cluster.flows:
             raise RequestError(grpc.StatusCode.ALREADY_EXISTS, f"request_id {rid!r} is already in flight")
         if len(self.cluster.flows) >= self.config.max_in_flight:
@@ -150,44 +130,47 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             prompt = await asyncio.to_thread(self.tokenizer.encode, request.text)
         elif kind == "chat":
             check_chat(request.chat)
-            prompt = await asyncio.to_thread(self.tokenizer.encode_chat, request.chat)
+            messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
+            add_gen = (request.chat.add_generation_prompt if request.chat.HasField("add_generation_prompt")
+                       else True)
+            prompt = await asyncio.to_thread(self.tokenizer.encode_chat, messages, add_gen)
         else:
             prompt = list(request.token_ids.ids)
         check_prompt(prompt, limits)
         return prompt, resolve_sampling(request.sampling, len(prompt), limits)
 
-    async def _stream(self, flow: flows.Flow, request, prompt: list[int], sp, arrival_wall: float, t0: float):
+    async def _stream(self, flow: flows.Flow, request: generate_pb2.GenerateRequest, prompt: list[int],
+                      sampling: generate_pb2.SamplingParams, arrival_wall: float, t0: float):
         cfg = self.config
         if cfg.colocated:
-            source = flows.run_colocated(self.cluster.router, flow, prompt, sp, cfg.request_timeout_s)
+            source = flows.run_colocated(self.cluster.router, flow, prompt, sampling, cfg.request_timeout_s)
         else:
-            source = flows.run_disaggregated(self.cluster.router, flow, prompt, sp, arrival_wall,
-                                             cfg.request_timeout_s, cfg.kv_timeout_ms)
+            source = flows.run_disaggregated(self.cluster.router, flow, prompt, sampling, arrival_wall,
+                                             cfg.request_timeout_s)
         detok = IncrementalDetokenizer(self.tokenizer, prompt)
         stops = StopMatcher(list(request.sampling.stop), request.sampling.include_stop_str_in_output)
         num_out, cached, ttft, first_ms = 0, 0, 0.0, None
-        reason, matched = generate_pb2.FINISH_REASON_UNSPECIFIED, ""
+        reason = generate_pb2.FINISH_REASON_UNSPECIFIED
+        stop_string: str | None = None
+        stop_token_id: int | None = None
         try:
             async for item in source:
                 if isinstance(item, flows.WorkerFinish):
-                    reason = item.finish_reason
-                    if item.stop_token_id is not None:
-                        matched = str(item.stop_token_id)
+                    reason, stop_token_id = item.finish_reason, item.stop_token_id
                     break
-                if item.num_cached_tokens:
-                    cached = item.num_cached_tokens
+                cached = item.num_cached_tokens or cached
                 ids = [t.token_id for t in item.tokens]
                 num_out += len(ids)
-                text, hit = stops.feed(detok.add(ids))
+                text, stop_string = stops.feed(detok.add(ids))
                 chunk = generate_pb2.Chunk(token_ids=ids, text=text)
-                if sp.logprobs is not None:
+                if sampling.HasField("logprobs"):
                     chunk.logprobs.extend(self._logprobs(item.tokens))
                 if first_ms is None:
                     first_ms = flows.now_ms()
                     ttft = first_ms - t0
                 yield generate_pb2.GenerateResponse(chunk=chunk)
-                if hit is not None:
-                    reason, matched = generate_pb2.FINISH_REASON_STOP, hit
+                if stop_string is not None:
+                    reason = generate_pb2.FINISH_REASON_STOP
                     break
         except asyncio.CancelledError:
             if not flow.aborted:
@@ -195,12 +178,11 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             reason = generate_pb2.FINISH_REASON_ABORT
         finally:
             await source.aclose()
-        if reason != generate_pb2.FINISH_REASON_STOP or not matched or matched.isdigit():
-            tail = stops.flush()
-            if tail:
-                yield generate_pb2.GenerateResponse(chunk=generate_pb2.Chunk(text=tail))
+        if stop_string is None and (tail := stops.flush()):  # text held back for a stop string that never came
+            yield generate_pb2.GenerateResponse(chunk=generate_pb2.Chunk(text=tail))
         end = flows.now_ms()
         t = flow.timings
+        matched = stop_string if stop_string is not None else ("" if stop_token_id is None else str(stop_token_id))
         yield generate_pb2.GenerateResponse(final=generate_pb2.Final(
             finish_reason=reason, matched_stop=matched, request_id=flow.request_id,
             usage=generate_pb2.Usage(prompt_tokens=len(prompt), completion_tokens=num_out,
@@ -243,17 +225,22 @@ async def serve(config: CoordinatorConfig) -> None:
     cluster = await build_cluster(config)
     tokenizer = await asyncio.to_thread(Tokenizer, config.model_dir)
     servicer = GenerationServicer(config, cluster, tokenizer)
-
-    def add(server):
-        generate_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
-
-    server, port = await start_grpc_server(config.host, config.port, add, ["pdserve.v1.Generation"])
-    address = f"{config.host}:{port}"
+    running = await start_grpc_server(
+        config.server.host, config.server.port,
+        lambda server: generate_pb2_grpc.add_GenerationServicer_to_server(servicer, server),
+        ["pdserve.v1.Generation"])
+    address = f"{config.server.host}:{running.port}"
     log.info("coordinator serving %s on %s (%s, %d prefill / %d decode workers, connector %s)",
              config.model_name, address, "colocated" if config.colocated else "disaggregated",
              len(cluster.router.prefill), len(cluster.router.decode), cluster.connector or "-")
-    write_ready_file(config.ready_file, address)
+    write_ready_file(config.server.ready_file, address)
+    poller = asyncio.create_task(poll_loads(cluster.router, config.stats_interval_s))
     try:
-        await server.wait_for_termination()
+        await running.server.wait_for_termination()
     finally:
-        await server.stop(grace=1)
+        poller.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await poller
+        await running.server.stop(grace=1)
+        for w in cluster.router.workers:
+            await w.channel.close()

@@ -1,41 +1,7 @@
-"""Tokenization, incremental detokenization and stop-string matching at the edge."""
+"""Incremental detokenization and stop-string matching at the edge."""
 from __future__ import annotations
 
-from pathlib import Path
-
-from coordinator.errors import invalid
-from pdserve.v1 import generate_pb2
-
-
-class Tokenizer:
-    """Wraps the model's HF tokenizer (loaded from the model directory; nothing fetched)."""
-
-    def __init__(self, model_dir: str | Path):
-        from transformers import AutoTokenizer
-
-        self.hf = AutoTokenizer.from_pretrained(str(model_dir))
-
-    def encode(self, text: str) -> list[int]:
-        return self.hf(text, add_special_tokens=True)["input_ids"]
-
-    def encode_chat(self, chat: generate_pb2.ChatMessages) -> list[int]:
-        """Render messages with the model's chat template.
-
-        Raises:
-            RequestError: INVALID_ARGUMENT when the template rejects the messages.
-        """
-        messages = [{"role": m.role, "content": m.content} for m in chat.messages]
-        add_gen = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
-        try:
-            ids = self.hf.apply_chat_template(messages, add_generation_prompt=add_gen, tokenize=True)
-        except Exception as e:  # jinja errors from the template ("roles must alternate", ...)
-            raise invalid(f"chat template rejected the messages: {e}") from e
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-            ids = ids["input_ids"]
-        return list(ids)
-
-    def token_text(self, token_id: int) -> str:
-        return self.hf.decode([token_id])
+from coordinator.tokenizer import Tokenizer
 
 
 class IncrementalDetokenizer:
@@ -47,15 +13,16 @@ class IncrementalDetokenizer:
     """
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int]):
-        self.hf = tokenizer.hf
+        self.tokenizer = tokenizer
         self.ids = list(prompt_ids[-5:])
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
 
     def add(self, token_ids: list[int]) -> str:
+        """Append tokens; return the text that became final (possibly "")."""
         self.ids.extend(token_ids)
-        prefix = self.hf.decode(self.ids[self.prefix_offset:self.read_offset], skip_special_tokens=True)
-        full = self.hf.decode(self.ids[self.prefix_offset:], skip_special_tokens=True)
+        prefix = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset])
+        full = self.tokenizer.decode(self.ids[self.prefix_offset:])
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
             self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
             return full[len(prefix):]
@@ -95,5 +62,6 @@ class StopMatcher:
         return text[:len(text) - keep], None
 
     def flush(self) -> str:
+        """The held-back text, at the end of the stream (no stop string matched)."""
         out, self.held = self.held, ""
         return out

@@ -1,4 +1,9 @@
-"""Validation of public requests into resolved sampling parameters. Raises RequestError (never asserts)."""
+"""Validation of public requests, and resolution of their sampling parameters. Raises RequestError (never asserts).
+
+The resolved form is the public `SamplingParams` message with every default filled in: what the worker proto
+carries and what each worker converts, once, into the engine's dataclass. The defaults are those documented in
+generate.proto (tests/test_validation.py holds them against the engine's dataclass).
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -6,7 +11,6 @@ from dataclasses import dataclass
 import grpc
 
 from coordinator.errors import RequestError, invalid
-from engine.request import SamplingParams
 from pdserve.v1 import generate_pb2
 
 MAX_LOGPROBS = 20
@@ -28,8 +32,10 @@ class Limits:
     vocab_size: int
 
 
-def resolve_sampling(p: generate_pb2.SamplingParams, num_prompt_tokens: int, limits: Limits) -> SamplingParams:
-    """Check ranges and fill defaults.
+def resolve_sampling(p: generate_pb2.SamplingParams, num_prompt_tokens: int,
+                     limits: Limits) -> generate_pb2.SamplingParams:
+    """Check ranges and return a copy of `p` with every default filled in (seed and logprobs stay unset when
+    not asked for: unset means unseeded / no logprobs).
 
     Raises:
         RequestError: INVALID_ARGUMENT naming the field and its allowed range, or RESOURCE_EXHAUSTED when the
@@ -51,11 +57,13 @@ def resolve_sampling(p: generate_pb2.SamplingParams, num_prompt_tokens: int, lim
     if not rep > 0.0:
         raise invalid(f"sampling.repetition_penalty must be > 0 (1 = off), got {rep}")
     for name in ("presence_penalty", "frequency_penalty"):
-        v = getattr(p, name)
+        v = getattr(p, name)  # unset reads as 0.0, the default
         if not -2.0 <= v <= 2.0:
             raise invalid(f"sampling.{name} must be in [-2, 2], got {v}")
     room = limits.context_length - num_prompt_tokens
-    max_tokens = p.max_tokens if p.HasField("max_tokens") else min(room, limits.kv_capacity_tokens - num_prompt_tokens)
+    # Default: the rest of the context window, as far as the KV cache can hold it.
+    max_tokens = (p.max_tokens if p.HasField("max_tokens")
+                  else min(room, limits.kv_capacity_tokens - num_prompt_tokens))
     if max_tokens <= 0:
         raise invalid(f"sampling.max_tokens must be >= 1, got {max_tokens}")
     if max_tokens > room:
@@ -76,11 +84,13 @@ def resolve_sampling(p: generate_pb2.SamplingParams, num_prompt_tokens: int, lim
     logprobs = p.logprobs if p.HasField("logprobs") else None
     if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
         raise invalid(f"sampling.logprobs must be in [0, {MAX_LOGPROBS}], got {logprobs}")
-    return SamplingParams(
-        temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
-        seed=p.seed if p.HasField("seed") else None, repetition_penalty=rep, presence_penalty=p.presence_penalty,
-        frequency_penalty=p.frequency_penalty, max_tokens=max_tokens, min_tokens=min_tokens,
-        stop_token_ids=tuple(p.stop_token_ids), ignore_eos=p.ignore_eos, logprobs=logprobs)
+    resolved = generate_pb2.SamplingParams()
+    resolved.CopyFrom(p)
+    resolved.temperature, resolved.top_p, resolved.top_k, resolved.min_p = temperature, top_p, top_k, min_p
+    resolved.repetition_penalty = rep
+    resolved.presence_penalty, resolved.frequency_penalty = p.presence_penalty, p.frequency_penalty
+    resolved.max_tokens, resolved.min_tokens = max_tokens, min_tokens
+    return resolved
 
 
 def check_prompt(token_ids: list[int], limits: Limits) -> None:

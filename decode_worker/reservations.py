@@ -1,55 +1,58 @@
-"""Bookkeeping of reserved blocks waiting for their KV (the receive side's lease state), on the event loop."""
+"""Blocks reserved for a remote-KV request while its KV is on the way: the receive side's lease state, kept on the
+event loop and handed to the KV receiver as its `ReceiveSink`."""
 from __future__ import annotations
 
 import asyncio
 import enum
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from engine.async_engine import AsyncEngine
+from engine.async_engine import RequestStream
 
 
 class ReservationState(enum.Enum):
-    RESERVED = "reserved"
-    RECEIVING = "receiving"
-    DONE = "done"
-    FAILED = "failed"
+    RESERVED = "reserved"    # blocks reserved; no KV offered yet
+    RECEIVING = "receiving"  # the receiver writes into the blocks
+    DONE = "done"            # every block arrived
+    FAILED = "failed"        # the transfer broke; the blocks hold garbage
 
 
 @dataclass
 class Reservation:
+    """One request's reserved blocks and how its transfer stands. `settled` is set at DONE or FAILED."""
+
     block_ids: list[int]
     state: ReservationState = ReservationState.RESERVED
     first_token: int = 0
     error: str | None = None
-    orphaned: bool = False  # the Decode call ended while blocks were being written; free after the receive
     settled: asyncio.Event = field(default_factory=asyncio.Event)
+    # Set when the Decode call ended mid-receive: the receiver frees the blocks once its writes stop.
+    free_after_receive: Callable[[], None] | None = None
 
 
 class Reservations:
-    """The decode worker's `ReceiveSink`: maps request ids to reserved blocks for the KV receiver.
+    """Maps request ids to reserved blocks for the KV receiver (`engine.transfer.protocol.ReceiveSink`).
 
-    Blocks are never freed while a receive writes into them: a Decode call that ends mid-receive marks its
-    reservation orphaned, and `end_receive` aborts the request in the engine once the writes stopped.
+    Blocks are never freed while a receive writes into them: a Decode call that ends mid-receive hands the free of
+    its request to the receiver (`RequestStream.hand_over`), which runs it in `end_receive`.
     """
 
-    def __init__(self, engine: AsyncEngine):
-        self.engine = engine
+    def __init__(self) -> None:
         self._by_id: dict[str, Reservation] = {}
 
-    def add(self, request_id: str, block_ids: list[int]) -> Reservation:
+    @contextmanager
+    def hold(self, request_id: str, block_ids: list[int], stream: RequestStream) -> Iterator[Reservation]:
+        """Offer `block_ids` to the receiver for the duration of the block (the Decode call's wait for KV)."""
         r = Reservation(block_ids)
         self._by_id[request_id] = r
-        return r
-
-    def release(self, request_id: str, finished: bool) -> None:
-        """The Decode call is over. Frees the engine request unless it finished or a receive is in flight."""
-        r = self._by_id.get(request_id)
-        if r is not None and r.state == ReservationState.RECEIVING:
-            r.orphaned = True
-            return
-        self._by_id.pop(request_id, None)
-        if not finished:
-            self.engine.abort(request_id)
+        try:
+            yield r
+        finally:
+            if r.state == ReservationState.RECEIVING:
+                r.free_after_receive = stream.hand_over()
+            else:
+                del self._by_id[request_id]
 
     def begin_receive(self, request_id: str, num_blocks: int, num_tokens: int) -> list[int]:
         r = self._by_id.get(request_id)
@@ -64,13 +67,12 @@ class Reservations:
         r = self._by_id.get(request_id)
         if r is None:
             return
-        if r.orphaned:
-            del self._by_id[request_id]
-            self.engine.abort(request_id)
-            return
         r.state = ReservationState.FAILED if error else ReservationState.DONE
         r.first_token, r.error = first_token, error
         r.settled.set()
+        if r.free_after_receive is not None:  # the Decode call is gone: free now that the writes stopped
+            del self._by_id[request_id]
+            r.free_after_receive()
 
     def __len__(self) -> int:
         return len(self._by_id)

@@ -1,4 +1,4 @@
-"""asyncio facade over EngineCore: one event queue per request, commands forwarded to the engine thread."""
+"""asyncio facade over EngineCore: one owner object per request, commands forwarded to the engine thread."""
 from __future__ import annotations
 
 import asyncio
@@ -6,20 +6,82 @@ from concurrent.futures import Future
 from typing import Any, Callable
 
 from engine.engine_core import Abort, AddRequest, Call, EngineCore, KvArrived
-from engine.request import Request
+from engine.errors import EngineError, ErrorKind
+from engine.outputs import RequestFailed, Reserved, TokenOutput
+from engine.request import FinishReason, Request
 from engine.scheduler import Scheduler
+
+# Finish reasons after which the engine has already dropped the request (PREFILL_DONE still holds its blocks).
+_DROPPED = (FinishReason.STOP, FinishReason.LENGTH)
+
+
+class RequestStream:
+    """The owner of one request's life in the engine, used as `with engine.request(req) as stream:`.
+
+    Leaving the block frees everything the engine holds for the request (queue entry, KV blocks, the HELD blocks of
+    a prefill-done request) unless the engine already dropped it, and stops routing its events — on every exit
+    path, so no caller pairs add/abort/forget by hand. `hand_over` passes the free to another owner (the KV
+    receiver, while it still writes into the request's blocks).
+    """
+
+    def __init__(self, engine: AsyncEngine, request: Request):
+        self.engine = engine
+        self.request_id = request.request_id
+        self.dropped = False  # the engine finished or failed the request: nothing left to free
+        self._handed_over = False
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._request = request
+
+    def __enter__(self) -> RequestStream:
+        self.engine._open(self, self._request)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.engine._close(self.request_id, abort=not (self.dropped or self._handed_over))
+
+    async def next(self) -> Reserved | TokenOutput:
+        """The request's next event.
+
+        Raises:
+            EngineError: the engine gave up on the request (it holds nothing for it any more).
+        """
+        return self._check(await self._queue.get())
+
+    async def next_batch(self) -> list[TokenOutput]:
+        """Wait for the next token, then take every token already queued behind it (coalesced streaming).
+
+        Raises:
+            EngineError: as `next`.
+        """
+        batch = [await self.next()]
+        while not self._queue.empty() and not self.dropped:
+            batch.append(self._check(self._queue.get_nowait()))
+        return batch  # type: ignore[return-value]
+
+    def kv_arrived(self, first_token: int) -> None:
+        """The prompt's KV is in the reserved blocks: the request joins the running batch with its first token."""
+        self.engine.core.submit(KvArrived(self.request_id, first_token))
+
+    def hand_over(self) -> Callable[[], None]:
+        """Leave the free to another owner: this stream's exit will not abort; call the returned function instead."""
+        self._handed_over = True
+        return lambda: self.engine.core.submit(Abort(self.request_id))
+
+    def _check(self, ev: Any) -> Reserved | TokenOutput:
+        if isinstance(ev, RequestFailed):
+            self.dropped = True
+            raise EngineError(ev.kind, ev.message)
+        if isinstance(ev, TokenOutput) and ev.finish_reason in _DROPPED:
+            self.dropped = True
+        return ev
 
 
 class AsyncEngine:
-    """Bridges the engine thread and the asyncio loop it was started on.
-
-    Contract: every `add_request` is paired with a `forget` (in a finally) once the caller stops reading; the
-    caller also calls `abort` unless the request finished, so nothing stays in the engine.
-    """
+    """Bridges the engine thread and the asyncio loop it was started on. Requests enter through `request()`."""
 
     def __init__(self, core_factory: Callable[[Callable[[list], None]], EngineCore]):
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._queues: dict[str, asyncio.Queue] = {}
+        self._streams: dict[str, RequestStream] = {}
         self.core = core_factory(self._emit)
 
     def start(self) -> None:
@@ -29,36 +91,38 @@ class AsyncEngine:
     def stop(self) -> None:
         self.core.stop()
 
-    def _emit(self, events: list) -> None:  # engine thread
-        assert self._loop is not None
-        self._loop.call_soon_threadsafe(self._dispatch, events)
-
-    def _dispatch(self, events: list) -> None:  # event loop thread
-        for ev in events:
-            q = self._queues.get(ev.request_id)
-            if q is not None:
-                q.put_nowait(ev)
-
-    def add_request(self, request: Request) -> asyncio.Queue:
-        """Submit a request; its events (Reserved, TokenOutput, RequestFailed) arrive on the returned queue."""
-        q: asyncio.Queue = asyncio.Queue()
-        self._queues[request.request_id] = q
-        self.core.submit(AddRequest(request))
-        return q
+    def request(self, request: Request) -> RequestStream:
+        """The owner of `request` in this engine; entering it submits the request (see `RequestStream`)."""
+        return RequestStream(self, request)
 
     def abort(self, request_id: str) -> None:
-        """Free everything the engine holds for the request (idempotent). Also releases HELD prefill blocks."""
-        self.core.submit(Abort(request_id))
-
-    def kv_arrived(self, request_id: str, first_token: int) -> None:
-        self.core.submit(KvArrived(request_id, first_token))
-
-    def forget(self, request_id: str) -> None:
-        """Stop routing events for this request."""
-        self._queues.pop(request_id, None)
+        """Abort from outside the owner (Worker.Abort): the owner's stream ends with EngineError(ABORTED).
+        Idempotent; unknown ids are ignored."""
+        self.core.submit(Abort(request_id, notify=True))
 
     async def call(self, fn: Callable[[Scheduler], Any]) -> Any:
         """Run fn(scheduler) on the engine thread (consistent snapshot) and return its result."""
         fut: Future = Future()
         self.core.submit(Call(fn, fut))
         return await asyncio.wrap_future(fut)
+
+    def _open(self, stream: RequestStream, request: Request) -> None:
+        if request.request_id in self._streams:
+            raise EngineError(ErrorKind.DUPLICATE_REQUEST, f"request id {request.request_id!r} is in use")
+        self._streams[request.request_id] = stream
+        self.core.submit(AddRequest(request))
+
+    def _close(self, request_id: str, abort: bool) -> None:
+        if abort:
+            self.core.submit(Abort(request_id))
+        self._streams.pop(request_id, None)
+
+    def _emit(self, events: list) -> None:  # engine thread
+        assert self._loop is not None
+        self._loop.call_soon_threadsafe(self._dispatch, events)
+
+    def _dispatch(self, events: list) -> None:  # event loop thread
+        for ev in events:
+            stream = self._streams.get(ev.request_id)
+            if stream is not None:
+                stream._queue.put_nowait(ev)

@@ -30,7 +30,7 @@ def hash_block_tokens(parent_hash: bytes | None, token_ids: Sequence[int]) -> by
 class BlockPool:
     """Hands out KV block ids with reference counts.
 
-    Invariants (checked by `check_integrity`): a block is in the free queue iff its ref count is 0; every entry of
+    Invariants (checked by `integrity_errors`): a block is in the free queue iff its ref count is 0; every entry of
     the hash map points at a block carrying that hash; block ids are 0..num_blocks-1.
     """
 
@@ -107,14 +107,8 @@ class BlockPool:
         self.block_hashes[block_id] = block_hash
         self._cached[block_hash] = block_id
 
-    def reset_prefix_cache(self) -> None:
-        """Forget all cached prefixes (blocks stay allocated/free as they are)."""
-        for h, b in self._cached.items():
-            self.block_hashes[b] = None
-        self._cached.clear()
-
-    def check_integrity(self) -> list[str]:
-        """Return a list of violated invariants (empty when the pool is consistent)."""
+    def integrity_errors(self) -> list[str]:
+        """The violated invariants, one message each; an empty list means the pool is consistent."""
         errors = []
         for b in range(self.num_blocks):
             rc = self.ref_counts[b]

@@ -6,41 +6,12 @@ from pathlib import Path
 
 import torch
 
+from engine.args import EngineArgs
 from engine.config import CacheConfig, ModelConfig, SchedulerConfig, num_blocks_for_budget
 from engine.kv_cache_manager import KVCacheManager
 from engine.loader import load_state_dict
 from engine.model_runner import ModelRunner
 from engine.scheduler import Scheduler
-
-
-@dataclass(frozen=True)
-class EngineArgs:
-    """Engine knobs shared by every worker role.
-
-    Attributes:
-        model_dir: HF-format directory (see `engine.loader.resolve_model`).
-        dtype: "float32" (fastest on CPUs without bf16 units), "bfloat16" or "float16".
-        block_size: tokens per KV block.
-        kv_tokens / kv_bytes: KV budget (one of them; kv_tokens wins when both are set).
-        max_num_batched_tokens, max_num_seqs, max_model_len: scheduler limits (max_model_len 0 = the model's).
-        enable_prefix_caching: reuse cached prefix blocks.
-        device: torch device.
-        seed: sampler seed for unseeded requests.
-        attention_backend: "auto" (Triton kernels on CUDA, torch reference on CPU), "triton" or "torch".
-    """
-
-    model_dir: str
-    dtype: str = "float32"
-    block_size: int = 16
-    kv_tokens: int | None = 16384
-    kv_bytes: int | None = None
-    max_num_batched_tokens: int = 512
-    max_num_seqs: int = 64
-    max_model_len: int = 0
-    enable_prefix_caching: bool = True
-    device: str = "cpu"
-    seed: int = 0
-    attention_backend: str = "auto"
 
 
 @dataclass
@@ -52,8 +23,8 @@ class EngineParts:
     runner: ModelRunner
 
 
-def build_engine(args: EngineArgs, random_weights: bool = False) -> EngineParts:
-    """Load config + weights and build the scheduler and runner.
+def build_engine(args: EngineArgs) -> EngineParts:
+    """Load config + weights (or random weights when `args.random_weights`) and build the scheduler and runner.
 
     Raises:
         FileNotFoundError / ValueError: from model loading and config validation.
@@ -63,15 +34,15 @@ def build_engine(args: EngineArgs, random_weights: bool = False) -> EngineParts:
     path = Path(args.model_dir)
     hf_config = AutoConfig.from_pretrained(str(path))
     model_config = ModelConfig.from_hf(hf_config, name=path.name, path=str(path), dtype=args.dtype)
-    num_blocks = num_blocks_for_budget(model_config, args.block_size,
-                                       None if args.kv_tokens is not None else args.kv_bytes, args.kv_tokens)
+    num_blocks = num_blocks_for_budget(model_config, args.block_size, args.kv_bytes,
+                                       None if args.kv_bytes is not None else args.kv_tokens)
     cache_config = CacheConfig(block_size=args.block_size, num_blocks=num_blocks)
     max_len = args.max_model_len or model_config.max_position_embeddings
     scheduler_config = SchedulerConfig(
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
         max_model_len=min(max_len, model_config.max_position_embeddings),
         enable_prefix_caching=args.enable_prefix_caching)
-    state = None if random_weights else load_state_dict(path)
+    state = None if args.random_weights else load_state_dict(path)
     runner = ModelRunner(model_config, cache_config, state, device=args.device, seed=args.seed,
                          attention_backend=args.attention_backend)
     kv = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching)

@@ -1,4 +1,5 @@
-"""Typed configuration for the engine. Built once per process from CLI flags; never mutated afterwards."""
+"""The engine's resolved configuration: model architecture, KV cache geometry and step limits. Built once per
+process by `engine.builder` from `engine.args.EngineArgs` (where every default lives); never mutated afterwards."""
 from __future__ import annotations
 
 import hashlib
@@ -8,14 +9,18 @@ from typing import Any
 
 import torch
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from engine.args import DTYPE_NAMES
+from engine.models.registry import arch_flags
+
+DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in DTYPE_NAMES}
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Architecture of a Llama-family decoder, read from an HF `config.json`.
+    """Architecture of a Llama-family decoder (Llama, Mistral, Qwen2), read from an HF `config.json`.
 
-    Attributes are in the field's usual units: sizes in elements, `rope_theta` the RoPE base.
+    Attributes are in the field's usual units: sizes in elements, `rope_theta` the RoPE base. `qkv_bias` / `o_bias`:
+    the fused q/k/v projection / o_proj carry a bias (set per `model_type` by `engine.models.registry`).
     """
 
     name: str
@@ -33,6 +38,8 @@ class ModelConfig:
     tie_word_embeddings: bool
     eos_token_ids: tuple[int, ...]
     dtype: str = "float32"
+    qkv_bias: bool = False
+    o_bias: bool = False
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -40,20 +47,18 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, hf_config: Any, name: str, path: str, dtype: str = "float32") -> "ModelConfig":
-        """Build from a `transformers.PretrainedConfig` of a Llama-architecture model.
+        """Build from a `transformers.PretrainedConfig` of a Llama-family model (`engine.models.registry`).
 
         Raises:
-            ValueError: the architecture or its RoPE scaling is not supported, or dtype is unknown.
+            ValueError: the model_type, a feature it asks for (the field is named) or its RoPE scaling is not
+                supported, or dtype is unknown.
         """
-        if getattr(hf_config, "model_type", None) not in ("llama", "mistral", "qwen2"):
-            raise ValueError(f"unsupported model_type {hf_config.model_type!r}; pdserve serves Llama-family models")
+        flags = arch_flags(hf_config)
         rope_scaling = getattr(hf_config, "rope_scaling", None)
         if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type")) not in (None, "default"):
             raise ValueError(f"unsupported rope_scaling {rope_scaling}")
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-        if getattr(hf_config, "attention_bias", False) or getattr(hf_config, "mlp_bias", False):
-            raise ValueError("attention/MLP bias terms are not supported")
         eos = hf_config.eos_token_id
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
         num_heads = hf_config.num_attention_heads
@@ -76,6 +81,8 @@ class ModelConfig:
             tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
             eos_token_ids=eos_ids,
             dtype=dtype,
+            qkv_bias=flags.qkv_bias,
+            o_bias=flags.o_bias,
         )
 
 
@@ -88,8 +95,8 @@ class CacheConfig:
         num_blocks: blocks in the pool (the KV budget). Derive it with `num_blocks_for_budget`.
     """
 
-    block_size: int = 16
-    num_blocks: int = 1024
+    block_size: int
+    num_blocks: int
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.num_blocks <= 0:
@@ -127,10 +134,10 @@ class SchedulerConfig:
         enable_prefix_caching: reuse full KV blocks whose chained token hash matches.
     """
 
-    max_num_batched_tokens: int = 512
-    max_num_seqs: int = 64
-    max_model_len: int = 2048
-    enable_prefix_caching: bool = True
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    max_model_len: int
+    enable_prefix_caching: bool
 
 
 def compat_hash(model: ModelConfig, cache: CacheConfig) -> str:

@@ -14,6 +14,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
+from engine.errors import ErrorKind
 from engine.model_runner import ModelRunner
 from engine.outputs import RequestFailed, StepRecord
 from engine.request import Request
@@ -29,7 +30,11 @@ class AddRequest:
 
 @dataclass
 class Abort:
+    """Drop a request and free its blocks. notify: tell its owner with RequestFailed(ABORTED) (an abort from
+    outside, e.g. Worker.Abort); the owner's own cleanup aborts silently (it stopped listening)."""
+
     request_id: str
+    notify: bool = False
 
 
 @dataclass
@@ -52,7 +57,7 @@ class EngineCore:
     Args:
         scheduler, runner: the engine's halves.
         emit: called on the engine thread with each batch of output events (Reserved, TokenOutput,
-            RequestFailed). Aborts emit nothing: the caller that aborted already stopped listening.
+            RequestFailed). An Abort emits RequestFailed(ABORTED) only when it asks to notify.
         step_log_size: how many StepRecords to keep.
     """
 
@@ -96,7 +101,7 @@ class EngineCore:
                     self.emit(events)
             except Exception:  # a bug here must not silently wedge every request: fail them all loudly
                 log.exception("engine step failed; aborting all requests")
-                failed = [RequestFailed(rid, "INTERNAL", "engine step failed; see worker log")
+                failed = [RequestFailed(rid, ErrorKind.INTERNAL, "engine step failed; see worker log")
                           for rid in list(self.scheduler.requests)]
                 for f in failed:
                     self.scheduler.abort(f.request_id)
@@ -122,7 +127,8 @@ class EngineCore:
             if failure is not None:
                 self.emit([failure])
         elif isinstance(cmd, Abort):
-            s.abort(cmd.request_id)
+            if s.abort(cmd.request_id) and cmd.notify:
+                self.emit([RequestFailed(cmd.request_id, ErrorKind.ABORTED, "aborted by Worker.Abort")])
         elif isinstance(cmd, KvArrived):
             s.kv_arrived(cmd.request_id, cmd.first_token)
         elif isinstance(cmd, Call):

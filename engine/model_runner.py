@@ -6,7 +6,7 @@ import torch
 from engine.attention import AttentionMetadata
 from engine.config import CacheConfig, ModelConfig
 from engine.kv_cache import KVCache
-from engine.llama import LlamaModel
+from engine.models.llama import DecoderModel
 from engine.outputs import SampledToken, ScheduledRequest, SchedulerOutput
 from engine.sampler import Sampler
 from kernels import select_ops
@@ -34,7 +34,8 @@ class ModelRunner:
         self.model_config = model_config
         self.device = torch.device(device)
         self.attention_ops = select_ops(attention_backend, self.device)
-        self.model = LlamaModel(model_config, self.attention_ops).to(device=self.device, dtype=model_config.torch_dtype)
+        self.model = DecoderModel(model_config, self.attention_ops).to(device=self.device,
+                                                                      dtype=model_config.torch_dtype)
         if state_dict is not None:
             self.model.load_weights(state_dict)
         self.model.eval()

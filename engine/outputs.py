@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.errors import ErrorKind
 from engine.request import FinishReason, Request
 
 
@@ -73,10 +74,10 @@ class TokenOutput:
 
 @dataclass
 class RequestFailed:
-    """The engine gave up on a request. code is a gRPC status name (e.g. 'RESOURCE_EXHAUSTED')."""
+    """The engine gave up on a request and holds nothing for it any more."""
 
     request_id: str
-    code: str
+    kind: ErrorKind
     message: str
 
 

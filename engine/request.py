@@ -9,9 +9,15 @@ from dataclasses import dataclass, field
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Resolved sampling parameters (defaults filled in by the coordinator). Semantics follow vLLM's.
+    """Resolved sampling parameters of one request. Semantics follow vLLM's SamplingParams.
+
+    The field names are those of the public `pdserve.v1.SamplingParams` message, which workers convert
+    field by field (`worker_common.convert.sampling_from_proto`). The defaults here are the documented public
+    defaults (generate.proto), which the coordinator resolves; a test holds the two together. max_tokens has no
+    default: only the coordinator knows the context left.
 
     Attributes:
+        max_tokens: output tokens at most.
         temperature: 0 = greedy.
         top_p: nucleus mass in (0, 1].
         top_k: 0 = off.
@@ -19,13 +25,13 @@ class SamplingParams:
         seed: None = unseeded.
         repetition_penalty: 1 = off (CTRL; applies to prompt and output tokens).
         presence_penalty, frequency_penalty: 0 = off (OpenAI; output tokens only).
-        max_tokens: output tokens at most.
         min_tokens: EOS / stop token ids suppressed before this many output tokens.
         stop_token_ids: extra ids that end generation.
         ignore_eos: do not stop on the model's EOS.
         logprobs: None = off; k = sampled token's logprob plus the top-k alternatives.
     """
 
+    max_tokens: int
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -34,7 +40,6 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    max_tokens: int = 16
     min_tokens: int = 0
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
@@ -111,7 +116,3 @@ class Request:
     def append_output(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self._all_token_ids.append(token_id)
-
-    @property
-    def is_finished(self) -> bool:
-        return self.status == RequestStatus.FINISHED

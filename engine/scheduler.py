@@ -11,6 +11,7 @@ import time
 from collections import deque
 
 from engine.config import SchedulerConfig
+from engine.errors import ErrorKind
 from engine.kv_cache_manager import KVCacheManager
 from engine.outputs import Reserved, RequestFailed, SampledToken, ScheduledRequest, SchedulerOutput, TokenOutput
 from engine.request import FinishReason, Request, RequestStatus
@@ -36,14 +37,15 @@ class Scheduler:
     def add_request(self, request: Request) -> RequestFailed | None:
         """Queue a request. Returns a failure when it can never fit this worker's KV pool or context."""
         if request.request_id in self.requests:
-            return RequestFailed(request.request_id, "ALREADY_EXISTS", f"request id {request.request_id!r} is in use")
+            return RequestFailed(request.request_id, ErrorKind.DUPLICATE_REQUEST,
+                                 f"request id {request.request_id!r} is in use")
         need = request.num_prompt_tokens + (1 if request.prefill_only else request.sampling.max_tokens)
         if need > self.config.max_model_len:
-            return RequestFailed(request.request_id, "INVALID_ARGUMENT",
+            return RequestFailed(request.request_id, ErrorKind.INVALID_REQUEST,
                                  f"prompt ({request.num_prompt_tokens}) + max_tokens exceeds max_model_len "
                                  f"{self.config.max_model_len}")
         if self.kv.blocks_needed(need) > self.kv.pool.num_blocks:
-            return RequestFailed(request.request_id, "RESOURCE_EXHAUSTED",
+            return RequestFailed(request.request_id, ErrorKind.CAPACITY,
                                  f"request needs {self.kv.blocks_needed(need)} KV blocks, the pool has "
                                  f"{self.kv.pool.num_blocks}; lower max_tokens or raise the KV budget")
         self.requests[request.request_id] = request
@@ -202,10 +204,6 @@ class Scheduler:
             req.finish_reason = FinishReason.ABORT
         self._finish(req)
         return True
-
-    def release(self, request_id: str) -> bool:
-        """Free a HELD (prefill-done) request after its KV was sent or the send failed."""
-        return self.abort(request_id)
 
     def num_requests(self) -> int:
         return len(self.requests)

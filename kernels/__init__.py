@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
+# Names only: importing this package loads no torch, so the command line can list the choices cheaply.
 BACKENDS = ("auto", "torch", "triton")
 
 
@@ -32,6 +34,8 @@ class AttentionOps:
 
 def triton_usable(device: torch.device | str) -> bool:
     """True when Triton kernels can run on `device`: a CUDA device, or any device under TRITON_INTERPRET=1."""
+    import torch
+
     try:
         import triton  # noqa: F401
     except ImportError:
@@ -49,6 +53,8 @@ def select_ops(backend: str, device: torch.device | str) -> AttentionOps:
     Raises:
         ValueError: unknown backend, or "triton" where Triton cannot run (no CUDA and no TRITON_INTERPRET=1).
     """
+    import torch
+
     if backend not in BACKENDS:
         raise ValueError(f"attention backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "auto":

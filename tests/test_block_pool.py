@@ -12,7 +12,7 @@ def test_allocate_free_exact_ids_and_lru_order():
     pool.free([0, 1])  # freed in reverse: tail block 1 first, then 0
     assert pool.num_free_blocks == 3
     assert pool.allocate(3) == [3, 1, 0]
-    assert pool.check_integrity() == []
+    assert pool.integrity_errors() == []
 
 
 def test_double_free_and_overallocation_raise():
@@ -50,7 +50,7 @@ def test_prefix_cache_hit_shares_blocks_and_survives_free():
     assert hits == [0, 1]
     assert kv.allocate_slots("b", 11, hits)
     assert kv.get_block_table("b") == [0, 1, 3]  # block 2 was freed last-in-order, 3 is the LRU head now
-    assert kv.pool.ref_counts[0] == 1 and kv.pool.check_integrity() == []
+    assert kv.pool.ref_counts[0] == 1 and kv.pool.integrity_errors() == []
 
 
 def test_full_prompt_hit_leaves_one_token_to_compute():
@@ -72,4 +72,4 @@ def test_eviction_drops_hash_entry():
     kv.free("a")
     kv.allocate_slots("x", 4)  # takes both blocks, evicting the cached one
     assert kv.get_computed_blocks(_req("b", [1, 2, 3])) == []
-    assert kv.pool.check_integrity() == []
+    assert kv.pool.integrity_errors() == []

@@ -3,13 +3,14 @@ import asyncio
 import random
 import re
 import time
+from pathlib import Path
 
 import grpc
 import pytest
 
 from conftest import hf_greedy
 from pdserve import AsyncClient, Client, SamplingParams
-from pdserve.launcher import start_cluster
+from cli.launcher import ServeConfig, start_cluster
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 
 pytestmark = pytest.mark.e2e
@@ -21,8 +22,8 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "List three colors:"
 
 @pytest.fixture(scope="module")
 def cluster(real_model_dir, tmp_path_factory):
-    c = start_cluster(str(real_model_dir), "SmolLM2-135M-Instruct", worker_args=WORKER_ARGS,
-                      log_dir=str(tmp_path_factory.mktemp("logs")))
+    c = start_cluster(str(real_model_dir), "SmolLM2-135M-Instruct",
+                      ServeConfig(log_dir=str(tmp_path_factory.mktemp("logs"))), worker_args=WORKER_ARGS)
     yield c
     c.stop()
 
@@ -61,6 +62,16 @@ def test_model_info(cluster):
         info = c.model_info()
     assert info.model == "SmolLM2-135M-Instruct" and info.topology == "disaggregated"
     assert info.vocab_size == 49152 and info.kv_connector in ("ucx", "tcp")
+
+
+def test_coordinator_process_never_loads_torch(cluster):
+    """The running coordinator (started by the CLI, tokenizer loaded, requests served) maps no torch or triton."""
+    with Client(cluster.address) as c:
+        c.complete([{"role": "user", "content": "Hi"}], greedy(2))
+    maps = Path(f"/proc/{cluster.processes['coordinator'].pid}/maps").read_text()
+    assert "libtorch" not in maps and "triton" not in maps
+    worker_maps = Path(f"/proc/{cluster.processes['decode-0'].pid}/maps").read_text()
+    assert "libtorch" in worker_maps  # the check can see it where it is
 
 
 def test_greedy_matches_hf_on_real_model(cluster, tokenizer, real_model_dir):
@@ -201,8 +212,8 @@ def test_random_cancellations_do_not_leak(cluster):
 def test_tiny_model_cluster_matches_hf(tiny_model_dir, tmp_path, mode):
     """A random-weight Llama built from a config, through each topology / connector, equals HF greedy."""
     args = ["--kv-tokens", "2048", "--max-model-len", "512", "--connector", "tcp" if mode == "colocated" else mode]
-    c = start_cluster(str(tiny_model_dir), "tiny", colocated=mode == "colocated", worker_args=args,
-                      log_dir=str(tmp_path))
+    c = start_cluster(str(tiny_model_dir), "tiny", ServeConfig(log_dir=str(tmp_path)), colocated=mode == "colocated",
+                      worker_args=args)
     try:
         rng = random.Random(1)
         prompts = [[rng.randrange(3, 49152) for _ in range(n)] for n in (3, 17, 40, 64)]
@@ -219,6 +230,32 @@ def test_tiny_model_cluster_matches_hf(tiny_model_dir, tmp_path, mode):
             info = client.model_info()
         assert info.topology == ("colocated" if mode == "colocated" else "disaggregated")
         assert info.kv_connector == ("" if mode == "colocated" else mode)
+        assert_idle(c)
+    finally:
+        c.stop()
+
+
+def test_two_prefill_two_decode_workers_all_take_requests(tiny_model_dir, tmp_path):
+    """Routing spreads load per role: sequential requests alternate, concurrent ones spread by load."""
+    c = start_cluster(str(tiny_model_dir), "tiny", ServeConfig(num_prefill=2, num_decode=2, log_dir=str(tmp_path)),
+                      worker_args=["--kv-tokens", "2048", "--max-model-len", "512", "--connector", "tcp"])
+    try:
+        def steps():
+            return {name: worker_stats(address).num_steps for name, address in c.worker_addresses.items()}
+
+        with Client(c.address) as client:
+            for i in range(2):
+                client.complete([5 + i] * 20, greedy(4, ignore_eos=True))
+        after_sequential = steps()
+        assert all(n > 0 for n in after_sequential.values()), after_sequential
+
+        async def burst():
+            async with AsyncClient(c.address) as client:
+                await asyncio.gather(*(client.complete([7 + i] * 30, greedy(6, ignore_eos=True)) for i in range(8)))
+
+        asyncio.run(burst())
+        after_burst = steps()
+        assert all(after_burst[n] > after_sequential[n] for n in after_burst), (after_sequential, after_burst)
         assert_idle(c)
     finally:
         c.stop()

@@ -6,7 +6,9 @@ import random
 import pytest
 
 from conftest import hf_greedy
-from engine.builder import EngineArgs, build_engine
+from engine.args import EngineArgs
+from engine.builder import build_engine
+from engine.errors import ErrorKind
 from engine.request import Request, SamplingParams
 
 
@@ -21,7 +23,7 @@ def run_to_completion(parts, requests, max_steps=10_000):
         s.update(out, r.execute(out))
         steps += 1
         assert steps < max_steps
-    assert s.kv.pool.check_integrity() == []
+    assert s.kv.pool.integrity_errors() == []
     return steps
 
 
@@ -91,7 +93,7 @@ def test_remote_kv_request_reserves_then_decodes(tiny_model_dir, prompts):
         assert not out.prefills  # nothing recomputed: the prompt's KV came from the prefill engine
         decode.scheduler.update(out, decode.runner.execute(out))
     assert d_req.output_token_ids == hf_greedy(tiny_model_dir, prompt, 8)
-    prefill.scheduler.release("x")
+    prefill.scheduler.abort("x")  # what the prefill worker does once the KV is sent
     for e in (prefill, decode):
         assert e.scheduler.kv.pool.num_free_blocks == e.scheduler.kv.pool.num_blocks
 
@@ -124,4 +126,4 @@ def test_stop_token_and_min_tokens(tiny_model_dir, prompts):
 def test_request_that_can_never_fit_is_rejected(tiny_model_dir):
     parts = build_engine(EngineArgs(model_dir=str(tiny_model_dir), block_size=8, kv_tokens=64, max_model_len=512))
     failure = parts.scheduler.add_request(greedy("big", [5] * 60, 20))
-    assert failure is not None and failure.code == "RESOURCE_EXHAUSTED"
+    assert failure is not None and failure.kind == ErrorKind.CAPACITY

@@ -1,7 +1,8 @@
 """Edge text handling: stop strings across chunk boundaries and UTF-8-safe incremental detokenization."""
 import pytest
 
-from coordinator.text import IncrementalDetokenizer, StopMatcher, Tokenizer
+from coordinator.text import IncrementalDetokenizer, StopMatcher
+from coordinator.tokenizer import Tokenizer
 
 
 def test_stop_string_split_across_chunks_is_held_back_then_cut():
@@ -30,8 +31,58 @@ def tok(real_model_dir):
 
 def test_detokenizer_never_emits_broken_utf8_and_reassembles(tok):
     text = "Grüße aus Köln 🌍🚀 — 日本語テキスト"
-    ids = tok.hf(text, add_special_tokens=False)["input_ids"]
+    ids = tok.hf.encode(text, add_special_tokens=False).ids
     detok = IncrementalDetokenizer(tok, [1])
     pieces = [detok.add([t]) for t in ids]
     assert all("\ufffd" not in p for p in pieces)
     assert "".join(pieces) == text
+
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "Hi!"}],
+    [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Grüße 🌍 — what is 2+2?"}],
+    [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}, {"role": "user", "content": "c\n\nd"}],
+]
+TEXTS = ["The capital of France is", " hello  world\n\n", "Grüße aus Köln 🌍🚀 — 日本語",
+         "<|im_start|>user hi<|im_end|>"]
+
+
+@pytest.fixture(scope="module")
+def hf_tok(real_model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(real_model_dir))
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_tokenizer_matches_transformers(tok, hf_tok, text):
+    """The coordinator's torch-free tokenizer gives transformers' ids and text."""
+    ids = tok.encode(text)
+    assert ids == hf_tok(text, add_special_tokens=True)["input_ids"]
+    assert tok.decode(ids) == hf_tok.decode(ids, skip_special_tokens=True)
+    assert [tok.token_text(i) for i in ids] == [hf_tok.decode([i]) for i in ids]
+
+
+@pytest.mark.parametrize("messages", CONVERSATIONS)
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+def test_chat_template_matches_transformers(tok, hf_tok, messages, add_generation_prompt):
+    want = hf_tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
+    want = list(want["input_ids"] if hasattr(want, "keys") else want)
+    assert tok.encode_chat(messages, add_generation_prompt) == want
+
+
+def test_chat_template_error_is_invalid_argument(tmp_path, real_model_dir):
+    """A template that raises (as real ones do for e.g. non-alternating roles) becomes INVALID_ARGUMENT."""
+    import grpc
+
+    from coordinator.errors import RequestError
+
+    (tmp_path / "tokenizer.json").write_bytes((real_model_dir / "tokenizer.json").read_bytes())
+    (tmp_path / "chat_template.jinja").write_text(
+        "{% for m in messages %}{% if m['role'] == 'tool' %}{{ raise_exception('no tools here') }}{% endif %}"
+        "{{ m['content'] }}{% endfor %}")
+    t = Tokenizer(tmp_path)
+    assert t.encode_chat([{"role": "user", "content": "hi"}]) == t.hf.encode("hi", add_special_tokens=False).ids
+    with pytest.raises(RequestError) as e:
+        t.encode_chat([{"role": "tool", "content": "x"}])
+    assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and "no tools here" in e.value.message

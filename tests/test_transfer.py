@@ -5,6 +5,7 @@ import asyncio
 import numpy as np
 import pytest
 
+from engine.errors import ErrorKind
 from engine.transfer import available_backends, get_backend
 from engine.transfer.protocol import KvReceiver, KvSender, TransferError
 
@@ -75,7 +76,7 @@ def test_unknown_request_rejected_and_channel_still_usable(backend):
         try:
             with pytest.raises(TransferError) as e:
                 await sender.send(address, "ghost", 1, [0], num_tokens=1)
-            assert e.value.code == "ABORTED" and "no reservation" in str(e.value)
+            assert e.value.kind == ErrorKind.TRANSFER_REJECTED and "no reservation" in str(e.value)
             sink.reserved["ok"] = [1]
             await sender.send(address, "ok", 1, [0], num_tokens=1)
             np.testing.assert_array_equal(dst.blocks[1], src.blocks[0])
@@ -94,7 +95,7 @@ def test_incompatible_layout_refused_at_handshake(backend):
         try:
             with pytest.raises(TransferError) as e:
                 await sender.send(address, "r", 1, [0], num_tokens=1)
-            assert e.value.code == "FAILED_PRECONDITION" and "incompatible" in str(e.value)
+            assert e.value.kind == ErrorKind.INCOMPATIBLE_PEER and "incompatible" in str(e.value)
         finally:
             sender.close()
             receiver.close()
@@ -113,7 +114,7 @@ def test_receiver_death_mid_transfer_is_an_error_not_a_hang(backend):
         try:
             with pytest.raises(TransferError) as e:
                 await asyncio.wait_for(sender.send(address, "r", 1, list(range(big)), num_tokens=big), 20)
-            assert e.value.code in ("UNAVAILABLE", "DEADLINE_EXCEEDED")
+            assert e.value.kind in (ErrorKind.TRANSFER_FAILED, ErrorKind.KV_TIMEOUT)
         finally:
             sender.close()
             receiver.close()

@@ -1,5 +1,7 @@
-"""Conversions between the internal proto messages and engine dataclasses."""
+"""Conversions between the internal proto messages and the engine's dataclasses (the only place they meet)."""
 from __future__ import annotations
+
+import dataclasses
 
 from engine.outputs import SampledToken
 from engine.request import FinishReason, SamplingParams
@@ -10,26 +12,25 @@ FINISH_REASON_TO_PROTO = {FinishReason.STOP: generate_pb2.FINISH_REASON_STOP,
                           FinishReason.ABORT: generate_pb2.FINISH_REASON_ABORT}
 
 
-def sampling_from_proto(p: worker_pb2.ResolvedSampling) -> SamplingParams:
-    """ResolvedSampling (already validated by the coordinator) -> SamplingParams."""
-    return SamplingParams(
-        temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, min_p=p.min_p,
-        seed=p.seed if p.has_seed else None, repetition_penalty=p.repetition_penalty,
-        presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty, max_tokens=p.max_tokens,
-        min_tokens=p.min_tokens, stop_token_ids=tuple(p.stop_token_ids), ignore_eos=p.ignore_eos,
-        logprobs=None if p.logprobs < 0 else p.logprobs)
+def sampling_from_proto(p: generate_pb2.SamplingParams) -> SamplingParams:
+    """The resolved public message (every default filled by the coordinator) -> the engine's SamplingParams.
 
-
-def sampling_to_proto(s: SamplingParams) -> worker_pb2.ResolvedSampling:
-    return worker_pb2.ResolvedSampling(
-        temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p, has_seed=s.seed is not None,
-        seed=s.seed or 0, repetition_penalty=s.repetition_penalty, presence_penalty=s.presence_penalty,
-        frequency_penalty=s.frequency_penalty, max_tokens=s.max_tokens, min_tokens=s.min_tokens,
-        stop_token_ids=list(s.stop_token_ids), ignore_eos=s.ignore_eos,
-        logprobs=-1 if s.logprobs is None else s.logprobs)
+    Field by field by name, so a new sampling option needs no edit here. An unset optional field (seed,
+    logprobs) takes the engine's default, None = off; repeated fields become tuples; fields the engine has no
+    use for (stop strings, handled by the coordinator) are not read.
+    """
+    kwargs = {}
+    for f in dataclasses.fields(SamplingParams):
+        desc = p.DESCRIPTOR.fields_by_name[f.name]
+        if desc.is_repeated:
+            kwargs[f.name] = tuple(getattr(p, f.name))
+        elif not desc.has_presence or p.HasField(f.name):
+            kwargs[f.name] = getattr(p, f.name)
+    return SamplingParams(**kwargs)
 
 
 def token_to_proto(t: SampledToken) -> worker_pb2.SampledToken:
+    """An engine SampledToken -> the worker proto's, with logprobs (text filled in later by the coordinator)."""
     msg = worker_pb2.SampledToken(token_id=t.token_id)
     if t.logprob is not None:
         msg.logprobs.CopyFrom(generate_pb2.PositionLogprobs(

@@ -5,6 +5,8 @@ import importlib.util
 
 from engine.transfer.channel import Backend
 
+BACKEND_NAMES = ("tcp", "ucx")
+
 
 def get_backend(name: str) -> Backend:
     """Instantiate a backend by name ("tcp" or "ucx").
@@ -22,7 +24,7 @@ def get_backend(name: str) -> Backend:
         from engine.transfer.ucx import UcxBackend
 
         return UcxBackend()
-    raise ValueError(f"unknown KV connector {name!r}; choose tcp, ucx or auto")
+    raise ValueError(f"unknown KV connector {name!r}; choose one of {', '.join(BACKEND_NAMES)}")
 
 
 def available_backends() -> list[str]:

@@ -12,6 +12,7 @@ from typing import Protocol
 
 import numpy as np
 
+from engine.errors import EngineError, ErrorKind
 from engine.transfer.backends import get_backend, parse_address
 from engine.transfer.channel import Backend, Channel, ChannelClosed, Listener
 
@@ -20,13 +21,8 @@ log = logging.getLogger(__name__)
 PROTOCOL_VERSION = 1
 
 
-class TransferError(Exception):
-    """A transfer failed. `code` is a gRPC status name the caller can surface (UNAVAILABLE, DEADLINE_EXCEEDED,
-    FAILED_PRECONDITION for incompatible peers, ABORTED when the receiver rejected the request)."""
-
-    def __init__(self, code: str, message: str):
-        super().__init__(message)
-        self.code = code
+class TransferError(EngineError):
+    """A transfer failed; `kind` is TRANSFER_FAILED, KV_TIMEOUT, INCOMPATIBLE_PEER or TRANSFER_REJECTED."""
 
 
 @dataclass
@@ -85,13 +81,15 @@ class KvSender:
                     reply = _decode(await ch.recv_msg())
                     if not reply.get("ok"):
                         reusable = True
-                        raise TransferError("ABORTED", f"decode worker rejected {request_id}: {reply.get('error')}")
+                        raise TransferError(ErrorKind.TRANSFER_REJECTED,
+                                            f"decode worker rejected {request_id}: {reply.get('error')}")
                     for b in block_ids:
                         await ch.send_buffer(self.block_view(b))
                     done = _decode(await ch.recv_msg())
                     if not done.get("ok"):
                         reusable = True
-                        raise TransferError("UNAVAILABLE", f"decode worker failed {request_id}: {done.get('error')}")
+                        raise TransferError(ErrorKind.TRANSFER_FAILED,
+                                            f"decode worker failed {request_id}: {done.get('error')}")
                     reusable = True
                 finally:
                     if reusable:
@@ -99,10 +97,11 @@ class KvSender:
                     else:
                         ch.close()
         except TimeoutError as e:
-            raise TransferError("DEADLINE_EXCEEDED",
+            raise TransferError(ErrorKind.KV_TIMEOUT,
                                 f"KV transfer of {request_id} to {address} exceeded {self.timeout_s:.1f}s") from e
         except ChannelClosed as e:
-            raise TransferError("UNAVAILABLE", f"KV transfer of {request_id} to {address} failed: {e}") from e
+            raise TransferError(ErrorKind.TRANSFER_FAILED,
+                                f"KV transfer of {request_id} to {address} failed: {e}") from e
         return TransferStats(len(block_ids), nbytes * len(block_ids), time.perf_counter() - start)
 
     async def _checkout(self, address: str) -> Channel:
@@ -122,8 +121,8 @@ class KvSender:
             raise
         if not ack.get("ok"):
             ch.close()
-            raise TransferError("FAILED_PRECONDITION", f"decode worker {address} refused the handshake: "
-                                                       f"{ack.get('error')}")
+            raise TransferError(ErrorKind.INCOMPATIBLE_PEER,
+                                f"decode worker {address} refused the handshake: {ack.get('error')}")
         return ch
 
     def close(self) -> None:

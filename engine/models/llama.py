@@ -1,8 +1,9 @@
-"""Llama-family decoder that reads and writes a paged KV cache.
+"""Llama-family decoder (Llama, Mistral, Qwen2) that reads and writes a paged KV cache.
 
 Matches HF transformers' LlamaForCausalLM numerics (RMSNorm in fp32, rotate-half RoPE, SiLU-gated MLP) so that
-greedy output equals `generate()` on the same weights. q/k/v and gate/up projections are fused at load time
-(one matmul instead of three / two).
+greedy output equals `generate()` on the same weights. The architectures differ only in projection biases, switched
+by `ModelConfig.qkv_bias` / `o_bias` (Qwen2 = Llama + q/k/v bias). q/k/v and gate/up projections are fused at load
+time (one matmul instead of three / two).
 """
 from __future__ import annotations
 
@@ -54,15 +55,18 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    """GQA self-attention over the paged KV cache through the worker's `AttentionOps` (Triton or torch)."""
+    """GQA self-attention over the paged KV cache through the worker's `AttentionOps` (Triton or torch).
+
+    Biases (HF semantics): `cfg.qkv_bias` on the fused q/k/v projection, before RoPE; `cfg.o_bias` on o_proj.
+    """
 
     def __init__(self, cfg: ModelConfig, ops: AttentionOps):
         super().__init__()
         self.ops = ops
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size, self.kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=False)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
         self.scale = cfg.head_dim ** -0.5
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, meta: AttentionMetadata,
@@ -88,6 +92,8 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    """SiLU-gated MLP with fused gate/up projection, no bias. x: [T, hidden] -> [T, hidden]."""
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.intermediate = cfg.intermediate_size
@@ -100,6 +106,8 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    """Pre-norm attention + MLP block; `DecoderModel.forward` applies it (the residual adds live there)."""
+
     def __init__(self, cfg: ModelConfig, ops: AttentionOps):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -108,8 +116,8 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
 
 
-class LlamaModel(nn.Module):
-    """The decoder stack plus LM head.
+class DecoderModel(nn.Module):
+    """The decoder stack plus LM head, for every model_type in `engine.models.registry` (Llama, Mistral, Qwen2).
 
     forward() takes one packed step (tokens of many sequences concatenated) and the per-layer paged KV cache
     views; it writes the step's K/V into the cache and returns hidden states. Use `load_weights` to fill it from
@@ -141,35 +149,65 @@ class LlamaModel(nn.Module):
         return self.lm_head(hidden).float()
 
     def load_weights(self, state: dict[str, torch.Tensor]) -> None:
-        """Copy an HF Llama state dict (q/k/v and gate/up separate) into the fused modules.
+        """Copy an HF state dict (q/k/v and gate/up separate; names with or without the `model.` prefix) into the
+        fused modules, strictly: every parameter must be supplied and every tensor consumed, so a checkpoint whose
+        architecture differs from `cfg` (e.g. Qwen2 q/k/v biases on a bias-free config) fails instead of loading
+        into wrong numerics. Tolerated leftovers: `*.rotary_emb.inv_freq` buffers (RoPE is recomputed) and
+        `lm_head.weight` when `cfg.tie_word_embeddings` (the head is the embedding). Nothing is copied unless the
+        whole state dict checks out.
 
         Raises:
-            KeyError: a required tensor is missing.
-            ValueError: a tensor has the wrong shape.
+            KeyError: a required tensor is missing (the message names it).
+            ValueError: tensors were not consumed (the message lists them, sorted), or a tensor has the wrong shape.
         """
-        def take(name: str) -> torch.Tensor:
-            return state[name] if name in state else state["model." + name]
+        consumed: set[str] = set()
 
+        def take(name: str) -> torch.Tensor:
+            for key in (name, "model." + name):
+                if key in state:
+                    consumed.add(key)
+                    return state[key]
+            raise KeyError(f"missing tensor {name!r} (nor 'model.{name}') in the state dict")
+
+        def fused(names: list[str]) -> torch.Tensor:
+            return torch.cat([take(n) for n in names], dim=0)
+
+        cfg = self.cfg
         params: dict[str, torch.Tensor] = {
             "embed_tokens.weight": take("embed_tokens.weight"),
             "norm.weight": take("norm.weight"),
         }
-        head = state.get("lm_head.weight")
-        params["lm_head.weight"] = head if head is not None and not self.cfg.tie_word_embeddings \
-            else params["embed_tokens.weight"]
-        for i in range(self.cfg.num_layers):
+        if cfg.tie_word_embeddings:
+            params["lm_head.weight"] = params["embed_tokens.weight"]
+            if "lm_head.weight" in state:  # saved copy of the embedding
+                consumed.add("lm_head.weight")
+        else:
+            params["lm_head.weight"] = take("lm_head.weight")
+        for i in range(cfg.num_layers):
             p = f"layers.{i}."
-            params[p + "self_attn.qkv_proj.weight"] = torch.cat(
-                [take(p + f"self_attn.{n}_proj.weight") for n in "qkv"], dim=0)
-            params[p + "self_attn.o_proj.weight"] = take(p + "self_attn.o_proj.weight")
-            params[p + "mlp.gate_up_proj.weight"] = torch.cat(
-                [take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")], dim=0)
-            params[p + "mlp.down_proj.weight"] = take(p + "mlp.down_proj.weight")
+            attn, mlp = p + "self_attn.", p + "mlp."
+            params[attn + "qkv_proj.weight"] = fused([attn + f"{n}_proj.weight" for n in "qkv"])
+            if cfg.qkv_bias:
+                params[attn + "qkv_proj.bias"] = fused([attn + f"{n}_proj.bias" for n in "qkv"])
+            params[attn + "o_proj.weight"] = take(attn + "o_proj.weight")
+            if cfg.o_bias:
+                params[attn + "o_proj.bias"] = take(attn + "o_proj.bias")
+            params[mlp + "gate_up_proj.weight"] = fused([mlp + "gate_proj.weight", mlp + "up_proj.weight"])
+            params[mlp + "down_proj.weight"] = take(mlp + "down_proj.weight")
             params[p + "input_layernorm.weight"] = take(p + "input_layernorm.weight")
             params[p + "post_attention_layernorm.weight"] = take(p + "post_attention_layernorm.weight")
+
+        unused = sorted(k for k in state if k not in consumed and not k.endswith("rotary_emb.inv_freq"))
+        if unused:
+            more = f" and {len(unused) - 10} more" if len(unused) > 10 else ""
+            raise ValueError(f"{len(unused)} unused tensor(s) in the state dict (architecture mismatch with "
+                             f"{cfg.name!r}?): {', '.join(unused[:10])}{more}")
         own = dict(self.named_parameters())
+        if own.keys() != params.keys():  # the loader and the module tree disagree: a bug here, not in the checkpoint
+            raise RuntimeError(f"loader/module mismatch: {sorted(own.keys() ^ params.keys())}")
         for name, tensor in params.items():
             if own[name].shape != tensor.shape:
                 raise ValueError(f"{name}: expected shape {tuple(own[name].shape)}, got {tuple(tensor.shape)}")
-            with torch.no_grad():
+        with torch.no_grad():
+            for name, tensor in params.items():
                 own[name].copy_(tensor.to(own[name].dtype))

@@ -20,36 +20,12 @@ FINISH_REASONS = {generate_pb2.FINISH_REASON_STOP: "stop", generate_pb2.FINISH_R
                   generate_pb2.FINISH_REASON_ABORT: "abort"}
 
 
-@dataclass(frozen=True)
-class SamplingParams:
-    """Typed sampling parameters; None leaves the server default (see proto/pdserve/v1/generate.proto)."""
+SamplingParams = generate_pb2.SamplingParams
+"""Sampling parameters: the `pdserve.v1.SamplingParams` message itself (one definition, in generate.proto).
 
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    seed: int | None = None
-    repetition_penalty: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    min_tokens: int | None = None
-    stop: Sequence[str] = ()
-    stop_token_ids: Sequence[int] = ()
-    ignore_eos: bool = False
-    logprobs: int | None = None
-    include_stop_str_in_output: bool = False
-
-    def to_proto(self) -> generate_pb2.SamplingParams:
-        msg = generate_pb2.SamplingParams(stop=list(self.stop), stop_token_ids=list(self.stop_token_ids),
-                                          ignore_eos=self.ignore_eos,
-                                          include_stop_str_in_output=self.include_stop_str_in_output)
-        for name in ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty",
-                     "presence_penalty", "frequency_penalty", "min_tokens", "logprobs"):
-            value = getattr(self, name)
-            if value is not None:
-                setattr(msg, name, value)
-        return msg
+Build it with keyword arguments, e.g. `SamplingParams(max_tokens=32, temperature=0, stop=["\\n"])`; a field left
+unset (or given as None) takes the server's documented default. Semantics follow vLLM's SamplingParams.
+"""
 
 
 @dataclass
@@ -79,9 +55,9 @@ class Completion:
 
 def build_request(prompt: str | Sequence[int] | Sequence[dict], sampling: SamplingParams | None, request_id: str,
                   model: str) -> generate_pb2.GenerateRequest:
-    """A str is text; a sequence of ints is token ids; a sequence of {"role", "content"} dicts is chat."""
-    req = generate_pb2.GenerateRequest(request_id=request_id, model=model,
-                                       sampling=(sampling or SamplingParams()).to_proto())
+    """The GenerateRequest for a prompt: a str is text; a sequence of ints is token ids; a sequence of
+    {"role", "content"} dicts is chat (rendered with the model's chat template by the server)."""
+    req = generate_pb2.GenerateRequest(request_id=request_id, model=model, sampling=sampling)
     if isinstance(prompt, str):
         req.text = prompt
     elif prompt and isinstance(prompt[0], dict):

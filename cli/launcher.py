@@ -1,0 +1,140 @@
+"""`pdserve serve`: start coordinator + workers as separate processes on this host and wait until they serve."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """The shape of a local cluster (the roles' own settings are their config dataclasses).
+
+    Attributes:
+        num_prefill / num_decode: worker processes per role (ignored when colocated: one worker).
+        log_dir: write each process's output to <log_dir>/<name>.log; None = inherit stderr.
+        start_timeout_s: how long to wait for every process to serve, seconds.
+    """
+
+    num_prefill: int = field(default=1, metadata={"help": "prefill worker processes"})
+    num_decode: int = field(default=1, metadata={"help": "decode worker processes"})
+    log_dir: str | None = field(default=None, metadata={"help": "write each process's log to a file here"})
+    start_timeout_s: float = field(default=600.0, metadata={"help": "wait for every process to serve, seconds"})
+
+
+@dataclass
+class Cluster:
+    """Processes of a local cluster; `stop()` terminates them all.
+
+    Attributes:
+        address: the coordinator's "host:port".
+        processes: process name ("coordinator", "prefill-0", "decode-1", ...) -> the process.
+        worker_addresses: worker process name -> gRPC address.
+        log_files: process name -> log path ("" when inheriting stderr).
+    """
+
+    address: str
+    processes: dict[str, subprocess.Popen] = field(default_factory=dict)
+    workdir: str = ""
+    log_files: dict[str, str] = field(default_factory=dict)
+    worker_addresses: dict[str, str] = field(default_factory=dict)
+
+    def stop(self, timeout_s: float = 20.0) -> None:
+        """SIGTERM every process, then SIGKILL what has not exited within timeout_s."""
+        for p in self.processes.values():
+            if p.poll() is None:
+                p.terminate()
+        deadline = time.monotonic() + timeout_s
+        for p in self.processes.values():
+            try:
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
+def _spawn(args: list[str], name: str, workdir: Path, log_dir: Path | None,
+           env: dict) -> tuple[subprocess.Popen, Path, str]:
+    ready = workdir / f"{name}.ready"
+    log_path = ""
+    out = None
+    if log_dir is not None:
+        log_dir.mkdir(parents=True, exist_ok=True)
+        log_path = str(log_dir / f"{name}.log")
+        out = open(log_path, "w")  # noqa: SIM115 - owned by the child for its lifetime
+    proc = subprocess.Popen([sys.executable, "-m", "cli.main", *args, "--ready-file", str(ready)],
+                            stdout=out, stderr=subprocess.STDOUT if out else None, env=env)
+    return proc, ready, log_path
+
+
+def wait_ready(procs: list[tuple[str, subprocess.Popen, Path]], timeout_s: float) -> list[dict]:
+    """Wait for every (name, process, ready file) to write its file (`server_common.grpc_server.write_ready_file`)
+    and return their contents in order.
+
+    Raises:
+        RuntimeError: naming a process that exited or did not get ready within timeout_s.
+    """
+    deadline = time.monotonic() + timeout_s
+    out = []
+    for name, proc, ready in procs:
+        while not ready.exists():
+            if proc.poll() is not None:
+                raise RuntimeError(f"{name} exited with code {proc.returncode} before it was ready")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{name} not ready after {timeout_s:.0f}s")
+            time.sleep(0.1)
+        out.append(json.loads(ready.read_text()))
+    return out
+
+
+def start_cluster(model_dir: str, model_name: str, config: ServeConfig = ServeConfig(), colocated: bool = False,
+                  worker_args: list[str] | None = None, coordinator_args: list[str] | None = None,
+                  env: dict | None = None) -> Cluster:
+    """Start the topology and return once the coordinator serves.
+
+    Args:
+        model_dir: resolved HF-format model directory (see `cli.models.resolve_model`).
+        model_name: the coordinator's served model name.
+        config: how many workers, where logs go, how long to wait.
+        colocated: one colocated worker instead of prefill + decode workers.
+        worker_args / coordinator_args: flags passed to every worker / the coordinator (e.g. from
+            `cli.args.dataclass_to_argv`); the coordinator binds port 0 unless they say otherwise.
+        env: the children's environment (default: this process's).
+
+    Raises:
+        RuntimeError: a process died or did not become ready; everything started is stopped first.
+    """
+    workdir = Path(tempfile.mkdtemp(prefix="pdserve-"))
+    env = dict(os.environ if env is None else env)
+    logs = Path(config.log_dir) if config.log_dir else None
+    cluster = Cluster(address="", workdir=str(workdir))
+    try:
+        waits = []
+        roles = [("colocated", 1)] if colocated else [("prefill", config.num_prefill), ("decode", config.num_decode)]
+        for role, n in roles:
+            for i in range(n):
+                name = f"{role}-{i}"
+                proc, ready, log_path = _spawn([role, "--model", model_dir, *(worker_args or [])], name, workdir,
+                                               logs, env)
+                cluster.processes[name] = proc
+                cluster.log_files[name] = log_path
+                waits.append((name, proc, ready, role))
+        infos = wait_ready([(n, p, r) for n, p, r, _ in waits], config.start_timeout_s)
+        cluster.worker_addresses = {w[0]: i["address"] for i, w in zip(infos, waits)}
+        args = ["coordinator", "--model", model_dir, "--served-model-name", model_name,
+                *(["--colocated"] if colocated else []), *(coordinator_args or [])]
+        for info, (_, _, _, role) in zip(infos, waits):
+            args += ["--prefill" if role == "prefill" else "--decode", info["address"]]
+        proc, ready, log_path = _spawn(args, "coordinator", workdir, logs, env)
+        cluster.processes["coordinator"] = proc
+        cluster.log_files["coordinator"] = log_path
+        cluster.address = wait_ready([("coordinator", proc, ready)], config.start_timeout_s)[0]["address"]
+        return cluster
+    except BaseException:
+        cluster.stop()
+        raise

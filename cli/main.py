@@ -1,0 +1,223 @@
+"""pdserve: gRPC LLM inference with disaggregated prefill and decode.
+
+Commands: serve (a whole local cluster), coordinator / prefill / decode / colocated (one role per process, as
+compose.yaml runs them), generate (stream a completion from a running coordinator).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
+
+from cli.args import add_dataclass_args, dataclass_from_args, dataclass_to_argv
+
+
+@dataclass(frozen=True)
+class Command:
+    """One subcommand: its help line, how to add its flags, and how to run it. Each imports only what it needs
+    (a role's config and server), so `pdserve coordinator` never loads torch or the engine."""
+
+    help: str
+    add_args: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], None]
+    log_level: str = "INFO"
+
+
+def _add_model_args(p: argparse.ArgumentParser, served_name: bool = False) -> None:
+    p.add_argument("--model", default=None,
+                   help="HF-format directory or .gguf file (default: the packaged SmolLM2-135M-Instruct)")
+    if served_name:
+        p.add_argument("--served-model-name", default=None, help="name clients pass as model (default: from --model)")
+
+
+def _resolved(args: argparse.Namespace) -> tuple[str, str]:
+    """(model directory, served name) for --model; converts a GGUF once, in a child process."""
+    from cli.models import resolve_model, served_name
+
+    return str(resolve_model(args.model)), getattr(args, "served_model_name", None) or served_name(args.model)
+
+
+def _run_server(coro: Coroutine) -> None:
+    """Run a server coroutine until SIGINT or SIGTERM, then let it shut down cleanly."""
+    async def main() -> None:
+        task = asyncio.create_task(coro)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, task.cancel)
+        try:
+            await task
+        except asyncio.CancelledError:
+            pass
+    asyncio.run(main())
+
+
+# ---- roles ------------------------------------------------------------------------------------------------------
+def _worker_args(p: argparse.ArgumentParser) -> None:
+    from worker_common.config import WorkerConfig
+
+    _add_model_args(p)
+    add_dataclass_args(p, WorkerConfig)
+
+
+def _run_worker(role: str) -> Callable[[argparse.Namespace], None]:
+    def run(args: argparse.Namespace) -> None:
+        from worker_common.config import WorkerConfig
+
+        model_dir, _ = _resolved(args)
+        config = dataclass_from_args(WorkerConfig, args, role=role, model_dir=model_dir)
+        if role == "prefill":
+            from prefill_worker.server import serve
+        else:
+            from decode_worker.server import serve
+        _run_server(serve(config))
+    return run
+
+
+def _coordinator_args(p: argparse.ArgumentParser) -> None:
+    from coordinator.config import CoordinatorConfig
+
+    _add_model_args(p, served_name=True)
+    add_dataclass_args(p, CoordinatorConfig)
+
+
+def _run_coordinator(args: argparse.Namespace) -> None:
+    from coordinator.config import CoordinatorConfig
+    from coordinator.server import serve
+
+    model_dir, name = _resolved(args)
+    _run_server(serve(dataclass_from_args(CoordinatorConfig, args, model_dir=model_dir, model_name=name)))
+
+
+# ---- serve: the whole cluster on this host -----------------------------------------------------------------------
+# Settings that belong to the cluster's shape, not to one process: `serve` fills them in per process.
+_PER_PROCESS = frozenset({"port", "ready_file", "prefill", "decode", "colocated"})
+
+
+def _serve_args(p: argparse.ArgumentParser) -> None:
+    from cli.launcher import ServeConfig
+    from coordinator.config import CoordinatorConfig
+    from worker_common.config import WorkerConfig
+
+    _add_model_args(p, served_name=True)
+    add_dataclass_args(p, ServeConfig)
+    p.add_argument("--port", type=int, default=50051, help="coordinator port (0 = any free port)")
+    p.add_argument("--colocated", action="store_true", help="one worker runs both phases (the baseline)")
+    add_dataclass_args(p.add_argument_group("workers"), WorkerConfig, skip=_PER_PROCESS)
+    add_dataclass_args(p.add_argument_group("coordinator"), CoordinatorConfig, skip=_PER_PROCESS | {"host"})
+    p.add_argument("--demo", nargs="?", const="Explain in two sentences why the sky is blue.", default=None,
+                   help="send one chat request, stream it, then shut down")
+    p.add_argument("--demo-max-tokens", type=int, default=64)
+
+
+def _run_serve(args: argparse.Namespace) -> None:
+    from cli.launcher import ServeConfig, start_cluster
+    from coordinator.config import CoordinatorConfig
+    from worker_common.config import WorkerConfig
+
+    model_dir, name = _resolved(args)
+    # Built from the same dataclasses the roles parse, then turned back into flags: every knob reaches its process.
+    worker = dataclass_from_args(WorkerConfig, args, role="decode", model_dir=model_dir, port=0)
+    coordinator = dataclass_from_args(CoordinatorConfig, args, model_dir=model_dir, model_name=name)
+    logs = ["--log-level", args.log_level]
+    print(f"starting pdserve ({'colocated' if args.colocated else 'disaggregated'}) with {name} ...", flush=True)
+    signal.signal(signal.SIGTERM, _raise_interrupt)  # SIGTERM stops the cluster like Ctrl-C, never orphans it
+    cluster = start_cluster(model_dir, name, dataclass_from_args(ServeConfig, args), colocated=args.colocated,
+                            worker_args=dataclass_to_argv(worker, skip=_PER_PROCESS) + logs,
+                            coordinator_args=dataclass_to_argv(coordinator, skip=_PER_PROCESS - {"port"}) + logs)
+    print(f"pdserve ready on {cluster.address}", flush=True)
+    try:
+        if args.demo is not None:
+            _stream(cluster.address, args.demo, args.demo_max_tokens, 0.0, chat=True)
+        else:
+            signal.pause()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        cluster.stop()
+
+
+def _raise_interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
+# ---- generate: an SDK client --------------------------------------------------------------------------------------
+def _generate_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("prompt")
+    p.add_argument("--address", default=os.environ.get("PDSERVE_ADDRESS", "127.0.0.1:50051"))
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--chat", action="store_true", help="send the prompt as one user chat message")
+
+
+def _run_generate(args: argparse.Namespace) -> None:
+    _stream(args.address, args.prompt, args.max_tokens, args.temperature, chat=args.chat)
+
+
+def _stream(address: str, prompt: str, max_tokens: int, temperature: float, chat: bool) -> None:
+    from pdserve import Client, SamplingParams
+
+    with Client(address) as client:
+        request = [{"role": "user", "content": prompt}] if chat else prompt
+        print(f">>> {prompt}", flush=True)
+        for chunk in client.generate(request, SamplingParams(max_tokens=max_tokens, temperature=temperature)):
+            if chunk.final is not None:
+                f = chunk.final
+                print(f"\n[{f.finish_reason}] {f.prompt_tokens} prompt + {f.completion_tokens} completion tokens; "
+                      f"TTFT {f.timings['ttft_ms']:.0f} ms, transfer {f.timings['transfer_ms']:.1f} ms, "
+                      f"total {f.timings['e2e_ms']:.0f} ms", flush=True)
+            else:
+                print(chunk.text, end="", flush=True)
+
+
+COMMANDS: dict[str, Command] = {
+    "serve": Command("start coordinator + workers on this host and wait until they serve", _serve_args, _run_serve,
+                     log_level="WARNING"),
+    "coordinator": Command("run the public gRPC server in front of running workers", _coordinator_args,
+                           _run_coordinator),
+    "prefill": Command("run one prefill worker", _worker_args, _run_worker("prefill")),
+    "decode": Command("run one decode worker", _worker_args, _run_worker("decode")),
+    "colocated": Command("run one worker that does both phases", _worker_args, _run_worker("colocated")),
+    "generate": Command("stream a completion from a running coordinator", _generate_args, _run_generate),
+}
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows a flag's default unless it is None or the help already explains it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if action.default is None or "default" in (action.help or ""):
+            return action.help or ""
+        return super()._get_help_string(action)
+
+
+def build_parser(command: str) -> argparse.ArgumentParser:
+    """The parser of one command (importing only that command's configuration)."""
+    cmd = COMMANDS[command]
+    parser = argparse.ArgumentParser(prog=f"pdserve {command}", description=cmd.help,
+                                     formatter_class=_HelpFormatter)
+    cmd.add_args(parser)
+    parser.add_argument("--log-level", default=cmd.log_level)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    top = argparse.ArgumentParser(prog="pdserve", description=__doc__,
+                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = top.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, cmd in COMMANDS.items():
+        sub.add_parser(name, help=cmd.help, add_help=False)
+    command = top.parse_args(argv[:1]).command  # only the name: each command builds its own flags lazily
+    args = build_parser(command).parse_args(argv[1:])
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s")
+    COMMANDS[command].run(args)
+
+
+if __name__ == "__main__":
+    main()

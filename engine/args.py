@@ -1,0 +1,50 @@
+"""The engine's knobs and their defaults: the one definition the workers, `pdserve serve` and the CLI flags are
+built from. No torch here, so the command line can read it without loading torch."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kernels import BACKENDS as ATTENTION_BACKENDS
+
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    """Engine knobs shared by every worker role. Field metadata carries each flag's help text.
+
+    Attributes:
+        model_dir: resolved HF-format directory (see `cli.models.resolve_model`).
+        dtype: weights and KV dtype.
+        block_size: tokens per KV block.
+        kv_tokens: KV budget in tokens; ignored when kv_bytes is set.
+        kv_bytes: KV budget in bytes (overrides kv_tokens); None = use kv_tokens.
+        max_num_batched_tokens: token budget per engine step (prefill chunks + one token per decode).
+        max_num_seqs: most requests in the running batch.
+        max_model_len: most prompt + output tokens per request; 0 = the model's max_position_embeddings.
+        enable_prefix_caching: reuse cached full KV blocks with the same chained token hash.
+        device: torch device of weights and KV cache.
+        seed: sampler seed for unseeded requests (and random weights).
+        attention_backend: "auto" (Triton kernels on CUDA, torch reference elsewhere), "triton" or "torch".
+        threads: torch intra-op threads for the process (0 = torch's default).
+        random_weights: build the model from its config with random weights (tests, GPU-less benchmarks).
+    """
+
+    model_dir: str = field(metadata={"cli": False})
+    dtype: str = field(default="float32", metadata={
+        "choices": DTYPE_NAMES, "help": "weights and KV dtype (bf16 needs AVX512_BF16/AMX on CPU to be fast)"})
+    block_size: int = field(default=16, metadata={"help": "tokens per KV block"})
+    kv_tokens: int = field(default=16384, metadata={"help": "KV budget in tokens (ignored when --kv-bytes is set)"})
+    kv_bytes: int | None = field(default=None, metadata={"help": "KV budget in bytes (overrides --kv-tokens)"})
+    max_num_batched_tokens: int = field(default=512, metadata={"help": "token budget per engine step"})
+    max_num_seqs: int = field(default=64, metadata={"help": "most requests in the running batch"})
+    max_model_len: int = field(default=0, metadata={
+        "help": "most prompt + output tokens per request (0 = the model's context length)"})
+    enable_prefix_caching: bool = field(default=True, metadata={"help": "reuse cached prefix KV blocks"})
+    device: str = field(default="cpu", metadata={"help": "torch device, e.g. cpu or cuda:0"})
+    seed: int = field(default=0, metadata={"help": "seed for unseeded sampling and random weights"})
+    attention_backend: str = field(default="auto", metadata={
+        "choices": ATTENTION_BACKENDS,
+        "help": "paged attention ops (auto = Triton kernels on CUDA, torch reference on CPU)"})
+    threads: int = field(default=1, metadata={"help": "torch intra-op threads per process (0 = let torch choose)"})
+    random_weights: bool = field(default=False, metadata={"help": "random weights from the model's config"})

@@ -1,0 +1,122 @@
+"""One owner per request: leaving `engine.request(...)` frees what the engine holds, on every exit path."""
+import asyncio
+
+import pytest
+
+from engine.args import EngineArgs
+from engine.async_engine import AsyncEngine
+from engine.builder import build_engine
+from engine.engine_core import EngineCore
+from engine.errors import EngineError, ErrorKind
+from engine.outputs import TokenOutput
+from engine.request import FinishReason, Request, SamplingParams
+
+
+def greedy(rid, n=50, **kw):
+    return Request(rid, list(range(5, 45)), SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True), **kw)
+
+
+async def idle(engine: AsyncEngine) -> tuple[int, int, list]:
+    """(requests the engine knows, blocks in use, integrity errors), once commands queued so far are applied."""
+    return await engine.call(lambda s: (s.num_requests(), s.kv.pool.num_blocks - s.kv.pool.num_free_blocks,
+                                        s.kv.pool.integrity_errors()))
+
+
+@pytest.fixture
+def run(tiny_model_dir):
+    parts = build_engine(EngineArgs(model_dir=str(tiny_model_dir), block_size=8, kv_tokens=1024, max_model_len=512))
+
+    def go(scenario):
+        async def main():
+            engine = AsyncEngine(lambda emit: EngineCore(parts.scheduler, parts.runner, emit))
+            engine.start()
+            try:
+                await scenario(engine)
+                assert await idle(engine) == (0, 0, [])
+            finally:
+                engine.stop()
+        asyncio.run(main())
+    return go
+
+
+def test_leaving_early_frees_the_request(run):
+    async def scenario(engine):
+        with engine.request(greedy("a")) as stream:
+            ev = await stream.next()
+            assert isinstance(ev, TokenOutput) and ev.finish_reason is None
+    run(scenario)
+
+
+def test_error_inside_the_block_frees_the_request(run):
+    async def scenario(engine):
+        with pytest.raises(RuntimeError):
+            with engine.request(greedy("a")) as stream:
+                await stream.next()
+                raise RuntimeError("the handler failed")
+    run(scenario)
+
+
+def test_cancelled_task_frees_the_request(run):
+    async def scenario(engine):
+        started = asyncio.Event()
+
+        async def reader():
+            with engine.request(greedy("a", n=400)) as stream:
+                await stream.next()
+                started.set()
+                while True:
+                    await stream.next_batch()
+
+        task = asyncio.create_task(reader())
+        await started.wait()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    run(scenario)
+
+
+def test_finished_request_is_not_aborted_twice_and_prefill_blocks_are_released(run):
+    async def scenario(engine):
+        with engine.request(greedy("done", n=3)) as stream:
+            batch = []
+            while not batch or batch[-1].finish_reason is None:
+                batch = await stream.next_batch()
+            assert batch[-1].finish_reason == FinishReason.LENGTH and stream.dropped
+        with engine.request(greedy("p", prefill_only=True)) as stream:
+            ev = await stream.next()
+            assert ev.finish_reason == FinishReason.PREFILL_DONE and ev.block_ids
+            assert (await idle(engine))[1] == len(ev.block_ids)  # HELD until the owner leaves
+    run(scenario)
+
+
+def test_external_abort_ends_the_stream_with_aborted(run):
+    async def scenario(engine):
+        with engine.request(greedy("a", n=400)) as stream:
+            await stream.next()
+            engine.abort("a")
+            with pytest.raises(EngineError) as e:
+                while True:
+                    await stream.next_batch()
+            assert e.value.kind == ErrorKind.ABORTED
+    run(scenario)
+
+
+def test_hand_over_moves_the_free_to_the_new_owner(run):
+    async def scenario(engine):
+        with engine.request(greedy("r", remote_kv=True)) as stream:
+            reserved = await stream.next()
+            free = stream.hand_over()
+        assert (await idle(engine))[1] == len(reserved.block_ids)  # still reserved: the receiver owns it now
+        free()
+    run(scenario)
+
+
+def test_duplicate_id_while_owned_is_refused(run):
+    async def scenario(engine):
+        with engine.request(greedy("a")) as stream:
+            with pytest.raises(EngineError) as e:
+                with engine.request(greedy("a")):
+                    pass
+            assert e.value.kind == ErrorKind.DUPLICATE_REQUEST
+            await stream.next()
+    run(scenario)

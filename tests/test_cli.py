@@ -1,0 +1,83 @@
+"""The command line is built from the config dataclasses: every role's defaults are the dataclasses' defaults, and
+`pdserve serve` hands every setting, whatever its value, to the processes it starts."""
+import dataclasses
+import typing
+
+import pytest
+
+from cli.args import dataclass_from_args, dataclass_to_argv
+from cli.launcher import ServeConfig
+from cli.main import _PER_PROCESS, build_parser
+from coordinator.config import CoordinatorConfig
+from engine.args import EngineArgs
+from worker_common.config import WorkerConfig
+
+
+def test_commands_default_to_the_dataclass_defaults():
+    for role in ("prefill", "decode", "colocated"):
+        got = dataclass_from_args(WorkerConfig, build_parser(role).parse_args([]), role=role, model_dir="m")
+        assert got == WorkerConfig(role=role, engine=EngineArgs(model_dir="m"))
+    got = dataclass_from_args(CoordinatorConfig, build_parser("coordinator").parse_args([]), model_dir="m",
+                              model_name="n")
+    assert got == CoordinatorConfig(model_dir="m", model_name="n")
+    assert dataclass_from_args(ServeConfig, build_parser("serve").parse_args([])) == ServeConfig()
+
+
+def _other_value(f: dataclasses.Field, annotation):
+    """A value different from the field's default, of its type."""
+    default = f.default
+    kind = typing.get_args(annotation)[0] if type(None) in typing.get_args(annotation) else annotation
+    if kind is bool:
+        return not default
+    if typing.get_origin(kind) is tuple:
+        return ("a:1", "b:2")
+    if "choices" in f.metadata:
+        return next(c for c in f.metadata["choices"] if c != default)
+    if kind is int:
+        return (default or 0) + 3
+    if kind is float:
+        return (default or 0.0) + 0.5
+    return f"x-{f.name}"
+
+
+def _everything_changed(cls, skip=frozenset(), **values):
+    """An instance of cls (nested dataclasses too) with every flag-backed field away from its default."""
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        if f.name in values:
+            kwargs[f.name] = values[f.name]
+        elif dataclasses.is_dataclass(hints[f.name]):
+            kwargs[f.name] = _everything_changed(hints[f.name], skip, **values)
+        elif f.metadata.get("cli", True) and f.name not in skip:
+            kwargs[f.name] = _other_value(f, hints[f.name])
+    return cls(**kwargs)
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode", "colocated"])
+def test_serve_forwards_every_worker_setting(role):
+    """Any WorkerConfig/EngineArgs field, new ones included, survives serve -> worker argv -> worker parser."""
+    want = _everything_changed(WorkerConfig, skip=_PER_PROCESS, role=role, model_dir="m")
+    serve_ns = build_parser("serve").parse_args(dataclass_to_argv(want, skip=_PER_PROCESS))
+    from_serve = dataclass_from_args(WorkerConfig, serve_ns, role=role, model_dir="m", port=0)
+    assert from_serve == want
+    argv = dataclass_to_argv(from_serve, skip=_PER_PROCESS)
+    assert dataclass_from_args(WorkerConfig, build_parser(role).parse_args(argv), role=role, model_dir="m") == want
+
+
+def test_serve_forwards_every_coordinator_setting():
+    want = _everything_changed(CoordinatorConfig, skip=_PER_PROCESS, model_dir="m", model_name="n")
+    serve_ns = build_parser("serve").parse_args(dataclass_to_argv(want, skip=_PER_PROCESS) + ["--port", "0"])
+    from_serve = dataclass_from_args(CoordinatorConfig, serve_ns, model_dir="m", model_name="n")
+    assert dataclass_to_argv(from_serve, skip=_PER_PROCESS) == dataclass_to_argv(want, skip=_PER_PROCESS)
+    argv = dataclass_to_argv(from_serve, skip=_PER_PROCESS - {"port"})
+    parsed = dataclass_from_args(CoordinatorConfig, build_parser("coordinator").parse_args(argv), model_dir="m",
+                                 model_name="n")
+    assert dataclass_to_argv(parsed, skip=_PER_PROCESS) == dataclass_to_argv(want, skip=_PER_PROCESS)
+
+
+def test_role_flags_round_trip_with_lists():
+    config = CoordinatorConfig(model_dir="m", model_name="n", prefill=("p0:1", "p1:2"), decode=("d0:3",),
+                               colocated=False, max_in_flight=9)
+    parsed = build_parser("coordinator").parse_args(dataclass_to_argv(config))
+    assert dataclass_from_args(CoordinatorConfig, parsed, model_dir="m", model_name="n") == config

@@ -1,0 +1,193 @@
+"""Model registry and strict weight loading: greedy parity with HF transformers for architectures with projection
+biases (Qwen2; Llama with attention_bias), loud failures on missing / unused / misshapen tensors, and the
+registry's refusal of configs we cannot serve correctly."""
+import dataclasses
+import random
+import re
+
+import pytest
+import torch
+
+from conftest import hf_greedy
+from engine.args import EngineArgs
+from engine.builder import build_engine
+from engine.config import ModelConfig
+from engine.models.llama import DecoderModel
+from engine.request import Request, SamplingParams
+from kernels import select_ops
+
+VOCAB = 1024
+TINY = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False,
+            bos_token_id=None, eos_token_id=None,  # no EOS: HF generate must not stop early
+            # HF's default 0.02 leaves attention near-uniform, where q/k biases barely move the output; at 0.1
+            # zeroing any one of the q, k, v, o biases changes the greedy tokens of both models below.
+            initializer_range=0.1)
+
+
+def _save_random(model, out) -> str:
+    """Non-zero biases (HF initialises them to zero, which a bias-dropping loader would pass) and a sharper LM
+    head so greedy choices are far from ties; saved in HF format (the engine needs no tokenizer)."""
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(".bias"):
+                p.normal_(0.0, 0.5)
+        model.lm_head.weight.mul_(8.0)
+    model.save_pretrained(str(out))
+    return str(out)
+
+
+@pytest.fixture(scope="module")
+def qwen2_dir(tmp_path_factory) -> str:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(**TINY, rms_norm_eps=1e-6))
+    assert model.model.layers[0].self_attn.q_proj.bias is not None
+    return _save_random(model, tmp_path_factory.mktemp("tiny-qwen2"))
+
+
+@pytest.fixture(scope="module")
+def llama_bias_dir(tmp_path_factory) -> str:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**TINY, rms_norm_eps=1e-5, attention_bias=True))
+    assert model.model.layers[0].self_attn.o_proj.bias is not None
+    return _save_random(model, tmp_path_factory.mktemp("tiny-llama-bias"))
+
+
+def run_greedy(model_dir: str, prompts: list[list[int]], max_tokens: list[int]):
+    """Run all prompts in one engine with a 16-token step budget. Returns (engine parts, requests, chunked) where
+    chunked says some prefill was split (a later chunk then attends over K/V already in cached blocks)."""
+    parts = build_engine(EngineArgs(model_dir=model_dir, block_size=8, kv_tokens=2048, max_num_batched_tokens=16,
+                                    max_model_len=512, attention_backend="torch"))
+    s, r = parts.scheduler, parts.runner
+    reqs = [Request(f"r{i}", p, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
+            for i, (p, n) in enumerate(zip(prompts, max_tokens))]
+    for req in reqs:
+        assert s.add_request(req) is None
+    chunked = False
+    while s.has_work():
+        out = s.schedule()
+        assert not out.is_empty, "scheduler stalled with work left"
+        chunked |= any(not x.sample for x in out.prefills)  # a prefill chunk that stops short of the prompt's end
+        s.update(out, r.execute(out))
+    return parts, reqs, chunked
+
+
+@pytest.mark.parametrize("model_fixture,qkv_bias,o_bias", [
+    ("qwen2_dir", True, False),
+    ("llama_bias_dir", True, True),
+])
+def test_greedy_matches_hf_with_projection_biases(request, model_fixture, qkv_bias, o_bias):
+    """Prompts of 1..40 tokens (40 spans five 8-token KV blocks) batched together under a 16-token budget."""
+    model_dir = request.getfixturevalue(model_fixture)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, VOCAB) for _ in range(n)] for n in (1, 6, 19, 40)]
+    max_tokens = [5, 8, 6, 7]
+    parts, reqs, chunked = run_greedy(model_dir, prompts, max_tokens)
+    assert (parts.model_config.qkv_bias, parts.model_config.o_bias) == (qkv_bias, o_bias)
+    assert chunked, "the test meant to exercise chunked prefill"
+    for req, p, n in zip(reqs, prompts, max_tokens):
+        assert req.output_token_ids == hf_greedy(model_dir, p, n), req.request_id
+
+
+@pytest.fixture(scope="module")
+def tiny_llama():
+    """(ModelConfig, HF state dict) of a bias-free tiny Llama, in memory."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    hf_cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         tie_word_embeddings=False)
+    torch.manual_seed(0)
+    state = {k: v.detach().clone() for k, v in LlamaForCausalLM(hf_cfg).state_dict().items()}
+    return ModelConfig.from_hf(hf_cfg, name="tiny", path=""), state
+
+
+def new_model(cfg: ModelConfig):
+    return DecoderModel(cfg, select_ops("torch", "cpu"))
+
+
+def test_load_accepts_hf_names_and_known_leftovers(tiny_llama):
+    cfg, state = tiny_llama
+    model = new_model(cfg)
+    model.load_weights({**state, "model.layers.0.self_attn.rotary_emb.inv_freq": torch.ones(4)})
+    qkv = torch.cat([state[f"model.layers.1.self_attn.{n}_proj.weight"] for n in "qkv"])
+    assert torch.equal(model.layers[1].self_attn.qkv_proj.weight, qkv)
+    assert torch.equal(model.lm_head.weight, state["lm_head.weight"])
+
+    new_model(cfg).load_weights({k.removeprefix("model."): v for k, v in state.items()})  # no `model.` prefix
+    tied = new_model(dataclasses.replace(cfg, tie_word_embeddings=True))
+    tied.load_weights(state)  # lm_head.weight is tolerated and ignored: the head is the embedding
+    assert torch.equal(tied.lm_head.weight, state["model.embed_tokens.weight"])
+
+
+@pytest.mark.parametrize("extra", ["model.layers.0.self_attn.q_proj.bias", "model.extra_norm.weight"])
+def test_load_rejects_unused_tensor(tiny_llama, extra):
+    """The first case is a Qwen2-style bias offered to a bias-free config: it must not be dropped silently."""
+    cfg, state = tiny_llama
+    model = new_model(cfg)
+    before = model.embed_tokens.weight.detach().clone()
+    with pytest.raises(ValueError, match=re.escape(extra)):
+        model.load_weights({**state, extra: torch.zeros(32)})
+    assert torch.equal(model.embed_tokens.weight, before)  # nothing copied from a rejected state dict
+
+
+def test_unused_tensors_listed_sorted_and_truncated(tiny_llama):
+    cfg, state = tiny_llama
+    extras = {f"model.junk.{i:02d}": torch.zeros(1) for i in range(12)}
+    with pytest.raises(ValueError, match="12 unused") as e:
+        new_model(cfg).load_weights({**state, **extras})
+    msg = str(e.value)
+    assert "model.junk.00, model.junk.01" in msg and "model.junk.09" in msg
+    assert "model.junk.10" not in msg and "and 2 more" in msg
+
+
+def test_load_rejects_missing_tensor(tiny_llama):
+    cfg, state = tiny_llama
+    missing = "model.layers.1.mlp.down_proj.weight"
+    with pytest.raises((KeyError, ValueError), match=re.escape("layers.1.mlp.down_proj.weight")):
+        new_model(cfg).load_weights({k: v for k, v in state.items() if k != missing})
+    with pytest.raises((KeyError, ValueError), match="lm_head.weight"):  # untied head: no fallback to embedding
+        new_model(cfg).load_weights({k: v for k, v in state.items() if k != "lm_head.weight"})
+    with pytest.raises((KeyError, ValueError), match=re.escape("layers.0.self_attn.q_proj.bias")):
+        new_model(dataclasses.replace(cfg, qkv_bias=True)).load_weights(state)  # bias-free checkpoint as Qwen2
+
+
+def test_load_rejects_wrong_shape(tiny_llama):
+    cfg, state = tiny_llama
+    with pytest.raises(ValueError, match="norm.weight: expected shape"):
+        new_model(cfg).load_weights({**state, "model.norm.weight": torch.ones(33)})
+
+
+def _from_hf(hf_config) -> ModelConfig:
+    return ModelConfig.from_hf(hf_config, name="m", path="")
+
+
+def test_registry_flags_per_model_type():
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+
+    def flags(c):
+        return c.qkv_bias, c.o_bias
+
+    assert flags(_from_hf(LlamaConfig())) == (False, False)
+    assert flags(_from_hf(LlamaConfig(attention_bias=True))) == (True, True)
+    assert flags(_from_hf(Qwen2Config())) == (True, False)
+    assert flags(_from_hf(MistralConfig(sliding_window=None))) == (False, False)
+    assert flags(_from_hf(MistralConfig(sliding_window=4096, max_position_embeddings=4096))) == (False, False)
+
+
+def test_registry_rejects_what_it_cannot_serve():
+    from transformers import GPT2Config, LlamaConfig, MistralConfig, Qwen2Config
+
+    with pytest.raises(ValueError, match="mlp_bias"):
+        _from_hf(LlamaConfig(mlp_bias=True))
+    with pytest.raises(ValueError, match="'gpt2'.*llama, mistral, qwen2"):
+        _from_hf(GPT2Config())
+    with pytest.raises(ValueError, match="sliding_window=128"):
+        _from_hf(MistralConfig(sliding_window=128, max_position_embeddings=512))
+    with pytest.raises(ValueError, match="use_sliding_window"):
+        _from_hf(Qwen2Config(use_sliding_window=True))

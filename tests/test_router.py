@@ -1,0 +1,89 @@
+"""Routing decisions, on handles without servers: per-role rotation, KV headroom, queue depth, leases."""
+import grpc
+import pytest
+
+from coordinator.errors import RequestError
+from coordinator.router import Router, WorkerHandle
+from pdserve.v1 import worker_pb2
+
+
+def handle(name: str, role: str, num_blocks: int = 100, block_size: int = 16) -> WorkerHandle:
+    info = worker_pb2.WorkerInfo(role=role, num_blocks=num_blocks, block_size=block_size)
+    return WorkerHandle(name, None, info, None, None, None)
+
+
+def two_by_two() -> Router:
+    return Router([handle("p0", "prefill"), handle("p1", "prefill")],
+                  [handle("d0", "decode"), handle("d1", "decode")])
+
+
+def stats(free: int, running: int = 0, waiting: int = 0) -> worker_pb2.WorkerStats:
+    return worker_pb2.WorkerStats(num_total_blocks=100, num_free_blocks=free, num_running=running,
+                                  num_waiting=waiting)
+
+
+def route(router: Router, num_tokens: int = 32) -> tuple[str, str]:
+    return router.pick_prefill([1] * 8).address, router.pick_decode(num_tokens).address
+
+
+def test_one_request_at_a_time_uses_every_worker_of_each_role():
+    """Each role rotates on its own: with one shared counter every request went to the same pair."""
+    router = two_by_two()
+    pairs = []
+    for _ in range(4):
+        pairs.append(route(router))
+        for w in router.workers:  # as after a stats poll: the request finished and its blocks are free again
+            w.stats, w.blocks_routed = stats(100), 0
+    assert {p for p, _ in pairs} == {"p0", "p1"} and {d for _, d in pairs} == {"d0", "d1"}
+
+
+def test_concurrent_requests_spread_by_in_flight_count():
+    router = two_by_two()
+    with router.lease(router.pick_decode(32)) as first, router.lease(router.pick_decode(32)) as second:
+        assert first is not second
+        with router.lease(router.pick_prefill([1])) as p0, router.lease(router.pick_prefill([1])) as p1:
+            assert p0 is not p1
+    assert all(w.in_flight == 0 for w in router.workers)
+
+
+def test_decode_prefers_kv_headroom_and_avoids_a_worker_that_cannot_hold_the_request():
+    router = two_by_two()
+    d0, d1 = router.decode
+    d0.stats, d1.stats = stats(free=90), stats(free=10)
+    assert router.pick_decode(16).address == "d0"  # more free blocks at equal load
+    d0.in_flight = 5
+    assert router.pick_decode(16).address == "d1"  # running batch first, while the request fits
+    assert router.pick_decode(16 * 20).address == "d0"  # 20 blocks: only d0 can hold it
+
+
+def test_blocks_routed_between_polls_count_against_headroom():
+    router = two_by_two()
+    d0, d1 = router.decode
+    d0.stats, d1.stats = stats(free=50), stats(free=45)
+    assert router.pick_decode(16 * 10).address == "d0"  # 50 -> 40 estimated
+    assert router.pick_decode(16 * 10).address == "d1"  # 45 > 40
+
+
+def test_prefill_prefers_the_shorter_queue():
+    router = two_by_two()
+    p0, p1 = router.prefill
+    p0.in_flight = 2
+    assert router.pick_prefill([1]).address == "p1"
+    p0.in_flight, p1.stats = 0, stats(free=100, waiting=3)
+    assert router.pick_prefill([1]).address == "p0"
+
+
+def test_lease_is_given_back_on_error():
+    router = two_by_two()
+    worker = router.decode[0]
+    with pytest.raises(RuntimeError):
+        with router.lease(worker):
+            assert worker.in_flight == 1
+            raise RuntimeError("boom")
+    assert worker.in_flight == 0
+
+
+def test_no_worker_of_a_role_is_unavailable():
+    with pytest.raises(RequestError) as e:
+        Router([], [handle("d0", "decode")]).pick_prefill([1])
+    assert e.value.code == grpc.StatusCode.UNAVAILABLE

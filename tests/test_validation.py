@@ -1,0 +1,62 @@
+"""Sampling parameters have one definition: the public message, resolved by the coordinator, converted once by the
+workers into the engine's dataclass; and engine failure kinds map to gRPC statuses in one table."""
+import dataclasses
+
+import grpc
+import pytest
+
+from coordinator.errors import RequestError
+from coordinator.validation import Limits, resolve_sampling
+from engine.errors import ErrorKind
+from engine.request import SamplingParams as EngineSampling
+from pdserve import SamplingParams
+from worker_common.convert import sampling_from_proto
+from worker_common.errors import STATUS_FOR_KIND
+
+LIMITS = Limits(context_length=100, kv_capacity_tokens=80, vocab_size=1000)
+COORDINATOR_ONLY = {"stop", "include_stop_str_in_output"}  # stop strings act on text, at the coordinator
+
+
+def test_engine_and_public_sampling_name_the_same_fields():
+    public = {f.name for f in SamplingParams.DESCRIPTOR.fields}
+    engine = {f.name for f in dataclasses.fields(EngineSampling)}
+    assert engine == public - COORDINATOR_ONLY
+
+
+def test_defaults_resolved_by_the_coordinator_are_the_engines():
+    """An empty request resolves to the documented defaults, which are the engine dataclass's defaults;
+    max_tokens defaults to the rest of the context that the KV cache can hold."""
+    resolved = resolve_sampling(SamplingParams(), num_prompt_tokens=30, limits=LIMITS)
+    assert sampling_from_proto(resolved) == EngineSampling(max_tokens=80 - 30)
+    assert not resolved.HasField("seed") and not resolved.HasField("logprobs")
+
+
+def test_every_field_reaches_the_engine():
+    sent = SamplingParams(temperature=0.7, top_p=0.9, top_k=5, min_p=0.1, seed=42, repetition_penalty=1.3,
+                          presence_penalty=0.5, frequency_penalty=-0.5, max_tokens=7, min_tokens=2,
+                          stop=["x"], stop_token_ids=[3, 4], ignore_eos=True, logprobs=3,
+                          include_stop_str_in_output=True)
+    got = sampling_from_proto(resolve_sampling(sent, num_prompt_tokens=10, limits=LIMITS))
+    for f in dataclasses.fields(EngineSampling):
+        want = getattr(sent, f.name)
+        want = tuple(want) if f.name == "stop_token_ids" else want
+        assert getattr(got, f.name) == pytest.approx(want), f.name
+
+
+@pytest.mark.parametrize("params,code,needle", [
+    (SamplingParams(temperature=-1), grpc.StatusCode.INVALID_ARGUMENT, "temperature"),
+    (SamplingParams(max_tokens=0), grpc.StatusCode.INVALID_ARGUMENT, "max_tokens"),
+    (SamplingParams(max_tokens=75), grpc.StatusCode.INVALID_ARGUMENT, "context window"),
+    (SamplingParams(max_tokens=60), grpc.StatusCode.RESOURCE_EXHAUSTED, "KV cache"),
+    (SamplingParams(stop_token_ids=[5000]), grpc.StatusCode.INVALID_ARGUMENT, "vocabulary"),
+    (SamplingParams(logprobs=21), grpc.StatusCode.INVALID_ARGUMENT, "logprobs"),
+])
+def test_bad_sampling_gets_a_status_naming_the_field(params, code, needle):
+    with pytest.raises(RequestError) as e:
+        resolve_sampling(params, num_prompt_tokens=30, limits=LIMITS)
+    assert e.value.code == code and needle in e.value.message
+
+
+def test_every_engine_error_kind_has_a_status():
+    assert set(STATUS_FOR_KIND) == set(ErrorKind)
+    assert all(isinstance(code, grpc.StatusCode) for code in STATUS_FOR_KIND.values())

@@ -1,0 +1,33 @@
+"""A worker process's configuration: the one definition its CLI flags (and `pdserve serve`'s) are built from."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.args import EngineArgs
+from engine.transfer import BACKEND_NAMES
+from server_common.config import ServerArgs
+
+WORKER_ROLES = ("prefill", "decode", "colocated")
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """Configuration of one worker process, read once from the CLI.
+
+    Attributes:
+        role: "prefill", "decode" or "colocated" (the command, not a flag).
+        engine: engine knobs.
+        server: gRPC bind settings.
+        connector: KV connector a decode worker listens on: "auto", or one of `engine.transfer.BACKEND_NAMES`.
+        kv_timeout_s: decode: how long reserved blocks wait for their KV (the lease), seconds.
+        transfer_timeout_s: bound on one request's KV transfer, seconds.
+    """
+
+    role: str = field(metadata={"cli": False})
+    engine: EngineArgs
+    server: ServerArgs = ServerArgs()
+    connector: str = field(default="auto", metadata={
+        "choices": ("auto", *BACKEND_NAMES),
+        "help": "KV transfer connector decode workers listen on (auto = ucx on CUDA if it handshakes, else tcp)"})
+    kv_timeout_s: float = field(default=60.0, metadata={"help": "lease on decode blocks reserved for KV, seconds"})
+    transfer_timeout_s: float = field(default=30.0, metadata={"help": "bound on one KV transfer, seconds"})
