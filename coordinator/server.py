@@ -16,11 +16,14 @@ from coordinator.errors import RequestError, invalid
 from coordinator.router import Router, WorkerHandle, poll_loads
 from coordinator.text import IncrementalDetokenizer, StopMatcher
 from coordinator.tokenizer import Tokenizer
-from coordinator.validation import Limits, check_chat, check_prompt, resolve_sampling
+from coordinator.validation import (Limits, check_chat, check_prompt, check_text_length, resolve_sampling,
+                                   shorten)
 from pdserve.v1 import generate_pb2, generate_pb2_grpc, worker_pb2, worker_pb2_grpc
 from server_common.grpc_server import MAX_MESSAGE_BYTES, start_grpc_server, write_ready_file
 
 log = logging.getLogger(__name__)
+
+MAX_REQUEST_ID_CHARS = 256  # ids are echoed in errors, logs and traces
 
 
 @dataclass
@@ -96,30 +99,35 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         arrival_wall, t0 = time.time(), flows.now_ms()
         rid = request.request_id or uuid.uuid4().hex
         try:
-            prompt, sampling = await self._prepare(request, rid)
+            self._admit(rid)
         except RequestError as e:
             await context.abort(e.code, e.message)
         flow = flows.Flow(rid)
-        self.cluster.flows[rid] = flow
+        self.cluster.flows[rid] = flow  # the id is taken before the first await: a duplicate cannot slip in
         try:
+            prompt, sampling = await self._prepare(request)
             async for msg in self._stream(flow, request, prompt, sampling, arrival_wall, t0):
                 yield msg
         except RequestError as e:
-            await context.abort(e.code, f"request {rid}: {e}")
+            await context.abort(e.code, f"request {rid}: {e.message}")
         finally:
             flow.cancel()
             self.cluster.flows.pop(rid, None)
 
-    async def _prepare(self, request: generate_pb2.GenerateRequest,
-                       rid: str) -> tuple[list[int], generate_pb2.SamplingParams]:
-        """(prompt token ids, resolved sampling). Raises RequestError with the status to return."""
+    def _admit(self, rid: str) -> None:
+        """Raises RequestError unless a request with this id may start now."""
+        if len(rid) > MAX_REQUEST_ID_CHARS:
+            raise invalid(f"request_id has {len(rid)} characters; at most {MAX_REQUEST_ID_CHARS} are allowed")
         if rid in self.cluster.flows:
             raise RequestError(grpc.StatusCode.ALREADY_EXISTS, f"request_id {rid!r} is already in flight")
         if len(self.cluster.flows) >= self.config.max_in_flight:
             raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                f"server at capacity ({self.config.max_in_flight} requests in flight); retry later")
+
+    async def _prepare(self, request: generate_pb2.GenerateRequest) -> tuple[list[int], generate_pb2.SamplingParams]:
+        """(prompt token ids, resolved sampling). Raises RequestError with the status to return."""
         if request.model and request.model != self.config.model_name:
-            raise invalid(f"unknown model {request.model!r}; this server serves {self.config.model_name!r}")
+            raise invalid(f"unknown model {shorten(request.model)}; this server serves {self.config.model_name!r}")
         kind = request.WhichOneof("input")
         if kind is None:
             raise invalid("one of text, chat or token_ids is required")
@@ -127,9 +135,12 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         if kind == "text":
             if not request.text:
                 raise invalid("prompt is empty: text must be non-empty")
+            check_text_length(len(request.text), self.tokenizer.max_chars_per_token, limits)
             prompt = await asyncio.to_thread(self.tokenizer.encode, request.text)
         elif kind == "chat":
             check_chat(request.chat)
+            check_text_length(sum(len(m.content) for m in request.chat.messages), self.tokenizer.max_chars_per_token,
+                              limits)
             messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
             add_gen = (request.chat.add_generation_prompt if request.chat.HasField("add_generation_prompt")
                        else True)

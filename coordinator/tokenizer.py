@@ -64,6 +64,9 @@ class Tokenizer:
         if not (model_dir / "tokenizer.json").is_file():
             raise FileNotFoundError(f"{model_dir} has no tokenizer.json")
         self.hf = HFTokenizer.from_file(str(model_dir / "tokenizer.json"))
+        # Longest token in characters: a byte-level BPE token's stored form has a character per byte and a
+        # SentencePiece token one per character, so no token decodes to more characters than this.
+        self.max_chars_per_token = max(len(t) for t in self.hf.get_vocab(with_added_tokens=True))
         config_path = model_dir / "tokenizer_config.json"
         config = json.loads(config_path.read_text()) if config_path.is_file() else {}
         self.special_tokens = {k: _token_text(config[k]) for k in SPECIAL_TOKEN_KEYS if config.get(k) is not None}

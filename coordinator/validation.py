@@ -6,6 +6,7 @@ generate.proto (tests/test_validation.py holds them against the engine's datacla
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import grpc
@@ -42,8 +43,8 @@ def resolve_sampling(p: generate_pb2.SamplingParams, num_prompt_tokens: int,
             request could never fit a worker's KV pool.
     """
     temperature = p.temperature if p.HasField("temperature") else 1.0
-    if not temperature >= 0.0:
-        raise invalid(f"sampling.temperature must be >= 0 (0 = greedy), got {temperature}")
+    if not 0.0 <= temperature < math.inf:
+        raise invalid(f"sampling.temperature must be >= 0 and finite (0 = greedy), got {temperature}")
     top_p = p.top_p if p.HasField("top_p") else 1.0
     if not 0.0 < top_p <= 1.0:
         raise invalid(f"sampling.top_p must be in (0, 1], got {top_p}")
@@ -111,4 +112,21 @@ def check_chat(chat: generate_pb2.ChatMessages) -> None:
         raise invalid("chat.messages is empty")
     for i, m in enumerate(chat.messages):
         if m.role not in CHAT_ROLES:
-            raise invalid(f"chat.messages[{i}].role is {m.role!r}; expected one of {', '.join(CHAT_ROLES)}")
+            raise invalid(f"chat.messages[{i}].role is {shorten(m.role)}; expected one of {', '.join(CHAT_ROLES)}")
+
+
+def check_text_length(num_chars: int, max_chars_per_token: int, limits: Limits) -> None:
+    """Refuse text that cannot fit the context whatever it tokenizes to, before spending time tokenizing it: a
+    token covers at most max_chars_per_token characters, so the prompt has at least num_chars / that many tokens.
+
+    Raises:
+        RequestError: INVALID_ARGUMENT when num_chars > context_length * max_chars_per_token.
+    """
+    if num_chars > limits.context_length * max_chars_per_token:
+        raise invalid(f"prompt text has {num_chars} characters: more than the {limits.context_length}-token context "
+                      f"window can hold (at most {max_chars_per_token} characters per token)")
+
+
+def shorten(value: str, limit: int = 64) -> str:
+    """repr() of a caller's string for an error message, cut to `limit` characters (errors travel in metadata)."""
+    return repr(value) if len(value) <= limit else repr(value[:limit]) + f"... ({len(value)} characters)"

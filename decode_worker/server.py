@@ -33,9 +33,9 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
     async def Decode(self, request: worker_pb2.DecodeRequest, context: grpc.aio.ServicerContext):
         rid = request.request_id
         remote = request.kv_source == worker_pb2.KV_SOURCE_REMOTE
-        req = Request(rid, list(request.prompt_token_ids), sampling_from_proto(request.sampling),
-                      eos_token_ids=self.worker.parts.model_config.eos_token_ids, remote_kv=remote)
         try:
+            req = Request(rid, list(request.prompt_token_ids), sampling_from_proto(request.sampling),
+                          eos_token_ids=self.worker.parts.model_config.eos_token_ids, remote_kv=remote)
             with self.worker.engine.request(req) as stream:
                 if remote:
                     reserved = await stream.next()
@@ -67,7 +67,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
         Raises:
             EngineError: KV_TIMEOUT when the lease ran out before any KV came; TRANSFER_FAILED when it broke.
         """
-        lease_s = lease_ms / 1e3 if lease_ms else self.kv_timeout_s
+        # A caller may shorten the lease, never extend it past this worker's own (blocks held for a peer are bounded).
+        lease_s = min(lease_ms / 1e3, self.kv_timeout_s) if lease_ms else self.kv_timeout_s
         try:
             await asyncio.wait_for(reservation.settled.wait(), lease_s)
         except TimeoutError:

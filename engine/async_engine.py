@@ -77,12 +77,21 @@ class RequestStream:
 
 
 class AsyncEngine:
-    """Bridges the engine thread and the asyncio loop it was started on. Requests enter through `request()`."""
+    """Bridges the engine thread and the asyncio loop it was started on. Requests enter through `request()`.
 
-    def __init__(self, core_factory: Callable[[Callable[[list], None]], EngineCore]):
+    Args:
+        core_factory: builds the EngineCore from (emit, on_fault) callbacks that this object provides.
+    """
+
+    def __init__(self, core_factory: Callable[[Callable[[list], None], Callable[[str], None]], EngineCore]):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._streams: dict[str, RequestStream] = {}
-        self.core = core_factory(self._emit)
+        self._fault_listeners: list[Callable[[str], None]] = []
+        self.core = core_factory(self._emit, self._fault)
+
+    def add_fault_listener(self, listener: Callable[[str], None]) -> None:
+        """Call listener(message) on the event loop when an engine step faults (once; see EngineCore.on_fault)."""
+        self._fault_listeners.append(listener)
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -116,6 +125,11 @@ class AsyncEngine:
         if abort:
             self.core.submit(Abort(request_id))
         self._streams.pop(request_id, None)
+
+    def _fault(self, message: str) -> None:  # engine thread
+        assert self._loop is not None
+        for listener in self._fault_listeners:
+            self._loop.call_soon_threadsafe(listener, message)
 
     def _emit(self, events: list) -> None:  # engine thread
         assert self._loop is not None

@@ -41,7 +41,7 @@ def build_engine(args: EngineArgs) -> EngineParts:
     scheduler_config = SchedulerConfig(
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
         max_model_len=min(max_len, model_config.max_position_embeddings),
-        enable_prefix_caching=args.enable_prefix_caching)
+        enable_prefix_caching=args.enable_prefix_caching, vocab_size=model_config.vocab_size)
     state = None if args.random_weights else load_state_dict(path)
     runner = ModelRunner(model_config, cache_config, state, device=args.device, seed=args.seed,
                          attention_backend=args.attention_backend)

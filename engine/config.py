@@ -132,12 +132,14 @@ class SchedulerConfig:
         max_num_seqs: most requests in the running batch.
         max_model_len: most tokens (prompt + output) one request may hold.
         enable_prefix_caching: reuse full KV blocks whose chained token hash matches.
+        vocab_size: token ids a request may carry are [0, vocab_size).
     """
 
     max_num_batched_tokens: int
     max_num_seqs: int
     max_model_len: int
     enable_prefix_caching: bool
+    vocab_size: int
 
 
 def compat_hash(model: ModelConfig, cache: CacheConfig) -> str:

@@ -16,7 +16,7 @@ from typing import Any
 
 from engine.errors import ErrorKind
 from engine.model_runner import ModelRunner
-from engine.outputs import RequestFailed, StepRecord
+from engine.outputs import RequestFailed, SchedulerOutput, StepRecord
 from engine.request import Request
 from engine.scheduler import Scheduler
 
@@ -58,14 +58,18 @@ class EngineCore:
         scheduler, runner: the engine's halves.
         emit: called on the engine thread with each batch of output events (Reserved, TokenOutput,
             RequestFailed). An Abort emits RequestFailed(ABORTED) only when it asks to notify.
+        on_fault: called on the engine thread, once, when a step raises (a fault of the engine, not of one
+            request): the step's requests fail, the others carry on, and the worker should report itself unhealthy.
         step_log_size: how many StepRecords to keep.
     """
 
     def __init__(self, scheduler: Scheduler, runner: ModelRunner, emit: Callable[[list], None],
-                 step_log_size: int = 4096):
+                 on_fault: Callable[[str], None] = lambda message: None, step_log_size: int = 4096):
         self.scheduler = scheduler
         self.runner = runner
         self.emit = emit
+        self.on_fault = on_fault
+        self.fault: str | None = None  # set at the first step that raised: the worker should stop taking traffic
         self._commands: queue.Queue = queue.Queue()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -89,23 +93,34 @@ class EngineCore:
 
     def _run(self) -> None:
         while not self._stop.is_set():
+            events: list = []
+            out: SchedulerOutput | None = None
             try:
                 self._drain(block=not self.scheduler.has_work())
-                events: list = list(self.scheduler.reserve())
+                events.extend(self.scheduler.reserve())
                 out = self.scheduler.schedule()
                 if not out.is_empty:
-                    sampled = self.runner.execute(out)
-                    events.extend(self.scheduler.update(out, sampled))
+                    events.extend(self.scheduler.update(out, self.runner.execute(out)))
                     self._record_step(out)
-                if events:
-                    self.emit(events)
-            except Exception:  # a bug here must not silently wedge every request: fail them all loudly
-                log.exception("engine step failed; aborting all requests")
-                failed = [RequestFailed(rid, ErrorKind.INTERNAL, "engine step failed; see worker log")
-                          for rid in list(self.scheduler.requests)]
-                for f in failed:
-                    self.scheduler.abort(f.request_id)
-                self.emit(failed)
+            except Exception as e:  # noqa: BLE001 - a fault must fail loudly, not wedge the loop
+                events.extend(self._fail_step(out, e))
+            if events:
+                self.emit(events)
+
+    def _fail_step(self, out: SchedulerOutput | None, error: Exception) -> list[RequestFailed]:
+        """A step raised outside per-request sampling: fail the requests it ran (all of them when the scheduler
+        itself raised, as its state is then unknown), keep serving the rest, and report the fault once."""
+        victims = ([s.request.request_id for s in out.decodes + out.prefills] if out is not None
+                   else list(self.scheduler.requests))
+        log.exception("engine step failed; failing its %d request(s)", len(victims))
+        failed = [RequestFailed(rid, ErrorKind.INTERNAL, f"engine step failed ({type(error).__name__}); "
+                                                         "see the worker log") for rid in victims]
+        for f in failed:
+            self.scheduler.abort(f.request_id)
+        if self.fault is None:
+            self.fault = f"{type(error).__name__}: {error}"
+            self.on_fault(self.fault)
+        return failed
 
     def _drain(self, block: bool) -> None:
         try:
@@ -121,6 +136,16 @@ class EngineCore:
                 return
 
     def _apply(self, cmd: Any) -> None:
+        try:
+            self._apply_one(cmd)
+        except Exception as e:  # noqa: BLE001 - a command's bug fails that command's request, not the loop
+            log.exception("engine command %s failed", type(cmd).__name__)
+            if isinstance(cmd, AddRequest):
+                self.scheduler.abort(cmd.request.request_id)
+                self.emit([RequestFailed(cmd.request.request_id, ErrorKind.INTERNAL,
+                                         f"engine rejected the request ({type(e).__name__}); see the worker log")])
+
+    def _apply_one(self, cmd: Any) -> None:
         s = self.scheduler
         if isinstance(cmd, AddRequest):
             failure = s.add_request(cmd.request)
@@ -130,7 +155,8 @@ class EngineCore:
             if s.abort(cmd.request_id) and cmd.notify:
                 self.emit([RequestFailed(cmd.request_id, ErrorKind.ABORTED, "aborted by Worker.Abort")])
         elif isinstance(cmd, KvArrived):
-            s.kv_arrived(cmd.request_id, cmd.first_token)
+            if (failure := s.kv_arrived(cmd.request_id, cmd.first_token)) is not None:
+                self.emit([failure])
         elif isinstance(cmd, Call):
             try:
                 cmd.future.set_result(cmd.fn(s))

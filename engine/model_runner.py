@@ -7,7 +7,7 @@ from engine.attention import AttentionMetadata
 from engine.config import CacheConfig, ModelConfig
 from engine.kv_cache import KVCache
 from engine.models.llama import DecoderModel
-from engine.outputs import SampledToken, ScheduledRequest, SchedulerOutput
+from engine.outputs import RunnerOutput, ScheduledRequest, SchedulerOutput
 from engine.sampler import Sampler
 from kernels import select_ops
 
@@ -43,8 +43,13 @@ class ModelRunner:
         self.block_size = cache_config.block_size
         self.sampler = Sampler(model_config.vocab_size, seed)
 
-    def execute(self, out: SchedulerOutput) -> dict[str, SampledToken]:
-        """Compute the step's tokens and sample for every request whose chunk reaches its last token."""
+    def execute(self, out: SchedulerOutput) -> RunnerOutput:
+        """Compute the step's tokens and sample for every request whose chunk reaches its last token.
+
+        Raises:
+            Exception: whatever the forward pass raised (a fault of the whole step; sampling failures are per
+                request, in `RunnerOutput.failed`).
+        """
         scheduled = out.decodes + out.prefills
         input_ids: list[int] = []
         positions: list[int] = []
@@ -75,12 +80,11 @@ class ModelRunner:
         )
         hidden = self.model(torch.tensor(input_ids, dtype=torch.long, device=dev),
                             torch.tensor(positions, dtype=torch.long, device=dev), meta, self.kv_cache.layers)
-        sampling = [s for s in scheduled if s.sample]
+        sampling = [s.request for s in scheduled if s.sample]
         if not sampling:
-            return {}
+            return RunnerOutput()
         logits = self.model.compute_logits(hidden[sample_rows]).cpu()
-        tokens = self.sampler(logits, [s.request for s in sampling])
-        return {s.request.request_id: t for s, t in zip(sampling, tokens)}
+        return self.sampler(logits, sampling)
 
     def _block_tables(self, group: list[ScheduledRequest]) -> torch.Tensor:
         """[len(group), max_blocks] int32, zero-padded."""

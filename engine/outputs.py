@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.errors import ErrorKind
+from engine.errors import EngineError, ErrorKind
 from engine.request import FinishReason, Request
 
 
@@ -44,6 +44,15 @@ class SampledToken:
     token_id: int
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass
+class RunnerOutput:
+    """What one step produced: a token for each request whose chunk reached its last token, and the requests whose
+    sampling failed (their error; the rest of the batch is unaffected)."""
+
+    sampled: dict[str, SampledToken] = field(default_factory=dict)
+    failed: dict[str, EngineError] = field(default_factory=dict)
 
 
 @dataclass

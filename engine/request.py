@@ -3,8 +3,13 @@ from a prefill worker all simply advance `num_computed_tokens`."""
 from __future__ import annotations
 
 import enum
+import math
 import time
 from dataclasses import dataclass, field
+
+from engine.errors import EngineError, ErrorKind
+
+MAX_LOGPROBS = 20  # most alternatives per position (vLLM's default cap); coordinator.validation has the same
 
 
 @dataclass(frozen=True)
@@ -44,6 +49,29 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+
+    def __post_init__(self) -> None:
+        """The same ranges the coordinator enforces, checked again because the worker API may be called directly.
+
+        Raises:
+            EngineError: INVALID_REQUEST naming the field.
+        """
+        checks = [
+            ("temperature", math.isfinite(self.temperature) and self.temperature >= 0.0, ">= 0 and finite"),
+            ("top_p", 0.0 < self.top_p <= 1.0, "in (0, 1]"),
+            ("top_k", self.top_k >= 0, ">= 0"),
+            ("min_p", 0.0 <= self.min_p <= 1.0, "in [0, 1]"),
+            ("repetition_penalty", self.repetition_penalty > 0.0, "> 0"),
+            ("presence_penalty", -2.0 <= self.presence_penalty <= 2.0, "in [-2, 2]"),
+            ("frequency_penalty", -2.0 <= self.frequency_penalty <= 2.0, "in [-2, 2]"),
+            ("max_tokens", self.max_tokens >= 1, ">= 1"),
+            ("min_tokens", 0 <= self.min_tokens <= self.max_tokens, "in [0, max_tokens]"),
+            ("logprobs", self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS, f"in [0, {MAX_LOGPROBS}]"),
+        ]
+        for name, ok, rule in checks:
+            if not ok:
+                raise EngineError(ErrorKind.INVALID_REQUEST,
+                                  f"sampling.{name} must be {rule}, got {getattr(self, name)}")
 
     @property
     def greedy(self) -> bool:

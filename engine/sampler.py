@@ -2,12 +2,18 @@
 
 Semantics follow vLLM's SamplingParams. Seeded requests draw from a generator seeded by (seed, output position),
 so the prefill worker (first token) and the decode worker (the rest) produce the same stream as one process would.
+
+Numerically safe for any parameters that pass validation: penalties may push logits to +-inf (a repetition
+penalty of 1e-38 divides by it), so +inf is clamped to the largest finite value and NaN to -inf (never drawn), and
+temperature scaling works on logits minus their maximum, so a temperature of 1e-45 tends to greedy instead of
+overflowing. A row that still cannot be sampled fails that request alone (`RunnerOutput.failed`).
 """
 from __future__ import annotations
 
 import torch
 
-from engine.outputs import SampledToken
+from engine.errors import EngineError, ErrorKind
+from engine.outputs import RunnerOutput, SampledToken
 from engine.request import Request
 
 _MASK64 = (1 << 63) - 1
@@ -25,26 +31,34 @@ class Sampler:
         self.vocab_size = vocab_size
         self.generator = torch.Generator().manual_seed(seed)
 
-    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> list[SampledToken]:
-        """logits: [N, vocab] fp32, one row per request, in order. Returns N sampled tokens."""
+    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> RunnerOutput:
+        """logits: [N, vocab] fp32, one row per request, in order. A token per request, or its error."""
+        out = RunnerOutput()
         simple = [i for i, r in enumerate(requests) if _is_plain_greedy(r)]
-        out: list[SampledToken | None] = [None] * len(requests)
         if simple:  # batched fast path for the common greedy case
             ids = logits[simple].argmax(dim=-1).tolist()
             for i, t in zip(simple, ids):
-                out[i] = SampledToken(t)
+                out.sampled[requests[i].request_id] = SampledToken(t)
         for i, req in enumerate(requests):
-            if out[i] is None:
-                out[i] = self._sample_row(logits[i].clone(), req)
-        return out  # type: ignore[return-value]
+            if req.request_id in out.sampled:
+                continue
+            try:
+                out.sampled[req.request_id] = self._sample_row(logits[i].clone(), req)
+            except Exception as e:  # one request's sampling must not fail the batch
+                out.failed[req.request_id] = EngineError(ErrorKind.INTERNAL, f"sampling failed: {e}")
+        return out
 
     def _sample_row(self, row: torch.Tensor, req: Request) -> SampledToken:
         sp = req.sampling
         _apply_penalties(row, req)
+        # Penalties may overflow: +inf -> the largest finite value (ties share the mass), NaN -> never drawn.
+        row = torch.nan_to_num(row, nan=float("-inf"), posinf=torch.finfo(row.dtype).max)
         if len(req.output_token_ids) < sp.min_tokens:
             banned = list(sp.stop_token_ids) + ([] if sp.ignore_eos else list(req.eos_token_ids))
             if banned:
                 row[torch.tensor(banned)] = float("-inf")
+        if not torch.isfinite(row.max()):
+            raise ValueError("every token is masked out (-inf logits)")
         logprobs = torch.log_softmax(row, dim=-1) if sp.logprobs is not None else None
         if sp.greedy:
             token = int(row.argmax())
@@ -60,7 +74,7 @@ class Sampler:
 
     def _draw(self, row: torch.Tensor, req: Request) -> int:
         sp = req.sampling
-        x = row / sp.temperature
+        x = (row - row.max()) / sp.temperature  # the best token scales to 0: no overflow at tiny temperatures
         if 0 < sp.top_k < x.numel():
             kth = torch.topk(x, sp.top_k).values[-1]
             x = x.masked_fill(x < kth, float("-inf"))

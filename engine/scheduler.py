@@ -13,7 +13,7 @@ from collections import deque
 from engine.config import SchedulerConfig
 from engine.errors import ErrorKind
 from engine.kv_cache_manager import KVCacheManager
-from engine.outputs import Reserved, RequestFailed, SampledToken, ScheduledRequest, SchedulerOutput, TokenOutput
+from engine.outputs import Reserved, RequestFailed, RunnerOutput, ScheduledRequest, SchedulerOutput, TokenOutput
 from engine.request import FinishReason, Request, RequestStatus
 
 
@@ -39,6 +39,12 @@ class Scheduler:
         if request.request_id in self.requests:
             return RequestFailed(request.request_id, ErrorKind.DUPLICATE_REQUEST,
                                  f"request id {request.request_id!r} is in use")
+        if not request.prompt_token_ids:
+            return RequestFailed(request.request_id, ErrorKind.INVALID_REQUEST, "the prompt is empty")
+        bad = next((t for t in request.prompt_token_ids if not 0 <= t < self.config.vocab_size), None)
+        if bad is not None:  # an embedding lookup out of range would fail the whole step, not just this request
+            return RequestFailed(request.request_id, ErrorKind.INVALID_REQUEST,
+                                 f"token id {bad} is outside the vocabulary [0, {self.config.vocab_size})")
         need = request.num_prompt_tokens + (1 if request.prefill_only else request.sampling.max_tokens)
         if need > self.config.max_model_len:
             return RequestFailed(request.request_id, ErrorKind.INVALID_REQUEST,
@@ -69,19 +75,24 @@ class Scheduler:
             out.append(Reserved(req.request_id, list(self.kv.get_block_table(req.request_id))))
         return out
 
-    def kv_arrived(self, request_id: str, first_token: int) -> bool:
+    def kv_arrived(self, request_id: str, first_token: int) -> RequestFailed | None:
         """The prompt's KV landed in the reserved blocks: the request joins the batch with its first token.
 
-        Returns False when the request is not waiting for KV (aborted meanwhile)."""
+        Does nothing when the request is not waiting for KV (aborted meanwhile). Returns a failure (the request is
+        dropped) when the first token is outside the vocabulary."""
         req = self.requests.get(request_id)
         if req is None or req.status != RequestStatus.WAITING_FOR_KV:
-            return False
+            return None
+        if not 0 <= first_token < self.config.vocab_size:
+            self.abort(request_id)
+            return RequestFailed(request_id, ErrorKind.INVALID_REQUEST,
+                                 f"first token {first_token} from the prefill worker is outside the vocabulary")
         req.num_computed_tokens = req.num_prompt_tokens
         req.append_output(first_token)
         req.first_token_time = time.time()
         req.status = RequestStatus.WAITING
         self.waiting.append(req)
-        return True
+        return None
 
     # ---- scheduling --------------------------------------------------------------------------------------------
     def has_work(self) -> bool:
@@ -142,16 +153,22 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     # ---- results -----------------------------------------------------------------------------------------------
-    def update(self, out: SchedulerOutput, sampled: dict[str, SampledToken]) -> list[TokenOutput]:
-        """Advance computed counts, register full blocks, append sampled tokens and finish requests."""
-        events = []
+    def update(self, out: SchedulerOutput, result: RunnerOutput) -> list[TokenOutput | RequestFailed]:
+        """Advance computed counts, register full blocks, append sampled tokens and finish requests; a request whose
+        sampling failed is dropped (blocks freed) with a RequestFailed."""
+        events: list[TokenOutput | RequestFailed] = []
         for s in out.decodes + out.prefills:
             req = s.request
+            if req.request_id in result.failed:
+                error = result.failed[req.request_id]
+                self.abort(req.request_id)
+                events.append(RequestFailed(req.request_id, error.kind, error.message))
+                continue
             req.num_computed_tokens += s.num_new_tokens
             self.kv.cache_full_blocks(req)
             if not s.sample:
                 continue
-            token = sampled[req.request_id]
+            token = result.sampled[req.request_id]
             req.append_output(token.token_id)
             now = time.time()
             ev = TokenOutput(req.request_id, token, num_cached_tokens=req.num_cached_tokens)

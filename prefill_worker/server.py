@@ -30,10 +30,10 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
 
     async def Prefill(self, request: worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext):
         rid = request.request_id
-        req = Request(rid, list(request.prompt_token_ids), sampling_from_proto(request.sampling),
-                      eos_token_ids=self.worker.parts.model_config.eos_token_ids, prefill_only=True,
-                      arrival_time=request.arrival_time or time.time())
         try:
+            req = Request(rid, list(request.prompt_token_ids), sampling_from_proto(request.sampling),
+                          eos_token_ids=self.worker.parts.model_config.eos_token_ids, prefill_only=True,
+                          arrival_time=request.arrival_time or time.time())
             with self.worker.engine.request(req) as stream:
                 ev = await stream.next()
                 held = ev.finish_reason == FinishReason.PREFILL_DONE

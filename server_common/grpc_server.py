@@ -1,6 +1,7 @@
 """Start a grpc.aio server with standard health checking and reflection, and announce it in a ready file."""
 from __future__ import annotations
 
+import inspect
 import json
 import os
 from collections.abc import Callable
@@ -8,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -16,11 +18,62 @@ MAX_MESSAGE_BYTES = 64 << 20
 
 @dataclass
 class RunningServer:
-    """A started server: the grpc.aio server, the port it bound, and its health servicer (to change status)."""
+    """A started server: the grpc.aio server, the port it bound, its health servicer and the services it reports."""
 
     server: grpc.aio.Server
     port: int
     health: health.aio.HealthServicer
+    service_names: list[str]
+
+    async def set_serving(self, serving: bool) -> None:
+        """Report SERVING or NOT_SERVING for "" (the whole server) and every service (gRPC health protocol)."""
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ["", *self.service_names]:
+            await self.health.set(name, status)
+
+
+class _Malformed:
+    """Stands in for a request body that did not parse; the wrapped method answers INVALID_ARGUMENT."""
+
+    def __init__(self, error: DecodeError):
+        self.error = error
+
+
+class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):
+    """Answers an undecodable request body with INVALID_ARGUMENT. grpcio itself reports the decoder's exception as
+    UNKNOWN with a Python class name, which tells the caller nothing it can act on. Unary-request methods only
+    (every pdserve method is one)."""
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None or handler.request_streaming or handler.request_deserializer is None:
+            return handler
+        deserialize, method = handler.request_deserializer, handler_call_details.method
+
+        def safe_deserialize(data: bytes):
+            try:
+                return deserialize(data)
+            except DecodeError as e:
+                return _Malformed(e)
+
+        async def refuse(request: _Malformed, context: grpc.aio.ServicerContext) -> None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"request body is not a valid message for {method}: {request.error}")
+
+        behavior = handler.unary_stream if handler.response_streaming else handler.unary_unary
+        if inspect.isasyncgenfunction(behavior):  # a servicer that yields its responses
+            async def wrapped(request, context):
+                if isinstance(request, _Malformed):
+                    await refuse(request, context)
+                async for response in behavior(request, context):
+                    yield response
+        else:  # returns its response, or writes its stream with context.write
+            async def wrapped(request, context):
+                if isinstance(request, _Malformed):
+                    await refuse(request, context)
+                return await behavior(request, context)
+        field = "unary_stream" if handler.response_streaming else "unary_unary"
+        return handler._replace(request_deserializer=safe_deserialize, **{field: wrapped})
 
 
 async def start_grpc_server(host: str, port: int, add_servicers: Callable[[grpc.aio.Server], None],
@@ -32,12 +85,14 @@ async def start_grpc_server(host: str, port: int, add_servicers: Callable[[grpc.
         add_servicers: registers the role's services on the server.
         service_names: full names of those services (e.g. "pdserve.v1.Generation"), for health and reflection.
 
-    Health reports SERVING for "" and each service name once the server has started.
+    Health reports SERVING for "" and each service name once the server has started. A request body that does
+    not parse is answered with INVALID_ARGUMENT (`MalformedRequestInterceptor`).
 
     Raises:
         RuntimeError: the address could not be bound (grpc raises it from add_insecure_port).
     """
-    server = grpc.aio.server(options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    server = grpc.aio.server(interceptors=[MalformedRequestInterceptor()],
+                             options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                                       ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
     add_servicers(server)
     health_servicer = health.aio.HealthServicer()
@@ -46,9 +101,9 @@ async def start_grpc_server(host: str, port: int, add_servicers: Callable[[grpc.
     reflection.enable_server_reflection(names, server)
     bound = server.add_insecure_port(f"{host}:{port}")
     await server.start()
-    for name in ["", *service_names]:
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    return RunningServer(server, bound, health_servicer)
+    running = RunningServer(server, bound, health_servicer, list(service_names))
+    await running.set_serving(True)
+    return running
 
 
 def write_ready_file(path: str | None, address: str, **extra) -> None:

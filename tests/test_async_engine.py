@@ -28,7 +28,7 @@ def run(tiny_model_dir):
 
     def go(scenario):
         async def main():
-            engine = AsyncEngine(lambda emit: EngineCore(parts.scheduler, parts.runner, emit))
+            engine = AsyncEngine(lambda emit, on_fault: EngineCore(parts.scheduler, parts.runner, emit, on_fault))
             engine.start()
             try:
                 await scenario(engine)

@@ -87,7 +87,7 @@ def test_remote_kv_request_reserves_then_decodes(tiny_model_dir, prompts):
     assert len(reserved.block_ids) == len(held.block_ids)
     for src, dst in zip(held.block_ids, reserved.block_ids):  # what the connector does, minus the wire
         decode.runner.kv_cache.block_bytes(dst)[:] = prefill.runner.kv_cache.block_bytes(src)
-    assert decode.scheduler.kv_arrived("x", held.token.token_id)
+    assert decode.scheduler.kv_arrived("x", held.token.token_id) is None
     while decode.scheduler.has_work():
         out = decode.scheduler.schedule()
         assert not out.prefills  # nothing recomputed: the prompt's KV came from the prefill engine

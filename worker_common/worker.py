@@ -1,6 +1,7 @@
 """What every worker role shares: building its engine, the Worker service (GetInfo, GetStats, Abort), and serving."""
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -39,7 +40,7 @@ def start_engine(config: WorkerConfig) -> WorkerEngine:
     """
     set_threads(config.engine.threads)
     parts = build_engine(config.engine)
-    engine = AsyncEngine(lambda emit: EngineCore(parts.scheduler, parts.runner, emit))
+    engine = AsyncEngine(lambda emit, on_fault: EngineCore(parts.scheduler, parts.runner, emit, on_fault))
     engine.start()
     return WorkerEngine(engine, parts)
 
@@ -97,6 +98,16 @@ async def serve_worker(config: WorkerConfig, worker: WorkerEngine, servicer: Wor
 
     running: RunningServer = await start_grpc_server(config.server.host, config.server.port, add,
                                                      ["pdserve.v1.Worker", role_service])
+
+    pending: set[asyncio.Task] = set()  # the loop keeps only weak references to tasks
+
+    def on_fault(message: str) -> None:  # the engine cannot be trusted any more: stop taking traffic, say why
+        log.error("engine fault (%s): reporting NOT_SERVING until this worker is restarted", message)
+        task = asyncio.get_running_loop().create_task(running.set_serving(False))
+        pending.add(task)
+        task.add_done_callback(pending.discard)
+
+    worker.engine.add_fault_listener(on_fault)
     address = f"{config.server.host}:{running.port}"
     c = worker.parts.cache_config
     log.info("%s worker serving on %s (%d KV blocks of %d tokens%s)", config.role, address, c.num_blocks,

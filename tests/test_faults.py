@@ -1,0 +1,135 @@
+"""Regression tests for issue 9's findings, on a real cluster (tiny random-weight model): what one caller sends
+cannot fail another caller's request, and bad input gets a status a caller can act on."""
+import asyncio
+import time
+
+import grpc
+import pytest
+
+from cli.launcher import ServeConfig, start_cluster
+from conftest import hf_greedy
+from pdserve import AsyncClient, Client, SamplingParams
+from pdserve.v1 import generate_pb2, worker_pb2, worker_pb2_grpc
+from test_e2e import assert_idle, greedy
+
+pytestmark = pytest.mark.e2e
+LEASE_S = 2
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model_dir, tmp_path_factory):
+    c = start_cluster(str(tiny_model_dir), "tiny", ServeConfig(log_dir=str(tmp_path_factory.mktemp("logs"))),
+                      worker_args=["--kv-tokens", "2048", "--max-model-len", "512", "--connector", "tcp",
+                                   "--kv-timeout-s", str(LEASE_S)])
+    yield c
+    c.stop()
+
+
+PROMPTS = [[5 + i, 17, 300 + i, 4000, 9 + i] * (i + 1) for i in range(6)]
+
+
+@pytest.mark.parametrize("extreme", [dict(temperature=1e-38), dict(temperature=1e-45),
+                                     dict(temperature=1.0, repetition_penalty=1e-38)])
+def test_one_extreme_request_fails_no_bystander(cluster, tiny_model_dir, extreme):
+    async def main():
+        async with AsyncClient(cluster.address) as c:
+            odd = c.complete([11, 12, 13], SamplingParams(max_tokens=8, ignore_eos=True, **extreme))
+            honest = [c.complete(p, greedy(8, ignore_eos=True)) for p in PROMPTS]
+            return await asyncio.gather(odd, *honest)
+
+    odd, *honest = asyncio.run(main())
+    assert odd.completion_tokens == 8
+    for p, out in zip(PROMPTS, honest):
+        assert out.token_ids == hf_greedy(tiny_model_dir, p, 8)
+    assert_idle(cluster)
+
+
+def test_worker_abort_ends_the_client_stream_promptly(cluster):
+    """Worker.Abort used to free the request but leave its client waiting for the deadline."""
+    with Client(cluster.address) as c:
+        stream = c.generate([5, 6, 7], greedy(400, ignore_eos=True), request_id="worker-abort", timeout=60)
+        next(stream)
+        with grpc.insecure_channel(cluster.worker_addresses["decode-0"]) as ch:
+            assert worker_pb2_grpc.WorkerStub(ch).Abort(generate_pb2.AbortRequest(request_id="worker-abort")).found
+        start = time.monotonic()
+        with pytest.raises(grpc.RpcError) as e:
+            list(stream)
+    assert e.value.code() == grpc.StatusCode.ABORTED and time.monotonic() - start < 10
+    assert_idle(cluster)
+
+
+def test_malformed_request_body_is_invalid_argument(cluster):
+    with grpc.insecure_channel(cluster.address) as ch:
+        call = ch.unary_stream("/pdserve.v1.Generation/Generate", request_serializer=lambda b: b,
+                               response_deserializer=lambda b: b)
+        with pytest.raises(grpc.RpcError) as e:
+            list(call(b"\xff\xff\xff\xff not protobuf", timeout=10))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "not a valid message" in e.value.details()
+
+
+def test_concurrent_duplicate_ids_never_kill_the_first(cluster):
+    """Both used to pass the check while the first was being tokenized; the duplicate then killed the first."""
+    async def main():
+        async with AsyncClient(cluster.address) as c:
+            return await asyncio.gather(
+                *(c.complete("the same id twice " * 100, greedy(6, ignore_eos=True), request_id="dup")
+                  for _ in range(2)), return_exceptions=True)
+
+    for _ in range(3):
+        results = asyncio.run(main())
+        errors = [r for r in results if isinstance(r, Exception)]
+        assert len(errors) == 1 and errors[0].code() == grpc.StatusCode.ALREADY_EXISTS, results
+        assert "already in flight" in errors[0].details()  # refused at the door, not by a worker mid-flight
+        assert [r.completion_tokens for r in results if not isinstance(r, Exception)] == [6]
+    assert_idle(cluster)
+
+
+def test_internal_api_out_of_vocab_token_fails_only_its_call(cluster):
+    """A Decode call with an out-of-vocabulary token used to fail every request on that decode worker."""
+    async def main():
+        async with AsyncClient(cluster.address) as c:
+            honest = asyncio.gather(*(c.complete(p, greedy(30, ignore_eos=True)) for p in PROMPTS))
+            await asyncio.sleep(0.3)
+            async with grpc.aio.insecure_channel(cluster.worker_addresses["decode-0"]) as ch:
+                call = worker_pb2_grpc.DecodeStub(ch).Decode(worker_pb2.DecodeRequest(
+                    request_id="oov", prompt_token_ids=[5, 10 ** 6], kv_source=worker_pb2.KV_SOURCE_LOCAL,
+                    sampling=generate_pb2.SamplingParams(max_tokens=3)), timeout=10)
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    async for _ in call:
+                        pass
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "vocabulary" in e.value.details()
+            return await honest
+
+    assert all(out.completion_tokens == 30 for out in asyncio.run(main()))
+    assert_idle(cluster)
+
+
+def test_a_caller_cannot_hold_blocks_past_the_workers_lease(cluster):
+    """kv_timeout_ms = 2^32-1 used to hold reserved blocks for ~49.7 days."""
+    with grpc.insecure_channel(cluster.worker_addresses["decode-0"]) as ch:
+        call = worker_pb2_grpc.DecodeStub(ch).Decode(worker_pb2.DecodeRequest(
+            request_id="squatter", prompt_token_ids=list(range(5, 405)), kv_source=worker_pb2.KV_SOURCE_REMOTE,
+            sampling=generate_pb2.SamplingParams(max_tokens=8), kv_timeout_ms=2 ** 32 - 1), timeout=30)
+        start = time.monotonic()
+        with pytest.raises(grpc.RpcError) as e:
+            for _ in call:
+                pass
+    assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED and "lease" in e.value.details()
+    assert time.monotonic() - start < LEASE_S + 5
+    assert_idle(cluster)
+
+
+def test_oversized_inputs_are_refused_before_work_with_short_messages(cluster):
+    with Client(cluster.address) as c:
+        start = time.monotonic()
+        with pytest.raises(grpc.RpcError) as e:
+            c.complete("x" * 3_000_000, greedy(2))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "characters" in e.value.details()
+        assert time.monotonic() - start < 5
+        with pytest.raises(grpc.RpcError) as e:
+            c.complete("hi", greedy(2), model="m" * 1_000_000)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and len(e.value.details()) < 500
+        with pytest.raises(grpc.RpcError) as e:
+            c.complete("hi", greedy(2), request_id="r" * 100_000)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and len(e.value.details()) < 500
+    assert_idle(cluster)
