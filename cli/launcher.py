@@ -3,12 +3,15 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from server_common.security import CLUSTER_SECRET_ENV
 
 
 @dataclass(frozen=True)
@@ -36,6 +39,8 @@ class Cluster:
         processes: process name ("coordinator", "prefill-0", "decode-1", ...) -> the process.
         worker_addresses: worker process name -> gRPC address.
         log_files: process name -> log path ("" when inheriting stderr).
+        worker_metadata: gRPC metadata that authenticates a call to a worker (the cluster secret), for tools and
+            tests that call the internal API directly.
     """
 
     address: str
@@ -43,6 +48,7 @@ class Cluster:
     workdir: str = ""
     log_files: dict[str, str] = field(default_factory=dict)
     worker_addresses: dict[str, str] = field(default_factory=dict)
+    worker_metadata: tuple[tuple[str, str], ...] = ()
 
     def stop(self, timeout_s: float = 20.0) -> None:
         """SIGTERM every process, then SIGKILL what has not exited within timeout_s."""
@@ -106,6 +112,10 @@ def start_cluster(model_dir: str, model_name: str, config: ServeConfig = ServeCo
             `cli.args.dataclass_to_argv`); the coordinator binds port 0 unless they say otherwise.
         env: the children's environment (default: this process's).
 
+    Unless the flags or the environment name a cluster secret, a random one is written (mode 0600) to the
+    cluster's working directory and given to every process: the workers' APIs and KV ports then refuse anyone
+    else on this host.
+
     Raises:
         RuntimeError: a process died or did not become ready; everything started is stopped first.
     """
@@ -113,21 +123,32 @@ def start_cluster(model_dir: str, model_name: str, config: ServeConfig = ServeCo
     env = dict(os.environ if env is None else env)
     logs = Path(config.log_dir) if config.log_dir else None
     cluster = Cluster(address="", workdir=str(workdir))
+    worker_args, coordinator_args = list(worker_args or []), list(coordinator_args or [])
+    if "--cluster-secret-file" not in worker_args and CLUSTER_SECRET_ENV not in env:
+        secret_file = workdir / "cluster.secret"
+        secret_file.touch(mode=0o600)
+        secret_file.write_text(secrets.token_urlsafe(32))
+        worker_args += ["--cluster-secret-file", str(secret_file)]
+        coordinator_args += ["--cluster-secret-file", str(secret_file)]
+    if "--cluster-secret-file" in worker_args:
+        secret = Path(worker_args[worker_args.index("--cluster-secret-file") + 1]).read_text().strip()
+    else:
+        secret = env[CLUSTER_SECRET_ENV].strip()
+    cluster.worker_metadata = (("authorization", f"Bearer {secret}"),)
     try:
         waits = []
         roles = [("colocated", 1)] if colocated else [("prefill", config.num_prefill), ("decode", config.num_decode)]
         for role, n in roles:
             for i in range(n):
                 name = f"{role}-{i}"
-                proc, ready, log_path = _spawn([role, "--model", model_dir, *(worker_args or [])], name, workdir,
-                                               logs, env)
+                proc, ready, log_path = _spawn([role, "--model", model_dir, *worker_args], name, workdir, logs, env)
                 cluster.processes[name] = proc
                 cluster.log_files[name] = log_path
                 waits.append((name, proc, ready, role))
         infos = wait_ready([(n, p, r) for n, p, r, _ in waits], config.start_timeout_s)
         cluster.worker_addresses = {w[0]: i["address"] for i, w in zip(infos, waits)}
         args = ["coordinator", "--model", model_dir, "--served-model-name", model_name,
-                *(["--colocated"] if colocated else []), *(coordinator_args or [])]
+                *(["--colocated"] if colocated else []), *coordinator_args]
         for info, (_, _, _, role) in zip(infos, waits):
             args += ["--prefill" if role == "prefill" else "--decode", info["address"]]
         proc, ready, log_path = _spawn(args, "coordinator", workdir, logs, env)

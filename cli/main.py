@@ -96,6 +96,11 @@ def _run_coordinator(args: argparse.Namespace) -> None:
 # ---- serve: the whole cluster on this host -----------------------------------------------------------------------
 # Settings that belong to the cluster's shape, not to one process: `serve` fills them in per process.
 _PER_PROCESS = frozenset({"port", "ready_file", "prefill", "decode", "colocated"})
+# TLS is the public port's, so the coordinator's alone: serve's workers talk on loopback, authenticated by the
+# cluster secret (which, like the bind host, every process shares and the workers' group of flags carries).
+_TLS = frozenset({"tls_cert", "tls_key", "tls_client_ca"})
+SERVE_WORKER_SKIP = _PER_PROCESS | _TLS
+SERVE_COORDINATOR_SKIP = _PER_PROCESS | {"host", "cluster_secret_file"}
 
 
 def _serve_args(p: argparse.ArgumentParser) -> None:
@@ -107,8 +112,8 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     add_dataclass_args(p, ServeConfig)
     p.add_argument("--port", type=int, default=50051, help="coordinator port (0 = any free port)")
     p.add_argument("--colocated", action="store_true", help="one worker runs both phases (the baseline)")
-    add_dataclass_args(p.add_argument_group("workers"), WorkerConfig, skip=_PER_PROCESS)
-    add_dataclass_args(p.add_argument_group("coordinator"), CoordinatorConfig, skip=_PER_PROCESS | {"host"})
+    add_dataclass_args(p.add_argument_group("workers"), WorkerConfig, skip=SERVE_WORKER_SKIP)
+    add_dataclass_args(p.add_argument_group("coordinator"), CoordinatorConfig, skip=SERVE_COORDINATOR_SKIP)
     p.add_argument("--demo", nargs="?", const="Explain in two sentences why the sky is blue.", default=None,
                    help="send one chat request, stream it, then shut down")
     p.add_argument("--demo-max-tokens", type=int, default=64)
@@ -127,12 +132,15 @@ def _run_serve(args: argparse.Namespace) -> None:
     print(f"starting pdserve ({'colocated' if args.colocated else 'disaggregated'}) with {name} ...", flush=True)
     signal.signal(signal.SIGTERM, _raise_interrupt)  # SIGTERM stops the cluster like Ctrl-C, never orphans it
     cluster = start_cluster(model_dir, name, dataclass_from_args(ServeConfig, args), colocated=args.colocated,
-                            worker_args=dataclass_to_argv(worker, skip=_PER_PROCESS) + logs,
+                            worker_args=dataclass_to_argv(worker, skip=SERVE_WORKER_SKIP) + logs,
                             coordinator_args=dataclass_to_argv(coordinator, skip=_PER_PROCESS - {"port"}) + logs)
     print(f"pdserve ready on {cluster.address}", flush=True)
     try:
         if args.demo is not None:
-            _stream(cluster.address, args.demo, args.demo_max_tokens, 0.0, chat=True)
+            from server_common.security import read_api_keys
+
+            keys = read_api_keys(coordinator.api_keys_file)
+            _stream(cluster.address, args.demo, args.demo_max_tokens, 0.0, chat=True, api_key=keys[0] if keys else None)
         else:
             signal.pause()
     except KeyboardInterrupt:
@@ -152,16 +160,23 @@ def _generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--chat", action="store_true", help="send the prompt as one user chat message")
+    p.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"), help="API key ($PDSERVE_API_KEY)")
+    p.add_argument("--tls-ca", default=None, help="PEM CA of the coordinator's certificate: connect with TLS")
 
 
 def _run_generate(args: argparse.Namespace) -> None:
-    _stream(args.address, args.prompt, args.max_tokens, args.temperature, chat=args.chat)
+    from pdserve import tls_credentials
+
+    credentials = tls_credentials(ca_file=args.tls_ca) if args.tls_ca else None
+    _stream(args.address, args.prompt, args.max_tokens, args.temperature, chat=args.chat, credentials=credentials,
+            api_key=args.api_key)
 
 
-def _stream(address: str, prompt: str, max_tokens: int, temperature: float, chat: bool) -> None:
+def _stream(address: str, prompt: str, max_tokens: int, temperature: float, chat: bool, credentials=None,
+            api_key: str | None = None) -> None:
     from pdserve import Client, SamplingParams
 
-    with Client(address) as client:
+    with Client(address, credentials=credentials, api_key=api_key) as client:
         request = [{"role": "user", "content": prompt}] if chat else prompt
         print(f">>> {prompt}", flush=True)
         for chunk in client.generate(request, SamplingParams(max_tokens=max_tokens, temperature=temperature)):

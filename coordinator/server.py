@@ -6,87 +6,33 @@ import contextlib
 import logging
 import time
 import uuid
-from dataclasses import dataclass, field
 
 import grpc
 
 from coordinator import flow as flows
+from coordinator.cluster import Cluster, build_cluster
 from coordinator.config import CoordinatorConfig
 from coordinator.errors import RequestError, invalid
-from coordinator.router import Router, WorkerHandle, poll_loads
+from coordinator.ratelimit import RateLimiter
+from coordinator.router import poll_loads
 from coordinator.text import IncrementalDetokenizer, StopMatcher
 from coordinator.tokenizer import Tokenizer
-from coordinator.validation import (Limits, check_chat, check_prompt, check_text_length, resolve_sampling,
-                                   shorten)
-from pdserve.v1 import generate_pb2, generate_pb2_grpc, worker_pb2, worker_pb2_grpc
-from server_common.grpc_server import MAX_MESSAGE_BYTES, start_grpc_server, write_ready_file
+from coordinator.validation import check_chat, check_prompt, check_text_length, resolve_sampling, shorten
+from pdserve.v1 import generate_pb2, generate_pb2_grpc
+from server_common.grpc_server import start_grpc_server, write_ready_file
+from server_common.security import key_id, presented_token, read_api_keys
 
 log = logging.getLogger(__name__)
 
 MAX_REQUEST_ID_CHARS = 256  # ids are echoed in errors, logs and traces
 
 
-@dataclass
-class Cluster:
-    """The workers behind this coordinator and what they agreed on at start."""
-
-    router: Router
-    limits: Limits
-    eos_token_id: int
-    block_size: int
-    connector: str
-    flows: dict[str, flows.Flow] = field(default_factory=dict)
-
-
-async def connect_worker(address: str, timeout_s: float) -> WorkerHandle:
-    """Open a channel and wait (bounded) until the worker answers GetInfo.
-
-    Raises:
-        TimeoutError: the worker did not answer within timeout_s.
-    """
-    channel = grpc.aio.insecure_channel(address, options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)])
-    stub = worker_pb2_grpc.WorkerStub(channel)
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            info = await stub.GetInfo(worker_pb2.WorkerInfoRequest(), timeout=5, wait_for_ready=True)
-            break
-        except grpc.aio.AioRpcError:
-            if time.monotonic() > deadline:
-                await channel.close()
-                raise TimeoutError(f"worker {address} not ready after {timeout_s:.0f}s") from None
-            await asyncio.sleep(0.5)
-    return WorkerHandle(address, channel, info, stub, worker_pb2_grpc.PrefillStub(channel),
-                        worker_pb2_grpc.DecodeStub(channel))
-
-
-async def build_cluster(config: CoordinatorConfig) -> Cluster:
-    """Connect to every worker and check that they agree on model and KV layout.
-
-    Raises:
-        ValueError: a worker has the wrong role or an incompatible layout (different compat_hash).
-        TimeoutError: a worker did not answer within config.connect_timeout_s.
-    """
-    prefill = await asyncio.gather(*(connect_worker(a, config.connect_timeout_s) for a in config.prefill))
-    decode = await asyncio.gather(*(connect_worker(a, config.connect_timeout_s) for a in config.decode))
-    want_decode = "colocated" if config.colocated else "decode"
-    for w in prefill:
-        if w.info.role != "prefill":
-            raise ValueError(f"{w.address} is a {w.info.role} worker, listed as prefill")
-    for w in decode:
-        if w.info.role != want_decode:
-            raise ValueError(f"{w.address} is a {w.info.role} worker, expected {want_decode}")
-    if not decode or (not config.colocated and not prefill):
-        raise ValueError("need at least one decode worker, and one prefill worker unless colocated")
-    everyone = [*prefill, *decode]
-    if len({w.info.compat_hash for w in everyone}) != 1:
-        raise ValueError("workers disagree on model/dtype/block size: " +
-                         ", ".join(f"{w.address}={w.info.compat_hash}" for w in everyone))
-    limits = Limits(context_length=min(w.info.context_length for w in everyone),
-                    kv_capacity_tokens=min(w.info.max_request_tokens for w in everyone),
-                    vocab_size=decode[0].info.vocab_size)
-    return Cluster(Router(list(prefill), list(decode)), limits, decode[0].info.eos_token_id,
-                   decode[0].info.block_size, "" if config.colocated else decode[0].info.kv_connector)
+def _caller(context: grpc.aio.ServicerContext) -> str:
+    """Who a call is for rate limiting: its API key's id, else the peer's address without the port."""
+    token = presented_token(context.invocation_metadata())
+    if token is not None:
+        return "key:" + key_id(token)
+    return "peer:" + context.peer().rsplit(":", 1)[0]
 
 
 class GenerationServicer(generate_pb2_grpc.GenerationServicer):
@@ -94,28 +40,49 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
 
     def __init__(self, config: CoordinatorConfig, cluster: Cluster, tokenizer: Tokenizer):
         self.config, self.cluster, self.tokenizer = config, cluster, tokenizer
+        self.limiter = RateLimiter(config.rate_limit_requests_per_s, config.rate_limit_tokens_per_s,
+                                   config.rate_limit_burst_s)
 
     async def Generate(self, request: generate_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
         arrival_wall, t0 = time.time(), flows.now_ms()
         rid = request.request_id or uuid.uuid4().hex
+        caller = _caller(context)
         try:
-            self._admit(rid)
+            self._admit(rid, caller)
         except RequestError as e:
-            await context.abort(e.code, e.message)
+            await context.abort(e.code, e.message, e.trailing_metadata())
         flow = flows.Flow(rid)
         self.cluster.flows[rid] = flow  # the id is taken before the first await: a duplicate cannot slip in
         try:
             prompt, sampling = await self._prepare(request)
+            self._charge(caller, len(prompt) + sampling.max_tokens)
             async for msg in self._stream(flow, request, prompt, sampling, arrival_wall, t0):
                 yield msg
         except RequestError as e:
-            await context.abort(e.code, f"request {rid}: {e.message}")
+            await context.abort(e.code, f"request {rid}: {e.message}", e.trailing_metadata())
         finally:
             flow.cancel()
             self.cluster.flows.pop(rid, None)
 
-    def _admit(self, rid: str) -> None:
+    def _charge(self, caller: str, num_tokens: int) -> None:
+        """Take the request's tokens from the caller's rate limit. Raises RequestError RESOURCE_EXHAUSTED."""
+        wait = self.limiter.admit(caller, "tokens", num_tokens)
+        if wait == float("inf"):
+            raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                               f"prompt + max_tokens = {num_tokens} tokens exceeds this key's token burst "
+                               f"({self.config.rate_limit_tokens_per_s:g}/s for {self.config.rate_limit_burst_s:g} s);"
+                               " lower max_tokens")
+        if wait:
+            raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                               f"token rate limit reached ({self.config.rate_limit_tokens_per_s:g} tokens/s); "
+                               f"retry after {wait:.2f} s", retry_after_s=wait)
+
+    def _admit(self, rid: str, caller: str) -> None:
         """Raises RequestError unless a request with this id may start now."""
+        if wait := self.limiter.admit(caller, "requests", 1):
+            raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                               f"request rate limit reached ({self.config.rate_limit_requests_per_s:g} requests/s); "
+                               f"retry after {wait:.2f} s", retry_after_s=wait)
         if len(rid) > MAX_REQUEST_ID_CHARS:
             raise invalid(f"request_id has {len(rid)} characters; at most {MAX_REQUEST_ID_CHARS} are allowed")
         if rid in self.cluster.flows:
@@ -237,9 +204,8 @@ async def serve(config: CoordinatorConfig) -> None:
     tokenizer = await asyncio.to_thread(Tokenizer, config.model_dir)
     servicer = GenerationServicer(config, cluster, tokenizer)
     running = await start_grpc_server(
-        config.server.host, config.server.port,
-        lambda server: generate_pb2_grpc.add_GenerationServicer_to_server(servicer, server),
-        ["pdserve.v1.Generation"])
+        config.server, lambda server: generate_pb2_grpc.add_GenerationServicer_to_server(servicer, server),
+        ["pdserve.v1.Generation"], tokens=read_api_keys(config.api_keys_file), what="API key")
     address = f"{config.server.host}:{running.port}"
     log.info("coordinator serving %s on %s (%s, %d prefill / %d decode workers, connector %s)",
              config.model_name, address, "colocated" if config.colocated else "disaggregated",

@@ -12,6 +12,7 @@ from engine.errors import EngineError, ErrorKind
 from engine.request import Request
 from engine.transfer.protocol import KvReceiver
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
+from server_common.security import read_secret
 from worker_common.config import WorkerConfig
 from worker_common.convert import FINISH_REASON_TO_PROTO, sampling_from_proto, token_to_proto
 from worker_common.errors import abort_with
@@ -82,6 +83,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
 
 async def serve(config: WorkerConfig) -> None:
     """Run a decode worker (role 'decode') or a colocated worker (role 'colocated') until cancelled."""
+    secret = read_secret(config.server.cluster_secret_file)
     worker = start_engine(config)
     reservations = Reservations()
     receiver = None
@@ -90,13 +92,13 @@ async def serve(config: WorkerConfig) -> None:
         backend = await choose_backend(config.connector, worker.compat_hash, config.server.host,
                                        config.engine.device)
         receiver = KvReceiver(backend, worker.compat_hash, worker.parts.runner.kv_cache.block_bytes, reservations,
-                              timeout_s=config.transfer_timeout_s)
+                              timeout_s=config.transfer_timeout_s, secret=secret)
         kv_address, connector = await receiver.start(config.server.host), backend.name
     decode = DecodeServicer(worker, reservations, config.kv_timeout_s)
     try:
         await serve_worker(config, worker, WorkerServicer(config.role, worker, kv_address, connector),
                            lambda server: worker_pb2_grpc.add_DecodeServicer_to_server(decode, server),
-                           "pdserve.v1.Decode", kv_address=kv_address)
+                           "pdserve.v1.Decode", secret, kv_address=kv_address)
     finally:
         if receiver is not None:
             receiver.close()

@@ -10,6 +10,7 @@ from engine.errors import EngineError
 from engine.request import FinishReason, Request
 from engine.transfer.protocol import KvSender
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
+from server_common.security import read_secret
 from worker_common.config import WorkerConfig
 from worker_common.convert import FINISH_REASON_TO_PROTO, sampling_from_proto, token_to_proto
 from worker_common.errors import abort_with
@@ -58,13 +59,14 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
 
 async def serve(config: WorkerConfig) -> None:
     """Run a prefill worker until cancelled."""
+    secret = read_secret(config.server.cluster_secret_file)
     worker = start_engine(config)
     sender = KvSender(worker.compat_hash, worker.parts.runner.kv_cache.block_bytes,
-                      timeout_s=config.transfer_timeout_s)
+                      timeout_s=config.transfer_timeout_s, secret=secret)
     prefill = PrefillServicer(worker, sender)
     try:
         await serve_worker(config, worker, WorkerServicer("prefill", worker),
                            lambda server: worker_pb2_grpc.add_PrefillServicer_to_server(prefill, server),
-                           "pdserve.v1.Prefill")
+                           "pdserve.v1.Prefill", secret)
     finally:
         sender.close()

@@ -1,4 +1,4 @@
-"""The bind settings every server process shares (one definition; the CLI builds its flags from it)."""
+"""The server settings every process shares (one definition; the CLI builds its flags from it)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -6,14 +6,29 @@ from dataclasses import dataclass, field
 
 @dataclass(frozen=True)
 class ServerArgs:
-    """Where a process serves gRPC.
+    """Where and how a process serves gRPC.
 
     Attributes:
-        host: bind address.
+        host: bind address. 127.0.0.1 by default; binding beyond loopback without TLS or authentication is logged
+            as a warning.
         port: gRPC port; 0 picks a free one (read it back from the ready file).
         ready_file: where to write {"address": ...} once serving (for launchers and tests); None = don't.
+        tls_cert, tls_key: PEM certificate chain and private key: serve TLS instead of plaintext.
+        tls_client_ca: PEM CA bundle: require client certificates it signed (mTLS).
+        cluster_secret_file: file with the cluster's shared secret. Workers require it on their gRPC API and on
+            the KV channel (an HMAC over a nonce); the coordinator and prefill workers present it. None: the
+            PDSERVE_CLUSTER_SECRET environment variable, else no internal authentication.
     """
 
     host: str = field(default="127.0.0.1", metadata={"help": "bind address"})
     port: int = field(default=0, metadata={"help": "gRPC port (0 = any free port; see --ready-file)"})
     ready_file: str | None = field(default=None, metadata={"help": 'write {"address": ...} here once serving'})
+    tls_cert: str | None = field(default=None, metadata={"help": "PEM certificate chain: serve TLS"})
+    tls_key: str | None = field(default=None, metadata={"help": "PEM private key of --tls-cert"})
+    tls_client_ca: str | None = field(default=None, metadata={"help": "PEM CA: require client certificates (mTLS)"})
+    cluster_secret_file: str | None = field(default=None, metadata={
+        "help": "shared secret for worker APIs and KV channels (else $PDSERVE_CLUSTER_SECRET, else none)"})
+
+    @property
+    def tls(self) -> bool:
+        return self.tls_cert is not None

@@ -13,6 +13,9 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from server_common.config import ServerArgs
+from server_common.security import BearerTokenInterceptor, server_credentials, warn_if_exposed
+
 MAX_MESSAGE_BYTES = 64 << 20
 
 
@@ -76,22 +79,28 @@ class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):
         return handler._replace(request_deserializer=safe_deserialize, **{field: wrapped})
 
 
-async def start_grpc_server(host: str, port: int, add_servicers: Callable[[grpc.aio.Server], None],
-                            service_names: list[str]) -> RunningServer:
+async def start_grpc_server(args: ServerArgs, add_servicers: Callable[[grpc.aio.Server], None],
+                            service_names: list[str], tokens: list[str], what: str = "API key") -> RunningServer:
     """Start a grpc.aio server with `grpc.health.v1.Health` and reflection.
 
     Args:
-        host, port: bind address; port 0 picks a free port.
+        args: bind address (port 0 picks a free port) and TLS files.
         add_servicers: registers the role's services on the server.
         service_names: full names of those services (e.g. "pdserve.v1.Generation"), for health and reflection.
+        tokens: bearer tokens a caller must present (`BearerTokenInterceptor`); empty = no authentication.
+        what: how errors and warnings name the tokens ("API key", "cluster secret").
 
     Health reports SERVING for "" and each service name once the server has started. A request body that does
     not parse is answered with INVALID_ARGUMENT (`MalformedRequestInterceptor`).
 
     Raises:
-        RuntimeError: the address could not be bound (grpc raises it from add_insecure_port).
+        RuntimeError: the address could not be bound (grpc raises it from add_*_port).
+        ValueError / OSError: unusable TLS files.
     """
-    server = grpc.aio.server(interceptors=[MalformedRequestInterceptor()],
+    interceptors: list[grpc.aio.ServerInterceptor] = [MalformedRequestInterceptor()]
+    if tokens:
+        interceptors.insert(0, BearerTokenInterceptor(tokens, what))
+    server = grpc.aio.server(interceptors=interceptors,
                              options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                                       ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
     add_servicers(server)
@@ -99,7 +108,11 @@ async def start_grpc_server(host: str, port: int, add_servicers: Callable[[grpc.
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = service_names + [health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME]
     reflection.enable_server_reflection(names, server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    credentials = server_credentials(args.tls_cert, args.tls_key, args.tls_client_ca)  # None: plaintext
+    address = f"{args.host}:{args.port}"
+    bound = (server.add_secure_port(address, credentials) if credentials is not None
+             else server.add_insecure_port(address))
+    warn_if_exposed(", ".join(service_names), args.host, tls=credentials is not None, auth=bool(tokens))
     await server.start()
     running = RunningServer(server, bound, health_servicer, list(service_names))
     await running.set_serving(True)

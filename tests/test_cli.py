@@ -7,7 +7,7 @@ import pytest
 
 from cli.args import dataclass_from_args, dataclass_to_argv
 from cli.launcher import ServeConfig
-from cli.main import _PER_PROCESS, build_parser
+from cli.main import _PER_PROCESS, SERVE_WORKER_SKIP, build_parser
 from coordinator.config import CoordinatorConfig
 from engine.args import EngineArgs
 from worker_common.config import WorkerConfig
@@ -57,11 +57,11 @@ def _everything_changed(cls, skip=frozenset(), **values):
 @pytest.mark.parametrize("role", ["prefill", "decode", "colocated"])
 def test_serve_forwards_every_worker_setting(role):
     """Any WorkerConfig/EngineArgs field, new ones included, survives serve -> worker argv -> worker parser."""
-    want = _everything_changed(WorkerConfig, skip=_PER_PROCESS, role=role, model_dir="m")
-    serve_ns = build_parser("serve").parse_args(dataclass_to_argv(want, skip=_PER_PROCESS))
+    want = _everything_changed(WorkerConfig, skip=SERVE_WORKER_SKIP, role=role, model_dir="m")
+    serve_ns = build_parser("serve").parse_args(dataclass_to_argv(want, skip=SERVE_WORKER_SKIP))
     from_serve = dataclass_from_args(WorkerConfig, serve_ns, role=role, model_dir="m", port=0)
     assert from_serve == want
-    argv = dataclass_to_argv(from_serve, skip=_PER_PROCESS)
+    argv = dataclass_to_argv(from_serve, skip=SERVE_WORKER_SKIP)
     assert dataclass_from_args(WorkerConfig, build_parser(role).parse_args(argv), role=role, model_dir="m") == want
 
 

@@ -35,16 +35,18 @@ def tokenizer(real_model_dir):
     return AutoTokenizer.from_pretrained(str(real_model_dir))
 
 
-def worker_stats(address):
-    with grpc.insecure_channel(address) as ch:
-        return worker_pb2_grpc.WorkerStub(ch).GetStats(worker_pb2.WorkerStatsRequest(), timeout=10)
+def worker_stats(cluster, name):
+    """A worker's GetStats answer (the internal API: the cluster secret is required)."""
+    with grpc.insecure_channel(cluster.worker_addresses[name]) as ch:
+        return worker_pb2_grpc.WorkerStub(ch).GetStats(worker_pb2.WorkerStatsRequest(), timeout=10,
+                                                       metadata=cluster.worker_metadata)
 
 
 def assert_idle(cluster, timeout_s=30.0):
     """Every worker returns to its idle pool counts (no leaked blocks or requests) within timeout_s."""
     deadline = time.monotonic() + timeout_s
     while True:
-        stats = {n: worker_stats(a) for n, a in cluster.worker_addresses.items()}
+        stats = {n: worker_stats(cluster, n) for n in cluster.worker_addresses}
         if all(s.num_free_blocks == s.num_total_blocks and s.num_requests == 0 for s in stats.values()):
             assert all(s.pool_integrity_ok for s in stats.values())
             return
@@ -241,7 +243,7 @@ def test_two_prefill_two_decode_workers_all_take_requests(tiny_model_dir, tmp_pa
                       worker_args=["--kv-tokens", "2048", "--max-model-len", "512", "--connector", "tcp"])
     try:
         def steps():
-            return {name: worker_stats(address).num_steps for name, address in c.worker_addresses.items()}
+            return {name: worker_stats(c, name).num_steps for name in c.worker_addresses}
 
         with Client(c.address) as client:
             for i in range(2):

@@ -50,7 +50,8 @@ def test_worker_abort_ends_the_client_stream_promptly(cluster):
         stream = c.generate([5, 6, 7], greedy(400, ignore_eos=True), request_id="worker-abort", timeout=60)
         next(stream)
         with grpc.insecure_channel(cluster.worker_addresses["decode-0"]) as ch:
-            assert worker_pb2_grpc.WorkerStub(ch).Abort(generate_pb2.AbortRequest(request_id="worker-abort")).found
+            assert worker_pb2_grpc.WorkerStub(ch).Abort(generate_pb2.AbortRequest(request_id="worker-abort"),
+                                                        metadata=cluster.worker_metadata).found
         start = time.monotonic()
         with pytest.raises(grpc.RpcError) as e:
             list(stream)
@@ -93,7 +94,7 @@ def test_internal_api_out_of_vocab_token_fails_only_its_call(cluster):
             async with grpc.aio.insecure_channel(cluster.worker_addresses["decode-0"]) as ch:
                 call = worker_pb2_grpc.DecodeStub(ch).Decode(worker_pb2.DecodeRequest(
                     request_id="oov", prompt_token_ids=[5, 10 ** 6], kv_source=worker_pb2.KV_SOURCE_LOCAL,
-                    sampling=generate_pb2.SamplingParams(max_tokens=3)), timeout=10)
+                    sampling=generate_pb2.SamplingParams(max_tokens=3)), timeout=10, metadata=cluster.worker_metadata)
                 with pytest.raises(grpc.aio.AioRpcError) as e:
                     async for _ in call:
                         pass
@@ -109,7 +110,8 @@ def test_a_caller_cannot_hold_blocks_past_the_workers_lease(cluster):
     with grpc.insecure_channel(cluster.worker_addresses["decode-0"]) as ch:
         call = worker_pb2_grpc.DecodeStub(ch).Decode(worker_pb2.DecodeRequest(
             request_id="squatter", prompt_token_ids=list(range(5, 405)), kv_source=worker_pb2.KV_SOURCE_REMOTE,
-            sampling=generate_pb2.SamplingParams(max_tokens=8), kv_timeout_ms=2 ** 32 - 1), timeout=30)
+            sampling=generate_pb2.SamplingParams(max_tokens=8), kv_timeout_ms=2 ** 32 - 1), timeout=30,
+            metadata=cluster.worker_metadata)
         start = time.monotonic()
         with pytest.raises(grpc.RpcError) as e:
             for _ in call:

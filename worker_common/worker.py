@@ -84,20 +84,22 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
 
 async def serve_worker(config: WorkerConfig, worker: WorkerEngine, servicer: WorkerServicer,
-                       add_role: Callable[[grpc.aio.Server], None], role_service: str, **ready: str) -> None:
+                       add_role: Callable[[grpc.aio.Server], None], role_service: str, secret: str | None,
+                       **ready: str) -> None:
     """Serve the Worker service plus the role's own until cancelled, then stop the server and the engine.
 
     Args:
         add_role: registers the role's servicer (Prefill or Decode) on the server.
         role_service: its full name, e.g. "pdserve.v1.Prefill" (for health and reflection).
+        secret: the cluster secret callers must present (None: no authentication).
         ready: extra fields for the ready file (e.g. kv_address).
     """
     def add(server: grpc.aio.Server) -> None:
         worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
         add_role(server)
 
-    running: RunningServer = await start_grpc_server(config.server.host, config.server.port, add,
-                                                     ["pdserve.v1.Worker", role_service])
+    running: RunningServer = await start_grpc_server(config.server, add, ["pdserve.v1.Worker", role_service],
+                                                     tokens=[secret] if secret else [], what="cluster secret")
 
     pending: set[asyncio.Task] = set()  # the loop keeps only weak references to tasks
 

@@ -4,7 +4,9 @@ decode worker reserved.
 Backends (`tcp`, `ucx`) provide only a framed channel; the protocol in `protocol.py` is shared:
 
     sender                                   receiver
-    hello{version, compat_hash}   ───►       checks layout compatibility
+                                  ◄───       challenge{version, nonce}
+    hello{version, compat_hash,   ───►       checks layout compatibility and, with a cluster secret,
+          mac=HMAC(secret, nonce)}           the mac (constant-time)
                                   ◄───       hello_ack{ok, error}
     offer{request_id, num_blocks, ...} ───►  looks up the reservation (reject if unknown/aborted)
                                   ◄───       accept{ok, error}

@@ -2,8 +2,11 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
 import json
 import logging
+import os
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -18,7 +21,7 @@ from engine.transfer.channel import Backend, Channel, ChannelClosed, Listener
 
 log = logging.getLogger(__name__)
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: the receiver challenges with a nonce; hello carries an HMAC of it under the cluster secret
 
 
 class TransferError(EngineError):
@@ -40,7 +43,43 @@ def _encode(msg: dict) -> bytes:
 
 
 def _decode(raw: bytes) -> dict:
-    return json.loads(raw)
+    """A control message. Raises ValueError for anything but a JSON object (a peer speaking garbage)."""
+    msg = json.loads(raw)
+    if not isinstance(msg, dict):
+        raise ValueError(f"control message is not an object: {raw[:80]!r}")
+    return msg
+
+
+def handshake_mac(secret: str | None, nonce: str, compat_hash: str) -> str:
+    """HMAC-SHA256 (RFC 2104) of the receiver's nonce and the sender's layout hash, keyed by the cluster secret:
+    proves the sender knows the secret without sending it, bound to this connection. "" without a secret."""
+    if not secret:
+        return ""
+    return hmac.new(secret.encode(), f"{nonce}:{compat_hash}".encode(), hashlib.sha256).hexdigest()
+
+
+@dataclass(frozen=True)
+class Offer:
+    """One request's KV, announced by the sender (validated: a malformed offer drops the channel)."""
+
+    request_id: str
+    num_blocks: int
+    block_nbytes: int
+    first_token: int
+    num_tokens: int
+
+    @classmethod
+    def parse(cls, msg: dict) -> "Offer":
+        """Raises ValueError unless every field is present with its type (ints non-negative)."""
+        try:
+            offer = cls(**{name: msg[name] for name in cls.__dataclass_fields__})
+        except KeyError as e:
+            raise ValueError(f"offer without {e}") from None
+        if not isinstance(offer.request_id, str) or not all(
+                isinstance(v, int) and not isinstance(v, bool) and v >= 0
+                for v in (offer.num_blocks, offer.block_nbytes, offer.first_token, offer.num_tokens)):
+            raise ValueError(f"malformed offer {msg}")
+        return offer
 
 
 class KvSender:
@@ -50,12 +89,14 @@ class KvSender:
         compat_hash: this worker's `engine.config.compat_hash`; the receiver refuses a mismatch.
         block_view: block id -> zero-copy uint8 view of that block (`KVCache.block_bytes`).
         timeout_s: bound on connecting + the whole transfer, seconds.
+        secret: the cluster secret, proven at each handshake (`handshake_mac`); None = none configured.
     """
 
-    def __init__(self, compat_hash: str, block_view: BlockView, timeout_s: float = 30.0):
+    def __init__(self, compat_hash: str, block_view: BlockView, timeout_s: float = 30.0, secret: str | None = None):
         self.compat_hash = compat_hash
         self.block_view = block_view
         self.timeout_s = timeout_s
+        self.secret = secret
         self._idle: dict[str, list[Channel]] = defaultdict(list)
         self._backends: dict[str, Backend] = {}
 
@@ -114,8 +155,14 @@ class KvSender:
             backend = self._backends[scheme] = get_backend(scheme)
         ch = await backend.connect(host, port)
         try:
-            await ch.send_msg(_encode({"type": "hello", "version": PROTOCOL_VERSION, "compat_hash": self.compat_hash}))
+            challenge = _decode(await ch.recv_msg())
+            await ch.send_msg(_encode({"type": "hello", "version": PROTOCOL_VERSION, "compat_hash": self.compat_hash,
+                                       "mac": handshake_mac(self.secret, str(challenge.get("nonce")),
+                                                            self.compat_hash)}))
             ack = _decode(await ch.recv_msg())
+        except ValueError as e:
+            ch.close()
+            raise TransferError(ErrorKind.INCOMPATIBLE_PEER, f"KV peer {address} speaks another protocol: {e}") from e
         except BaseException:
             ch.close()
             raise
@@ -155,13 +202,15 @@ class KvReceiver:
         compat_hash: this worker's layout hash.
         block_view: block id -> zero-copy writable uint8 view.
         sink: reservation bookkeeping of the decode worker.
-        timeout_s: bound on receiving one request's blocks once accepted, seconds.
+        timeout_s: bound on the handshake and on receiving one request's blocks once accepted, seconds.
+        secret: the cluster secret a sender must prove at the handshake; None = anyone may send.
     """
 
     def __init__(self, backend: Backend, compat_hash: str, block_view: BlockView, sink: ReceiveSink,
-                 timeout_s: float = 30.0):
+                 timeout_s: float = 30.0, secret: str | None = None):
         self.backend, self.compat_hash, self.block_view, self.sink = backend, compat_hash, block_view, sink
         self.timeout_s = timeout_s
+        self.secret = secret
         self._listener: Listener | None = None
         self._channels: set[Channel] = set()
         self.host = ""
@@ -187,6 +236,8 @@ class KvReceiver:
     async def _serve(self, ch: Channel) -> None:
         self._channels.add(ch)
         try:
+            nonce = os.urandom(16).hex()
+            await ch.send_msg(_encode({"type": "challenge", "version": PROTOCOL_VERSION, "nonce": nonce}))
             hello = _decode(await asyncio.wait_for(ch.recv_msg(), self.timeout_s))
             if hello.get("version") != PROTOCOL_VERSION or hello.get("compat_hash") != self.compat_hash:
                 err = (f"incompatible peer: version {hello.get('version')} / layout {hello.get('compat_hash')}, "
@@ -194,9 +245,15 @@ class KvReceiver:
                 log.error(err)
                 await ch.send_msg(_encode({"type": "hello_ack", "ok": False, "error": err}))
                 return
+            if self.secret and not hmac.compare_digest(
+                    str(hello.get("mac", "")), handshake_mac(self.secret, nonce, self.compat_hash)):
+                log.warning("KV handshake refused: the sender did not prove the cluster secret")
+                await ch.send_msg(_encode({"type": "hello_ack", "ok": False,
+                                           "error": "authentication failed: wrong or missing cluster secret"}))
+                return
             await ch.send_msg(_encode({"type": "hello_ack", "ok": True}))
             while True:
-                offer = _decode(await ch.recv_msg())  # idle channel: no timeout, peer death ends the wait
+                offer = Offer.parse(_decode(await ch.recv_msg()))  # idle: no timeout, peer death ends the wait
                 if not await self._receive_one(ch, offer):
                     return
         except (ChannelClosed, asyncio.TimeoutError, ValueError) as e:
@@ -205,14 +262,14 @@ class KvReceiver:
             self._channels.discard(ch)
             ch.close()
 
-    async def _receive_one(self, ch: Channel, offer: dict) -> bool:
+    async def _receive_one(self, ch: Channel, offer: Offer) -> bool:
         """Handle one offer; returns False when the channel must be dropped."""
-        rid = offer["request_id"]
+        rid = offer.request_id
         try:
-            block_ids = self.sink.begin_receive(rid, offer["num_blocks"], offer["num_tokens"])
-            if offer["num_blocks"] and offer["block_nbytes"] != self.block_view(block_ids[0]).nbytes:
+            block_ids = self.sink.begin_receive(rid, offer.num_blocks, offer.num_tokens)
+            if offer.num_blocks and offer.block_nbytes != self.block_view(block_ids[0]).nbytes:
                 self.sink.end_receive(rid, 0, "block size mismatch")
-                raise LookupError(f"block of {offer['block_nbytes']} bytes, expected "
+                raise LookupError(f"block of {offer.block_nbytes} bytes, expected "
                                   f"{self.block_view(block_ids[0]).nbytes}")
         except LookupError as e:
             await ch.send_msg(_encode({"type": "accept", "ok": False, "error": str(e)}))
@@ -225,6 +282,6 @@ class KvReceiver:
         except BaseException as e:
             self.sink.end_receive(rid, 0, f"KV transfer interrupted: {type(e).__name__}: {e}")
             raise
-        self.sink.end_receive(rid, offer["first_token"], None)
+        self.sink.end_receive(rid, offer.first_token, None)
         await ch.send_msg(_encode({"type": "done", "ok": True}))
         return True

@@ -3,6 +3,6 @@
 `pdserve.v1` holds the generated stubs (nothing else); `pdserve.client` is the SDK built on them. The servers and
 the `pdserve` command line are a separate distribution and are never imported from here.
 """
-from pdserve.client import AsyncClient, Client, Completion, GenerateChunk, SamplingParams
+from pdserve.client import AsyncClient, Client, Completion, GenerateChunk, SamplingParams, tls_credentials
 
-__all__ = ["AsyncClient", "Client", "Completion", "GenerateChunk", "SamplingParams"]
+__all__ = ["AsyncClient", "Client", "Completion", "GenerateChunk", "SamplingParams", "tls_credentials"]

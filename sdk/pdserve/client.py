@@ -102,17 +102,47 @@ class _CompletionBuilder:
 _NO_FINAL = "stream ended without a final message"
 
 
-class Client:
-    """Blocking client. Use as a context manager or call close()."""
+def _auth_metadata(api_key: str | None) -> tuple[tuple[str, str], ...]:
+    return (("authorization", f"Bearer {api_key}"),) if api_key else ()
 
-    def __init__(self, address: str):
-        self.channel = grpc.insecure_channel(address)
+
+def tls_credentials(ca_file: str | None = None, cert_file: str | None = None,
+                    key_file: str | None = None) -> grpc.ChannelCredentials:
+    """TLS channel credentials from PEM files: the CA that signed the server's certificate (None: the system's
+    roots), and a client certificate + key for servers that require mTLS."""
+    def read(path: str | None) -> bytes | None:
+        if path is None:
+            return None
+        with open(path, "rb") as f:
+            return f.read()
+    return grpc.ssl_channel_credentials(read(ca_file), read(key_file), read(cert_file))
+
+
+class Client:
+    """Blocking client. Use as a context manager or call close().
+
+    Args:
+        address: the coordinator's "host:port".
+        credentials: TLS channel credentials (e.g. `tls_credentials(ca_file=...)`); None = plaintext.
+        api_key: sent as `authorization: Bearer <api_key>` on every call, for coordinators started with API keys.
+    """
+
+    def __init__(self, address: str, credentials: grpc.ChannelCredentials | None = None,
+                 api_key: str | None = None):
+        self.channel = (grpc.secure_channel(address, credentials) if credentials is not None
+                        else grpc.insecure_channel(address))
         self.stub = generate_pb2_grpc.GenerationStub(self.channel)
+        self.metadata = _auth_metadata(api_key)
 
     def generate(self, prompt, sampling: SamplingParams | None = None, request_id: str = "", model: str = "",
                  timeout: float | None = None) -> Iterator[GenerateChunk]:
-        """Stream chunks; the last one carries `final`. Closing the iterator early cancels the request."""
-        call = self.stub.Generate(build_request(prompt, sampling, request_id, model), timeout=timeout)
+        """Stream chunks; the last one carries `final`. Closing the iterator early cancels the request.
+
+        Raises:
+            grpc.RpcError: the server's status (INVALID_ARGUMENT, RESOURCE_EXHAUSTED, UNAUTHENTICATED, ...).
+        """
+        call = self.stub.Generate(build_request(prompt, sampling, request_id, model), timeout=timeout,
+                                  metadata=self.metadata)
         try:
             for resp in call:
                 yield _convert(resp)
@@ -132,10 +162,12 @@ class Client:
         raise RuntimeError(_NO_FINAL)
 
     def abort(self, request_id: str) -> bool:
-        return self.stub.Abort(generate_pb2.AbortRequest(request_id=request_id)).found
+        """Abort an in-flight request by id; False when none has that id. Its stream ends with finish "abort"."""
+        return self.stub.Abort(generate_pb2.AbortRequest(request_id=request_id), metadata=self.metadata).found
 
     def model_info(self) -> generate_pb2.ModelInfo:
-        return self.stub.GetModelInfo(generate_pb2.GetModelInfoRequest())
+        """The served model, context length, KV block size and topology."""
+        return self.stub.GetModelInfo(generate_pb2.GetModelInfoRequest(), metadata=self.metadata)
 
     def close(self) -> None:
         self.channel.close()
@@ -148,16 +180,20 @@ class Client:
 
 
 class AsyncClient:
-    """asyncio client. Use with `async with` or call `await close()`."""
+    """asyncio client. Use with `async with` or call `await close()`. Arguments as for `Client`."""
 
-    def __init__(self, address: str):
-        self.channel = grpc.aio.insecure_channel(address)
+    def __init__(self, address: str, credentials: grpc.ChannelCredentials | None = None,
+                 api_key: str | None = None):
+        self.channel = (grpc.aio.secure_channel(address, credentials) if credentials is not None
+                        else grpc.aio.insecure_channel(address))
         self.stub = generate_pb2_grpc.GenerationStub(self.channel)
+        self.metadata = _auth_metadata(api_key)
 
     async def generate(self, prompt, sampling: SamplingParams | None = None, request_id: str = "",
                        model: str = "", timeout: float | None = None) -> AsyncIterator[GenerateChunk]:
         """Stream chunks; the last one carries `final`. Leaving the loop early cancels the request."""
-        call = self.stub.Generate(build_request(prompt, sampling, request_id, model), timeout=timeout)
+        call = self.stub.Generate(build_request(prompt, sampling, request_id, model), timeout=timeout,
+                                  metadata=self.metadata)
         try:
             async for resp in call:
                 yield _convert(resp)
@@ -173,10 +209,12 @@ class AsyncClient:
         raise RuntimeError(_NO_FINAL)
 
     async def abort(self, request_id: str) -> bool:
-        return (await self.stub.Abort(generate_pb2.AbortRequest(request_id=request_id))).found
+        """The asyncio twin of `Client.abort`."""
+        return (await self.stub.Abort(generate_pb2.AbortRequest(request_id=request_id), metadata=self.metadata)).found
 
     async def model_info(self) -> generate_pb2.ModelInfo:
-        return await self.stub.GetModelInfo(generate_pb2.GetModelInfoRequest())
+        """The asyncio twin of `Client.model_info`."""
+        return await self.stub.GetModelInfo(generate_pb2.GetModelInfoRequest(), metadata=self.metadata)
 
     async def close(self) -> None:
         await self.channel.close()

@@ -1,0 +1,272 @@
+"""Strangers are kept out: API keys and TLS (and mTLS) on the public port, the cluster secret on worker APIs and on
+the KV channel, per-key rate limits with a retry hint (issue 9, findings 3-4 and "TLS and authentication")."""
+import asyncio
+import subprocess
+from pathlib import Path
+
+import grpc
+import pytest
+from google.rpc import error_details_pb2
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_status import rpc_status
+
+from cli.launcher import ServeConfig, _spawn, start_cluster, wait_ready
+from coordinator.ratelimit import RateLimiter
+from engine.errors import ErrorKind
+from engine.transfer import get_backend
+from engine.transfer.protocol import KvReceiver, KvSender, TransferError
+from pdserve import Client, SamplingParams, tls_credentials
+from pdserve.v1 import generate_pb2, worker_pb2, worker_pb2_grpc
+from server_common.security import BearerTokenInterceptor, presented_token, read_api_keys
+
+KEY = "sk-test-0123456789"
+
+
+# ---- units ---------------------------------------------------------------------------------------------------------
+def test_bearer_tokens_are_parsed_and_checked():
+    assert presented_token([("authorization", "Bearer abc ")]) == "abc"
+    assert presented_token([("x-api-key", "abc")]) == "abc"
+    assert presented_token([("authorization", "Basic abc")]) is None
+    check = BearerTokenInterceptor(["k1", "k2"], "API key")
+    assert check.accepts("k2") and not check.accepts("k3") and not check.accepts(None)
+
+
+def test_api_keys_from_file_and_environment(tmp_path, monkeypatch):
+    path = tmp_path / "keys"
+    path.write_text("# ops team\nk1\n\n  k2  \n")
+    monkeypatch.setenv("PDSERVE_API_KEYS", "k3, k4")
+    assert read_api_keys(str(path)) == ["k1", "k2", "k3", "k4"]
+
+
+def test_rate_limiter_refills_and_hints_the_wait():
+    now = [0.0]
+    limiter = RateLimiter(requests_per_s=2, tokens_per_s=100, burst_s=1, clock=lambda: now[0])
+    assert limiter.admit("a", "requests", 1) == 0 and limiter.admit("a", "requests", 1) == 0
+    assert limiter.admit("a", "requests", 1) == pytest.approx(0.5)  # third within the second: wait half a second
+    assert limiter.admit("b", "requests", 1) == 0  # per caller
+    assert limiter.admit("a", "tokens", 150) == float("inf")  # larger than the burst: never
+    assert limiter.admit("a", "tokens", 80) == 0 and limiter.admit("a", "tokens", 80) == pytest.approx(0.6)
+    now[0] = 0.5
+    assert limiter.admit("a", "requests", 1) == 0
+    assert not RateLimiter(0, 0).enabled and RateLimiter(0, 0).admit("x", "tokens", 10 ** 9) == 0
+
+
+class Sink:
+    def __init__(self, reserved):
+        self.reserved, self.ended = reserved, {}
+
+    def begin_receive(self, rid, num_blocks, num_tokens):
+        if rid not in self.reserved:
+            raise LookupError(f"no reservation for {rid}")
+        return self.reserved[rid]
+
+    def end_receive(self, rid, first_token, error):
+        self.ended[rid] = (first_token, error)
+
+
+@pytest.mark.parametrize("sender_secret,ok", [("s3cret", True), (None, False), ("wrong", False)])
+def test_kv_handshake_proves_the_cluster_secret(sender_secret, ok):
+    """A stranger could fill another request's reserved blocks; now the hello must carry HMAC(secret, nonce)."""
+    import numpy as np
+
+    async def main():
+        src = [np.full(64, i, dtype=np.uint8) for i in range(2)]
+        dst = [np.zeros(64, dtype=np.uint8) for _ in range(2)]
+        sink = Sink({"r": [1]})
+        receiver = KvReceiver(get_backend("tcp"), "h", lambda b: dst[b], sink, timeout_s=5, secret="s3cret")
+        address = await receiver.start("127.0.0.1")
+        sender = KvSender("h", lambda b: src[b], timeout_s=5, secret=sender_secret)
+        try:
+            if ok:
+                await sender.send(address, "r", 7, [0], num_tokens=3)
+                assert (dst[1] == 0).all() and sink.ended["r"] == (7, None)
+            else:
+                with pytest.raises(TransferError) as e:
+                    await sender.send(address, "r", 7, [0], num_tokens=3)
+                assert e.value.kind == ErrorKind.INCOMPATIBLE_PEER and "authentication" in e.value.message
+                assert "r" not in sink.ended and (dst[1] == 0).all()
+        finally:
+            sender.close()
+            receiver.close()
+    asyncio.run(main())
+
+
+def test_kv_port_survives_huge_length_headers_and_garbage_offers():
+    """A 4-byte header of 1 GiB used to allocate 1 GiB up front; a malformed offer is dropped, not crashed on."""
+    import struct
+
+    async def main():
+        sink = Sink({})
+        receiver = KvReceiver(get_backend("tcp"), "h", lambda b: None, sink, timeout_s=5)
+        address = await receiver.start("127.0.0.1")
+        port = int(address.rsplit(":", 1)[1])
+        try:
+            for payload in (struct.pack("!I", 1 << 30) + b"x" * 16,
+                            struct.pack("!I", 2) + b"[]",
+                            None):
+                reader, writer = await asyncio.open_connection("127.0.0.1", port)
+                await reader.readexactly(struct.unpack("!I", await reader.readexactly(4))[0])  # the challenge
+                if payload is None:  # a valid hello, then a malformed offer
+                    for msg in (b'{"version": 2, "compat_hash": "h"}', b'{"type": "offer", "request_id": 5}'):
+                        writer.write(struct.pack("!I", len(msg)) + msg)
+                    await reader.readexactly(struct.unpack("!I", await reader.readexactly(4))[0])  # hello_ack
+                else:
+                    writer.write(payload)
+                await writer.drain()
+                try:  # the receiver hangs up on us: EOF, or a reset when our bytes were still unread
+                    assert await asyncio.wait_for(reader.read(), 5) == b""
+                except ConnectionResetError:
+                    pass
+                writer.close()
+            sender = KvSender("h", lambda b: None, timeout_s=5)
+            with pytest.raises(TransferError) as e:  # still serving
+                await sender.send(address, "ghost", 1, [], num_tokens=1)
+            assert e.value.kind == ErrorKind.TRANSFER_REJECTED
+            sender.close()
+        finally:
+            receiver.close()
+    asyncio.run(main())
+
+
+# ---- a cluster with a locked front door ---------------------------------------------------------------------------
+def _openssl(*args, cwd):
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory):
+    """A CA, a server certificate for 127.0.0.1 and a client certificate, signed by the CA (openssl)."""
+    d = tmp_path_factory.mktemp("pki")
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    _openssl("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.pem", "-days", "2", "-subj", "/CN=test-ca", cwd=d)
+    for name, ext in (("server", "subjectAltName=IP:127.0.0.1,DNS:localhost"),
+                      ("client", "extendedKeyUsage=clientAuth")):
+        _openssl("req", *ec, "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN={name}", cwd=d)
+        (d / f"{name}.ext").write_text(ext + "\n")
+        _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
+                 "-out", f"{name}.pem", "-days", "2", "-extfile", f"{name}.ext", cwd=d)
+    (d / "keys").write_text(f"{KEY}\nanother-key\n")
+    return d
+
+
+@pytest.fixture(scope="module")
+def workers(tiny_model_dir, tmp_path_factory):
+    c = start_cluster(str(tiny_model_dir), "tiny", ServeConfig(log_dir=str(tmp_path_factory.mktemp("logs"))),
+                      worker_args=["--kv-tokens", "1024", "--max-model-len", "256", "--connector", "tcp"])
+    yield c
+    for p in getattr(c, "extra", []):
+        p.terminate()
+    c.stop()
+
+
+def coordinator(workers, tiny_model_dir, name, *flags) -> str:
+    """Start another coordinator in front of the same workers, with `flags`; returns its address."""
+    secret_file = Path(workers.workdir) / "cluster.secret"
+    args = ["coordinator", "--model", str(tiny_model_dir), "--served-model-name", "tiny", "--cluster-secret-file",
+            str(secret_file), "--prefill", workers.worker_addresses["prefill-0"],
+            "--decode", workers.worker_addresses["decode-0"], *flags]
+    proc, ready, _ = _spawn(args, name, Path(workers.workdir), Path(workers.workdir), dict(__import__("os").environ))
+    workers.extra = [*getattr(workers, "extra", []), proc]
+    return wait_ready([(name, proc, ready)], 120)[0]["address"]
+
+
+GREEDY = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+
+
+def test_tls_and_api_key_on_the_public_port(workers, tiny_model_dir, pki):
+    address = coordinator(workers, tiny_model_dir, "tls-coordinator", "--tls-cert", str(pki / "server.pem"),
+                          "--tls-key", str(pki / "server.key"), "--api-keys-file", str(pki / "keys"))
+    creds = tls_credentials(ca_file=str(pki / "ca.pem"))
+    with Client(address, credentials=creds, api_key=KEY) as c:
+        assert c.complete([5, 6, 7], GREEDY).completion_tokens == 4
+    for key, needle in ((None, "missing API key"), ("nope", "invalid API key")):
+        with Client(address, credentials=creds, api_key=key) as c, pytest.raises(grpc.RpcError) as e:
+            c.complete([5, 6, 7], GREEDY)
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED and needle in e.value.details()
+    with Client(address, api_key=KEY) as c, pytest.raises(grpc.RpcError) as e:  # plaintext to a TLS port
+        c.complete([5, 6, 7], GREEDY, timeout=5)
+    assert e.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+    with grpc.secure_channel(address, creds) as ch:  # probes need no key
+        status = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5).status
+    assert status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_a_client_built_only_from_reflection_works_with_tls_and_key(workers, tiny_model_dir, pki):
+    """The grpcurl path (reflection + TLS + an authorization header), with grpcio's reflection client: grpcurl
+    itself cannot be installed here (no Debian, PyPI or npm package; GitHub is unreachable)."""
+    from google.protobuf import descriptor_pool, message_factory
+    from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+
+    address = coordinator(workers, tiny_model_dir, "reflect-coordinator", "--tls-cert", str(pki / "server.pem"),
+                          "--tls-key", str(pki / "server.key"), "--api-keys-file", str(pki / "keys"))
+    with grpc.secure_channel(address, tls_credentials(ca_file=str(pki / "ca.pem"))) as ch:
+        auth = (("authorization", f"Bearer {KEY}"),)
+
+        class AuthedChannel:  # the reflection client takes a channel; it must send the key too
+            def stream_stream(self, *a, **k):
+                call = ch.stream_stream(*a, **k)
+                return lambda requests, **kw: call(requests, metadata=auth, **kw)
+
+        pool = descriptor_pool.DescriptorPool(ProtoReflectionDescriptorDatabase(AuthedChannel()))
+        method = pool.FindServiceByName("pdserve.v1.Generation").methods_by_name["Generate"]
+        request_cls = message_factory.GetMessageClass(method.input_type)
+        response_cls = message_factory.GetMessageClass(method.output_type)
+        request = request_cls()
+        request.token_ids.ids.extend([5, 6, 7])
+        request.sampling.max_tokens, request.sampling.temperature, request.sampling.ignore_eos = 3, 0.0, True
+        call = ch.unary_stream("/pdserve.v1.Generation/Generate", request_serializer=lambda m: m.SerializeToString(),
+                               response_deserializer=response_cls.FromString)
+        responses = list(call(request, metadata=auth, timeout=30))
+    assert sum(len(r.chunk.token_ids) for r in responses) == 3 and responses[-1].HasField("final")
+
+
+def test_mutual_tls_requires_a_client_certificate(workers, tiny_model_dir, pki):
+    address = coordinator(workers, tiny_model_dir, "mtls-coordinator", "--tls-cert", str(pki / "server.pem"),
+                          "--tls-key", str(pki / "server.key"), "--tls-client-ca", str(pki / "ca.pem"))
+    with Client(address, credentials=tls_credentials(str(pki / "ca.pem"), str(pki / "client.pem"),
+                                                     str(pki / "client.key"))) as c:
+        assert c.complete([5, 6, 7], GREEDY).completion_tokens == 4
+    with Client(address, credentials=tls_credentials(str(pki / "ca.pem"))) as c, pytest.raises(grpc.RpcError) as e:
+        c.complete([5, 6, 7], GREEDY, timeout=5)
+    assert e.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
+def test_rate_limit_answers_resource_exhausted_with_retry_info(workers, tiny_model_dir):
+    address = coordinator(workers, tiny_model_dir, "limited-coordinator", "--rate-limit-requests-per-s", "0.2")
+    with Client(address) as c:
+        c.complete([5, 6, 7], GREEDY)
+        with pytest.raises(grpc.RpcError) as e:
+            c.complete([5, 6, 7], GREEDY)
+    assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "retry after" in e.value.details()
+    status = rpc_status.from_call(e.value)
+    info = error_details_pb2.RetryInfo()
+    assert status.details[0].Unpack(info) and 0 < info.retry_delay.ToTimedelta().total_seconds() <= 5
+
+
+def test_worker_apis_and_kv_port_refuse_callers_without_the_cluster_secret(workers):
+    """The internal APIs were open: a lease of 2^32-1 ms or an out-of-vocab Decode from anyone."""
+    address = workers.worker_addresses["decode-0"]
+    with grpc.insecure_channel(address) as ch:
+        stub = worker_pb2_grpc.WorkerStub(ch)
+        for metadata in ((), (("authorization", "Bearer wrong"),)):
+            with pytest.raises(grpc.RpcError) as e:
+                stub.GetStats(worker_pb2.WorkerStatsRequest(), timeout=5, metadata=metadata)
+            assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        with pytest.raises(grpc.RpcError) as e:
+            list(worker_pb2_grpc.DecodeStub(ch).Decode(worker_pb2.DecodeRequest(
+                request_id="x", prompt_token_ids=[5], sampling=generate_pb2.SamplingParams(max_tokens=1)), timeout=5))
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        info = stub.GetInfo(worker_pb2.WorkerInfoRequest(), timeout=5, metadata=workers.worker_metadata)
+        status = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5).status
+        assert status == health_pb2.HealthCheckResponse.SERVING  # probes stay open
+
+    async def stranger_sends_kv():
+        sender = KvSender(info.compat_hash, lambda b: None, timeout_s=5)  # knows the layout, not the secret
+        try:
+            await sender.send(info.kv_address, "someone-else", 1, [], num_tokens=1)
+        finally:
+            sender.close()
+
+    with pytest.raises(TransferError) as e:
+        asyncio.run(stranger_sends_kv())
+    assert e.value.kind == ErrorKind.INCOMPATIBLE_PEER and "authentication" in e.value.message
