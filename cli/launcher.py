@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -22,12 +23,14 @@ class ServeConfig:
         num_prefill / num_decode: worker processes per role (ignored when colocated: one worker).
         log_dir: write each process's output to <log_dir>/<name>.log; None = inherit stderr.
         start_timeout_s: how long to wait for every process to serve, seconds.
+        restart: `serve` restarts a process that died (on its old gRPC port, so the coordinator finds it again).
     """
 
     num_prefill: int = field(default=1, metadata={"help": "prefill worker processes"})
     num_decode: int = field(default=1, metadata={"help": "decode worker processes"})
     log_dir: str | None = field(default=None, metadata={"help": "write each process's log to a file here"})
     start_timeout_s: float = field(default=600.0, metadata={"help": "wait for every process to serve, seconds"})
+    restart: bool = field(default=False, metadata={"help": "restart a process that dies"})
 
 
 @dataclass
@@ -49,9 +52,30 @@ class Cluster:
     log_files: dict[str, str] = field(default_factory=dict)
     worker_addresses: dict[str, str] = field(default_factory=dict)
     worker_metadata: tuple[tuple[str, str], ...] = ()
+    _commands: dict[str, list[str]] = field(default_factory=dict)  # name -> the flags it was started with
+    _env: dict = field(default_factory=dict)
+    _log_dir: Path | None = None
+
+    def supervise(self, restart: bool, poll_s: float = 0.5) -> None:
+        """Watch the processes until interrupted: report each that exits and, with restart, start it again on
+        the gRPC port it had (a worker comes back with a new KV port, which the coordinator re-reads)."""
+        while True:
+            for name, proc in list(self.processes.items()):
+                if proc.poll() is None:
+                    continue
+                print(f"pdserve: {name} exited with code {proc.returncode}"
+                      + (f" (log: {self.log_files[name]})" if self.log_files.get(name) else ""), flush=True)
+                if not restart:
+                    del self.processes[name]
+                    continue
+                address = self.address if name == "coordinator" else self.worker_addresses[name]
+                args = [*self._commands[name], "--port", address.rsplit(":", 1)[1]]
+                self.processes[name], ready, _ = _spawn(args, name, Path(self.workdir), self._log_dir, self._env)
+                print(f"pdserve: restarted {name} on {address}", flush=True)
+            time.sleep(poll_s)
 
     def stop(self, timeout_s: float = 20.0) -> None:
-        """SIGTERM every process, then SIGKILL what has not exited within timeout_s."""
+        """SIGTERM every process, SIGKILL what has not exited within timeout_s, remove the working directory."""
         for p in self.processes.values():
             if p.poll() is None:
                 p.terminate()
@@ -62,6 +86,8 @@ class Cluster:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+        if self.workdir:
+            shutil.rmtree(self.workdir, ignore_errors=True)
 
 
 def _spawn(args: list[str], name: str, workdir: Path, log_dir: Path | None,
@@ -122,7 +148,7 @@ def start_cluster(model_dir: str, model_name: str, config: ServeConfig = ServeCo
     workdir = Path(tempfile.mkdtemp(prefix="pdserve-"))
     env = dict(os.environ if env is None else env)
     logs = Path(config.log_dir) if config.log_dir else None
-    cluster = Cluster(address="", workdir=str(workdir))
+    cluster = Cluster(address="", workdir=str(workdir), _env=env, _log_dir=logs)
     worker_args, coordinator_args = list(worker_args or []), list(coordinator_args or [])
     if "--cluster-secret-file" not in worker_args and CLUSTER_SECRET_ENV not in env:
         secret_file = workdir / "cluster.secret"
@@ -141,7 +167,8 @@ def start_cluster(model_dir: str, model_name: str, config: ServeConfig = ServeCo
         for role, n in roles:
             for i in range(n):
                 name = f"{role}-{i}"
-                proc, ready, log_path = _spawn([role, "--model", model_dir, *worker_args], name, workdir, logs, env)
+                cluster._commands[name] = [role, "--model", model_dir, *worker_args]
+                proc, ready, log_path = _spawn(cluster._commands[name], name, workdir, logs, env)
                 cluster.processes[name] = proc
                 cluster.log_files[name] = log_path
                 waits.append((name, proc, ready, role))
@@ -151,6 +178,7 @@ def start_cluster(model_dir: str, model_name: str, config: ServeConfig = ServeCo
                 *(["--colocated"] if colocated else []), *coordinator_args]
         for info, (_, _, _, role) in zip(infos, waits):
             args += ["--prefill" if role == "prefill" else "--decode", info["address"]]
+        cluster._commands["coordinator"] = args
         proc, ready, log_path = _spawn(args, "coordinator", workdir, logs, env)
         cluster.processes["coordinator"] = proc
         cluster.log_files["coordinator"] = log_path

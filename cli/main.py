@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import os
 import signal
@@ -15,6 +16,7 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 
 from cli.args import add_dataclass_args, dataclass_from_args, dataclass_to_argv
+from server_common.config import ServerArgs
 
 
 @dataclass(frozen=True)
@@ -97,10 +99,12 @@ def _run_coordinator(args: argparse.Namespace) -> None:
 # Settings that belong to the cluster's shape, not to one process: `serve` fills them in per process.
 _PER_PROCESS = frozenset({"port", "ready_file", "prefill", "decode", "colocated"})
 # TLS is the public port's, so the coordinator's alone: serve's workers talk on loopback, authenticated by the
-# cluster secret (which, like the bind host, every process shares and the workers' group of flags carries).
+# cluster secret. The other server settings (host, secret, drain...) every process shares; the workers' group of
+# flags carries them.
 _TLS = frozenset({"tls_cert", "tls_key", "tls_client_ca"})
+_SHARED = frozenset(f.name for f in dataclasses.fields(ServerArgs)) - _TLS
 SERVE_WORKER_SKIP = _PER_PROCESS | _TLS
-SERVE_COORDINATOR_SKIP = _PER_PROCESS | {"host", "cluster_secret_file"}
+SERVE_COORDINATOR_SKIP = _PER_PROCESS | _SHARED
 
 
 def _serve_args(p: argparse.ArgumentParser) -> None:
@@ -131,7 +135,8 @@ def _run_serve(args: argparse.Namespace) -> None:
     logs = ["--log-level", args.log_level]
     print(f"starting pdserve ({'colocated' if args.colocated else 'disaggregated'}) with {name} ...", flush=True)
     signal.signal(signal.SIGTERM, _raise_interrupt)  # SIGTERM stops the cluster like Ctrl-C, never orphans it
-    cluster = start_cluster(model_dir, name, dataclass_from_args(ServeConfig, args), colocated=args.colocated,
+    serve_config = dataclass_from_args(ServeConfig, args)
+    cluster = start_cluster(model_dir, name, serve_config, colocated=args.colocated,
                             worker_args=dataclass_to_argv(worker, skip=SERVE_WORKER_SKIP) + logs,
                             coordinator_args=dataclass_to_argv(coordinator, skip=_PER_PROCESS - {"port"}) + logs)
     print(f"pdserve ready on {cluster.address}", flush=True)
@@ -142,7 +147,7 @@ def _run_serve(args: argparse.Namespace) -> None:
             keys = read_api_keys(coordinator.api_keys_file)
             _stream(cluster.address, args.demo, args.demo_max_tokens, 0.0, chat=True, api_key=keys[0] if keys else None)
         else:
-            signal.pause()
+            cluster.supervise(restart=serve_config.restart)
     except KeyboardInterrupt:
         pass
     finally:

@@ -14,12 +14,14 @@ class CoordinatorConfig:
         model_dir: HF-format directory (for the tokenizer and chat template only).
         model_name: the name clients may pass in GenerateRequest.model.
         server: gRPC bind settings of the public API.
-        prefill / decode: worker gRPC addresses ("host:port"); colocated mode uses `decode` only.
+        prefill / decode: worker addresses; colocated mode uses `decode` only. Each is "host:port" (a DNS name is
+            re-resolved and stands for every address it resolves to) or "@FILE" (host:port lines, re-read).
         colocated: route each request to one worker that runs both phases.
         max_in_flight: requests admitted at once; more get RESOURCE_EXHAUSTED.
         request_timeout_s: deadline of each worker call, seconds.
-        connect_timeout_s: how long to wait for every worker to answer GetInfo at start, seconds.
-        stats_interval_s: how often each worker's load (KV headroom, queue) is polled for routing, seconds.
+        connect_timeout_s: at start, how long to wait for a live worker of every role, seconds.
+        stats_interval_s: how often each worker's health and load (KV headroom, queue) are polled, seconds.
+        discovery_interval_s: how often the addresses are re-resolved (DNS names, @FILE lists), seconds.
         api_keys_file: keys clients must present, one per line (plus $PDSERVE_API_KEYS, comma-separated); none
             configured = the public port is open.
         worker_tls_ca: PEM CA to verify workers that serve TLS; None = dial workers in plaintext.
@@ -31,13 +33,17 @@ class CoordinatorConfig:
     model_dir: str = field(metadata={"cli": False})
     model_name: str = field(metadata={"cli": False})
     server: ServerArgs = ServerArgs()
-    prefill: tuple[str, ...] = field(default=(), metadata={"help": "prefill worker address host:port"})
-    decode: tuple[str, ...] = field(default=(), metadata={"help": "decode (or colocated) worker address host:port"})
+    prefill: tuple[str, ...] = field(default=(), metadata={
+        "help": "prefill workers: host:port (DNS names re-resolved to every replica) or @FILE of host:port lines"})
+    decode: tuple[str, ...] = field(default=(), metadata={
+        "help": "decode (or colocated) workers: host:port or @FILE, as --prefill"})
     colocated: bool = field(default=False, metadata={"help": "one worker runs both phases (the baseline)"})
     max_in_flight: int = field(default=256, metadata={"help": "requests admitted at once (more: RESOURCE_EXHAUSTED)"})
     request_timeout_s: float = field(default=600.0, metadata={"help": "deadline of each worker call, seconds"})
-    connect_timeout_s: float = field(default=300.0, metadata={"help": "wait for workers at start, seconds"})
-    stats_interval_s: float = field(default=1.0, metadata={"help": "worker load polling period for routing, s"})
+    connect_timeout_s: float = field(default=300.0, metadata={
+        "help": "at start, wait this long for a live worker of every role, seconds"})
+    stats_interval_s: float = field(default=1.0, metadata={"help": "worker health and load polling period, s"})
+    discovery_interval_s: float = field(default=5.0, metadata={"help": "re-resolve worker addresses this often, s"})
     api_keys_file: str | None = field(default=None, metadata={
         "help": "file of API keys clients must send as 'authorization: Bearer <key>' (also $PDSERVE_API_KEYS)"})
     worker_tls_ca: str | None = field(default=None, metadata={"help": "PEM CA of workers that serve TLS"})

@@ -1,17 +1,16 @@
 """Worker handles and routing: which prefill and which decode worker take a request.
 
-Decode choice: a worker whose KV headroom holds the whole request (prompt + max_tokens), then the fewest
-requests this coordinator has running there, then the most free KV blocks. Prefill choice: the shortest queue
-(requests sent there that have not produced their first token), then the worker's own reported queue. Ties
-rotate, separately per role, so equal workers share load. KV headroom and queues come from `Worker.GetStats`,
-polled every `stats_interval_s` (`poll_loads`); between polls the blocks routed since the last report are
-subtracted. Prefix-cache-aware prefill choice plugs into `pick_prefill`, which already receives the prompt.
+Only live workers are candidates (`coordinator.membership` keeps `live` and `stats` current). Decode choice: a
+worker whose KV headroom holds the whole request (prompt + max_tokens), then the fewest requests this
+coordinator has running there, then the most free KV blocks. Prefill choice: the shortest queue (requests sent
+there that have not produced their first token), then the worker's own reported queue. Ties rotate, separately
+per role, so equal workers share load. Between polls of `Worker.GetStats` the blocks routed since the last
+report are subtracted from the headroom. Prefix-cache-aware prefill choice plugs into `pick_prefill`, which
+already receives the prompt.
 """
 from __future__ import annotations
 
-import asyncio
 import itertools
-import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -21,14 +20,14 @@ import grpc
 from coordinator.errors import RequestError
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 
-log = logging.getLogger(__name__)
-
-
 @dataclass
 class WorkerHandle:
-    """A connected worker: address, stubs, its GetInfo answer, and what this coordinator knows of its load.
+    """A worker endpoint: address, stubs, its GetInfo answer, whether it is live, and its load.
 
     Attributes:
+        info: the worker's GetInfo answer (re-read when its instance_id changes); None until first read.
+        live: answering health and stats polls, serving, and compatible: a routing candidate.
+        failures: consecutive failed polls (`coordinator.membership` takes a worker out after a few).
         in_flight: requests this coordinator has on the worker now (prefill: until their first token).
         stats: the worker's last GetStats answer, None before the first poll.
         blocks_routed: KV blocks of requests routed here since `stats` was taken (decode headroom estimate).
@@ -36,13 +35,21 @@ class WorkerHandle:
 
     address: str
     channel: grpc.aio.Channel
-    info: worker_pb2.WorkerInfo
     worker: worker_pb2_grpc.WorkerStub
     prefill: worker_pb2_grpc.PrefillStub
     decode: worker_pb2_grpc.DecodeStub
+    info: worker_pb2.WorkerInfo | None = None
+    live: bool = False
+    failures: int = 0
     in_flight: int = 0
     stats: worker_pb2.WorkerStats | None = None
     blocks_routed: int = 0
+
+    @classmethod
+    def connect(cls, address: str, channel: grpc.aio.Channel) -> "WorkerHandle":
+        """A handle over an open channel; nothing is sent until the first poll."""
+        return cls(address, channel, worker_pb2_grpc.WorkerStub(channel), worker_pb2_grpc.PrefillStub(channel),
+                   worker_pb2_grpc.DecodeStub(channel))
 
     @property
     def free_blocks(self) -> int:
@@ -65,8 +72,9 @@ class Router:
         default_factory=lambda: {"prefill": itertools.count(), "decode": itertools.count()})
 
     def _rotated(self, role: str, workers: list[WorkerHandle]) -> list[WorkerHandle]:
+        workers = [w for w in workers if w.live]
         if not workers:
-            raise RequestError(grpc.StatusCode.UNAVAILABLE, f"no {role} worker to take the request; retry later")
+            raise RequestError(grpc.StatusCode.UNAVAILABLE, f"no live {role} worker to take the request; retry later")
         start = next(self._turns[role]) % len(workers)
         return workers[start:] + workers[:start]
 
@@ -106,20 +114,6 @@ class Router:
     def workers(self) -> list[WorkerHandle]:
         return [*self.prefill, *self.decode]
 
-
-async def poll_loads(router: Router, interval_s: float) -> None:
-    """Refresh every worker's `stats` each interval_s, until cancelled. A worker that does not answer keeps its
-    last report (its health is not this loop's business)."""
-    async def refresh(w: WorkerHandle) -> None:
-        routed_before = w.blocks_routed  # routed after this point may be missing from the report: keep them
-        try:
-            stats = await w.worker.GetStats(worker_pb2.WorkerStatsRequest(), timeout=max(interval_s, 1.0))
-        except grpc.aio.AioRpcError as e:
-            log.debug("GetStats from %s failed: %s", w.address, e.code())
-            return
-        w.stats = stats
-        w.blocks_routed -= routed_before
-
-    while True:
-        await asyncio.gather(*(refresh(w) for w in router.workers))
-        await asyncio.sleep(interval_s)
+    def live(self, role: str) -> list[WorkerHandle]:
+        """The live workers of a role ("prefill" or "decode", which also holds colocated workers)."""
+        return [w for w in (self.prefill if role == "prefill" else self.decode) if w.live]

@@ -10,15 +10,16 @@ import uuid
 import grpc
 
 from coordinator import flow as flows
-from coordinator.cluster import Cluster, build_cluster
 from coordinator.config import CoordinatorConfig
 from coordinator.errors import RequestError, invalid
 from coordinator.ratelimit import RateLimiter
-from coordinator.router import poll_loads
+from coordinator.membership import Cluster, Membership
+from coordinator.router import Router
 from coordinator.text import IncrementalDetokenizer, StopMatcher
 from coordinator.tokenizer import Tokenizer
 from coordinator.validation import check_chat, check_prompt, check_text_length, resolve_sampling, shorten
 from pdserve.v1 import generate_pb2, generate_pb2_grpc
+from server_common.addresses import advertise_host
 from server_common.grpc_server import start_grpc_server, write_ready_file
 from server_common.security import key_id, presented_token, read_api_keys
 
@@ -194,30 +195,47 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             model=self.config.model_name, context_length=c.limits.context_length, block_size=c.block_size,
             vocab_size=c.limits.vocab_size, eos_token_id=c.eos_token_id,
             topology="colocated" if self.config.colocated else "disaggregated",
-            num_prefill_workers=len(c.router.prefill), num_decode_workers=len(c.router.decode),
+            num_prefill_workers=len(c.router.live("prefill")), num_decode_workers=len(c.router.live("decode")),
             kv_connector=c.connector)
 
 
 async def serve(config: CoordinatorConfig) -> None:
-    """Connect to the workers, then serve the public API until cancelled."""
-    cluster = await build_cluster(config)
+    """Find live workers, then serve the public API until cancelled (SIGTERM drains).
+
+    Health tells the truth: readiness ("" and pdserve.v1.Generation) is SERVING only while every needed role has
+    a live worker, and follows membership changes; liveness stays SERVING while the process runs.
+
+    Raises:
+        TimeoutError: no live worker of a needed role within config.connect_timeout_s.
+    """
+    cluster = Cluster(Router(), config.colocated)
+    membership = Membership(config, cluster)
+    await membership.wait_ready(config.connect_timeout_s)
     tokenizer = await asyncio.to_thread(Tokenizer, config.model_dir)
     servicer = GenerationServicer(config, cluster, tokenizer)
     running = await start_grpc_server(
         config.server, lambda server: generate_pb2_grpc.add_GenerationServicer_to_server(servicer, server),
         ["pdserve.v1.Generation"], tokens=read_api_keys(config.api_keys_file), what="API key")
-    address = f"{config.server.host}:{running.port}"
-    log.info("coordinator serving %s on %s (%s, %d prefill / %d decode workers, connector %s)",
+    pending: set[asyncio.Task] = set()
+
+    def follow_membership() -> None:
+        if not cluster.ready:
+            log.warning("no live %s worker: reporting NOT_SERVING", " or ".join(cluster.missing_roles()))
+        task = asyncio.get_running_loop().create_task(running.set_serving(cluster.ready))
+        pending.add(task)
+        task.add_done_callback(pending.discard)
+
+    membership.on_change = follow_membership
+    address = f"{advertise_host(config.server.host, config.server.advertise_host)}:{running.port}"
+    log.info("coordinator serving %s on %s (%s, %d prefill / %d decode workers live, connector %s)",
              config.model_name, address, "colocated" if config.colocated else "disaggregated",
-             len(cluster.router.prefill), len(cluster.router.decode), cluster.connector or "-")
+             len(cluster.router.live("prefill")), len(cluster.router.live("decode")), cluster.connector or "-")
     write_ready_file(config.server.ready_file, address)
-    poller = asyncio.create_task(poll_loads(cluster.router, config.stats_interval_s))
+    poller = asyncio.create_task(membership.run())
     try:
-        await running.server.wait_for_termination()
+        await running.serve_until_cancelled(config.server.drain_timeout_s, in_flight=lambda: len(cluster.flows))
     finally:
         poller.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await poller
-        await running.server.stop(grace=1)
-        for w in cluster.router.workers:
-            await w.channel.close()
+        await membership.close()

@@ -12,6 +12,7 @@ from engine.errors import EngineError, ErrorKind
 from engine.request import Request
 from engine.transfer.protocol import KvReceiver
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
+from server_common.addresses import advertise_host
 from server_common.security import read_secret
 from worker_common.config import WorkerConfig
 from worker_common.convert import FINISH_REASON_TO_PROTO, sampling_from_proto, token_to_proto
@@ -93,7 +94,9 @@ async def serve(config: WorkerConfig) -> None:
                                        config.engine.device)
         receiver = KvReceiver(backend, worker.compat_hash, worker.parts.runner.kv_cache.block_bytes, reservations,
                               timeout_s=config.transfer_timeout_s, secret=secret)
-        kv_address, connector = await receiver.start(config.server.host), backend.name
+        kv_address = await receiver.start(config.server.host, config.kv_port,
+                                          advertise=advertise_host(config.server.host, config.server.advertise_host))
+        connector = backend.name
     decode = DecodeServicer(worker, reservations, config.kv_timeout_s)
     try:
         await serve_worker(config, worker, WorkerServicer(config.role, worker, kv_address, connector),

@@ -104,6 +104,11 @@ class AsyncEngine:
         """The owner of `request` in this engine; entering it submits the request (see `RequestStream`)."""
         return RequestStream(self, request)
 
+    @property
+    def streams(self) -> dict[str, RequestStream]:
+        """The requests with an owner right now, by id (read-only use: drain waits while it is non-empty)."""
+        return self._streams
+
     def abort(self, request_id: str) -> None:
         """Abort from outside the owner (Worker.Abort): the owner's stream ends with EngineError(ABORTED).
         Idempotent; unknown ids are ignored."""

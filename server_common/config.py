@@ -18,6 +18,10 @@ class ServerArgs:
         cluster_secret_file: file with the cluster's shared secret. Workers require it on their gRPC API and on
             the KV channel (an HMAC over a nonce); the coordinator and prefill workers present it. None: the
             PDSERVE_CLUSTER_SECRET environment variable, else no internal authentication.
+        advertise_host: the host peers dial to reach this process (its ready file and a decode worker's KV
+            address); None = the bind host, or for a wildcard bind this host's address
+            (`server_common.addresses.advertise_host`).
+        drain_timeout_s: on SIGTERM, how long in-flight requests may finish after health turns NOT_SERVING.
     """
 
     host: str = field(default="127.0.0.1", metadata={"help": "bind address"})
@@ -28,6 +32,10 @@ class ServerArgs:
     tls_client_ca: str | None = field(default=None, metadata={"help": "PEM CA: require client certificates (mTLS)"})
     cluster_secret_file: str | None = field(default=None, metadata={
         "help": "shared secret for worker APIs and KV channels (else $PDSERVE_CLUSTER_SECRET, else none)"})
+    advertise_host: str | None = field(default=None, metadata={
+        "help": "host peers dial to reach this process (default: the bind host, or this host's IP for 0.0.0.0)"})
+    drain_timeout_s: float = field(default=30.0, metadata={
+        "help": "on SIGTERM: NOT_SERVING, then in-flight requests get this long to finish, seconds"})
 
     @property
     def tls(self) -> bool:

@@ -1,6 +1,7 @@
 """Start a grpc.aio server with standard health checking and reflection, and announce it in a ready file."""
 from __future__ import annotations
 
+import asyncio
 import inspect
 import json
 import os
@@ -17,6 +18,10 @@ from server_common.config import ServerArgs
 from server_common.security import BearerTokenInterceptor, server_credentials, warn_if_exposed
 
 MAX_MESSAGE_BYTES = 64 << 20
+# Health service names: "" and each API service say whether to send work here (readiness); this one says whether
+# the process is sound (liveness: a Kubernetes livenessProbe restarts the process when it is NOT_SERVING).
+LIVENESS_SERVICE = "pdserve.liveness"
+DRAIN_NOTICE_S = 2.0  # after NOT_SERVING, keep accepting this long so pollers notice before new calls are refused
 
 
 @dataclass
@@ -29,10 +34,29 @@ class RunningServer:
     service_names: list[str]
 
     async def set_serving(self, serving: bool) -> None:
-        """Report SERVING or NOT_SERVING for "" (the whole server) and every service (gRPC health protocol)."""
-        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        """Readiness: SERVING or NOT_SERVING for "" (the whole server) and every API service."""
         for name in ["", *self.service_names]:
-            await self.health.set(name, status)
+            await self.health.set(name, _status(serving))
+
+    async def set_live(self, live: bool) -> None:
+        """Liveness (`LIVENESS_SERVICE`): NOT_SERVING asks the platform to restart this process."""
+        await self.health.set(LIVENESS_SERVICE, _status(live))
+
+    async def serve_until_cancelled(self, drain_timeout_s: float, in_flight: Callable[[], int]) -> None:
+        """Serve until the task is cancelled (SIGTERM/SIGINT), then drain: readiness NOT_SERVING, a short notice
+        for pollers when requests are in flight, then refuse new calls and give in-flight ones drain_timeout_s to
+        finish. A second cancel cuts the drain short."""
+        try:
+            await self.server.wait_for_termination()
+        finally:
+            await self.set_serving(False)
+            if in_flight() and drain_timeout_s > 0:
+                await asyncio.sleep(min(DRAIN_NOTICE_S, drain_timeout_s))
+            await self.server.stop(grace=drain_timeout_s)
+
+
+def _status(serving: bool) -> int:
+    return health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
 
 
 class _Malformed:
@@ -90,8 +114,8 @@ async def start_grpc_server(args: ServerArgs, add_servicers: Callable[[grpc.aio.
         tokens: bearer tokens a caller must present (`BearerTokenInterceptor`); empty = no authentication.
         what: how errors and warnings name the tokens ("API key", "cluster secret").
 
-    Health reports SERVING for "" and each service name once the server has started. A request body that does
-    not parse is answered with INVALID_ARGUMENT (`MalformedRequestInterceptor`).
+    Health reports SERVING for "", each service name and `LIVENESS_SERVICE` once the server has started. A request
+    body that does not parse is answered with INVALID_ARGUMENT (`MalformedRequestInterceptor`).
 
     Raises:
         RuntimeError: the address could not be bound (grpc raises it from add_*_port).
@@ -115,6 +139,7 @@ async def start_grpc_server(args: ServerArgs, add_servicers: Callable[[grpc.aio.
     warn_if_exposed(", ".join(service_names), args.host, tls=credentials is not None, auth=bool(tokens))
     await server.start()
     running = RunningServer(server, bound, health_servicer, list(service_names))
+    await running.set_live(True)
     await running.set_serving(True)
     return running
 

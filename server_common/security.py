@@ -11,13 +11,14 @@ from __future__ import annotations
 import hashlib
 import hmac
 import inspect
-import ipaddress
 import logging
 import os
 from collections.abc import Iterable
 from pathlib import Path
 
 import grpc
+
+from server_common.addresses import is_loopback
 
 log = logging.getLogger(__name__)
 
@@ -180,16 +181,6 @@ def internal_channel(address: str, tls_ca: str | None, token: str | None,
         credentials = grpc.ssl_channel_credentials(root_certificates=Path(tls_ca).read_bytes())
         return grpc.aio.secure_channel(address, credentials, options=options, interceptors=interceptors)
     return grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)
-
-
-def is_loopback(host: str) -> bool:
-    """Whether binding `host` keeps a port on this machine only."""
-    if host in ("localhost", "ip6-localhost"):
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:  # a name: assume it resolves to a reachable interface
-        return False
 
 
 def warn_if_exposed(role: str, host: str, tls: bool, auth: bool) -> None:

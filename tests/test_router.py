@@ -9,7 +9,7 @@ from pdserve.v1 import worker_pb2
 
 def handle(name: str, role: str, num_blocks: int = 100, block_size: int = 16) -> WorkerHandle:
     info = worker_pb2.WorkerInfo(role=role, num_blocks=num_blocks, block_size=block_size)
-    return WorkerHandle(name, None, info, None, None, None)
+    return WorkerHandle(name, None, None, None, None, info=info, live=True)
 
 
 def two_by_two() -> Router:

@@ -19,6 +19,7 @@ class WorkerConfig:
         engine: engine knobs.
         server: gRPC bind settings.
         connector: KV connector a decode worker listens on: "auto", or one of `engine.transfer.BACKEND_NAMES`.
+        kv_port: decode: the KV listener's port (0 = any free port); fix it to publish or firewall it.
         kv_timeout_s: decode: how long reserved blocks wait for their KV (the lease), seconds.
         transfer_timeout_s: bound on one request's KV transfer, seconds.
     """
@@ -29,5 +30,6 @@ class WorkerConfig:
     connector: str = field(default="auto", metadata={
         "choices": ("auto", *BACKEND_NAMES),
         "help": "KV transfer connector decode workers listen on (auto = ucx on CUDA if it handshakes, else tcp)"})
+    kv_port: int = field(default=0, metadata={"help": "decode: KV listener port (0 = any free port)"})
     kv_timeout_s: float = field(default=60.0, metadata={"help": "lease on decode blocks reserved for KV, seconds"})
     transfer_timeout_s: float = field(default=30.0, metadata={"help": "bound on one KV transfer, seconds"})

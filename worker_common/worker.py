@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -14,6 +15,7 @@ from engine.config import compat_hash
 from engine.engine_core import EngineCore
 from engine.scheduler import Scheduler
 from pdserve.v1 import generate_pb2, worker_pb2, worker_pb2_grpc
+from server_common.addresses import advertise_host
 from server_common.grpc_server import RunningServer, start_grpc_server, write_ready_file
 from worker_common.config import WorkerConfig
 
@@ -51,6 +53,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     def __init__(self, role: str, worker: WorkerEngine, kv_address: str = "", kv_connector: str = ""):
         self.role, self.worker = role, worker
         self.kv_address, self.kv_connector = kv_address, kv_connector
+        self.instance_id = uuid.uuid4().hex  # tells a restart at the same address from a long-lived process
 
     def info(self) -> worker_pb2.WorkerInfo:
         m, c, s = self.worker.parts.model_config, self.worker.parts.cache_config, self.worker.parts.scheduler_config
@@ -58,7 +61,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             role=self.role, model=m.name, compat_hash=self.worker.compat_hash, block_size=c.block_size,
             num_blocks=c.num_blocks, context_length=s.max_model_len, vocab_size=m.vocab_size,
             eos_token_id=m.eos_token_ids[0] if m.eos_token_ids else 0, kv_address=self.kv_address,
-            kv_connector=self.kv_connector, max_request_tokens=min(s.max_model_len, c.num_blocks * c.block_size))
+            kv_connector=self.kv_connector, max_request_tokens=min(s.max_model_len, c.num_blocks * c.block_size),
+            instance_id=self.instance_id)
 
     async def GetInfo(self, request, context):
         return self.info()
@@ -73,7 +77,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 num_cached_blocks=pool.num_cached_free_blocks, num_running=len(s.running),
                 num_waiting=len(s.waiting) + len(s.reserving), num_requests=s.num_requests(),
                 num_steps=engine.core.num_steps, prefix_cache_hit_tokens=s.kv.prefix_hit_tokens,
-                prefix_cache_query_tokens=s.kv.prefix_query_tokens, pool_integrity_ok=not pool.integrity_errors())
+                prefix_cache_query_tokens=s.kv.prefix_query_tokens, pool_integrity_ok=not pool.integrity_errors(),
+                instance_id=self.instance_id)
         return await engine.call(snapshot)
 
     async def Abort(self, request, context):
@@ -103,20 +108,24 @@ async def serve_worker(config: WorkerConfig, worker: WorkerEngine, servicer: Wor
 
     pending: set[asyncio.Task] = set()  # the loop keeps only weak references to tasks
 
+    async def unhealthy() -> None:
+        await running.set_serving(False)
+        await running.set_live(False)
+
     def on_fault(message: str) -> None:  # the engine cannot be trusted any more: stop taking traffic, say why
         log.error("engine fault (%s): reporting NOT_SERVING until this worker is restarted", message)
-        task = asyncio.get_running_loop().create_task(running.set_serving(False))
+        task = asyncio.get_running_loop().create_task(unhealthy())
         pending.add(task)
         task.add_done_callback(pending.discard)
 
     worker.engine.add_fault_listener(on_fault)
-    address = f"{config.server.host}:{running.port}"
+    address = f"{advertise_host(config.server.host, config.server.advertise_host)}:{running.port}"
     c = worker.parts.cache_config
     log.info("%s worker serving on %s (%d KV blocks of %d tokens%s)", config.role, address, c.num_blocks,
              c.block_size, "".join(f", {k} {v}" for k, v in ready.items() if v))
     write_ready_file(config.server.ready_file, address, **ready)
     try:
-        await running.server.wait_for_termination()
+        await running.serve_until_cancelled(config.server.drain_timeout_s,
+                                            in_flight=lambda: len(worker.engine.streams))
     finally:
-        await running.server.stop(grace=1)
         worker.engine.stop()

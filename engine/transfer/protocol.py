@@ -215,10 +215,11 @@ class KvReceiver:
         self._channels: set[Channel] = set()
         self.host = ""
 
-    async def start(self, host: str, port: int = 0) -> str:
-        """Listen and return this receiver's address, e.g. 'tcp://127.0.0.1:40123'."""
+    async def start(self, host: str, port: int = 0, advertise: str | None = None) -> str:
+        """Listen on host:port (0 = any free port) and return the address peers dial, e.g.
+        'tcp://10.0.0.7:40123': `advertise` (default: host) with the bound port."""
         self._listener = await self.backend.listen(host, port, self._serve)
-        self.host = host
+        self.host = advertise or host
         return self.address
 
     @property

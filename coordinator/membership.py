@@ -1,0 +1,221 @@
+"""Live membership: which workers are behind this coordinator, right now.
+
+Workers are found from the configured addresses (`--prefill` / `--decode`): literal "ip:port", DNS names
+re-resolved every `discovery_interval_s` (a compose service or a Kubernetes headless Service resolves to every
+replica: the platform's own discovery, no registry of ours), or "@FILE" lists re-read as often. Every endpoint is
+polled every `stats_interval_s` (health of its role's service, then GetStats): a worker that fails
+`MAX_FAILED_POLLS` polls in a row, reports NOT_SERVING (engine fault, draining) or disagrees with the cluster's KV
+layout leaves the routing set; one that answers again rejoins, its GetInfo re-read when its instance_id changed
+(a restart: new KV port). Requests in flight on a worker that leaves fail on their own calls (UNAVAILABLE).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from coordinator import flow as flows
+from coordinator.config import CoordinatorConfig
+from coordinator.router import Router, WorkerHandle
+from coordinator.validation import Limits
+from pdserve.v1 import worker_pb2
+from server_common.addresses import expand
+from server_common.grpc_server import MAX_MESSAGE_BYTES
+from server_common.security import internal_channel, read_secret
+
+log = logging.getLogger(__name__)
+
+MAX_FAILED_POLLS = 2
+ROLE_SERVICE = {"prefill": "pdserve.v1.Prefill", "decode": "pdserve.v1.Decode", "colocated": "pdserve.v1.Decode"}
+
+
+@dataclass
+class Cluster:
+    """The workers behind this coordinator: the router over them, the requests in flight, and the reference
+    every worker must agree with (the first compatible worker's GetInfo: model, KV layout, block size)."""
+
+    router: Router
+    colocated: bool
+    reference: worker_pb2.WorkerInfo | None = None
+    flows: dict[str, flows.Flow] = field(default_factory=dict)
+    _limits: Limits | None = None
+
+    @property
+    def ready(self) -> bool:
+        """Every role a request needs has a live worker."""
+        return bool(self.router.live("decode")) and (self.colocated or bool(self.router.live("prefill")))
+
+    def missing_roles(self) -> list[str]:
+        decode = "colocated" if self.colocated else "decode"
+        return [role for role, kind in ((decode, "decode"), ("prefill", "prefill"))
+                if not (kind == "prefill" and self.colocated) and not self.router.live(kind)]
+
+    @property
+    def limits(self) -> Limits:
+        """What a request may ask for: the tightest context and KV capacity among live workers (the last known
+        when none is live)."""
+        live = [w for w in self.router.workers if w.live and w.info is not None]
+        if live and self.reference is not None:
+            self._limits = Limits(context_length=min(w.info.context_length for w in live),
+                                  kv_capacity_tokens=min(w.info.max_request_tokens for w in live),
+                                  vocab_size=self.reference.vocab_size)
+        if self._limits is None:
+            raise RuntimeError("no worker has been seen yet")
+        return self._limits
+
+    @property
+    def eos_token_id(self) -> int:
+        return self.reference.eos_token_id if self.reference else 0
+
+    @property
+    def block_size(self) -> int:
+        return self.reference.block_size if self.reference else 0
+
+    @property
+    def connector(self) -> str:
+        """The KV connector decode workers listen on ("" when colocated or none is known)."""
+        decode = [w for w in self.router.decode if w.info is not None]
+        return "" if self.colocated or not decode else decode[0].info.kv_connector
+
+
+class Membership:
+    """Keeps `cluster.router`'s worker lists equal to the live workers (see the module docstring).
+
+    Args:
+        config: addresses, intervals, credentials.
+        cluster: the router and reference this instance maintains (it is the only writer).
+        on_change: called after every poll round in which some worker joined or left.
+    """
+
+    def __init__(self, config: CoordinatorConfig, cluster: Cluster, on_change: Callable[[], None] = lambda: None):
+        self.config, self.cluster, self.on_change = config, cluster, on_change
+        self.secret = read_secret(config.server.cluster_secret_file)
+        self._last_discovery = float("-inf")
+        self._changed = False
+
+    # ---- discovery ----------------------------------------------------------------------------------------------
+    def _discover(self) -> None:
+        """Re-expand the configured addresses; open handles for new endpoints, drop vanished idle ones."""
+        router = self.cluster.router
+        for role, entries, handles in (("prefill", self.config.prefill, router.prefill),
+                                       ("decode", self.config.decode, router.decode)):
+            found: list[str] = []
+            for entry in entries:
+                try:
+                    found += [e for e in expand(entry) if e not in found]
+                except (ValueError, OSError) as e:
+                    log.error("cannot expand %s address %r: %s", role, entry, e)
+            known = {h.address for h in handles}
+            for address in found:
+                if address not in known:
+                    channel = internal_channel(address, self.config.worker_tls_ca, self.secret,
+                                               options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)])
+                    handles.append(WorkerHandle.connect(address, channel))
+                    log.info("%s endpoint %s discovered", role, address)
+            for h in [h for h in handles if h.address not in found]:
+                h.live = False  # gone from discovery: no new requests; the channel closes once idle
+                if h.in_flight == 0:
+                    handles.remove(h)
+                    asyncio.get_running_loop().create_task(h.channel.close())
+                    log.info("%s endpoint %s removed (no longer discovered)", role, h.address)
+
+    # ---- polling ------------------------------------------------------------------------------------------------
+    async def _poll(self, w: WorkerHandle, role: str) -> None:
+        """One health + stats poll of a worker; updates its info, stats, failures and live flag."""
+        timeout = max(self.config.stats_interval_s, 1.0)
+        try:
+            health = await health_pb2_grpc.HealthStub(w.channel).Check(
+                health_pb2.HealthCheckRequest(service=ROLE_SERVICE[role]), timeout=timeout)
+            if health.status != health_pb2.HealthCheckResponse.SERVING:
+                self._set_live(w, False, "reports NOT_SERVING (draining or engine fault)")
+                return
+            stats = await w.worker.GetStats(worker_pb2.WorkerStatsRequest(), timeout=timeout)
+            if w.info is None or stats.instance_id != w.info.instance_id:
+                w.info = await w.worker.GetInfo(worker_pb2.WorkerInfoRequest(), timeout=timeout)
+                w.blocks_routed = 0
+                log.info("%s worker %s: instance %s, KV %s", role, w.address, w.info.instance_id,
+                         w.info.kv_address or "-")
+        except grpc.aio.AioRpcError as e:
+            w.failures += 1
+            if e.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+                self._set_live(w, False, f"refused our credentials: {e.details()}")
+            elif w.failures >= MAX_FAILED_POLLS:
+                self._set_live(w, False, f"unreachable ({e.code().name})")
+            return
+        routed_before = w.blocks_routed  # blocks routed while the poll ran may be missing from the report
+        w.stats, w.failures = stats, 0
+        w.blocks_routed -= min(routed_before, w.blocks_routed)
+        problem = self._incompatibility(w, role)
+        self._set_live(w, problem is None, problem or "")
+
+    def _incompatibility(self, w: WorkerHandle, role: str) -> str | None:
+        """Why this worker cannot serve in the cluster, or None. The first compatible worker sets the reference."""
+        want = "colocated" if self.cluster.colocated and role == "decode" else role
+        if w.info.role != want:
+            return f"is a {w.info.role} worker, listed as {want}"
+        reference = self.cluster.reference
+        if reference is None:
+            self.cluster.reference = w.info
+            return None
+        if w.info.compat_hash != reference.compat_hash:
+            return (f"has KV layout {w.info.compat_hash}, the cluster uses {reference.compat_hash} "
+                    "(same model, dtype and block size?)")
+        return None
+
+    def _set_live(self, w: WorkerHandle, live: bool, why: str) -> None:
+        if w.live != live:
+            self._changed = True
+            if live:
+                log.info("worker %s joined the routing set", w.address)
+            else:
+                log.warning("worker %s left the routing set: %s", w.address, why)
+        w.live = live
+
+    async def refresh(self) -> None:
+        """One round: discovery when due, then poll every endpoint concurrently."""
+        self._changed = False
+        now = time.monotonic()
+        if now - self._last_discovery >= self.config.discovery_interval_s:
+            self._last_discovery = now
+            self._discover()
+        router = self.cluster.router
+        await asyncio.gather(*(self._poll(w, "prefill") for w in router.prefill),
+                             *(self._poll(w, "decode") for w in router.decode))
+        if self._changed:
+            self.on_change()
+
+    async def wait_ready(self, timeout_s: float) -> None:
+        """Poll until every needed role has a live worker.
+
+        Raises:
+            TimeoutError: naming the roles still missing after timeout_s.
+        """
+        deadline = time.monotonic() + timeout_s
+        while True:
+            await self.refresh()
+            if self.cluster.ready:
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no live {' or '.join(self.cluster.missing_roles())} worker after "
+                                   f"{timeout_s:.0f}s (addresses: prefill {list(self.config.prefill)}, "
+                                   f"decode {list(self.config.decode)})")
+            self._last_discovery = float("-inf")  # keep resolving while we wait
+            await asyncio.sleep(0.25)
+
+    async def run(self) -> None:
+        """Refresh every stats_interval_s until cancelled."""
+        while True:
+            await asyncio.sleep(self.config.stats_interval_s)
+            try:
+                await self.refresh()
+            except Exception:  # noqa: BLE001 - one bad round must not end membership
+                log.exception("membership refresh failed; retrying next interval")
+
+    async def close(self) -> None:
+        for w in self.cluster.router.workers:
+            await w.channel.close()

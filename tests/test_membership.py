@@ -1,0 +1,104 @@
+"""Live membership and truthful health: a dead worker leaves routing and readiness within seconds, a restarted one
+(new KV port) and a new one (found through an @FILE address list) are used with no coordinator restart."""
+import json
+import os
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from cli.launcher import _spawn, wait_ready
+from pdserve import Client, SamplingParams
+
+pytestmark = pytest.mark.e2e
+GREEDY = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+WORKER = ["--kv-tokens", "1024", "--max-model-len", "256", "--connector", "tcp", "--log-level", "INFO"]
+
+
+class Processes:
+    """Workers and a coordinator started one by one, as an operator (or compose) would, sharing one secret."""
+
+    def __init__(self, model_dir: Path, workdir: Path):
+        self.model_dir, self.workdir = str(model_dir), workdir
+        self.secret = workdir / "cluster.secret"
+        self.secret.write_text("membership-test-secret")
+        self.procs: dict[str, object] = {}
+        self.env = dict(os.environ)
+
+    def start(self, name: str, *args: str) -> str:
+        ready = self.workdir / f"{name}.ready"
+        ready.unlink(missing_ok=True)
+        proc, ready, _ = _spawn([*args, "--model", self.model_dir, "--cluster-secret-file", str(self.secret)], name,
+                                self.workdir, self.workdir, self.env)
+        self.procs[name] = proc
+        return wait_ready([(name, proc, ready)], 180)[0]["address"]
+
+    def kill(self, name: str) -> None:
+        self.procs[name].kill()
+        self.procs[name].wait()
+
+    def stop(self) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+def readiness(address: str) -> int:
+    with grpc.insecure_channel(address) as ch:
+        return health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5).status
+
+
+def wait_for(predicate, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if value := predicate():
+            return value
+        time.sleep(0.1)
+    pytest.fail(f"{what} within {timeout_s}s")
+
+
+def test_dead_restarted_and_new_decode_workers(tiny_model_dir, tmp_path):
+    p = Processes(tiny_model_dir, tmp_path)
+    try:
+        prefill = p.start("prefill", "prefill", *WORKER)
+        decode = p.start("decode-a", "decode", *WORKER)
+        decode_list = tmp_path / "decode.list"
+        decode_list.write_text(decode + "\n")
+        coordinator = p.start("coordinator", "coordinator", "--prefill", prefill, "--decode", f"@{decode_list}",
+                              "--stats-interval-s", "0.5", "--discovery-interval-s", "0.5")
+        with Client(coordinator) as c:
+            assert c.complete([5, 6, 7], GREEDY).completion_tokens == 4
+            assert c.model_info().num_decode_workers == 1
+        assert readiness(coordinator) == health_pb2.HealthCheckResponse.SERVING
+
+        # The only decode worker dies: readiness turns NOT_SERVING within seconds and requests fail cleanly.
+        p.kill("decode-a")
+        start = time.monotonic()
+        wait_for(lambda: readiness(coordinator) == health_pb2.HealthCheckResponse.NOT_SERVING, 10, "NOT_SERVING")
+        print(f"NOT_SERVING {time.monotonic() - start:.2f}s after kill -9")
+        with Client(coordinator) as c, pytest.raises(grpc.RpcError) as e:
+            c.complete([5, 6, 7], GREEDY)
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "no live decode worker" in e.value.details()
+
+        # Restarted at the same gRPC address: a new instance with a new KV port; readiness and routing come back.
+        old_kv = json.loads((tmp_path / "decode-a.ready").read_text())["kv_address"]
+        p.start("decode-a", "decode", *WORKER, "--port", decode.rsplit(":", 1)[1])
+        assert json.loads((tmp_path / "decode-a.ready").read_text())["kv_address"] != old_kv
+        wait_for(lambda: readiness(coordinator) == health_pb2.HealthCheckResponse.SERVING, 10, "SERVING again")
+        with Client(coordinator) as c:
+            assert c.complete([5, 6, 7], GREEDY).completion_tokens == 4
+
+        # A new worker on another port joins through the address list; both take requests.
+        decode_b = p.start("decode-b", "decode", *WORKER)
+        decode_list.write_text(f"{decode}\n{decode_b}\n")
+        with Client(coordinator) as c:
+            wait_for(lambda: c.model_info().num_decode_workers == 2, 10, "the new worker to join")
+            for _ in range(4):
+                assert c.complete([5, 6, 7], GREEDY).completion_tokens == 4
+        logs = {n: (tmp_path / f"{n}.log").read_text() for n in ("decode-a", "decode-b")}
+        assert all("joined=" in log for log in logs.values())  # each decoded at least one request
+    finally:
+        p.stop()
