@@ -43,6 +43,7 @@ def convert_gguf(gguf: Path, out: Path) -> None:
         if getattr(config, "tie_word_embeddings", False):
             state.pop("lm_head.weight", None)  # shares storage with the embedding
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        (tmp / "model.safetensors").chmod(0o644)  # safetensors writes 0600; others (a container's user) read it
         tokenizer.save_pretrained(str(tmp))
         tmp.rename(out)
 

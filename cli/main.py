@@ -31,8 +31,9 @@ class Command:
 
 
 def _add_model_args(p: argparse.ArgumentParser, served_name: bool = False) -> None:
-    p.add_argument("--model", default=None,
-                   help="HF-format directory or .gguf file (default: the packaged SmolLM2-135M-Instruct)")
+    p.add_argument("--model", default=os.environ.get("PDSERVE_MODEL"),
+                   help="HF-format directory or .gguf file (default: $PDSERVE_MODEL, else the packaged "
+                        "SmolLM2-135M-Instruct)")
     if served_name:
         p.add_argument("--served-model-name", default=None, help="name clients pass as model (default: from --model)")
 
