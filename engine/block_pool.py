@@ -42,6 +42,7 @@ class BlockPool:
         self.block_hashes: list[bytes | None] = [None] * num_blocks
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._cached: dict[bytes, int] = {}
+        self._num_cached_free = 0  # free blocks that still carry a hash, kept current for O(1) stats
 
     @property
     def num_free_blocks(self) -> int:
@@ -50,7 +51,7 @@ class BlockPool:
     @property
     def num_cached_free_blocks(self) -> int:
         """Free blocks that still hold reusable prefix-cache content."""
-        return sum(1 for b in self._free if self.block_hashes[b] is not None)
+        return self._num_cached_free
 
     def allocate(self, n: int) -> list[int]:
         """Take n free blocks (ref count 1), evicting their old prefix-cache entries.
@@ -65,6 +66,7 @@ class BlockPool:
             block, _ = self._free.popitem(last=False)
             old = self.block_hashes[block]
             if old is not None:
+                self._num_cached_free -= 1
                 if self._cached.get(old) == block:
                     del self._cached[old]
                 self.block_hashes[block] = None
@@ -86,6 +88,7 @@ class BlockPool:
             self.ref_counts[block] -= 1
             if self.ref_counts[block] == 0:
                 self._free[block] = None
+                self._num_cached_free += self.block_hashes[block] is not None
 
     def lookup(self, block_hash: bytes) -> int | None:
         """Block id holding this prefix hash, or None."""
@@ -96,6 +99,7 @@ class BlockPool:
         for block in block_ids:
             if self.ref_counts[block] == 0:
                 del self._free[block]
+                self._num_cached_free -= self.block_hashes[block] is not None
             self.ref_counts[block] += 1
 
     def cache_block(self, block_id: int, block_hash: bytes) -> None:
@@ -121,4 +125,7 @@ class BlockPool:
                 errors.append(f"hash map entry for block {b} does not match its hash")
         if len(self._free) > self.num_blocks:
             errors.append("free queue longer than the pool")
+        cached_free = sum(1 for b in self._free if self.block_hashes[b] is not None)
+        if cached_free != self._num_cached_free:
+            errors.append(f"cached free blocks counted {self._num_cached_free}, found {cached_free}")
         return errors

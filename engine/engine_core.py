@@ -74,6 +74,7 @@ class EngineCore:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.num_steps = 0
+        self.stats = scheduler.make_stats(0)  # replaced (never mutated) by the engine thread; any thread may read
         self.step_log: deque[StepRecord] = deque(maxlen=step_log_size)
         self._running: set[str] = set()
 
@@ -104,6 +105,7 @@ class EngineCore:
                     self._record_step(out)
             except Exception as e:  # noqa: BLE001 - a fault must fail loudly, not wedge the loop
                 events.extend(self._fail_step(out, e))
+            self.stats = self.scheduler.make_stats(self.num_steps)
             if events:
                 self.emit(events)
 

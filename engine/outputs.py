@@ -90,6 +90,39 @@ class RequestFailed:
     message: str
 
 
+@dataclass(frozen=True)
+class SchedulerStats:
+    """One engine's load and cache counters, made by the scheduler (`Scheduler.make_stats`) after every loop
+    iteration; the worker reads only this (GetStats, Prometheus gauges), never the scheduler's internals.
+
+    Attributes:
+        num_running: requests in the running batch.
+        num_waiting: requests queued: waiting to be scheduled or for a KV reservation.
+        num_requests: requests the engine knows in any state (held prefill blocks and KV-pending included).
+        num_total_blocks / num_free_blocks: KV pool size and free blocks (cached-but-free blocks count as free).
+        num_cached_blocks: free blocks that still hold prefix-cache content.
+        prefix_cache_query_tokens / prefix_cache_hit_tokens: cumulative prompt tokens looked up / found cached.
+        num_preemptions: cumulative requests preempted (their KV freed, to be recomputed).
+        num_steps: engine steps run.
+    """
+
+    num_running: int = 0
+    num_waiting: int = 0
+    num_requests: int = 0
+    num_total_blocks: int = 0
+    num_free_blocks: int = 0
+    num_cached_blocks: int = 0
+    prefix_cache_query_tokens: int = 0
+    prefix_cache_hit_tokens: int = 0
+    num_preemptions: int = 0
+    num_steps: int = 0
+
+    @property
+    def kv_cache_usage(self) -> float:
+        """Fraction of KV blocks in use, 0..1 (vLLM's kv_cache_usage_perc)."""
+        return 1.0 - self.num_free_blocks / self.num_total_blocks if self.num_total_blocks else 0.0
+
+
 @dataclass
 class StepRecord:
     """What one engine step ran (kept in a bounded log; shows continuous batching at work)."""

@@ -13,7 +13,8 @@ from collections import deque
 from engine.config import SchedulerConfig
 from engine.errors import ErrorKind
 from engine.kv_cache_manager import KVCacheManager
-from engine.outputs import Reserved, RequestFailed, RunnerOutput, ScheduledRequest, SchedulerOutput, TokenOutput
+from engine.outputs import (Reserved, RequestFailed, RunnerOutput, ScheduledRequest, SchedulerOutput, SchedulerStats,
+                            TokenOutput)
 from engine.request import FinishReason, Request, RequestStatus
 
 
@@ -32,6 +33,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.reserving: deque[Request] = deque()
+        self.num_preemptions = 0
 
     # ---- admission -------------------------------------------------------------------------------------------
     def add_request(self, request: Request) -> RequestFailed | None:
@@ -148,6 +150,7 @@ class Scheduler:
     def _preempt(self, req: Request) -> None:
         """Free a running request's blocks; it recomputes its prompt + output later (front of the queue)."""
         self.kv.free(req.request_id)
+        self.num_preemptions += 1
         req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
         self.waiting.appendleft(req)
@@ -224,3 +227,13 @@ class Scheduler:
 
     def num_requests(self) -> int:
         return len(self.requests)
+
+    def make_stats(self, num_steps: int) -> SchedulerStats:
+        """A snapshot of load and cache counters (O(1): safe to make every step)."""
+        pool = self.kv.pool
+        return SchedulerStats(
+            num_running=len(self.running), num_waiting=len(self.waiting) + len(self.reserving),
+            num_requests=len(self.requests), num_total_blocks=pool.num_blocks, num_free_blocks=pool.num_free_blocks,
+            num_cached_blocks=pool.num_cached_free_blocks, prefix_cache_query_tokens=self.kv.prefix_query_tokens,
+            prefix_cache_hit_tokens=self.kv.prefix_hit_tokens, num_preemptions=self.num_preemptions,
+            num_steps=num_steps)

@@ -13,7 +13,6 @@ from engine.async_engine import AsyncEngine
 from engine.builder import EngineParts, build_engine, set_threads
 from engine.config import compat_hash
 from engine.engine_core import EngineCore
-from engine.scheduler import Scheduler
 from pdserve.v1 import generate_pb2, worker_pb2, worker_pb2_grpc
 from server_common.addresses import advertise_host
 from server_common.grpc_server import RunningServer, start_grpc_server, write_ready_file
@@ -68,18 +67,18 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         return self.info()
 
     async def GetStats(self, request, context):
+        """The worker's load (what routers use) and pool counts, from the scheduler's stats object, taken with
+        the pool's integrity check on the engine thread so the two agree."""
         engine = self.worker.engine
-
-        def snapshot(s: Scheduler) -> worker_pb2.WorkerStats:  # on the engine thread: one consistent view
-            pool = s.kv.pool
-            return worker_pb2.WorkerStats(
-                num_total_blocks=pool.num_blocks, num_free_blocks=pool.num_free_blocks,
-                num_cached_blocks=pool.num_cached_free_blocks, num_running=len(s.running),
-                num_waiting=len(s.waiting) + len(s.reserving), num_requests=s.num_requests(),
-                num_steps=engine.core.num_steps, prefix_cache_hit_tokens=s.kv.prefix_hit_tokens,
-                prefix_cache_query_tokens=s.kv.prefix_query_tokens, pool_integrity_ok=not pool.integrity_errors(),
-                instance_id=self.instance_id)
-        return await engine.call(snapshot)
+        stats, integrity_ok = await engine.call(
+            lambda s: (s.make_stats(engine.core.num_steps), not s.kv.pool.integrity_errors()))
+        return worker_pb2.WorkerStats(
+            num_total_blocks=stats.num_total_blocks, num_free_blocks=stats.num_free_blocks,
+            num_cached_blocks=stats.num_cached_blocks, num_running=stats.num_running,
+            num_waiting=stats.num_waiting, num_requests=stats.num_requests, num_steps=stats.num_steps,
+            prefix_cache_hit_tokens=stats.prefix_cache_hit_tokens,
+            prefix_cache_query_tokens=stats.prefix_cache_query_tokens, pool_integrity_ok=integrity_ok,
+            instance_id=self.instance_id)
 
     async def Abort(self, request, context):
         engine = self.worker.engine
