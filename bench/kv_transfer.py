@@ -49,7 +49,7 @@ def _receiver_main(backend: str, block_nbytes: int, num_blocks: int, conn) -> No
     cache = np.zeros((num_blocks, block_nbytes), dtype=np.uint8)
 
     class Sink:
-        def begin_receive(self, request_id, n, num_tokens):
+        def begin_receive(self, request_id, n, num_tokens, trace_context):
             return list(range(n))
 
         def end_receive(self, request_id, first_token, error):

@@ -44,6 +44,7 @@ class Cluster:
         log_files: process name -> log path ("" when inheriting stderr).
         worker_metadata: gRPC metadata that authenticates a call to a worker (the cluster secret), for tools and
             tests that call the internal API directly.
+        metrics_urls: process name -> its Prometheus endpoint (processes started with --metrics-port).
     """
 
     address: str
@@ -52,6 +53,7 @@ class Cluster:
     log_files: dict[str, str] = field(default_factory=dict)
     worker_addresses: dict[str, str] = field(default_factory=dict)
     worker_metadata: tuple[tuple[str, str], ...] = ()
+    metrics_urls: dict[str, str] = field(default_factory=dict)
     _commands: dict[str, list[str]] = field(default_factory=dict)  # name -> the flags it was started with
     _env: dict = field(default_factory=dict)
     _log_dir: Path | None = None
@@ -174,6 +176,7 @@ def start_cluster(model_dir: str, model_name: str, config: ServeConfig = ServeCo
                 waits.append((name, proc, ready, role))
         infos = wait_ready([(n, p, r) for n, p, r, _ in waits], config.start_timeout_s)
         cluster.worker_addresses = {w[0]: i["address"] for i, w in zip(infos, waits)}
+        cluster.metrics_urls = {w[0]: i["metrics_url"] for i, w in zip(infos, waits) if "metrics_url" in i}
         args = ["coordinator", "--model", model_dir, "--served-model-name", model_name,
                 *(["--colocated"] if colocated else []), *coordinator_args]
         for info, (_, _, _, role) in zip(infos, waits):
@@ -182,7 +185,10 @@ def start_cluster(model_dir: str, model_name: str, config: ServeConfig = ServeCo
         proc, ready, log_path = _spawn(args, "coordinator", workdir, logs, env)
         cluster.processes["coordinator"] = proc
         cluster.log_files["coordinator"] = log_path
-        cluster.address = wait_ready([("coordinator", proc, ready)], config.start_timeout_s)[0]["address"]
+        info = wait_ready([("coordinator", proc, ready)], config.start_timeout_s)[0]
+        cluster.address = info["address"]
+        if "metrics_url" in info:
+            cluster.metrics_urls["coordinator"] = info["metrics_url"]
         return cluster
     except BaseException:
         cluster.stop()

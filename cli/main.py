@@ -133,7 +133,7 @@ def _run_serve(args: argparse.Namespace) -> None:
     # Built from the same dataclasses the roles parse, then turned back into flags: every knob reaches its process.
     worker = dataclass_from_args(WorkerConfig, args, role="decode", model_dir=model_dir, port=0)
     coordinator = dataclass_from_args(CoordinatorConfig, args, model_dir=model_dir, model_name=name)
-    logs = ["--log-level", args.log_level]
+    logs = ["--log-level", args.log_level, "--log-format", args.log_format]
     print(f"starting pdserve ({'colocated' if args.colocated else 'disaggregated'}) with {name} ...", flush=True)
     signal.signal(signal.SIGTERM, _raise_interrupt)  # SIGTERM stops the cluster like Ctrl-C, never orphans it
     serve_config = dataclass_from_args(ServeConfig, args)
@@ -141,6 +141,8 @@ def _run_serve(args: argparse.Namespace) -> None:
                             worker_args=dataclass_to_argv(worker, skip=SERVE_WORKER_SKIP) + logs,
                             coordinator_args=dataclass_to_argv(coordinator, skip=_PER_PROCESS - {"port"}) + logs)
     print(f"pdserve ready on {cluster.address}", flush=True)
+    for process, url in cluster.metrics_urls.items():
+        print(f"  metrics of {process}: {url}", flush=True)
     try:
         if args.demo is not None:
             from server_common.security import read_api_keys
@@ -223,7 +225,22 @@ def build_parser(command: str) -> argparse.ArgumentParser:
                                      formatter_class=_HelpFormatter)
     cmd.add_args(parser)
     parser.add_argument("--log-level", default=cmd.log_level)
+    parser.add_argument("--log-format", default="text", choices=["text", "json"],
+                        help="json: one JSON object per line (the access log's fields become keys)")
     return parser
+
+
+def configure_logging(level: str, fmt: str) -> None:
+    """Root logging for the process: readable text, or JSON lines for log shippers (python-json-logger)."""
+    handler = logging.StreamHandler()
+    if fmt == "json":
+        from pythonjsonlogger.json import JsonFormatter
+
+        handler.setFormatter(JsonFormatter("%(asctime)s %(levelname)s %(name)s %(process)d %(message)s",
+                                           rename_fields={"levelname": "level", "asctime": "time"}))
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s"))
+    logging.basicConfig(level=level.upper(), handlers=[handler])
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -235,8 +252,7 @@ def main(argv: list[str] | None = None) -> None:
         sub.add_parser(name, help=cmd.help, add_help=False)
     command = top.parse_args(argv[:1]).command  # only the name: each command builds its own flags lazily
     args = build_parser(command).parse_args(argv[1:])
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s")
+    configure_logging(args.log_level, args.log_format)
     COMMANDS[command].run(args)
 
 

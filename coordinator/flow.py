@@ -16,8 +16,10 @@ from dataclasses import dataclass, field
 import grpc
 
 from coordinator.errors import RequestError, from_rpc_error
+from coordinator.record import RequestRecord
 from coordinator.router import Router, WorkerHandle
 from pdserve.v1 import generate_pb2, worker_pb2
+from server_common.tracing import tracer
 
 
 @dataclass
@@ -49,32 +51,65 @@ class FlowTimings:
 
 @dataclass
 class Flow:
-    """Handle of an in-flight request, used by Abort to cancel its worker calls."""
+    """Handle of an in-flight request: its worker calls (Abort cancels them), the workers it was routed to, and
+    its record once it finished (`coordinator.record`)."""
 
     request_id: str
     calls: list = field(default_factory=list)
     aborted: bool = False
     timings: FlowTimings = field(default_factory=FlowTimings)
+    prefill_worker: str = ""
+    decode_worker: str = ""
+    record: RequestRecord = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.record = RequestRecord(self.request_id)
 
     def cancel(self) -> None:
         for call in self.calls:
             call.cancel()
 
 
-async def _next(call, worker: WorkerHandle, flow: Flow):
-    try:
-        return await call.read()
-    except grpc.aio.AioRpcError as e:
-        if flow.aborted:
-            raise asyncio.CancelledError from e
-        raise from_rpc_error(e, f"{worker.info.role} worker {worker.address}") from e
+class WorkerCall:
+    """One streaming call to a worker, read message by message through async iteration (so client interceptors,
+    tracing's among them, see the stream end), with its errors turned into RequestErrors naming the worker."""
+
+    def __init__(self, call, worker: WorkerHandle, flow: Flow):
+        self.call, self.worker, self.flow = call, worker, flow
+        self._responses = call.__aiter__()
+        flow.calls.append(call)
+
+    async def next(self):
+        """The next message, or None when the worker ended the stream.
+
+        Raises:
+            RequestError: the worker's status (connection loss: UNAVAILABLE), naming the worker.
+            asyncio.CancelledError: the request was aborted (Abort RPC).
+        """
+        try:
+            return await self._responses.__anext__()
+        except StopAsyncIteration:
+            return None
+        except grpc.aio.AioRpcError as e:
+            if self.flow.aborted:
+                raise asyncio.CancelledError from e
+            raise from_rpc_error(e, f"{self.worker.info.role} worker {self.worker.address}") from e
+
+    async def close(self) -> None:
+        """Cancel the call (the worker frees what it holds) and close the response stream."""
+        self.call.cancel()
+        aclose = getattr(self._responses, "aclose", None)  # an interceptor's generator: let it finish its span
+        if aclose is not None:
+            with contextlib.suppress(Exception, asyncio.CancelledError):
+                await aclose()
 
 
-async def _decode_stream(call, worker: WorkerHandle, flow: Flow) -> AsyncIterator[Tokens | WorkerFinish]:
+async def _decode_stream(call: WorkerCall) -> AsyncIterator[Tokens | WorkerFinish]:
     while True:
-        msg = await _next(call, worker, flow)
-        if msg is grpc.aio.EOF:
-            raise RequestError(grpc.StatusCode.UNAVAILABLE, f"decode worker {worker.address} ended the stream early")
+        msg = await call.next()
+        if msg is None:
+            raise RequestError(grpc.StatusCode.UNAVAILABLE,
+                               f"decode worker {call.worker.address} ended the stream early")
         kind = msg.WhichOneof("response")
         if kind == "tokens":
             yield Tokens(list(msg.tokens.tokens), msg.tokens.num_cached_tokens)
@@ -84,43 +119,57 @@ async def _decode_stream(call, worker: WorkerHandle, flow: Flow) -> AsyncIterato
             return
 
 
+def _pick_decode(router: Router, num_tokens: int) -> WorkerHandle:
+    with tracer().start_as_current_span("route decode") as span:
+        worker = router.pick_decode(num_tokens)
+        span.set_attribute("pdserve.decode_worker", worker.address)
+        return worker
+
+
+def _pick_prefill(router: Router, prompt: list[int]) -> WorkerHandle:
+    with tracer().start_as_current_span("route prefill") as span:
+        worker = router.pick_prefill(prompt)
+        span.set_attribute("pdserve.prefill_worker", worker.address)
+        return worker
+
+
 async def run_colocated(router: Router, flow: Flow, prompt: list[int], sampling: generate_pb2.SamplingParams,
                         timeout_s: float) -> AsyncIterator[Tokens | WorkerFinish]:
     """One colocated worker computes the prompt and decodes it."""
-    with router.lease(router.pick_decode(len(prompt) + sampling.max_tokens)) as worker:
-        call = worker.decode.Decode(worker_pb2.DecodeRequest(
+    with router.lease(_pick_decode(router, len(prompt) + sampling.max_tokens)) as worker:
+        flow.decode_worker = worker.address
+        call = WorkerCall(worker.decode.Decode(worker_pb2.DecodeRequest(
             request_id=flow.request_id, prompt_token_ids=prompt, sampling=sampling,
-            kv_source=worker_pb2.KV_SOURCE_LOCAL), timeout=timeout_s)
-        flow.calls.append(call)
+            kv_source=worker_pb2.KV_SOURCE_LOCAL), timeout=timeout_s), worker, flow)
         try:
-            async for item in _decode_stream(call, worker, flow):
+            async for item in _decode_stream(call):
                 yield item
         finally:
-            call.cancel()
+            await call.close()
 
 
 async def run_disaggregated(router: Router, flow: Flow, prompt: list[int], sampling: generate_pb2.SamplingParams,
                             arrival: float, timeout_s: float) -> AsyncIterator[Tokens | WorkerFinish]:
     """Reserve on a decode worker, prefill on a prefill worker (first token streamed at once, KV pushed to the
     reservation), then stream the decode worker's tokens. A failed transfer surfaces as its own error."""
-    with router.lease(router.pick_decode(len(prompt) + sampling.max_tokens)) as decode:
-        dcall = decode.decode.Decode(worker_pb2.DecodeRequest(
+    with router.lease(_pick_decode(router, len(prompt) + sampling.max_tokens)) as decode:
+        flow.decode_worker = decode.address
+        dcall = WorkerCall(decode.decode.Decode(worker_pb2.DecodeRequest(
             request_id=flow.request_id, prompt_token_ids=prompt, sampling=sampling,
-            kv_source=worker_pb2.KV_SOURCE_REMOTE), timeout=timeout_s)
-        flow.calls.append(dcall)
-        pcall = None
+            kv_source=worker_pb2.KV_SOURCE_REMOTE), timeout=timeout_s), decode, flow)
+        pcall: WorkerCall | None = None
         watcher: asyncio.Task | None = None
         try:
-            reserved = await _next(dcall, decode, flow)
-            if reserved is grpc.aio.EOF or reserved.WhichOneof("response") != "reserved":
+            reserved = await dcall.next()
+            if reserved is None or reserved.WhichOneof("response") != "reserved":
                 raise RequestError(grpc.StatusCode.UNAVAILABLE, f"decode worker {decode.address} did not reserve")
-            with router.lease(router.pick_prefill(prompt)) as prefill:  # a queue slot until the first token
-                pcall = prefill.prefill.Prefill(worker_pb2.PrefillRequest(
+            with router.lease(_pick_prefill(router, prompt)) as prefill:  # a queue slot until the first token
+                flow.prefill_worker = prefill.address
+                pcall = WorkerCall(prefill.prefill.Prefill(worker_pb2.PrefillRequest(
                     request_id=flow.request_id, prompt_token_ids=prompt, sampling=sampling,
-                    kv_address=decode.info.kv_address, arrival_time=arrival), timeout=timeout_s)
-                flow.calls.append(pcall)
-                first = await _next(pcall, prefill, flow)
-            if first is grpc.aio.EOF or first.WhichOneof("response") != "first_token":
+                    kv_address=decode.info.kv_address, arrival_time=arrival), timeout=timeout_s), prefill, flow)
+                first = await pcall.next()
+            if first is None or first.WhichOneof("response") != "first_token":
                 raise RequestError(grpc.StatusCode.UNAVAILABLE, f"prefill worker {prefill.address} sent no first token")
             ft = first.first_token
             flow.timings.queue_ms, flow.timings.prefill_ms = ft.queue_ms, ft.prefill_ms
@@ -132,29 +181,32 @@ async def run_disaggregated(router: Router, flow: Flow, prompt: list[int], sampl
 
             async def watch_transfer() -> None:
                 try:
-                    msg = await _next(pcall, prefill, flow)
-                    if msg is not grpc.aio.EOF and msg.WhichOneof("response") == "transfer_done":
+                    msg = await pcall.next()
+                    if msg is not None and msg.WhichOneof("response") == "transfer_done":
                         flow.timings.transfer_ms = msg.transfer_done.transfer_ms
                 except RequestError as e:
                     transfer_error.append(e)
-                    dcall.cancel()
+                    dcall.call.cancel()
 
             watcher = asyncio.create_task(watch_transfer())
             try:
-                async for item in _decode_stream(dcall, decode, flow):
+                async for item in _decode_stream(dcall):
                     yield item
             except (RequestError, asyncio.CancelledError):
                 if transfer_error:
                     raise transfer_error[0] from None
                 raise
         finally:
-            dcall.cancel()
+            dcall.call.cancel()
             if pcall is not None:
-                pcall.cancel()
-            if watcher is not None:
+                pcall.call.cancel()
+            if watcher is not None:  # before closing the streams: it may be reading the prefill's
                 watcher.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await watcher
+            await dcall.close()
+            if pcall is not None:
+                await pcall.close()
 
 
 def now_ms() -> float:

@@ -90,10 +90,13 @@ class Membership:
         config: addresses, intervals, credentials.
         cluster: the router and reference this instance maintains (it is the only writer).
         on_change: called after every poll round in which some worker joined or left.
+        interceptors: client interceptors for every worker channel (tracing's).
     """
 
-    def __init__(self, config: CoordinatorConfig, cluster: Cluster, on_change: Callable[[], None] = lambda: None):
+    def __init__(self, config: CoordinatorConfig, cluster: Cluster, on_change: Callable[[], None] = lambda: None,
+                 interceptors: list | None = None):
         self.config, self.cluster, self.on_change = config, cluster, on_change
+        self.interceptors = interceptors or []
         self.secret = read_secret(config.server.cluster_secret_file)
         self._last_discovery = float("-inf")
         self._changed = False
@@ -114,7 +117,8 @@ class Membership:
             for address in found:
                 if address not in known:
                     channel = internal_channel(address, self.config.worker_tls_ca, self.secret,
-                                               options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)])
+                                               options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)],
+                                               interceptors=self.interceptors)
                     handles.append(WorkerHandle.connect(address, channel))
                     log.info("%s endpoint %s discovered", role, address)
             for h in [h for h in handles if h.address not in found]:

@@ -8,12 +8,16 @@ import time
 import uuid
 
 import grpc
+from opentelemetry import trace
+from prometheus_client import CollectorRegistry
 
 from coordinator import flow as flows
 from coordinator.config import CoordinatorConfig
 from coordinator.errors import RequestError, invalid
 from coordinator.ratelimit import RateLimiter
 from coordinator.membership import Cluster, Membership
+from coordinator.metrics import CoordinatorMetrics
+from coordinator.record import RequestRecord, log_access
 from coordinator.router import Router
 from coordinator.text import IncrementalDetokenizer, StopMatcher
 from coordinator.tokenizer import Tokenizer
@@ -21,11 +25,27 @@ from coordinator.validation import check_chat, check_prompt, check_text_length, 
 from pdserve.v1 import generate_pb2, generate_pb2_grpc
 from server_common.addresses import advertise_host
 from server_common.grpc_server import start_grpc_server, write_ready_file
+from server_common.metrics import metrics_url, start_metrics_server
 from server_common.security import key_id, presented_token, read_api_keys
+from server_common.tracing import Tracing
 
 log = logging.getLogger(__name__)
 
 MAX_REQUEST_ID_CHARS = 256  # ids are echoed in errors, logs and traces
+
+
+def _trace_request(request: generate_pb2.GenerateRequest, sampling: generate_pb2.SamplingParams, model: str,
+                   rid: str) -> None:
+    """The request's OpenTelemetry GenAI attributes on the current (Generate server) span."""
+    span = trace.get_current_span()
+    if not span.is_recording():
+        return
+    span.set_attributes({
+        "gen_ai.operation.name": "chat" if request.WhichOneof("input") == "chat" else "text_completion",
+        "gen_ai.provider.name": "pdserve", "gen_ai.request.model": model,
+        "gen_ai.request.max_tokens": sampling.max_tokens, "gen_ai.request.temperature": sampling.temperature,
+        "gen_ai.request.top_p": sampling.top_p, "gen_ai.request.top_k": sampling.top_k,
+        "pdserve.request_id": rid})
 
 
 def _caller(context: grpc.aio.ServicerContext) -> str:
@@ -39,8 +59,9 @@ def _caller(context: grpc.aio.ServicerContext) -> str:
 class GenerationServicer(generate_pb2_grpc.GenerationServicer):
     """Generate / Abort / GetModelInfo: validate and tokenize, route, stream text back, free on every exit."""
 
-    def __init__(self, config: CoordinatorConfig, cluster: Cluster, tokenizer: Tokenizer):
-        self.config, self.cluster, self.tokenizer = config, cluster, tokenizer
+    def __init__(self, config: CoordinatorConfig, cluster: Cluster, tokenizer: Tokenizer,
+                 metrics: CoordinatorMetrics):
+        self.config, self.cluster, self.tokenizer, self.metrics = config, cluster, tokenizer, metrics
         self.limiter = RateLimiter(config.rate_limit_requests_per_s, config.rate_limit_tokens_per_s,
                                    config.rate_limit_burst_s)
 
@@ -51,19 +72,45 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         try:
             self._admit(rid, caller)
         except RequestError as e:
+            self._finished(RequestRecord(rid[:MAX_REQUEST_ID_CHARS], error_code=e.code.name), e.message)
             await context.abort(e.code, e.message, e.trailing_metadata())
         flow = flows.Flow(rid)
         self.cluster.flows[rid] = flow  # the id is taken before the first await: a duplicate cannot slip in
+        self.metrics.in_flight.inc()
+        error: RequestError | None = None
         try:
             prompt, sampling = await self._prepare(request)
+            _trace_request(request, sampling, self.config.model_name, rid)
             self._charge(caller, len(prompt) + sampling.max_tokens)
             async for msg in self._stream(flow, request, prompt, sampling, arrival_wall, t0):
                 yield msg
         except RequestError as e:
+            error = e
             await context.abort(e.code, f"request {rid}: {e.message}", e.trailing_metadata())
+        except asyncio.CancelledError:
+            error = RequestError(grpc.StatusCode.CANCELLED, "the client cancelled the call")
+            raise
         finally:
             flow.cancel()
             self.cluster.flows.pop(rid, None)
+            self.metrics.in_flight.dec()
+            record = flow.record
+            if error is not None:
+                record.error_code = error.code.name
+            record.e2e_s = record.e2e_s or (flows.now_ms() - t0) / 1e3
+            self._finished(record, error.message if error else "")
+
+    def _finished(self, record: RequestRecord, error: str) -> None:
+        """Metrics, trace attributes and the access log line, once per request however it ended."""
+        self.metrics.observe(record)
+        span = trace.get_current_span()
+        if span.is_recording():
+            span.set_attributes({
+                "gen_ai.usage.input_tokens": record.prompt_tokens, "gen_ai.usage.output_tokens": record.output_tokens,
+                "gen_ai.response.finish_reasons": [record.finish_reason or "error"],
+                "pdserve.cached_prompt_tokens": record.cached_tokens, "pdserve.ttft_ms": record.ttft_s * 1e3,
+                "pdserve.prefill_worker": record.prefill_worker, "pdserve.decode_worker": record.decode_worker})
+        log_access(record, error)
 
     def _charge(self, caller: str, num_tokens: int) -> None:
         """Take the request's tokens from the caller's rate limit. Raises RequestError RESOURCE_EXHAUSTED."""
@@ -128,7 +175,8 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                                              cfg.request_timeout_s)
         detok = IncrementalDetokenizer(self.tokenizer, prompt)
         stops = StopMatcher(list(request.sampling.stop), request.sampling.include_stop_str_in_output)
-        num_out, cached, ttft, first_ms = 0, 0, 0.0, None
+        num_out, cached, ttft, first_ms, last_ms = 0, 0, 0.0, None, 0.0
+        gaps: list[float] = []
         reason = generate_pb2.FINISH_REASON_UNSPECIFIED
         stop_string: str | None = None
         stop_token_id: int | None = None
@@ -144,9 +192,14 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                 chunk = generate_pb2.Chunk(token_ids=ids, text=text)
                 if sampling.HasField("logprobs"):
                     chunk.logprobs.extend(self._logprobs(item.tokens))
+                now = flows.now_ms()
                 if first_ms is None:
-                    first_ms = flows.now_ms()
+                    first_ms = now
                     ttft = first_ms - t0
+                    gaps += [0.0] * (len(ids) - 1)  # tokens that came with the first one
+                elif ids:  # a coalesced chunk: its tokens share the gap
+                    gaps += [(now - last_ms) / 1e3 / len(ids)] * len(ids)
+                last_ms = now
                 yield generate_pb2.GenerateResponse(chunk=chunk)
                 if stop_string is not None:
                     reason = generate_pb2.FINISH_REASON_STOP
@@ -161,6 +214,12 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             yield generate_pb2.GenerateResponse(chunk=generate_pb2.Chunk(text=tail))
         end = flows.now_ms()
         t = flow.timings
+        flow.record = RequestRecord(
+            flow.request_id, prompt_tokens=len(prompt), output_tokens=num_out, cached_tokens=cached, ttft_s=ttft / 1e3,
+            e2e_s=(end - t0) / 1e3, queue_s=t.queue_ms / 1e3, prefill_s=t.prefill_ms / 1e3,
+            transfer_s=t.transfer_ms / 1e3, token_gaps=tuple(gaps),
+            finish_reason=generate_pb2.FinishReason.Name(reason).removeprefix("FINISH_REASON_").lower(),
+            prefill_worker=flow.prefill_worker, decode_worker=flow.decode_worker)
         matched = stop_string if stop_string is not None else ("" if stop_token_id is None else str(stop_token_id))
         yield generate_pb2.GenerateResponse(final=generate_pb2.Final(
             finish_reason=reason, matched_stop=matched, request_id=flow.request_id,
@@ -208,14 +267,19 @@ async def serve(config: CoordinatorConfig) -> None:
     Raises:
         TimeoutError: no live worker of a needed role within config.connect_timeout_s.
     """
+    tracing = Tracing.from_env("pdserve-coordinator")
     cluster = Cluster(Router(), config.colocated)
-    membership = Membership(config, cluster)
+    membership = Membership(config, cluster, interceptors=tracing.client_interceptors())
     await membership.wait_ready(config.connect_timeout_s)
     tokenizer = await asyncio.to_thread(Tokenizer, config.model_dir)
-    servicer = GenerationServicer(config, cluster, tokenizer)
+    registry = CollectorRegistry()
+    servicer = GenerationServicer(config, cluster, tokenizer, CoordinatorMetrics(registry, config.model_name))
+    metrics = (start_metrics_server(config.server.host, config.server.metrics_port, registry)
+               if config.server.metrics_port is not None else None)
     running = await start_grpc_server(
         config.server, lambda server: generate_pb2_grpc.add_GenerationServicer_to_server(servicer, server),
-        ["pdserve.v1.Generation"], tokens=read_api_keys(config.api_keys_file), what="API key")
+        ["pdserve.v1.Generation"], tokens=read_api_keys(config.api_keys_file), what="API key",
+        interceptors=tracing.server_interceptors())
     pending: set[asyncio.Task] = set()
 
     def follow_membership() -> None:
@@ -230,7 +294,7 @@ async def serve(config: CoordinatorConfig) -> None:
     log.info("coordinator serving %s on %s (%s, %d prefill / %d decode workers live, connector %s)",
              config.model_name, address, "colocated" if config.colocated else "disaggregated",
              len(cluster.router.live("prefill")), len(cluster.router.live("decode")), cluster.connector or "-")
-    write_ready_file(config.server.ready_file, address)
+    write_ready_file(config.server.ready_file, address, **metrics_url(config.server, metrics))
     poller = asyncio.create_task(membership.run())
     try:
         await running.serve_until_cancelled(config.server.drain_timeout_s, in_flight=lambda: len(cluster.flows))
@@ -239,3 +303,6 @@ async def serve(config: CoordinatorConfig) -> None:
         with contextlib.suppress(asyncio.CancelledError):
             await poller
         await membership.close()
+        if metrics is not None:
+            metrics.close()
+        tracing.shutdown()

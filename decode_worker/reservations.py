@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from engine.async_engine import RequestStream
+from server_common.tracing import extract_context, record_span
 
 
 class ReservationState(enum.Enum):
@@ -27,6 +29,9 @@ class Reservation:
     first_token: int = 0
     error: str | None = None
     settled: asyncio.Event = field(default_factory=asyncio.Event)
+    reserved_at: float = field(default_factory=time.time)  # wall clock, seconds: the trace's timestamps
+    receive_started_at: float = 0.0
+    trace_context: dict[str, str] = field(default_factory=dict)  # the sender's, for the receive's span
     # Set when the Decode call ended mid-receive: the receiver frees the blocks once its writes stop.
     free_after_receive: Callable[[], None] | None = None
 
@@ -54,13 +59,15 @@ class Reservations:
             else:
                 del self._by_id[request_id]
 
-    def begin_receive(self, request_id: str, num_blocks: int, num_tokens: int) -> list[int]:
+    def begin_receive(self, request_id: str, num_blocks: int, num_tokens: int,
+                      trace_context: dict[str, str]) -> list[int]:
         r = self._by_id.get(request_id)
         if r is None or r.state != ReservationState.RESERVED:
             raise LookupError(f"no reservation waiting for KV for {request_id!r} (aborted or expired)")
         if num_blocks != len(r.block_ids):
             raise LookupError(f"{num_blocks} blocks offered for {request_id!r}, {len(r.block_ids)} reserved")
         r.state = ReservationState.RECEIVING
+        r.receive_started_at, r.trace_context = time.time(), trace_context
         return r.block_ids
 
     def end_receive(self, request_id: str, first_token: int, error: str | None) -> None:
@@ -70,6 +77,9 @@ class Reservations:
         r.state = ReservationState.FAILED if error else ReservationState.DONE
         r.first_token, r.error = first_token, error
         r.settled.set()
+        record_span("kv receive", r.receive_started_at, time.time(), parent=extract_context(r.trace_context),
+                    attributes={"pdserve.request_id": request_id, "pdserve.kv.blocks": len(r.block_ids),
+                                "pdserve.kv.ok": error is None})
         if r.free_after_receive is not None:  # the Decode call is gone: free now that the writes stopped
             del self._by_id[request_id]
             r.free_after_receive()

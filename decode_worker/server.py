@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import grpc
 
@@ -14,6 +15,7 @@ from engine.transfer.protocol import KvReceiver
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 from server_common.addresses import advertise_host
 from server_common.security import read_secret
+from server_common.tracing import Tracing, record_span
 from worker_common.config import WorkerConfig
 from worker_common.convert import FINISH_REASON_TO_PROTO, sampling_from_proto, token_to_proto
 from worker_common.errors import abort_with
@@ -46,10 +48,14 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
                             reserved=worker_pb2.DecodeReserved(num_blocks=len(reserved.block_ids)))
                         await self._wait_for_kv(rid, reservation, request.kv_timeout_ms)
                     stream.kv_arrived(reservation.first_token)
+                    record_span("wait for kv", reservation.reserved_at, time.time(),
+                                {"pdserve.request_id": rid, "pdserve.kv.blocks": len(reserved.block_ids)})
                 else:
                     yield worker_pb2.DecodeResponse(reserved=worker_pb2.DecodeReserved())
+                decode_started, num_tokens = time.time(), 0
                 while True:
                     batch = await stream.next_batch()
+                    num_tokens += len(batch)
                     yield worker_pb2.DecodeResponse(tokens=worker_pb2.DecodeTokens(
                         tokens=[token_to_proto(ev.token) for ev in batch],
                         num_cached_tokens=max(ev.num_cached_tokens for ev in batch)))
@@ -59,6 +65,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
                         if done.stop_token_id is not None:
                             msg.stop_token_id = done.stop_token_id
                         yield worker_pb2.DecodeResponse(finished=msg)
+                        record_span("decode", decode_started, time.time(),
+                                    {"pdserve.request_id": rid, "gen_ai.usage.output_tokens": num_tokens})
                         return
         except EngineError as e:
             await abort_with(context, e)
@@ -75,16 +83,19 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
             await asyncio.wait_for(reservation.settled.wait(), lease_s)
         except TimeoutError:
             if reservation.state != ReservationState.RECEIVING:
+                self.worker.metrics.reservations_expired.inc()
                 raise EngineError(ErrorKind.KV_TIMEOUT, f"KV for {rid} did not arrive within the "
                                                         f"{lease_s:.1f}s lease; blocks freed") from None
             await reservation.settled.wait()  # receiving: the receiver's own timeout bounds this
         if reservation.state == ReservationState.FAILED:
+            self.worker.metrics.transfer_failed(ErrorKind.TRANSFER_FAILED.value)
             raise EngineError(ErrorKind.TRANSFER_FAILED, f"KV transfer for {rid} failed: {reservation.error}")
 
 
 async def serve(config: WorkerConfig) -> None:
     """Run a decode worker (role 'decode') or a colocated worker (role 'colocated') until cancelled."""
     secret = read_secret(config.server.cluster_secret_file)
+    tracing = Tracing.from_env(f"pdserve-{config.role}")
     worker = start_engine(config)
     reservations = Reservations()
     receiver = None
@@ -101,7 +112,8 @@ async def serve(config: WorkerConfig) -> None:
     try:
         await serve_worker(config, worker, WorkerServicer(config.role, worker, kv_address, connector),
                            lambda server: worker_pb2_grpc.add_DecodeServicer_to_server(decode, server),
-                           "pdserve.v1.Decode", secret, kv_address=kv_address)
+                           "pdserve.v1.Decode", secret, tracing, kv_address=kv_address)
     finally:
         if receiver is not None:
             receiver.close()
+        tracing.shutdown()

@@ -8,9 +8,10 @@ import grpc
 
 from engine.errors import EngineError
 from engine.request import FinishReason, Request
-from engine.transfer.protocol import KvSender
+from engine.transfer.protocol import KvSender, TransferError
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 from server_common.security import read_secret
+from server_common.tracing import Tracing, inject_context, record_span, tracer
 from worker_common.config import WorkerConfig
 from worker_common.convert import FINISH_REASON_TO_PROTO, sampling_from_proto, token_to_proto
 from worker_common.errors import abort_with
@@ -37,6 +38,11 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
                           arrival_time=request.arrival_time or time.time())
             with self.worker.engine.request(req) as stream:
                 ev = await stream.next()
+                scheduled = req.arrival_time + ev.queue_ms / 1e3  # the engine's own clock marks, as spans
+                record_span("queue", req.arrival_time, scheduled, {"pdserve.request_id": rid})
+                record_span("prefill", scheduled, scheduled + ev.prefill_ms / 1e3, {
+                    "pdserve.request_id": rid, "gen_ai.usage.input_tokens": len(req.prompt_token_ids),
+                    "pdserve.cached_prompt_tokens": ev.num_cached_tokens})
                 held = ev.finish_reason == FinishReason.PREFILL_DONE
                 first = worker_pb2.PrefillFirstToken(
                     token=token_to_proto(ev.token), num_cached_tokens=ev.num_cached_tokens, queue_ms=ev.queue_ms,
@@ -48,18 +54,26 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
                 yield worker_pb2.PrefillResponse(first_token=first)
                 if not held or not request.kv_address:
                     return
-                stats = await self.sender.send(request.kv_address, rid, ev.token.token_id, ev.block_ids or [],
-                                               len(request.prompt_token_ids))
+                with tracer().start_as_current_span("kv transfer") as span:
+                    stats = await self.sender.send(request.kv_address, rid, ev.token.token_id, ev.block_ids or [],
+                                                   len(request.prompt_token_ids), trace_context=inject_context())
+                    span.set_attributes({"pdserve.kv.bytes": stats.num_bytes, "pdserve.kv.blocks": stats.num_blocks,
+                                         "pdserve.kv.peer": request.kv_address, "pdserve.request_id": rid})
+                self.worker.metrics.transfer_time.observe(stats.seconds)
+                self.worker.metrics.transfer_bytes.observe(stats.num_bytes)
                 yield worker_pb2.PrefillResponse(transfer_done=worker_pb2.PrefillTransferDone(
                     num_bytes=stats.num_bytes, num_blocks=stats.num_blocks, transfer_ms=stats.seconds * 1e3))
         except EngineError as e:
             log.warning("prefill of %s failed: %s", rid, e)
+            if isinstance(e, TransferError):
+                self.worker.metrics.transfer_failed(e.kind.value)
             await abort_with(context, e)
 
 
 async def serve(config: WorkerConfig) -> None:
     """Run a prefill worker until cancelled."""
     secret = read_secret(config.server.cluster_secret_file)
+    tracing = Tracing.from_env("pdserve-prefill")
     worker = start_engine(config)
     sender = KvSender(worker.compat_hash, worker.parts.runner.kv_cache.block_bytes,
                       timeout_s=config.transfer_timeout_s, secret=secret)
@@ -67,6 +81,7 @@ async def serve(config: WorkerConfig) -> None:
     try:
         await serve_worker(config, worker, WorkerServicer("prefill", worker),
                            lambda server: worker_pb2_grpc.add_PrefillServicer_to_server(prefill, server),
-                           "pdserve.v1.Prefill", secret)
+                           "pdserve.v1.Prefill", secret, tracing)
     finally:
         sender.close()
+        tracing.shutdown()

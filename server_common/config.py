@@ -22,6 +22,8 @@ class ServerArgs:
             address); None = the bind host, or for a wildcard bind this host's address
             (`server_common.addresses.advertise_host`).
         drain_timeout_s: on SIGTERM, how long in-flight requests may finish after health turns NOT_SERVING.
+        metrics_port: serve Prometheus metrics at http://host:metrics_port/metrics; None = off, 0 = any free port
+            (the ready file says which).
     """
 
     host: str = field(default="127.0.0.1", metadata={"help": "bind address"})
@@ -36,6 +38,8 @@ class ServerArgs:
         "help": "host peers dial to reach this process (default: the bind host, or this host's IP for 0.0.0.0)"})
     drain_timeout_s: float = field(default=30.0, metadata={
         "help": "on SIGTERM: NOT_SERVING, then in-flight requests get this long to finish, seconds"})
+    metrics_port: int | None = field(default=None, metadata={
+        "help": "Prometheus /metrics HTTP port (0 = any free port; unset = no metrics endpoint)"})
 
     @property
     def tls(self) -> bool:

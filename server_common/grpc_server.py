@@ -104,7 +104,8 @@ class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):
 
 
 async def start_grpc_server(args: ServerArgs, add_servicers: Callable[[grpc.aio.Server], None],
-                            service_names: list[str], tokens: list[str], what: str = "API key") -> RunningServer:
+                            service_names: list[str], tokens: list[str], what: str = "API key",
+                            interceptors: list[grpc.aio.ServerInterceptor] = ()) -> RunningServer:
     """Start a grpc.aio server with `grpc.health.v1.Health` and reflection.
 
     Args:
@@ -113,6 +114,7 @@ async def start_grpc_server(args: ServerArgs, add_servicers: Callable[[grpc.aio.
         service_names: full names of those services (e.g. "pdserve.v1.Generation"), for health and reflection.
         tokens: bearer tokens a caller must present (`BearerTokenInterceptor`); empty = no authentication.
         what: how errors and warnings name the tokens ("API key", "cluster secret").
+        interceptors: more server interceptors, run after authentication (e.g. `Tracing.server_interceptors()`).
 
     Health reports SERVING for "", each service name and `LIVENESS_SERVICE` once the server has started. A request
     body that does not parse is answered with INVALID_ARGUMENT (`MalformedRequestInterceptor`).
@@ -121,10 +123,10 @@ async def start_grpc_server(args: ServerArgs, add_servicers: Callable[[grpc.aio.
         RuntimeError: the address could not be bound (grpc raises it from add_*_port).
         ValueError / OSError: unusable TLS files.
     """
-    interceptors: list[grpc.aio.ServerInterceptor] = [MalformedRequestInterceptor()]
+    chain: list[grpc.aio.ServerInterceptor] = [MalformedRequestInterceptor(), *interceptors]
     if tokens:
-        interceptors.insert(0, BearerTokenInterceptor(tokens, what))
-    server = grpc.aio.server(interceptors=interceptors,
+        chain.insert(0, BearerTokenInterceptor(tokens, what))
+    server = grpc.aio.server(interceptors=chain,
                              options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                                       ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
     add_servicers(server)

@@ -173,10 +173,12 @@ def server_credentials(cert: str | None, key: str | None, client_ca: str | None)
 
 
 def internal_channel(address: str, tls_ca: str | None, token: str | None,
-                     options: list[tuple[str, int]] | None = None) -> grpc.aio.Channel:
-    """A channel to another pdserve process: TLS verified against tls_ca when given (else plaintext), and the
-    cluster secret as a bearer token on every call when given."""
-    interceptors = [_BearerUnaryUnary(token), _BearerUnaryStream(token)] if token else None
+                     options: list[tuple[str, int]] | None = None,
+                     interceptors: list | None = None) -> grpc.aio.Channel:
+    """A channel to another pdserve process: TLS verified against tls_ca when given (else plaintext), the cluster
+    secret as a bearer token on every call when given, then `interceptors` (e.g. tracing's)."""
+    interceptors = [*([_BearerUnaryUnary(token), _BearerUnaryStream(token)] if token else []), *(interceptors or [])]
+    interceptors = interceptors or None
     if tls_ca:
         credentials = grpc.ssl_channel_credentials(root_certificates=Path(tls_ca).read_bytes())
         return grpc.aio.secure_channel(address, credentials, options=options, interceptors=interceptors)

@@ -34,7 +34,12 @@ def lan():
         sh("ip", "link", "add", bridge, "type", "bridge")
     except subprocess.CalledProcessError as e:
         pytest.skip(f"cannot create a bridge here: {e.stderr.decode().strip()}")
+    # A host running dockerd has FORWARD policy DROP with bridge netfilter on: let our bridge's frames through.
+    accept = ["FORWARD", "-i", bridge, "-o", bridge, "-j", "ACCEPT"]
+    iptables = shutil.which("iptables")
     try:
+        if iptables:
+            subprocess.run([iptables, "-I", *accept], capture_output=True)
         sh("ip", "addr", "add", f"{subnet}.254/24", "dev", bridge)
         sh("ip", "link", "set", bridge, "up")
         for t, ns in names.items():
@@ -53,6 +58,8 @@ def lan():
         for ns in names.values():
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
         subprocess.run(["ip", "link", "del", bridge], capture_output=True)
+        if iptables:
+            subprocess.run([iptables, "-D", *accept], capture_output=True)
 
 
 def test_three_hosts_greedy_equals_single_host(lan, tiny_model_dir, tmp_path):

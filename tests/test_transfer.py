@@ -28,7 +28,7 @@ class Sink:
         self.ended = {}
         self.on_begin = None
 
-    def begin_receive(self, rid, num_blocks, num_tokens):
+    def begin_receive(self, rid, num_blocks, num_tokens, trace_context):
         if rid not in self.reserved:
             raise LookupError(f"no reservation for {rid}")
         if self.on_begin:

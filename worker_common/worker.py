@@ -8,6 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
+from prometheus_client import CollectorRegistry
 
 from engine.async_engine import AsyncEngine
 from engine.builder import EngineParts, build_engine, set_threads
@@ -16,17 +17,22 @@ from engine.engine_core import EngineCore
 from pdserve.v1 import generate_pb2, worker_pb2, worker_pb2_grpc
 from server_common.addresses import advertise_host
 from server_common.grpc_server import RunningServer, start_grpc_server, write_ready_file
+from server_common.metrics import metrics_url, start_metrics_server
+from server_common.tracing import Tracing
 from worker_common.config import WorkerConfig
+from worker_common.metrics import WorkerMetrics
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
 class WorkerEngine:
-    """A worker's running engine and the parts it was built from (configs, scheduler, runner)."""
+    """A worker's running engine, the parts it was built from (configs, scheduler, runner), and its metrics."""
 
     engine: AsyncEngine
     parts: EngineParts
+    registry: CollectorRegistry
+    metrics: WorkerMetrics
 
     @property
     def compat_hash(self) -> str:
@@ -43,7 +49,8 @@ def start_engine(config: WorkerConfig) -> WorkerEngine:
     parts = build_engine(config.engine)
     engine = AsyncEngine(lambda emit, on_fault: EngineCore(parts.scheduler, parts.runner, emit, on_fault))
     engine.start()
-    return WorkerEngine(engine, parts)
+    registry = CollectorRegistry()
+    return WorkerEngine(engine, parts, registry, WorkerMetrics(registry, engine, parts.model_config.name, config.role))
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
@@ -89,13 +96,14 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
 async def serve_worker(config: WorkerConfig, worker: WorkerEngine, servicer: WorkerServicer,
                        add_role: Callable[[grpc.aio.Server], None], role_service: str, secret: str | None,
-                       **ready: str) -> None:
+                       tracing: Tracing, **ready: str) -> None:
     """Serve the Worker service plus the role's own until cancelled, then stop the server and the engine.
 
     Args:
         add_role: registers the role's servicer (Prefill or Decode) on the server.
         role_service: its full name, e.g. "pdserve.v1.Prefill" (for health and reflection).
         secret: the cluster secret callers must present (None: no authentication).
+        tracing: the process's tracing (its server interceptors continue the coordinator's traces).
         ready: extra fields for the ready file (e.g. kv_address).
     """
     def add(server: grpc.aio.Server) -> None:
@@ -103,7 +111,8 @@ async def serve_worker(config: WorkerConfig, worker: WorkerEngine, servicer: Wor
         add_role(server)
 
     running: RunningServer = await start_grpc_server(config.server, add, ["pdserve.v1.Worker", role_service],
-                                                     tokens=[secret] if secret else [], what="cluster secret")
+                                                     tokens=[secret] if secret else [], what="cluster secret",
+                                                     interceptors=tracing.server_interceptors())
 
     pending: set[asyncio.Task] = set()  # the loop keeps only weak references to tasks
 
@@ -122,9 +131,13 @@ async def serve_worker(config: WorkerConfig, worker: WorkerEngine, servicer: Wor
     c = worker.parts.cache_config
     log.info("%s worker serving on %s (%d KV blocks of %d tokens%s)", config.role, address, c.num_blocks,
              c.block_size, "".join(f", {k} {v}" for k, v in ready.items() if v))
-    write_ready_file(config.server.ready_file, address, **ready)
+    metrics = (start_metrics_server(config.server.host, config.server.metrics_port, worker.registry)
+               if config.server.metrics_port is not None else None)
+    write_ready_file(config.server.ready_file, address, **ready, **metrics_url(config.server, metrics))
     try:
         await running.serve_until_cancelled(config.server.drain_timeout_s,
                                             in_flight=lambda: len(worker.engine.streams))
     finally:
         worker.engine.stop()
+        if metrics is not None:
+            metrics.close()

@@ -10,7 +10,7 @@ import os
 import time
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
@@ -60,25 +60,34 @@ def handshake_mac(secret: str | None, nonce: str, compat_hash: str) -> str:
 
 @dataclass(frozen=True)
 class Offer:
-    """One request's KV, announced by the sender (validated: a malformed offer drops the channel)."""
+    """One request's KV, announced by the sender (validated: a malformed offer drops the channel).
+
+    trace_context: the sender's W3C trace headers ({"traceparent": ...}; empty when not tracing), so the receive
+    is recorded in the same trace.
+    """
 
     request_id: str
     num_blocks: int
     block_nbytes: int
     first_token: int
     num_tokens: int
+    trace_context: dict = field(default_factory=dict)
 
     @classmethod
     def parse(cls, msg: dict) -> "Offer":
         """Raises ValueError unless every field is present with its type (ints non-negative)."""
         try:
-            offer = cls(**{name: msg[name] for name in cls.__dataclass_fields__})
+            offer = cls(**{name: msg[name] for name in cls.__dataclass_fields__ if name != "trace_context"},
+                        trace_context=msg.get("trace_context") or {})
         except KeyError as e:
             raise ValueError(f"offer without {e}") from None
         if not isinstance(offer.request_id, str) or not all(
                 isinstance(v, int) and not isinstance(v, bool) and v >= 0
                 for v in (offer.num_blocks, offer.block_nbytes, offer.first_token, offer.num_tokens)):
             raise ValueError(f"malformed offer {msg}")
+        if not isinstance(offer.trace_context, dict) or not all(
+                isinstance(k, str) and isinstance(v, str) for k, v in offer.trace_context.items()):
+            raise ValueError(f"malformed trace context in offer {msg}")
         return offer
 
 
@@ -101,8 +110,9 @@ class KvSender:
         self._backends: dict[str, Backend] = {}
 
     async def send(self, address: str, request_id: str, first_token: int, block_ids: list[int],
-                   num_tokens: int) -> TransferStats:
-        """Send one request's blocks in order; returns when the receiver acknowledged them.
+                   num_tokens: int, trace_context: dict[str, str] | None = None) -> TransferStats:
+        """Send one request's blocks in order; returns when the receiver acknowledged them. trace_context (W3C
+        headers) travels in the offer.
 
         Raises:
             TransferError: rejected, incompatible, peer died, or timed out. The channel is closed on any failure
@@ -118,7 +128,8 @@ class KvSender:
                 try:
                     await ch.send_msg(_encode({"type": "offer", "request_id": request_id,
                                                "num_blocks": len(block_ids), "block_nbytes": nbytes,
-                                               "first_token": first_token, "num_tokens": num_tokens}))
+                                               "first_token": first_token, "num_tokens": num_tokens,
+                                               "trace_context": trace_context or {}}))
                     reply = _decode(await ch.recv_msg())
                     if not reply.get("ok"):
                         reusable = True
@@ -182,8 +193,10 @@ class KvSender:
 class ReceiveSink(Protocol):
     """What the receiver needs from the decode worker (called on the event loop thread)."""
 
-    def begin_receive(self, request_id: str, num_blocks: int, num_tokens: int) -> list[int]:
-        """Return the reserved block ids to fill, in order, and mark the request as receiving.
+    def begin_receive(self, request_id: str, num_blocks: int, num_tokens: int,
+                      trace_context: dict[str, str]) -> list[int]:
+        """Return the reserved block ids to fill, in order, and mark the request as receiving. trace_context: the
+        sender's W3C trace headers (for the receive's span).
 
         Raises:
             LookupError: reject the offer (unknown or aborted request, or a block count mismatch); the message is
@@ -267,7 +280,7 @@ class KvReceiver:
         """Handle one offer; returns False when the channel must be dropped."""
         rid = offer.request_id
         try:
-            block_ids = self.sink.begin_receive(rid, offer.num_blocks, offer.num_tokens)
+            block_ids = self.sink.begin_receive(rid, offer.num_blocks, offer.num_tokens, offer.trace_context)
             if offer.num_blocks and offer.block_nbytes != self.block_view(block_ids[0]).nbytes:
                 self.sink.end_receive(rid, 0, "block size mismatch")
                 raise LookupError(f"block of {offer.block_nbytes} bytes, expected "

@@ -135,14 +135,17 @@ class Client:
         self.metadata = _auth_metadata(api_key)
 
     def generate(self, prompt, sampling: SamplingParams | None = None, request_id: str = "", model: str = "",
-                 timeout: float | None = None) -> Iterator[GenerateChunk]:
+                 timeout: float | None = None, metadata: Sequence[tuple[str, str]] = ()) -> Iterator[GenerateChunk]:
         """Stream chunks; the last one carries `final`. Closing the iterator early cancels the request.
+
+        Args:
+            metadata: extra call metadata, e.g. a W3C ("traceparent", ...) that the server's trace continues.
 
         Raises:
             grpc.RpcError: the server's status (INVALID_ARGUMENT, RESOURCE_EXHAUSTED, UNAUTHENTICATED, ...).
         """
         call = self.stub.Generate(build_request(prompt, sampling, request_id, model), timeout=timeout,
-                                  metadata=self.metadata)
+                                  metadata=(*self.metadata, *metadata))
         try:
             for resp in call:
                 yield _convert(resp)
@@ -190,10 +193,11 @@ class AsyncClient:
         self.metadata = _auth_metadata(api_key)
 
     async def generate(self, prompt, sampling: SamplingParams | None = None, request_id: str = "",
-                       model: str = "", timeout: float | None = None) -> AsyncIterator[GenerateChunk]:
+                       model: str = "", timeout: float | None = None,
+                       metadata: Sequence[tuple[str, str]] = ()) -> AsyncIterator[GenerateChunk]:
         """Stream chunks; the last one carries `final`. Leaving the loop early cancels the request."""
         call = self.stub.Generate(build_request(prompt, sampling, request_id, model), timeout=timeout,
-                                  metadata=self.metadata)
+                                  metadata=(*self.metadata, *metadata))
         try:
             async for resp in call:
                 yield _convert(resp)

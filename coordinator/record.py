@@ -1,0 +1,47 @@
+"""What became of one request: the record the metrics, the access log and the trace attributes are made from."""
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict, dataclass
+
+log = logging.getLogger("pdserve.access")
+
+
+@dataclass
+class RequestRecord:
+    """One finished request, in seconds and tokens (what `CoordinatorMetrics.observe` and the access log use).
+
+    Attributes:
+        finish_reason: "stop", "length" or "abort"; error_code: the gRPC status name when the request failed
+            ("" when it finished).
+        token_gaps: seconds between consecutive output tokens (inter-token latency), one per token after the first.
+    """
+
+    request_id: str
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    cached_tokens: int = 0
+    ttft_s: float = 0.0
+    e2e_s: float = 0.0
+    queue_s: float = 0.0
+    prefill_s: float = 0.0
+    transfer_s: float = 0.0
+    token_gaps: tuple[float, ...] = ()
+    finish_reason: str = ""
+    error_code: str = ""
+    prefill_worker: str = ""
+    decode_worker: str = ""
+
+
+def log_access(record: RequestRecord, error: str = "") -> None:
+    """One access-log line per request (logger "pdserve.access"): the record's fields as structured `extra`
+    attributes (JSON output carries them as keys: --log-format json) and a readable summary as the message."""
+    fields = {k: v for k, v in asdict(record).items() if k != "token_gaps"}
+    fields.update(ttft_ms=round(record.ttft_s * 1e3, 1), e2e_ms=round(record.e2e_s * 1e3, 1), error=error)
+    for k in ("ttft_s", "e2e_s", "queue_s", "prefill_s", "transfer_s"):
+        fields.pop(k)
+    status = record.error_code or "OK"
+    log.info("request %s %s: %d prompt + %d output tokens, finish %s, TTFT %.0f ms, e2e %.0f ms, P %s D %s%s",
+             record.request_id, status, record.prompt_tokens, record.output_tokens, record.finish_reason or "-",
+             record.ttft_s * 1e3, record.e2e_s * 1e3, record.prefill_worker or "-", record.decode_worker or "-",
+             f": {error}" if error else "", extra={"access": fields})

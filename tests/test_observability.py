@@ -1,0 +1,180 @@
+"""See inside it: one trace across coordinator, prefill, KV transfer and decode (an in-process OTLP/gRPC collector
+receives the spans), Prometheus counts that match what was sent, and a JSON access log line per request."""
+import json
+import os
+import time
+import urllib.request
+from concurrent import futures
+
+import grpc
+import pytest
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
+
+from cli.launcher import ServeConfig, start_cluster
+from pdserve import Client, SamplingParams
+
+pytestmark = pytest.mark.e2e
+WORKER = ["--kv-tokens", "1024", "--max-model-len", "256", "--connector", "tcp"]
+TRACE_ID, CLIENT_SPAN = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+
+
+class Collector(trace_service_pb2_grpc.TraceServiceServicer):
+    """An OTLP/gRPC trace receiver: keeps (service.name, span) pairs."""
+
+    def __init__(self):
+        self.spans = []
+
+    def Export(self, request, context):
+        for rs in request.resource_spans:
+            service = next(a.value.string_value for a in rs.resource.attributes if a.key == "service.name")
+            for ss in rs.scope_spans:
+                self.spans += [(service, span) for span in ss.spans]
+        return trace_service_pb2.ExportTraceServiceResponse()
+
+
+@pytest.fixture
+def collector():
+    c = Collector()
+    server = grpc.server(futures.ThreadPoolExecutor(4))
+    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(c, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    c.env = {**os.environ, "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{port}",
+             "OTEL_EXPORTER_OTLP_INSECURE": "true", "OTEL_BSP_SCHEDULE_DELAY": "100"}
+    yield c
+    server.stop(0)
+
+
+def attrs(span) -> dict:
+    out = {}
+    for a in span.attributes:
+        v = a.value
+        out[a.key] = (v.string_value or v.int_value or v.double_value or v.bool_value
+                      or [x.string_value for x in v.array_value.values])
+    return out
+
+
+def traced_request(cluster, collector, expect: set[str]) -> dict:
+    """One greedy request with a client traceparent; returns {span name: (service, span)} of its trace."""
+    with Client(cluster.address) as c:
+        out = c.complete([5, 6, 7, 8, 9], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True),
+                         metadata=[("traceparent", f"00-{TRACE_ID}-{CLIENT_SPAN}-01")])
+    assert out.completion_tokens == 4
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        mine = {s.name: (svc, s) for svc, s in collector.spans if s.trace_id.hex() == TRACE_ID}
+        if expect <= set(mine):
+            return mine
+        time.sleep(0.2)
+    pytest.fail(f"spans {sorted(expect - set(mine))} never arrived; got {sorted(mine)}")
+
+
+GENERATE = "/pdserve.v1.Generation/Generate"
+PREFILL, DECODE = "/pdserve.v1.Prefill/Prefill", "/pdserve.v1.Decode/Decode"
+
+
+def test_one_trace_across_every_hop(tiny_model_dir, tmp_path, collector):
+    cluster = start_cluster(str(tiny_model_dir), "tiny", ServeConfig(log_dir=str(tmp_path)), worker_args=WORKER,
+                            env=collector.env)
+    try:
+        spans = traced_request(cluster, collector, {GENERATE, "route decode", "route prefill", PREFILL, DECODE,
+                                                     "queue", "prefill", "kv transfer", "kv receive", "wait for kv",
+                                                     "decode"})
+    finally:
+        cluster.stop()
+
+    def by(name):
+        return spans[name][1]
+
+    services = {name: svc for name, (svc, _) in spans.items()}
+    assert services[GENERATE] == "pdserve-coordinator" and services["kv transfer"] == "pdserve-prefill"
+    assert services["kv receive"] == "pdserve-decode" and services["decode"] == "pdserve-decode"
+    generate = by(GENERATE)
+    assert generate.parent_span_id.hex() == CLIENT_SPAN  # continues the client's traceparent
+    # The coordinator's client spans for the worker calls are under its server span; each worker's server span
+    # is under the client span that called it (two spans per worker call: client, server).
+    client_calls = {s.name: s for svc, s in collector.spans
+                    if s.trace_id.hex() == TRACE_ID and svc == "pdserve-coordinator" and s.kind == s.SPAN_KIND_CLIENT}
+    for method in (PREFILL, DECODE):
+        assert client_calls[method].parent_span_id == generate.span_id
+        server = next(s for svc, s in collector.spans if s.trace_id.hex() == TRACE_ID and s.name == method
+                      and s.kind == s.SPAN_KIND_SERVER)
+        assert server.parent_span_id == client_calls[method].span_id
+    prefill_server = next(s for _, s in collector.spans if s.name == PREFILL and s.kind == s.SPAN_KIND_SERVER)
+    decode_server = next(s for _, s in collector.spans if s.name == DECODE and s.kind == s.SPAN_KIND_SERVER)
+    for name in ("queue", "prefill", "kv transfer"):
+        assert by(name).parent_span_id == prefill_server.span_id, name
+    for name in ("wait for kv", "decode"):
+        assert by(name).parent_span_id == decode_server.span_id, name
+    assert by("kv receive").parent_span_id == by("kv transfer").span_id  # context carried in the KV offer
+    assert attrs(by("kv transfer"))["pdserve.kv.bytes"] > 0
+    a = attrs(generate)
+    assert a["gen_ai.request.max_tokens"] == 4 and a["gen_ai.usage.input_tokens"] == 5
+    assert a["gen_ai.usage.output_tokens"] == 4 and a["gen_ai.response.finish_reasons"] == ["length"]
+    assert a["gen_ai.request.model"] == "tiny" and a["pdserve.decode_worker"]
+    assert not any(s.name.startswith("/grpc.health") for _, s in collector.spans)  # probes are not traced
+
+
+def test_colocated_trace_has_no_transfer(tiny_model_dir, tmp_path, collector):
+    cluster = start_cluster(str(tiny_model_dir), "tiny", ServeConfig(log_dir=str(tmp_path)), colocated=True,
+                            worker_args=WORKER, env=collector.env)
+    try:
+        spans = traced_request(cluster, collector, {GENERATE, DECODE, "decode"})
+    finally:
+        cluster.stop()
+    assert "kv transfer" not in spans and "kv receive" not in spans and PREFILL not in spans
+    assert spans["decode"][0] == "pdserve-colocated"
+
+
+def scrape(url: str) -> dict[tuple[str, tuple], float]:
+    """{(sample name, sorted labels): value} of a /metrics page, parsed by prometheus-client's parser."""
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def total(samples: dict, name: str, **labels) -> float:
+    return sum(v for (n, ls), v in samples.items() if n == name and all((k, val) in ls for k, val in labels.items()))
+
+
+def test_metrics_count_what_was_sent_and_access_log_is_json(tiny_model_dir, tmp_path):
+    cluster = start_cluster(str(tiny_model_dir), "tiny", ServeConfig(log_dir=str(tmp_path)),
+                            worker_args=[*WORKER, "--metrics-port", "0"],
+                            coordinator_args=["--metrics-port", "0", "--log-format", "json"])
+    try:
+        assert set(cluster.metrics_urls) == {"coordinator", "prefill-0", "decode-0"}
+        outs = []
+        with Client(cluster.address) as c:
+            for i in range(5):
+                outs.append(c.complete([5 + i] * (8 + i), SamplingParams(max_tokens=3 + i, temperature=0,
+                                                                         ignore_eos=True)))
+        coordinator = scrape(cluster.metrics_urls["coordinator"])
+        prefill = scrape(cluster.metrics_urls["prefill-0"])
+        decode = scrape(cluster.metrics_urls["decode-0"])
+    finally:
+        cluster.stop()
+    n = len(outs)
+    assert total(coordinator, "pdserve:time_to_first_token_seconds_count") == n
+    assert total(coordinator, "pdserve:e2e_request_latency_seconds_count") == n
+    assert total(coordinator, "pdserve:request_success_total", finished_reason="length") == n
+    assert total(coordinator, "pdserve:prompt_tokens_total") == sum(o.prompt_tokens for o in outs)
+    assert total(coordinator, "pdserve:generation_tokens_total") == sum(o.completion_tokens for o in outs)
+    assert total(coordinator, "pdserve:inter_token_latency_seconds_count") == sum(o.completion_tokens - 1 for o in outs)
+    assert total(coordinator, "pdserve:request_time_per_output_token_seconds_count") == n
+    assert total(coordinator, "pdserve:num_requests_in_flight") == 0
+    assert total(prefill, "pdserve:kv_transfer_time_seconds_count") == n
+    assert total(prefill, "pdserve:kv_transfer_bytes_sum") > 0
+    assert total(prefill, "pdserve:prefix_cache_queries_total") == sum(o.prompt_tokens for o in outs)
+    assert total(decode, "pdserve:num_requests_running") == 0
+    assert total(decode, "pdserve:kv_cache_usage_perc", role="decode") == 0.0  # everything freed
+    assert total(decode, "pdserve:engine_steps_total") >= sum(o.completion_tokens - 1 for o in outs) / n
+    ttft_labels = next(labels for (name, labels) in coordinator if name == "pdserve:time_to_first_token_seconds_count")
+    assert ("model_name", "tiny") in ttft_labels  # vLLM's label, so dashboards filter the same way
+
+    lines = [json.loads(line) for line in open(cluster.log_files["coordinator"]) if line.startswith("{")]
+    access = [line["access"] for line in lines if line.get("name") == "pdserve.access"]
+    assert len(access) == n and {a["request_id"] for a in access} == {o.request_id for o in outs}
+    assert all(a["error_code"] == "" and a["finish_reason"] == "length" and a["decode_worker"] for a in access)
+    first = next(a for a in access if a["request_id"] == outs[0].request_id)
+    assert first["prompt_tokens"] == outs[0].prompt_tokens and first["output_tokens"] == outs[0].completion_tokens

@@ -1,0 +1,69 @@
+"""A worker's Prometheus metrics: the engine's load and cache gauges (read from the scheduler's stats object at
+scrape time) and the KV path's own, as SGLang's and vLLM's NIXL connector export them."""
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from engine.async_engine import AsyncEngine
+from server_common.metrics import BYTE_BUCKETS, LATENCY_BUCKETS
+
+LABELS = ["model_name", "role"]
+
+
+class EngineStatsCollector(Collector):
+    """Gauges and counters from `EngineCore.stats` (a `SchedulerStats` the engine thread replaces every
+    iteration): nothing here reads the scheduler itself."""
+
+    def __init__(self, engine: AsyncEngine, labels: list[str]):
+        self.engine, self.labels = engine, labels
+
+    def collect(self) -> Iterator[Metric]:
+        s = self.engine.core.stats
+        for name, doc, value in (
+                ("num_requests_running", "Requests in the running batch.", s.num_running),
+                ("num_requests_waiting", "Requests queued for scheduling or a KV reservation.", s.num_waiting),
+                ("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0..1).", s.kv_cache_usage),
+                ("num_kv_blocks_free", "Free KV blocks (prefix-cached ones included).", s.num_free_blocks)):
+            gauge = GaugeMetricFamily(f"pdserve:{name}", doc, labels=LABELS)
+            gauge.add_metric(self.labels, value)
+            yield gauge
+        for name, doc, value in (
+                ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s.prefix_cache_query_tokens),
+                ("prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_cache_hit_tokens),
+                ("num_preemptions", "Requests preempted (KV freed, recomputed later).", s.num_preemptions),
+                ("engine_steps", "Engine steps run.", s.num_steps)):
+            counter = CounterMetricFamily(f"pdserve:{name}", doc, labels=LABELS)
+            counter.add_metric(self.labels, value)
+            yield counter
+
+
+class WorkerMetrics:
+    """Registers the engine collector and the KV path's metrics on a worker's registry.
+
+    Args:
+        registry: the process's registry.
+        engine: whose stats the gauges report.
+        model_name, role: label values ("prefill", "decode" or "colocated").
+    """
+
+    def __init__(self, registry: CollectorRegistry, engine: AsyncEngine, model_name: str, role: str):
+        labels = [model_name, role]
+        registry.register(EngineStatsCollector(engine, labels))
+        self.transfer_time = Histogram("pdserve:kv_transfer_time_seconds", "One request's KV send, offer to done.",
+                                       LABELS, buckets=LATENCY_BUCKETS, registry=registry).labels(*labels)
+        self.transfer_bytes = Histogram("pdserve:kv_transfer_bytes", "Bytes of one request's KV send.", LABELS,
+                                        buckets=BYTE_BUCKETS, registry=registry).labels(*labels)
+        self._failures = Counter("pdserve:kv_transfer_failures", "KV transfers that failed, by kind (either side).",
+                                 [*LABELS, "kind"], registry=registry)
+        self.reservations_expired = Counter(
+            "pdserve:kv_reservations_expired", "Decode reservations freed because no KV came within the lease.",
+            LABELS, registry=registry).labels(*labels)
+        self.labels = labels
+
+    def transfer_failed(self, kind: str) -> None:
+        """Count a failed transfer by its ErrorKind value (e.g. "transfer_failed", "kv_timeout")."""
+        self._failures.labels(*self.labels, kind).inc()
