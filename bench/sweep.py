@@ -29,7 +29,8 @@ from prompts import make_requests  # noqa: E402
 from report import markdown, plot  # noqa: E402
 import systems  # noqa: E402
 
-ALL_SYSTEMS = ("pdserve-disagg", "pdserve-colocated", "naive")
+ALL_SYSTEMS = ("pdserve-disagg", "pdserve-colocated", "naive", "pdserve-disagg-observed")
+DEFAULT_SYSTEMS = ("pdserve-disagg", "pdserve-colocated", "naive")
 
 
 def machine() -> str:
@@ -50,7 +51,7 @@ def commit() -> str:
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--systems", default=",".join(ALL_SYSTEMS), help=f"comma list from {ALL_SYSTEMS}")
+    p.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS), help=f"comma list from {ALL_SYSTEMS}")
     p.add_argument("--peer", action="append", default=[], help="name=http://host:port[,model] (repeat)")
     p.add_argument("--model-dir", default=None, help="HF directory (default: the packaged SmolLM2-135M)")
     p.add_argument("--concurrency", default="1,4,8,16,32,64")
@@ -138,6 +139,9 @@ def main(argv=None) -> int:
                                                         str(log_dir), args.worker_args.split()),
         "pdserve-colocated": lambda: systems.start_pdserve("pdserve-colocated", model_dir, True, args.threads,
                                                            str(log_dir), args.worker_args.split()),
+        "pdserve-disagg-observed": lambda: systems.start_pdserve(
+            "pdserve-disagg-observed", model_dir, False, args.threads, str(log_dir), args.worker_args.split(),
+            observed=True),
         "naive": lambda: systems.start_naive(model_dir, args.threads, str(log_dir)),
     }
     plan = [(n, starters[n]) for n in names] + [(spec.split("=")[0], lambda s=spec: systems.peer(s))

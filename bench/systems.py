@@ -2,6 +2,8 @@
 
 - `pdserve-disagg`: coordinator + 1 prefill + 1 decode worker (`cli.launcher.start_cluster`);
 - `pdserve-colocated`: coordinator + 1 worker running both phases (same engine, no KV transfer);
+- `pdserve-disagg-observed`: pdserve-disagg exporting every trace (OTLP to an in-process sink) and serving
+  /metrics scraped each second: the cost of observability, against pdserve-disagg in the same run;
 - `naive`: `naive_server.py`, HF `generate()` one request at a time (seed 004's baseline);
 - peers: any OpenAI-compatible server already running (`--peer name=url`), see bench/README.md.
 Every system gets the whole machine: `threads` torch threads in total (the disaggregated pair splits them).
@@ -16,6 +18,7 @@ from typing import Callable
 from pathlib import Path
 
 from backends import OpenAIBackend, PdserveBackend
+from observe import OtlpSink, Scraper
 
 HERE = Path(__file__).resolve().parent
 
@@ -31,15 +34,31 @@ class RunningSystem:
 
 
 def start_pdserve(name: str, model_dir: str, colocated: bool, threads: int, log_dir: str | None,
-                  extra_args: list[str]) -> RunningSystem:
-    """Raises RuntimeError if a process dies or is not ready in 10 minutes."""
+                  extra_args: list[str], observed: bool = False) -> RunningSystem:
+    """observed: every process exports traces (OTLP, to an in-process sink) and serves /metrics, scraped each
+    second, as in production; the cost of observability is this system's throughput against the plain one.
+
+    Raises RuntimeError if a process dies or is not ready in 10 minutes."""
     from cli.launcher import ServeConfig, start_cluster
 
+    sink = OtlpSink() if observed else None
+    if observed:
+        extra_args = [*extra_args, "--metrics-port", "0"]
     per_worker = threads if colocated else max(1, threads // 2)
     cluster = start_cluster(model_dir, Path(model_dir).name, ServeConfig(log_dir=log_dir), colocated=colocated,
+                            env=sink.env() if sink else None,
                             worker_args=["--threads", str(per_worker), "--log-level", "WARNING", *extra_args],
-                            coordinator_args=["--log-level", "WARNING"])
-    return RunningSystem(name, lambda: PdserveBackend(cluster.address), cluster.stop)
+                            coordinator_args=["--log-level", "WARNING", *(["--metrics-port", "0"] if observed else [])])
+    if not observed:
+        return RunningSystem(name, lambda: PdserveBackend(cluster.address), cluster.stop)
+    scraper = Scraper(list(cluster.metrics_urls.values()))
+
+    def stop() -> None:
+        scraper.stop()
+        cluster.stop()
+        sink.stop()
+        print(f"{name}: {len(sink.spans)} spans exported, {scraper.scrapes} scrapes ({scraper.bytes} bytes)")
+    return RunningSystem(name, lambda: PdserveBackend(cluster.address), stop)
 
 
 def start_naive(model_dir: str, threads: int, log_dir: str | None, timeout_s: float = 600.0) -> RunningSystem:

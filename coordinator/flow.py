@@ -181,9 +181,9 @@ async def run_disaggregated(router: Router, flow: Flow, prompt: list[int], sampl
 
             async def watch_transfer() -> None:
                 try:
-                    msg = await pcall.next()
-                    if msg is not None and msg.WhichOneof("response") == "transfer_done":
-                        flow.timings.transfer_ms = msg.transfer_done.transfer_ms
+                    while (msg := await pcall.next()) is not None:  # to the end: the prefill call closes there
+                        if msg.WhichOneof("response") == "transfer_done":
+                            flow.timings.transfer_ms = msg.transfer_done.transfer_ms
                 except RequestError as e:
                     transfer_error.append(e)
                     dcall.call.cancel()

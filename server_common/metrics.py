@@ -3,10 +3,12 @@
 alerts port over with a prefix change. Each process owns its registry (no module-level state)."""
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
-from wsgiref.simple_server import WSGIServer
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry, make_wsgi_app
+from prometheus_client.exposition import ThreadingWSGIServer
 
 from server_common.addresses import advertise_host
 from server_common.config import ServerArgs
@@ -41,7 +43,11 @@ def metrics_url(args: ServerArgs, server: MetricsServer | None) -> dict[str, str
 
 
 def start_metrics_server(host: str, port: int, registry: CollectorRegistry) -> MetricsServer:
-    """Serve `registry` at http://host:port/metrics from a daemon thread (prometheus-client's server).
+    """Serve `registry` at http://host:port/metrics from a daemon thread (prometheus-client's WSGI app).
+
+    Always in the Prometheus text format: prometheus-client's OpenMetrics output, which Prometheus asks for,
+    rewrites the ':' of `pdserve:` sample names to '_' while keeping it in # TYPE lines (client_python#1177), so
+    the names dashboards query would not exist.
 
     Args:
         port: 0 picks a free port (see MetricsServer.port).
@@ -49,5 +55,18 @@ def start_metrics_server(host: str, port: int, registry: CollectorRegistry) -> M
     Raises:
         OSError: the port cannot be bound.
     """
-    server, _thread = start_http_server(port, addr=host, registry=registry)
+    app = make_wsgi_app(registry)
+
+    def text_format(environ, start_response):
+        return app({**environ, "HTTP_ACCEPT": "text/plain; version=0.0.4"}, start_response)
+
+    server = make_server(host, port, text_format, ThreadingWSGIServer, handler_class=_QuietHandler)
+    threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
     return MetricsServer(server.server_port, server)
+
+
+class _QuietHandler(WSGIRequestHandler):
+    """No access log line per scrape."""
+
+    def log_message(self, format: str, *args) -> None:
+        pass

@@ -127,9 +127,15 @@ def test_colocated_trace_has_no_transfer(tiny_model_dir, tmp_path, collector):
     assert spans["decode"][0] == "pdserve-colocated"
 
 
+PROMETHEUS_ACCEPT = ("application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;q=0.75,"
+                     "text/plain;version=0.0.4;q=0.5,*/*;q=0.1")  # what Prometheus 2.x sends
+
+
 def scrape(url: str) -> dict[tuple[str, tuple], float]:
-    """{(sample name, sorted labels): value} of a /metrics page, parsed by prometheus-client's parser."""
-    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    """{(sample name, sorted labels): value} of a /metrics page fetched as Prometheus does, parsed by
+    prometheus-client's parser (the names must keep their 'pdserve:' prefix)."""
+    request = urllib.request.Request(url, headers={"Accept": PROMETHEUS_ACCEPT})
+    text = urllib.request.urlopen(request, timeout=10).read().decode()
     return {(s.name, tuple(sorted(s.labels.items()))): s.value
             for family in text_string_to_metric_families(text) for s in family.samples}
 
