@@ -25,6 +25,7 @@ class CoordinatorConfig:
         api_keys_file: keys clients must present, one per line (plus $PDSERVE_API_KEYS, comma-separated); none
             configured = the public port is open.
         worker_tls_ca: PEM CA to verify workers that serve TLS; None = dial workers in plaintext.
+        max_migrations: how many times a request may resume on other workers after losing one (then UNAVAILABLE).
         rate_limit_requests_per_s / rate_limit_tokens_per_s: per API key (or per peer without keys), requests and
             tokens (prompt + max_tokens, charged at admission) per second; 0 = unlimited. Bursts of
             rate_limit_burst_s seconds' worth are allowed.
@@ -44,6 +45,7 @@ class CoordinatorConfig:
         "help": "at start, wait this long for a live worker of every role, seconds"})
     stats_interval_s: float = field(default=1.0, metadata={"help": "worker health and load polling period, s"})
     discovery_interval_s: float = field(default=5.0, metadata={"help": "re-resolve worker addresses this often, s"})
+    max_migrations: int = field(default=2, metadata={"help": "resumptions on other workers after a worker is lost"})
     api_keys_file: str | None = field(default=None, metadata={
         "help": "file of API keys clients must send as 'authorization: Bearer <key>' (also $PDSERVE_API_KEYS)"})
     worker_tls_ca: str | None = field(default=None, metadata={"help": "PEM CA of workers that serve TLS"})

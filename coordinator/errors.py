@@ -16,13 +16,16 @@ class RequestError(Exception):
         code: the grpc.StatusCode.
         message: what the caller can do about it.
         retry_after_s: when set (finite), the status carries a google.rpc.RetryInfo with this delay.
+        worker: the address of the worker whose call failed, when one did (migration avoids it).
     """
 
-    def __init__(self, code: grpc.StatusCode, message: str, retry_after_s: float | None = None):
+    def __init__(self, code: grpc.StatusCode, message: str, retry_after_s: float | None = None,
+                 worker: str | None = None):
         super().__init__(message)
         self.code = code
         self.message = message
         self.retry_after_s = retry_after_s
+        self.worker = worker
 
     def trailing_metadata(self) -> tuple:
         """The rich status (google.rpc.Status with RetryInfo) for `context.abort`, or () without a retry hint."""
@@ -40,9 +43,10 @@ def invalid(message: str) -> RequestError:
     return RequestError(grpc.StatusCode.INVALID_ARGUMENT, message)
 
 
-def from_rpc_error(e: grpc.aio.AioRpcError, worker: str) -> RequestError:
-    """A worker's status, passed on with the worker named; connection loss becomes UNAVAILABLE."""
+def from_rpc_error(e: grpc.aio.AioRpcError, role: str, address: str) -> RequestError:
+    """A worker's status, passed on with the worker named; connection loss (and a worker's own fault) becomes
+    UNAVAILABLE, which the coordinator answers by migrating the request."""
     code = e.code()
     if code in (grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL, grpc.StatusCode.CANCELLED):
         code = grpc.StatusCode.UNAVAILABLE
-    return RequestError(code, f"{worker}: {e.details()}")
+    return RequestError(code, f"{role} worker {address}: {e.details()}", worker=address)

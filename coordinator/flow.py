@@ -93,7 +93,7 @@ class WorkerCall:
         except grpc.aio.AioRpcError as e:
             if self.flow.aborted:
                 raise asyncio.CancelledError from e
-            raise from_rpc_error(e, f"{self.worker.info.role} worker {self.worker.address}") from e
+            raise from_rpc_error(e, self.worker.info.role, self.worker.address) from e
 
     async def close(self) -> None:
         """Cancel the call (the worker frees what it holds) and close the response stream."""
@@ -108,8 +108,8 @@ async def _decode_stream(call: WorkerCall) -> AsyncIterator[Tokens | WorkerFinis
     while True:
         msg = await call.next()
         if msg is None:
-            raise RequestError(grpc.StatusCode.UNAVAILABLE,
-                               f"decode worker {call.worker.address} ended the stream early")
+            raise RequestError(grpc.StatusCode.UNAVAILABLE, f"decode worker {call.worker.address} ended the stream "
+                                                            "early", worker=call.worker.address)
         kind = msg.WhichOneof("response")
         if kind == "tokens":
             yield Tokens(list(msg.tokens.tokens), msg.tokens.num_cached_tokens)
@@ -133,13 +133,14 @@ def _pick_prefill(router: Router, prompt: list[int]) -> WorkerHandle:
         return worker
 
 
-async def run_colocated(router: Router, flow: Flow, prompt: list[int], sampling: generate_pb2.SamplingParams,
+async def run_colocated(router: Router, flow: Flow, request_id: str, prompt: list[int], generated: list[int],
+                        sampling: generate_pb2.SamplingParams,
                         timeout_s: float) -> AsyncIterator[Tokens | WorkerFinish]:
-    """One colocated worker computes the prompt and decodes it."""
+    """One colocated worker computes the prompt (and `generated`, the tokens a lost worker had sent) and decodes."""
     with router.lease(_pick_decode(router, len(prompt) + sampling.max_tokens)) as worker:
         flow.decode_worker = worker.address
         call = WorkerCall(worker.decode.Decode(worker_pb2.DecodeRequest(
-            request_id=flow.request_id, prompt_token_ids=prompt, sampling=sampling,
+            request_id=request_id, prompt_token_ids=prompt, sampling=sampling, output_token_ids=generated,
             kv_source=worker_pb2.KV_SOURCE_LOCAL), timeout=timeout_s), worker, flow)
         try:
             async for item in _decode_stream(call):
@@ -148,29 +149,33 @@ async def run_colocated(router: Router, flow: Flow, prompt: list[int], sampling:
             await call.close()
 
 
-async def run_disaggregated(router: Router, flow: Flow, prompt: list[int], sampling: generate_pb2.SamplingParams,
-                            arrival: float, timeout_s: float) -> AsyncIterator[Tokens | WorkerFinish]:
+async def run_disaggregated(router: Router, flow: Flow, request_id: str, prompt: list[int], generated: list[int],
+                            sampling: generate_pb2.SamplingParams, arrival: float,
+                            timeout_s: float) -> AsyncIterator[Tokens | WorkerFinish]:
     """Reserve on a decode worker, prefill on a prefill worker (first token streamed at once, KV pushed to the
-    reservation), then stream the decode worker's tokens. A failed transfer surfaces as its own error."""
+    reservation), then stream the decode worker's tokens. A failed transfer surfaces as its own error.
+    `generated`: tokens a lost worker had sent (a migration); both workers resume after them."""
     with router.lease(_pick_decode(router, len(prompt) + sampling.max_tokens)) as decode:
         flow.decode_worker = decode.address
         dcall = WorkerCall(decode.decode.Decode(worker_pb2.DecodeRequest(
-            request_id=flow.request_id, prompt_token_ids=prompt, sampling=sampling,
+            request_id=request_id, prompt_token_ids=prompt, sampling=sampling, output_token_ids=generated,
             kv_source=worker_pb2.KV_SOURCE_REMOTE), timeout=timeout_s), decode, flow)
         pcall: WorkerCall | None = None
         watcher: asyncio.Task | None = None
         try:
             reserved = await dcall.next()
             if reserved is None or reserved.WhichOneof("response") != "reserved":
-                raise RequestError(grpc.StatusCode.UNAVAILABLE, f"decode worker {decode.address} did not reserve")
+                raise RequestError(grpc.StatusCode.UNAVAILABLE, f"decode worker {decode.address} did not reserve",
+                                   worker=decode.address)
             with router.lease(_pick_prefill(router, prompt)) as prefill:  # a queue slot until the first token
                 flow.prefill_worker = prefill.address
                 pcall = WorkerCall(prefill.prefill.Prefill(worker_pb2.PrefillRequest(
-                    request_id=flow.request_id, prompt_token_ids=prompt, sampling=sampling,
+                    request_id=request_id, prompt_token_ids=prompt, sampling=sampling, output_token_ids=generated,
                     kv_address=decode.info.kv_address, arrival_time=arrival), timeout=timeout_s), prefill, flow)
                 first = await pcall.next()
             if first is None or first.WhichOneof("response") != "first_token":
-                raise RequestError(grpc.StatusCode.UNAVAILABLE, f"prefill worker {prefill.address} sent no first token")
+                raise RequestError(grpc.StatusCode.UNAVAILABLE, f"prefill worker {prefill.address} sent no first token",
+                                   worker=prefill.address)
             ft = first.first_token
             flow.timings.queue_ms, flow.timings.prefill_ms = ft.queue_ms, ft.prefill_ms
             yield Tokens([ft.token], ft.num_cached_tokens)

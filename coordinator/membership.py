@@ -135,9 +135,17 @@ class Membership:
         try:
             health = await health_pb2_grpc.HealthStub(w.channel).Check(
                 health_pb2.HealthCheckRequest(service=ROLE_SERVICE[role]), timeout=timeout)
-            if health.status != health_pb2.HealthCheckResponse.SERVING:
-                self._set_live(w, False, "reports NOT_SERVING (draining or engine fault)")
-                return
+        except grpc.aio.AioRpcError as e:
+            w.failures += 1
+            if w.failures >= MAX_FAILED_POLLS:
+                self._set_live(w, False, f"unreachable ({e.code().name})")
+            return
+        w.failures = 0  # it answers: a busy worker is alive, whatever its stats take
+        if health.status != health_pb2.HealthCheckResponse.SERVING:
+            self._set_live(w, False, "reports NOT_SERVING (draining or engine fault)")
+            return
+        routed_before = w.blocks_routed  # blocks routed while the poll runs may be missing from the report
+        try:
             stats = await w.worker.GetStats(worker_pb2.WorkerStatsRequest(), timeout=timeout)
             if w.info is None or stats.instance_id != w.info.instance_id:
                 w.info = await w.worker.GetInfo(worker_pb2.WorkerInfoRequest(), timeout=timeout)
@@ -145,14 +153,12 @@ class Membership:
                 log.info("%s worker %s: instance %s, KV %s", role, w.address, w.info.instance_id,
                          w.info.kv_address or "-")
         except grpc.aio.AioRpcError as e:
-            w.failures += 1
             if e.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
                 self._set_live(w, False, f"refused our credentials: {e.details()}")
-            elif w.failures >= MAX_FAILED_POLLS:
-                self._set_live(w, False, f"unreachable ({e.code().name})")
-            return
-        routed_before = w.blocks_routed  # blocks routed while the poll ran may be missing from the report
-        w.stats, w.failures = stats, 0
+            elif w.info is None:
+                log.info("%s worker %s not ready: %s", role, w.address, e.code().name)
+            return  # keep its last stats and membership until its health says otherwise
+        w.stats = stats
         w.blocks_routed -= min(routed_before, w.blocks_routed)
         problem = self._incompatibility(w, role)
         self._set_live(w, problem is None, problem or "")

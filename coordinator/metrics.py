@@ -45,11 +45,14 @@ class CoordinatorMetrics:
             model_name)
         self.success = count("request_success", "Finished requests by finish reason.", ["finished_reason"])
         self.failure = count("request_failure", "Requests ended by an error status, by gRPC code.", ["code"])
+        self.migrations = count("request_migrations", "Requests resumed on other workers after a worker was lost.")
         self.in_flight = Gauge("pdserve:num_requests_in_flight", "Requests admitted and not yet finished.", label,
                                registry=registry).labels(model_name)
 
     def observe(self, r: RequestRecord) -> None:
         """Record one finished (or failed) request."""
+        if r.migrations:
+            self.migrations.labels(self.model_name).inc(r.migrations)
         if r.error_code:
             self.failure.labels(self.model_name, r.error_code).inc()
             return

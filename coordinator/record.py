@@ -31,6 +31,7 @@ class RequestRecord:
     error_code: str = ""
     prefill_worker: str = ""
     decode_worker: str = ""
+    migrations: int = 0
 
 
 def log_access(record: RequestRecord, error: str = "") -> None:

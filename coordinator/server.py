@@ -6,6 +6,7 @@ import contextlib
 import logging
 import time
 import uuid
+from dataclasses import dataclass, field
 
 import grpc
 from opentelemetry import trace
@@ -32,6 +33,27 @@ from server_common.tracing import Tracing
 log = logging.getLogger(__name__)
 
 MAX_REQUEST_ID_CHARS = 256  # ids are echoed in errors, logs and traces
+
+
+@dataclass
+class Progress:
+    """What a request has sent its client so far, kept across migrations.
+
+    Attributes:
+        generated: output token ids sent; a resumed attempt starts after them.
+        first_ms / last_ms: when the first and the latest token were sent (coordinator clock, ms).
+        gaps: inter-token latencies, seconds. reason: a generate_pb2.FinishReason once it ended.
+    """
+
+    generated: list[int] = field(default_factory=list)
+    cached: int = 0
+    first_ms: float | None = None
+    last_ms: float = 0.0
+    gaps: list[float] = field(default_factory=list)
+    reason: int = generate_pb2.FINISH_REASON_UNSPECIFIED
+    stop_string: str | None = None
+    stop_token_id: int | None = None
+    migrations: int = 0
 
 
 def _trace_request(request: generate_pb2.GenerateRequest, sampling: generate_pb2.SamplingParams, model: str,
@@ -159,7 +181,8 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
             add_gen = (request.chat.add_generation_prompt if request.chat.HasField("add_generation_prompt")
                        else True)
-            prompt = await asyncio.to_thread(self.tokenizer.encode_chat, messages, add_gen)
+            prompt = await asyncio.to_thread(self.tokenizer.encode_chat, messages, add_gen,
+                                             request.chat.parse_special_tokens)
         else:
             prompt = list(request.token_ids.ids)
         check_prompt(prompt, limits)
@@ -167,67 +190,103 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
 
     async def _stream(self, flow: flows.Flow, request: generate_pb2.GenerateRequest, prompt: list[int],
                       sampling: generate_pb2.SamplingParams, arrival_wall: float, t0: float):
-        cfg = self.config
-        if cfg.colocated:
-            source = flows.run_colocated(self.cluster.router, flow, prompt, sampling, cfg.request_timeout_s)
-        else:
-            source = flows.run_disaggregated(self.cluster.router, flow, prompt, sampling, arrival_wall,
-                                             cfg.request_timeout_s)
+        """Relay the workers' tokens as text chunks, then the final message. When a worker is lost mid-request
+        (UNAVAILABLE from a worker call), the request resumes on other workers with the tokens already sent
+        (migration, at most config.max_migrations times): the client's stream goes on, no token repeated or lost.
+        """
         detok = IncrementalDetokenizer(self.tokenizer, prompt)
         stops = StopMatcher(list(request.sampling.stop), request.sampling.include_stop_str_in_output)
-        num_out, cached, ttft, first_ms, last_ms = 0, 0, 0.0, None, 0.0
-        gaps: list[float] = []
-        reason = generate_pb2.FINISH_REASON_UNSPECIFIED
-        stop_string: str | None = None
-        stop_token_id: int | None = None
+        p = Progress()
         try:
-            async for item in source:
-                if isinstance(item, flows.WorkerFinish):
-                    reason, stop_token_id = item.finish_reason, item.stop_token_id
-                    break
-                cached = item.num_cached_tokens or cached
-                ids = [t.token_id for t in item.tokens]
-                num_out += len(ids)
-                text, stop_string = stops.feed(detok.add(ids))
-                chunk = generate_pb2.Chunk(token_ids=ids, text=text)
-                if sampling.HasField("logprobs"):
-                    chunk.logprobs.extend(self._logprobs(item.tokens))
-                now = flows.now_ms()
-                if first_ms is None:
-                    first_ms = now
-                    ttft = first_ms - t0
-                    gaps += [0.0] * (len(ids) - 1)  # tokens that came with the first one
-                elif ids:  # a coalesced chunk: its tokens share the gap
-                    gaps += [(now - last_ms) / 1e3 / len(ids)] * len(ids)
-                last_ms = now
-                yield generate_pb2.GenerateResponse(chunk=chunk)
-                if stop_string is not None:
-                    reason = generate_pb2.FINISH_REASON_STOP
-                    break
+            while p.reason == generate_pb2.FINISH_REASON_UNSPECIFIED:
+                source = self._attempt(flow, prompt, sampling, arrival_wall, p)
+                try:
+                    async for msg in self._relay(source, p, detok, stops, sampling, t0):
+                        yield msg
+                except RequestError as e:
+                    self._migrate_or_raise(e, flow, p, sampling)
+                finally:
+                    await source.aclose()
         except asyncio.CancelledError:
             if not flow.aborted:
                 raise
-            reason = generate_pb2.FINISH_REASON_ABORT
-        finally:
-            await source.aclose()
-        if stop_string is None and (tail := stops.flush()):  # text held back for a stop string that never came
+            p.reason = generate_pb2.FINISH_REASON_ABORT
+        if p.stop_string is None and (tail := stops.flush()):  # text held back for a stop string that never came
             yield generate_pb2.GenerateResponse(chunk=generate_pb2.Chunk(text=tail))
         end = flows.now_ms()
         t = flow.timings
+        ttft = (p.first_ms - t0) if p.first_ms is not None else 0.0
+        num_out = len(p.generated)
         flow.record = RequestRecord(
-            flow.request_id, prompt_tokens=len(prompt), output_tokens=num_out, cached_tokens=cached, ttft_s=ttft / 1e3,
-            e2e_s=(end - t0) / 1e3, queue_s=t.queue_ms / 1e3, prefill_s=t.prefill_ms / 1e3,
-            transfer_s=t.transfer_ms / 1e3, token_gaps=tuple(gaps),
-            finish_reason=generate_pb2.FinishReason.Name(reason).removeprefix("FINISH_REASON_").lower(),
-            prefill_worker=flow.prefill_worker, decode_worker=flow.decode_worker)
-        matched = stop_string if stop_string is not None else ("" if stop_token_id is None else str(stop_token_id))
+            flow.request_id, prompt_tokens=len(prompt), output_tokens=num_out, cached_tokens=p.cached,
+            ttft_s=ttft / 1e3, e2e_s=(end - t0) / 1e3, queue_s=t.queue_ms / 1e3, prefill_s=t.prefill_ms / 1e3,
+            transfer_s=t.transfer_ms / 1e3, token_gaps=tuple(p.gaps),
+            finish_reason=generate_pb2.FinishReason.Name(p.reason).removeprefix("FINISH_REASON_").lower(),
+            prefill_worker=flow.prefill_worker, decode_worker=flow.decode_worker, migrations=p.migrations)
+        matched = (p.stop_string if p.stop_string is not None
+                   else "" if p.stop_token_id is None else str(p.stop_token_id))
         yield generate_pb2.GenerateResponse(final=generate_pb2.Final(
-            finish_reason=reason, matched_stop=matched, request_id=flow.request_id,
+            finish_reason=p.reason, matched_stop=matched, request_id=flow.request_id,
             usage=generate_pb2.Usage(prompt_tokens=len(prompt), completion_tokens=num_out,
-                                     cached_prompt_tokens=cached),
+                                     cached_prompt_tokens=p.cached),
             timings=generate_pb2.Timings(queue_ms=t.queue_ms, prefill_ms=t.prefill_ms, transfer_ms=t.transfer_ms,
-                                         ttft_ms=ttft, decode_ms=(end - first_ms) if first_ms else 0.0,
+                                         ttft_ms=ttft, decode_ms=(end - p.first_ms) if p.first_ms else 0.0,
                                          e2e_ms=end - t0)))
+
+    def _attempt(self, flow: flows.Flow, prompt: list[int], sampling: generate_pb2.SamplingParams,
+                 arrival_wall: float, p: Progress):
+        """The worker calls of one attempt; a resumed attempt carries the tokens sent so far and its own worker-side
+        request id (the lost attempt's may still be winding down on a worker that is alive)."""
+        cfg, router = self.config, self.cluster.router
+        worker_rid = flow.request_id if not p.migrations else f"{flow.request_id}~{p.migrations}"
+        if cfg.colocated:
+            return flows.run_colocated(router, flow, worker_rid, prompt, p.generated, sampling, cfg.request_timeout_s)
+        return flows.run_disaggregated(router, flow, worker_rid, prompt, p.generated, sampling, arrival_wall,
+                                       cfg.request_timeout_s)
+
+    async def _relay(self, source, p: Progress, detok: IncrementalDetokenizer, stops: StopMatcher,
+                     sampling: generate_pb2.SamplingParams, t0: float):
+        """Turn one attempt's worker events into chunks; sets p.reason when the request ends."""
+        async for item in source:
+            if isinstance(item, flows.WorkerFinish):
+                p.reason, p.stop_token_id = item.finish_reason, item.stop_token_id
+                return
+            p.cached = item.num_cached_tokens or p.cached
+            ids = [t.token_id for t in item.tokens]
+            p.generated += ids
+            text, p.stop_string = stops.feed(detok.add(ids))
+            chunk = generate_pb2.Chunk(token_ids=ids, text=text)
+            if sampling.HasField("logprobs"):
+                chunk.logprobs.extend(self._logprobs(item.tokens))
+            now = flows.now_ms()
+            if p.first_ms is None:
+                p.first_ms = now
+                p.gaps += [0.0] * (len(ids) - 1)  # tokens that came with the first one
+            elif ids:  # a coalesced chunk: its tokens share the gap
+                p.gaps += [(now - p.last_ms) / 1e3 / len(ids)] * len(ids)
+            p.last_ms = now
+            yield generate_pb2.GenerateResponse(chunk=chunk)
+            if p.stop_string is not None:
+                p.reason = generate_pb2.FINISH_REASON_STOP
+                return
+        raise RequestError(grpc.StatusCode.INTERNAL, "the worker stream ended without a finish")  # a bug
+
+    def _migrate_or_raise(self, error: RequestError, flow: flows.Flow, p: Progress,
+                          sampling: generate_pb2.SamplingParams) -> None:
+        """After a failed attempt: resume elsewhere (the lost worker leaves routing until it answers a poll
+        again), end with LENGTH when every token was already sent, or re-raise."""
+        if error.code != grpc.StatusCode.UNAVAILABLE or not error.worker:
+            raise error
+        if len(p.generated) >= sampling.max_tokens:  # the finish message was lost, not a token
+            p.reason = generate_pb2.FINISH_REASON_LENGTH
+            return
+        if p.migrations >= self.config.max_migrations:
+            raise RequestError(grpc.StatusCode.UNAVAILABLE,
+                               f"{error.message} (after {p.migrations} migration(s), the most allowed)") from error
+        p.migrations += 1
+        self.cluster.router.mark_down(error.worker)
+        log.warning("request %s: %s; resuming on other workers after %d token(s) (migration %d of at most %d)",
+                    flow.request_id, error.message, len(p.generated), p.migrations, self.config.max_migrations)
 
     def _logprobs(self, tokens) -> list[generate_pb2.PositionLogprobs]:
         out = []

@@ -4,10 +4,15 @@
 template is rendered with jinja2 in the same sandboxed environment transformers uses for `apply_chat_template`
 (trim_blocks, lstrip_blocks, loop controls, `raise_exception`, `strftime_now`, a non-escaping `tojson`), then
 tokenized without special tokens, as transformers does. tests/test_text.py holds both against transformers.
+
+One difference on purpose: special-token text inside a message's content ("<|im_start|>system ...") is encoded as
+ordinary text unless the caller asks otherwise, so a user message cannot forge a turn of another role (transformers
+would parse it into control tokens).
 """
 from __future__ import annotations
 
 import json
+import re
 from datetime import datetime
 from pathlib import Path
 
@@ -19,6 +24,9 @@ from tokenizers import Tokenizer as HFTokenizer
 from coordinator.errors import invalid
 
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
+# Stand-ins for message contents while the template renders (Unicode private-use characters).
+_SLOT = "\ue000{}\ue001"
+_SLOT_RE = re.compile("\ue000(\\d+)\ue001")
 
 
 def _raise_exception(message: str):
@@ -64,6 +72,10 @@ class Tokenizer:
         if not (model_dir / "tokenizer.json").is_file():
             raise FileNotFoundError(f"{model_dir} has no tokenizer.json")
         self.hf = HFTokenizer.from_file(str(model_dir / "tokenizer.json"))
+        # A twin that encodes special-token text as ordinary text (for chat contents).
+        self._literal = HFTokenizer.from_str(self.hf.to_str())
+        self._literal.encode_special_tokens = True
+        self._special_texts = [t.content for t in self.hf.get_added_tokens_decoder().values() if t.special]
         # Longest token in characters: a byte-level BPE token's stored form has a character per byte and a
         # SentencePiece token one per character, so no token decodes to more characters than this.
         self.max_chars_per_token = max(len(t) for t in self.hf.get_vocab(with_added_tokens=True))
@@ -77,21 +89,38 @@ class Tokenizer:
         """Token ids of plain text, with the tokenizer's special tokens (e.g. BOS) added as its post-processor says."""
         return self.hf.encode(text, add_special_tokens=True).ids
 
-    def encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
+                    parse_special_tokens: bool = False) -> list[int]:
         """Render [{"role", "content"}, ...] with the model's chat template and tokenize the result.
+
+        Unless parse_special_tokens, special-token text inside a content is encoded as ordinary text: the template
+        is rendered with stand-ins for the contents, its own text is encoded with special tokens and each content
+        without. Contents without special-token text take the single-pass encoding (transformers' ids).
 
         Raises:
             RequestError: INVALID_ARGUMENT when the model has no chat template or the template rejects the messages
                 (e.g. "roles must alternate", raised by the template itself).
         """
+        if parse_special_tokens or not any(s in m["content"] for m in messages for s in self._special_texts):
+            return self.hf.encode(self._render(messages, add_generation_prompt), add_special_tokens=False).ids
+        slotted = [{**m, "content": _SLOT.format(i)} for i, m in enumerate(messages)]
+        parts = _SLOT_RE.split(self._render(slotted, add_generation_prompt))  # template, index, template, ...
+        ids: list[int] = []
+        for i, part in enumerate(parts):
+            if i % 2:
+                ids += self._literal.encode(messages[int(part)]["content"], add_special_tokens=False).ids
+            elif part:
+                ids += self.hf.encode(part, add_special_tokens=False).ids
+        return ids
+
+    def _render(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
         if self._template is None:
             raise invalid("this model has no chat template; send text or token_ids instead of chat messages")
         try:
-            text = self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                          **self.special_tokens)
         except jinja2.TemplateError as e:
             raise invalid(f"chat template rejected the messages: {e}") from e
-        return self.hf.encode(text, add_special_tokens=False).ids
 
     def decode(self, token_ids: list[int]) -> str:
         """Text of token ids, special tokens left out (as shown to users)."""

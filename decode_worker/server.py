@@ -39,7 +39,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
         remote = request.kv_source == worker_pb2.KV_SOURCE_REMOTE
         try:
             req = Request(rid, list(request.prompt_token_ids), sampling_from_proto(request.sampling),
-                          eos_token_ids=self.worker.parts.model_config.eos_token_ids, remote_kv=remote)
+                          eos_token_ids=self.worker.parts.model_config.eos_token_ids, remote_kv=remote,
+                          output_token_ids=list(request.output_token_ids))
             with self.worker.engine.request(req) as stream:
                 if remote:
                     reserved = await stream.next()

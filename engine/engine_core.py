@@ -101,6 +101,7 @@ class EngineCore:
                 events.extend(self.scheduler.reserve())
                 out = self.scheduler.schedule()
                 if not out.is_empty:
+                    self.stats = self.scheduler.make_stats(self.num_steps)  # as the step starts: it may be long
                     events.extend(self.scheduler.update(out, self.runner.execute(out)))
                     self._record_step(out)
             except Exception as e:  # noqa: BLE001 - a fault must fail loudly, not wedge the loop
@@ -160,6 +161,8 @@ class EngineCore:
             if (failure := s.kv_arrived(cmd.request_id, cmd.first_token)) is not None:
                 self.emit([failure])
         elif isinstance(cmd, Call):
+            if not cmd.future.set_running_or_notify_cancel():
+                return  # the caller gave up (its RPC was cancelled or timed out)
             try:
                 cmd.future.set_result(cmd.fn(s))
             except Exception as e:  # surfaced to the caller, not the loop

@@ -63,8 +63,9 @@ class KVCacheManager:
         self.block_tables[request_id] = table
         return True
 
-    def record_prefix_query(self, num_prompt_tokens: int, num_hit_tokens: int) -> None:
-        self.prefix_query_tokens += num_prompt_tokens
+    def record_prefix_query(self, num_tokens: int, num_hit_tokens: int) -> None:
+        """Count one lookup: num_tokens looked up (a request's tokens at its first scheduling), num_hit_tokens found."""
+        self.prefix_query_tokens += num_tokens
         self.prefix_hit_tokens += num_hit_tokens
 
     def cache_full_blocks(self, request: Request) -> None:

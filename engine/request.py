@@ -101,7 +101,9 @@ class Request:
 
     Attributes:
         prompt_token_ids: the prompt.
-        output_token_ids: sampled tokens so far (for a remote-KV decode request, starts with the prefill's token).
+        output_token_ids: sampled tokens so far. A request may start with some: the tokens a lost worker had
+            generated when the coordinator resumes it elsewhere (sampling, penalties, max_tokens and seeds then
+            continue as if nothing happened). A remote-KV decode request appends the prefill's token on arrival.
         num_computed_tokens: tokens whose KV is in this engine's cache.
         num_cached_tokens: prompt tokens served by the prefix cache at first scheduling.
         prefill_only: stop after the first sampled token and hold the blocks (prefill worker).

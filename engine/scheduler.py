@@ -47,7 +47,10 @@ class Scheduler:
         if bad is not None:  # an embedding lookup out of range would fail the whole step, not just this request
             return RequestFailed(request.request_id, ErrorKind.INVALID_REQUEST,
                                  f"token id {bad} is outside the vocabulary [0, {self.config.vocab_size})")
-        need = request.num_prompt_tokens + (1 if request.prefill_only else request.sampling.max_tokens)
+        # Tokens it may hold: a prefill-only request computes what it has (prompt, and output a lost worker had
+        # generated) plus one; a decode request its prompt plus max_tokens outputs, however many it brings.
+        need = (request.num_tokens + 1 if request.prefill_only
+                else request.num_prompt_tokens + request.sampling.max_tokens)
         if need > self.config.max_model_len:
             return RequestFailed(request.request_id, ErrorKind.INVALID_REQUEST,
                                  f"prompt ({request.num_prompt_tokens}) + max_tokens exceeds max_model_len "
@@ -70,7 +73,7 @@ class Scheduler:
         out = []
         while self.reserving:
             req = self.reserving[0]
-            if not self.kv.allocate_slots(req.request_id, req.num_prompt_tokens):
+            if not self.kv.allocate_slots(req.request_id, req.num_tokens):
                 break
             self.reserving.popleft()
             req.status = RequestStatus.WAITING_FOR_KV
@@ -89,7 +92,7 @@ class Scheduler:
             self.abort(request_id)
             return RequestFailed(request_id, ErrorKind.INVALID_REQUEST,
                                  f"first token {first_token} from the prefill worker is outside the vocabulary")
-        req.num_computed_tokens = req.num_prompt_tokens
+        req.num_computed_tokens = req.num_tokens
         req.append_output(first_token)
         req.first_token_time = time.time()
         req.status = RequestStatus.WAITING
@@ -134,7 +137,7 @@ class Scheduler:
                 req.first_scheduled_time = time.time()
                 if not req.remote_kv:
                     req.num_cached_tokens = num_computed
-                    self.kv.record_prefix_query(req.num_prompt_tokens, num_computed)
+                    self.kv.record_prefix_query(req.num_tokens, num_computed)
             req.num_computed_tokens = num_computed
             req.status = RequestStatus.RUNNING
             self.running.append(req)

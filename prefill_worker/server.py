@@ -35,7 +35,8 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
         try:
             req = Request(rid, list(request.prompt_token_ids), sampling_from_proto(request.sampling),
                           eos_token_ids=self.worker.parts.model_config.eos_token_ids, prefill_only=True,
-                          arrival_time=request.arrival_time or time.time())
+                          arrival_time=request.arrival_time or time.time(),
+                          output_token_ids=list(request.output_token_ids))
             with self.worker.engine.request(req) as stream:
                 ev = await stream.next()
                 scheduled = req.arrival_time + ev.queue_ms / 1e3  # the engine's own clock marks, as spans
@@ -56,7 +57,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
                     return
                 with tracer().start_as_current_span("kv transfer") as span:
                     stats = await self.sender.send(request.kv_address, rid, ev.token.token_id, ev.block_ids or [],
-                                                   len(request.prompt_token_ids), trace_context=inject_context())
+                                                   req.num_tokens - 1, trace_context=inject_context())
                     span.set_attributes({"pdserve.kv.bytes": stats.num_bytes, "pdserve.kv.blocks": stats.num_blocks,
                                          "pdserve.kv.peer": request.kv_address, "pdserve.request_id": rid})
                 self.worker.metrics.transfer_time.observe(stats.seconds)

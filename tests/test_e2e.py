@@ -38,7 +38,7 @@ def tokenizer(real_model_dir):
 def worker_stats(cluster, name):
     """A worker's GetStats answer (the internal API: the cluster secret is required)."""
     with grpc.insecure_channel(cluster.worker_addresses[name]) as ch:
-        return worker_pb2_grpc.WorkerStub(ch).GetStats(worker_pb2.WorkerStatsRequest(), timeout=10,
+        return worker_pb2_grpc.WorkerStub(ch).GetStats(worker_pb2.WorkerStatsRequest(check_integrity=True), timeout=10,
                                                        metadata=cluster.worker_metadata)
 
 

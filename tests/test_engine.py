@@ -127,3 +127,15 @@ def test_request_that_can_never_fit_is_rejected(tiny_model_dir):
     parts = build_engine(EngineArgs(model_dir=str(tiny_model_dir), block_size=8, kv_tokens=64, max_model_len=512))
     failure = parts.scheduler.add_request(greedy("big", [5] * 60, 20))
     assert failure is not None and failure.kind == ErrorKind.CAPACITY
+
+
+def test_a_request_resumed_with_its_outputs_continues_the_same_stream(tiny_model_dir, prompts):
+    """Migration resumes a request on another worker with the tokens already sent as its first outputs: seeded
+    sampling, penalties and max_tokens go on as if nothing happened."""
+    args = EngineArgs(model_dir=str(tiny_model_dir), block_size=8, kv_tokens=1024, max_model_len=512)
+    sp = SamplingParams(temperature=1.0, top_k=40, seed=7, max_tokens=12, frequency_penalty=0.5, ignore_eos=True)
+    whole = Request("w", prompts[4], sp)
+    run_to_completion(build_engine(args), [whole])
+    resumed = Request("r", prompts[4], sp, output_token_ids=whole.output_token_ids[:5])
+    run_to_completion(build_engine(args), [resumed])
+    assert resumed.output_token_ids == whole.output_token_ids

@@ -74,11 +74,17 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         return self.info()
 
     async def GetStats(self, request, context):
-        """The worker's load (what routers use) and pool counts, from the scheduler's stats object, taken with
-        the pool's integrity check on the engine thread so the two agree."""
+        """The worker's load (what routers use) and pool counts, from the scheduler's stats object.
+
+        Routers' polls get the stats the engine published after its last iteration, at once: a poll must not wait
+        behind a long step (a CPU prefill step can take seconds) and be taken for a dead worker. With
+        check_integrity the stats and the pool's integrity check are taken together on the engine thread."""
         engine = self.worker.engine
-        stats, integrity_ok = await engine.call(
-            lambda s: (s.make_stats(engine.core.num_steps), not s.kv.pool.integrity_errors()))
+        if request.check_integrity:
+            stats, integrity_ok = await engine.call(
+                lambda s: (s.make_stats(engine.core.num_steps), not s.kv.pool.integrity_errors()))
+        else:
+            stats, integrity_ok = engine.core.stats, True
         return worker_pb2.WorkerStats(
             num_total_blocks=stats.num_total_blocks, num_free_blocks=stats.num_free_blocks,
             num_cached_blocks=stats.num_cached_blocks, num_running=stats.num_running,

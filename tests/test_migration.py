@@ -1,0 +1,106 @@
+"""Request migration (NVIDIA Dynamo's): a worker lost mid-request and the client's stream goes on, on other workers,
+with no error and no token repeated or lost; greedy output equals the run without a loss. Bounded by
+--max-migrations, then a clean UNAVAILABLE."""
+import threading
+import time
+
+import grpc
+import pytest
+
+from conftest import hf_greedy
+from pdserve import Client, SamplingParams
+from pdserve.v1 import worker_pb2, worker_pb2_grpc
+from test_membership import WORKER, Processes
+
+pytestmark = pytest.mark.e2e
+PROMPT = [11, 22, 33, 44, 55, 66, 77, 88, 99, 111]
+
+
+def requests_on(p: Processes, address: str) -> int:
+    with grpc.insecure_channel(address) as ch:
+        stats = worker_pb2_grpc.WorkerStub(ch).GetStats(
+            worker_pb2.WorkerStatsRequest(), timeout=5,
+            metadata=(("authorization", f"Bearer {p.secret.read_text()}"),))
+    return stats.num_requests
+
+
+def kill_the_one_serving(p: Processes, names: list[str], addresses: dict[str, str]) -> str:
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        for name in names:
+            if requests_on(p, addresses[name]):
+                p.kill(name)
+                return name
+    pytest.fail(f"none of {names} holds the request")
+
+
+def stream_with_a_kill(address: str, n: int, kill) -> tuple[list[int], object]:
+    """Stream a greedy request, call kill() once 20 tokens arrived; returns (all token ids, final)."""
+    ids, final, killed = [], None, None
+    with Client(address) as c:
+        for chunk in c.generate(PROMPT, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True), timeout=120):
+            if chunk.final is not None:
+                final = chunk.final
+            ids += chunk.token_ids
+            if killed is None and len(ids) >= 20:
+                killed = kill()
+    return ids, final
+
+
+@pytest.mark.parametrize("topology", ["disaggregated", "colocated"])
+def test_decode_worker_lost_mid_stream(tiny_model_dir, tmp_path, topology):
+    p = Processes(tiny_model_dir, tmp_path)
+    try:
+        colocated = topology == "colocated"
+        role = "colocated" if colocated else "decode"
+        addresses = {n: p.start(n, role, *WORKER) for n in ("d0", "d1")}
+        args = ["coordinator", "--stats-interval-s", "0.5", *(f"--decode={a}" for a in addresses.values())]
+        if colocated:
+            args.append("--colocated")
+        else:
+            args.append(f"--prefill={p.start('p0', 'prefill', *WORKER)}")
+        coordinator = p.start("coordinator", *args)
+        n = 230
+        ids, final = stream_with_a_kill(coordinator, n, lambda: kill_the_one_serving(p, ["d0", "d1"], addresses))
+        assert final.finish_reason == "length" and final.completion_tokens == n == len(ids)
+        assert ids == hf_greedy(tiny_model_dir, PROMPT, n)  # nothing repeated, nothing lost
+        log = (tmp_path / "coordinator.log").read_text()
+        assert "resuming on other workers after" in log and "(migration 1 of at most 2)" in log
+    finally:
+        p.stop()
+
+
+def test_prefill_worker_lost_before_the_first_token(tiny_model_dir, tmp_path):
+    p = Processes(tiny_model_dir, tmp_path)
+    try:
+        slow = ["--max-num-batched-tokens", "4"]  # a long chunked prefill: time to lose the worker during it
+        prefill = {n: p.start(n, "prefill", *WORKER, *slow) for n in ("p0", "p1")}
+        decode = p.start("d0", "decode", *WORKER)
+        coordinator = p.start("coordinator", "coordinator", "--stats-interval-s", "0.5", f"--decode={decode}",
+                              *(f"--prefill={a}" for a in prefill.values()))
+        prompt = list(range(1000, 1240))
+        with Client(coordinator) as c:
+            stream = c.generate(prompt, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True), timeout=120)
+            result = {}
+            reader = threading.Thread(target=lambda: result.update(chunks=list(stream)))
+            reader.start()
+            kill_the_one_serving(p, ["p0", "p1"], prefill)
+            reader.join(120)
+        ids = [t for ch in result["chunks"] for t in ch.token_ids]
+        assert ids == hf_greedy(tiny_model_dir, prompt, 8) and result["chunks"][-1].final.completion_tokens == 8
+        assert "resuming on other workers after 0 token(s)" in (tmp_path / "coordinator.log").read_text()
+    finally:
+        p.stop()
+
+
+def test_migration_budget_spent_is_a_clean_unavailable(tiny_model_dir, tmp_path):
+    p = Processes(tiny_model_dir, tmp_path)
+    try:
+        decode = {"d0": p.start("d0", "decode", *WORKER)}
+        coordinator = p.start("coordinator", "coordinator", "--max-migrations", "0", "--stats-interval-s", "0.5",
+                              f"--prefill={p.start('p0', 'prefill', *WORKER)}", f"--decode={decode['d0']}")
+        with pytest.raises(grpc.RpcError) as e:
+            stream_with_a_kill(coordinator, 230, lambda: kill_the_one_serving(p, ["d0"], decode))
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "most allowed" in e.value.details()
+    finally:
+        p.stop()
