@@ -18,6 +18,8 @@ class CoordinatorConfig:
             re-resolved and stands for every address it resolves to) or "@FILE" (host:port lines, re-read).
         colocated: route each request to one worker that runs both phases.
         max_in_flight: requests admitted at once; more get RESOURCE_EXHAUSTED.
+        max_in_flight_per_caller: the most one caller (API key, else peer address) may have in flight, so one
+            client cannot take every batch slot; 0 = no per-caller limit.
         request_timeout_s: deadline of each worker call, seconds.
         connect_timeout_s: at start, how long to wait for a live worker of every role, seconds.
         stats_interval_s: how often each worker's health and load (KV headroom, queue) are polled, seconds.
@@ -25,6 +27,7 @@ class CoordinatorConfig:
         api_keys_file: keys clients must present, one per line (plus $PDSERVE_API_KEYS, comma-separated); none
             configured = the public port is open.
         worker_tls_ca: PEM CA to verify workers that serve TLS; None = dial workers in plaintext.
+        stall_timeout_s: a client that takes none of its stream for this long is dropped (its KV freed), seconds.
         max_migrations: how many times a request may resume on other workers after losing one (then UNAVAILABLE).
         rate_limit_requests_per_s / rate_limit_tokens_per_s: per API key (or per peer without keys), requests and
             tokens (prompt + max_tokens, charged at admission) per second; 0 = unlimited. Bursts of
@@ -40,11 +43,15 @@ class CoordinatorConfig:
         "help": "decode (or colocated) workers: host:port or @FILE, as --prefill"})
     colocated: bool = field(default=False, metadata={"help": "one worker runs both phases (the baseline)"})
     max_in_flight: int = field(default=256, metadata={"help": "requests admitted at once (more: RESOURCE_EXHAUSTED)"})
+    max_in_flight_per_caller: int = field(default=0, metadata={
+        "help": "requests one caller (API key, else peer) may have in flight; 0 = no per-caller limit"})
     request_timeout_s: float = field(default=600.0, metadata={"help": "deadline of each worker call, seconds"})
     connect_timeout_s: float = field(default=300.0, metadata={
         "help": "at start, wait this long for a live worker of every role, seconds"})
     stats_interval_s: float = field(default=1.0, metadata={"help": "worker health and load polling period, s"})
     discovery_interval_s: float = field(default=5.0, metadata={"help": "re-resolve worker addresses this often, s"})
+    stall_timeout_s: float = field(default=30.0, metadata={
+        "help": "drop a client that reads nothing for this long (frees its batch slot and KV), seconds"})
     max_migrations: int = field(default=2, metadata={"help": "resumptions on other workers after a worker is lost"})
     api_keys_file: str | None = field(default=None, metadata={
         "help": "file of API keys clients must send as 'authorization: Bearer <key>' (also $PDSERVE_API_KEYS)"})

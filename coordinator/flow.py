@@ -55,11 +55,13 @@ class Flow:
     its record once it finished (`coordinator.record`)."""
 
     request_id: str
+    caller: str = ""  # API key id or peer, for per-caller limits
     calls: list = field(default_factory=list)
     aborted: bool = False
     timings: FlowTimings = field(default_factory=FlowTimings)
     prefill_worker: str = ""
     decode_worker: str = ""
+    deadline: float = float("inf")  # time.monotonic() by which the request must end (client's or ours)
     record: RequestRecord = field(init=False)
 
     def __post_init__(self) -> None:

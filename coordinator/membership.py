@@ -25,7 +25,7 @@ from coordinator.router import Router, WorkerHandle
 from coordinator.validation import Limits
 from pdserve.v1 import worker_pb2
 from server_common.addresses import expand
-from server_common.grpc_server import MAX_MESSAGE_BYTES
+from server_common.grpc_server import CLIENT_KEEPALIVE, MAX_MESSAGE_BYTES
 from server_common.security import internal_channel, read_secret
 
 log = logging.getLogger(__name__)
@@ -117,7 +117,8 @@ class Membership:
             for address in found:
                 if address not in known:
                     channel = internal_channel(address, self.config.worker_tls_ca, self.secret,
-                                               options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)],
+                                               options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                                                        *CLIENT_KEEPALIVE],
                                                interceptors=self.interceptors)
                     handles.append(WorkerHandle.connect(address, channel))
                     log.info("%s endpoint %s discovered", role, address)

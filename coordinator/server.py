@@ -87,7 +87,8 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         self.limiter = RateLimiter(config.rate_limit_requests_per_s, config.rate_limit_tokens_per_s,
                                    config.rate_limit_burst_s)
 
-    async def Generate(self, request: generate_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
+    async def Generate(self, request: generate_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
+        """Stream one completion (written with context.write, so a client that stops reading is noticed)."""
         arrival_wall, t0 = time.time(), flows.now_ms()
         rid = request.request_id or uuid.uuid4().hex
         caller = _caller(context)
@@ -96,7 +97,9 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         except RequestError as e:
             self._finished(RequestRecord(rid[:MAX_REQUEST_ID_CHARS], error_code=e.code.name), e.message)
             await context.abort(e.code, e.message, e.trailing_metadata())
-        flow = flows.Flow(rid)
+        flow = flows.Flow(rid, caller=caller)
+        remaining = context.time_remaining()  # the client's deadline bounds every worker call, not only ours
+        flow.deadline = time.monotonic() + min(self.config.request_timeout_s, remaining or float("inf"))
         self.cluster.flows[rid] = flow  # the id is taken before the first await: a duplicate cannot slip in
         self.metrics.in_flight.inc()
         error: RequestError | None = None
@@ -105,7 +108,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             _trace_request(request, sampling, self.config.model_name, rid)
             self._charge(caller, len(prompt) + sampling.max_tokens)
             async for msg in self._stream(flow, request, prompt, sampling, arrival_wall, t0):
-                yield msg
+                await self._write(context, msg)
         except RequestError as e:
             error = e
             await context.abort(e.code, f"request {rid}: {e.message}", e.trailing_metadata())
@@ -121,6 +124,20 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                 record.error_code = error.code.name
             record.e2e_s = record.e2e_s or (flows.now_ms() - t0) / 1e3
             self._finished(record, error.message if error else "")
+
+    async def _write(self, context: grpc.aio.ServicerContext, msg: generate_pb2.GenerateResponse) -> None:
+        """Send one message; a client that has not taken it within stall_timeout_s (flow control held it) is
+        given up on, so it cannot keep a batch slot and KV blocks on the workers.
+
+        Raises:
+            RequestError: DEADLINE_EXCEEDED for a stalled client.
+        """
+        try:
+            await asyncio.wait_for(context.write(msg), self.config.stall_timeout_s)
+        except TimeoutError:
+            raise RequestError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                               f"the client read nothing for {self.config.stall_timeout_s:g} s; request cancelled "
+                               "and its KV freed") from None
 
     def _finished(self, record: RequestRecord, error: str) -> None:
         """Metrics, trace attributes and the access log line, once per request however it ended."""
@@ -160,6 +177,11 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         if len(self.cluster.flows) >= self.config.max_in_flight:
             raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                f"server at capacity ({self.config.max_in_flight} requests in flight); retry later")
+        per_caller = self.config.max_in_flight_per_caller
+        if per_caller and sum(f.caller == caller for f in self.cluster.flows.values()) >= per_caller:
+            raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                               f"this caller has {per_caller} requests in flight, the most one caller may; "
+                               "retry when one finishes")
 
     async def _prepare(self, request: generate_pb2.GenerateRequest) -> tuple[list[int], generate_pb2.SamplingParams]:
         """(prompt token ids, resolved sampling). Raises RequestError with the status to return."""
@@ -237,12 +259,13 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                  arrival_wall: float, p: Progress):
         """The worker calls of one attempt; a resumed attempt carries the tokens sent so far and its own worker-side
         request id (the lost attempt's may still be winding down on a worker that is alive)."""
-        cfg, router = self.config, self.cluster.router
+        router = self.cluster.router
         worker_rid = flow.request_id if not p.migrations else f"{flow.request_id}~{p.migrations}"
-        if cfg.colocated:
-            return flows.run_colocated(router, flow, worker_rid, prompt, p.generated, sampling, cfg.request_timeout_s)
+        timeout_s = max(0.001, flow.deadline - time.monotonic())
+        if self.config.colocated:
+            return flows.run_colocated(router, flow, worker_rid, prompt, p.generated, sampling, timeout_s)
         return flows.run_disaggregated(router, flow, worker_rid, prompt, p.generated, sampling, arrival_wall,
-                                       cfg.request_timeout_s)
+                                       timeout_s)
 
     async def _relay(self, source, p: Progress, detok: IncrementalDetokenizer, stops: StopMatcher,
                      sampling: generate_pb2.SamplingParams, t0: float):

@@ -18,6 +18,13 @@ from server_common.config import ServerArgs
 from server_common.security import BearerTokenInterceptor, server_credentials, warn_if_exposed
 
 MAX_MESSAGE_BYTES = 64 << 20
+# HTTP/2 keepalive: a peer that vanished without closing its connection (host down, network partition) is noticed
+# within ~30 s and its calls cancelled, so nothing stays held for it. Servers accept the pings clients send.
+SERVER_KEEPALIVE = [("grpc.keepalive_time_ms", 20_000), ("grpc.keepalive_timeout_ms", 10_000),
+                    ("grpc.keepalive_permit_without_calls", 1), ("grpc.http2.max_pings_without_data", 0),
+                    ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000)]
+CLIENT_KEEPALIVE = [("grpc.keepalive_time_ms", 20_000), ("grpc.keepalive_timeout_ms", 10_000),
+                    ("grpc.keepalive_permit_without_calls", 1), ("grpc.http2.max_pings_without_data", 0)]
 # Health service names: "" and each API service say whether to send work here (readiness); this one says whether
 # the process is sound (liveness: a Kubernetes livenessProbe restarts the process when it is NOT_SERVING).
 LIVENESS_SERVICE = "pdserve.liveness"
@@ -128,7 +135,7 @@ async def start_grpc_server(args: ServerArgs, add_servicers: Callable[[grpc.aio.
         chain.insert(0, BearerTokenInterceptor(tokens, what))
     server = grpc.aio.server(interceptors=chain,
                              options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                                      ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
+                                      ("grpc.max_send_message_length", MAX_MESSAGE_BYTES), *SERVER_KEEPALIVE])
     add_servicers(server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

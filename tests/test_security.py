@@ -270,3 +270,15 @@ def test_worker_apis_and_kv_port_refuse_callers_without_the_cluster_secret(worke
     with pytest.raises(TransferError) as e:
         asyncio.run(stranger_sends_kv())
     assert e.value.kind == ErrorKind.INCOMPATIBLE_PEER and "authentication" in e.value.message
+
+
+def test_one_caller_cannot_take_every_slot(workers, tiny_model_dir):
+    """Sixty-four streams of one client used to fill every batch slot while other clients waited."""
+    address = coordinator(workers, tiny_model_dir, "fair-coordinator", "--max-in-flight-per-caller", "1")
+    with Client(address) as c:
+        stream = c.generate([5, 6, 7], SamplingParams(max_tokens=200, temperature=0, ignore_eos=True))
+        next(stream)  # one request in flight
+        with pytest.raises(grpc.RpcError) as e:
+            c.complete([5, 6, 7], GREEDY)
+        stream.close()
+    assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "requests in flight" in e.value.details()

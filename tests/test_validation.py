@@ -60,3 +60,22 @@ def test_bad_sampling_gets_a_status_naming_the_field(params, code, needle):
 def test_every_engine_error_kind_has_a_status():
     assert set(STATUS_FOR_KIND) == set(ErrorKind)
     assert all(isinstance(code, grpc.StatusCode) for code in STATUS_FOR_KIND.values())
+
+
+def test_a_client_that_stops_reading_is_dropped():
+    """A stream nobody reads would hold its batch slot and KV blocks; the coordinator gives up after
+    stall_timeout_s (DEADLINE_EXCEEDED), which cancels the worker calls and frees everything."""
+    import asyncio
+
+    from coordinator.config import CoordinatorConfig
+    from coordinator.server import GenerationServicer
+
+    class NeverReads:
+        async def write(self, msg):
+            await asyncio.sleep(3600)  # flow control holds the write: the client's window is full
+
+    servicer = GenerationServicer.__new__(GenerationServicer)
+    servicer.config = CoordinatorConfig(model_dir="m", model_name="n", stall_timeout_s=0.2)
+    with pytest.raises(RequestError) as e:
+        asyncio.run(servicer._write(NeverReads(), SamplingParams()))
+    assert e.value.code == grpc.StatusCode.DEADLINE_EXCEEDED and "read nothing" in e.value.message

@@ -23,22 +23,20 @@ class EngineStatsCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         s = self.engine.core.stats
-        for name, doc, value in (
-                ("num_requests_running", "Requests in the running batch.", s.num_running),
-                ("num_requests_waiting", "Requests queued for scheduling or a KV reservation.", s.num_waiting),
-                ("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0..1).", s.kv_cache_usage),
-                ("num_kv_blocks_free", "Free KV blocks (prefix-cached ones included).", s.num_free_blocks)):
-            gauge = GaugeMetricFamily(f"pdserve:{name}", doc, labels=LABELS)
-            gauge.add_metric(self.labels, value)
-            yield gauge
-        for name, doc, value in (
-                ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s.prefix_cache_query_tokens),
-                ("prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_cache_hit_tokens),
-                ("num_preemptions", "Requests preempted (KV freed, recomputed later).", s.num_preemptions),
-                ("engine_steps", "Engine steps run.", s.num_steps)):
-            counter = CounterMetricFamily(f"pdserve:{name}", doc, labels=LABELS)
-            counter.add_metric(self.labels, value)
-            yield counter
+        gauge, counter = GaugeMetricFamily, CounterMetricFamily
+        for family, name, doc, value in (
+                (gauge, "num_requests_running", "Requests in the running batch.", s.num_running),
+                (gauge, "num_requests_waiting", "Requests queued for scheduling or a KV reservation.", s.num_waiting),
+                (gauge, "kv_cache_usage_perc", "Fraction of KV cache blocks in use (0..1).", s.kv_cache_usage),
+                (gauge, "num_kv_blocks_free", "Free KV blocks (prefix-cached ones included).", s.num_free_blocks),
+                (counter, "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                 s.prefix_cache_query_tokens),
+                (counter, "prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_cache_hit_tokens),
+                (counter, "num_preemptions", "Requests preempted (KV freed, recomputed later).", s.num_preemptions),
+                (counter, "engine_steps", "Engine steps run.", s.num_steps)):
+            metric = family(f"pdserve:{name}", doc, labels=LABELS)
+            metric.add_metric(self.labels, value)
+            yield metric
 
 
 class WorkerMetrics:
