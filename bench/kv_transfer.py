@@ -46,7 +46,9 @@ def _receiver_main(backend: str, block_nbytes: int, num_blocks: int, conn) -> No
     from engine.transfer import get_backend
     from engine.transfer.protocol import KvReceiver
 
-    cache = np.zeros((num_blocks, block_nbytes), dtype=np.uint8)
+    import torch
+
+    cache = torch.zeros((num_blocks, block_nbytes), dtype=torch.uint8)  # rows: 1-D uint8 block views, as KVCache
 
     class Sink:
         def begin_receive(self, request_id, n, num_tokens, trace_context):
@@ -109,7 +111,10 @@ def connector(backend: str, block_nbytes: int, num_blocks: int, repeats: int) ->
     proc = ctx.Process(target=_receiver_main, args=(backend, block_nbytes, num_blocks, child), daemon=True)
     proc.start()
     address = parent.recv()
-    src = np.random.default_rng(1).integers(0, 256, (num_blocks, block_nbytes), dtype=np.uint8)
+    import torch
+
+    gen = torch.Generator().manual_seed(1)
+    src = torch.randint(0, 256, (num_blocks, block_nbytes), dtype=torch.uint8, generator=gen)
 
     async def main():
         sender = KvSender("bench", lambda b: src[b], timeout_s=120)

@@ -35,12 +35,13 @@ class KVCache:
         """Bytes of one block across all layers."""
         return self.kv[0].numel() * self.kv.element_size()
 
-    def block_bytes(self, block_id: int):
-        """A writable, zero-copy uint8 numpy view of one block's memory (CPU caches only).
+    def block_bytes(self, block_id: int) -> torch.Tensor:
+        """One block's memory as a writable 1-D uint8 tensor on the cache's device (a view: no copy), for the
+        transfer connectors.
 
         Raises:
             IndexError: block_id out of range.
         """
         if not 0 <= block_id < self.num_blocks:
             raise IndexError(f"block {block_id} out of range [0, {self.num_blocks})")
-        return self.kv[block_id].view(-1).view(torch.uint8).numpy()
+        return self.kv[block_id].view(-1).view(torch.uint8)

@@ -59,9 +59,11 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
                     stats = await self.sender.send(request.kv_address, rid, ev.token.token_id, ev.block_ids or [],
                                                    req.num_tokens - 1, trace_context=inject_context())
                     span.set_attributes({"pdserve.kv.bytes": stats.num_bytes, "pdserve.kv.blocks": stats.num_blocks,
+                                         "pdserve.kv.staged_bytes": stats.staged_bytes,
                                          "pdserve.kv.peer": request.kv_address, "pdserve.request_id": rid})
                 self.worker.metrics.transfer_time.observe(stats.seconds)
                 self.worker.metrics.transfer_bytes.observe(stats.num_bytes)
+                self.worker.metrics.staged_bytes.inc(stats.staged_bytes)
                 yield worker_pb2.PrefillResponse(transfer_done=worker_pb2.PrefillTransferDone(
                     num_bytes=stats.num_bytes, num_blocks=stats.num_blocks, transfer_ms=stats.seconds * 1e3))
         except EngineError as e:

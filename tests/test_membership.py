@@ -102,3 +102,51 @@ def test_dead_restarted_and_new_decode_workers(tiny_model_dir, tmp_path):
         assert all("joined=" in log for log in logs.values())  # each decoded at least one request
     finally:
         p.stop()
+
+
+def children_of(pid: int) -> list[int]:
+    """Process ids whose parent is pid (from /proc)."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(entry.name))
+    return out
+
+
+def alive(pid: int) -> bool:
+    """Running (not gone, not a zombie)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_sigterm_to_serve_stops_every_process(tiny_model_dir, tmp_path):
+    """SIGTERM used to kill `pdserve serve` alone and orphan its coordinator and workers."""
+    import signal
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-m", "cli.main", "serve", "--model", str(tiny_model_dir), "--port",
+                             "0", "--kv-tokens", "1024", "--max-model-len", "256", "--log-dir", str(tmp_path)],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        for line in proc.stdout:
+            if line.startswith("pdserve ready on"):
+                break
+        children = children_of(proc.pid)
+        assert len(children) == 3  # coordinator, prefill, decode
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+        deadline = time.monotonic() + 30
+        while any(alive(c) for c in children):
+            assert time.monotonic() < deadline, "children outlived serve"
+            time.sleep(0.2)
+    finally:
+        if proc.poll() is None:
+            proc.kill()

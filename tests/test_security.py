@@ -67,11 +67,11 @@ class Sink:
 @pytest.mark.parametrize("sender_secret,ok", [("s3cret", True), (None, False), ("wrong", False)])
 def test_kv_handshake_proves_the_cluster_secret(sender_secret, ok):
     """A stranger could fill another request's reserved blocks; now the hello must carry HMAC(secret, nonce)."""
-    import numpy as np
+    import torch
 
     async def main():
-        src = [np.full(64, i, dtype=np.uint8) for i in range(2)]
-        dst = [np.zeros(64, dtype=np.uint8) for _ in range(2)]
+        src = [torch.full((64,), i, dtype=torch.uint8) for i in range(2)]
+        dst = [torch.zeros(64, dtype=torch.uint8) for _ in range(2)]
         sink = Sink({"r": [1]})
         receiver = KvReceiver(get_backend("tcp"), "h", lambda b: dst[b], sink, timeout_s=5, secret="s3cret")
         address = await receiver.start("127.0.0.1")

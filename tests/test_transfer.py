@@ -2,8 +2,8 @@
 incompatible peers give clear errors, and peer death on either side ends in an error, not a hang."""
 import asyncio
 
-import numpy as np
 import pytest
+import torch
 
 from engine.errors import ErrorKind
 from engine.transfer import available_backends, get_backend
@@ -14,9 +14,12 @@ BLOCK = 4096
 
 
 class FakeCache:
+    """Blocks as 1-D uint8 tensors, as `KVCache.block_bytes` gives them."""
+
     def __init__(self, num_blocks, seed, block_nbytes=BLOCK):
-        rng = np.random.default_rng(seed)
-        self.blocks = [rng.integers(0, 256, block_nbytes, dtype=np.uint8) for _ in range(num_blocks)]
+        gen = torch.Generator().manual_seed(seed)
+        self.blocks = [torch.randint(0, 256, (block_nbytes,), dtype=torch.uint8, generator=gen)
+                       for _ in range(num_blocks)]
 
     def view(self, b):
         return self.blocks[b]
@@ -56,11 +59,11 @@ def test_blocks_arrive_in_reserved_blocks(backend):
             stats = await sender.send(address, "r1", 42, [1, 2, 5], num_tokens=10)
             assert stats.num_blocks == 3 and stats.num_bytes == 3 * BLOCK
             for s, d in zip([1, 2, 5], [6, 0, 3]):
-                np.testing.assert_array_equal(dst.blocks[d], src.blocks[s])
+                torch.testing.assert_close(dst.blocks[d], src.blocks[s])
             assert sink.ended["r1"] == (42, None)
             sink.reserved["r2"] = [7]  # the pooled channel is reused for the next request
             await sender.send(address, "r2", 7, [4], num_tokens=3)
-            np.testing.assert_array_equal(dst.blocks[7], src.blocks[4])
+            torch.testing.assert_close(dst.blocks[7], src.blocks[4])
         finally:
             sender.close()
             receiver.close()
@@ -79,7 +82,7 @@ def test_unknown_request_rejected_and_channel_still_usable(backend):
             assert e.value.kind == ErrorKind.TRANSFER_REJECTED and "no reservation" in str(e.value)
             sink.reserved["ok"] = [1]
             await sender.send(address, "ok", 1, [0], num_tokens=1)
-            np.testing.assert_array_equal(dst.blocks[1], src.blocks[0])
+            torch.testing.assert_close(dst.blocks[1], src.blocks[0])
         finally:
             sender.close()
             receiver.close()
@@ -152,3 +155,44 @@ def test_sender_cancel_mid_transfer_reports_failure_to_receiver(backend):
 def test_ucx_is_available_here():
     """The flagship connector must import and run on the CI machine (ucxx-cu12 is a declared dependency)."""
     assert "ucx" in BACKENDS
+
+
+def test_device_path_through_host_staging_is_exact_and_counted():
+    """The path device memory takes over a host-only transport (tcp), run on CPU by forcing the staging copy:
+    bytes land intact and every staged byte is counted (docs: CUDA itself is unverified on GPU)."""
+    from engine.transfer.tcp import TcpBackend
+
+    async def main():
+        src, dst, sink = FakeCache(6, 1), FakeCache(6, 2), Sink()
+        receiver = KvReceiver(TcpBackend(stage_always=True), "abc", dst.view, sink, timeout_s=5)
+        address = await receiver.start("127.0.0.1")
+        sender = KvSender("abc", src.view, timeout_s=10)
+        sender._backends["tcp"] = TcpBackend(stage_always=True)
+        try:
+            sink.reserved["r"] = [5, 0, 2]
+            stats = await sender.send(address, "r", 9, [1, 3, 4], num_tokens=20)
+            for s, d in zip([1, 3, 4], [5, 0, 2]):
+                torch.testing.assert_close(dst.blocks[d], src.blocks[s])
+            assert stats.staged_bytes == stats.num_bytes == 3 * BLOCK
+            plain = KvSender("abc", src.view, timeout_s=10)  # CPU memory over plain tcp: nothing staged
+            sink.reserved["q"] = [1]
+            assert (await plain.send(address, "q", 9, [0], num_tokens=3)).staged_bytes == 0
+            plain.close()
+        finally:
+            sender.close()
+            receiver.close()
+    asyncio.run(main())
+
+
+def test_kv_cache_blocks_are_tensors_on_the_cache_device(tiny_model_dir):
+    """The connector API speaks tensors: a block is a uint8 view of the cache itself (no copy), on its device."""
+    from engine.config import CacheConfig, ModelConfig
+    from engine.kv_cache import KVCache
+    from transformers import AutoConfig
+
+    cfg = ModelConfig.from_hf(AutoConfig.from_pretrained(str(tiny_model_dir)), name="t", path="t")
+    cache = KVCache(cfg, CacheConfig(block_size=8, num_blocks=4), "cpu")
+    block = cache.block_bytes(2)
+    assert block.dtype == torch.uint8 and block.dim() == 1 and block.device == cache.kv.device
+    block.fill_(7)
+    assert (cache.kv[2].view(-1).view(torch.uint8) == 7).all() and (cache.kv[1] == 0).all()

@@ -55,6 +55,9 @@ class WorkerMetrics:
                                        LABELS, buckets=LATENCY_BUCKETS, registry=registry).labels(*labels)
         self.transfer_bytes = Histogram("pdserve:kv_transfer_bytes", "Bytes of one request's KV send.", LABELS,
                                         buckets=BYTE_BUCKETS, registry=registry).labels(*labels)
+        self.staged_bytes = Counter("pdserve:kv_transfer_staged_bytes",
+                                    "KV bytes copied between device and host memory to send them (0: in place).",
+                                    LABELS, registry=registry).labels(*labels)
         self._failures = Counter("pdserve:kv_transfer_failures", "KV transfers that failed, by kind (either side).",
                                  [*LABELS, "kind"], registry=registry)
         self.reservations_expired = Counter(

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-import numpy as np
+import torch
 
 from engine.errors import EngineError, ErrorKind
 from engine.transfer.backends import get_backend, parse_address
@@ -30,12 +30,16 @@ class TransferError(EngineError):
 
 @dataclass
 class TransferStats:
+    """One request's send: blocks and bytes sent, wall seconds from offer to acknowledgement, and the bytes the
+    sender's transport copied between device and host memory to do it (0 when it moved them in place)."""
+
     num_blocks: int
     num_bytes: int
     seconds: float
+    staged_bytes: int = 0
 
 
-BlockView = Callable[[int], np.ndarray]
+BlockView = Callable[[int], torch.Tensor]  # block id -> 1-D uint8 tensor over that block's memory (any device)
 
 
 def _encode(msg: dict) -> bytes:
@@ -96,7 +100,8 @@ class KvSender:
 
     Args:
         compat_hash: this worker's `engine.config.compat_hash`; the receiver refuses a mismatch.
-        block_view: block id -> zero-copy uint8 view of that block (`KVCache.block_bytes`).
+        block_view: block id -> 1-D uint8 tensor over that block's memory, on the cache's device
+            (`KVCache.block_bytes`).
         timeout_s: bound on connecting + the whole transfer, seconds.
         secret: the cluster secret, proven at each handshake (`handshake_mac`); None = none configured.
     """
@@ -124,6 +129,7 @@ class KvSender:
         try:
             async with asyncio.timeout(self.timeout_s):
                 ch = await self._checkout(address)
+                staged_before = ch.staged_bytes
                 reusable = False
                 try:
                     await ch.send_msg(_encode({"type": "offer", "request_id": request_id,
@@ -154,7 +160,8 @@ class KvSender:
         except ChannelClosed as e:
             raise TransferError(ErrorKind.TRANSFER_FAILED,
                                 f"KV transfer of {request_id} to {address} failed: {e}") from e
-        return TransferStats(len(block_ids), nbytes * len(block_ids), time.perf_counter() - start)
+        return TransferStats(len(block_ids), nbytes * len(block_ids), time.perf_counter() - start,
+                             staged_bytes=ch.staged_bytes - staged_before)
 
     async def _checkout(self, address: str) -> Channel:
         idle = self._idle[address]
@@ -213,7 +220,7 @@ class KvReceiver:
     Args:
         backend: transport to listen on.
         compat_hash: this worker's layout hash.
-        block_view: block id -> zero-copy writable uint8 view.
+        block_view: block id -> writable 1-D uint8 tensor over that block's memory, on the cache's device.
         sink: reservation bookkeeping of the decode worker.
         timeout_s: bound on the handshake and on receiving one request's blocks once accepted, seconds.
         secret: the cluster secret a sender must prove at the handshake; None = anyone may send.

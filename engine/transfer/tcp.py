@@ -1,24 +1,36 @@
-"""TCP backend on asyncio's low-level socket API, so blocks are received with recv_into straight into the cache."""
+"""TCP backend on asyncio's low-level socket API: CPU blocks are sent from and received straight into the cache
+(recv_into); device blocks go through `HostStaging` (a socket reads and writes host memory only)."""
 from __future__ import annotations
 
 import asyncio
 import socket
 import struct
 
-import numpy as np
+import torch
 
-from engine.transfer.channel import Backend, Channel, ChannelClosed, Listener, OnChannel
+from engine.transfer.channel import Backend, Channel, ChannelClosed, HostStaging, Listener, OnChannel
 
 _LEN = struct.Struct("!I")
 MAX_CONTROL_MESSAGE_BYTES = 1 << 20  # control messages are small JSON; a bigger length header is an attack or a bug
 
 
 class TcpChannel(Channel):
-    def __init__(self, sock: socket.socket):
+    """A TCP connection carrying length-prefixed control messages and raw block bytes.
+
+    Args:
+        stage_always: copy even CPU blocks through a host buffer (to measure the staging cost on CPU).
+    """
+
+    def __init__(self, sock: socket.socket, stage_always: bool = False):
         sock.setblocking(False)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.sock = sock
         self.loop = asyncio.get_running_loop()
+        self.staging = HostStaging(always=stage_always)
+
+    @property
+    def staged_bytes(self) -> int:
+        return self.staging.staged_bytes
 
     async def send_msg(self, msg: bytes) -> None:
         await self._send(_LEN.pack(len(msg)) + msg)
@@ -33,8 +45,8 @@ class TcpChannel(Channel):
         await self._recv_exact(memoryview(body))
         return bytes(body)
 
-    async def send_buffer(self, buf: np.ndarray) -> None:
-        await self._send(memoryview(buf).cast("B"))
+    async def send_buffer(self, buf: torch.Tensor) -> None:
+        await self._send(self.staging.readable(buf))
 
     async def _send(self, data) -> None:
         try:
@@ -42,8 +54,10 @@ class TcpChannel(Channel):
         except OSError as e:  # broken pipe / reset: the peer is gone
             raise ChannelClosed(f"tcp peer error: {e}") from e
 
-    async def recv_into(self, buf: np.ndarray) -> None:
-        await self._recv_exact(memoryview(buf).cast("B"))
+    async def recv_into(self, buf: torch.Tensor) -> None:
+        view, commit = self.staging.writable(buf)
+        await self._recv_exact(view)
+        commit()
 
     async def _recv_exact(self, view: memoryview) -> None:
         got = 0
@@ -76,7 +90,13 @@ class TcpListener(Listener):
 
 
 class TcpBackend(Backend):
+    """Plain TCP. stage_always: every block goes through host staging, CPU ones too (for tests and benchmarks of
+    the device path on machines without a GPU)."""
+
     name = "tcp"
+
+    def __init__(self, stage_always: bool = False):
+        self.stage_always = stage_always
 
     async def listen(self, host: str, port: int, on_channel: OnChannel) -> Listener:
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -90,7 +110,7 @@ class TcpBackend(Backend):
         async def accept_loop() -> None:
             while True:
                 conn, _ = await loop.sock_accept(sock)
-                t = asyncio.create_task(on_channel(TcpChannel(conn)))
+                t = asyncio.create_task(on_channel(TcpChannel(conn, self.stage_always)))
                 handlers.add(t)
                 t.add_done_callback(handlers.discard)
 
@@ -105,4 +125,4 @@ class TcpBackend(Backend):
         except OSError as e:
             sock.close()
             raise ChannelClosed(f"cannot connect to tcp://{host}:{port}: {e}") from e
-        return TcpChannel(sock)
+        return TcpChannel(sock, self.stage_always)

@@ -1,5 +1,10 @@
 """UCX backend over ucxx (the maintained successor of ucx-py): tag send/recv on one endpoint per channel.
 
+Blocks move in place on either device: ucxx sends and receives any object exposing `__cuda_array_interface__`
+(a CUDA torch tensor does) with UCX's CUDA transports (cuda_copy, cuda_ipc, RDMA with GPUDirect where the UCX build
+has it), and a CPU tensor through the numpy view of its own memory. No staging copy. The CUDA branch follows
+ucxx's and torch's documented interfaces and is unverified on GPU (no GPU has run it).
+
 ucxx is imported lazily, inside the worker process (UCX must not be initialised before a fork). Endpoints are
 expensive to create (0.4-1 s), so senders keep them open and reuse them (see protocol.KvSender).
 """
@@ -7,7 +12,7 @@ from __future__ import annotations
 
 import os
 
-import numpy as np
+import torch
 
 from engine.transfer.channel import Backend, Channel, ChannelClosed, Listener, OnChannel
 
@@ -36,17 +41,23 @@ class UcxChannel(Channel):
     async def recv_msg(self) -> bytes:
         return bytes(await self._io(self.ep.recv_obj()))
 
-    async def send_buffer(self, buf: np.ndarray) -> None:
-        await self._io(self.ep.send(buf))
+    async def send_buffer(self, buf: torch.Tensor) -> None:
+        await self._io(self.ep.send(_ucx_buffer(buf)))
 
-    async def recv_into(self, buf: np.ndarray) -> None:
-        await self._io(self.ep.recv(buf))
+    async def recv_into(self, buf: torch.Tensor) -> None:
+        await self._io(self.ep.recv(_ucx_buffer(buf)))
 
     def close(self) -> None:
         try:
             self.ep.abort()
         except Exception:  # already closed by the peer
             pass
+
+
+def _ucx_buffer(t: torch.Tensor):
+    """What ucxx takes for a tensor's memory: the CUDA tensor itself (`__cuda_array_interface__`), or the numpy view
+    of a CPU tensor's memory (no copy either way)."""
+    return t if t.is_cuda else t.numpy()
 
 
 class UcxListener(Listener):
