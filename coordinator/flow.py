@@ -121,9 +121,9 @@ async def _decode_stream(call: WorkerCall) -> AsyncIterator[Tokens | WorkerFinis
             return
 
 
-def _pick_decode(router: Router, num_tokens: int) -> WorkerHandle:
+def _pick_decode(router: Router, num_tokens: int, prompt: list[int] | None = None) -> WorkerHandle:
     with tracer().start_as_current_span("route decode") as span:
-        worker = router.pick_decode(num_tokens)
+        worker = router.pick_decode(num_tokens, prompt)
         span.set_attribute("pdserve.decode_worker", worker.address)
         return worker
 
@@ -139,7 +139,8 @@ async def run_colocated(router: Router, flow: Flow, request_id: str, prompt: lis
                         sampling: generate_pb2.SamplingParams,
                         timeout_s: float) -> AsyncIterator[Tokens | WorkerFinish]:
     """One colocated worker computes the prompt (and `generated`, the tokens a lost worker had sent) and decodes."""
-    with router.lease(_pick_decode(router, len(prompt) + sampling.max_tokens)) as worker:
+    context = prompt + generated
+    with router.lease(_pick_decode(router, len(prompt) + sampling.max_tokens, context), len(context)) as worker:
         flow.decode_worker = worker.address
         call = WorkerCall(worker.decode.Decode(worker_pb2.DecodeRequest(
             request_id=request_id, prompt_token_ids=prompt, sampling=sampling, output_token_ids=generated,
@@ -169,7 +170,8 @@ async def run_disaggregated(router: Router, flow: Flow, request_id: str, prompt:
             if reserved is None or reserved.WhichOneof("response") != "reserved":
                 raise RequestError(grpc.StatusCode.UNAVAILABLE, f"decode worker {decode.address} did not reserve",
                                    worker=decode.address)
-            with router.lease(_pick_prefill(router, prompt)) as prefill:  # a queue slot until the first token
+            context = prompt + generated  # what the prefill worker computes (and then holds in its prefix cache)
+            with router.lease(_pick_prefill(router, context), len(context)) as prefill:  # queued until first token
                 flow.prefill_worker = prefill.address
                 pcall = WorkerCall(prefill.prefill.Prefill(worker_pb2.PrefillRequest(
                     request_id=request_id, prompt_token_ids=prompt, sampling=sampling, output_token_ids=generated,

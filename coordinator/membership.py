@@ -126,6 +126,7 @@ class Membership:
                 h.live = False  # gone from discovery: no new requests; the channel closes once idle
                 if h.in_flight == 0:
                     handles.remove(h)
+                    self.cluster.router.prefixes.forget(h.address)
                     asyncio.get_running_loop().create_task(h.channel.close())
                     log.info("%s endpoint %s removed (no longer discovered)", role, h.address)
 
@@ -151,6 +152,7 @@ class Membership:
             if w.info is None or stats.instance_id != w.info.instance_id:
                 w.info = await w.worker.GetInfo(worker_pb2.WorkerInfoRequest(), timeout=timeout)
                 w.blocks_routed = 0
+                self.cluster.router.prefixes.forget(w.address)  # a new process: an empty prefix cache
                 log.info("%s worker %s: instance %s, KV %s", role, w.address, w.info.instance_id,
                          w.info.kv_address or "-")
         except grpc.aio.AioRpcError as e:

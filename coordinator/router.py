@@ -1,12 +1,15 @@
 """Worker handles and routing: which prefill and which decode worker take a request.
 
-Only live workers are candidates (`coordinator.membership` keeps `live` and `stats` current). Decode choice: a
-worker whose KV headroom holds the whole request (prompt + max_tokens), then the fewest requests this
-coordinator has running there, then the most free KV blocks. Prefill choice: the shortest queue (requests sent
-there that have not produced their first token), then the worker's own reported queue. Ties rotate, separately
-per role, so equal workers share load. Between polls of `Worker.GetStats` the blocks routed since the last
-report are subtracted from the headroom. Prefix-cache-aware prefill choice plugs into `pick_prefill`, which
-already receives the prompt.
+Only live workers are candidates (`coordinator.membership` keeps `live` and `stats` current).
+
+- Prefill (and colocated) choice is prefix-cache aware, with NVIDIA Dynamo's cost: the blocks the worker would
+  have to compute (the prompt's blocks minus those it probably holds, `coordinator.prefix_index`) plus the prompt
+  blocks already queued there by this coordinator; the cheapest wins, then the worker's own reported queue.
+- Decode choice: a worker whose KV headroom holds the whole request (prompt + max_tokens), then the fewest
+  requests this coordinator has running there, then the most free KV blocks. Between polls of `Worker.GetStats`
+  the blocks routed since the last report are subtracted from the headroom.
+
+Ties rotate, separately per role, so equal workers share load.
 """
 from __future__ import annotations
 
@@ -18,7 +21,9 @@ from dataclasses import dataclass, field
 import grpc
 
 from coordinator.errors import RequestError
+from coordinator.prefix_index import PrefixIndex, block_hashes
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
+
 
 @dataclass
 class WorkerHandle:
@@ -29,6 +34,7 @@ class WorkerHandle:
         live: answering health and stats polls, serving, and compatible: a routing candidate.
         failures: consecutive failed polls (`coordinator.membership` takes a worker out after a few).
         in_flight: requests this coordinator has on the worker now (prefill: until their first token).
+        queued_blocks: prompt blocks of those requests (prefill: work still to do there).
         stats: the worker's last GetStats answer, None before the first poll.
         blocks_routed: KV blocks of requests routed here since `stats` was taken (decode headroom estimate).
     """
@@ -42,6 +48,7 @@ class WorkerHandle:
     live: bool = False
     failures: int = 0
     in_flight: int = 0
+    queued_blocks: int = 0
     stats: worker_pb2.WorkerStats | None = None
     blocks_routed: int = 0
 
@@ -68,6 +75,7 @@ class Router:
 
     prefill: list[WorkerHandle] = field(default_factory=list)
     decode: list[WorkerHandle] = field(default_factory=list)
+    prefixes: PrefixIndex = field(default_factory=PrefixIndex)
     _turns: dict[str, itertools.count] = field(
         default_factory=lambda: {"prefill": itertools.count(), "decode": itertools.count()})
 
@@ -78,9 +86,10 @@ class Router:
         start = next(self._turns[role]) % len(workers)
         return workers[start:] + workers[:start]
 
-    def pick_decode(self, num_tokens: int) -> WorkerHandle:
-        """The decode (or colocated) worker for a request of `num_tokens` (prompt + max_tokens); counts its blocks
-        against that worker's headroom until the next poll.
+    def pick_decode(self, num_tokens: int, prompt_token_ids: list[int] | None = None) -> WorkerHandle:
+        """The decode worker for a request of `num_tokens` (prompt + max_tokens); counts its blocks against that
+        worker's headroom until the next poll. With `prompt_token_ids` (colocated: the worker also prefills) the
+        prefix-aware prefill cost decides among the workers with headroom, and the prompt is recorded there.
 
         Raises:
             RequestError: UNAVAILABLE when there is no decode worker.
@@ -88,27 +97,49 @@ class Router:
         def blocks(w: WorkerHandle) -> int:
             return -(-num_tokens // w.info.block_size)
 
-        worker = min(self._rotated("decode", self.decode),
-                     key=lambda w: (blocks(w) > w.free_blocks, w.in_flight, -w.free_blocks))
+        candidates = self._rotated("decode", self.decode)
+        if prompt_token_ids is None:
+            worker = min(candidates, key=lambda w: (blocks(w) > w.free_blocks, w.in_flight, -w.free_blocks))
+        else:
+            hashes = block_hashes(prompt_token_ids, candidates[0].info.block_size)
+            worker = min(candidates, key=lambda w: (blocks(w) > w.free_blocks,
+                                                    self._prefill_cost(w, len(prompt_token_ids), hashes),
+                                                    w.in_flight, -w.free_blocks))
+            self.prefixes.record(worker.address, hashes, worker.info.num_blocks)
         worker.blocks_routed += blocks(worker)
         return worker
 
     def pick_prefill(self, prompt_token_ids: list[int]) -> WorkerHandle:
-        """The prefill worker for a prompt (the prompt is where a prefix-cache-aware choice would look).
+        """The prefill worker for a prompt: least new work (prompt blocks it does not hold, plus blocks queued
+        there), then its reported queue; the prompt is recorded as held there.
 
         Raises:
             RequestError: UNAVAILABLE when there is no prefill worker.
         """
-        return min(self._rotated("prefill", self.prefill), key=lambda w: (w.in_flight, w.reported_queue))
+        candidates = self._rotated("prefill", self.prefill)
+        hashes = block_hashes(prompt_token_ids, candidates[0].info.block_size)
+        worker = min(candidates, key=lambda w: (self._prefill_cost(w, len(prompt_token_ids), hashes),
+                                                w.reported_queue))
+        self.prefixes.record(worker.address, hashes, worker.info.num_blocks)
+        return worker
+
+    def _prefill_cost(self, w: WorkerHandle, num_tokens: int, hashes: list[bytes]) -> int:
+        """Dynamo's KV-router cost with overlap weight 1: blocks to compute here plus blocks queued here."""
+        prompt_blocks = -(-num_tokens // w.info.block_size)
+        return prompt_blocks - self.prefixes.overlap(w.address, hashes) + w.queued_blocks
 
     @contextmanager
-    def lease(self, worker: WorkerHandle) -> Iterator[WorkerHandle]:
-        """Count a request on `worker` for the duration of the block (every exit path gives it back)."""
+    def lease(self, worker: WorkerHandle, num_tokens: int = 0) -> Iterator[WorkerHandle]:
+        """Count a request (of num_tokens prompt tokens) on `worker` for the duration of the block (every exit path
+        gives it back)."""
+        blocks = -(-num_tokens // worker.info.block_size) if worker.info else 0
         worker.in_flight += 1
+        worker.queued_blocks += blocks
         try:
             yield worker
         finally:
             worker.in_flight -= 1
+            worker.queued_blocks -= blocks
 
     def mark_down(self, address: str) -> None:
         """A call to this worker failed as if it were gone: stop routing to it until membership's next poll finds

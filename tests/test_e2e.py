@@ -261,3 +261,23 @@ def test_two_prefill_two_decode_workers_all_take_requests(tiny_model_dir, tmp_pa
         assert_idle(c)
     finally:
         c.stop()
+
+
+def test_shared_system_prompt_goes_to_the_prefill_worker_that_holds_it(tiny_model_dir, tmp_path):
+    """Prefix-aware routing: the second request with the same 256-token system prompt lands on the prefill worker
+    that computed it and reports those tokens as cached; plain rotation would have sent it to the other one."""
+    c = start_cluster(str(tiny_model_dir), "tiny", ServeConfig(num_prefill=2, log_dir=str(tmp_path)),
+                      worker_args=["--kv-tokens", "4096", "--max-model-len", "512", "--connector", "tcp"])
+    try:
+        system = list(range(2000, 2256))
+        with Client(c.address) as client:
+            first = client.complete(system + [7, 8, 9], greedy(4, ignore_eos=True))
+            second = client.complete(system + [10, 11], greedy(4, ignore_eos=True))
+            third = client.complete(system + [12], greedy(4, ignore_eos=True))
+        assert first.cached_prompt_tokens == 0
+        assert second.cached_prompt_tokens == 256 and third.cached_prompt_tokens == 256
+        queried = [worker_stats(c, name).prefix_cache_query_tokens for name in ("prefill-0", "prefill-1")]
+        assert sorted(queried) == [0, 259 + 258 + 257]  # every request went to the one worker
+        assert second.token_ids == hf_greedy(tiny_model_dir, system + [10, 11], 4)
+    finally:
+        c.stop()

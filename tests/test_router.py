@@ -64,13 +64,36 @@ def test_blocks_routed_between_polls_count_against_headroom():
     assert router.pick_decode(16 * 10).address == "d1"  # 45 > 40
 
 
-def test_prefill_prefers_the_shorter_queue():
+def test_prefill_prefers_the_least_queued_work():
     router = two_by_two()
     p0, p1 = router.prefill
-    p0.in_flight = 2
-    assert router.pick_prefill([1]).address == "p1"
-    p0.in_flight, p1.stats = 0, stats(free=100, waiting=3)
-    assert router.pick_prefill([1]).address == "p0"
+    with router.lease(p0, num_tokens=64):  # 4 blocks queued on p0
+        assert router.pick_prefill([1] * 16).address == "p1"
+    router.prefixes.forget("p1")
+    p1.stats = stats(free=100, waiting=3)
+    assert router.pick_prefill(list(range(500, 516))).address == "p0"  # equal work: the shorter reported queue
+
+
+def test_prefill_goes_where_the_prefix_is_cached_unless_that_worker_is_swamped():
+    """Dynamo's cost: blocks to compute (prompt minus cached prefix) plus blocks queued."""
+    router = two_by_two()
+    system = list(range(100, 100 + 32 * 16))  # a 32-block shared system prompt
+    first = router.pick_prefill(system + [1, 2, 3])
+    for i in range(4):  # the same prefix follows the worker that has it, whatever the rotation says
+        assert router.pick_prefill(system + [7 + i]).address == first.address
+    other = next(w for w in router.prefill if w is not first)
+    assert router.pick_prefill(list(range(5000, 5016))).address in {first.address, other.address}
+    with router.lease(first, num_tokens=40 * 16):  # 40 blocks queued there: recomputing 32 elsewhere is cheaper
+        assert router.pick_prefill(system + [99]).address == other.address
+
+
+def test_colocated_choice_is_prefix_aware_too():
+    router = Router([], [handle("c0", "colocated"), handle("c1", "colocated")])
+    prompt = list(range(300, 300 + 8 * 16))
+    first = router.pick_decode(len(prompt) + 16, prompt)
+    for w in router.decode:
+        w.stats, w.blocks_routed = stats(100), 0
+    assert router.pick_decode(len(prompt) + 16, prompt + [5]).address == first.address
 
 
 def test_lease_is_given_back_on_error():

@@ -1,0 +1,58 @@
+"""Which prompt prefixes each worker probably holds in its prefix cache, from what this coordinator sent it.
+
+Like SGLang's cache-aware router, the index is the coordinator's own record of the prompts it routed (no event
+stream from the workers): each worker's entries are chained hashes of full `block_size`-token blocks (a block's
+hash covers everything before it, as the engine's prefix cache keys do), kept in LRU order and bounded by that
+worker's KV pool. It can be wrong both ways (the worker evicted a block; another coordinator filled one); it only
+steers routing, never correctness. A worker that restarts, or leaves, starts again from nothing (`forget`).
+"""
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from collections.abc import Sequence
+
+import numpy as np
+
+
+def block_hashes(token_ids: Sequence[int], block_size: int) -> list[bytes]:
+    """Chained hashes of the full blocks of a prompt: blake2b(previous hash || block tokens as int64), 16 bytes."""
+    out: list[bytes] = []
+    parent = b""
+    tokens = np.asarray(token_ids, dtype=np.int64)
+    for start in range(0, len(tokens) - block_size + 1, block_size):
+        parent = hashlib.blake2b(parent + tokens[start:start + block_size].tobytes(), digest_size=16).digest()
+        out.append(parent)
+    return out
+
+
+class PrefixIndex:
+    """Per worker address, an LRU set of the block hashes routed to it."""
+
+    def __init__(self) -> None:
+        self._by_worker: dict[str, OrderedDict[bytes, None]] = {}
+
+    def overlap(self, worker: str, hashes: list[bytes]) -> int:
+        """How many leading blocks of the prompt the worker probably has cached."""
+        held = self._by_worker.get(worker)
+        if not held:
+            return 0
+        n = 0
+        for h in hashes:
+            if h not in held:
+                break
+            n += 1
+        return n
+
+    def record(self, worker: str, hashes: list[bytes], capacity_blocks: int) -> None:
+        """The worker was given these blocks (its prefix cache will hold them); the oldest fall out past capacity."""
+        held = self._by_worker.setdefault(worker, OrderedDict())
+        for h in hashes:
+            held[h] = None
+            held.move_to_end(h)
+        while len(held) > max(capacity_blocks, 0):
+            held.popitem(last=False)
+
+    def forget(self, worker: str) -> None:
+        """The worker's cache is gone (it restarted or left)."""
+        self._by_worker.pop(worker, None)
