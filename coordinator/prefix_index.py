@@ -9,17 +9,19 @@ steers routing, never correctness. A worker that restarts, or leaves, starts aga
 from __future__ import annotations
 
 import hashlib
+from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 
-import numpy as np
-
 
 def block_hashes(token_ids: Sequence[int], block_size: int) -> list[bytes]:
-    """Chained hashes of the full blocks of a prompt: blake2b(previous hash || block tokens as int64), 16 bytes."""
+    """Chained hashes of the full blocks of a prompt: blake2b(previous hash || block tokens as int64), 16 bytes.
+
+    Standard-library `array` rather than numpy: the coordinator process must stay free of numerical libraries.
+    """
     out: list[bytes] = []
     parent = b""
-    tokens = np.asarray(token_ids, dtype=np.int64)
+    tokens = array("q", token_ids)
     for start in range(0, len(tokens) - block_size + 1, block_size):
         parent = hashlib.blake2b(parent + tokens[start:start + block_size].tobytes(), digest_size=16).digest()
         out.append(parent)

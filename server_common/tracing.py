@@ -14,6 +14,7 @@ OpenTelemetry API is built around that single global, as logging is.
 """
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 from dataclasses import dataclass
@@ -71,9 +72,10 @@ class Tracing:
             return []
         from opentelemetry.instrumentation.grpc import aio_server_interceptor, filters
 
-        return [aio_server_interceptor(self.provider, filter_=filters.negate(filters.any_of(
+        interceptor = aio_server_interceptor(self.provider, filter_=filters.negate(filters.any_of(
             filters.health_check(), filters.service_prefix("grpc.reflection"),
-            filters.method_name("GetStats"), filters.method_name("GetInfo"))))]
+            filters.method_name("GetStats"), filters.method_name("GetInfo"))))
+        return [_accept_write_style_streams(interceptor)]
 
     def client_interceptors(self) -> list:
         """Client spans that inject traceparent into every worker call (membership polls excluded)."""
@@ -111,3 +113,24 @@ def record_span(name: str, start_s: float, end_s: float, attributes: dict | None
         return
     span = tracer().start_span(name, context=parent, start_time=int(start_s * 1e9), attributes=attributes or {})
     span.end(end_time=int(max(end_s, start_s) * 1e9))
+
+
+def _accept_write_style_streams(interceptor):
+    """Let the instrumentation's aio server interceptor trace response-streaming methods that write their stream
+    with `context.write` (a coroutine) rather than yield it (an async generator).
+
+    The instrumentation wraps every response-streaming behaviour in `async for` and so fails such a method with
+    "'async for' requires an object with __aiter__ method, got coroutine" (open-telemetry/opentelemetry-python-contrib
+    issue 3066, open as of 0.66b2). The coordinator's Generate writes with `context.write` on purpose: it bounds each
+    write, so a client that stops reading is noticed. A write-style method is a coroutine that returns when its stream
+    is done, so the instrumentation's unary wrapper (span around `await behavior(...)`) traces it correctly.
+    """
+    stream_wrapper, unary_wrapper = interceptor._intercept_aio_server_stream, interceptor._intercept_aio_server_unary
+
+    def intercept_stream(behavior, handler_call_details):
+        if inspect.isasyncgenfunction(behavior):
+            return stream_wrapper(behavior, handler_call_details)
+        return unary_wrapper(behavior, handler_call_details)
+
+    interceptor._intercept_aio_server_stream = intercept_stream
+    return interceptor

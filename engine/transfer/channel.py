@@ -10,8 +10,10 @@ from __future__ import annotations
 import logging
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # the CLI reads BACKEND_NAMES through this module and must not load torch
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +37,8 @@ class HostStaging:
 
     def _host(self, nbytes: int) -> torch.Tensor:
         if self._buffer is None or self._buffer.numel() < nbytes:
+            import torch
+
             pin = torch.cuda.is_available()  # pinned memory makes device<->host copies DMA; needs a CUDA runtime
             self._buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
             log.info("KV transfer stages device memory through %s host memory (%d bytes buffer): this transport "
