@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from kernels import BACKENDS as ATTENTION_BACKENDS
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
+DTYPE_CHOICES = ("auto",) + DTYPE_NAMES
 
 
 @dataclass(frozen=True)
@@ -15,7 +16,7 @@ class EngineArgs:
 
     Attributes:
         model_dir: resolved HF-format directory (see `cli.models.resolve_model`).
-        dtype: weights and KV dtype.
+        dtype: weights and KV dtype, or "auto" (`engine.hardware.resolve_dtype`).
         block_size: tokens per KV block.
         kv_tokens: KV budget in tokens; ignored when kv_bytes is set.
         kv_bytes: KV budget in bytes (overrides kv_tokens); None = use kv_tokens.
@@ -32,7 +33,9 @@ class EngineArgs:
 
     model_dir: str = field(metadata={"cli": False})
     dtype: str = field(default="float32", metadata={
-        "choices": DTYPE_NAMES, "help": "weights and KV dtype (bf16 needs AVX512_BF16/AMX on CPU to be fast)"})
+        "choices": DTYPE_CHOICES,
+        "help": "weights and KV dtype; auto = bfloat16 on CPUs with AVX512_BF16/AMX and bf16 GPUs, else float32 "
+                "(float16 on older GPUs)"})
     block_size: int = field(default=16, metadata={"help": "tokens per KV block"})
     kv_tokens: int = field(default=16384, metadata={"help": "KV budget in tokens (ignored when --kv-bytes is set)"})
     kv_bytes: int | None = field(default=None, metadata={"help": "KV budget in bytes (overrides --kv-tokens)"})

@@ -8,6 +8,7 @@ import torch
 
 from engine.args import EngineArgs
 from engine.config import CacheConfig, ModelConfig, SchedulerConfig, num_blocks_for_budget
+from engine.hardware import resolve_dtype
 from engine.kv_cache_manager import KVCacheManager
 from engine.loader import load_state_dict
 from engine.model_runner import ModelRunner
@@ -33,7 +34,8 @@ def build_engine(args: EngineArgs) -> EngineParts:
 
     path = Path(args.model_dir)
     hf_config = AutoConfig.from_pretrained(str(path))
-    model_config = ModelConfig.from_hf(hf_config, name=path.name, path=str(path), dtype=args.dtype)
+    model_config = ModelConfig.from_hf(hf_config, name=path.name, path=str(path),
+                                       dtype=resolve_dtype(args.dtype, args.device))
     num_blocks = num_blocks_for_budget(model_config, args.block_size, args.kv_bytes,
                                        None if args.kv_bytes is not None else args.kv_tokens)
     cache_config = CacheConfig(block_size=args.block_size, num_blocks=num_blocks)

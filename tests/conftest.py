@@ -42,14 +42,24 @@ def tiny_model_dir(tmp_path_factory, real_model_dir) -> Path:
     return out
 
 
-def hf_greedy(model_dir: Path, prompt_ids: list[int], max_new_tokens: int, _cache: dict = {}) -> list[int]:
-    """Reference greedy continuation from HF transformers on the same weights (models cached per directory)."""
+@pytest.fixture(scope="session")
+def tokenizer(real_model_dir):
+    """The packaged model's HF tokenizer."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(real_model_dir))
+
+
+def hf_greedy(model_dir: Path, prompt_ids: list[int], max_new_tokens: int, dtype=None, _cache: dict = {}) -> list[int]:
+    """Reference greedy continuation from HF transformers on the same weights, in `dtype` (default fp32; models
+    cached per directory and dtype). Stops at the model's EOS, as `generate()` does."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    key = str(model_dir)
+    dtype = dtype or torch.float32
+    key = (str(model_dir), dtype)
     if key not in _cache:
-        _cache[key] = AutoModelForCausalLM.from_pretrained(key, dtype=torch.float32).eval()
+        _cache[key] = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).eval()
     ids = torch.tensor([prompt_ids])
     with torch.no_grad():
         out = _cache[key].generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,

@@ -28,13 +28,6 @@ def cluster(real_model_dir, tmp_path_factory):
     c.stop()
 
 
-@pytest.fixture(scope="module")
-def tokenizer(real_model_dir):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(real_model_dir))
-
-
 def worker_stats(cluster, name):
     """A worker's GetStats answer (the internal API: the cluster secret is required)."""
     with grpc.insecure_channel(cluster.worker_addresses[name]) as ch:

@@ -1,0 +1,42 @@
+"""What the machine offers that the engine's choices depend on: CPU instruction sets and the `auto` dtype."""
+from __future__ import annotations
+
+from pathlib import Path
+
+# Instruction sets that make bf16 matmuls fast on x86 CPUs (oneDNN uses them: AVX512_BF16 dot products, AMX tiles).
+CPU_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
+
+
+def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
+    """The CPU feature flags Linux reports for the first core; empty where /proc/cpuinfo is absent (not Linux)."""
+    try:
+        with cpuinfo.open() as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def resolve_dtype(name: str, device: str, flags: frozenset[str] | None = None) -> str:
+    """The concrete dtype name for `--dtype` (`auto` or one of `engine.args.DTYPE_NAMES`).
+
+    `auto` follows vLLM's rule of "the fastest dtype the device computes well": on CUDA bfloat16 where the GPU
+    supports it, else float16; on CPU bfloat16 where the CPU has AVX512_BF16 or AMX (there a bf16 GEMM runs 3x
+    the fp32 rate, see docs/benchmarks.md), else float32 (without them bf16 is emulated and slower than fp32).
+    Norms, RoPE tables and softmax stay in fp32 whatever the dtype (`engine.models.llama`, `kernels.reference`).
+
+    Args:
+        name: "auto" or a concrete dtype name (returned unchanged).
+        device: torch device string of the worker ("cpu", "cuda:0").
+        flags: CPU flags (default: `cpu_flags()`); for tests.
+    """
+    if name != "auto":
+        return name
+    if device.startswith("cuda"):
+        import torch
+
+        return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
+    flags = cpu_flags() if flags is None else flags
+    return "bfloat16" if flags & CPU_BF16_FLAGS else "float32"
