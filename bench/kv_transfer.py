@@ -43,7 +43,7 @@ def _block_nbytes(model_dir: str, block_size: int) -> int:
 
 def _receiver_main(backend: str, block_nbytes: int, num_blocks: int, conn) -> None:
     """Spawned process: serve KV offers into a preallocated cache until told to stop."""
-    from engine.transfer import get_backend
+    from engine.transfer import get_backend, release_transports
     from engine.transfer.protocol import KvReceiver
 
     import torch
@@ -62,6 +62,7 @@ def _receiver_main(backend: str, block_nbytes: int, num_blocks: int, conn) -> No
         conn.send(await receiver.start("127.0.0.1"))
         await asyncio.get_running_loop().run_in_executor(None, conn.recv)  # wait for "stop"
         receiver.close()
+        release_transports()
 
     asyncio.run(main())
 
@@ -104,6 +105,7 @@ def plain_socket(nbytes: int, repeats: int) -> float:
 
 def connector(backend: str, block_nbytes: int, num_blocks: int, repeats: int) -> float:
     """Median seconds of KvSender.send for num_blocks blocks to a receiver process over `backend`."""
+    from engine.transfer import release_transports
     from engine.transfer.protocol import KvSender
 
     ctx = mp.get_context("spawn")
@@ -124,6 +126,7 @@ def connector(backend: str, block_nbytes: int, num_blocks: int, repeats: int) ->
             if i:
                 times.append(stats.seconds)
         sender.close()
+        release_transports()  # UCX's context is bound to this loop; the next measurement runs another
         return statistics.median(times)
 
     try:

@@ -35,7 +35,7 @@ async def choose_backend(name: str, compat: str, host: str, device: str) -> Back
         address = await probe.start(host)
         sender = KvSender(compat, lambda b: None, timeout_s=10)
         try:
-            ch = await asyncio.wait_for(sender._checkout(address), 10)
+            ch = await asyncio.wait_for(sender.connect(address), 10)
             ch.close()
         finally:
             sender.close()

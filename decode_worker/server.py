@@ -11,6 +11,7 @@ from decode_worker.connector import choose_backend
 from decode_worker.reservations import Reservation, Reservations, ReservationState
 from engine.errors import EngineError, ErrorKind
 from engine.request import Request
+from engine.transfer import release_transports
 from engine.transfer.protocol import KvReceiver
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 from server_common.addresses import advertise_host
@@ -117,4 +118,5 @@ async def serve(config: WorkerConfig) -> None:
     finally:
         if receiver is not None:
             receiver.close()
+        release_transports()
         tracing.shutdown()

@@ -8,6 +8,7 @@ import grpc
 
 from engine.errors import EngineError
 from engine.request import FinishReason, Request
+from engine.transfer import release_transports
 from engine.transfer.protocol import KvSender, TransferError
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 from server_common.security import read_secret
@@ -87,4 +88,5 @@ async def serve(config: WorkerConfig) -> None:
                            "pdserve.v1.Prefill", secret, tracing)
     finally:
         sender.close()
+        release_transports()
         tracing.shutdown()

@@ -16,6 +16,7 @@ Backends (`tcp`, `ucx`) provide only a framed channel; the protocol in `protocol
 Completion and failure are explicit messages; every wait is bounded; a channel that fails mid-transfer is closed
 and the receiver aborts the request it was filling.
 """
-from engine.transfer.backends import BACKEND_NAMES, available_backends, get_backend, parse_address
+from engine.transfer.backends import (BACKEND_NAMES, available_backends, get_backend, parse_address,
+                                      release_transports)
 
-__all__ = ["BACKEND_NAMES", "available_backends", "get_backend", "parse_address"]
+__all__ = ["BACKEND_NAMES", "available_backends", "get_backend", "parse_address", "release_transports"]

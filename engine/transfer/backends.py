@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import importlib.util
+import sys
 
 from engine.transfer.channel import Backend
 
@@ -45,3 +46,16 @@ def parse_address(address: str) -> tuple[str, str, int]:
     if not sep or not host or not port.isdigit():
         raise ValueError(f"malformed KV address {address!r}; expected scheme://host:port")
     return scheme, host, int(port)
+
+
+def release_transports() -> None:
+    """End the process-wide transport state a backend started (UCX's context and notifier thread), if any.
+
+    Call it when the event loop that ran KV connectors ends: a worker's shutdown, or each test's loop. ucxx binds
+    its notifier thread to the loop it started on, so without this the thread keeps the process from exiting
+    and a later loop's UCX transfers never complete.
+    """
+    if "ucxx" in sys.modules:
+        from engine.transfer.ucx import reset
+
+        reset()

@@ -95,24 +95,47 @@ class Offer:
         return offer
 
 
+MAX_CHANNELS_PER_PEER = 4  # transfers to one decode worker share the link; more channels only add endpoints
+
+
+class _PeerChannels:
+    """Channels to one decode worker: at most `limit` open, opened one at a time, each used by one transfer."""
+
+    def __init__(self, limit: int):
+        self.slots = asyncio.Semaphore(limit)  # one per transfer in flight to this peer
+        self.opening = asyncio.Lock()          # endpoint creation is serialised per peer
+        self.idle: list[Channel] = []
+
+
 class KvSender:
-    """Pushes held KV blocks to decode workers, reusing one channel per transfer from a per-peer pool.
+    """Pushes held KV blocks to decode workers over a small pool of long-lived channels per peer.
+
+    Robust to cancellation by construction: a channel is never torn down because its caller went away. Opening
+    a channel (a UCX endpoint takes 0.4-1 s and a two-way exchange) runs in a task of its own that a cancelled
+    caller leaves to finish into the pool, and once an offer is on the wire the transfer runs to its end (bounded
+    by `timeout_s`) even if `send` is cancelled: cancelling a transfer mid-message meant aborting the endpoint
+    with operations in flight, which crashed ucxx (a segfault in `create_endpoint` and lost completions, issue 12).
+    Only a transfer that fails or times out closes its channel.
 
     Args:
         compat_hash: this worker's `engine.config.compat_hash`; the receiver refuses a mismatch.
         block_view: block id -> 1-D uint8 tensor over that block's memory, on the cache's device
             (`KVCache.block_bytes`).
-        timeout_s: bound on connecting + the whole transfer, seconds.
+        timeout_s: bound on waiting for a channel + connecting + the whole transfer, seconds.
         secret: the cluster secret, proven at each handshake (`handshake_mac`); None = none configured.
+        max_channels_per_peer: channels (and so concurrent transfers) per decode worker; more transfers queue.
     """
 
-    def __init__(self, compat_hash: str, block_view: BlockView, timeout_s: float = 30.0, secret: str | None = None):
+    def __init__(self, compat_hash: str, block_view: BlockView, timeout_s: float = 30.0, secret: str | None = None,
+                 max_channels_per_peer: int = MAX_CHANNELS_PER_PEER):
         self.compat_hash = compat_hash
         self.block_view = block_view
         self.timeout_s = timeout_s
         self.secret = secret
-        self._idle: dict[str, list[Channel]] = defaultdict(list)
+        self.max_channels_per_peer = max_channels_per_peer
+        self._peers: dict[str, _PeerChannels] = {}
         self._backends: dict[str, Backend] = {}
+        self._opening: set[asyncio.Task] = set()
 
     async def send(self, address: str, request_id: str, first_token: int, block_ids: list[int],
                    num_tokens: int, trace_context: dict[str, str] | None = None) -> TransferStats:
@@ -120,53 +143,110 @@ class KvSender:
         headers) travels in the offer.
 
         Raises:
-            TransferError: rejected, incompatible, peer died, or timed out. The channel is closed on any failure
-                that could leave it mid-message; the caller still owns (and must free) the blocks.
-            asyncio.CancelledError: the caller cancelled; the channel is closed so the receiver aborts too.
+            TransferError: rejected, incompatible, peer died, or timed out (KV_TIMEOUT). The caller still owns
+                (and must free) the blocks.
+            asyncio.CancelledError: the caller cancelled. Before the offer went out nothing is sent; after, the
+                transfer is finished first (the blocks are read until this returns, so the caller may free them
+                then), and the decode worker drops the KV when its own request is gone.
         """
         start = time.perf_counter()
-        nbytes = self.block_view(block_ids[0]).nbytes if block_ids else 0  # every block of a cache is one size
+        deadline = asyncio.get_running_loop().time() + self.timeout_s
         try:
-            async with asyncio.timeout(self.timeout_s):
-                ch = await self._checkout(address)
-                staged_before = ch.staged_bytes
-                reusable = False
-                try:
-                    await ch.send_msg(_encode({"type": "offer", "request_id": request_id,
-                                               "num_blocks": len(block_ids), "block_nbytes": nbytes,
-                                               "first_token": first_token, "num_tokens": num_tokens,
-                                               "trace_context": trace_context or {}}))
-                    reply = _decode(await ch.recv_msg())
-                    if not reply.get("ok"):
-                        reusable = True
-                        raise TransferError(ErrorKind.TRANSFER_REJECTED,
-                                            f"decode worker rejected {request_id}: {reply.get('error')}")
-                    for b in block_ids:
-                        await ch.send_buffer(self.block_view(b))
-                    done = _decode(await ch.recv_msg())
-                    if not done.get("ok"):
-                        reusable = True
-                        raise TransferError(ErrorKind.TRANSFER_FAILED,
-                                            f"decode worker failed {request_id}: {done.get('error')}")
-                    reusable = True
-                finally:
-                    if reusable:
-                        self._idle[address].append(ch)
-                    else:
-                        ch.close()
+            ch = await self._acquire(address, deadline)
+            exchange = asyncio.ensure_future(self._exchange(address, ch, deadline, request_id, first_token,
+                                                            block_ids, num_tokens, trace_context or {}))
+            try:
+                stats = await asyncio.shield(exchange)
+            except asyncio.CancelledError:
+                await _uncancellable(exchange)
+                raise
         except TimeoutError as e:
             raise TransferError(ErrorKind.KV_TIMEOUT,
                                 f"KV transfer of {request_id} to {address} exceeded {self.timeout_s:.1f}s") from e
         except ChannelClosed as e:
             raise TransferError(ErrorKind.TRANSFER_FAILED,
                                 f"KV transfer of {request_id} to {address} failed: {e}") from e
-        return TransferStats(len(block_ids), nbytes * len(block_ids), time.perf_counter() - start,
+        stats.seconds = time.perf_counter() - start
+        return stats
+
+    async def _exchange(self, address: str, ch: Channel, deadline: float, request_id: str, first_token: int,
+                        block_ids: list[int], num_tokens: int, trace_context: dict[str, str]) -> TransferStats:
+        """offer -> accept -> blocks -> done on `ch`, which this owns and gives back (or closes) at the end."""
+        nbytes = self.block_view(block_ids[0]).nbytes if block_ids else 0  # every block of a cache is one size
+        staged_before = ch.staged_bytes
+        reusable = False
+        try:
+            async with asyncio.timeout_at(deadline):
+                await ch.send_msg(_encode({"type": "offer", "request_id": request_id, "num_blocks": len(block_ids),
+                                           "block_nbytes": nbytes, "first_token": first_token,
+                                           "num_tokens": num_tokens, "trace_context": trace_context}))
+                reply = _decode(await ch.recv_msg())
+                if not reply.get("ok"):
+                    reusable = True
+                    raise TransferError(ErrorKind.TRANSFER_REJECTED,
+                                        f"decode worker rejected {request_id}: {reply.get('error')}")
+                for b in block_ids:
+                    await ch.send_buffer(self.block_view(b))
+                done = _decode(await ch.recv_msg())
+                reusable = True
+                if not done.get("ok"):
+                    raise TransferError(ErrorKind.TRANSFER_FAILED,
+                                        f"decode worker failed {request_id}: {done.get('error')}")
+        except ValueError as e:  # the peer sent a malformed reply
+            raise ChannelClosed(f"malformed reply: {e}") from e
+        finally:
+            self._release(address, ch, reusable)
+        return TransferStats(len(block_ids), nbytes * len(block_ids), 0.0,
                              staged_bytes=ch.staged_bytes - staged_before)
 
-    async def _checkout(self, address: str) -> Channel:
-        idle = self._idle[address]
-        if idle:
-            return idle.pop()
+    async def _acquire(self, address: str, deadline: float) -> Channel:
+        """An idle channel to `address`, or a new one; waits while `max_channels_per_peer` transfers are on it."""
+        peer = self._peers.get(address)
+        if peer is None:
+            peer = self._peers[address] = _PeerChannels(self.max_channels_per_peer)
+        async with asyncio.timeout_at(deadline):
+            await peer.slots.acquire()
+            try:
+                async with peer.opening:
+                    if peer.idle:
+                        return peer.idle.pop()
+                    opening = asyncio.ensure_future(self.connect(address))
+                    self._opening.add(opening)
+                    opening.add_done_callback(lambda t: self._opened(peer, t))
+                    # A cancelled or timed-out caller leaves the endpoint to finish opening into the pool.
+                    await asyncio.shield(opening)
+                    return peer.idle.pop()
+            except BaseException:
+                peer.slots.release()
+                raise
+
+    def _opened(self, peer: _PeerChannels, task: asyncio.Task) -> None:
+        self._opening.discard(task)
+        if not task.cancelled() and task.exception() is None:
+            self._keep(peer, task.result())
+
+    def _release(self, address: str, ch: Channel, reusable: bool) -> None:
+        peer = self._peers[address]
+        if reusable:
+            self._keep(peer, ch)
+        else:
+            ch.close()
+        peer.slots.release()
+
+    def _keep(self, peer: _PeerChannels, ch: Channel) -> None:
+        """Pool an idle channel; beyond the limit (callers cancelled while theirs opened) close it: it is idle."""
+        if len(peer.idle) < self.max_channels_per_peer:
+            peer.idle.append(ch)
+        else:
+            ch.close()
+
+    async def connect(self, address: str) -> Channel:
+        """Open a channel to `address` and complete the handshake (version, layout hash, cluster secret).
+
+        Raises:
+            TransferError: INCOMPATIBLE_PEER (refused handshake or another protocol).
+            ChannelClosed: cannot connect, or the peer went away during the handshake.
+        """
         scheme, host, port = parse_address(address)
         backend = self._backends.get(scheme)
         if backend is None:
@@ -191,10 +271,24 @@ class KvSender:
         return ch
 
     def close(self) -> None:
-        for chans in self._idle.values():
-            for ch in chans:
+        """Close the idle channels (in-flight transfers close or return theirs when they end)."""
+        for peer in self._peers.values():
+            for ch in peer.idle:
                 ch.close()
-        self._idle.clear()
+            peer.idle.clear()
+
+
+async def _uncancellable(task: asyncio.Future) -> None:
+    """Wait for `task` to end however often the waiter is cancelled meanwhile; its outcome is dropped."""
+    while not task.done():
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            continue
+        except Exception:  # noqa: BLE001 - the caller is cancelled; it only needs the task finished
+            break
+    if task.done() and not task.cancelled():
+        task.exception()  # retrieved, so asyncio does not log it as never retrieved
 
 
 class ReceiveSink(Protocol):

@@ -7,21 +7,43 @@ ucxx's and torch's documented interfaces and is unverified on GPU (no GPU has ru
 
 ucxx is imported lazily, inside the worker process (UCX must not be initialised before a fork). Endpoints are
 expensive to create (0.4-1 s), so senders keep them open and reuse them (see protocol.KvSender).
+
+Completions reach asyncio through ucxx's notifier thread (UCXPY_ENABLE_PYTHON_FUTURE=1, set here unless the
+environment says otherwise). Without it ucxx awaits every request by polling the event loop (`wait_yield`), so a
+decode worker's receiver, which always has a receive posted for the next offer, spun a core at 100% while idle.
+The notifier thread is bound to the event loop UCX started on: `reset` must run when that loop ends.
 """
 from __future__ import annotations
 
+import logging
 import os
+import sys
 
 import torch
 
 from engine.transfer.channel import Backend, Channel, ChannelClosed, Listener, OnChannel
 
+log = logging.getLogger(__name__)
+
 
 def _ucxx():
     os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+    os.environ.setdefault("UCXPY_ENABLE_PYTHON_FUTURE", "1")
     import ucxx  # noqa: PLC0415 (lazy by design)
 
     return ucxx
+
+
+def reset() -> None:
+    """Stop this process's UCX context and its notifier thread, if UCX was started (else nothing). The next use
+    starts a fresh one on the then-running event loop."""
+    ucxx = sys.modules.get("ucxx")
+    if ucxx is None:
+        return
+    try:
+        ucxx.reset()
+    except ucxx.exceptions.UCXError as e:  # stopped anyway; something still held an endpoint or listener
+        log.warning("UCX reset with objects still alive: %s", e)
 
 
 class UcxChannel(Channel):

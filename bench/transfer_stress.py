@@ -1,0 +1,193 @@
+"""KV transfer under random cancellation: hundreds of concurrent transfers between two processes, each cancelled at
+a random moment (or not), then a check that the receiver is alive, holds no block mid-receive, received intact
+bytes for every transfer it completed, and that one more transfer still works.
+
+    .venv/bin/python bench/transfer_stress.py --backend ucx --transfers 2000 [--concurrency 64] [--out FILE]
+
+The receiver runs in a child process (as a decode worker does) with its own free list of blocks; the sender runs
+here (as a prefill worker does). Block j of transfer i carries the bytes of source block (i + j) % SOURCE_BLOCKS,
+each source block filled with one byte value, so the receiver checks content without being told it.
+tests/test_transfer_stress.py runs a short form of it for every installed backend in CI.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import os
+import random
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+SOURCE_BLOCKS = 97
+COMPAT = "stress"
+
+
+def _block_value(source_block: int) -> int:
+    return (source_block * 37 + 11) % 251
+
+
+class _Sink:
+    """A decode worker's reservations, reduced: any id may send; blocks come from a free list and go back to it
+    only when the receiver says its writes stopped (end_receive)."""
+
+    def __init__(self, blocks):
+        self.blocks = blocks
+        self.free = list(range(len(blocks)))
+        self.receiving: dict[str, list[int]] = {}
+        self.completed = self.failed = self.rejected = self.corrupt = 0
+
+    def begin_receive(self, rid, num_blocks, num_tokens, trace_context):
+        if num_blocks > len(self.free):
+            self.rejected += 1
+            raise LookupError(f"no room for {rid}")
+        ids = [self.free.pop() for _ in range(num_blocks)]
+        self.receiving[rid] = ids
+        return ids
+
+    def end_receive(self, rid, first_token, error):
+        ids = self.receiving.pop(rid)
+        if error:
+            self.failed += 1
+        else:
+            self.completed += 1
+            for j, b in enumerate(ids):  # first_token carries the transfer index i
+                want = _block_value((first_token + j) % SOURCE_BLOCKS)
+                if not bool((self.blocks[b] == want).all()):
+                    self.corrupt += 1
+                    break
+        self.free.extend(ids)
+
+
+def _receiver_main(backend_name: str, num_blocks: int, block_nbytes: int, conn) -> None:
+    """Child process: listen, report the address, then answer "report" requests until told to stop."""
+    import torch
+
+    from engine.transfer import get_backend, release_transports
+    from engine.transfer.protocol import KvReceiver
+
+    async def main() -> None:
+        blocks = [torch.zeros(block_nbytes, dtype=torch.uint8) for _ in range(num_blocks)]
+        sink = _Sink(blocks)
+        receiver = KvReceiver(get_backend(backend_name), COMPAT, blocks.__getitem__, sink, timeout_s=10)
+        conn.send(await receiver.start("127.0.0.1"))
+        loop = asyncio.get_running_loop()
+        while True:
+            cmd = await loop.run_in_executor(None, conn.recv)
+            if cmd == "stop":
+                receiver.close()
+                release_transports()
+                return
+            conn.send({"completed": sink.completed, "failed": sink.failed, "rejected": sink.rejected,
+                       "corrupt": sink.corrupt, "receiving": len(sink.receiving),
+                       "free": len(sink.free), "total": num_blocks})
+
+    asyncio.run(main())
+
+
+async def _sender(backend_name: str, address: str, transfers: int, concurrency: int, blocks_per: tuple[int, int],
+                  block_nbytes: int, cancel_fraction: float, max_cancel_ms: float, seed: int) -> dict:
+    import torch
+
+    from engine.transfer import release_transports
+    from engine.transfer.protocol import KvSender, TransferError
+
+    rng = random.Random(seed)
+    source = [torch.full((block_nbytes,), _block_value(k), dtype=torch.uint8) for k in range(SOURCE_BLOCKS)]
+    sender = KvSender(COMPAT, source.__getitem__, timeout_s=15)
+    outcomes: dict[str, int] = {}
+    gate = asyncio.Semaphore(concurrency)
+
+    async def one(i: int) -> None:
+        async with gate:
+            n = rng.randint(*blocks_per)
+            ids = [(i + j) % SOURCE_BLOCKS for j in range(n)]
+            task = asyncio.create_task(sender.send(address, f"r{i}", i, ids, num_tokens=n * 16))
+            if rng.random() < cancel_fraction:
+                await asyncio.sleep(rng.uniform(0, max_cancel_ms) / 1e3)
+                task.cancel()
+            try:
+                await task
+                kind = "ok"
+            except asyncio.CancelledError:
+                kind = "cancelled"
+            except TransferError as e:
+                kind = e.kind.name
+            outcomes[kind] = outcomes.get(kind, 0) + 1
+
+    start = time.monotonic()
+    await asyncio.gather(*(one(i) for i in range(transfers)))
+    elapsed = time.monotonic() - start
+    # The sender must still work after all that.
+    try:
+        await sender.send(address, "final", transfers, [transfers % SOURCE_BLOCKS], num_tokens=16)
+        final = "ok"
+    except TransferError as e:
+        final = f"{e.kind.name}: {e}"
+    sender.close()
+    release_transports()
+    return {"outcomes": outcomes, "final_transfer": final, "seconds": round(elapsed, 2)}
+
+
+def run(backend: str, transfers: int = 300, concurrency: int = 64, blocks_per: tuple[int, int] = (1, 8),
+        block_nbytes: int = 1 << 16, cancel_fraction: float = 0.7, max_cancel_ms: float = 30.0, seed: int = 0,
+        settle_s: float = 20.0) -> dict:
+    """Run the stress and return the report; `report["ok"]` says whether every check held."""
+    ctx = mp.get_context("spawn")  # UCX must not be initialised before a fork
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_receiver_main, args=(backend, concurrency * blocks_per[1], block_nbytes, child),
+                       daemon=True)
+    proc.start()
+    try:
+        if not parent.poll(60):
+            raise RuntimeError("receiver did not start within 60 s")
+        address = parent.recv()
+        sent = asyncio.run(_sender(backend, address, transfers, concurrency, blocks_per, block_nbytes,
+                                   cancel_fraction, max_cancel_ms, seed))
+        deadline = time.monotonic() + settle_s
+        while True:  # the receiver's own timeout bounds any receive whose sender vanished
+            parent.send("report")
+            received = parent.recv() if parent.poll(10) else {"error": "receiver did not answer"}
+            if "error" in received or (received["receiving"] == 0 and received["free"] == received["total"]):
+                break
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        alive = proc.is_alive()
+        parent.send("stop")
+        proc.join(10)
+    finally:
+        if proc.is_alive():
+            proc.kill()
+    ok = (alive and sent["final_transfer"] == "ok" and "error" not in received and received["receiving"] == 0
+          and received["free"] == received["total"] and received["corrupt"] == 0
+          and received["completed"] >= sent["outcomes"].get("ok", 0))
+    return {"backend": backend, "transfers": transfers, "concurrency": concurrency, "sender": sent,
+            "receiver": received, "receiver_alive": alive, "receiver_exitcode": proc.exitcode, "ok": ok}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--backend", default="ucx")
+    p.add_argument("--transfers", type=int, default=2000)
+    p.add_argument("--concurrency", type=int, default=64)
+    p.add_argument("--cancel-fraction", type=float, default=0.7)
+    p.add_argument("--max-cancel-ms", type=float, default=30.0)
+    p.add_argument("--seed", type=int, default=int.from_bytes(os.urandom(2), "little"))
+    p.add_argument("--out")
+    a = p.parse_args()
+    report = run(a.backend, a.transfers, a.concurrency, cancel_fraction=a.cancel_fraction,
+                 max_cancel_ms=a.max_cancel_ms, seed=a.seed)
+    report["seed"] = a.seed
+    print(json.dumps(report, indent=1))
+    if a.out:
+        Path(a.out).write_text(json.dumps(report, indent=1) + "\n")
+    sys.exit(0 if report["ok"] else 1)
+
+
+if __name__ == "__main__":
+    main()
