@@ -8,7 +8,6 @@ import json
 import logging
 import os
 import time
-from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
