@@ -1,0 +1,220 @@
+"""Where a decode step's time goes, and what fraction of the machine it uses (issue 13's steering number).
+
+    python bench/step_profile.py                          # packaged model, fp32 + bf16, batch 1/16/64, ctx 256
+    python bench/step_profile.py --dtypes float32 --batches 64 --steps 20
+
+For each dtype and batch size B, B requests of `--context` prompt tokens are prefilled through the real engine
+(`build_engine`: scheduler + ModelRunner, the same objects a worker runs), then `--steps` decode steps are timed
+through `ModelRunner.execute`, the path a worker takes (metadata packing, forward, logits, sampling). A second pass
+under `torch.profiler` splits the step into:
+
+- gemm: self time of the dense matmul ops (aten::mm / addmm / linear's mkldnn forms), lm_head included;
+- attention: everything inside the paged attention ops (KV write, gather, softmax, the reference einsums);
+- other ops: every other aten op (RMSNorm, RoPE, SiLU, adds, embedding, sampling's argmax, tensor creation);
+- python: the step's wall time minus the time inside any op (packing lists, module dispatch, the scheduler's own
+  bookkeeping is outside `execute` and not counted).
+
+The baselines are measured in the same run, same dtype and thread count:
+
+- GEMM rate: `torch.mm` on the model's own linear shapes at M = B rows (and at M = 256 for the peak);
+- copy bandwidth: `Tensor.copy_` of a 256 MiB buffer (bytes read + written per second).
+
+Fraction of the machine = achieved model FLOP/s / GEMM rate at M = B, where model FLOPs per step = 2 x (matmul
+parameters) x B + attention's 4 x B x context x heads x head_dim x layers (the usual accounting, e.g. PaLM's MFU,
+Chowdhery et al. 2022, appendix B). For B = 1 the step is bandwidth-bound, so the figure is weight bytes read per
+second / copy bandwidth. Profiler timings carry the profiler's own overhead; the split is reported as shares of the
+profiled step, the wall time from the unprofiled pass.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
+
+import torch  # noqa: E402
+from torch.profiler import ProfilerActivity, profile, record_function  # noqa: E402
+
+from engine.args import EngineArgs  # noqa: E402
+from engine.builder import build_engine, set_threads  # noqa: E402
+from engine.hardware import cpu_flags  # noqa: E402
+from engine.request import Request, SamplingParams  # noqa: E402
+from kernels import AttentionOps  # noqa: E402
+from sweep import commit, machine  # noqa: E402
+
+FLAGS_SHOWN = {"avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8", "amx_tile", "avx512_fp16"}
+GEMM_OPS = {"aten::mm", "aten::addmm", "aten::mkldnn_linear", "mkldnn::_linear_pointwise", "aten::_mkl_linear",
+            "mkl::_mkl_linear"}
+
+
+def _time(fn, min_s: float = 0.3) -> float:
+    """Seconds per call of fn(): one warm-up, then repeat until min_s has passed."""
+    fn()
+    n, start = 0, time.perf_counter()
+    while True:
+        fn()
+        n += 1
+        elapsed = time.perf_counter() - start
+        if elapsed >= min_s:
+            return elapsed / n
+
+
+def linear_shapes(model: torch.nn.Module) -> list[tuple[int, int]]:
+    """(in_features, out_features) of every matmul in one forward, lm_head included (applied to sampled rows)."""
+    return [(m.in_features, m.out_features) for m in model.modules() if isinstance(m, torch.nn.Linear)]
+
+
+def gemm_rate(shapes: list[tuple[int, int]], rows: int, dtype: torch.dtype) -> float:
+    """FLOP/s of torch.mm over the model's linear shapes at `rows` rows (each distinct shape once, weighted by
+    how often the model uses it)."""
+    counts: dict[tuple[int, int], int] = {}
+    for s in shapes:
+        counts[s] = counts.get(s, 0) + 1
+    flops = secs = 0.0
+    for (k, n), c in counts.items():
+        a, b = torch.randn(rows, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
+        t = _time(lambda: torch.mm(a, b), min_s=0.15)
+        flops += c * 2 * rows * k * n
+        secs += c * t
+    return flops / secs
+
+
+def copy_bandwidth(nbytes: int = 256 << 20) -> float:
+    """Bytes/s of a large copy (read + write counted)."""
+    src = torch.empty(nbytes, dtype=torch.uint8).random_()
+    dst = torch.empty_like(src)
+    return 2 * nbytes / _time(lambda: dst.copy_(src), min_s=0.5)
+
+
+def _instrument(model: torch.nn.Module) -> None:
+    """Wrap the model's paged attention ops in record_function("attention") so the profiler can attribute them."""
+    def wrap(fn):
+        def inner(*a, **k):
+            with record_function("attention"):
+                return fn(*a, **k)
+        return inner
+    for layer in model.layers:
+        ops = layer.self_attn.ops
+        layer.self_attn.ops = AttentionOps(ops.name + "+profiled", wrap(ops.write_kv_cache),
+                                           wrap(ops.paged_decode_attention), wrap(ops.prefill_attention))
+
+
+def measure(args: EngineArgs, batch: int, context: int, steps: int) -> dict:
+    """Prefill `batch` requests of `context` tokens, then time and profile `steps` decode steps."""
+    parts = build_engine(args)
+    sched, runner = parts.scheduler, parts.runner
+    gen = torch.Generator().manual_seed(0)
+    vocab = parts.model_config.vocab_size
+    for i in range(batch):
+        prompt = torch.randint(0, vocab, (context,), generator=gen).tolist()
+        sched.add_request(Request(f"r{i}", prompt, SamplingParams(max_tokens=4 * steps + 8, temperature=0.0,
+                                                                  ignore_eos=True)))
+
+    def step() -> tuple[int, float]:
+        out = sched.schedule()
+        start = time.perf_counter()
+        result = runner.execute(out)
+        elapsed = time.perf_counter() - start
+        sched.update(out, result)
+        return len(out.decodes) if not out.prefills else -1, elapsed
+
+    while step()[0] != batch:  # prefill everything; the first all-decode step ends the loop
+        pass
+    step()  # warm-up
+    wall = [step()[1] for _ in range(steps)]
+    step_s = sorted(wall)[len(wall) // 2]
+
+    _instrument(runner.model)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        prof_wall = 0.0
+        for _ in range(steps):
+            prof_wall += step()[1]
+    gemm_us = attn_us = ops_us = 0.0
+    for ev in prof.key_averages():
+        if ev.key == "attention":
+            attn_us += ev.cpu_time_total
+    # Self times of ops outside the attention ranges: walk the event tree once.
+    for ev in prof.events():
+        if ev.cpu_parent is None:
+            gemm_us, ops_us = _accumulate(ev, gemm_us, ops_us)
+    total_us = prof_wall * 1e6
+    python_us = max(total_us - gemm_us - attn_us - ops_us, 0.0)
+
+    mc = parts.model_config
+    shapes = linear_shapes(runner.model)
+    matmul_params = sum(k * n for k, n in shapes)  # every linear, lm_head on the B sampled rows included
+    ctx = context + steps  # the average context during the timed steps, to a few tokens
+    flops = 2 * matmul_params * batch + 4 * batch * ctx * mc.num_heads * mc.head_dim * mc.num_layers
+    weight_bytes = matmul_params * torch.empty((), dtype=mc.torch_dtype).element_size()
+    return {"batch": batch, "context": context, "step_ms": step_s * 1e3, "tok_s": batch / step_s,
+            "model_flop_s": flops / step_s, "weight_bytes_s": weight_bytes / step_s,
+            "split": {"gemm": gemm_us / total_us, "attention": attn_us / total_us, "other_ops": ops_us / total_us,
+                      "python": python_us / total_us},
+            "shapes": shapes}
+
+
+def _accumulate(ev, gemm_us: float, ops_us: float) -> tuple[float, float]:
+    """Add self CPU time of ev's subtree to gemm / other ops, skipping the "attention" ranges (counted whole)."""
+    if ev.name == "attention":
+        return gemm_us, ops_us
+    if ev.name in GEMM_OPS:
+        gemm_us += ev.self_cpu_time_total
+    elif ev.name.startswith(("aten::", "mkldnn::", "mkl::")):
+        ops_us += ev.self_cpu_time_total
+    for child in ev.cpu_children:
+        gemm_us, ops_us = _accumulate(child, gemm_us, ops_us)
+    return gemm_us, ops_us
+
+
+def main(argv=None) -> int:
+    from cli.models import resolve_model
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model-dir", default=None, help="HF directory (default: the packaged SmolLM2-135M)")
+    p.add_argument("--dtypes", default="float32,bfloat16")
+    p.add_argument("--batches", default="1,16,64")
+    p.add_argument("--context", type=int, default=256, help="prompt tokens per request")
+    p.add_argument("--steps", type=int, default=10, help="decode steps timed (and profiled) per point")
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (a decode worker's share)")
+    p.add_argument("--out", default=None, help="write the results as JSON here")
+    a = p.parse_args(argv)
+    set_threads(a.threads)
+    base = EngineArgs(model_dir=str(resolve_model(a.model_dir)), threads=a.threads, max_num_seqs=256,
+                      max_num_batched_tokens=max(512, a.context), kv_tokens=0)
+    batches = [int(b) for b in a.batches.split(",")]
+    report = {"machine": machine(), "cpu_flags": sorted(cpu_flags() & FLAGS_SHOWN), "commit": commit(),
+              "threads": a.threads,
+              "torch": torch.__version__, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
+                  timespec="seconds"), "copy_bytes_s": copy_bandwidth(), "points": []}
+    print(f"# {report['machine']}; flags {' '.join(report['cpu_flags'])}; commit {report['commit']}; "
+          f"{a.threads} thread(s); copy bandwidth {report['copy_bytes_s'] / 1e9:.1f} GB/s")
+    print("dtype     batch  step ms   tok/s  GEMM@B GF/s  model GF/s  frac   wbytes/copy  "
+          "gemm  attn  other  python")
+    for dt in a.dtypes.split(","):
+        for b in batches:
+            args = replace(base, dtype=dt, kv_tokens=b * (a.context + 4 * a.steps + 32) + 64)
+            point = measure(args, b, a.context, a.steps)
+            torch_dtype = getattr(torch, dt)
+            point["dtype"] = dt
+            point["gemm_flop_s"] = gemm_rate(point.pop("shapes"), b, torch_dtype)
+            point["fraction"] = point["model_flop_s"] / point["gemm_flop_s"]
+            point["bandwidth_fraction"] = point["weight_bytes_s"] / report["copy_bytes_s"]
+            sp = point["split"]
+            print(f"{dt:9} {b:5d} {point['step_ms']:8.1f} {point['tok_s']:7.1f} {point['gemm_flop_s'] / 1e9:11.1f} "
+                  f"{point['model_flop_s'] / 1e9:11.1f} {point['fraction']:5.2f} {point['bandwidth_fraction']:12.2f}  "
+                  f"{sp['gemm']:4.0%} {sp['attention']:5.0%} {sp['other_ops']:6.0%} {sp['python']:6.0%}", flush=True)
+            report["points"].append(point)
+    if a.out:
+        Path(a.out).write_text(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
