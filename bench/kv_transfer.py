@@ -4,12 +4,15 @@ a plain-socket ceiling measured in the same run, and the share of TTFT the trans
 For prompts of 128 / 512 / 2048 tokens of the default model (SmolLM2-135M, fp32 KV, block 16: 30 layers x K,V x
 16 tokens x 3 heads x 64 dims x 4 B = 720 KiB per block) it measures, median of --repeats after one warm-up:
 - each connector (ucx, tcp): `KvSender.send` to a `KvReceiver` in a spawned process, receiver writing straight
-  into its cache tensor (the production path, one message per block, channel reused as in serving);
+  into its cache tensor (the production path, one message per block, channel reused as in serving); ucx once per
+  `--ucx-tls` setting (UCX's TCP transport alone, and with its shared-memory ones: `sm` = posix/sysv shared
+  memory + cma single-copy between processes; tcp stays listed because UCX's sockaddr connection setup needs it:
+  with `sm,self` alone the first transfer never completes);
 - plain socket: one `sendall` of the same bytes over a fresh-process TCP socket with a 1-byte ack (the ceiling);
 - prefill: the engine's own prefill step for that prompt on this machine (1 torch thread, as a worker runs);
 and prints transfer time / (prefill + transfer), the share of a disaggregated TTFT spent moving KV.
 
-Usage: python bench/kv_transfer.py [--repeats 5] [--out kv_transfer.json]
+Usage: python bench/kv_transfer.py [--repeats 5] [--ucx-tls tcp,self --ucx-tls sm,tcp,self] [--out kv_transfer.json]
 """
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ import argparse
 import asyncio
 import json
 import multiprocessing as mp
+import os
 import socket
 import statistics
 import sys
@@ -172,6 +176,8 @@ def main() -> None:
     p.add_argument("--model-dir", default=None)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--prompts", default=",".join(map(str, PROMPTS)), help="prompt lengths in tokens")
+    p.add_argument("--ucx-tls", action="append", default=None,
+                   help="UCX_TLS for a ucx measurement; repeat for several (default: tcp,self and sm,tcp,self)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     from cli.models import resolve_model
@@ -186,12 +192,17 @@ def main() -> None:
         row = {"prompt_tokens": n, "blocks": blocks, "mib": nbytes / 2 ** 20,
                "plain_socket_mib_s": nbytes / 2 ** 20 / plain_socket(nbytes, args.repeats),
                "prefill_ms": prefill_seconds(model_dir, n, min(args.repeats, 3)) * 1e3}
-        for backend in available_backends():
+        runs = [("tcp", "tcp", None)]
+        if "ucx" in available_backends():
+            runs += [(f"ucx[{tls}]", "ucx", tls) for tls in args.ucx_tls or ["tcp,self", "sm,tcp,self"]]
+        for name, backend, tls in runs:
+            if tls:  # read by UCX when the context starts: the receiver process inherits it, the sender restarts UCX
+                os.environ["UCX_TLS"] = tls
             s = connector(backend, block_nbytes, blocks, args.repeats)
-            row[f"{backend}_ms"] = s * 1e3
-            row[f"{backend}_mib_s"] = nbytes / 2 ** 20 / s
-            row[f"{backend}_vs_socket"] = row[f"{backend}_mib_s"] / row["plain_socket_mib_s"]
-            row[f"{backend}_ttft_share"] = s * 1e3 / (row["prefill_ms"] + s * 1e3)
+            row[f"{name}_ms"] = s * 1e3
+            row[f"{name}_mib_s"] = nbytes / 2 ** 20 / s
+            row[f"{name}_vs_socket"] = row[f"{name}_mib_s"] / row["plain_socket_mib_s"]
+            row[f"{name}_ttft_share"] = s * 1e3 / (row["prefill_ms"] + s * 1e3)
         rows.append(row)
         print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
     if args.out:

@@ -45,3 +45,5 @@ def test_kv_transfer_smoke(tiny_model_dir, tmp_path):
     (row,) = json.loads(out.read_text())
     assert row["blocks"] == 3 and row["plain_socket_mib_s"] > 0 and row["prefill_ms"] > 0
     assert row["tcp_mib_s"] > 0 and 0 < row["tcp_ttft_share"] < 1
+    # UCX over its TCP transport, and with its shared-memory transports
+    assert row["ucx[tcp,self]_mib_s"] > 0 and row["ucx[sm,tcp,self]_mib_s"] > 0
