@@ -79,7 +79,8 @@ class Cluster:
         self.procs[name] = subprocess.Popen(
             [sys.executable, "-m", "cli.main", *self.args(name), "--model", self.model_dir, "--port",
              str(self.ports[name]), "--cluster-secret-file", str(self.secret), "--ready-file", str(ready),
-             "--log-level", "WARNING"], stdout=log, stderr=subprocess.STDOUT)
+             # The coordinator at INFO: its access log names each failed request's status and cause.
+             "--log-level", "INFO" if name == "coordinator" else "WARNING"], stdout=log, stderr=subprocess.STDOUT)
         if wait:
             wait_ready([(name, self.procs[name], ready)], 300)
 
