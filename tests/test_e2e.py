@@ -180,26 +180,35 @@ def test_cancel_and_abort_free_every_block(cluster):
     assert_idle(cluster)
 
 
-def test_random_cancellations_do_not_leak(cluster):
-    rng = random.Random(7)
-
-    async def one(c, i, sem):
+def generate_with_random_cancels(address, prompts, rng, max_tokens, cancel_after, concurrency, total_timeout_s,
+                                 id_prefix, call_timeout_s=None) -> None:
+    """Send every prompt once (greedy, ignore_eos, rng.randint(*max_tokens) tokens) with `concurrency` in flight,
+    leaving each stream after rng.choice(cancel_after) chunks (None = read it to the end). Raises TimeoutError
+    unless every stream ended within total_timeout_s."""
+    async def one(c, i, prompt, sem):
         async with sem:
-            n = rng.randint(2, 12)
-            cancel_after = rng.choice([None, 0, 1, 3])
+            n = rng.randint(*max_tokens)
+            stop_after = rng.choice(cancel_after)
             got = 0
-            async for chunk in c.generate(PROMPTS[i % len(PROMPTS)], greedy(n, ignore_eos=True),
-                                          request_id=f"rc-{i}"):
+            async for _ in c.generate(prompt, greedy(n, ignore_eos=True), request_id=f"{id_prefix}-{i}",
+                                      timeout=call_timeout_s):
                 got += 1
-                if cancel_after is not None and got > cancel_after:
+                if stop_after is not None and got > stop_after:
                     break
 
     async def main():
-        sem = asyncio.Semaphore(16)
-        async with AsyncClient(cluster.address) as c:
-            await asyncio.wait_for(asyncio.gather(*(one(c, i, sem) for i in range(100))), 600)
+        sem = asyncio.Semaphore(concurrency)
+        async with AsyncClient(address) as c:
+            await asyncio.wait_for(asyncio.gather(*(one(c, i, p, sem) for i, p in enumerate(prompts))),
+                                   total_timeout_s)
 
     asyncio.run(main())
+
+
+def test_random_cancellations_do_not_leak(cluster):
+    generate_with_random_cancels(cluster.address, [PROMPTS[i % len(PROMPTS)] for i in range(100)], random.Random(7),
+                                 max_tokens=(2, 12), cancel_after=[None, 0, 1, 3], concurrency=16,
+                                 total_timeout_s=600, id_prefix="rc")
     assert_idle(cluster)
 
 

@@ -183,7 +183,8 @@ def test_cancel_while_waiting_for_a_channel_sends_nothing(backend):
             busy = asyncio.create_task(sender.send(address, "busy", 1, list(range(big)), num_tokens=big))
             await asyncio.wait_for(started.wait(), 10)
             queued = asyncio.create_task(sender.send(address, "queued", 1, [0], num_tokens=1))
-            await asyncio.sleep(0)
+            await asyncio.sleep(0)  # one loop turn: the task's first step runs until it waits for the busy slot
+            assert not queued.done()
             queued.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await queued

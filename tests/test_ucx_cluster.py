@@ -9,7 +9,7 @@ import pytest
 from cli.launcher import ServeConfig, start_cluster
 from conftest import hf_greedy
 from pdserve import AsyncClient
-from test_e2e import assert_idle, greedy
+from test_e2e import assert_idle, generate_with_random_cancels, greedy
 
 pytestmark = pytest.mark.e2e
 
@@ -69,25 +69,9 @@ def test_cancel_64_in_flight_at_once(ucx_cluster, tiny_model_dir):
 def test_random_cancellations_none_stall(ucx_cluster):
     """200 requests, about two thirds cancelled at a random point: every stream ends promptly (none waits for a
     deadline), and the pools return to idle."""
-    rng = random.Random(3)
-    prompts = _prompts(200, 3)
-
-    async def one(c, i, sem):
-        async with sem:
-            cancel_after = rng.choice([None, 0, 0, 1, 2, 5])
-            got = 0
-            async for _ in c.generate(prompts[i], greedy(rng.randint(2, MAX_TOKENS), ignore_eos=True),
-                                      request_id=f"rand-{i}", timeout=60):
-                got += 1
-                if cancel_after is not None and got > cancel_after:
-                    break
-
-    async def main():
-        sem = asyncio.Semaphore(32)
-        async with AsyncClient(ucx_cluster.address) as c:
-            # One timeout for the whole run, far below 200 x a request's 60 s deadline: a stall fails it.
-            await asyncio.wait_for(asyncio.gather(*(one(c, i, sem) for i in range(len(prompts)))), 240)
-
-    asyncio.run(main())
+    # One timeout for the whole run, far below 200 x a request's 60 s deadline: a stall fails it.
+    generate_with_random_cancels(ucx_cluster.address, _prompts(200, 3), random.Random(3), max_tokens=(2, MAX_TOKENS),
+                                 cancel_after=[None, 0, 0, 1, 2, 5], concurrency=32, total_timeout_s=240,
+                                 id_prefix="rand", call_timeout_s=60)
     assert_idle(ucx_cluster)
     _alive(ucx_cluster)

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import importlib.util
-import sys
 
 from engine.transfer.channel import Backend
 
@@ -55,7 +54,6 @@ def release_transports() -> None:
     its notifier thread to the loop it started on, so without this the thread keeps the process from exiting
     and a later loop's UCX transfers never complete.
     """
-    if "ucxx" in sys.modules:
-        from engine.transfer.ucx import reset
+    from engine.transfer.ucx import reset
 
-        reset()
+    reset()

@@ -134,7 +134,7 @@ class KvSender:
         self.max_channels_per_peer = max_channels_per_peer
         self._peers: dict[str, _PeerChannels] = {}
         self._backends: dict[str, Backend] = {}
-        self._opening: set[asyncio.Task] = set()
+        self._connecting: set[asyncio.Task] = set()  # strong references: a cancelled caller drops its own
 
     async def send(self, address: str, request_id: str, first_token: int, block_ids: list[int],
                    num_tokens: int, trace_context: dict[str, str] | None = None) -> TransferStats:
@@ -210,7 +210,7 @@ class KvSender:
                     if peer.idle:
                         return peer.idle.pop()
                     opening = asyncio.ensure_future(self.connect(address))
-                    self._opening.add(opening)
+                    self._connecting.add(opening)
                     opening.add_done_callback(lambda t: self._opened(peer, t))
                     # A cancelled or timed-out caller leaves the endpoint to finish opening into the pool.
                     await asyncio.shield(opening)
@@ -220,7 +220,7 @@ class KvSender:
                 raise
 
     def _opened(self, peer: _PeerChannels, task: asyncio.Task) -> None:
-        self._opening.discard(task)
+        self._connecting.discard(task)
         if not task.cancelled() and task.exception() is None:
             self._keep(peer, task.result())
 
