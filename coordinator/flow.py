@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -20,6 +21,8 @@ from coordinator.record import RequestRecord
 from coordinator.router import Router, WorkerHandle
 from pdserve.v1 import generate_pb2, worker_pb2
 from server_common.tracing import tracer
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -135,6 +138,32 @@ def _pick_prefill(router: Router, prompt: list[int]) -> WorkerHandle:
         return worker
 
 
+@contextlib.asynccontextmanager
+async def _renewing_lease(decode: WorkerHandle, request_id: str, lease_ms: int) -> AsyncIterator[None]:
+    """Keep the decode worker's reservation alive while the prefill is queued or running (until its first token,
+    after which the KV is on its way): renew at a third of the lease, so two lost renewals still leave time.
+    A failed renewal ends the renewing, not the request: the Decode stream reports why the reservation went."""
+    async def renew() -> None:
+        period_s = lease_ms / 3e3
+        while True:
+            await asyncio.sleep(period_s)
+            try:
+                await decode.decode.RenewLease(worker_pb2.RenewLeaseRequest(request_id=request_id), timeout=period_s)
+            except grpc.aio.AioRpcError as e:
+                if e.code() == grpc.StatusCode.NOT_FOUND:
+                    return
+                log.debug("renewing %s's lease on %s failed: %s", request_id, decode.address, e.code().name)
+
+    task = asyncio.create_task(renew()) if lease_ms else None
+    try:
+        yield
+    finally:
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+
 async def run_colocated(router: Router, flow: Flow, request_id: str, prompt: list[int], generated: list[int],
                         sampling: generate_pb2.SamplingParams,
                         timeout_s: float) -> AsyncIterator[Tokens | WorkerFinish]:
@@ -176,7 +205,8 @@ async def run_disaggregated(router: Router, flow: Flow, request_id: str, prompt:
                 pcall = WorkerCall(prefill.prefill.Prefill(worker_pb2.PrefillRequest(
                     request_id=request_id, prompt_token_ids=prompt, sampling=sampling, output_token_ids=generated,
                     kv_address=decode.info.kv_address, arrival_time=arrival), timeout=timeout_s), prefill, flow)
-                first = await pcall.next()
+                async with _renewing_lease(decode, request_id, reserved.reserved.lease_ms):
+                    first = await pcall.next()
             if first is None or first.WhichOneof("response") != "first_token":
                 raise RequestError(grpc.StatusCode.UNAVAILABLE, f"prefill worker {prefill.address} sent no first token",
                                    worker=prefill.address)

@@ -22,9 +22,15 @@ class ReservationState(enum.Enum):
 
 @dataclass
 class Reservation:
-    """One request's reserved blocks and how its transfer stands. `settled` is set at DONE or FAILED."""
+    """One request's reserved blocks and how its transfer stands. `settled` is set at DONE or FAILED.
+
+    The lease: while RESERVED, the blocks are held until `expires_at` (time.monotonic(), seconds), which each
+    renewal moves to `lease_s` from then.
+    """
 
     block_ids: list[int]
+    lease_s: float
+    expires_at: float = 0.0
     state: ReservationState = ReservationState.RESERVED
     first_token: int = 0
     error: str | None = None
@@ -34,6 +40,9 @@ class Reservation:
     trace_context: dict[str, str] = field(default_factory=dict)  # the sender's, for the receive's span
     # Set when the Decode call ended mid-receive: the receiver frees the blocks once its writes stop.
     free_after_receive: Callable[[], None] | None = None
+
+    def __post_init__(self) -> None:
+        self.expires_at = time.monotonic() + self.lease_s
 
 
 class Reservations:
@@ -47,9 +56,11 @@ class Reservations:
         self._by_id: dict[str, Reservation] = {}
 
     @contextmanager
-    def hold(self, request_id: str, block_ids: list[int], stream: RequestStream) -> Iterator[Reservation]:
-        """Offer `block_ids` to the receiver for the duration of the block (the Decode call's wait for KV)."""
-        r = Reservation(block_ids)
+    def hold(self, request_id: str, block_ids: list[int], stream: RequestStream,
+             lease_s: float) -> Iterator[Reservation]:
+        """Offer `block_ids` to the receiver for the duration of the block (the Decode call's wait for KV), under a
+        lease of `lease_s` seconds that `renew` restarts (the caller enforces it)."""
+        r = Reservation(block_ids, lease_s)
         self._by_id[request_id] = r
         try:
             yield r
@@ -58,6 +69,18 @@ class Reservations:
                 r.free_after_receive = stream.hand_over()
             else:
                 del self._by_id[request_id]
+
+    def renew(self, request_id: str) -> float:
+        """Restart the lease of a reservation still waiting for KV; returns the lease, seconds from now.
+
+        Raises:
+            LookupError: no reservation under that id waits for KV (never made, expired, or its KV is arriving).
+        """
+        r = self._by_id.get(request_id)
+        if r is None or r.state != ReservationState.RESERVED:
+            raise LookupError(f"no reservation waiting for KV for {request_id!r}")
+        r.expires_at = time.monotonic() + r.lease_s
+        return r.lease_s
 
     def begin_receive(self, request_id: str, num_blocks: int, num_tokens: int,
                       trace_context: dict[str, str]) -> list[int]:

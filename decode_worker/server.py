@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 
@@ -45,10 +46,13 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
             with self.worker.engine.request(req) as stream:
                 if remote:
                     reserved = await stream.next()
-                    with self.reservations.hold(rid, reserved.block_ids, stream) as reservation:
-                        yield worker_pb2.DecodeResponse(
-                            reserved=worker_pb2.DecodeReserved(num_blocks=len(reserved.block_ids)))
-                        await self._wait_for_kv(rid, reservation, request.kv_timeout_ms)
+                    # A caller may shorten the lease, never extend it past this worker's own: blocks held for a
+                    # peer are bounded unless the peer keeps renewing.
+                    lease_s = min(request.kv_timeout_ms / 1e3 or self.kv_timeout_s, self.kv_timeout_s)
+                    with self.reservations.hold(rid, reserved.block_ids, stream, lease_s) as reservation:
+                        yield worker_pb2.DecodeResponse(reserved=worker_pb2.DecodeReserved(
+                            num_blocks=len(reserved.block_ids), lease_ms=round(lease_s * 1e3)))
+                        await self._wait_for_kv(rid, reservation)
                     stream.kv_arrived(reservation.first_token)
                     record_span("wait for kv", reservation.reserved_at, time.time(),
                                 {"pdserve.request_id": rid, "pdserve.kv.blocks": len(reserved.block_ids)})
@@ -73,22 +77,30 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
         except EngineError as e:
             await abort_with(context, e)
 
-    async def _wait_for_kv(self, rid: str, reservation: Reservation, lease_ms: int) -> None:
-        """Wait for the receiver to settle the reservation; the lease bounds the wait unless bytes are flowing.
+    async def RenewLease(self, request: worker_pb2.RenewLeaseRequest, context: grpc.aio.ServicerContext):
+        try:
+            lease_s = self.reservations.renew(request.request_id)
+        except LookupError as e:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(e))
+        return worker_pb2.RenewLeaseResponse(lease_ms=round(lease_s * 1e3))
+
+    async def _wait_for_kv(self, rid: str, reservation: Reservation) -> None:
+        """Wait for the receiver to settle the reservation; the lease (renewable) bounds the wait until bytes flow.
 
         Raises:
             EngineError: KV_TIMEOUT when the lease ran out before any KV came; TRANSFER_FAILED when it broke.
         """
-        # A caller may shorten the lease, never extend it past this worker's own (blocks held for a peer are bounded).
-        lease_s = min(lease_ms / 1e3, self.kv_timeout_s) if lease_ms else self.kv_timeout_s
-        try:
-            await asyncio.wait_for(reservation.settled.wait(), lease_s)
-        except TimeoutError:
-            if reservation.state != ReservationState.RECEIVING:
+        while not reservation.settled.is_set():
+            if reservation.state == ReservationState.RECEIVING:
+                await reservation.settled.wait()  # the receiver's own timeout bounds this
+                break
+            remaining = reservation.expires_at - time.monotonic()
+            if remaining <= 0:
                 self.worker.metrics.reservations_expired.inc()
                 raise EngineError(ErrorKind.KV_TIMEOUT, f"KV for {rid} did not arrive within the "
-                                                        f"{lease_s:.1f}s lease; blocks freed") from None
-            await reservation.settled.wait()  # receiving: the receiver's own timeout bounds this
+                                                        f"{reservation.lease_s:.1f}s lease; blocks freed")
+            with contextlib.suppress(TimeoutError):  # then re-read the deadline: a renewal may have moved it
+                await asyncio.wait_for(reservation.settled.wait(), remaining)
         if reservation.state == ReservationState.FAILED:
             self.worker.metrics.transfer_failed(ErrorKind.TRANSFER_FAILED.value)
             raise EngineError(ErrorKind.TRANSFER_FAILED, f"KV transfer for {rid} failed: {reservation.error}")

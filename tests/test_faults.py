@@ -1,7 +1,9 @@
 """Regression tests for issue 9's findings, on a real cluster (tiny random-weight model): what one caller sends
 cannot fail another caller's request, and bad input gets a status a caller can act on."""
 import asyncio
+import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
@@ -118,6 +120,50 @@ def test_a_caller_cannot_hold_blocks_past_the_workers_lease(cluster):
                 pass
     assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED and "lease" in e.value.details()
     assert time.monotonic() - start < LEASE_S + 5
+    assert_idle(cluster)
+
+
+def test_renewals_hold_a_reservation_and_it_lapses_when_they_stop(cluster):
+    async def main():
+        async with grpc.aio.insecure_channel(cluster.worker_addresses["decode-0"]) as ch:
+            stub, md = worker_pb2_grpc.DecodeStub(ch), cluster.worker_metadata
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await stub.RenewLease(worker_pb2.RenewLeaseRequest(request_id="nobody"), metadata=md)
+            assert e.value.code() == grpc.StatusCode.NOT_FOUND
+            call = stub.Decode(worker_pb2.DecodeRequest(
+                request_id="renewed", prompt_token_ids=list(range(5, 45)), kv_source=worker_pb2.KV_SOURCE_REMOTE,
+                sampling=generate_pb2.SamplingParams(max_tokens=8)), timeout=30, metadata=md)
+            reserved = await call.read()
+            assert reserved.reserved.lease_ms == LEASE_S * 1000
+            start = time.monotonic()
+            while time.monotonic() - start < 2.5 * LEASE_S:  # renewed: held past its lease
+                renewed = await stub.RenewLease(worker_pb2.RenewLeaseRequest(request_id="renewed"), metadata=md)
+                assert renewed.lease_ms == LEASE_S * 1000
+                await asyncio.sleep(LEASE_S / 4)
+            stopped = time.monotonic()
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await call.read()
+            assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED and "lease" in e.value.details()
+            assert LEASE_S / 2 < time.monotonic() - stopped < LEASE_S + 3
+
+    asyncio.run(main())
+    assert_idle(cluster)
+
+
+def test_a_prefill_queued_past_the_lease_still_completes(cluster, tiny_model_dir):
+    """The decode lease used to run while the prefill was still queued: a prefill worker busy (here: paused) for
+    longer than the lease failed its requests with DEADLINE_EXCEEDED "KV ... did not arrive within the lease". The
+    coordinator now renews the lease until the first token, so only a silent coordinator lets it lapse."""
+    prefill = cluster.processes["prefill-0"]
+    prompt = [7, 8, 9, 10, 11] * 8
+    with Client(cluster.address) as c, ThreadPoolExecutor(1) as pool:
+        prefill.send_signal(signal.SIGSTOP)  # before sending: the request then certainly queues behind the pause
+        try:
+            out = pool.submit(c.complete, prompt, greedy(8, ignore_eos=True), timeout=60)
+            time.sleep(3 * LEASE_S)
+        finally:
+            prefill.send_signal(signal.SIGCONT)
+        assert out.result().token_ids == hf_greedy(tiny_model_dir, prompt, 8)
     assert_idle(cluster)
 
 
