@@ -69,11 +69,19 @@ class Scheduler:
         return None
 
     def reserve(self) -> list[Reserved]:
-        """Reserve blocks for queued remote-KV requests, in arrival order, while the pool allows."""
+        """Reserve blocks for queued remote-KV requests, in arrival order, while the pool allows.
+
+        Requests already waiting to run come first: a reservation never takes the blocks they still need (for
+        their first step: one more block after their KV arrived, everything after a preemption). Without that, a
+        burst of reservations filled the pool, each request needed one block more once its KV arrived, and the
+        worker stalled until leases lapsed."""
         out = []
+        owed = sum(max(0, self.kv.blocks_needed(r.num_tokens) - len(self.kv.get_block_table(r.request_id)))
+                   for r in self.waiting)
         while self.reserving:
             req = self.reserving[0]
-            if not self.kv.allocate_slots(req.request_id, req.num_tokens):
+            if self.kv.pool.num_free_blocks - self.kv.blocks_needed(req.num_tokens) < owed \
+                    or not self.kv.allocate_slots(req.request_id, req.num_tokens):
                 break
             self.reserving.popleft()
             req.status = RequestStatus.WAITING_FOR_KV
@@ -131,7 +139,10 @@ class Scheduler:
             num_computed = req.num_computed_tokens or len(computed_blocks) * self.kv.block_size
             n = min(req.num_tokens - num_computed, budget)
             if not self.kv.allocate_slots(req.request_id, num_computed + n, computed_blocks):
-                break
+                # Nothing running will free a block: free a later waiting request's instead (it recomputes).
+                if self.running or not self._preempt_waiting(req):
+                    break
+                continue
             self.waiting.popleft()
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = time.time()
@@ -157,6 +168,18 @@ class Scheduler:
         req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
         self.waiting.appendleft(req)
+
+    def _preempt_waiting(self, head: Request) -> bool:
+        """Free the blocks of the newest waiting request that holds any (not `head`): it recomputes later, from its
+        place in the queue. Returns False when no waiting request holds blocks."""
+        for req in reversed(self.waiting):
+            if req is not head and self.kv.get_block_table(req.request_id):
+                self.kv.free(req.request_id)
+                self.num_preemptions += 1
+                req.num_computed_tokens = 0
+                req.status = RequestStatus.PREEMPTED
+                return True
+        return False
 
     # ---- results -----------------------------------------------------------------------------------------------
     def update(self, out: SchedulerOutput, result: RunnerOutput) -> list[TokenOutput | RequestFailed]:

@@ -98,6 +98,34 @@ def test_remote_kv_request_reserves_then_decodes(tiny_model_dir, prompts):
         assert e.scheduler.kv.pool.num_free_blocks == e.scheduler.kv.pool.num_blocks
 
 
+def test_reservations_that_fill_the_pool_cannot_deadlock_the_decode_worker(tiny_model_dir):
+    """Reservations used to take every free block: once their KV arrived, each request needed one more block for
+    its next token, none could get it, nothing ran to free one, and the worker stalled until the leases lapsed
+    (the chaos run's DEADLINE_EXCEEDED under 256-stream bursts). Now reservations leave the blocks the queued
+    requests need, and when nothing runs, a waiting request is preempted (recomputed later) to let the head in."""
+    parts = build_engine(EngineArgs(model_dir=str(tiny_model_dir), block_size=8, kv_tokens=8 * 12, max_model_len=64))
+    s = parts.scheduler
+    reqs = [Request(f"d{i}", [5 + i] * 16, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True),
+                    remote_kv=True) for i in range(8)]
+    for r in reqs:
+        assert s.add_request(r) is None
+    reserved = []
+    steps = 0
+    while s.has_work() or s.reserving or reserved:
+        for ev in s.reserve():
+            reserved.append(ev.request_id)
+        for rid in reserved:  # every reserved request's KV "arrives" at once (content irrelevant here)
+            assert s.kv_arrived(rid, 7) is None
+        reserved.clear()
+        out = s.schedule()
+        assert not out.is_empty, "decode worker stalled with KV-ready requests and a full pool"
+        s.update(out, parts.runner.execute(out))
+        steps += 1
+        assert steps < 500
+    assert all(len(r.output_token_ids) == 6 for r in reqs)
+    assert s.kv.pool.num_free_blocks == s.kv.pool.num_blocks and s.kv.pool.integrity_errors() == []
+
+
 def test_seeded_sampling_reproducible_and_split_invariant(tiny_model_dir, prompts):
     """Same seed -> same tokens, whether one engine samples everything or the first token comes from another."""
     args = EngineArgs(model_dir=str(tiny_model_dir), block_size=8, kv_tokens=1024, max_model_len=512)
