@@ -105,6 +105,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         error: RequestError | None = None
         try:
             prompt, sampling = await self._prepare(request)
+            flow.record.prompt_tokens = len(prompt)  # kept if the request fails: the access log says how big it was
             _trace_request(request, sampling, self.config.model_name, rid)
             self._charge(caller, len(prompt) + sampling.max_tokens)
             async for msg in self._stream(flow, request, prompt, sampling, arrival_wall, t0):
@@ -113,7 +114,10 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             error = e
             await context.abort(e.code, f"request {rid}: {e.message}", e.trailing_metadata())
         except asyncio.CancelledError:
-            error = RequestError(grpc.StatusCode.CANCELLED, "the client cancelled the call")
+            remaining = context.time_remaining()
+            error = (RequestError(grpc.StatusCode.DEADLINE_EXCEEDED, "the client's deadline passed")
+                     if remaining is not None and remaining <= 0
+                     else RequestError(grpc.StatusCode.CANCELLED, "the client cancelled the call"))
             raise
         finally:
             flow.cancel()
@@ -122,6 +126,8 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             record = flow.record
             if error is not None:
                 record.error_code = error.code.name
+                record.prefill_worker = record.prefill_worker or flow.prefill_worker  # where it was when it failed
+                record.decode_worker = record.decode_worker or flow.decode_worker
             record.e2e_s = record.e2e_s or (flows.now_ms() - t0) / 1e3
             self._finished(record, error.message if error else "")
 
