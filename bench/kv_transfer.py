@@ -55,7 +55,7 @@ def _receiver_main(backend: str, block_nbytes: int, num_blocks: int, conn) -> No
     cache = torch.zeros((num_blocks, block_nbytes), dtype=torch.uint8)  # rows: 1-D uint8 block views, as KVCache
 
     class Sink:
-        def begin_receive(self, request_id, n, num_tokens, trace_context):
+        def begin_receive(self, request_id, first_block, n, num_tokens, trace_context):
             return list(range(n))
 
         def end_receive(self, request_id, first_token, error):

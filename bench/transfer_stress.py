@@ -41,7 +41,7 @@ class _Sink:
         self.receiving: dict[str, list[int]] = {}
         self.completed = self.failed = self.rejected = self.corrupt = 0
 
-    def begin_receive(self, rid, num_blocks, num_tokens, trace_context):
+    def begin_receive(self, rid, first_block, num_blocks, num_tokens, trace_context):
         if num_blocks > len(self.free):
             self.rejected += 1
             raise LookupError(f"no room for {rid}")

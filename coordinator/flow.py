@@ -204,7 +204,8 @@ async def run_disaggregated(router: Router, flow: Flow, request_id: str, prompt:
                 flow.prefill_worker = prefill.address
                 pcall = WorkerCall(prefill.prefill.Prefill(worker_pb2.PrefillRequest(
                     request_id=request_id, prompt_token_ids=prompt, sampling=sampling, output_token_ids=generated,
-                    kv_address=decode.info.kv_address, arrival_time=arrival), timeout=timeout_s), prefill, flow)
+                    kv_address=decode.info.kv_address, arrival_time=arrival,
+                    kv_skip_blocks=reserved.reserved.num_cached_blocks), timeout=timeout_s), prefill, flow)
                 async with _renewing_lease(decode, request_id, reserved.reserved.lease_ms):
                     first = await pcall.next()
             if first is None or first.WhichOneof("response") != "first_token":

@@ -24,11 +24,15 @@ class ReservationState(enum.Enum):
 class Reservation:
     """One request's reserved blocks and how its transfer stands. `settled` is set at DONE or FAILED.
 
+    block_ids: the blocks the KV is received into: the request's block table after its first `first_block`
+    blocks, which this worker's prefix cache already held.
+
     The lease: while RESERVED, the blocks are held until `expires_at` (time.monotonic(), seconds), which each
     renewal moves to `lease_s` from then.
     """
 
     block_ids: list[int]
+    first_block: int
     lease_s: float
     expires_at: float = 0.0
     state: ReservationState = ReservationState.RESERVED
@@ -56,11 +60,12 @@ class Reservations:
         self._by_id: dict[str, Reservation] = {}
 
     @contextmanager
-    def hold(self, request_id: str, block_ids: list[int], stream: RequestStream,
+    def hold(self, request_id: str, block_ids: list[int], num_cached_blocks: int, stream: RequestStream,
              lease_s: float) -> Iterator[Reservation]:
-        """Offer `block_ids` to the receiver for the duration of the block (the Decode call's wait for KV), under a
-        lease of `lease_s` seconds that `renew` restarts (the caller enforces it)."""
-        r = Reservation(block_ids, lease_s)
+        """Offer `block_ids` (the request's block table) past its first `num_cached_blocks` to the receiver for the
+        duration of the block (the Decode call's wait for KV), under a lease of `lease_s` seconds that `renew`
+        restarts (the caller enforces it)."""
+        r = Reservation(block_ids[num_cached_blocks:], num_cached_blocks, lease_s)
         self._by_id[request_id] = r
         try:
             yield r
@@ -82,13 +87,14 @@ class Reservations:
         r.expires_at = time.monotonic() + r.lease_s
         return r.lease_s
 
-    def begin_receive(self, request_id: str, num_blocks: int, num_tokens: int,
+    def begin_receive(self, request_id: str, first_block: int, num_blocks: int, num_tokens: int,
                       trace_context: dict[str, str]) -> list[int]:
         r = self._by_id.get(request_id)
         if r is None or r.state != ReservationState.RESERVED:
             raise LookupError(f"no reservation waiting for KV for {request_id!r} (aborted or expired)")
-        if num_blocks != len(r.block_ids):
-            raise LookupError(f"{num_blocks} blocks offered for {request_id!r}, {len(r.block_ids)} reserved")
+        if (first_block, num_blocks) != (r.first_block, len(r.block_ids)):
+            raise LookupError(f"blocks {first_block}..{first_block + num_blocks} offered for {request_id!r}, "
+                              f"{r.first_block}..{r.first_block + len(r.block_ids)} awaited")
         r.state = ReservationState.RECEIVING
         r.receive_started_at, r.trace_context = time.time(), trace_context
         return r.block_ids

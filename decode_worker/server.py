@@ -49,9 +49,11 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
                     # A caller may shorten the lease, never extend it past this worker's own: blocks held for a
                     # peer are bounded unless the peer keeps renewing.
                     lease_s = min(request.kv_timeout_ms / 1e3 or self.kv_timeout_s, self.kv_timeout_s)
-                    with self.reservations.hold(rid, reserved.block_ids, stream, lease_s) as reservation:
+                    with self.reservations.hold(rid, reserved.block_ids, reserved.num_cached_blocks, stream,
+                                                lease_s) as reservation:
                         yield worker_pb2.DecodeResponse(reserved=worker_pb2.DecodeReserved(
-                            num_blocks=len(reserved.block_ids), lease_ms=round(lease_s * 1e3)))
+                            num_blocks=len(reserved.block_ids), num_cached_blocks=reserved.num_cached_blocks,
+                            lease_ms=round(lease_s * 1e3)))
                         await self._wait_for_kv(rid, reservation)
                     stream.kv_arrived(reservation.first_token)
                     record_span("wait for kv", reservation.reserved_at, time.time(),

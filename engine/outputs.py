@@ -57,10 +57,15 @@ class RunnerOutput:
 
 @dataclass
 class Reserved:
-    """Blocks are reserved for a remote-KV request: the prefill worker may send (decode worker)."""
+    """Blocks are reserved for a remote-KV request: the prefill worker may send (decode worker).
+
+    block_ids: the request's whole block table for its KV; the first num_cached_blocks of them are this worker's
+    prefix-cache hits, already holding that KV, so only the rest need to be sent.
+    """
 
     request_id: str
     block_ids: list[int]
+    num_cached_blocks: int = 0
 
 
 @dataclass

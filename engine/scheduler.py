@@ -80,12 +80,14 @@ class Scheduler:
                    for r in self.waiting)
         while self.reserving:
             req = self.reserving[0]
-            if self.kv.pool.num_free_blocks - self.kv.blocks_needed(req.num_tokens) < owed \
-                    or not self.kv.allocate_slots(req.request_id, req.num_tokens):
+            cached = self.kv.get_computed_blocks(req)  # KV this worker already holds need not be sent again
+            if self.kv.pool.num_free_blocks - (self.kv.blocks_needed(req.num_tokens) - len(cached)) < owed \
+                    or not self.kv.allocate_slots(req.request_id, req.num_tokens, cached):
                 break
             self.reserving.popleft()
+            self.kv.record_prefix_query(req.num_tokens, len(cached) * self.kv.block_size)
             req.status = RequestStatus.WAITING_FOR_KV
-            out.append(Reserved(req.request_id, list(self.kv.get_block_table(req.request_id))))
+            out.append(Reserved(req.request_id, list(self.kv.get_block_table(req.request_id)), len(cached)))
         return out
 
     def kv_arrived(self, request_id: str, first_token: int) -> RequestFailed | None:

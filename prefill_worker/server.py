@@ -6,7 +6,7 @@ import time
 
 import grpc
 
-from engine.errors import EngineError
+from engine.errors import EngineError, ErrorKind
 from engine.request import FinishReason, Request
 from engine.transfer import release_transports
 from engine.transfer.protocol import KvSender, TransferError
@@ -56,9 +56,14 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
                 yield worker_pb2.PrefillResponse(first_token=first)
                 if not held or not request.kv_address:
                     return
+                blocks, skip = ev.block_ids or [], request.kv_skip_blocks
+                if skip >= len(blocks) > 0:  # the decode side computes nothing, so it must receive the last block
+                    raise EngineError(ErrorKind.INVALID_REQUEST, f"kv_skip_blocks {skip} leaves none of the "
+                                                                 f"{len(blocks)} blocks to send")
                 with tracer().start_as_current_span("kv transfer") as span:
-                    stats = await self.sender.send(request.kv_address, rid, ev.token.token_id, ev.block_ids or [],
-                                                   req.num_tokens - 1, trace_context=inject_context())
+                    stats = await self.sender.send(request.kv_address, rid, ev.token.token_id, blocks[skip:],
+                                                   req.num_tokens - 1, trace_context=inject_context(),
+                                                   first_block=skip)
                     span.set_attributes({"pdserve.kv.bytes": stats.num_bytes, "pdserve.kv.blocks": stats.num_blocks,
                                          "pdserve.kv.staged_bytes": stats.staged_bytes,
                                          "pdserve.kv.peer": request.kv_address, "pdserve.request_id": rid})

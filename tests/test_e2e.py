@@ -283,3 +283,32 @@ def test_shared_system_prompt_goes_to_the_prefill_worker_that_holds_it(tiny_mode
         assert second.token_ids == hf_greedy(tiny_model_dir, system + [10, 11], 4)
     finally:
         c.stop()
+
+
+def test_decode_workers_cached_prefix_shrinks_the_transfer(tiny_model_dir, tmp_path):
+    """Only what is missing moves: a second request sharing a 64-token prefix with the first finds those 4 blocks
+    (block size 16) in the decode worker's prefix cache, so the prefill worker sends 1 block instead of 5; greedy
+    output still equals HF's."""
+    from test_observability import scrape, total
+
+    c = start_cluster(str(tiny_model_dir), "tiny", ServeConfig(log_dir=str(tmp_path)),
+                      worker_args=["--kv-tokens", "2048", "--max-model-len", "512", "--connector", "tcp",
+                                   "--metrics-port", "0"])
+    try:
+        shared = list(range(3000, 3064))
+
+        def sent_bytes() -> float:
+            return total(scrape(c.metrics_urls["prefill-0"]), "pdserve:kv_transfer_bytes_sum")
+
+        with Client(c.address) as client:
+            first = client.complete(shared + [7, 8, 9], greedy(5, ignore_eos=True))
+            first_bytes = sent_bytes()
+            second = client.complete(shared + [10, 11], greedy(5, ignore_eos=True))
+            second_bytes = sent_bytes() - first_bytes
+        assert first_bytes > 0 and second_bytes == first_bytes / 5  # 67 tokens = 5 blocks; then 1 of 5
+        assert worker_stats(c, "decode-0").prefix_cache_hit_tokens == 64
+        assert first.token_ids == hf_greedy(tiny_model_dir, shared + [7, 8, 9], 5)
+        assert second.token_ids == hf_greedy(tiny_model_dir, shared + [10, 11], 5)
+        assert_idle(c)
+    finally:
+        c.stop()

@@ -55,7 +55,7 @@ class Sink:
     def __init__(self, reserved):
         self.reserved, self.ended = reserved, {}
 
-    def begin_receive(self, rid, num_blocks, num_tokens, trace_context):
+    def begin_receive(self, rid, first_block, num_blocks, num_tokens, trace_context):
         if rid not in self.reserved:
             raise LookupError(f"no reservation for {rid}")
         return self.reserved[rid]

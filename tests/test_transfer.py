@@ -34,11 +34,13 @@ class Sink:
     def __init__(self):
         self.reserved = {}
         self.ended = {}
+        self.first_blocks = {}
         self.on_begin = None
 
-    def begin_receive(self, rid, num_blocks, num_tokens, trace_context):
+    def begin_receive(self, rid, first_block, num_blocks, num_tokens, trace_context):
         if rid not in self.reserved:
             raise LookupError(f"no reservation for {rid}")
+        self.first_blocks[rid] = first_block
         if self.on_begin:
             self.on_begin()
         return self.reserved[rid]
@@ -75,8 +77,9 @@ def test_blocks_arrive_in_reserved_blocks(backend):
                 torch.testing.assert_close(dst.blocks[d], src.blocks[s])
             assert sink.ended["r1"] == (42, None)
             sink.reserved["r2"] = [7]  # the pooled channel is reused for the next request
-            await sender.send(address, "r2", 7, [4], num_tokens=3)
+            await sender.send(address, "r2", 7, [4], num_tokens=40, first_block=2)  # blocks 0-1 already there
             torch.testing.assert_close(dst.blocks[7], src.blocks[4])
+            assert sink.first_blocks == {"r1": 0, "r2": 2}
         finally:
             sender.close()
             receiver.close()
@@ -255,3 +258,18 @@ def test_kv_cache_blocks_are_tensors_on_the_cache_device(tiny_model_dir):
     assert block.dtype == torch.uint8 and block.dim() == 1 and block.device == cache.kv.device
     block.fill_(7)
     assert (cache.kv[2].view(-1).view(torch.uint8) == 7).all() and (cache.kv[1] == 0).all()
+
+
+def test_a_reservation_accepts_only_the_blocks_it_awaits():
+    """The decode side holds the first blocks in its prefix cache: the offer must name exactly the rest."""
+    from decode_worker.reservations import Reservations
+
+    async def main():
+        reservations = Reservations()
+        with reservations.hold("r", [10, 11, 12, 13], 3, stream=None, lease_s=5):
+            for first, n in [(0, 4), (0, 1), (2, 2), (3, 2)]:
+                with pytest.raises(LookupError, match="awaited"):
+                    reservations.begin_receive("r", first, n, 60, {})
+            assert reservations.begin_receive("r", 3, 1, 60, {}) == [13]
+            reservations.end_receive("r", 5, None)
+    asyncio.run(main())

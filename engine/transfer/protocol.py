@@ -70,6 +70,7 @@ class Offer:
     """
 
     request_id: str
+    first_block: int  # index in the request's block table of the first block sent (earlier ones are not sent)
     num_blocks: int
     block_nbytes: int
     first_token: int
@@ -86,7 +87,8 @@ class Offer:
             raise ValueError(f"offer without {e}") from None
         if not isinstance(offer.request_id, str) or not all(
                 isinstance(v, int) and not isinstance(v, bool) and v >= 0
-                for v in (offer.num_blocks, offer.block_nbytes, offer.first_token, offer.num_tokens)):
+                for v in (offer.first_block, offer.num_blocks, offer.block_nbytes, offer.first_token,
+                          offer.num_tokens)):
             raise ValueError(f"malformed offer {msg}")
         if not isinstance(offer.trace_context, dict) or not all(
                 isinstance(k, str) and isinstance(v, str) for k, v in offer.trace_context.items()):
@@ -137,9 +139,11 @@ class KvSender:
         self._connecting: set[asyncio.Task] = set()  # strong references: a cancelled caller drops its own
 
     async def send(self, address: str, request_id: str, first_token: int, block_ids: list[int],
-                   num_tokens: int, trace_context: dict[str, str] | None = None) -> TransferStats:
+                   num_tokens: int, trace_context: dict[str, str] | None = None,
+                   first_block: int = 0) -> TransferStats:
         """Send one request's blocks in order; returns when the receiver acknowledged them. trace_context (W3C
-        headers) travels in the offer.
+        headers) travels in the offer. first_block: where `block_ids` start in the request's block table (the
+        decode worker already holds the blocks before it).
 
         Raises:
             TransferError: rejected, incompatible, peer died, or timed out (KV_TIMEOUT). The caller still owns
@@ -153,7 +157,7 @@ class KvSender:
         try:
             ch = await self._acquire(address, deadline)
             exchange = asyncio.ensure_future(self._exchange(address, ch, deadline, request_id, first_token,
-                                                            block_ids, num_tokens, trace_context or {}))
+                                                            first_block, block_ids, num_tokens, trace_context or {}))
             try:
                 stats = await asyncio.shield(exchange)
             except asyncio.CancelledError:
@@ -169,14 +173,16 @@ class KvSender:
         return stats
 
     async def _exchange(self, address: str, ch: Channel, deadline: float, request_id: str, first_token: int,
-                        block_ids: list[int], num_tokens: int, trace_context: dict[str, str]) -> TransferStats:
+                        first_block: int, block_ids: list[int], num_tokens: int,
+                        trace_context: dict[str, str]) -> TransferStats:
         """offer -> accept -> blocks -> done on `ch`, which this owns and gives back (or closes) at the end."""
         nbytes = self.block_view(block_ids[0]).nbytes if block_ids else 0  # every block of a cache is one size
         staged_before = ch.staged_bytes
         reusable = False
         try:
             async with asyncio.timeout_at(deadline):
-                await ch.send_msg(_encode({"type": "offer", "request_id": request_id, "num_blocks": len(block_ids),
+                await ch.send_msg(_encode({"type": "offer", "request_id": request_id, "first_block": first_block,
+                                           "num_blocks": len(block_ids),
                                            "block_nbytes": nbytes, "first_token": first_token,
                                            "num_tokens": num_tokens, "trace_context": trace_context}))
                 reply = _decode(await ch.recv_msg())
@@ -293,14 +299,15 @@ async def _uncancellable(task: asyncio.Future) -> None:
 class ReceiveSink(Protocol):
     """What the receiver needs from the decode worker (called on the event loop thread)."""
 
-    def begin_receive(self, request_id: str, num_blocks: int, num_tokens: int,
+    def begin_receive(self, request_id: str, first_block: int, num_blocks: int, num_tokens: int,
                       trace_context: dict[str, str]) -> list[int]:
-        """Return the reserved block ids to fill, in order, and mark the request as receiving. trace_context: the
-        sender's W3C trace headers (for the receive's span).
+        """Return the reserved block ids to fill with the offered blocks (positions first_block .. first_block +
+        num_blocks of the request's block table), in order, and mark the request as receiving. trace_context:
+        the sender's W3C trace headers (for the receive's span).
 
         Raises:
-            LookupError: reject the offer (unknown or aborted request, or a block count mismatch); the message is
-                sent back to the prefill worker.
+            LookupError: reject the offer (unknown or aborted request, or other blocks than those awaited); the
+                message is sent back to the prefill worker.
         """
 
     def end_receive(self, request_id: str, first_token: int, error: str | None) -> None:
@@ -380,7 +387,8 @@ class KvReceiver:
         """Handle one offer; returns False when the channel must be dropped."""
         rid = offer.request_id
         try:
-            block_ids = self.sink.begin_receive(rid, offer.num_blocks, offer.num_tokens, offer.trace_context)
+            block_ids = self.sink.begin_receive(rid, offer.first_block, offer.num_blocks, offer.num_tokens,
+                                                offer.trace_context)
             if offer.num_blocks and offer.block_nbytes != self.block_view(block_ids[0]).nbytes:
                 self.sink.end_receive(rid, 0, "block size mismatch")
                 raise LookupError(f"block of {offer.block_nbytes} bytes, expected "
