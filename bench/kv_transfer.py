@@ -3,11 +3,11 @@ a plain-socket ceiling measured in the same run, and the share of TTFT the trans
 
 For prompts of 128 / 512 / 2048 tokens of the default model (SmolLM2-135M, fp32 KV, block 16: 30 layers x K,V x
 16 tokens x 3 heads x 64 dims x 4 B = 720 KiB per block) it measures, median of --repeats after one warm-up:
-- each connector (ucx, tcp): `KvSender.send` to a `KvReceiver` in a spawned process, receiver writing straight
+- each connector (ucx, tcp, nccl): `KvSender.send` to a `KvReceiver` in a spawned process, receiver writing straight
   into its cache tensor (the production path, one message per block, channel reused as in serving); ucx once per
   `--ucx-tls` setting (UCX's TCP transport alone, and with its shared-memory ones: `sm` = posix/sysv shared
   memory + cma single-copy between processes; tcp stays listed because UCX's sockaddr connection setup needs it:
-  with `sm,self` alone the first transfer never completes);
+  with `sm,self` alone the first transfer never completes); nccl runs its gloo backend for this CPU cache;
 - plain socket: one `sendall` of the same bytes over a fresh-process TCP socket with a 1-byte ack (the ceiling);
 - prefill: the engine's own prefill step for that prompt on this machine (1 torch thread, as a worker runs);
 and prints transfer time / (prefill + transfer), the share of a disaggregated TTFT spent moving KV.
@@ -195,6 +195,8 @@ def main() -> None:
         runs = [("tcp", "tcp", None)]
         if "ucx" in available_backends():
             runs += [(f"ucx[{tls}]", "ucx", tls) for tls in args.ucx_tls or ["tcp,self", "sm,tcp,self"]]
+        if "nccl" in available_backends():  # torch.distributed point-to-point: gloo for this CPU cache
+            runs.append(("nccl[gloo]", "nccl", None))
         for name, backend, tls in runs:
             if tls:  # read by UCX when the context starts: the receiver process inherits it, the sender restarts UCX
                 os.environ["UCX_TLS"] = tls

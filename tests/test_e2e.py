@@ -212,7 +212,7 @@ def test_random_cancellations_do_not_leak(cluster):
     assert_idle(cluster)
 
 
-@pytest.mark.parametrize("mode", ["ucx", "tcp", "colocated"])
+@pytest.mark.parametrize("mode", ["ucx", "tcp", "nccl", "colocated"])
 def test_tiny_model_cluster_matches_hf(tiny_model_dir, tmp_path, mode):
     """A random-weight Llama built from a config, through each topology / connector, equals HF greedy."""
     args = ["--kv-tokens", "2048", "--max-model-len", "512", "--connector", "tcp" if mode == "colocated" else mode]

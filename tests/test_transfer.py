@@ -11,6 +11,7 @@ import torch
 
 from engine.errors import ErrorKind
 from engine.transfer import available_backends, get_backend, release_transports
+from engine.transfer.channel import ChannelClosed
 from engine.transfer.protocol import KvReceiver, KvSender, TransferError
 
 BACKENDS = available_backends()
@@ -219,6 +220,11 @@ def test_ucx_is_available_here():
     assert "ucx" in BACKENDS
 
 
+def test_nccl_connector_is_available_here():
+    """The nccl connector's contract and stress tests run on CPU through gloo: they must not silently drop out."""
+    assert "nccl" in BACKENDS
+
+
 def test_device_path_through_host_staging_is_exact_and_counted():
     """The path device memory takes over a host-only transport (tcp), run on CPU by forcing the staging copy:
     bytes land intact and every staged byte is counted (docs: CUDA itself is unverified on GPU)."""
@@ -273,3 +279,40 @@ def test_a_reservation_accepts_only_the_blocks_it_awaits():
             assert reservations.begin_receive("r", 3, 1, 60, {}) == [13]
             reservations.end_receive("r", 5, None)
     asyncio.run(main())
+
+
+def test_nccl_receive_given_up_never_writes_into_the_cache_later():
+    """A gloo/NCCL receive cannot be cancelled: a sender that stalls, then resumes after the receiver gave up, would
+    write into cache blocks freed and reused meanwhile. The dist channel lands receives in its own buffers and copies
+    into the cache only while the channel is not abandoned."""
+    from engine.transfer.torchdist import DistBackend
+
+    async def main():
+        accepted = asyncio.Queue()
+
+        async def on_channel(ch):
+            await accepted.put(ch)
+            await asyncio.Event().wait()  # keep the channel open for the test
+
+        backend = DistBackend()
+        listener = await backend.listen("127.0.0.1", 0, on_channel)
+        sender = await backend.connect("127.0.0.1", listener.port)
+        receiver = await accepted.get()
+        try:
+            src = torch.full((BLOCK,), 7, dtype=torch.uint8)
+            first = torch.zeros(BLOCK, dtype=torch.uint8)
+            await asyncio.gather(sender.send_buffers([src]), receiver.recv_into_all([first]))  # the group is up
+            assert (first == 7).all()
+            late = torch.zeros(BLOCK, dtype=torch.uint8)
+            with pytest.raises(TimeoutError):
+                await asyncio.wait_for(receiver.recv_into_all([late]), 0.3)  # the sender is "stalled"
+            await sender.send_buffers([src])  # and resumes: its bytes meet the receive given up on
+            await asyncio.sleep(0.3)
+            assert (late == 0).all()
+            with pytest.raises(ChannelClosed):
+                await receiver.recv_into_all([late])
+        finally:
+            sender.close()
+            receiver.close()
+            listener.close()
+    run(main)

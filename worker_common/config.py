@@ -29,7 +29,8 @@ class WorkerConfig:
     server: ServerArgs = ServerArgs()
     connector: str = field(default="auto", metadata={
         "choices": ("auto", *BACKEND_NAMES),
-        "help": "KV transfer connector decode workers listen on (auto = ucx on CUDA if it handshakes, else tcp)"})
+        "help": "KV transfer connector decode workers listen on (auto = ucx on CUDA if it handshakes, else tcp;"
+                " nccl = torch.distributed point-to-point: NCCL on CUDA, gloo on CPU)"})
     kv_port: int = field(default=0, metadata={"help": "decode: KV listener port (0 = any free port)"})
     kv_timeout_s: float = field(default=60.0, metadata={"help": "lease on decode blocks reserved for KV, seconds"})
     transfer_timeout_s: float = field(default=30.0, metadata={"help": "bound on one KV transfer, seconds"})

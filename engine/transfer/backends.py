@@ -5,14 +5,15 @@ import importlib.util
 
 from engine.transfer.channel import Backend
 
-BACKEND_NAMES = ("tcp", "ucx")
+BACKEND_NAMES = ("tcp", "ucx", "nccl")
 
 
 def get_backend(name: str) -> Backend:
-    """Instantiate a backend by name ("tcp" or "ucx").
+    """Instantiate a backend by name ("tcp", "ucx" or "nccl": torch.distributed point-to-point, NCCL for CUDA
+    caches and gloo for CPU ones).
 
     Raises:
-        ValueError: unknown name, or ucx asked for but ucxx is not installed.
+        ValueError: unknown name, ucx asked for but ucxx is not installed, or nccl without torch.distributed.
     """
     if name == "tcp":
         from engine.transfer.tcp import TcpBackend
@@ -24,13 +25,28 @@ def get_backend(name: str) -> Backend:
         from engine.transfer.ucx import UcxBackend
 
         return UcxBackend()
+    if name == "nccl":
+        if not _dist_available():
+            raise ValueError("connector 'nccl' needs a torch build with torch.distributed")
+        from engine.transfer.torchdist import DistBackend
+
+        return DistBackend()
     raise ValueError(f"unknown KV connector {name!r}; choose one of {', '.join(BACKEND_NAMES)}")
 
 
+def _dist_available() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_gloo_available()
+
+
 def available_backends() -> list[str]:
+    """The connectors this process can run (loads torch to check torch.distributed)."""
     names = ["tcp"]
     if importlib.util.find_spec("ucxx") is not None:
         names.insert(0, "ucx")
+    if _dist_available():
+        names.append("nccl")
     return names
 
 

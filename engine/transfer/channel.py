@@ -92,6 +92,17 @@ class Channel(ABC):
         """Fill a 1-D contiguous uint8 tensor (any device) exactly, in place. Raises ChannelClosed when the peer
         is gone."""
 
+    async def send_buffers(self, bufs: list[torch.Tensor]) -> None:
+        """Send several buffers in order (one transfer's blocks); a backend may overlap them."""
+        for buf in bufs:
+            await self.send_buffer(buf)
+
+    async def recv_into_all(self, bufs: list[torch.Tensor]) -> None:
+        """Fill several buffers in order, as `recv_into` each. When this raises or is cancelled, nothing writes
+        into `bufs` any more (the caller may free them)."""
+        for buf in bufs:
+            await self.recv_into(buf)
+
     @abstractmethod
     def close(self) -> None: ...
 

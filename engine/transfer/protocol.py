@@ -190,8 +190,7 @@ class KvSender:
                     reusable = True
                     raise TransferError(ErrorKind.TRANSFER_REJECTED,
                                         f"decode worker rejected {request_id}: {reply.get('error')}")
-                for b in block_ids:
-                    await ch.send_buffer(self.block_view(b))
+                await ch.send_buffers([self.block_view(b) for b in block_ids])
                 done = _decode(await ch.recv_msg())
                 reusable = True
                 if not done.get("ok"):
@@ -399,8 +398,7 @@ class KvReceiver:
         await ch.send_msg(_encode({"type": "accept", "ok": True}))
         try:
             async with asyncio.timeout(self.timeout_s):
-                for b in block_ids:
-                    await ch.recv_into(self.block_view(b))
+                await ch.recv_into_all([self.block_view(b) for b in block_ids])
         except BaseException as e:
             self.sink.end_receive(rid, 0, f"KV transfer interrupted: {type(e).__name__}: {e}")
             raise
