@@ -354,7 +354,7 @@ def main() -> int:
     p.add_argument("--round-s", type=float, default=120.0)
     p.add_argument("--clients", type=int, default=6)
     p.add_argument("--model-dir", default=None, help="default: a 2-layer random Llama built here (fast)")
-    p.add_argument("--connector", default="tcp", choices=("tcp", "ucx"), help="KV connector of the workers")
+    p.add_argument("--connector", default="tcp", choices=("tcp", "ucx", "nccl"), help="KV connector of the workers")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     model_dir = args.model_dir or tiny_model(Path(tempfile.mkdtemp(prefix="pdserve-chaos-model-")))
