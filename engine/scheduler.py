@@ -75,7 +75,9 @@ class Scheduler:
         their first step: one more block after their KV arrived, everything after a preemption). Without that, a
         burst of reservations filled the pool, each request needed one block more once its KV arrived, and the
         worker stalled until leases lapsed."""
-        out = []
+        out: list[Reserved] = []
+        if not self.reserving:  # called every engine loop: skip the queue scan when nothing waits to reserve
+            return out
         owed = sum(max(0, self.kv.blocks_needed(r.num_tokens) - len(self.kv.get_block_table(r.request_id)))
                    for r in self.waiting)
         while self.reserving:
@@ -165,21 +167,22 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         """Free a running request's blocks; it recomputes its prompt + output later (front of the queue)."""
+        self._release_for_recompute(req)
+        self.waiting.appendleft(req)
+
+    def _release_for_recompute(self, req: Request) -> None:
+        """Free the request's blocks and count a preemption: it computes its prompt + output again when scheduled."""
         self.kv.free(req.request_id)
         self.num_preemptions += 1
         req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
-        self.waiting.appendleft(req)
 
     def _preempt_waiting(self, head: Request) -> bool:
         """Free the blocks of the newest waiting request that holds any (not `head`): it recomputes later, from its
         place in the queue. Returns False when no waiting request holds blocks."""
         for req in reversed(self.waiting):
             if req is not head and self.kv.get_block_table(req.request_id):
-                self.kv.free(req.request_id)
-                self.num_preemptions += 1
-                req.num_computed_tokens = 0
-                req.status = RequestStatus.PREEMPTED
+                self._release_for_recompute(req)
                 return True
         return False
 

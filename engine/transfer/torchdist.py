@@ -70,7 +70,7 @@ class DistChannel(Channel):
     Args:
         control: the TCP channel carrying the protocol's messages (and the group's rendezvous).
         rank: 0 on the connecting (sending) side, 1 on the accepting (receiving) side.
-        peer_host: the other side's host, where rank 0 finds rank 1's store.
+        peer_host: rank 0 only: the receiver's host, where its store listens ("" for rank 1).
     """
 
     def __init__(self, control: TcpChannel, rank: int, peer_host: str):
@@ -200,8 +200,7 @@ class DistBackend(Backend):
 
     async def listen(self, host: str, port: int, on_channel: OnChannel) -> Listener:
         async def accepted(control: Channel) -> None:
-            peer = control.sock.getpeername()[0]  # type: ignore[attr-defined]
-            await on_channel(DistChannel(control, 1, peer))  # type: ignore[arg-type]
+            await on_channel(DistChannel(control, 1, ""))  # type: ignore[arg-type]
 
         return await self._tcp.listen(host, port, accepted)
 
