@@ -33,6 +33,9 @@ from server_common.tracing import Tracing
 log = logging.getLogger(__name__)
 
 MAX_REQUEST_ID_CHARS = 256  # ids are echoed in errors, logs and traces
+# The client's deadline timer starts before ours (ours counts from the call's arrival), so its cancellation at its
+# deadline reaches us with a little of our own left: a cancellation this close to the deadline is the deadline.
+CLIENT_DEADLINE_SLACK_S = 0.1
 
 
 @dataclass
@@ -116,7 +119,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         except asyncio.CancelledError:
             remaining = context.time_remaining()
             error = (RequestError(grpc.StatusCode.DEADLINE_EXCEEDED, "the client's deadline passed")
-                     if remaining is not None and remaining <= 0
+                     if remaining is not None and remaining <= CLIENT_DEADLINE_SLACK_S
                      else RequestError(grpc.StatusCode.CANCELLED, "the client cancelled the call"))
             raise
         finally:
