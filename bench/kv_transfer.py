@@ -8,6 +8,9 @@ For prompts of 128 / 512 / 2048 tokens of the default model (SmolLM2-135M, fp32 
   `--ucx-tls` setting (UCX's TCP transport alone, and with its shared-memory ones: `sm` = posix/sysv shared
   memory + cma single-copy between processes; tcp stays listed because UCX's sockaddr connection setup needs it:
   with `sm,self` alone the first transfer never completes); nccl runs its gloo backend for this CPU cache;
+- each of those again as `<name>+layers`: `KvSender.send_layers` with every layer already written, i.e. the
+  layer-wise streaming protocol's own cost (one message per block and layer: 30x the messages) without the
+  forward it overlaps in serving (bench/layerwise.py measures that end to end);
 - plain socket: one `sendall` of the same bytes over a fresh-process TCP socket with a 1-byte ack (the ceiling);
 - prefill: the engine's own prefill step for that prompt on this machine (1 torch thread, as a worker runs);
 and prints transfer time / (prefill + transfer), the share of a disaggregated TTFT spent moving KV.
@@ -35,14 +38,14 @@ sys.path.insert(0, str(HERE.parent))
 PROMPTS = (128, 512, 2048)
 
 
-def _block_nbytes(model_dir: str, block_size: int) -> int:
-    """Bytes of one KV block (all layers, K and V) of the model in fp32, as the workers allocate it."""
+def _block_geometry(model_dir: str, block_size: int) -> tuple[int, int]:
+    """(bytes of one KV block (all layers, K and V) of the model in fp32, as the workers allocate it, layers)."""
     from transformers import AutoConfig
 
     from engine.config import ModelConfig, kv_bytes_per_block
 
     cfg = ModelConfig.from_hf(AutoConfig.from_pretrained(model_dir), name="m", path=model_dir, dtype="float32")
-    return kv_bytes_per_block(cfg, block_size)
+    return kv_bytes_per_block(cfg, block_size), cfg.num_layers
 
 
 def _receiver_main(backend: str, block_nbytes: int, num_blocks: int, conn) -> None:
@@ -107,8 +110,11 @@ def plain_socket(nbytes: int, repeats: int) -> float:
     return statistics.median(times)
 
 
-def connector(backend: str, block_nbytes: int, num_blocks: int, repeats: int) -> float:
-    """Median seconds of KvSender.send for num_blocks blocks to a receiver process over `backend`."""
+def connector(backend: str, block_nbytes: int, num_blocks: int, repeats: int, layers: int = 0) -> float:
+    """Median seconds of KvSender.send for num_blocks blocks to a receiver process over `backend`; with `layers`,
+    of KvSender.send_layers with every layer already written (the layer-wise protocol's own cost: a message per
+    block and layer, no compute to overlap)."""
+    from engine.kv_stream import KvLayerProgress
     from engine.transfer import release_transports
     from engine.transfer.protocol import KvSender
 
@@ -126,7 +132,15 @@ def connector(backend: str, block_nbytes: int, num_blocks: int, repeats: int) ->
         sender = KvSender("bench", lambda b: src[b], timeout_s=120)
         times = []
         for i in range(repeats + 1):  # the first send also connects: left out
-            stats = await sender.send(address, f"r{i}", 0, list(range(num_blocks)), num_blocks * 16)
+            if layers:
+                progress = KvLayerProgress(layers)
+                progress.begin(list(range(num_blocks)), num_blocks * 16)
+                for layer in range(layers):
+                    progress.layer_written(layer, torch.device("cpu"))
+                progress.finish(0)
+                stats = await sender.send_layers(address, f"r{i}", progress)
+            else:
+                stats = await sender.send(address, f"r{i}", 0, list(range(num_blocks)), num_blocks * 16)
             if i:
                 times.append(stats.seconds)
         sender.close()
@@ -184,7 +198,7 @@ def main() -> None:
     from engine.transfer import available_backends
 
     model_dir = args.model_dir or str(resolve_model(None))
-    block_nbytes = _block_nbytes(model_dir, 16)
+    block_nbytes, num_layers = _block_geometry(model_dir, 16)
     rows = []
     for n in (int(x) for x in args.prompts.split(",")):
         blocks = -(-n // 16)
@@ -197,10 +211,11 @@ def main() -> None:
             runs += [(f"ucx[{tls}]", "ucx", tls) for tls in args.ucx_tls or ["tcp,self", "sm,tcp,self"]]
         if "nccl" in available_backends():  # torch.distributed point-to-point: gloo for this CPU cache
             runs.append(("nccl[gloo]", "nccl", None))
+        runs += [(f"{name}+layers", backend, tls) for name, backend, tls in runs]
         for name, backend, tls in runs:
             if tls:  # read by UCX when the context starts: the receiver process inherits it, the sender restarts UCX
                 os.environ["UCX_TLS"] = tls
-            s = connector(backend, block_nbytes, blocks, args.repeats)
+            s = connector(backend, block_nbytes, blocks, args.repeats, num_layers if "+layers" in name else 0)
             row[f"{name}_ms"] = s * 1e3
             row[f"{name}_mib_s"] = nbytes / 2 ** 20 / s
             row[f"{name}_vs_socket"] = row[f"{name}_mib_s"] / row["plain_socket_mib_s"]

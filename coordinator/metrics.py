@@ -35,8 +35,8 @@ class CoordinatorMetrics:
                           LATENCY_BUCKETS)
         self.prefill = hist("request_prefill_time_seconds", "Prefill compute to first token, seconds.",
                             LATENCY_BUCKETS)
-        self.transfer = hist("request_kv_transfer_time_seconds", "KV transfer prefill -> decode, seconds.",
-                             LATENCY_BUCKETS)
+        self.transfer = hist("request_kv_transfer_time_seconds",
+                             "KV transfer prefill -> decode after the first token, seconds.", LATENCY_BUCKETS)
         self.prompt_len = hist("request_prompt_tokens", "Prompt tokens per request.", TOKEN_COUNT_BUCKETS)
         self.output_len = hist("request_generation_tokens", "Output tokens per request.", TOKEN_COUNT_BUCKETS)
         self.prompt_tokens = count("prompt_tokens", "Prompt tokens of finished requests.").labels(model_name)

@@ -4,7 +4,9 @@ Layout (block-major): kv[num_blocks, num_layers, 2, block_size, num_kv_heads, he
 every layer are a single contiguous region, so the transfer connectors send and receive whole blocks straight
 from/into the cache (no staging copies, one message per block). The attention ops see per-layer views
 k_cache/v_cache of shape [num_blocks, block_size, num_kv_heads, head_dim] (strided in dim 0).
-Trade-off: layer-by-layer streaming during prefill would prefer layer-major; we chose zero-copy whole blocks.
+Layer-wise streaming sends one message per (block, layer) instead: kv[block, layer] (K then V) is the layer-th of
+num_layers equal contiguous slices of the block's bytes. Still no copy, at the price of num_layers times the
+messages.
 """
 from __future__ import annotations
 

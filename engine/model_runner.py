@@ -78,8 +78,17 @@ class ModelRunner:
             prefill_block_tables=self._block_tables(out.prefills),
             prefill_max_query_len=max((s.num_new_tokens for s in out.prefills), default=0),
         )
+        # Layer-wise KV streaming: a prefill-only request's last chunk tells its sender as each layer is written.
+        streaming = [s for s in out.prefills if s.sample and s.request.kv_layers is not None]
+        for s in streaming:
+            s.request.kv_layers.begin(s.block_ids, s.request.num_computed_tokens + s.num_new_tokens)
+
+        def on_layer(layer: int) -> None:
+            for s in streaming:
+                s.request.kv_layers.layer_written(layer, dev)
         hidden = self.model(torch.tensor(input_ids, dtype=torch.long, device=dev),
-                            torch.tensor(positions, dtype=torch.long, device=dev), meta, self.kv_cache.layers)
+                            torch.tensor(positions, dtype=torch.long, device=dev), meta, self.kv_cache.layers,
+                            on_layer_written=on_layer if streaming else None)
         sampling = [s.request for s in scheduled if s.sample]
         if not sampling:
             return RunnerOutput()

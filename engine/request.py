@@ -6,8 +6,12 @@ import enum
 import math
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.errors import EngineError, ErrorKind
+
+if TYPE_CHECKING:
+    from engine.kv_stream import KvLayerProgress
 
 MAX_LOGPROBS = 20  # most alternatives per position (vLLM's default cap); coordinator.validation has the same
 
@@ -108,6 +112,8 @@ class Request:
         num_cached_tokens: prompt tokens served by the prefix cache at first scheduling.
         prefill_only: stop after the first sampled token and hold the blocks (prefill worker).
         remote_kv: the prompt's KV arrives from a prefill worker (decode worker).
+        kv_layers: prefill worker, layer-wise streaming: told as each layer of the last prefill chunk is written,
+            so the KV sender can send that layer while the rest of the forward runs. None = not streamed.
     """
 
     request_id: str
@@ -125,6 +131,7 @@ class Request:
     stop_token_id: int | None = None
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
+    kv_layers: KvLayerProgress | None = field(default=None, repr=False, compare=False)
     _all_token_ids: list[int] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:

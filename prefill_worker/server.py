@@ -1,15 +1,18 @@
 """The Prefill gRPC service and the prefill worker process."""
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 
 import grpc
 
 from engine.errors import EngineError, ErrorKind
+from engine.kv_stream import KvLayerProgress, LayerStreamEnded
+from engine.outputs import TokenOutput
 from engine.request import FinishReason, Request
 from engine.transfer import release_transports
-from engine.transfer.protocol import KvSender, TransferError
+from engine.transfer.protocol import KvSender, TransferError, TransferStats, uncancellable
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 from server_common.security import read_secret
 from server_common.tracing import Tracing, inject_context, record_span, tracer
@@ -26,57 +29,108 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
 
     Block ownership: the request's `RequestStream` holds the prefill-done blocks (status HELD) until the handler
     leaves it — after the transfer succeeded, failed or was rejected, or the call was cancelled.
+
+    Layer-wise streaming (`layerwise`): the transfer starts as the last prefill chunk's step starts and sends each
+    layer as the forward writes it (`KvSender.send_layers`); the first token then only closes it. The handler
+    still leaves the request's stream only after the transfer task ended, so no block is freed while it is read.
+
+    Args:
+        worker: the engine and its metrics.
+        sender: the KV sender.
+        layerwise: stream KV layer by layer (else whole blocks after the first token).
     """
 
-    def __init__(self, worker: WorkerEngine, sender: KvSender):
-        self.worker, self.sender = worker, sender
+    def __init__(self, worker: WorkerEngine, sender: KvSender, layerwise: bool = False):
+        self.worker, self.sender, self.layerwise = worker, sender, layerwise
 
     async def Prefill(self, request: worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext):
         rid = request.request_id
         try:
+            progress = (KvLayerProgress(self.worker.parts.model_config.num_layers)
+                        if self.layerwise and request.kv_address else None)
             req = Request(rid, list(request.prompt_token_ids), sampling_from_proto(request.sampling),
                           eos_token_ids=self.worker.parts.model_config.eos_token_ids, prefill_only=True,
                           arrival_time=request.arrival_time or time.time(),
-                          output_token_ids=list(request.output_token_ids))
+                          output_token_ids=list(request.output_token_ids), kv_layers=progress)
             with self.worker.engine.request(req) as stream:
-                ev = await stream.next()
-                scheduled = req.arrival_time + ev.queue_ms / 1e3  # the engine's own clock marks, as spans
-                record_span("queue", req.arrival_time, scheduled, {"pdserve.request_id": rid})
-                record_span("prefill", scheduled, scheduled + ev.prefill_ms / 1e3, {
-                    "pdserve.request_id": rid, "gen_ai.usage.input_tokens": len(req.prompt_token_ids),
-                    "pdserve.cached_prompt_tokens": ev.num_cached_tokens})
-                held = ev.finish_reason == FinishReason.PREFILL_DONE
-                first = worker_pb2.PrefillFirstToken(
-                    token=token_to_proto(ev.token), num_cached_tokens=ev.num_cached_tokens, queue_ms=ev.queue_ms,
-                    prefill_ms=ev.prefill_ms, finished=not held)
-                if not held:
-                    first.finish_reason = FINISH_REASON_TO_PROTO[ev.finish_reason]
-                    if ev.stop_token_id is not None:
-                        first.stop_token_id = ev.stop_token_id
-                yield worker_pb2.PrefillResponse(first_token=first)
-                if not held or not request.kv_address:
-                    return
-                blocks, skip = ev.block_ids or [], request.kv_skip_blocks
-                if skip >= len(blocks) > 0:  # the decode side computes nothing, so it must receive the last block
-                    raise EngineError(ErrorKind.INVALID_REQUEST, f"kv_skip_blocks {skip} leaves none of the "
-                                                                 f"{len(blocks)} blocks to send")
-                with tracer().start_as_current_span("kv transfer") as span:
-                    stats = await self.sender.send(request.kv_address, rid, ev.token.token_id, blocks[skip:],
-                                                   req.num_tokens - 1, trace_context=inject_context(),
-                                                   first_block=skip)
-                    span.set_attributes({"pdserve.kv.bytes": stats.num_bytes, "pdserve.kv.blocks": stats.num_blocks,
-                                         "pdserve.kv.staged_bytes": stats.staged_bytes,
-                                         "pdserve.kv.peer": request.kv_address, "pdserve.request_id": rid})
-                self.worker.metrics.transfer_time.observe(stats.seconds)
-                self.worker.metrics.transfer_bytes.observe(stats.num_bytes)
-                self.worker.metrics.staged_bytes.inc(stats.staged_bytes)
-                yield worker_pb2.PrefillResponse(transfer_done=worker_pb2.PrefillTransferDone(
-                    num_bytes=stats.num_bytes, num_blocks=stats.num_blocks, transfer_ms=stats.seconds * 1e3))
+                streamed = (asyncio.ensure_future(self._send_layers(request, progress)) if progress is not None
+                            else None)
+                try:
+                    ev = await stream.next()
+                    scheduled = req.arrival_time + ev.queue_ms / 1e3  # the engine's own clock marks, as spans
+                    record_span("queue", req.arrival_time, scheduled, {"pdserve.request_id": rid})
+                    record_span("prefill", scheduled, scheduled + ev.prefill_ms / 1e3, {
+                        "pdserve.request_id": rid, "gen_ai.usage.input_tokens": len(req.prompt_token_ids),
+                        "pdserve.cached_prompt_tokens": ev.num_cached_tokens})
+                    held = ev.finish_reason == FinishReason.PREFILL_DONE
+                    if progress is not None:
+                        if held:
+                            progress.finish(ev.token.token_id)
+                        else:
+                            progress.fail("the request finished at its first token")
+                    first = worker_pb2.PrefillFirstToken(
+                        token=token_to_proto(ev.token), num_cached_tokens=ev.num_cached_tokens,
+                        queue_ms=ev.queue_ms, prefill_ms=ev.prefill_ms, finished=not held)
+                    if not held:
+                        first.finish_reason = FINISH_REASON_TO_PROTO[ev.finish_reason]
+                        if ev.stop_token_id is not None:
+                            first.stop_token_id = ev.stop_token_id
+                    prefill_done = time.perf_counter()
+                    yield worker_pb2.PrefillResponse(first_token=first)
+                    if not held or not request.kv_address:
+                        return
+                    stats = await (streamed if streamed is not None else self._send_blocks(request, ev, req))
+                    exposed = time.perf_counter() - prefill_done  # streaming: what did not overlap the forward
+                    self.worker.metrics.transfer_done(streamed is not None, exposed, stats.num_bytes,
+                                                      stats.staged_bytes)
+                    yield worker_pb2.PrefillResponse(transfer_done=worker_pb2.PrefillTransferDone(
+                        num_bytes=stats.num_bytes, num_blocks=stats.num_blocks, transfer_ms=exposed * 1e3,
+                        layerwise=streamed is not None))
+                finally:
+                    if streamed is not None and not streamed.done():  # the blocks are read until it ends
+                        progress.fail("the prefill call ended")
+                        await uncancellable(streamed)
         except EngineError as e:
             log.warning("prefill of %s failed: %s", rid, e)
             if isinstance(e, TransferError):
                 self.worker.metrics.transfer_failed(e.kind.value)
             await abort_with(context, e)
+
+    async def _send_blocks(self, request: worker_pb2.PrefillRequest, ev: TokenOutput, req: Request) -> TransferStats:
+        """Send the held blocks after the first token (those past the decode worker's cached prefix)."""
+        blocks, skip = ev.block_ids or [], request.kv_skip_blocks
+        if skip >= len(blocks) > 0:  # the decode side computes nothing, so it must receive the last block
+            raise EngineError(ErrorKind.INVALID_REQUEST, f"kv_skip_blocks {skip} leaves none of the "
+                                                         f"{len(blocks)} blocks to send")
+        with tracer().start_as_current_span("kv transfer") as span:
+            stats = await self.sender.send(request.kv_address, request.request_id, ev.token.token_id, blocks[skip:],
+                                           req.num_tokens - 1, trace_context=inject_context(), first_block=skip)
+            _annotate(span, stats, request)
+        return stats
+
+    async def _send_layers(self, request: worker_pb2.PrefillRequest, progress: KvLayerProgress) -> TransferStats:
+        """Stream the blocks past the decode worker's cached prefix layer by layer, as the last chunk computes.
+
+        Raises:
+            TransferError: as `KvSender.send`, or TRANSFER_FAILED when the stream ended before the first token.
+        """
+        with tracer().start_as_current_span("kv transfer") as span:
+            try:
+                stats = await self.sender.send_layers(request.kv_address, request.request_id, progress,
+                                                      first_block=request.kv_skip_blocks,
+                                                      trace_context=inject_context())
+            except LayerStreamEnded as e:
+                raise TransferError(ErrorKind.TRANSFER_FAILED, f"layer-wise KV transfer of {request.request_id} "
+                                                               f"ended: {e}") from e
+            _annotate(span, stats, request)
+            span.set_attribute("pdserve.kv.layerwise", True)
+        return stats
+
+
+def _annotate(span, stats: TransferStats, request: worker_pb2.PrefillRequest) -> None:
+    span.set_attributes({"pdserve.kv.bytes": stats.num_bytes, "pdserve.kv.blocks": stats.num_blocks,
+                         "pdserve.kv.staged_bytes": stats.staged_bytes, "pdserve.kv.peer": request.kv_address,
+                         "pdserve.request_id": request.request_id})
 
 
 async def serve(config: WorkerConfig) -> None:
@@ -86,7 +140,7 @@ async def serve(config: WorkerConfig) -> None:
     worker = start_engine(config)
     sender = KvSender(worker.compat_hash, worker.parts.runner.kv_cache.block_bytes,
                       timeout_s=config.transfer_timeout_s, secret=secret)
-    prefill = PrefillServicer(worker, sender)
+    prefill = PrefillServicer(worker, sender, layerwise=config.kv_layerwise)
     try:
         await serve_worker(config, worker, WorkerServicer("prefill", worker),
                            lambda server: worker_pb2_grpc.add_PrefillServicer_to_server(prefill, server),

@@ -47,3 +47,14 @@ def test_kv_transfer_smoke(tiny_model_dir, tmp_path):
     assert row["tcp_mib_s"] > 0 and 0 < row["tcp_ttft_share"] < 1
     # UCX over its TCP transport, and with its shared-memory transports
     assert row["ucx[tcp,self]_mib_s"] > 0 and row["ucx[sm,tcp,self]_mib_s"] > 0
+    # every connector again through the layer-wise streaming protocol
+    assert all(row[f"{name}+layers_mib_s"] > 0 for name in ("tcp", "ucx[tcp,self]", "nccl[gloo]"))
+
+
+def test_layerwise_smoke(tiny_model_dir, tmp_path):
+    out = tmp_path / "layerwise.json"
+    _run(["bench/layerwise.py", "--model-dir", str(tiny_model_dir), "--lengths", "40", "--repeats", "1",
+          "--rounds", "1", "--out", str(out)], tmp_path)
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["prompt_tokens"] == 40 and row["gap_ms_off"] > 0 and row["gap_ms_on"] > 0
+    assert row["transfer_ms_off"] > 0 and row["transfer_ms_on"] > 0

@@ -212,28 +212,34 @@ def test_random_cancellations_do_not_leak(cluster):
     assert_idle(cluster)
 
 
-@pytest.mark.parametrize("mode", ["ucx", "tcp", "nccl", "colocated"])
+@pytest.mark.parametrize("mode", ["ucx", "tcp", "nccl", "colocated", "tcp+layerwise", "nccl+layerwise"])
 def test_tiny_model_cluster_matches_hf(tiny_model_dir, tmp_path, mode):
-    """A random-weight Llama built from a config, through each topology / connector, equals HF greedy."""
-    args = ["--kv-tokens", "2048", "--max-model-len", "512", "--connector", "tcp" if mode == "colocated" else mode]
+    """A random-weight Llama built from a config, through each topology / connector (whole blocks after the first
+    token, or layer-wise streaming during the last prefill chunk), equals HF greedy. A budget of 32 tokens makes
+    the 40- and 64-token prompts chunked, so layer-wise streaming sends earlier chunks' blocks too; the last
+    request (max_tokens 1) finishes at its first token, which ends a layer-wise stream without decoding."""
+    connector, _, layerwise = mode.partition("+")
+    args = ["--kv-tokens", "2048", "--max-model-len", "512", "--max-num-batched-tokens", "32",
+            "--connector", "tcp" if mode == "colocated" else connector, *(["--kv-layerwise"] if layerwise else [])]
     c = start_cluster(str(tiny_model_dir), "tiny", ServeConfig(log_dir=str(tmp_path)), colocated=mode == "colocated",
                       worker_args=args)
     try:
         rng = random.Random(1)
-        prompts = [[rng.randrange(3, 49152) for _ in range(n)] for n in (3, 17, 40, 64)]
+        prompts = [[rng.randrange(3, 49152) for _ in range(n)] for n in (3, 17, 40, 64, 20)]
+        lengths = [6, 7, 8, 9, 1]
 
         async def main():
             async with AsyncClient(c.address) as client:
-                return await asyncio.gather(*(client.complete(p, greedy(6 + i, ignore_eos=True))
-                                              for i, p in enumerate(prompts)))
+                return await asyncio.gather(*(client.complete(p, greedy(n, ignore_eos=True))
+                                              for p, n in zip(prompts, lengths)))
 
         outs = asyncio.run(main())
-        for i, (p, out) in enumerate(zip(prompts, outs)):
-            assert out.token_ids == hf_greedy(tiny_model_dir, p, 6 + i)
+        for p, n, out in zip(prompts, lengths, outs):
+            assert out.token_ids == hf_greedy(tiny_model_dir, p, n)
         with Client(c.address) as client:
             info = client.model_info()
         assert info.topology == ("colocated" if mode == "colocated" else "disaggregated")
-        assert info.kv_connector == ("" if mode == "colocated" else mode)
+        assert info.kv_connector == ("" if mode == "colocated" else connector)
         assert_idle(c)
     finally:
         c.stop()
@@ -285,20 +291,23 @@ def test_shared_system_prompt_goes_to_the_prefill_worker_that_holds_it(tiny_mode
         c.stop()
 
 
-def test_decode_workers_cached_prefix_shrinks_the_transfer(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("layerwise", [False, True])
+def test_decode_workers_cached_prefix_shrinks_the_transfer(tiny_model_dir, tmp_path, layerwise):
     """Only what is missing moves: a second request sharing a 64-token prefix with the first finds those 4 blocks
-    (block size 16) in the decode worker's prefix cache, so the prefill worker sends 1 block instead of 5; greedy
-    output still equals HF's."""
+    (block size 16) in the decode worker's prefix cache, so the prefill worker sends 1 block instead of 5, whole
+    or layer by layer; greedy output still equals HF's."""
     from test_observability import scrape, total
 
     c = start_cluster(str(tiny_model_dir), "tiny", ServeConfig(log_dir=str(tmp_path)),
                       worker_args=["--kv-tokens", "2048", "--max-model-len", "512", "--connector", "tcp",
-                                   "--metrics-port", "0"])
+                                   "--metrics-port", "0", *(["--kv-layerwise"] if layerwise else [])])
     try:
         shared = list(range(3000, 3064))
 
+        mode = "layers" if layerwise else "blocks"
+
         def sent_bytes() -> float:
-            return total(scrape(c.metrics_urls["prefill-0"]), "pdserve:kv_transfer_bytes_sum")
+            return total(scrape(c.metrics_urls["prefill-0"]), "pdserve:kv_transfer_bytes_sum", mode=mode)
 
         with Client(c.address) as client:
             first = client.complete(shared + [7, 8, 9], greedy(5, ignore_eos=True))

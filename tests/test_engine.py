@@ -4,12 +4,13 @@ import os
 import random
 
 import pytest
+import torch
 
 from conftest import hf_greedy
 from engine.args import EngineArgs
 from engine.builder import build_engine
 from engine.errors import ErrorKind
-from engine.request import Request, SamplingParams
+from engine.request import Request, RequestStatus, SamplingParams
 
 
 def run_to_completion(parts, requests, max_steps=10_000):
@@ -167,3 +168,44 @@ def test_a_request_resumed_with_its_outputs_continues_the_same_stream(tiny_model
     resumed = Request("r", prompts[4], sp, output_token_ids=whole.output_token_ids[:5])
     run_to_completion(build_engine(args), [resumed])
     assert resumed.output_token_ids == whole.output_token_ids
+
+
+class RecordingProgress:
+    """Stands in for `KvLayerProgress` on the engine thread: snapshots the request's cache at every layer signal."""
+
+    def __init__(self, kv):
+        self.kv, self.block_ids, self.snapshots = kv, None, []
+
+    def begin(self, block_ids, num_tokens):
+        self.block_ids, self.num_tokens = list(block_ids), num_tokens
+
+    def layer_written(self, layer, device):
+        self.snapshots.append((layer, self.kv[self.block_ids].clone()))
+
+
+def test_layer_signals_come_as_each_layer_of_the_last_chunk_is_written(tiny_model_dir, prompts):
+    """Layer-wise streaming's engine half: only the last chunk signals; at layer l's signal that layer's K/V is
+    final for every block of the request (earlier chunks included) and layer l+1's is not yet written."""
+    parts = build_engine(EngineArgs(model_dir=str(tiny_model_dir), block_size=8, kv_tokens=64 * 8,
+                                    max_num_batched_tokens=24, max_model_len=512))
+    kv = parts.runner.kv_cache.kv  # [blocks, layers, 2, block_size, kv_heads, head_dim]
+    prompt = prompts[6][:60]  # 60 tokens in chunks of 24: the signals come in the third step only
+    req = Request("s", prompt, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), prefill_only=True)
+    req.kv_layers = progress = RecordingProgress(kv)
+    s, r = parts.scheduler, parts.runner
+    assert s.add_request(req) is None
+    steps_with_signals = []
+    for _ in range(3):
+        out = s.schedule()
+        before = len(progress.snapshots)
+        s.update(out, r.execute(out))
+        steps_with_signals.append(len(progress.snapshots) - before)
+    num_layers = kv.shape[1]
+    assert steps_with_signals == [0, 0, num_layers] and req.status == RequestStatus.HELD
+    assert progress.num_tokens == 60 and progress.block_ids == s.kv.get_block_table("s")[:8]
+    final = kv[progress.block_ids]
+    for layer, snap in progress.snapshots:
+        assert torch.equal(snap[:, layer], final[:, layer])
+        if layer + 1 < num_layers:  # the last chunk's tokens of the next layer are not written yet
+            assert not torch.equal(snap[:, layer + 1], final[:, layer + 1])
+    assert [layer for layer, _ in progress.snapshots] == list(range(num_layers))

@@ -10,8 +10,10 @@ import pytest
 import torch
 
 from engine.errors import ErrorKind
+from engine.kv_stream import KvLayerProgress, LayerStreamEnded
 from engine.transfer import available_backends, get_backend, release_transports
 from engine.transfer.channel import ChannelClosed
+from engine.transfer import protocol
 from engine.transfer.protocol import KvReceiver, KvSender, TransferError
 
 BACKENDS = available_backends()
@@ -135,6 +137,90 @@ def test_receiver_death_mid_transfer_is_an_error_not_a_hang(backend):
             with pytest.raises(TransferError) as e:
                 await asyncio.wait_for(sender.send(address, "r", 1, list(range(big)), num_tokens=big), 20)
             assert e.value.kind in (ErrorKind.TRANSFER_FAILED, ErrorKind.KV_TIMEOUT)
+        finally:
+            sender.close()
+            receiver.close()
+    run(main)
+
+
+LAYERS = 4
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_layerwise_stream_sends_each_layer_once_written(backend, monkeypatch):
+    """Layer-wise streaming: layer l of every block is read only after its signal (the source's layers are filled
+    just before each signal, so an early read would send zeros), the receiver does not finish before the first
+    token, and the bytes land intact past the decode side's cached blocks. Groups of 2 blocks per message make
+    the 3 blocks two messages per layer."""
+    monkeypatch.setattr(protocol, "LAYER_GROUP_BLOCKS", 2)
+
+    async def main():
+        src, dst, sink = FakeCache(8, 1), FakeCache(8, 2), Sink()
+        for b in src.blocks:
+            b.zero_()
+        receiver, address = await _pair(backend, sink, dst)
+        sender = KvSender("abc", src.view, timeout_s=10)
+        progress = KvLayerProgress(LAYERS)
+        try:
+            sink.reserved["r"] = [6, 0, 3]  # the request's table is [1, 2, 5, 7]; the receiver caches block 0
+            task = asyncio.create_task(sender.send_layers(address, "r", progress, first_block=1))
+            progress.begin([1, 2, 5, 7], 60)
+            per = BLOCK // LAYERS
+            gen = torch.Generator().manual_seed(3)
+            for layer in range(LAYERS):
+                await asyncio.sleep(0.02)
+                for b in src.blocks:
+                    b[layer * per:(layer + 1) * per] = torch.randint(0, 256, (per,), dtype=torch.uint8,
+                                                                      generator=gen)
+                progress.layer_written(layer, torch.device("cpu"))
+            await asyncio.sleep(0.05)
+            assert "r" not in sink.ended  # every layer is there, but not the first token
+            progress.finish(42)
+            stats = await asyncio.wait_for(task, 10)
+            assert stats.num_blocks == 3 and stats.num_bytes == 3 * BLOCK
+            for s, d in zip([2, 5, 7], [6, 0, 3]):
+                torch.testing.assert_close(dst.blocks[d], src.blocks[s])
+            assert sink.ended["r"] == (42, None) and sink.first_blocks["r"] == 1
+        finally:
+            sender.close()
+            receiver.close()
+    run(main)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("how", ["ended", "cancelled"])
+def test_layerwise_stream_ended_midway_drops_the_request_and_keeps_the_channel(backend, how):
+    """The prefill ends the stream after two layers (its request finished at the first token, or its call was
+    cancelled): the receiver drops the request with the reason, and the same channel carries the next transfer."""
+    async def main():
+        src, dst, sink = FakeCache(4, 1), FakeCache(4, 2), Sink()
+        receiver, address = await _pair(backend, sink, dst)
+        sender = KvSender("abc", src.view, timeout_s=10, max_channels_per_peer=1)
+        progress = KvLayerProgress(LAYERS)
+        try:
+            sink.reserved["r"] = [0, 1]
+            begun = asyncio.Event()
+            sink.on_begin = begun.set
+            task = asyncio.create_task(sender.send_layers(address, "r", progress))
+            progress.begin([2, 3], 30)
+            for layer in range(2):
+                progress.layer_written(layer, torch.device("cpu"))
+            await asyncio.wait_for(begun.wait(), 10)  # the offer is accepted (a ucx endpoint takes up to 1 s)
+            await asyncio.sleep(0.1)
+            if how == "ended":
+                progress.fail("the request finished at its first token")
+                with pytest.raises(LayerStreamEnded, match="first token"):
+                    await asyncio.wait_for(task, 10)
+            else:
+                task.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await asyncio.wait_for(task, 10)
+            first_token, error = sink.ended["r"]
+            assert first_token == 0 and "ended the transfer" in error
+            sink.reserved["next"] = [3]
+            await asyncio.wait_for(sender.send(address, "next", 5, [0], num_tokens=8), 10)
+            torch.testing.assert_close(dst.blocks[3], src.blocks[0])
+            assert sink.ended["next"] == (5, None)
         finally:
             sender.close()
             receiver.close()

@@ -22,6 +22,8 @@ class WorkerConfig:
         kv_port: decode: the KV listener's port (0 = any free port); fix it to publish or firewall it.
         kv_timeout_s: decode: how long reserved blocks wait for their KV (the lease), seconds.
         transfer_timeout_s: bound on one request's KV transfer, seconds.
+        kv_layerwise: prefill: stream each layer's KV as the last prefill chunk writes it, overlapping the
+            transfer with the forward, instead of sending whole blocks after the first token.
     """
 
     role: str = field(metadata={"cli": False})
@@ -34,3 +36,6 @@ class WorkerConfig:
     kv_port: int = field(default=0, metadata={"help": "decode: KV listener port (0 = any free port)"})
     kv_timeout_s: float = field(default=60.0, metadata={"help": "lease on decode blocks reserved for KV, seconds"})
     transfer_timeout_s: float = field(default=30.0, metadata={"help": "bound on one KV transfer, seconds"})
+    kv_layerwise: bool = field(default=False, metadata={
+        "help": "prefill: stream each layer's KV while the last prefill chunk computes (else whole blocks after "
+                "the first token)"})

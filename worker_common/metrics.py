@@ -51,10 +51,13 @@ class WorkerMetrics:
     def __init__(self, registry: CollectorRegistry, engine: AsyncEngine, model_name: str, role: str):
         labels = [model_name, role]
         registry.register(EngineStatsCollector(engine, labels))
-        self.transfer_time = Histogram("pdserve:kv_transfer_time_seconds", "One request's KV send, offer to done.",
-                                       LABELS, buckets=LATENCY_BUCKETS, registry=registry).labels(*labels)
-        self.transfer_bytes = Histogram("pdserve:kv_transfer_bytes", "Bytes of one request's KV send.", LABELS,
-                                        buckets=BYTE_BUCKETS, registry=registry).labels(*labels)
+        mode = [*LABELS, "mode"]  # "blocks" (sent whole after the first token) or "layers" (layer-wise streaming)
+        self._transfer_time = Histogram(
+            "pdserve:kv_transfer_time_seconds", "One request's KV send: from the first token to the decode worker's "
+            "acknowledgement (with layer-wise streaming, the part that did not overlap the prefill).", mode,
+            buckets=LATENCY_BUCKETS, registry=registry)
+        self._transfer_bytes = Histogram("pdserve:kv_transfer_bytes", "Bytes of one request's KV send.", mode,
+                                         buckets=BYTE_BUCKETS, registry=registry)
         self.staged_bytes = Counter("pdserve:kv_transfer_staged_bytes",
                                     "KV bytes copied between device and host memory to send them (0: in place).",
                                     LABELS, registry=registry).labels(*labels)
@@ -64,6 +67,14 @@ class WorkerMetrics:
             "pdserve:kv_reservations_expired", "Decode reservations freed because no KV came within the lease.",
             LABELS, registry=registry).labels(*labels)
         self.labels = labels
+
+    def transfer_done(self, layerwise: bool, seconds: float, num_bytes: int, staged_bytes: int) -> None:
+        """Record one finished KV send: seconds after the first token (see the histogram's help), bytes sent, and
+        bytes staged through host memory."""
+        mode = "layers" if layerwise else "blocks"
+        self._transfer_time.labels(*self.labels, mode).observe(seconds)
+        self._transfer_bytes.labels(*self.labels, mode).observe(num_bytes)
+        self.staged_bytes.inc(staged_bytes)
 
     def transfer_failed(self, kind: str) -> None:
         """Count a failed transfer by its ErrorKind value (e.g. "transfer_failed", "kv_timeout")."""

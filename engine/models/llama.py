@@ -7,6 +7,8 @@ time (one matmul instead of three / two).
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -135,11 +137,16 @@ class DecoderModel(nn.Module):
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                kv_layers: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        """input_ids, positions: [T] int64. kv_layers[l] = (k_cache, v_cache) of layer l. Returns [T, hidden]."""
+                kv_layers: list[tuple[torch.Tensor, torch.Tensor]],
+                on_layer_written: Callable[[int], None] | None = None) -> torch.Tensor:
+        """input_ids, positions: [T] int64. kv_layers[l] = (k_cache, v_cache) of layer l. Returns [T, hidden].
+        on_layer_written(l) is called as soon as layer l's attention has written the step's K/V (before its MLP),
+        for layer-wise KV streaming."""
         h = self.embed_tokens(input_ids)
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_layers):
+        for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_layers)):
             h = h + layer.self_attn(layer.input_layernorm(h), positions, self.rope, meta, k_cache, v_cache)
+            if on_layer_written is not None:
+                on_layer_written(i)
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         return self.norm(h)
 
