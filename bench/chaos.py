@@ -8,7 +8,7 @@ gRPC bodies. A round ends with the load stopped and every worker checked: KV poo
 request left; every stream must have ended with a final message or a clean status (a stream still open at its
 deadline counts as hung); greedy outputs of requests that finished must equal the reference run, migrated or not.
 
-    .venv/bin/python bench/chaos.py --minutes 30 [--connector ucx] [--model-dir DIR] [--out FILE.json]
+    .venv/bin/python bench/chaos.py --minutes 30 [--connector ucx] [--kv-layerwise] [--model-dir DIR] [--out FILE.json]
 
 tests/test_chaos.py runs one short round on the tiny model in CI.
 """
@@ -355,12 +355,15 @@ def main() -> int:
     p.add_argument("--clients", type=int, default=6)
     p.add_argument("--model-dir", default=None, help="default: a 2-layer random Llama built here (fast)")
     p.add_argument("--connector", default="tcp", choices=("tcp", "ucx", "nccl"), help="KV connector of the workers")
+    p.add_argument("--kv-layerwise", action="store_true", help="prefill workers stream KV layer by layer")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     model_dir = args.model_dir or tiny_model(Path(tempfile.mkdtemp(prefix="pdserve-chaos-model-")))
     report = run(model_dir, args.minutes * 60, round_s=args.round_s, clients=args.clients,
-                 worker_args=["--kv-tokens", "2048", "--max-model-len", "256", "--connector", args.connector])
+                 worker_args=["--kv-tokens", "2048", "--max-model-len", "256", "--connector", args.connector,
+                              *(["--kv-layerwise"] if args.kv_layerwise else [])])
     report["connector"] = args.connector
+    report["kv_layerwise"] = args.kv_layerwise
     print(json.dumps(report, indent=1))
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1))

@@ -57,6 +57,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
                             else None)
                 try:
                     ev = await stream.next()
+                    prefill_done = time.perf_counter()
                     scheduled = req.arrival_time + ev.queue_ms / 1e3  # the engine's own clock marks, as spans
                     record_span("queue", req.arrival_time, scheduled, {"pdserve.request_id": rid})
                     record_span("prefill", scheduled, scheduled + ev.prefill_ms / 1e3, {
@@ -75,7 +76,6 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
                         first.finish_reason = FINISH_REASON_TO_PROTO[ev.finish_reason]
                         if ev.stop_token_id is not None:
                             first.stop_token_id = ev.stop_token_id
-                    prefill_done = time.perf_counter()
                     yield worker_pb2.PrefillResponse(first_token=first)
                     if not held or not request.kv_address:
                         return
@@ -87,8 +87,9 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
                         num_bytes=stats.num_bytes, num_blocks=stats.num_blocks, transfer_ms=exposed * 1e3,
                         layerwise=streamed is not None))
                 finally:
-                    if streamed is not None and not streamed.done():  # the blocks are read until it ends
-                        progress.fail("the prefill call ended")
+                    if streamed is not None:  # the blocks are read until it ends; its outcome, if unused, dropped
+                        if not streamed.done():
+                            progress.fail("the prefill call ended")
                         await uncancellable(streamed)
         except EngineError as e:
             log.warning("prefill of %s failed: %s", rid, e)
