@@ -66,7 +66,11 @@ class KvLayerProgress:
 
     # ---- event loop ------------------------------------------------------------------------------------------
     def finish(self, token_id: int) -> None:
-        """The prefill sampled `token_id` and holds the blocks: the transfer may complete."""
+        """The prefill sampled `token_id` and holds the blocks: the transfer may complete. The engine posts
+        `begin` before the token's event, so a stream never begun here is a bug: it fails rather than hang."""
+        if self.block_ids is None:
+            self.fail("the engine sampled the first token without streaming the request's layers")
+            return
         self._first_token = token_id
         self._changed.set()
 

@@ -79,7 +79,8 @@ class ModelRunner:
             prefill_max_query_len=max((s.num_new_tokens for s in out.prefills), default=0),
         )
         # Layer-wise KV streaming: a prefill-only request's last chunk tells its sender as each layer is written.
-        streaming = [s for s in out.prefills if s.sample and s.request.kv_layers is not None]
+        # The scheduler files a one-token chunk under decodes (a prefix-cache hit up to the last token).
+        streaming = [s for s in scheduled if s.sample and s.request.kv_layers is not None]
         for s in streaming:
             s.request.kv_layers.begin(s.block_ids, s.request.num_computed_tokens + s.num_new_tokens)
 

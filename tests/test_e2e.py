@@ -217,7 +217,9 @@ def test_tiny_model_cluster_matches_hf(tiny_model_dir, tmp_path, mode):
     """A random-weight Llama built from a config, through each topology / connector (whole blocks after the first
     token, or layer-wise streaming during the last prefill chunk), equals HF greedy. A budget of 32 tokens makes
     the 40- and 64-token prompts chunked, so layer-wise streaming sends earlier chunks' blocks too; the last
-    request (max_tokens 1) finishes at its first token, which ends a layer-wise stream without decoding."""
+    request (max_tokens 1) finishes at its first token, which ends a layer-wise stream without decoding. The
+    49-token prompt comes again at the end: the prefill worker's prefix cache then holds all but its last token,
+    a one-token last chunk (its layer-wise stream once waited forever for a signal that never came)."""
     connector, _, layerwise = mode.partition("+")
     args = ["--kv-tokens", "2048", "--max-model-len", "512", "--max-num-batched-tokens", "32",
             "--connector", "tcp" if mode == "colocated" else connector, *(["--kv-layerwise"] if layerwise else [])]
@@ -236,8 +238,12 @@ def test_tiny_model_cluster_matches_hf(tiny_model_dir, tmp_path, mode):
         outs = asyncio.run(main())
         for p, n, out in zip(prompts, lengths, outs):
             assert out.token_ids == hf_greedy(tiny_model_dir, p, n)
+        again = prompts[3][:49]
         with Client(c.address) as client:
+            client.complete(again, greedy(3, ignore_eos=True))
+            repeat = client.complete(again, greedy(3, ignore_eos=True), timeout=60)
             info = client.model_info()
+        assert repeat.cached_prompt_tokens == 48 and repeat.token_ids == hf_greedy(tiny_model_dir, again, 3)
         assert info.topology == ("colocated" if mode == "colocated" else "disaggregated")
         assert info.kv_connector == ("" if mode == "colocated" else connector)
         assert_idle(c)

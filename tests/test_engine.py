@@ -209,3 +209,26 @@ def test_layer_signals_come_as_each_layer_of_the_last_chunk_is_written(tiny_mode
         if layer + 1 < num_layers:  # the last chunk's tokens of the next layer are not written yet
             assert not torch.equal(snap[:, layer + 1], final[:, layer + 1])
     assert [layer for layer, _ in progress.snapshots] == list(range(num_layers))
+
+
+def test_a_one_token_last_chunk_streams_its_layers_too(tiny_model_dir, prompts):
+    """A prefix-cache hit up to the last token leaves a last chunk of one token, which the scheduler files under
+    decodes: it must signal every layer all the same (it did not, and its KV sender waited forever)."""
+    parts = build_engine(EngineArgs(model_dir=str(tiny_model_dir), block_size=8, kv_tokens=64 * 8,
+                                    max_model_len=512))
+    kv = parts.runner.kv_cache.kv
+    prompt = prompts[6][:25]  # 3 full blocks of 8 + 1 token
+    first = Request("a", prompt, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), prefill_only=True)
+    s, r = parts.scheduler, parts.runner
+    assert s.add_request(first) is None
+    out = s.schedule()
+    s.update(out, r.execute(out))
+    s.abort("a")  # its full blocks stay in the prefix cache
+    second = Request("b", prompt, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), prefill_only=True)
+    second.kv_layers = progress = RecordingProgress(kv)
+    assert s.add_request(second) is None
+    out = s.schedule()
+    assert len(out.decodes) == 1 and not out.prefills and second.num_cached_tokens == 24
+    s.update(out, r.execute(out))
+    assert [layer for layer, _ in progress.snapshots] == list(range(kv.shape[1]))
+    assert progress.num_tokens == 25 and second.status == RequestStatus.HELD
