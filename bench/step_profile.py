@@ -45,13 +45,14 @@ from torch.profiler import ProfilerActivity, profile, record_function  # noqa: E
 from engine.args import EngineArgs  # noqa: E402
 from engine.builder import build_engine, set_threads  # noqa: E402
 from engine.hardware import cpu_flags  # noqa: E402
+from engine.quantization import Int8WeightOnlyLinear  # noqa: E402
 from engine.request import Request, SamplingParams  # noqa: E402
 from kernels import AttentionOps  # noqa: E402
 from sweep import commit, machine  # noqa: E402
 
 FLAGS_SHOWN = {"avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8", "amx_tile", "avx512_fp16"}
 GEMM_OPS = {"aten::mm", "aten::addmm", "aten::mkldnn_linear", "mkldnn::_linear_pointwise", "aten::_mkl_linear",
-            "mkl::_mkl_linear"}
+            "mkl::_mkl_linear", "aten::_weight_int8pack_mm"}
 
 
 def _time(fn, min_s: float = 0.3) -> float:
@@ -68,7 +69,8 @@ def _time(fn, min_s: float = 0.3) -> float:
 
 def linear_shapes(model: torch.nn.Module) -> list[tuple[int, int]]:
     """(in_features, out_features) of every matmul in one forward, lm_head included (applied to sampled rows)."""
-    return [(m.in_features, m.out_features) for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    return [(m.in_features, m.out_features) for m in model.modules()
+            if isinstance(m, (torch.nn.Linear, Int8WeightOnlyLinear))]
 
 
 def gemm_rate(shapes: list[tuple[int, int]], rows: int, dtype: torch.dtype) -> float:
@@ -152,7 +154,8 @@ def measure(args: EngineArgs, batch: int, context: int, steps: int) -> dict:
     matmul_params = sum(k * n for k, n in shapes)  # every linear, lm_head on the B sampled rows included
     ctx = context + steps  # the average context during the timed steps, to a few tokens
     flops = 2 * matmul_params * batch + 4 * batch * ctx * mc.num_heads * mc.head_dim * mc.num_layers
-    weight_bytes = matmul_params * torch.empty((), dtype=mc.torch_dtype).element_size()
+    weight_bytes = matmul_params * (1 if args.quantization == "int8" else
+                                    torch.empty((), dtype=mc.torch_dtype).element_size())
     return {"batch": batch, "context": context, "step_ms": step_s * 1e3, "tok_s": batch / step_s,
             "model_flop_s": flops / step_s, "weight_bytes_s": weight_bytes / step_s,
             "split": {"gemm": gemm_us / total_us, "attention": attn_us / total_us, "other_ops": ops_us / total_us,
@@ -178,7 +181,8 @@ def main(argv=None) -> int:
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model-dir", default=None, help="HF directory (default: the packaged SmolLM2-135M)")
-    p.add_argument("--dtypes", default="float32,bfloat16")
+    p.add_argument("--dtypes", default="float32,bfloat16",
+                   help="comma-separated; DTYPE+int8 adds int8 weight-only linears (e.g. bfloat16+int8)")
     p.add_argument("--batches", default="1,16,64")
     p.add_argument("--context", type=int, default=256, help="prompt tokens per request")
     p.add_argument("--steps", type=int, default=10, help="decode steps timed (and profiled) per point")
@@ -197,17 +201,19 @@ def main(argv=None) -> int:
           f"{a.threads} thread(s); copy bandwidth {report['copy_bytes_s'] / 1e9:.1f} GB/s")
     print("dtype     batch  step ms   tok/s  GEMM@B GF/s  model GF/s  frac   wbytes/copy  "
           "gemm  attn  other  python")
-    for dt in a.dtypes.split(","):
+    for name in a.dtypes.split(","):
+        dt, _, quant = name.partition("+")
         for b in batches:
-            args = replace(base, dtype=dt, kv_tokens=b * (a.context + 4 * a.steps + 32) + 64)
+            args = replace(base, dtype=dt, quantization=quant or "none",
+                           kv_tokens=b * (a.context + 4 * a.steps + 32) + 64)
             point = measure(args, b, a.context, a.steps)
-            torch_dtype = getattr(torch, dt)
-            point["dtype"] = dt
+            torch_dtype = getattr(torch, dt)  # the GEMM baseline stays the dense one: what int8 must beat
+            point["dtype"] = name
             point["gemm_flop_s"] = gemm_rate(point.pop("shapes"), b, torch_dtype)
             point["fraction"] = point["model_flop_s"] / point["gemm_flop_s"]
             point["bandwidth_fraction"] = point["weight_bytes_s"] / report["copy_bytes_s"]
             sp = point["split"]
-            print(f"{dt:9} {b:5d} {point['step_ms']:8.1f} {point['tok_s']:7.1f} {point['gemm_flop_s'] / 1e9:11.1f} "
+            print(f"{name:9} {b:5d} {point['step_ms']:8.1f} {point['tok_s']:7.1f} {point['gemm_flop_s'] / 1e9:11.1f} "
                   f"{point['model_flop_s'] / 1e9:11.1f} {point['fraction']:5.2f} {point['bandwidth_fraction']:12.2f}  "
                   f"{sp['gemm']:4.0%} {sp['attention']:5.0%} {sp['other_ops']:6.0%} {sp['python']:6.0%}", flush=True)
             report["points"].append(point)

@@ -8,6 +8,7 @@ from kernels import BACKENDS as ATTENTION_BACKENDS
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 DTYPE_CHOICES = ("auto",) + DTYPE_NAMES
+QUANTIZATION_CHOICES = ("none", "int8")
 
 
 @dataclass(frozen=True)
@@ -17,6 +18,7 @@ class EngineArgs:
     Attributes:
         model_dir: resolved HF-format directory (see `cli.models.resolve_model`).
         dtype: weights and KV dtype, or "auto" (`engine.hardware.resolve_dtype`).
+        quantization: "none", or "int8": weight-only int8 linears (`engine.quantization`; needs a bf16/fp16 dtype).
         block_size: tokens per KV block.
         kv_tokens: KV budget in tokens; ignored when kv_bytes is set.
         kv_bytes: KV budget in bytes (overrides kv_tokens); None = use kv_tokens.
@@ -36,6 +38,10 @@ class EngineArgs:
         "choices": DTYPE_CHOICES,
         "help": "weights and KV dtype; auto = bfloat16 on CPUs with AVX512_BF16/AMX and bf16 GPUs, else float32 "
                 "(float16 on older GPUs)"})
+    quantization: str = field(default="none", metadata={
+        "choices": QUANTIZATION_CHOICES,
+        "help": "int8 = weight-only int8 linears (bf16/fp16 dtypes): faster small-batch decode on CPU, slower at "
+                "large batches"})
     block_size: int = field(default=16, metadata={"help": "tokens per KV block"})
     kv_tokens: int = field(default=16384, metadata={"help": "KV budget in tokens (ignored when --kv-bytes is set)"})
     kv_bytes: int | None = field(default=None, metadata={"help": "KV budget in bytes (overrides --kv-tokens)"})

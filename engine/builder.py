@@ -28,7 +28,8 @@ def build_engine(args: EngineArgs) -> EngineParts:
     """Load config + weights (or random weights when `args.random_weights`) and build the scheduler and runner.
 
     Raises:
-        FileNotFoundError / ValueError: from model loading and config validation.
+        FileNotFoundError / ValueError: from model loading and config validation (ValueError too for int8
+            quantization of a float32 model).
     """
     from transformers import AutoConfig
 
@@ -46,7 +47,7 @@ def build_engine(args: EngineArgs) -> EngineParts:
         enable_prefix_caching=args.enable_prefix_caching, vocab_size=model_config.vocab_size)
     state = None if args.random_weights else load_state_dict(path)
     runner = ModelRunner(model_config, cache_config, state, device=args.device, seed=args.seed,
-                         attention_backend=args.attention_backend)
+                         attention_backend=args.attention_backend, quantization=args.quantization)
     kv = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching)
     return EngineParts(model_config, cache_config, scheduler_config, Scheduler(scheduler_config, kv), runner)
 

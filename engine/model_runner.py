@@ -8,6 +8,7 @@ from engine.config import CacheConfig, ModelConfig
 from engine.kv_cache import KVCache
 from engine.models.llama import DecoderModel
 from engine.outputs import RunnerOutput, ScheduledRequest, SchedulerOutput
+from engine.quantization import quantize_int8_weight_only
 from engine.sampler import Sampler
 from kernels import select_ops
 
@@ -22,14 +23,15 @@ class ModelRunner:
         device: torch device.
         seed: seed for unseeded sampling and random init.
         attention_backend: "auto" (Triton on CUDA, torch reference elsewhere), "triton" or "torch".
+        quantization: "none", or "int8" (weight-only int8 linears, `engine.quantization`).
 
     Raises:
-        ValueError: an unknown or unusable attention backend (`kernels.select_ops`).
+        ValueError: an unknown or unusable attention backend (`kernels.select_ops`), or int8 on a float32 model.
     """
 
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig,
                  state_dict: dict[str, torch.Tensor] | None, device: str = "cpu", seed: int = 0,
-                 attention_backend: str = "auto"):
+                 attention_backend: str = "auto", quantization: str = "none"):
         torch.manual_seed(seed)
         self.model_config = model_config
         self.device = torch.device(device)
@@ -39,6 +41,8 @@ class ModelRunner:
         if state_dict is not None:
             self.model.load_weights(state_dict)
         self.model.eval()
+        if quantization == "int8":
+            quantize_int8_weight_only(self.model)
         self.kv_cache = KVCache(model_config, cache_config, self.device)
         self.block_size = cache_config.block_size
         self.sampler = Sampler(model_config.vocab_size, seed)

@@ -58,3 +58,12 @@ def test_layerwise_smoke(tiny_model_dir, tmp_path):
     (row,) = json.loads(out.read_text())["rows"]
     assert row["prompt_tokens"] == 40 and row["gap_ms_off"] > 0 and row["gap_ms_on"] > 0
     assert row["transfer_ms_off"] > 0 and row["transfer_ms_on"] > 0
+
+
+def test_quality_smoke(tiny_model_dir, tmp_path):
+    out = tmp_path / "quality.json"
+    _run(["bench/quality.py", "--model-dir", str(tiny_model_dir), "--ppl-tokens", "64", "--out", str(out)], tmp_path)
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["dtype"], r["quantization"]) for r in rows] == [("float32", "none"), ("bfloat16", "none"),
+                                                               ("bfloat16", "int8")]
+    assert rows[0]["agreement_vs_fp32"] == 1.0 and all(r["perplexity"] > 1 for r in rows)

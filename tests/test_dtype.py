@@ -1,11 +1,15 @@
-"""The `auto` dtype choice and bf16 numerics: greedy output in bf16 against HF transformers run in bf16."""
+"""The `auto` dtype choice and bf16 numerics: greedy output in bf16 against HF transformers run in bf16; int8
+weight-only linears against their own dequantized weights and against bf16."""
 import pytest
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 from conftest import hf_greedy
 from engine.args import EngineArgs
 from engine.builder import build_engine
 from engine.hardware import cpu_flags, resolve_dtype
+from engine.quantization import Int8WeightOnlyLinear
 from engine.request import Request, SamplingParams
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "List three colors:", "Water boils at",
@@ -30,8 +34,10 @@ def test_cpu_flags_read_from_cpuinfo(tmp_path):
     assert cpu_flags(tmp_path / "absent") == frozenset()
 
 
-def _engine_greedy(model_dir, dtype: str, prompts: list[list[int]], n: int, solo: bool) -> list[list[int]]:
-    parts = build_engine(EngineArgs(model_dir=str(model_dir), dtype=dtype, kv_tokens=8192, max_model_len=512))
+def _engine_greedy(model_dir, dtype: str, prompts: list[list[int]], n: int, solo: bool,
+                   quantization: str = "none") -> list[list[int]]:
+    parts = build_engine(EngineArgs(model_dir=str(model_dir), dtype=dtype, kv_tokens=8192, max_model_len=512,
+                                    quantization=quantization))
     assert parts.runner.kv_cache.layers[0][0].dtype == getattr(torch, dtype)
     s, r = parts.scheduler, parts.runner
     eos = parts.model_config.eos_token_ids
@@ -75,3 +81,34 @@ def test_real_model_bf16_agreement(real_model_dir, tokenizer):
     print(f"bf16 agreement: ours~HF-bf16 {vs_bf16:.2f}, ours~HF-fp32 {vs_fp32:.2f}, HF-bf16~HF-fp32 {hf_vs_fp32:.2f}")
     assert vs_bf16 >= 0.6
     assert vs_fp32 >= hf_vs_fp32 - 0.15
+
+
+def test_int8_linear_is_its_dequantized_weights():
+    """Each int8 weight is within half a scale step of the original, and the packed op computes x @ W_deq^T + b
+    (up to bf16 rounding of the output); fp32 layers are refused with a message that says what to use."""
+    torch.manual_seed(0)
+    lin = nn.Linear(64, 96, bias=True).to(torch.bfloat16)
+    q = Int8WeightOnlyLinear(lin)
+    deq = q.weight_int8.float() * q.scale.float()[:, None]
+    assert ((deq - lin.weight.float()).abs() <= q.scale.float()[:, None] * 0.51).all()
+    x = torch.randn(3, 5, 64, dtype=torch.bfloat16)
+    y = q(x)
+    assert y.shape == (3, 5, 96) and y.dtype == torch.bfloat16
+    torch.testing.assert_close(y.float(), F.linear(x.float(), deq, lin.bias.float()), atol=0.05, rtol=0.02)
+    with pytest.raises(ValueError, match="bfloat16"):
+        Int8WeightOnlyLinear(nn.Linear(4, 4))
+
+
+def test_tiny_model_int8_weight_only_greedy_stays_close_to_bf16(tiny_model_dir):
+    """int8 weights move logits by about a scale step, so greedy may part from bf16 late in a stream; on the
+    tiny model's sharp logits most of every stream must agree, batched or not."""
+    prompts = [[5 + i, 17, 300 + 7 * i] * (i + 1) for i in range(6)]
+    bf16 = _engine_greedy(tiny_model_dir, "bfloat16", prompts, 8, solo=False)
+    for solo in (False, True):
+        int8 = _engine_greedy(tiny_model_dir, "bfloat16", prompts, 8, solo=solo, quantization="int8")
+        assert _agreement(int8, bf16) >= 0.75, (int8, bf16)
+
+
+def test_int8_needs_a_16_bit_dtype(tiny_model_dir):
+    with pytest.raises(ValueError, match="bf16 or fp16"):
+        build_engine(EngineArgs(model_dir=str(tiny_model_dir), dtype="float32", quantization="int8"))

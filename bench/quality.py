@@ -1,0 +1,108 @@
+"""What a lossy lever costs in accuracy: perplexity on a fixed text and greedy token agreement, per precision.
+
+- Perplexity: HF transformers' LlamaForCausalLM on the packaged model, fp32 / bf16 / bf16 with int8 weight-only
+  linears (`engine.quantization.Int8WeightOnlyLinear`, the same module the engine uses), over a fixed window of
+  real English text (bench/prompts.py's corpus, --ppl-tokens tokens from its start), one forward pass.
+- Agreement: pdserve's engine, greedy, 32 tokens on each of tests/test_dtype.py's 8 prompts, each precision against
+  the engine in fp32 (tokens before the first divergence over the stream's length: greedy streams differ entirely
+  after one token).
+
+Usage: python bench/quality.py [--ppl-tokens 1024] [--out F.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "List three colors:", "Water boils at",
+           "Once upon a time", "import numpy as np\n", "The quick brown fox", "1, 2, 3, 4,"]
+PRECISIONS = (("float32", "none"), ("bfloat16", "none"), ("bfloat16", "int8"))
+
+
+def perplexity(model_dir: str, ids: list[int], dtype: str, quantization: str) -> float:
+    """exp(mean next-token cross-entropy) of `ids` under the HF model in that precision."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from engine.quantization import quantize_int8_weight_only
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
+    if quantization == "int8":
+        quantize_int8_weight_only(model)
+    with torch.inference_mode():
+        logits = model(torch.tensor([ids])).logits[0, :-1].float()
+    return math.exp(torch.nn.functional.cross_entropy(logits, torch.tensor(ids[1:])).item())
+
+
+def engine_greedy(model_dir: str, prompts: list[list[int]], dtype: str, quantization: str, n: int) -> list[list[int]]:
+    from engine.args import EngineArgs
+    from engine.builder import build_engine
+    from engine.request import Request, SamplingParams
+
+    parts = build_engine(EngineArgs(model_dir=model_dir, dtype=dtype, quantization=quantization, kv_tokens=8192,
+                                    max_model_len=512))
+    s, r = parts.scheduler, parts.runner
+    outs = []
+    for i, p in enumerate(prompts):
+        req = Request(f"q{i}", p, SamplingParams(max_tokens=n, temperature=0.0),
+                      eos_token_ids=parts.model_config.eos_token_ids)
+        s.add_request(req)
+        while s.has_work():
+            out = s.schedule()
+            s.update(out, r.execute(out))
+        outs.append(req.output_token_ids)
+    return outs
+
+
+def agreement(a: list[list[int]], b: list[list[int]]) -> float:
+    same = sum(next((i for i, (x, y) in enumerate(zip(p, q)) if x != y), min(len(p), len(q))) for p, q in zip(a, b))
+    return same / sum(max(len(p), len(q)) for p, q in zip(a, b))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model-dir", default=None)
+    ap.add_argument("--ppl-tokens", type=int, default=1024)
+    ap.add_argument("--out", default="")
+    args = ap.parse_args()
+    import torch
+    from transformers import AutoTokenizer
+
+    from cli.models import resolve_model
+    from engine.hardware import cpu_flags
+    from prompts import corpus_text
+    from step_profile import FLAGS_SHOWN
+    from sweep import commit, machine
+
+    torch.set_num_threads(1)
+    model_dir = args.model_dir or str(resolve_model(None))
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    text_ids = tok(corpus_text())["input_ids"][:args.ppl_tokens]
+    prompts = [tok(p)["input_ids"] for p in PROMPTS]
+    rows, reference = [], None
+    for dtype, quant in PRECISIONS:
+        t = time.perf_counter()
+        ppl = perplexity(model_dir, text_ids, dtype, quant)
+        greedy = engine_greedy(model_dir, prompts, dtype, quant, 32)
+        reference = reference or greedy
+        row = {"dtype": dtype, "quantization": quant, "perplexity": ppl,
+               "agreement_vs_fp32": agreement(greedy, reference)}
+        rows.append(row)
+        print(f"{dtype:>9} {quant:>5}: perplexity {ppl:.3f} over {len(text_ids)} tokens, greedy agreement with the "
+              f"fp32 engine {row['agreement_vs_fp32']:.2f} ({time.perf_counter() - t:.0f} s)", flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps({"commit": commit(), "date": time.strftime("%Y-%m-%d"),
+                                              "machine": machine(), "cpu_flags": sorted(cpu_flags() & FLAGS_SHOWN),
+                                              "ppl_tokens": len(text_ids), "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
