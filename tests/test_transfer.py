@@ -13,7 +13,7 @@ from engine.errors import ErrorKind
 from engine.kv_stream import KvLayerProgress, LayerStreamEnded
 from engine.transfer import available_backends, get_backend, release_transports
 from engine.transfer.channel import ChannelClosed
-from engine.transfer import protocol
+from engine.transfer import layer_gather
 from engine.transfer.protocol import KvReceiver, KvSender, TransferError
 
 BACKENDS = available_backends()
@@ -152,7 +152,7 @@ def test_layerwise_stream_sends_each_layer_once_written(backend, monkeypatch):
     just before each signal, so an early read would send zeros), the receiver does not finish before the first
     token, and the bytes land intact past the decode side's cached blocks. Groups of 2 blocks per message make
     the 3 blocks two messages per layer."""
-    monkeypatch.setattr(protocol, "LAYER_GROUP_BLOCKS", 2)
+    monkeypatch.setattr(layer_gather, "LAYER_GROUP_BLOCKS", 2)
 
     async def main():
         src, dst, sink = FakeCache(8, 1), FakeCache(8, 2), Sink()
