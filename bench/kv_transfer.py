@@ -137,6 +137,7 @@ def connector(backend: str, block_nbytes: int, num_blocks: int, repeats: int, la
                 progress.begin(list(range(num_blocks)), num_blocks * 16)
                 for layer in range(layers):
                     progress.layer_written(layer, torch.device("cpu"))
+                await asyncio.sleep(0)  # the engine-side calls post to the loop: let them land before the token
                 progress.finish(0)
                 stats = await sender.send_layers(address, f"r{i}", progress)
             else:
