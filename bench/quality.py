@@ -3,7 +3,7 @@
 - Perplexity: HF transformers' LlamaForCausalLM on the packaged model, fp32 / bf16 / bf16 with int8 weight-only
   linears (`engine.quantization.Int8WeightOnlyLinear`, the same module the engine uses), over a fixed window of
   real English text (bench/prompts.py's corpus, --ppl-tokens tokens from its start), one forward pass.
-- Agreement: pdserve's engine, greedy, 32 tokens on each of tests/test_dtype.py's 8 prompts, each precision against
+- Agreement: pdserve's engine, greedy, 32 tokens on each of the 8 PROMPTS (shared with tests/test_dtype.py), against
   the engine in fp32 (tokens before the first divergence over the stream's length: greedy streams differ entirely
   after one token).
 
@@ -63,6 +63,8 @@ def engine_greedy(model_dir: str, prompts: list[list[int]], dtype: str, quantiza
 
 
 def agreement(a: list[list[int]], b: list[list[int]]) -> float:
+    """Tokens generated before the first divergence over the longer stream's length, summed over prompts (greedy
+    streams differ entirely after one; both stop at EOS). Also the measure tests/test_dtype.py bounds."""
     same = sum(next((i for i, (x, y) in enumerate(zip(p, q)) if x != y), min(len(p), len(q))) for p, q in zip(a, b))
     return same / sum(max(len(p), len(q)) for p, q in zip(a, b))
 

@@ -4,9 +4,9 @@ Layout (block-major): kv[num_blocks, num_layers, 2, block_size, num_kv_heads, he
 every layer are a single contiguous region, so the transfer connectors send and receive whole blocks straight
 from/into the cache (no staging copies, one message per block). The attention ops see per-layer views
 k_cache/v_cache of shape [num_blocks, block_size, num_kv_heads, head_dim] (strided in dim 0).
-Layer-wise streaming sends one message per (block, layer) instead: kv[block, layer] (K then V) is the layer-th of
-num_layers equal contiguous slices of the block's bytes. Still no copy, at the price of num_layers times the
-messages.
+Layer-wise streaming needs one layer of many blocks: kv[block, layer] (K then V) is the layer-th of num_layers
+equal contiguous slices of the block's bytes, which `engine/transfer/layer_gather.py` gathers into one message per
+layer and group of blocks (a copy: a message per slice cost more than the copy).
 """
 from __future__ import annotations
 

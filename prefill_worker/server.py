@@ -12,7 +12,7 @@ from engine.kv_stream import KvLayerProgress, LayerStreamEnded
 from engine.outputs import TokenOutput
 from engine.request import FinishReason, Request
 from engine.transfer import release_transports
-from engine.transfer.protocol import KvSender, TransferError, TransferStats, uncancellable
+from engine.transfer.protocol import KvSender, TransferError, TransferStats, blocks_to_send, uncancellable
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 from server_common.security import read_secret
 from server_common.tracing import Tracing, inject_context, record_span, tracer
@@ -99,14 +99,12 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
 
     async def _send_blocks(self, request: worker_pb2.PrefillRequest, ev: TokenOutput, req: Request) -> TransferStats:
         """Send the held blocks after the first token (those past the decode worker's cached prefix)."""
-        blocks, skip = ev.block_ids or [], request.kv_skip_blocks
-        if skip >= len(blocks) > 0:  # the decode side computes nothing, so it must receive the last block
-            raise EngineError(ErrorKind.INVALID_REQUEST, f"kv_skip_blocks {skip} leaves none of the "
-                                                         f"{len(blocks)} blocks to send")
+        skip = request.kv_skip_blocks
+        blocks = blocks_to_send(ev.block_ids or [], skip)
         with tracer().start_as_current_span("kv transfer") as span:
-            stats = await self.sender.send(request.kv_address, request.request_id, ev.token.token_id, blocks[skip:],
+            stats = await self.sender.send(request.kv_address, request.request_id, ev.token.token_id, blocks,
                                            req.num_tokens - 1, trace_context=inject_context(), first_block=skip)
-            _annotate(span, stats, request)
+            _annotate(span, stats, request, layerwise=False)
         return stats
 
     async def _send_layers(self, request: worker_pb2.PrefillRequest, progress: KvLayerProgress) -> TransferStats:
@@ -123,15 +121,14 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
             except LayerStreamEnded as e:
                 raise TransferError(ErrorKind.TRANSFER_FAILED, f"layer-wise KV transfer of {request.request_id} "
                                                                f"ended: {e}") from e
-            _annotate(span, stats, request)
-            span.set_attribute("pdserve.kv.layerwise", True)
+            _annotate(span, stats, request, layerwise=True)
         return stats
 
 
-def _annotate(span, stats: TransferStats, request: worker_pb2.PrefillRequest) -> None:
+def _annotate(span, stats: TransferStats, request: worker_pb2.PrefillRequest, layerwise: bool) -> None:
     span.set_attributes({"pdserve.kv.bytes": stats.num_bytes, "pdserve.kv.blocks": stats.num_blocks,
                          "pdserve.kv.staged_bytes": stats.staged_bytes, "pdserve.kv.peer": request.kv_address,
-                         "pdserve.request_id": request.request_id})
+                         "pdserve.request_id": request.request_id, "pdserve.kv.layerwise": layerwise})
 
 
 async def serve(config: WorkerConfig) -> None:

@@ -1,5 +1,8 @@
 """The `auto` dtype choice and bf16 numerics: greedy output in bf16 against HF transformers run in bf16; int8
 weight-only linears against their own dequantized weights and against bf16."""
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -12,8 +15,8 @@ from engine.hardware import cpu_flags, resolve_dtype
 from engine.quantization import Int8WeightOnlyLinear
 from engine.request import Request, SamplingParams
 
-PROMPTS = ["The capital of France is", "def fibonacci(n):", "List three colors:", "Water boils at",
-           "Once upon a time", "import numpy as np\n", "The quick brown fox", "1, 2, 3, 4,"]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+from quality import PROMPTS, agreement  # noqa: E402  (one definition of the measure, shared with the benchmark)
 
 
 @pytest.mark.parametrize("flags,expected", [
@@ -60,14 +63,7 @@ def test_tiny_model_bf16_batched_greedy_matches_hf_bf16(tiny_model_dir):
         assert o == hf_greedy(tiny_model_dir, p, 8, dtype=torch.bfloat16)
 
 
-def _agreement(a: list[list[int]], b: list[list[int]]) -> float:
-    """Tokens generated before the first divergence over the longer stream's length, summed over prompts (greedy
-    streams differ entirely after one; both stop at EOS)."""
-    same = sum(next((i for i, (x, y) in enumerate(zip(p, q)) if x != y), min(len(p), len(q))) for p, q in zip(a, b))
-    return same / sum(max(len(p), len(q)) for p, q in zip(a, b))
-
-
-def test_real_model_bf16_agreement(real_model_dir, tokenizer):
+def test_real_model_bf16agreement(real_model_dir, tokenizer):
     """bf16 cannot be token-for-token with anything: SmolLM2's top two logits are often one bf16 step apart
     (0.0625 at 14), so the rounding order of a GEMM decides. What must hold: our bf16 stays as close to HF bf16
     as the numerics allow, and as close to the fp32 reference as HF's own bf16 path is. Measured on the AMX Xeon
@@ -77,7 +73,7 @@ def test_real_model_bf16_agreement(real_model_dir, tokenizer):
     ours = _engine_greedy(real_model_dir, "bfloat16", prompts, n, solo=True)
     hf_bf16 = [hf_greedy(real_model_dir, p, n, dtype=torch.bfloat16) for p in prompts]
     hf_fp32 = [hf_greedy(real_model_dir, p, n) for p in prompts]
-    vs_bf16, vs_fp32, hf_vs_fp32 = _agreement(ours, hf_bf16), _agreement(ours, hf_fp32), _agreement(hf_bf16, hf_fp32)
+    vs_bf16, vs_fp32, hf_vs_fp32 = agreement(ours, hf_bf16), agreement(ours, hf_fp32), agreement(hf_bf16, hf_fp32)
     print(f"bf16 agreement: ours~HF-bf16 {vs_bf16:.2f}, ours~HF-fp32 {vs_fp32:.2f}, HF-bf16~HF-fp32 {hf_vs_fp32:.2f}")
     assert vs_bf16 >= 0.6
     assert vs_fp32 >= hf_vs_fp32 - 0.15
@@ -106,7 +102,7 @@ def test_tiny_model_int8_weight_only_greedy_stays_close_to_bf16(tiny_model_dir):
     bf16 = _engine_greedy(tiny_model_dir, "bfloat16", prompts, 8, solo=False)
     for solo in (False, True):
         int8 = _engine_greedy(tiny_model_dir, "bfloat16", prompts, 8, solo=solo, quantization="int8")
-        assert _agreement(int8, bf16) >= 0.75, (int8, bf16)
+        assert agreement(int8, bf16) >= 0.75, (int8, bf16)
 
 
 def test_int8_needs_a_16_bit_dtype(tiny_model_dir):

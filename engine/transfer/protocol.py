@@ -178,14 +178,11 @@ class KvSender:
         Raises:
             LayerStreamEnded: the stream ended before the first token (the request failed, was cancelled, or
                 finished at its first token). The receiver was told with an end message and dropped what came.
-            EngineError: INVALID_REQUEST when first_block leaves no block to send.
+            EngineError: INVALID_REQUEST when first_block leaves no block to send (`blocks_to_send`).
             TransferError, asyncio.CancelledError: as `send`; a cancelled caller also ends the stream.
         """
         block_ids, num_tokens = await progress.started()
-        if first_block >= len(block_ids):  # the decode side computes nothing, so it must receive the last block
-            raise EngineError(ErrorKind.INVALID_REQUEST, f"kv_skip_blocks {first_block} leaves none of the "
-                                                         f"{len(block_ids)} blocks to send")
-        blocks = [self.block_view(b) for b in block_ids[first_block:]]
+        blocks = [self.block_view(b) for b in blocks_to_send(block_ids, first_block)]
         layers = progress.num_layers
         offer = {"request_id": request_id, "first_block": first_block, "num_blocks": len(blocks),
                  "num_tokens": num_tokens, "num_layers": layers,
@@ -345,6 +342,19 @@ class KvSender:
             for ch in peer.idle:
                 ch.close()
             peer.idle.clear()
+
+
+def blocks_to_send(block_ids: list[int], first_block: int) -> list[int]:
+    """The blocks of a request's table past the `first_block` the decode worker already holds.
+
+    Raises:
+        EngineError: INVALID_REQUEST when that leaves none of a non-empty table: the decode side computes nothing
+            of the prompt, so it must receive at least the last block.
+    """
+    if first_block >= len(block_ids) > 0:
+        raise EngineError(ErrorKind.INVALID_REQUEST, f"kv_skip_blocks {first_block} leaves none of the "
+                                                     f"{len(block_ids)} blocks to send")
+    return block_ids[first_block:]
 
 
 async def uncancellable(task: asyncio.Future) -> None:
