@@ -37,10 +37,13 @@ class Tokens:
 @dataclass
 class WorkerFinish:
     """The worker stopped the request: finish_reason is a generate_pb2.FinishReason (STOP or LENGTH);
-    stop_token_id is the stop token when one matched."""
+    stop_token_id is the stop token when one matched; num_draft_tokens / num_accepted_tokens count the decode
+    worker's speculative decoding."""
 
     finish_reason: int
     stop_token_id: int | None
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
 
 @dataclass
@@ -120,7 +123,8 @@ async def _decode_stream(call: WorkerCall) -> AsyncIterator[Tokens | WorkerFinis
             yield Tokens(list(msg.tokens.tokens), msg.tokens.num_cached_tokens)
         elif kind == "finished":
             f = msg.finished
-            yield WorkerFinish(f.finish_reason, f.stop_token_id if f.HasField("stop_token_id") else None)
+            yield WorkerFinish(f.finish_reason, f.stop_token_id if f.HasField("stop_token_id") else None,
+                               f.num_draft_tokens, f.num_accepted_tokens)
             return
 
 

@@ -46,6 +46,7 @@ class Progress:
         generated: output token ids sent; a resumed attempt starts after them.
         first_ms / last_ms: when the first and the latest token were sent (coordinator clock, ms).
         gaps: inter-token latencies, seconds. reason: a generate_pb2.FinishReason once it ended.
+        spec_draft / spec_accepted: speculative-decoding counts of the attempt that finished.
     """
 
     generated: list[int] = field(default_factory=list)
@@ -57,6 +58,8 @@ class Progress:
     stop_string: str | None = None
     stop_token_id: int | None = None
     migrations: int = 0
+    spec_draft: int = 0
+    spec_accepted: int = 0
 
 
 def _trace_request(request: generate_pb2.GenerateRequest, sampling: generate_pb2.SamplingParams, model: str,
@@ -259,7 +262,8 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         yield generate_pb2.GenerateResponse(final=generate_pb2.Final(
             finish_reason=p.reason, matched_stop=matched, request_id=flow.request_id,
             usage=generate_pb2.Usage(prompt_tokens=len(prompt), completion_tokens=num_out,
-                                     cached_prompt_tokens=p.cached),
+                                     cached_prompt_tokens=p.cached, spec_draft_tokens=p.spec_draft,
+                                     spec_accepted_tokens=p.spec_accepted),
             timings=generate_pb2.Timings(queue_ms=t.queue_ms, prefill_ms=t.prefill_ms, transfer_ms=t.transfer_ms,
                                          ttft_ms=ttft, decode_ms=(end - p.first_ms) if p.first_ms else 0.0,
                                          e2e_ms=end - t0)))
@@ -282,6 +286,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         async for item in source:
             if isinstance(item, flows.WorkerFinish):
                 p.reason, p.stop_token_id = item.finish_reason, item.stop_token_id
+                p.spec_draft, p.spec_accepted = item.num_draft_tokens, item.num_accepted_tokens
                 return
             p.cached = item.num_cached_tokens or p.cached
             ids = [t.token_id for t in item.tokens]

@@ -69,7 +69,9 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
                         num_cached_tokens=max(ev.num_cached_tokens for ev in batch)))
                     done = batch[-1]
                     if done.finish_reason is not None:
-                        msg = worker_pb2.DecodeFinished(finish_reason=FINISH_REASON_TO_PROTO[done.finish_reason])
+                        msg = worker_pb2.DecodeFinished(finish_reason=FINISH_REASON_TO_PROTO[done.finish_reason],
+                                                        num_draft_tokens=done.num_draft_tokens,
+                                                        num_accepted_tokens=done.num_accepted_tokens)
                         if done.stop_token_id is not None:
                             msg.stop_token_id = done.stop_token_id
                         yield worker_pb2.DecodeResponse(finished=msg)

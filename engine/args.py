@@ -29,6 +29,10 @@ class EngineArgs:
         device: torch device of weights and KV cache.
         seed: sampler seed for unseeded requests (and random weights).
         attention_backend: "auto" (Triton kernels on CUDA, torch reference elsewhere), "triton" or "torch".
+        speculative_ngram_tokens: n-gram (prompt-lookup) draft tokens per decode step; 0 = off
+            (`engine.speculative`).
+        speculative_ngram_max / speculative_ngram_min: longest / shortest n-gram looked up, in tokens.
+        speculative_disable_batch_size: no drafts while more requests than this are running.
         threads: torch intra-op threads for the process (0 = torch's default).
         random_weights: build the model from its config with random weights (tests, GPU-less benchmarks).
     """
@@ -55,5 +59,12 @@ class EngineArgs:
     attention_backend: str = field(default="auto", metadata={
         "choices": ATTENTION_BACKENDS,
         "help": "paged attention ops (auto = Triton kernels on CUDA, torch reference on CPU)"})
+    speculative_ngram_tokens: int = field(default=0, metadata={
+        "help": "speculative decoding: draft tokens per decode step from n-gram prompt lookup (vLLM's ngram "
+                "method; greedy requests without penalties or logprobs), 0 = off"})
+    speculative_ngram_max: int = field(default=4, metadata={"help": "longest n-gram looked up (tokens)"})
+    speculative_ngram_min: int = field(default=2, metadata={"help": "shortest n-gram looked up (tokens)"})
+    speculative_disable_batch_size: int = field(default=4, metadata={
+        "help": "no speculation while more requests than this are running (a large batch is compute-bound)"})
     threads: int = field(default=1, metadata={"help": "torch intra-op threads per process (0 = let torch choose)"})
     random_weights: bool = field(default=False, metadata={"help": "random weights from the model's config"})

@@ -13,6 +13,7 @@ from engine.kv_cache_manager import KVCacheManager
 from engine.loader import load_state_dict
 from engine.model_runner import ModelRunner
 from engine.scheduler import Scheduler
+from engine.speculative import SpeculativeConfig
 
 
 @dataclass
@@ -29,7 +30,7 @@ def build_engine(args: EngineArgs) -> EngineParts:
 
     Raises:
         FileNotFoundError / ValueError: from model loading and config validation (ValueError too for int8
-            quantization of a float32 model).
+            quantization of a float32 model, and for inconsistent speculative-decoding flags).
     """
     from transformers import AutoConfig
 
@@ -44,7 +45,9 @@ def build_engine(args: EngineArgs) -> EngineParts:
     scheduler_config = SchedulerConfig(
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
         max_model_len=min(max_len, model_config.max_position_embeddings),
-        enable_prefix_caching=args.enable_prefix_caching, vocab_size=model_config.vocab_size)
+        enable_prefix_caching=args.enable_prefix_caching, vocab_size=model_config.vocab_size,
+        speculative=SpeculativeConfig(args.speculative_ngram_tokens, args.speculative_ngram_max,
+                                      args.speculative_ngram_min, args.speculative_disable_batch_size))
     state = None if args.random_weights else load_state_dict(path)
     runner = ModelRunner(model_config, cache_config, state, device=args.device, seed=args.seed,
                          attention_backend=args.attention_backend, quantization=args.quantization)

@@ -11,6 +11,7 @@ import torch
 
 from engine.args import DTYPE_NAMES
 from engine.models.registry import arch_flags
+from engine.speculative import SpeculativeConfig
 
 DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in DTYPE_NAMES}
 
@@ -133,6 +134,7 @@ class SchedulerConfig:
         max_model_len: most tokens (prompt + output) one request may hold.
         enable_prefix_caching: reuse full KV blocks whose chained token hash matches.
         vocab_size: token ids a request may carry are [0, vocab_size).
+        speculative: n-gram speculative decoding (off by default).
     """
 
     max_num_batched_tokens: int
@@ -140,6 +142,7 @@ class SchedulerConfig:
     max_model_len: int
     enable_prefix_caching: bool
     vocab_size: int
+    speculative: SpeculativeConfig = SpeculativeConfig()
 
 
 def compat_hash(model: ModelConfig, cache: CacheConfig) -> str:

@@ -7,9 +7,10 @@ from engine.attention import AttentionMetadata
 from engine.config import CacheConfig, ModelConfig
 from engine.kv_cache import KVCache
 from engine.models.llama import DecoderModel
-from engine.outputs import RunnerOutput, ScheduledRequest, SchedulerOutput
+from engine.outputs import RunnerOutput, SampledToken, ScheduledRequest, SchedulerOutput
 from engine.quantization import quantize_int8_weight_only
 from engine.sampler import Sampler
+from engine.speculative import accept_greedy
 from kernels import select_ops
 
 
@@ -48,7 +49,8 @@ class ModelRunner:
         self.sampler = Sampler(model_config.vocab_size, seed)
 
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
-        """Compute the step's tokens and sample for every request whose chunk reaches its last token.
+        """Compute the step's tokens and sample for every request whose chunk reaches its last token; verify the
+        n-gram drafts of a request that carries them (`engine.speculative`).
 
         Raises:
             Exception: whatever the forward pass raised (a fault of the whole step; sampling failures are per
@@ -59,13 +61,18 @@ class ModelRunner:
         positions: list[int] = []
         slots: list[int] = []
         sample_rows: list[int] = []
+        verify: list[tuple[ScheduledRequest, int]] = []  # a request with drafts, and the row of its last known token
         for s in scheduled:
             start = s.request.num_computed_tokens
-            input_ids.extend(s.request.all_token_ids[start:start + s.num_new_tokens])
+            known = s.num_new_tokens - len(s.spec_token_ids)
+            input_ids.extend(s.request.all_token_ids[start:start + known])
+            input_ids.extend(s.spec_token_ids)
             for p in range(start, start + s.num_new_tokens):
                 positions.append(p)
                 slots.append(s.block_ids[p // self.block_size] * self.block_size + p % self.block_size)
-            if s.sample:
+            if s.spec_token_ids:
+                verify.append((s, len(input_ids) - 1 - len(s.spec_token_ids)))
+            elif s.sample:
                 sample_rows.append(len(input_ids) - 1)
         dev = self.device
         meta = AttentionMetadata(
@@ -94,11 +101,15 @@ class ModelRunner:
         hidden = self.model(torch.tensor(input_ids, dtype=torch.long, device=dev),
                             torch.tensor(positions, dtype=torch.long, device=dev), meta, self.kv_cache.layers,
                             on_layer_written=on_layer if streaming else None)
-        sampling = [s.request for s in scheduled if s.sample]
-        if not sampling:
+        verify_rows = [row for s, last in verify for row in range(last, last + len(s.spec_token_ids) + 1)]
+        if not sample_rows and not verify_rows:
             return RunnerOutput()
-        logits = self.model.compute_logits(hidden[sample_rows]).cpu()
-        return self.sampler(logits, sampling)
+        logits = self.model.compute_logits(hidden[sample_rows + verify_rows]).cpu()
+        result = self.sampler(logits[:len(sample_rows)], [s.request for s in scheduled
+                                                           if s.sample and not s.spec_token_ids])
+        if verify:
+            _verify_drafts(verify, logits[len(sample_rows):], result)
+        return result
 
     def _block_tables(self, group: list[ScheduledRequest]) -> torch.Tensor:
         """[len(group), max_blocks] int32, zero-padded."""
@@ -107,6 +118,20 @@ class ModelRunner:
         for i, s in enumerate(group):
             table[i, :len(s.block_ids)] = torch.tensor(s.block_ids, dtype=torch.int32)
         return table.to(self.device)
+
+
+def _verify_drafts(verify: list[tuple[ScheduledRequest, int]], logits: torch.Tensor, result: RunnerOutput) -> None:
+    """Greedy verification of n-gram drafts (`engine.speculative.accept_greedy`): each request's k + 1 rows of
+    logits ([sum(k + 1), vocab] fp32, in `verify` order) give the model's own token after the last known token and
+    after each draft; the emitted tokens go into `result` (the first as sampled, the rest as spec_tokens)."""
+    targets = logits.argmax(dim=-1).tolist()  # the sampler's greedy path takes the same argmax
+    at = 0
+    for s, _ in verify:
+        k = len(s.spec_token_ids)
+        emitted = accept_greedy(s.spec_token_ids, targets[at:at + k + 1])
+        at += k + 1
+        result.sampled[s.request.request_id] = SampledToken(emitted[0])
+        result.spec_tokens[s.request.request_id] = emitted[1:]
 
 
 def _cumsum(lengths: list[int]) -> list[int]:

@@ -12,12 +12,16 @@ class ScheduledRequest:
     """One request's share of a step: compute tokens [num_computed_tokens, num_computed_tokens + num_new_tokens).
 
     sample is True when the chunk reaches the last known token, so the step yields a new token for it.
+    spec_token_ids: n-gram draft tokens (`engine.speculative`) computed after the last known token; they are the
+    last len(spec_token_ids) of the num_new_tokens, and the step verifies them (a decode, filed under prefills
+    as its chunk has several tokens).
     """
 
     request: Request
     num_new_tokens: int
     block_ids: list[int]
     sample: bool
+    spec_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -49,10 +53,15 @@ class SampledToken:
 @dataclass
 class RunnerOutput:
     """What one step produced: a token for each request whose chunk reached its last token, and the requests whose
-    sampling failed (their error; the rest of the batch is unaffected)."""
+    sampling failed (their error; the rest of the batch is unaffected).
+
+    spec_tokens: for a request that carried drafts, the tokens after its sampled one that the step also emits
+    (the accepted drafts but the first, then the model's own next token; `engine.speculative.accept_greedy`).
+    """
 
     sampled: dict[str, SampledToken] = field(default_factory=dict)
     failed: dict[str, EngineError] = field(default_factory=dict)
+    spec_tokens: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -73,7 +82,8 @@ class TokenOutput:
     """A new token for a request, possibly with its finish.
 
     finish_reason PREFILL_DONE (prefill worker): the request's KV is complete and held in block_ids until
-    `release`; the caller must release it after the transfer, success or not.
+    `release`; the caller must release it after the transfer, success or not. num_draft_tokens /
+    num_accepted_tokens: the request's speculative-decoding counts so far (acceptance rate = accepted / draft).
     """
 
     request_id: str
@@ -84,6 +94,8 @@ class TokenOutput:
     queue_ms: float = 0.0
     prefill_ms: float = 0.0
     block_ids: list[int] | None = None
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
 
 @dataclass
@@ -109,6 +121,7 @@ class SchedulerStats:
         prefix_cache_query_tokens / prefix_cache_hit_tokens: cumulative prompt tokens looked up / found cached.
         num_preemptions: cumulative requests preempted (their KV freed, to be recomputed).
         num_steps: engine steps run.
+        spec_draft_tokens / spec_accepted_tokens: cumulative n-gram draft tokens verified / accepted.
     """
 
     num_running: int = 0
@@ -121,6 +134,8 @@ class SchedulerStats:
     prefix_cache_hit_tokens: int = 0
     num_preemptions: int = 0
     num_steps: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
     @property
     def kv_cache_usage(self) -> float:

@@ -81,6 +81,13 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def plain_greedy(self) -> bool:
+        """Greedy with nothing that reads other tokens: no penalties and no logprobs. The next token is then the
+        argmax of the logits alone (the sampler's batched path; what speculative decoding can verify)."""
+        return (self.greedy and self.logprobs is None and self.repetition_penalty == 1.0
+                and self.presence_penalty == 0.0 and self.frequency_penalty == 0.0)
+
 
 class RequestStatus(enum.Enum):
     WAITING_FOR_BLOCKS = "waiting_for_blocks"  # remote-KV request queued for a reservation
@@ -114,6 +121,7 @@ class Request:
         remote_kv: the prompt's KV arrives from a prefill worker (decode worker).
         kv_layers: prefill worker, layer-wise streaming: told as each layer of the last prefill chunk is written,
             so the KV sender can send that layer while the rest of the forward runs. None = not streamed.
+        num_draft_tokens / num_accepted_tokens: speculative decoding: draft tokens verified / accepted so far.
     """
 
     request_id: str
@@ -132,6 +140,8 @@ class Request:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     kv_layers: KvLayerProgress | None = field(default=None, repr=False, compare=False)
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
     _all_token_ids: list[int] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
@@ -149,6 +159,12 @@ class Request:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+    @property
+    def argmax_next(self) -> bool:
+        """The next token is the argmax of its logits alone: plain greedy, and no stop token is masked any more
+        (min_tokens reached)."""
+        return self.sampling.plain_greedy and len(self.output_token_ids) >= self.sampling.min_tokens
 
     def append_output(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

@@ -34,7 +34,7 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> RunnerOutput:
         """logits: [N, vocab] fp32, one row per request, in order. A token per request, or its error."""
         out = RunnerOutput()
-        simple = [i for i, r in enumerate(requests) if _is_plain_greedy(r)]
+        simple = [i for i, r in enumerate(requests) if r.argmax_next]
         if simple:  # batched fast path for the common greedy case
             ids = logits[simple].argmax(dim=-1).tolist()
             for i, t in zip(simple, ids):
@@ -91,12 +91,6 @@ class Sampler:
             gen = torch.Generator().manual_seed(
                 (sp.seed * 6364136223846793005 + len(req.output_token_ids) * 1442695040888963407) & _MASK64)
         return int(torch.multinomial(probs, 1, generator=gen))
-
-
-def _is_plain_greedy(req: Request) -> bool:
-    sp = req.sampling
-    return (sp.greedy and sp.logprobs is None and sp.repetition_penalty == 1.0 and sp.presence_penalty == 0.0
-            and sp.frequency_penalty == 0.0 and len(req.output_token_ids) >= sp.min_tokens)
 
 
 def _apply_penalties(row: torch.Tensor, req: Request) -> None:

@@ -1,9 +1,10 @@
 """Continuous-batching step scheduler with a token budget, chunked prefill, prefix caching, remote-KV
-reservations and preemption by recompute (the vLLM v1 scheme: count tokens, not phases).
+reservations, preemption by recompute (the vLLM v1 scheme: count tokens, not phases) and n-gram speculative
+decoding.
 
-Each step: running requests first (one token each for decodes, the next chunk for partial prefills), preempting
-the newest running request when blocks run out; then waiting requests join while budget, batch slots and blocks
-allow. Owned by the engine thread; not thread-safe.
+Each step: running requests first (one token each for decodes, plus n-gram drafts while the batch is small; the
+next chunk for partial prefills), preempting the newest running request when blocks run out; then waiting
+requests join while budget, batch slots and blocks allow. Owned by the engine thread; not thread-safe.
 """
 from __future__ import annotations
 
@@ -13,9 +14,10 @@ from collections import deque
 from engine.config import SchedulerConfig
 from engine.errors import ErrorKind
 from engine.kv_cache_manager import KVCacheManager
-from engine.outputs import (Reserved, RequestFailed, RunnerOutput, ScheduledRequest, SchedulerOutput, SchedulerStats,
-                            TokenOutput)
+from engine.outputs import (Reserved, RequestFailed, RunnerOutput, SampledToken, ScheduledRequest, SchedulerOutput,
+                            SchedulerStats, TokenOutput)
 from engine.request import FinishReason, Request, RequestStatus
+from engine.speculative import propose_ngram
 
 
 class Scheduler:
@@ -34,6 +36,8 @@ class Scheduler:
         self.running: list[Request] = []
         self.reserving: deque[Request] = deque()
         self.num_preemptions = 0
+        self.spec_draft_tokens = 0
+        self.spec_accepted_tokens = 0
 
     # ---- admission -------------------------------------------------------------------------------------------
     def add_request(self, request: Request) -> RequestFailed | None:
@@ -118,10 +122,15 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
+        spec = self.config.speculative
+        speculate = spec.enabled and len(self.running) <= spec.disable_batch_size
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
+            drafts = self._propose(req, budget) if speculate and n == 1 else []
+            if drafts and not self._allocate_drafts(req, len(drafts), budget):
+                drafts = []  # no blocks to spare: decode plainly (drafts never cost another request its blocks)
             while not self.kv.allocate_slots(req.request_id, req.num_computed_tokens + n):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -130,8 +139,8 @@ class Scheduler:
                     break
             if req.status != RequestStatus.RUNNING:
                 break  # req preempted itself: nothing after it is left either
-            self._add_scheduled(out, req, n)
-            budget -= n
+            self._add_scheduled(out, req, n, drafts)
+            budget -= n + len(drafts)
             i += 1
 
         while not out.preempted_ids and self.waiting and budget > 0 \
@@ -160,10 +169,34 @@ class Scheduler:
             budget -= n
         return out
 
-    def _add_scheduled(self, out: SchedulerOutput, req: Request, n: int) -> None:
-        s = ScheduledRequest(req, n, self.kv.get_block_table(req.request_id),
-                             sample=req.num_computed_tokens + n == req.num_tokens)
-        (out.decodes if n == 1 else out.prefills).append(s)
+    def _propose(self, req: Request, budget: int) -> list[int]:
+        """n-gram drafts for a running decode (`engine.speculative`), as many as the step's budget, the request's
+        max_tokens and the context window leave room to emit; none unless its next token is a plain argmax, which
+        the step can verify without changing the output."""
+        spec = self.config.speculative
+        if req.prefill_only or not req.argmax_next:
+            return []
+        room = min(spec.num_tokens, budget - 1, req.sampling.max_tokens - len(req.output_token_ids) - 1,
+                   self.config.max_model_len - req.num_tokens - 1)
+        return propose_ngram(req.all_token_ids, room, spec.lookup_min, spec.lookup_max)
+
+    def _allocate_drafts(self, req: Request, num_drafts: int, budget: int) -> bool:
+        """Slots for a decode's drafts, only from blocks no other request could need this step: at most one block
+        per running request, and the blocks of the budget's remaining tokens. Returns False, allocating nothing,
+        otherwise."""
+        total = req.num_computed_tokens + 1 + num_drafts
+        extra = self.kv.blocks_needed(total) - len(self.kv.get_block_table(req.request_id))
+        margin = len(self.running) + self.kv.blocks_needed(budget)
+        if extra > 0 and self.kv.pool.num_free_blocks - extra < margin:
+            return False
+        return self.kv.allocate_slots(req.request_id, total)
+
+    def _add_scheduled(self, out: SchedulerOutput, req: Request, n: int, drafts: list[int] | None = None) -> None:
+        """n known tokens, then the drafts (if any) to verify after them."""
+        drafts = drafts or []
+        s = ScheduledRequest(req, n + len(drafts), self.kv.get_block_table(req.request_id),
+                             sample=req.num_computed_tokens + n == req.num_tokens, spec_token_ids=drafts)
+        (out.decodes if s.num_new_tokens == 1 else out.prefills).append(s)
 
     def _preempt(self, req: Request) -> None:
         """Free a running request's blocks; it recomputes its prompt + output later (front of the queue)."""
@@ -188,8 +221,9 @@ class Scheduler:
 
     # ---- results -----------------------------------------------------------------------------------------------
     def update(self, out: SchedulerOutput, result: RunnerOutput) -> list[TokenOutput | RequestFailed]:
-        """Advance computed counts, register full blocks, append sampled tokens and finish requests; a request whose
-        sampling failed is dropped (blocks freed) with a RequestFailed."""
+        """Advance computed counts, register full blocks, append sampled tokens (several for a request whose drafts
+        were accepted) and finish requests; a request whose sampling failed is dropped (blocks freed) with a
+        RequestFailed."""
         events: list[TokenOutput | RequestFailed] = []
         for s in out.decodes + out.prefills:
             req = s.request
@@ -198,19 +232,23 @@ class Scheduler:
                 self.abort(req.request_id)
                 events.append(RequestFailed(req.request_id, error.kind, error.message))
                 continue
-            req.num_computed_tokens += s.num_new_tokens
-            self.kv.cache_full_blocks(req)
             if not s.sample:
+                req.num_computed_tokens += s.num_new_tokens
+                self.kv.cache_full_blocks(req)
                 continue
-            token = result.sampled[req.request_id]
-            req.append_output(token.token_id)
-            now = time.time()
-            ev = TokenOutput(req.request_id, token, num_cached_tokens=req.num_cached_tokens)
-            if req.first_token_time is None:
-                req.first_token_time = now
-                ev.queue_ms = (req.first_scheduled_time - req.arrival_time) * 1e3
-                ev.prefill_ms = (now - req.first_scheduled_time) * 1e3
-            self._check_stop(req, token.token_id, ev)
+            tokens = [result.sampled[req.request_id]]
+            if s.spec_token_ids:
+                extra = result.spec_tokens.get(req.request_id, [])
+                tokens += [SampledToken(t) for t in extra]
+                req.num_draft_tokens += len(s.spec_token_ids)
+                req.num_accepted_tokens += len(extra)
+                self.spec_draft_tokens += len(s.spec_token_ids)
+                self.spec_accepted_tokens += len(extra)
+            ev = self._emit(req, tokens, events)
+            # The step's KV is valid for the known tokens and for each draft that an emitted token confirmed; the
+            # slots of rejected drafts are rewritten by later steps.
+            req.num_computed_tokens += s.num_new_tokens - len(s.spec_token_ids) + len(tokens) - 1
+            self.kv.cache_full_blocks(req)
             if ev.finish_reason is not None:
                 req.finish_reason, req.stop_token_id = ev.finish_reason, ev.stop_token_id
                 self.running.remove(req)
@@ -219,8 +257,26 @@ class Scheduler:
                     ev.block_ids = list(self.kv.get_block_table(req.request_id))
                 else:
                     self._finish(req)
-            events.append(ev)
         return events
+
+    def _emit(self, req: Request, tokens: list[SampledToken], events: list) -> TokenOutput:
+        """Append tokens to the request, one TokenOutput each, up to the first that finishes it; drops the tokens
+        after that from `tokens` (in place) and returns the last event."""
+        for i, token in enumerate(tokens):
+            req.append_output(token.token_id)
+            ev = TokenOutput(req.request_id, token, num_cached_tokens=req.num_cached_tokens,
+                             num_draft_tokens=req.num_draft_tokens, num_accepted_tokens=req.num_accepted_tokens)
+            if req.first_token_time is None:
+                now = time.time()
+                req.first_token_time = now
+                ev.queue_ms = (req.first_scheduled_time - req.arrival_time) * 1e3
+                ev.prefill_ms = (now - req.first_scheduled_time) * 1e3
+            self._check_stop(req, token.token_id, ev)
+            events.append(ev)
+            if ev.finish_reason is not None:
+                del tokens[i + 1:]
+                break
+        return ev
 
     def _check_stop(self, req: Request, token_id: int, ev: TokenOutput) -> None:
         sp = req.sampling
@@ -267,4 +323,5 @@ class Scheduler:
             num_requests=len(self.requests), num_total_blocks=pool.num_blocks, num_free_blocks=pool.num_free_blocks,
             num_cached_blocks=pool.num_cached_free_blocks, prefix_cache_query_tokens=self.kv.prefix_query_tokens,
             prefix_cache_hit_tokens=self.kv.prefix_hit_tokens, num_preemptions=self.num_preemptions,
-            num_steps=num_steps)
+            num_steps=num_steps, spec_draft_tokens=self.spec_draft_tokens,
+            spec_accepted_tokens=self.spec_accepted_tokens)

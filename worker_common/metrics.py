@@ -33,7 +33,11 @@ class EngineStatsCollector(Collector):
                  s.prefix_cache_query_tokens),
                 (counter, "prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_cache_hit_tokens),
                 (counter, "num_preemptions", "Requests preempted (KV freed, recomputed later).", s.num_preemptions),
-                (counter, "engine_steps", "Engine steps run.", s.num_steps)):
+                (counter, "engine_steps", "Engine steps run.", s.num_steps),
+                (counter, "spec_decode_num_draft_tokens", "Speculative (n-gram) draft tokens verified.",
+                 s.spec_draft_tokens),
+                (counter, "spec_decode_num_accepted_tokens", "Speculative (n-gram) draft tokens accepted.",
+                 s.spec_accepted_tokens)):
             metric = family(f"pdserve:{name}", doc, labels=LABELS)
             metric.add_metric(self.labels, value)
             yield metric

@@ -40,7 +40,10 @@ class GenerateChunk:
 
 @dataclass
 class Completion:
-    """The end of a stream: finish reason ("stop", "length", "abort"), usage and timings (ms)."""
+    """The end of a stream: finish reason ("stop", "length", "abort"), usage and timings (ms).
+
+    spec_draft_tokens / spec_accepted_tokens: speculative decoding's draft tokens verified and accepted (0 when
+    the workers run without it); their ratio is the acceptance rate."""
 
     request_id: str
     finish_reason: str
@@ -49,6 +52,8 @@ class Completion:
     completion_tokens: int
     cached_prompt_tokens: int
     timings: dict[str, float]
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
 
@@ -80,7 +85,8 @@ def _convert(resp: generate_pb2.GenerateResponse) -> GenerateChunk:
         matched_stop=f.matched_stop, prompt_tokens=f.usage.prompt_tokens,
         completion_tokens=f.usage.completion_tokens, cached_prompt_tokens=f.usage.cached_prompt_tokens,
         timings={"queue_ms": t.queue_ms, "prefill_ms": t.prefill_ms, "transfer_ms": t.transfer_ms,
-                 "ttft_ms": t.ttft_ms, "decode_ms": t.decode_ms, "e2e_ms": t.e2e_ms}))
+                 "ttft_ms": t.ttft_ms, "decode_ms": t.decode_ms, "e2e_ms": t.e2e_ms},
+        spec_draft_tokens=f.usage.spec_draft_tokens, spec_accepted_tokens=f.usage.spec_accepted_tokens))
 
 
 class _CompletionBuilder:
