@@ -36,6 +36,22 @@ def corpus_text() -> str:
     return "\n\n".join(parts)
 
 
+SEED_CHAT_PROMPT = "Explain how transformers work"  # seed 004's example prompt
+
+
+def chat_prompt_ids(tokenizer, text: str) -> list[int]:
+    """Token ids of one user message rendered with the model's chat template, ready for the assistant's reply."""
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                             tokenize=False)
+    return tokenizer(rendered, add_special_tokens=False)["input_ids"]
+
+
+def seed_requests(tokenizer, num: int, output_len: int = 75) -> list[BenchRequest]:
+    """Seed 004's sweep load: every request the same chat prompt, `output_len` output tokens (the seed's ~75)."""
+    ids = chat_prompt_ids(tokenizer, SEED_CHAT_PROMPT)
+    return [BenchRequest(list(ids), output_len) for _ in range(num)]
+
+
 def make_requests(tokenizer, num: int, input_len: int, output_len: int, range_ratio: float = 0.0,
                   seed: int = 0) -> list[BenchRequest]:
     """`num` requests; lengths are fixed, or uniform in [len * (1 - r), len * (1 + r)] with r = range_ratio

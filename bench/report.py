@@ -15,7 +15,8 @@ COLUMNS = [("concurrency", "conc", "{:d}"), ("completed", "done", "{:d}"), ("fai
 def markdown(results: dict) -> str:
     """results: {"config": ..., "systems": {name: [level rows]}} -> Markdown (times in ms)."""
     cfg = results["config"]
-    lines = [f"Model `{cfg['model']}`; input {cfg['input_len']} / output {cfg['output_len']} tokens "
+    lines = [f"Model `{cfg['model']}`; workload {cfg.get('workload', 'docs')}, input {cfg['input_len']} / output "
+             f"{cfg['output_len']} tokens "
              f"(range ratio {cfg['range_ratio']}); {cfg['num_requests']} requests per level; SLO TTFT <= "
              f"{cfg['slo_ttft_ms']:.0f} ms, TPOT <= {cfg['slo_tpot_ms']:.0f} ms. Times in ms.", ""]
     for name, rows in results["systems"].items():
@@ -25,6 +26,8 @@ def markdown(results: dict) -> str:
             lines.append("| " + " | ".join(fmt.format(r[k]) if r.get(k) == r.get(k) else "-"
                                            for k, _, fmt in COLUMNS) + " |")
         lines.append("")
+    for name, why in results.get("not_run", {}).items():
+        lines += [f"**{name}**: not run: {why}", ""]
     ratios = results.get("ratios", {})
     if ratios:
         lines.append("Output-throughput ratio against the naive baseline at the same concurrency:")

@@ -25,12 +25,13 @@ sys.path.insert(0, str(HERE))
 
 from loadgen import run_level  # noqa: E402
 from metrics import Slo, summarize  # noqa: E402
-from prompts import make_requests  # noqa: E402
+from prompts import make_requests, seed_requests  # noqa: E402
 from report import markdown, plot  # noqa: E402
 import systems  # noqa: E402
 
-ALL_SYSTEMS = ("pdserve-disagg", "pdserve-colocated", "naive", "pdserve-disagg-observed")
-DEFAULT_SYSTEMS = ("pdserve-disagg", "pdserve-colocated", "naive")
+ALL_SYSTEMS = ("pdserve-disagg", "pdserve-colocated", "naive", "llamacpp", "pdserve-disagg-observed")
+DEFAULT_SYSTEMS = ("pdserve-disagg", "pdserve-colocated", "naive", "llamacpp")
+WORKLOADS = ("docs", "seed")
 
 
 def machine() -> str:
@@ -53,11 +54,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS), help=f"comma list from {ALL_SYSTEMS}")
     p.add_argument("--peer", action="append", default=[], help="name=http://host:port[,model] (repeat)")
+    p.add_argument("--variant", action="append", default=[],
+                   help="NAME=disagg|colocated:WORKER_ARGS, a further pdserve system with its own worker flags, "
+                        "e.g. 'pdserve-int8=colocated:--dtype bfloat16 --quantization int8' (repeat)")
     p.add_argument("--model-dir", default=None, help="HF directory (default: the packaged SmolLM2-135M)")
+    p.add_argument("--workload", default="docs", choices=WORKLOADS,
+                   help="docs = --input-len windows of real text; seed = seed 004's one chat prompt, 75 tokens out")
+    p.add_argument("--llama-server", default=None, help="llama-server binary (default: $LLAMA_SERVER, the "
+                                                        "bench/README.md build, or PATH)")
     p.add_argument("--concurrency", default="1,4,8,16,32,64")
-    p.add_argument("--num-requests", type=int, default=64, help="requests per concurrency level")
+    p.add_argument("--num-requests", type=int, default=64,
+                   help="requests per concurrency level (at least the level's concurrency)")
     p.add_argument("--input-len", type=int, default=128)
-    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--output-len", type=int, default=None, help="default 64 (docs), 75 (seed)")
     p.add_argument("--range-ratio", type=float, default=0.0, help="0 = fixed lengths; r = uniform +-r")
     p.add_argument("--slo-ttft-ms", type=float, default=2000.0)
     p.add_argument("--slo-tpot-ms", type=float, default=150.0)
@@ -68,6 +77,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="output 32 tokens, max(concurrency, 16) requests per level, 180 s per level at most")
     p.add_argument("--out-dir", default=None, help="default bench/results/<UTC timestamp>")
     args = p.parse_args(argv)
+    if args.output_len is None:
+        args.output_len = 75 if args.workload == "seed" else 64
     if args.quick:
         args.output_len = min(args.output_len, 32)
         args.level_time_limit_s = min(args.level_time_limit_s, 180.0)
@@ -75,7 +86,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def requests_per_level(args, concurrency: int) -> int:
-    return max(concurrency, 16) if args.quick else args.num_requests
+    """At least one request per slot: a level with fewer requests than its concurrency never reaches it."""
+    return max(concurrency, 16 if args.quick else args.num_requests)
 
 
 async def sweep_system(name: str, backend, args, tokenizer, levels: list[int], slo: Slo) -> list[dict]:
@@ -86,14 +98,15 @@ async def sweep_system(name: str, backend, args, tokenizer, levels: list[int], s
     """
     from tqdm import tqdm
 
-    warm = make_requests(tokenizer, 1, args.input_len, 4, seed=10_000)[0]
+    warm = make_requests(tokenizer, 1, 16, 4, seed=10_000)[0]
     res = await backend.run(warm)
     if res.error:
         raise RuntimeError(f"{name}: warm-up request failed: {res.error}")
     rows = []
     for i, conc in enumerate(levels):
-        reqs = make_requests(tokenizer, requests_per_level(args, conc), args.input_len, args.output_len,
-                             args.range_ratio, seed=i)
+        n = requests_per_level(args, conc)
+        reqs = (seed_requests(tokenizer, n, args.output_len) if args.workload == "seed" else
+                make_requests(tokenizer, n, args.input_len, args.output_len, args.range_ratio, seed=i))
         with tqdm(total=len(reqs), desc=f"{name} c={conc}", unit="req", leave=False) as bar:
             results, duration = await run_level(backend, reqs, conc, args.level_time_limit_s,
                                                 on_done=lambda r: bar.update(1))
@@ -127,7 +140,9 @@ def main(argv=None) -> int:
     log_dir.mkdir(exist_ok=True)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     slo = Slo(args.slo_ttft_ms, args.slo_tpot_ms)
-    results = {"config": {"model": Path(model_dir).name, "input_len": args.input_len, "output_len": args.output_len,
+    results = {"config": {"model": Path(model_dir).name, "workload": args.workload,
+                          "input_len": len(seed_requests(tokenizer, 1)[0].prompt_ids) if args.workload == "seed"
+                          else args.input_len, "output_len": args.output_len,
                           "range_ratio": args.range_ratio, "num_requests": "max(c,16)" if args.quick else
                           args.num_requests, "levels": levels, "slo_ttft_ms": args.slo_ttft_ms,
                           "slo_tpot_ms": args.slo_tpot_ms, "threads": args.threads, "machine": machine(),
@@ -143,12 +158,26 @@ def main(argv=None) -> int:
             "pdserve-disagg-observed", model_dir, False, args.threads, str(log_dir), args.worker_args.split(),
             observed=True),
         "naive": lambda: systems.start_naive(model_dir, args.threads, str(log_dir)),
+        "llamacpp": lambda: _start_llamacpp(args, tokenizer, levels, log_dir),
     }
+    for spec in args.variant:
+        name, _, rest = spec.partition("=")
+        topology, _, extra = rest.partition(":")
+        if not name or topology not in ("disagg", "colocated"):
+            raise SystemExit(f"--variant wants NAME=disagg|colocated:WORKER_ARGS, got {spec!r}")
+        starters[name] = (lambda name=name, colocated=topology == "colocated", extra=extra: systems.start_pdserve(
+            name, model_dir, colocated, args.threads, str(log_dir), args.worker_args.split() + extra.split()))
+        names.append(name)
     plan = [(n, starters[n]) for n in names] + [(spec.split("=")[0], lambda s=spec: systems.peer(s))
                                                for spec in args.peer]
     for name, start in plan:
         print(f"starting {name} ...", flush=True)
-        system = start()
+        try:
+            system = start()
+        except (RuntimeError, FileNotFoundError) as e:  # a peer that cannot start is reported, the rest still run
+            print(f"{name}: not run: {e}", flush=True)
+            results.setdefault("not_run", {})[name] = str(e)
+            continue
         try:
             results["systems"][name] = asyncio.run(_run(system, args, tokenizer, levels, slo))
         finally:
@@ -165,6 +194,23 @@ def main(argv=None) -> int:
     print(f"wrote {out_dir}/results.{{json,md,png}}")
     failed = sum(r["failed"] for rows in results["systems"].values() for r in rows)
     return 1 if failed else 0
+
+
+def _start_llamacpp(args, tokenizer, levels: list[int], log_dir: Path):
+    """llama-server on the packaged GGUF, all of --threads, one slot per request at the highest level.
+
+    Raises:
+        FileNotFoundError: no llama-server binary (build it as bench/README.md says) or no GGUF.
+    """
+    from cli.models import default_model_path
+
+    binary = args.llama_server or systems.find_llama_server()
+    if not binary:
+        raise FileNotFoundError("no llama-server binary: build it as bench/README.md says, or pass --llama-server")
+    ctx = (len(seed_requests(tokenizer, 1)[0].prompt_ids) if args.workload == "seed"
+           else int(args.input_len * (1 + args.range_ratio))) + int(args.output_len * (1 + args.range_ratio)) + 64
+    return systems.start_llama_server(binary, str(default_model_path()), args.threads, max(levels), ctx,
+                                      str(log_dir))
 
 
 async def _run(system, args, tokenizer, levels, slo):

@@ -5,6 +5,8 @@
 - `pdserve-disagg-observed`: pdserve-disagg exporting every trace (OTLP to an in-process sink) and serving
   /metrics scraped each second: the cost of observability, against pdserve-disagg in the same run;
 - `naive`: `naive_server.py`, HF `generate()` one request at a time (seed 004's baseline);
+- `llamacpp`: llama.cpp's `llama-server` on the packaged GGUF (its Q4_1 weights), started here, one slot per
+  request of the highest concurrency level (build: bench/README.md);
 - peers: any OpenAI-compatible server already running (`--peer name=url`), see bench/README.md.
 Every system gets the whole machine: `threads` torch threads in total (the disaggregated pair splits them).
 """
@@ -82,6 +84,61 @@ def start_naive(model_dir: str, threads: int, log_dir: str | None, timeout_s: fl
         except subprocess.TimeoutExpired:
             proc.kill()
     return RunningSystem("naive", lambda: OpenAIBackend(address, "naive"), stop)
+
+
+def find_llama_server() -> str | None:
+    """$LLAMA_SERVER, else a llama-server built as bench/README.md says (under ~/.cache/llamacpp), else PATH."""
+    import glob
+    import os
+    import shutil
+
+    if os.environ.get("LLAMA_SERVER"):
+        return os.environ["LLAMA_SERVER"]
+    built = sorted(glob.glob(str(Path.home() / ".cache/llamacpp/*/llama.cpp/build/bin/llama-server")))
+    return built[-1] if built else shutil.which("llama-server")
+
+
+def start_llama_server(binary: str, gguf: str, threads: int, slots: int, ctx_per_slot: int, log_dir: str | None,
+                       timeout_s: float = 300.0) -> RunningSystem:
+    """llama-server with `slots` parallel slots (continuous batching), `threads` threads for decode and batch
+    work, on a free localhost port.
+
+    Raises:
+        RuntimeError: it exited or /health did not answer 200 within timeout_s (the log says why).
+    """
+    import socket
+    import time
+    import urllib.request
+
+    with socket.socket() as s:  # a free port; llama-server cannot report one it chose itself
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = open(Path(log_dir) / "llamacpp.log", "w") if log_dir else subprocess.DEVNULL
+    proc = subprocess.Popen([binary, "-m", gguf, "--host", "127.0.0.1", "--port", str(port), "-t", str(threads),
+                             "-tb", str(threads), "-np", str(slots), "-c", str(slots * ctx_per_slot),
+                             "--no-webui"], stdout=log, stderr=log)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"llama-server exited with {proc.returncode} (see llamacpp.log)")
+        try:
+            if urllib.request.urlopen(f"{url}/health", timeout=2).status == 200:
+                break
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError(f"llama-server not ready within {timeout_s:.0f} s")
+        time.sleep(0.5)
+
+    def stop() -> None:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    return RunningSystem("llamacpp", lambda: OpenAIBackend(url, "llamacpp"), stop)
 
 
 def peer(spec: str) -> RunningSystem:

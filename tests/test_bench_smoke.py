@@ -23,11 +23,14 @@ def _run(args, tmp_path, timeout=600):
 
 def test_sweep_smoke(tiny_model_dir, tmp_path):
     out = tmp_path / "sweep"
-    _run(["bench/sweep.py", "--model-dir", str(tiny_model_dir), "--systems", "pdserve-disagg,naive",
-          "--concurrency", "1,3", "--num-requests", "3", "--input-len", "20", "--output-len", "5",
+    _run(["bench/sweep.py", "--model-dir", str(tiny_model_dir), "--systems", "pdserve-disagg,naive,llamacpp",
+          "--llama-server", str(tmp_path / "no-llama-server"), "--workload", "seed",
+          "--concurrency", "1,3", "--num-requests", "3", "--output-len", "5",
           "--threads", "1", "--out-dir", str(out)], tmp_path)
     results = json.loads((out / "results.json").read_text())
     assert set(results["systems"]) == {"pdserve-disagg", "naive"}
+    assert "no-llama-server" in results["not_run"]["llamacpp"]  # a peer that cannot start is said, the rest run
+    assert results["config"]["workload"] == "seed" and results["config"]["input_len"] > 10
     for name, rows in results["systems"].items():
         assert [r["concurrency"] for r in rows] == [1, 3]
         for r in rows:
@@ -67,3 +70,13 @@ def test_quality_smoke(tiny_model_dir, tmp_path):
     assert [(r["dtype"], r["quantization"]) for r in rows] == [("float32", "none"), ("bfloat16", "none"),
                                                                ("bfloat16", "int8")]
     assert rows[0]["agreement_vs_fp32"] == 1.0 and all(r["perplexity"] > 1 for r in rows)
+
+
+def test_speculative_smoke(tiny_model_dir, tmp_path):
+    out = tmp_path / "spec.json"
+    _run(["bench/speculative.py", "--model-dir", str(tiny_model_dir), "--batches", "2", "--k", "3",
+          "--workloads", "docs,rewrite", "--out", str(out)], tmp_path)
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["workload"], r["k"]) for r in rows] == [("docs", 0), ("docs", 3), ("rewrite", 0), ("rewrite", 3)]
+    assert all(r["same_output"] and r["tokens"] > 0 for r in rows)
+    assert rows[0]["draft"] == 0
