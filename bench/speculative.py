@@ -135,7 +135,7 @@ def main() -> None:
     print("step ms with k drafts (batch 1, context 300): " + ", ".join(f"k={k}: {ms:.1f}" for k, ms in costs.items()),
           flush=True)
     rows = []
-    for name in args.workloads.split(","):
+    for name in filter(None, args.workloads.split(",")):  # --workloads "": the step costs alone
         prompts, max_tokens = loads[name]
         for batch in (int(b) for b in args.batches.split(",")):
             base = run(model_dir, prompts, batch, max_tokens, 0, extra)

@@ -29,8 +29,9 @@ from prompts import make_requests, seed_requests  # noqa: E402
 from report import markdown, plot  # noqa: E402
 import systems  # noqa: E402
 
-ALL_SYSTEMS = ("pdserve-disagg", "pdserve-colocated", "naive", "llamacpp", "pdserve-disagg-observed")
-DEFAULT_SYSTEMS = ("pdserve-disagg", "pdserve-colocated", "naive", "llamacpp")
+ALL_SYSTEMS = ("pdserve-disagg", "pdserve-colocated", "naive", "llamacpp", "vllm", "vllm-all-cores",
+               "pdserve-disagg-observed")
+DEFAULT_SYSTEMS = ("pdserve-disagg", "pdserve-colocated", "naive", "llamacpp", "vllm", "vllm-all-cores")
 WORKLOADS = ("docs", "seed")
 
 
@@ -62,6 +63,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="docs = --input-len windows of real text; seed = seed 004's one chat prompt, 75 tokens out")
     p.add_argument("--llama-server", default=None, help="llama-server binary (default: $LLAMA_SERVER, the "
                                                         "bench/README.md build, or PATH)")
+    p.add_argument("--vllm", default=None, help="vllm command (default: $VLLM, ~/.cache/vllm-venv/bin/vllm, or PATH)")
     p.add_argument("--concurrency", default="1,4,8,16,32,64")
     p.add_argument("--num-requests", type=int, default=64,
                    help="requests per concurrency level (at least the level's concurrency)")
@@ -159,6 +161,8 @@ def main(argv=None) -> int:
             observed=True),
         "naive": lambda: systems.start_naive(model_dir, args.threads, str(log_dir)),
         "llamacpp": lambda: _start_llamacpp(args, tokenizer, levels, log_dir),
+        "vllm": lambda: _start_vllm(args, model_dir, levels, log_dir, all_cores=False),
+        "vllm-all-cores": lambda: _start_vllm(args, model_dir, levels, log_dir, all_cores=True),
     }
     for spec in args.variant:
         name, _, rest = spec.partition("=")
@@ -211,6 +215,18 @@ def _start_llamacpp(args, tokenizer, levels: list[int], log_dir: Path):
            else int(args.input_len * (1 + args.range_ratio))) + int(args.output_len * (1 + args.range_ratio)) + 64
     return systems.start_llama_server(binary, str(default_model_path()), args.threads, max(levels), ctx,
                                       str(log_dir))
+
+
+def _start_vllm(args, model_dir: str, levels: list[int], log_dir: Path, all_cores: bool):
+    """vLLM's CPU build (bench/README.md), its default core placement or all of --threads.
+
+    Raises:
+        FileNotFoundError: no vllm command.
+    """
+    binary = args.vllm or systems.find_vllm()
+    if not binary:
+        raise FileNotFoundError("no vllm command: install vLLM's CPU build as bench/README.md says, or pass --vllm")
+    return systems.start_vllm(binary, model_dir, args.threads, max(levels), str(log_dir), all_cores)
 
 
 async def _run(system, args, tokenizer, levels, slo):

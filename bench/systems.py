@@ -12,6 +12,7 @@ Every system gets the whole machine: `threads` torch threads in total (the disag
 """
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 import tempfile
@@ -98,47 +99,92 @@ def find_llama_server() -> str | None:
     return built[-1] if built else shutil.which("llama-server")
 
 
-def start_llama_server(binary: str, gguf: str, threads: int, slots: int, ctx_per_slot: int, log_dir: str | None,
-                       timeout_s: float = 300.0) -> RunningSystem:
-    """llama-server with `slots` parallel slots (continuous batching), `threads` threads for decode and batch
-    work, on a free localhost port.
+def free_port() -> int:
+    """A free localhost port, for servers that cannot report the one they chose."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_http_server(name: str, argv: list[str], port: int, model: str, log_dir: str | None,
+                      env: dict | None = None, timeout_s: float = 600.0) -> RunningSystem:
+    """Start an OpenAI-compatible server (`argv`, listening on `port`) and wait for its /health to answer 200.
 
     Raises:
-        RuntimeError: it exited or /health did not answer 200 within timeout_s (the log says why).
+        RuntimeError: it exited or was not ready within timeout_s (its log, <log_dir>/<name>.log, says why).
+        FileNotFoundError: argv[0] does not exist.
     """
-    import socket
     import time
     import urllib.request
 
-    with socket.socket() as s:  # a free port; llama-server cannot report one it chose itself
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    log = open(Path(log_dir) / "llamacpp.log", "w") if log_dir else subprocess.DEVNULL
-    proc = subprocess.Popen([binary, "-m", gguf, "--host", "127.0.0.1", "--port", str(port), "-t", str(threads),
-                             "-tb", str(threads), "-np", str(slots), "-c", str(slots * ctx_per_slot),
-                             "--no-webui"], stdout=log, stderr=log)
+    log = open(Path(log_dir) / f"{name}.log", "w") if log_dir else subprocess.DEVNULL
+    proc = subprocess.Popen(argv, stdout=log, stderr=log, env=env, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout_s
+
+    def stop() -> None:
+        import os
+        import signal
+
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)  # the whole group: vLLM's engine runs in child processes
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
     while True:
         if proc.poll() is not None:
-            raise RuntimeError(f"llama-server exited with {proc.returncode} (see llamacpp.log)")
+            raise RuntimeError(f"{name} exited with {proc.returncode} (see {name}.log)")
         try:
             if urllib.request.urlopen(f"{url}/health", timeout=2).status == 200:
                 break
         except OSError:
             pass
         if time.monotonic() > deadline:
-            proc.kill()
-            raise RuntimeError(f"llama-server not ready within {timeout_s:.0f} s")
-        time.sleep(0.5)
+            stop()
+            raise RuntimeError(f"{name} not ready within {timeout_s:.0f} s")
+        time.sleep(1.0)
+    return RunningSystem(name, lambda: OpenAIBackend(url, model), stop)
 
-    def stop() -> None:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-    return RunningSystem("llamacpp", lambda: OpenAIBackend(url, "llamacpp"), stop)
+
+def start_llama_server(binary: str, gguf: str, threads: int, slots: int, ctx_per_slot: int,
+                       log_dir: str | None) -> RunningSystem:
+    """llama-server with `slots` parallel slots (continuous batching) and `threads` threads, on the GGUF's own
+    weights (Q4_1 for the packaged model)."""
+    port = free_port()
+    return start_http_server("llamacpp", [binary, "-m", gguf, "--host", "127.0.0.1", "--port", str(port),
+                                          "-t", str(threads), "-tb", str(threads), "-np", str(slots),
+                                          "-c", str(slots * ctx_per_slot), "--no-webui"], port, "llamacpp", log_dir)
+
+
+def find_vllm() -> str | None:
+    """$VLLM, else the `vllm` of the venv bench/README.md installs (~/.cache/vllm-venv), else PATH."""
+    import os
+    import shutil
+
+    venv = Path.home() / ".cache/vllm-venv/bin/vllm"
+    return os.environ.get("VLLM") or (str(venv) if venv.exists() else shutil.which("vllm"))
+
+
+def start_vllm(binary: str, model_dir: str, threads: int, max_num_seqs: int, log_dir: str | None,
+               all_cores: bool) -> RunningSystem:
+    """vLLM's CPU build serving the HF directory (fp32, as pdserve's default). all_cores=False keeps vLLM's
+    default placement (on this 2-core machine: the model's OpenMP threads on one core, the other left to its
+    scheduler and API server); True binds its OpenMP threads to all `threads` cores."""
+    import os
+
+    port = free_port()
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="2")
+    if all_cores:
+        env.update(OMP_NUM_THREADS=str(threads), VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}")
+    name = "vllm-all-cores" if all_cores else "vllm"
+    return start_http_server(name, [binary, "serve", model_dir, "--port", str(port), "--host", "127.0.0.1",
+                                    "--served-model-name", name, "--dtype", "float32",
+                                    "--max-num-seqs", str(max_num_seqs), "--max-model-len", "2048"],
+                             port, name, log_dir, env=env, timeout_s=900.0)
 
 
 def peer(spec: str) -> RunningSystem:

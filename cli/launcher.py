@@ -126,6 +126,14 @@ def wait_ready(procs: list[tuple[str, subprocess.Popen, Path]], timeout_s: float
     return out
 
 
+def worker_threads(num_workers: int, num_cpus: int | None = None) -> int:
+    """Torch threads for each of num_workers workers sharing this host: its CPUs (affinity mask) split evenly, at
+    least 1. On the 2-core machines measured (docs/benchmarks.md, "Thread placement"), one thread per worker beat
+    oversubscribing the cores."""
+    cpus = num_cpus if num_cpus is not None else len(os.sched_getaffinity(0))
+    return max(1, cpus // max(1, num_workers))
+
+
 def start_cluster(model_dir: str, model_name: str, config: ServeConfig = ServeConfig(), colocated: bool = False,
                   worker_args: list[str] | None = None, coordinator_args: list[str] | None = None,
                   env: dict | None = None) -> Cluster:
@@ -137,7 +145,8 @@ def start_cluster(model_dir: str, model_name: str, config: ServeConfig = ServeCo
         config: how many workers, where logs go, how long to wait.
         colocated: one colocated worker instead of prefill + decode workers.
         worker_args / coordinator_args: flags passed to every worker / the coordinator (e.g. from
-            `cli.args.dataclass_to_argv`); the coordinator binds port 0 unless they say otherwise.
+            `cli.args.dataclass_to_argv`); the coordinator binds port 0 unless they say otherwise. Workers get
+            `--threads` from `worker_threads` unless these flags set it.
         env: the children's environment (default: this process's).
 
     Unless the flags or the environment name a cluster secret, a random one is written (mode 0600) to the
@@ -152,6 +161,8 @@ def start_cluster(model_dir: str, model_name: str, config: ServeConfig = ServeCo
     logs = Path(config.log_dir) if config.log_dir else None
     cluster = Cluster(address="", workdir=str(workdir), _env=env, _log_dir=logs)
     worker_args, coordinator_args = list(worker_args or []), list(coordinator_args or [])
+    if "--threads" not in worker_args:
+        worker_args += ["--threads", str(worker_threads(1 if colocated else config.num_prefill + config.num_decode))]
     if "--cluster-secret-file" not in worker_args and CLUSTER_SECRET_ENV not in env:
         secret_file = workdir / "cluster.secret"
         secret_file.touch(mode=0o600)

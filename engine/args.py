@@ -33,7 +33,8 @@ class EngineArgs:
             (`engine.speculative`).
         speculative_ngram_max / speculative_ngram_min: longest / shortest n-gram looked up, in tokens.
         speculative_disable_batch_size: no drafts while more requests than this are running.
-        threads: torch intra-op threads for the process (0 = torch's default).
+        threads: torch intra-op threads for the process; 0 = one per CPU the process may run on
+            (`engine.builder.set_threads`). `pdserve serve` splits its host's CPUs among its workers instead.
         random_weights: build the model from its config with random weights (tests, GPU-less benchmarks).
     """
 
@@ -66,5 +67,7 @@ class EngineArgs:
     speculative_ngram_min: int = field(default=2, metadata={"help": "shortest n-gram looked up (tokens)"})
     speculative_disable_batch_size: int = field(default=4, metadata={
         "help": "no speculation while more requests than this are running (a large batch is compute-bound)"})
-    threads: int = field(default=1, metadata={"help": "torch intra-op threads per process (0 = let torch choose)"})
+    threads: int = field(default=0, metadata={
+        "help": "torch intra-op threads per process (0 = one per CPU it may run on; `serve` splits the CPUs among "
+                "its workers)"})
     random_weights: bool = field(default=False, metadata={"help": "random weights from the model's config"})

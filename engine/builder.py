@@ -1,6 +1,7 @@
 """Assemble an engine (model config, KV geometry, scheduler, runner) from a resolved model directory."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -56,6 +57,7 @@ def build_engine(args: EngineArgs) -> EngineParts:
 
 
 def set_threads(num_threads: int) -> None:
-    """Torch intra-op threads for this process (several processes on few cores: 1 each is often fastest)."""
-    if num_threads > 0:
-        torch.set_num_threads(num_threads)
+    """Torch intra-op threads for this process; 0 = one per CPU in its affinity mask (what a container or
+    taskset grants it, not the host's count, which torch would take). Several processes on few cores: give each its
+    share (`cli.launcher.worker_threads`); more threads than cores only adds contention."""
+    torch.set_num_threads(num_threads if num_threads > 0 else len(os.sched_getaffinity(0)))

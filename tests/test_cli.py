@@ -81,3 +81,12 @@ def test_role_flags_round_trip_with_lists():
                                colocated=False, max_in_flight=9)
     parsed = build_parser("coordinator").parse_args(dataclass_to_argv(config))
     assert dataclass_from_args(CoordinatorConfig, parsed, model_dir="m", model_name="n") == config
+
+
+def test_serve_splits_the_cpus_among_its_workers():
+    from cli.launcher import worker_threads
+
+    assert worker_threads(2, num_cpus=2) == 1  # 1 prefill + 1 decode on two cores: one each
+    assert worker_threads(1, num_cpus=2) == 2  # colocated: the whole host
+    assert worker_threads(3, num_cpus=8) == 2
+    assert worker_threads(4, num_cpus=2) == 1  # never 0
