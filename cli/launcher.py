@@ -128,8 +128,9 @@ def wait_ready(procs: list[tuple[str, subprocess.Popen, Path]], timeout_s: float
 
 def worker_threads(num_workers: int, num_cpus: int | None = None) -> int:
     """Torch threads for each of num_workers workers sharing this host: its CPUs (affinity mask) split evenly, at
-    least 1. On the 2-core machines measured (docs/benchmarks.md, "Thread placement"), one thread per worker beat
-    oversubscribing the cores."""
+    least 1, so workers never oversubscribe the cores. Measured on 2 cores (docs/benchmarks.md, seed sweep): 2
+    threads per worker (oversubscribed) won when one worker idles and lost at moderate load; no split won
+    everywhere."""
     cpus = num_cpus if num_cpus is not None else len(os.sched_getaffinity(0))
     return max(1, cpus // max(1, num_workers))
 
