@@ -119,7 +119,9 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         except RequestError as e:
             error = e
             await context.abort(e.code, f"request {rid}: {e.message}", e.trailing_metadata())
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, grpc.aio.InternalError):
+            # The client went: gRPC cancels this task, or, when a send races the cancellation, the send fails with
+            # InternalError (ExecuteBatchError), which gRPC ignores for a closed call. Either way: say which it was.
             remaining = context.time_remaining()
             error = (RequestError(grpc.StatusCode.DEADLINE_EXCEEDED, "the client's deadline passed")
                      if remaining is not None and remaining <= CLIENT_DEADLINE_SLACK_S

@@ -79,3 +79,52 @@ def test_a_client_that_stops_reading_is_dropped():
     with pytest.raises(RequestError) as e:
         asyncio.run(servicer._write(NeverReads(), SamplingParams()))
     assert e.value.code == grpc.StatusCode.DEADLINE_EXCEEDED and "read nothing" in e.value.message
+
+
+@pytest.mark.parametrize("remaining_s, code", [(0.0, "DEADLINE_EXCEEDED"), (5.0, "CANCELLED")])
+def test_a_send_to_a_client_that_went_is_recorded_as_its_deadline_or_cancel(remaining_s, code):
+    """When the client's deadline or cancel races a send, gRPC fails the send (InternalError) instead of cancelling
+    the handler: the request must still be recorded as what it was (access log, metrics), never as a success."""
+    import asyncio
+
+    from prometheus_client import CollectorRegistry
+
+    from coordinator.config import CoordinatorConfig
+    from coordinator.membership import Cluster
+    from coordinator.metrics import CoordinatorMetrics
+    from coordinator.server import GenerationServicer
+    from pdserve.v1 import generate_pb2
+
+    class GoneClient:
+        def invocation_metadata(self):
+            return ()
+
+        def peer(self):
+            return "ipv4:127.0.0.1:5"
+
+        def time_remaining(self):
+            return remaining_s
+
+        async def write(self, msg):
+            raise grpc.aio.InternalError("Failed \"execute_batch\"")  # what grpc raises for a closed call
+
+    registry = CollectorRegistry()
+    servicer = GenerationServicer(CoordinatorConfig(model_dir="m", model_name="n"),
+                                  Cluster(router=None, colocated=True), tokenizer=None,
+                                  metrics=CoordinatorMetrics(registry, "n"))
+    records = []
+    servicer._finished = lambda record, error: records.append((record, error))
+
+    async def prepare(request):
+        return [1, 2, 3], generate_pb2.SamplingParams(max_tokens=4)
+
+    async def stream(flow, *args):
+        yield generate_pb2.GenerateResponse(chunk=generate_pb2.Chunk(token_ids=[7], text="x"))
+
+    servicer._prepare, servicer._stream = prepare, stream
+    with pytest.raises(grpc.aio.InternalError):
+        asyncio.run(servicer.Generate(generate_pb2.GenerateRequest(request_id="r"), GoneClient()))
+    (record, error), = records
+    assert record.error_code == code and record.prompt_tokens == 3 and error, (record, error)
+    in_flight = registry.get_sample_value("pdserve:num_requests_in_flight", {"model_name": "n"})
+    assert not servicer.cluster.flows and in_flight == 0  # nothing held
