@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Build the Debian base image pdserve's Dockerfile starts FROM, without pulling from a registry: debootstrap a
 # minimal Debian (packages come from the Debian mirror) and import it into the local docker daemon.
-#   usage: deploy/build-base.sh [TAG]   (default pdserve-base:bookworm; skipped when the image exists)
+#   usage: deploy/build-base.sh [TAG]   (default pdserve-base:bookworm-cc; skipped when the image exists)
 set -euo pipefail
-TAG="${1:-pdserve-base:bookworm}"
+TAG="${1:-pdserve-base:bookworm-cc}"
 SUITE="${SUITE:-bookworm}"
 MIRROR="${MIRROR:-http://deb.debian.org/debian}"
 if docker image inspect "$TAG" >/dev/null 2>&1; then
@@ -12,8 +12,9 @@ fi
 command -v debootstrap >/dev/null || { echo "needs debootstrap (apt-get install debootstrap), as root" >&2; exit 1; }
 ROOTFS="$(mktemp -d /tmp/pdserve-rootfs.XXXXXX)"
 trap 'rm -rf "$ROOTFS"' EXIT
-# python3 + venv: the image's interpreter (bookworm: 3.11); ca-certificates: pip over https.
-debootstrap --variant=minbase --include=python3,python3-venv,ca-certificates "$SUITE" "$ROOTFS" "$MIRROR"
+# python3 + venv: the image's interpreter (bookworm: 3.11); ca-certificates: pip over https; gcc + libc6-dev: the
+# CPU decode-attention kernel (kernels/cpu_decode.c) is built on the host that runs it (-march=native), at first use.
+debootstrap --variant=minbase --include=python3,python3-venv,ca-certificates,gcc,libc6-dev "$SUITE" "$ROOTFS" "$MIRROR"
 rm -rf "$ROOTFS"/var/lib/apt/lists/* "$ROOTFS"/var/cache/apt/*.bin
 tar -C "$ROOTFS" -c . | docker import --change 'ENV LANG=C.UTF-8' - "$TAG"
 echo "built $TAG"

@@ -28,7 +28,8 @@ class EngineArgs:
         enable_prefix_caching: reuse cached full KV blocks with the same chained token hash.
         device: torch device of weights and KV cache.
         seed: sampler seed for unseeded requests (and random weights).
-        attention_backend: "auto" (Triton kernels on CUDA, torch reference elsewhere), "triton" or "torch".
+        packed_weights: bf16 on CPU, prepack the linear layers' weights for oneDNN (`engine.packing`).
+        attention_backend: "auto" (Triton kernels on CUDA, the C decode kernel on CPU), "triton", "cpu" or "torch".
         speculative_ngram_tokens: n-gram (prompt-lookup) draft tokens per decode step; 0 = off
             (`engine.speculative`).
         speculative_ngram_max / speculative_ngram_min: longest / shortest n-gram looked up, in tokens.
@@ -47,6 +48,9 @@ class EngineArgs:
         "choices": QUANTIZATION_CHOICES,
         "help": "int8 = weight-only int8 linears (bf16/fp16 dtypes): faster small-batch decode on CPU, slower at "
                 "large batches"})
+    packed_weights: bool = field(default=True, metadata={
+        "help": "bf16 on CPU: reorder linear weights once at load into oneDNN's blocked layout (engine.packing); "
+                "no effect elsewhere"})
     block_size: int = field(default=16, metadata={"help": "tokens per KV block"})
     kv_tokens: int = field(default=16384, metadata={"help": "KV budget in tokens (ignored when --kv-bytes is set)"})
     kv_bytes: int | None = field(default=None, metadata={"help": "KV budget in bytes (overrides --kv-tokens)"})
@@ -59,7 +63,8 @@ class EngineArgs:
     seed: int = field(default=0, metadata={"help": "seed for unseeded sampling and random weights"})
     attention_backend: str = field(default="auto", metadata={
         "choices": ATTENTION_BACKENDS,
-        "help": "paged attention ops (auto = Triton kernels on CUDA, torch reference on CPU)"})
+        "help": "paged attention ops (auto = Triton kernels on CUDA; on CPU the C decode kernel, built on first "
+                "use with $CC, else the torch reference)"})
     speculative_ngram_tokens: int = field(default=0, metadata={
         "help": "speculative decoding: draft tokens per decode step from n-gram prompt lookup (vLLM's ngram "
                 "method; greedy requests without penalties or logprobs), 0 = off"})

@@ -51,7 +51,8 @@ def build_engine(args: EngineArgs) -> EngineParts:
                                       args.speculative_ngram_min, args.speculative_disable_batch_size))
     state = None if args.random_weights else load_state_dict(path)
     runner = ModelRunner(model_config, cache_config, state, device=args.device, seed=args.seed,
-                         attention_backend=args.attention_backend, quantization=args.quantization)
+                         attention_backend=args.attention_backend, quantization=args.quantization,
+                         packed_weights=args.packed_weights)
     kv = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching)
     return EngineParts(model_config, cache_config, scheduler_config, Scheduler(scheduler_config, kv), runner)
 

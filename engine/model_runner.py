@@ -8,6 +8,7 @@ from engine.config import CacheConfig, ModelConfig
 from engine.kv_cache import KVCache
 from engine.models.llama import DecoderModel
 from engine.outputs import RunnerOutput, SampledToken, ScheduledRequest, SchedulerOutput
+from engine.packing import pack_linears
 from engine.quantization import quantize_int8_weight_only
 from engine.sampler import Sampler
 from engine.speculative import accept_greedy
@@ -23,8 +24,9 @@ class ModelRunner:
         state_dict: HF-named weights; None leaves random init (tests).
         device: torch device.
         seed: seed for unseeded sampling and random init.
-        attention_backend: "auto" (Triton on CUDA, torch reference elsewhere), "triton" or "torch".
+        attention_backend: "auto" (Triton on CUDA, the C decode kernel on CPU), "triton", "cpu" or "torch".
         quantization: "none", or "int8" (weight-only int8 linears, `engine.quantization`).
+        packed_weights: prepack bf16 linears on CPU (`engine.packing`; int8 layers are packed by their own op).
 
     Raises:
         ValueError: an unknown or unusable attention backend (`kernels.select_ops`), or int8 on a float32 model.
@@ -32,7 +34,7 @@ class ModelRunner:
 
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig,
                  state_dict: dict[str, torch.Tensor] | None, device: str = "cpu", seed: int = 0,
-                 attention_backend: str = "auto", quantization: str = "none"):
+                 attention_backend: str = "auto", quantization: str = "none", packed_weights: bool = True):
         torch.manual_seed(seed)
         self.model_config = model_config
         self.device = torch.device(device)
@@ -44,6 +46,8 @@ class ModelRunner:
         self.model.eval()
         if quantization == "int8":
             quantize_int8_weight_only(self.model)
+        elif packed_weights:
+            pack_linears(self.model)
         self.kv_cache = KVCache(model_config, cache_config, self.device)
         self.block_size = cache_config.block_size
         self.sampler = Sampler(model_config.vocab_size, seed)

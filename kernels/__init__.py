@@ -1,8 +1,9 @@
 """Attention and KV-cache ops over the paged KV cache: Triton kernels beside pure-torch references.
 
-Each op exists twice with one signature: `kernels.reference` (torch; defines the semantics, runs anywhere) and
-`kernels.triton_*` (Triton; CUDA, or CPU under TRITON_INTERPRET=1 for tests). The model gets one `AttentionOps`
-from `select_ops` and never imports either directly.
+Each op has one signature and up to three implementations: `kernels.reference` (torch; defines the semantics, runs
+anywhere), `kernels.triton_*` (Triton; CUDA, or CPU under TRITON_INTERPRET=1 for tests) and `kernels.cpu_ops`
+(decode attention in C for CPU workers, built on first use). The model gets one `AttentionOps` from `select_ops`
+and never imports any of them directly.
 
 Layout shared by all ops (see `engine.kv_cache`):
     k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], one layer's view (may be strided in dim 0)
@@ -11,6 +12,7 @@ Layout shared by all ops (see `engine.kv_cache`):
 """
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
@@ -19,7 +21,8 @@ if TYPE_CHECKING:
     import torch
 
 # Names only: importing this package loads no torch, so the command line can list the choices cheaply.
-BACKENDS = ("auto", "torch", "triton")
+BACKENDS = ("auto", "torch", "triton", "cpu")
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -47,18 +50,36 @@ def select_ops(backend: str, device: torch.device | str) -> AttentionOps:
     """Pick the attention ops for a worker.
 
     Args:
-        backend: "auto" (Triton on CUDA, torch elsewhere), "triton" or "torch".
+        backend: "auto" (Triton on CUDA; on CPU the C decode kernel, or the torch reference when it cannot be
+            built), "triton", "cpu" or "torch".
         device: the device the KV cache lives on.
 
     Raises:
-        ValueError: unknown backend, or "triton" where Triton cannot run (no CUDA and no TRITON_INTERPRET=1).
+        ValueError: unknown backend; "triton" where Triton cannot run (no CUDA and no TRITON_INTERPRET=1); "cpu"
+            on another device or when its kernel cannot be built (no C compiler).
     """
     import torch
 
     if backend not in BACKENDS:
         raise ValueError(f"attention backend must be one of {BACKENDS}, got {backend!r}")
+    device_type = torch.device(device).type
+    if backend == "auto" and device_type == "cpu":
+        from kernels.cpu_ops import KernelBuildError, cpu_ops
+        try:
+            return cpu_ops()
+        except KernelBuildError as e:
+            log.warning("the cpu attention kernel is unavailable (%s); using the slower torch reference", e)
+            backend = "torch"
     if backend == "auto":
-        backend = "triton" if torch.device(device).type == "cuda" and triton_usable(device) else "torch"
+        backend = "triton" if device_type == "cuda" and triton_usable(device) else "torch"
+    if backend == "cpu":
+        from kernels.cpu_ops import KernelBuildError, cpu_ops
+        if device_type != "cpu":
+            raise ValueError(f"attention backend 'cpu' runs on CPU only (device {device})")
+        try:
+            return cpu_ops()
+        except KernelBuildError as e:
+            raise ValueError(f"attention backend 'cpu': {e}") from e
     if backend == "torch":
         from kernels import reference as ref
         return AttentionOps("torch", ref.write_kv_cache, ref.paged_decode_attention, ref.prefill_attention)

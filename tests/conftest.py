@@ -50,18 +50,31 @@ def tokenizer(real_model_dir):
     return AutoTokenizer.from_pretrained(str(real_model_dir))
 
 
-def hf_greedy(model_dir: Path, prompt_ids: list[int], max_new_tokens: int, dtype=None, _cache: dict = {}) -> list[int]:
-    """Reference greedy continuation from HF transformers on the same weights, in `dtype` (default fp32; models
-    cached per directory and dtype). Stops at the model's EOS, as `generate()` does."""
-    import torch
+def _hf_model(model_dir: Path, dtype, _cache: dict = {}):
+    """HF transformers' model of `model_dir` in `dtype`, loaded once per directory and dtype."""
     from transformers import AutoModelForCausalLM
 
-    dtype = dtype or torch.float32
     key = (str(model_dir), dtype)
     if key not in _cache:
         _cache[key] = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).eval()
+    return _cache[key]
+
+
+def hf_next_logits(model_dir: Path, ids: list[int]):
+    """HF transformers' fp32 logits for the token after `ids`: [vocab] float32."""
+    import torch
+
+    with torch.no_grad():
+        return _hf_model(model_dir, torch.float32)(torch.tensor([ids])).logits[0, -1]
+
+
+def hf_greedy(model_dir: Path, prompt_ids: list[int], max_new_tokens: int, dtype=None) -> list[int]:
+    """Reference greedy continuation from HF transformers on the same weights, in `dtype` (default fp32; models
+    cached per directory and dtype). Stops at the model's EOS, as `generate()` does."""
+    import torch
+
     ids = torch.tensor([prompt_ids])
     with torch.no_grad():
-        out = _cache[key].generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                                   do_sample=False, pad_token_id=2)
+        out = _hf_model(model_dir, dtype or torch.float32).generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=2)
     return out[0, len(prompt_ids):].tolist()

@@ -40,7 +40,7 @@ def prompts():
 
 
 @pytest.mark.parametrize("budget,num_blocks,backend", [
-    (512, 256, "torch"), (24, 256, "torch"), (512, 20, "torch"),
+    (512, 256, "torch"), (24, 256, "torch"), (512, 20, "torch"), (24, 256, "cpu"), (512, 20, "cpu"),
     pytest.param(24, 256, "triton", marks=pytest.mark.skipif(
         os.environ.get("TRITON_INTERPRET") != "1", reason="Triton on CPU needs TRITON_INTERPRET=1")),
 ])

@@ -1,0 +1,126 @@
+/* Paged decode attention on CPU: one query token per sequence, K/V read in place through the block table.
+ *
+ * Why C: the torch reference gathers every sequence's blocks into a contiguous copy before attending (a second
+ * pass over all of K and V per layer per step); at batch 64 that gather and the SDPA over it were most of the
+ * decode step (docs/benchmarks.md, "Decode step profile"). Decode attention does ~2 FLOPs per byte of KV, so it is
+ * bound by reading K/V once; this kernel streams each block once per (sequence, kv head), computing all the
+ * query heads of the GQA group from the same loaded rows, with the online softmax of Milakov & Gimelshein 2018
+ * ("Online normalizer calculation for softmax"), as FlashAttention / vLLM's paged attention do per block.
+ *
+ * Numerics: scores, softmax and the P.V accumulation in fp32 for every storage dtype (the torch reference's
+ * contract); bf16 is widened exactly (bits << 16) and the output rounded to nearest even, as torch's .to() does.
+ * Built by kernels/cpu_ops.py with the system C compiler (-O3 -march=native -ffast-math -fopenmp): plain loops
+ * over head_dim that the compiler vectorizes for the host's ISA; -ffast-math lets it reassociate the dot products
+ * and call glibc's vector expf (libmvec), 2x on this kernel. Hence no infinities here: -FLT_MAX is the empty max.
+ */
+#include <float.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define MAX_GROUP 16   /* query heads per kv head handled in registers/stack; larger groups fall back in Python */
+#define MAX_HEAD_DIM 256
+#define MAX_BLOCK 64     /* tokens per KV block */
+
+static inline float bf16_to_f32(uint16_t x) {
+    uint32_t u = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u); /* NaN stays NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);                                            /* round to nearest even */
+    return (uint16_t)(u >> 16);
+}
+
+/* Load `n` elements of a row (fp32 when is_bf16 == 0, else bf16) into fp32 `dst`. */
+static inline void load_row(float *restrict dst, const void *src, int n, int is_bf16) {
+    if (is_bf16) {
+        const uint16_t *s = (const uint16_t *)src;
+        for (int i = 0; i < n; i++) dst[i] = bf16_to_f32(s[i]);
+    } else {
+        memcpy(dst, src, (size_t)n * sizeof(float));
+    }
+}
+
+/* out[s, h, :] = softmax(scale * q[s, h, :] . K[s, :ctx, h / group, :]) . V[s, :ctx, h / group, :]
+ *
+ * query, out:  [num_seqs, num_q_heads, head_dim], contiguous, fp32 or bf16 (is_bf16).
+ * k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], the same dtype; a block is dense, blocks are
+ *     `block_stride` elements apart (a per-layer view of a cache holding all layers is strided in dim 0).
+ * block_tables: [num_seqs, max_blocks] int32, contiguous; context_lens: [num_seqs] int32 (>= 1 each).
+ * Work items are (sequence, kv head) pairs, split statically over `num_threads` OpenMP threads.
+ * A sequence with context_len <= 0 gets zeros (the caller never sends one; defined rather than NaN).
+ */
+void paged_decode_attention(const void *query, const void *k_cache, const void *v_cache,
+                            const int32_t *block_tables, const int32_t *context_lens, void *out,
+                            int num_seqs, int num_q_heads, int num_kv_heads, int head_dim, int block_size,
+                            int max_blocks, int64_t block_stride, float scale, int is_bf16, int num_threads) {
+    const int group = num_q_heads / num_kv_heads;
+    const size_t elem = is_bf16 ? 2 : 4;
+    const int64_t token_stride = (int64_t)num_kv_heads * head_dim;
+    #pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int item = 0; item < num_seqs * num_kv_heads; item++) {
+        const int s = item / num_kv_heads, kvh = item % num_kv_heads;
+        const int ctx = context_lens[s];
+        float q[MAX_GROUP][MAX_HEAD_DIM], acc[MAX_GROUP][MAX_HEAD_DIM], m[MAX_GROUP], l[MAX_GROUP];
+        float kb[MAX_BLOCK][MAX_HEAD_DIM], vb[MAX_BLOCK][MAX_HEAD_DIM];
+        for (int g = 0; g < group; g++) {
+            const int h = kvh * group + g;
+            load_row(q[g], (const char *)query + ((size_t)s * num_q_heads + h) * head_dim * elem, head_dim, is_bf16);
+            for (int d = 0; d < head_dim; d++) { q[g][d] *= scale; acc[g][d] = 0.0f; }
+            m[g] = -FLT_MAX;  /* finite: built with -ffast-math, which assumes no infinities */
+            l[g] = 0.0f;
+        }
+        const int32_t *table = block_tables + (size_t)s * max_blocks;
+        for (int t0 = 0; t0 < ctx; t0 += block_size) {
+            const int n = ctx - t0 < block_size ? ctx - t0 : block_size;  /* tokens of this block in context */
+            const int64_t base = (int64_t)table[t0 / block_size] * block_stride + (int64_t)kvh * head_dim;
+            for (int j = 0; j < n; j++)  /* widen the block's rows once for all heads of the group */
+                load_row(kb[j], (const char *)k_cache + (base + j * token_stride) * elem, head_dim, is_bf16);
+            for (int j = 0; j < n; j++)
+                load_row(vb[j], (const char *)v_cache + (base + j * token_stride) * elem, head_dim, is_bf16);
+            for (int g = 0; g < group; g++) {
+                float sc[MAX_BLOCK], bmax = -FLT_MAX;
+                for (int j = 0; j < n; j++) {
+                    float dot = 0.0f;
+                    #pragma omp simd reduction(+:dot)
+                    for (int d = 0; d < head_dim; d++) dot += q[g][d] * kb[j][d];
+                    sc[j] = dot;
+                    bmax = dot > bmax ? dot : bmax;
+                }
+                /* online softmax: one rescale per block when the running max grows */
+                if (bmax > m[g]) {
+                    const float c = expf(m[g] - bmax);  /* underflows to 0 for the first block */
+                    l[g] *= c;
+                    for (int d = 0; d < head_dim; d++) acc[g][d] *= c;
+                    m[g] = bmax;
+                }
+                float psum = 0.0f;
+                for (int j = 0; j < n; j++) {  /* a loop of its own so that expf vectorizes over the block */
+                    sc[j] = expf(sc[j] - m[g]);
+                    psum += sc[j];
+                }
+                l[g] += psum;
+                for (int j = 0; j < n; j++)
+                    for (int d = 0; d < head_dim; d++) acc[g][d] += sc[j] * vb[j][d];
+            }
+        }
+        for (int g = 0; g < group; g++) {
+            const int h = kvh * group + g;
+            const float inv = ctx > 0 ? 1.0f / l[g] : 0.0f;
+            char *dst = (char *)out + ((size_t)s * num_q_heads + h) * head_dim * elem;
+            if (is_bf16) {
+                uint16_t *o = (uint16_t *)dst;
+                for (int d = 0; d < head_dim; d++) o[d] = f32_to_bf16(acc[g][d] * inv);
+            } else {
+                float *o = (float *)dst;
+                for (int d = 0; d < head_dim; d++) o[d] = acc[g][d] * inv;
+            }
+        }
+    }
+}

@@ -1,0 +1,97 @@
+"""The C decode kernel (`kernels/cpu_ops.py`) against the torch reference, built for this machine as a worker
+builds it; and how its build behaves (cache, no compiler, fallbacks)."""
+import pytest
+import torch
+
+from kernels import reference, select_ops
+from kernels.cpu_ops import CpuKernels, KernelBuildError, build_library
+
+
+@pytest.fixture(scope="module")
+def kernels(tmp_path_factory):
+    return CpuKernels.load(tmp_path_factory.mktemp("kernel-cache"))
+
+
+def _paged(lengths, block_size, hkv, d, dtype, layers=3, layer=1, seed=0):
+    """Random K/V in a cache holding `layers` layers (a worker's layout), returning `layer`'s strided views, a
+    block table over scattered block ids padded with 0, and the context lengths."""
+    g = torch.Generator().manual_seed(seed)
+    num_blocks = sum(-(-n // block_size) for n in lengths) + 5
+    cache = torch.randn(num_blocks, layers, 2, block_size, hkv, d, generator=g).to(dtype)
+    k_cache, v_cache = cache[:, layer, 0], cache[:, layer, 1]
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    width = max(-(-n // block_size) for n in lengths) + 2  # wider than needed: padding must not be read
+    table = torch.zeros(len(lengths), width, dtype=torch.int32)
+    for i, n in enumerate(lengths):
+        ids = [perm.pop() for _ in range(-(-n // block_size))]
+        table[i, :len(ids)] = torch.tensor(ids, dtype=torch.int32)
+    return k_cache, v_cache, table, torch.tensor(lengths, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_size,hq,hkv,d", [(16, 9, 3, 64), (8, 8, 1, 128), (4, 4, 4, 16), (32, 16, 2, 64)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_decode_matches_reference(kernels, dtype, block_size, hq, hkv, d, threads):
+    lengths = [1, 3, block_size, block_size + 1, 5 * block_size - 1, 70]
+    k_cache, v_cache, table, lens = _paged(lengths, block_size, hkv, d, dtype)
+    q = torch.randn(len(lengths), hq, d).to(dtype)
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = kernels.paged_decode_attention(q, k_cache, v_cache, table, lens, d ** -0.5)
+    finally:
+        torch.set_num_threads(old)
+    ref = reference.paged_decode_attention(q, k_cache, v_cache, table, lens, d ** -0.5)
+    assert out.dtype == dtype and out.shape == q.shape
+    # fp32: equal up to summation order; bf16: both compute in fp32 and round once, so at most one bf16 step
+    tol = dict(rtol=1e-5, atol=2e-6) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(out, ref, **tol)
+
+
+def test_large_scores_do_not_overflow(kernels):
+    """The online softmax subtracts the running max: scores of +-1e4 stay finite and match the reference."""
+    k_cache, v_cache, table, lens = _paged([40, 9], 16, 2, 32, torch.float32)
+    k_cache.mul_(100.0)
+    q = torch.randn(2, 4, 32) * 100.0
+    out = kernels.paged_decode_attention(q, k_cache, v_cache, table, lens, 32 ** -0.5)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, reference.paged_decode_attention(q, k_cache, v_cache, table, lens, 32 ** -0.5),
+                               rtol=1e-4, atol=1e-4)
+
+
+def test_unsupported_shapes_use_the_reference_and_bad_input_is_a_value_error(kernels):
+    k_cache, v_cache, table, lens = _paged([5, 20], 8, 1, 16, torch.float16)
+    q = torch.randn(2, 20, 16).to(torch.float16)  # fp16 and a group of 20: the reference's path
+    torch.testing.assert_close(kernels.paged_decode_attention(q, k_cache, v_cache, table, lens, 0.25),
+                               reference.paged_decode_attention(q, k_cache, v_cache, table, lens, 0.25))
+    with pytest.raises(ValueError, match="dtype"):  # a query that does not match the cache
+        kernels.paged_decode_attention(q.float(), k_cache, v_cache, table, lens, 0.25)
+    with pytest.raises(ValueError, match="block_tables"):
+        kernels.paged_decode_attention(q, k_cache, v_cache, table.long(), lens, 0.25)
+
+
+def test_build_is_cached_and_a_missing_compiler_is_reported(tmp_path, monkeypatch):
+    first = build_library(tmp_path)
+    mtime = first.stat().st_mtime_ns
+    assert build_library(tmp_path) == first and first.stat().st_mtime_ns == mtime  # found, not rebuilt
+    assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no temporary files left
+    readonly = tmp_path / "readonly"
+    readonly.write_text("a file, so no directory can be made under it")
+    with pytest.raises(KernelBuildError, match="cannot write the kernel cache"):
+        build_library(readonly / "cache")
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    with pytest.raises(KernelBuildError, match="no C compiler"):
+        build_library(tmp_path / "other")
+
+
+def test_select_ops_falls_back_to_the_reference_without_a_compiler(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("PDSERVE_KERNEL_CACHE", str(tmp_path))
+    assert select_ops("cpu", "cpu").name == "cpu"
+    monkeypatch.setenv("PDSERVE_KERNEL_CACHE", str(tmp_path / "empty"))
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    assert select_ops("auto", "cpu").name == "torch"
+    assert "torch reference" in caplog.text
+    with pytest.raises(ValueError, match="no C compiler"):
+        select_ops("cpu", "cpu")
+    with pytest.raises(ValueError, match="CPU only"):
+        select_ops("cpu", "meta")
