@@ -1,5 +1,5 @@
-"""Render sweep results: a Markdown table per system and a four-panel PNG (E2E latency, ITL, output throughput,
-TTFT against concurrency; one line per system), after seed 004's summary figure."""
+"""Render sweep results: a Markdown table per system and a four-panel PNG (E2E latency, ITL, output throughput and
+the fraction of the machine against concurrency; one line per system), after seed 004's summary figure."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -9,7 +9,8 @@ COLUMNS = [("concurrency", "conc", "{:d}"), ("completed", "done", "{:d}"), ("fai
            ("itl_ms_p50", "ITL p50", "{:.1f}"), ("itl_ms_p90", "p90", "{:.1f}"), ("itl_ms_p99", "p99", "{:.1f}"),
            ("tpot_ms_p50", "TPOT p50", "{:.1f}"), ("tpot_ms_p90", "p90", "{:.1f}"), ("tpot_ms_p99", "p99", "{:.1f}"),
            ("e2e_ms_p50", "E2E p50", "{:.0f}"), ("e2e_ms_p99", "p99", "{:.0f}"),
-           ("output_tok_s", "out tok/s", "{:.1f}"), ("req_s", "req/s", "{:.2f}"), ("goodput_req_s", "goodput", "{:.2f}")]
+           ("output_tok_s", "out tok/s", "{:.1f}"), ("req_s", "req/s", "{:.2f}"),
+           ("goodput_req_s", "goodput", "{:.2f}"), ("machine_fraction", "frac", "{:.2f}")]
 
 
 def markdown(results: dict) -> str:
@@ -45,11 +46,13 @@ def plot(results: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     panels = [("e2e_ms_p50", "E2E latency p50 (s)", 1e-3), ("itl_ms_p50", "ITL p50 (ms)", 1.0),
-              ("output_tok_s", "output throughput (tok/s)", 1.0), ("ttft_ms_p50", "TTFT p50 (s)", 1e-3)]
+              ("output_tok_s", "output throughput (tok/s)", 1.0),
+              ("machine_fraction", "fraction of the machine (model FLOP/s / same-run GEMM rate)", 1.0)]
     fig, axes = plt.subplots(2, 2, figsize=(11, 8))
     for ax, (key, title, scale) in zip(axes.flat, panels):
         for name, rows in results["systems"].items():
-            ax.plot([r["concurrency"] for r in rows], [r[key] * scale for r in rows], marker="o", label=name)
+            ax.plot([r["concurrency"] for r in rows], [r.get(key, float("nan")) * scale for r in rows], marker="o",
+                    label=name)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("concurrency")
         ax.set_title(title)

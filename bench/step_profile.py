@@ -2,6 +2,8 @@
 
     python bench/step_profile.py                          # packaged model, fp32 + bf16, batch 1/16/64, ctx 256
     python bench/step_profile.py --dtypes float32 --batches 64 --steps 20
+    python bench/step_profile.py --backends torch,cpu     # the torch reference vs the C decode kernel, same run
+    python bench/step_profile.py --dtypes bfloat16 --packed-weights on,off   # oneDNN-prepacked bf16 linears or not
 
 For each dtype and batch size B, B requests of `--context` prompt tokens are prefilled through the real engine
 (`build_engine`: scheduler + ModelRunner, the same objects a worker runs), then `--steps` decode steps are timed
@@ -16,7 +18,8 @@ under `torch.profiler` splits the step into:
 
 The baselines are measured in the same run, same dtype and thread count:
 
-- GEMM rate: `torch.mm` on the model's own linear shapes at M = B rows (and at M = 256 for the peak);
+- GEMM rate: `torch.mm` on the model's own linear shapes at M = B rows (for bf16, oneDNN's prepacked op when
+  faster: the best dense GEMM torch offers in that dtype);
 - copy bandwidth: `Tensor.copy_` of a 256 MiB buffer (bytes read + written per second).
 
 Fraction of the machine = achieved model FLOP/s / GEMM rate at M = B, where model FLOPs per step = 2 x (matmul
@@ -45,6 +48,7 @@ from torch.profiler import ProfilerActivity, profile, record_function  # noqa: E
 from engine.args import EngineArgs  # noqa: E402
 from engine.builder import build_engine, set_threads  # noqa: E402
 from engine.hardware import cpu_flags  # noqa: E402
+from engine.packing import PackedLinear, packing_supported  # noqa: E402
 from engine.quantization import Int8WeightOnlyLinear  # noqa: E402
 from engine.request import Request, SamplingParams  # noqa: E402
 from kernels import AttentionOps  # noqa: E402
@@ -70,12 +74,22 @@ def _time(fn, min_s: float = 0.3) -> float:
 def linear_shapes(model: torch.nn.Module) -> list[tuple[int, int]]:
     """(in_features, out_features) of every matmul in one forward, lm_head included (applied to sampled rows)."""
     return [(m.in_features, m.out_features) for m in model.modules()
-            if isinstance(m, (torch.nn.Linear, Int8WeightOnlyLinear))]
+            if isinstance(m, (torch.nn.Linear, Int8WeightOnlyLinear, PackedLinear))]
+
+
+def config_linear_shapes(mc) -> list[tuple[int, int]]:
+    """(in_features, out_features) of every matmul in one token's forward, from a `ModelConfig` alone (pdserve's
+    fused layout: q/k/v and gate/up are one matmul each), LM head included."""
+    q, kv = mc.num_heads * mc.head_dim, mc.num_kv_heads * mc.head_dim
+    layer = [(mc.hidden_size, q + 2 * kv), (q, mc.hidden_size), (mc.hidden_size, 2 * mc.intermediate_size),
+             (mc.intermediate_size, mc.hidden_size)]
+    return layer * mc.num_layers + [(mc.hidden_size, mc.vocab_size)]
 
 
 def gemm_rate(shapes: list[tuple[int, int]], rows: int, dtype: torch.dtype) -> float:
-    """FLOP/s of torch.mm over the model's linear shapes at `rows` rows (each distinct shape once, weighted by
-    how often the model uses it)."""
+    """FLOP/s of the best dense GEMM torch has for `dtype` over the model's linear shapes at `rows` rows (each
+    distinct shape once, weighted by how often the model uses it): torch.mm, and for bf16 on CPU the oneDNN
+    prepacked op pdserve runs (`engine.packing`) when it is faster."""
     counts: dict[tuple[int, int], int] = {}
     for s in shapes:
         counts[s] = counts.get(s, 0) + 1
@@ -83,6 +97,9 @@ def gemm_rate(shapes: list[tuple[int, int]], rows: int, dtype: torch.dtype) -> f
     for (k, n), c in counts.items():
         a, b = torch.randn(rows, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
         t = _time(lambda: torch.mm(a, b), min_s=0.15)
+        if packing_supported(a.device, dtype):
+            w = torch.ops.mkldnn._reorder_linear_weight(b.t().contiguous())
+            t = min(t, _time(lambda: torch.ops.mkldnn._linear_pointwise(a, w, None, "none", [], ""), min_s=0.15))
         flops += c * 2 * rows * k * n
         secs += c * t
     return flops / secs
@@ -156,7 +173,8 @@ def measure(args: EngineArgs, batch: int, context: int, steps: int) -> dict:
     flops = 2 * matmul_params * batch + 4 * batch * ctx * mc.num_heads * mc.head_dim * mc.num_layers
     weight_bytes = matmul_params * (1 if args.quantization == "int8" else
                                     torch.empty((), dtype=mc.torch_dtype).element_size())
-    return {"batch": batch, "context": context, "step_ms": step_s * 1e3, "tok_s": batch / step_s,
+    return {"batch": batch, "context": context, "backend": runner.attention_ops.name, "step_ms": step_s * 1e3,
+            "tok_s": batch / step_s,
             "model_flop_s": flops / step_s, "weight_bytes_s": weight_bytes / step_s,
             "split": {"gemm": gemm_us / total_us, "attention": attn_us / total_us, "other_ops": ops_us / total_us,
                       "python": python_us / total_us},
@@ -183,6 +201,10 @@ def main(argv=None) -> int:
     p.add_argument("--model-dir", default=None, help="HF directory (default: the packaged SmolLM2-135M)")
     p.add_argument("--dtypes", default="float32,bfloat16",
                    help="comma-separated; DTYPE+int8 adds int8 weight-only linears (e.g. bfloat16+int8)")
+    p.add_argument("--backends", default="auto",
+                   help="comma-separated attention backends to compare (auto, torch, cpu; see kernels.select_ops)")
+    p.add_argument("--packed-weights", default="on",
+                   help="comma-separated on/off: bf16 linears prepacked for oneDNN (engine.packing) or plain")
     p.add_argument("--batches", default="1,16,64")
     p.add_argument("--context", type=int, default=256, help="prompt tokens per request")
     p.add_argument("--steps", type=int, default=10, help="decode steps timed (and profiled) per point")
@@ -199,21 +221,24 @@ def main(argv=None) -> int:
                   timespec="seconds"), "copy_bytes_s": copy_bandwidth(), "points": []}
     print(f"# {report['machine']}; flags {' '.join(report['cpu_flags'])}; commit {report['commit']}; "
           f"{a.threads} thread(s); copy bandwidth {report['copy_bytes_s'] / 1e9:.1f} GB/s")
-    print("dtype     batch  step ms   tok/s  GEMM@B GF/s  model GF/s  frac   wbytes/copy  "
+    print("dtype     attn  pack batch  step ms   tok/s  GEMM@B GF/s  model GF/s  frac   wbytes/copy  "
           "gemm  attn  other  python")
-    for name in a.dtypes.split(","):
+    for name, backend, packing in ((n, be, pk) for n in a.dtypes.split(",") for be in a.backends.split(",")
+                                   for pk in a.packed_weights.split(",")):
         dt, _, quant = name.partition("+")
         for b in batches:
-            args = replace(base, dtype=dt, quantization=quant or "none",
-                           kv_tokens=b * (a.context + 4 * a.steps + 32) + 64)
+            args = replace(base, dtype=dt, quantization=quant or "none", attention_backend=backend,
+                           packed_weights=packing == "on", kv_tokens=b * (a.context + 4 * a.steps + 32) + 64)
             point = measure(args, b, a.context, a.steps)
             torch_dtype = getattr(torch, dt)  # the GEMM baseline stays the dense one: what int8 must beat
-            point["dtype"] = name
+            point["dtype"], point["attention_backend"] = name, point.pop("backend")
+            point["packed_weights"] = packing == "on" and dt == "bfloat16" and quant in ("", "none")
             point["gemm_flop_s"] = gemm_rate(point.pop("shapes"), b, torch_dtype)
             point["fraction"] = point["model_flop_s"] / point["gemm_flop_s"]
             point["bandwidth_fraction"] = point["weight_bytes_s"] / report["copy_bytes_s"]
             sp = point["split"]
-            print(f"{name:9} {b:5d} {point['step_ms']:8.1f} {point['tok_s']:7.1f} {point['gemm_flop_s'] / 1e9:11.1f} "
+            print(f"{name:9} {point['attention_backend']:5} {'on' if point['packed_weights'] else '-':4} {b:5d} "
+                  f"{point['step_ms']:8.1f} {point['tok_s']:7.1f} {point['gemm_flop_s'] / 1e9:11.1f} "
                   f"{point['model_flop_s'] / 1e9:11.1f} {point['fraction']:5.2f} {point['bandwidth_fraction']:12.2f}  "
                   f"{sp['gemm']:4.0%} {sp['attention']:5.0%} {sp['other_ops']:6.0%} {sp['python']:6.0%}", flush=True)
             report["points"].append(point)

@@ -164,9 +164,11 @@ def main(argv=None) -> int:
         "vllm": lambda: _start_vllm(args, model_dir, levels, log_dir, all_cores=False),
         "vllm-all-cores": lambda: _start_vllm(args, model_dir, levels, log_dir, all_cores=True),
     }
+    variant_args: dict[str, list[str]] = {}
     for spec in args.variant:
         name, _, rest = spec.partition("=")
         topology, _, extra = rest.partition(":")
+        variant_args[name] = extra.split()
         if not name or topology not in ("disagg", "colocated"):
             raise SystemExit(f"--variant wants NAME=disagg|colocated:WORKER_ARGS, got {spec!r}")
         starters[name] = (lambda name=name, colocated=topology == "colocated", extra=extra: systems.start_pdserve(
@@ -186,6 +188,9 @@ def main(argv=None) -> int:
             results["systems"][name] = asyncio.run(_run(system, args, tokenizer, levels, slo))
         finally:
             system.stop()
+    add_machine_fraction(results, model_dir, args.threads,
+                         {name: system_dtype(name, args.worker_args.split() + variant_args.get(name, []))
+                          for name in results["systems"]})
     naive = {r["concurrency"]: r["output_tok_s"] for r in results["systems"].get("naive", [])}
     if naive:
         results["ratios"] = {name: {r["concurrency"]: r["output_tok_s"] / naive[r["concurrency"]]
@@ -198,6 +203,56 @@ def main(argv=None) -> int:
     print(f"wrote {out_dir}/results.{{json,md,png}}")
     failed = sum(r["failed"] for rows in results["systems"].values() for r in rows)
     return 1 if failed else 0
+
+
+def system_dtype(name: str, worker_args: list[str]) -> str | None:
+    """The dense dtype a system's matmuls ran in: pdserve's --dtype (auto resolved for this CPU), fp32 for the
+    naive server and vLLM (started with --dtype float32); None for llama.cpp (its GGUF's Q4_1 blocks are no dense
+    dtype, so no GEMM rate is its baseline)."""
+    from engine.hardware import resolve_dtype
+
+    if name == "llamacpp":
+        return None
+    if not name.startswith("pdserve"):
+        return "float32"
+    dtype = "float32"
+    for i, arg in enumerate(worker_args[:-1]):
+        if arg == "--dtype":
+            dtype = worker_args[i + 1]
+    return resolve_dtype(dtype, "cpu")
+
+
+def add_machine_fraction(results: dict, model_dir: str, threads: int, dtypes: dict[str, str | None]) -> None:
+    """Add `machine_fraction` to every level row: achieved model FLOP/s over the dense GEMM rate measured now, in
+    the system's dtype, with the sweep's thread count, at M = the level's concurrency (bench/step_profile.py's
+    `gemm_rate`). Model FLOPs per output token = 2 x matmul parameters (LM head included) + attention's
+    4 x context x heads x head_dim x layers at the mean context (prompt + half the output); the PaLM MFU accounting
+    (Chowdhery et al. 2022, appendix B). Prefill FLOPs are left out: the seed's prompt is a prefix-cache hit."""
+    import torch
+
+    from engine.builder import set_threads
+    from engine.config import ModelConfig
+    from step_profile import config_linear_shapes, gemm_rate
+    from transformers import AutoConfig
+
+    mc = ModelConfig.from_hf(AutoConfig.from_pretrained(model_dir), name="m", path=model_dir)
+    shapes = config_linear_shapes(mc)
+    ctx = results["config"]["input_len"] + results["config"]["output_len"] / 2
+    flops_per_token = 2 * sum(k * n for k, n in shapes) + 4 * ctx * mc.num_heads * mc.head_dim * mc.num_layers
+    set_threads(threads)
+    rates: dict[tuple[str, int], float] = {}
+    for name, rows in results["systems"].items():
+        dtype = dtypes.get(name)
+        for r in rows:
+            if dtype is None:
+                r["machine_fraction"] = float("nan")
+                continue
+            key = (dtype, r["concurrency"])
+            if key not in rates:
+                rates[key] = gemm_rate(shapes, r["concurrency"], getattr(torch, dtype))
+            r["gemm_flop_s"] = rates[key]
+            r["machine_fraction"] = r["output_tok_s"] * flops_per_token / rates[key]
+    results["config"]["gemm_flop_s"] = {f"{d}@{c}": v for (d, c), v in rates.items()}
 
 
 def _start_llamacpp(args, tokenizer, levels: list[int], log_dir: Path):

@@ -36,6 +36,7 @@ def test_sweep_smoke(tiny_model_dir, tmp_path):
         for r in rows:
             assert (r["completed"], r["failed"], r["output_tokens"]) == (3, 0, 15), (name, r)
             assert 0 < r["ttft_ms_p50"] <= r["e2e_ms_p50"] and r["itl_ms_p50"] > 0
+            assert r["machine_fraction"] > 0 and r["gemm_flop_s"] > 0  # against the fp32 GEMM rate at c rows
     assert set(results["ratios"]["pdserve-disagg"]) == {"1", "3"}
     assert "**naive**" in (out / "results.md").read_text()
     assert (out / "results.png").stat().st_size > 10_000
