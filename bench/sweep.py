@@ -30,7 +30,7 @@ from report import markdown, plot  # noqa: E402
 import systems  # noqa: E402
 
 ALL_SYSTEMS = ("pdserve-disagg", "pdserve-colocated", "naive", "llamacpp", "vllm", "vllm-all-cores",
-               "pdserve-disagg-observed")
+               "vllm-all-cores-bf16", "pdserve-disagg-observed")
 DEFAULT_SYSTEMS = ("pdserve-disagg", "pdserve-colocated", "naive", "llamacpp", "vllm", "vllm-all-cores")
 WORKLOADS = ("docs", "seed")
 
@@ -163,6 +163,8 @@ def main(argv=None) -> int:
         "llamacpp": lambda: _start_llamacpp(args, tokenizer, levels, log_dir),
         "vllm": lambda: _start_vllm(args, model_dir, levels, log_dir, all_cores=False),
         "vllm-all-cores": lambda: _start_vllm(args, model_dir, levels, log_dir, all_cores=True),
+        "vllm-all-cores-bf16": lambda: _start_vllm(args, model_dir, levels, log_dir, all_cores=True,
+                                                   dtype="bfloat16"),
     }
     variant_args: dict[str, list[str]] = {}
     for spec in args.variant:
@@ -207,14 +209,14 @@ def main(argv=None) -> int:
 
 def system_dtype(name: str, worker_args: list[str]) -> str | None:
     """The dense dtype a system's matmuls ran in: pdserve's --dtype (auto resolved for this CPU), fp32 for the
-    naive server and vLLM (started with --dtype float32); None for llama.cpp (its GGUF's Q4_1 blocks are no dense
+    naive server, vLLM's --dtype (float32, or bfloat16 for the -bf16 system); None for llama.cpp (its GGUF's Q4_1 blocks are no dense
     dtype, so no GEMM rate is its baseline)."""
     from engine.hardware import resolve_dtype
 
     if name == "llamacpp":
         return None
     if not name.startswith("pdserve"):
-        return "float32"
+        return "bfloat16" if name.endswith("-bf16") else "float32"
     dtype = "float32"
     for i, arg in enumerate(worker_args[:-1]):
         if arg == "--dtype":
@@ -272,7 +274,7 @@ def _start_llamacpp(args, tokenizer, levels: list[int], log_dir: Path):
                                       str(log_dir))
 
 
-def _start_vllm(args, model_dir: str, levels: list[int], log_dir: Path, all_cores: bool):
+def _start_vllm(args, model_dir: str, levels: list[int], log_dir: Path, all_cores: bool, dtype: str = "float32"):
     """vLLM's CPU build (bench/README.md), its default core placement or all of --threads.
 
     Raises:
@@ -281,7 +283,7 @@ def _start_vllm(args, model_dir: str, levels: list[int], log_dir: Path, all_core
     binary = args.vllm or systems.find_vllm()
     if not binary:
         raise FileNotFoundError("no vllm command: install vLLM's CPU build as bench/README.md says, or pass --vllm")
-    return systems.start_vllm(binary, model_dir, args.threads, max(levels), str(log_dir), all_cores)
+    return systems.start_vllm(binary, model_dir, args.threads, max(levels), str(log_dir), all_cores, dtype)
 
 
 async def _run(system, args, tokenizer, levels, slo):

@@ -170,19 +170,19 @@ def find_vllm() -> str | None:
 
 
 def start_vllm(binary: str, model_dir: str, threads: int, max_num_seqs: int, log_dir: str | None,
-               all_cores: bool) -> RunningSystem:
-    """vLLM's CPU build serving the HF directory (fp32, as pdserve's default). all_cores=False keeps vLLM's
-    default placement (on this 2-core machine: the model's OpenMP threads on one core, the other left to its
-    scheduler and API server); True binds its OpenMP threads to all `threads` cores."""
+               all_cores: bool, dtype: str = "float32") -> RunningSystem:
+    """vLLM's CPU build serving the HF directory in `dtype` (float32, pdserve's default, or bfloat16). all_cores=False
+    keeps vLLM's default placement (on this 2-core machine: the model's OpenMP threads on one core, the other left
+    to its scheduler and API server); True binds its OpenMP threads to all `threads` cores."""
     import os
 
     port = free_port()
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="2")
     if all_cores:
         env.update(OMP_NUM_THREADS=str(threads), VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}")
-    name = "vllm-all-cores" if all_cores else "vllm"
+    name = ("vllm-all-cores" if all_cores else "vllm") + ("-bf16" if dtype == "bfloat16" else "")
     return start_http_server(name, [binary, "serve", model_dir, "--port", str(port), "--host", "127.0.0.1",
-                                    "--served-model-name", name, "--dtype", "float32",
+                                    "--served-model-name", name, "--dtype", dtype,
                                     "--max-num-seqs", str(max_num_seqs), "--max-model-len", "2048"],
                              port, name, log_dir, env=env, timeout_s=900.0)
 

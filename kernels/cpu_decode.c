@@ -47,6 +47,72 @@ static inline void load_row(float *restrict dst, const void *src, int n, int is_
     }
 }
 
+/* One work item: sequence s, kv head kvh, all `group` query heads that share it. Always inlined into the callers
+ * below with head_dim a compile-time constant (64, 128) where it can be, so that the loops over head_dim unroll
+ * and the accumulators stay in registers; the generic call keeps it a runtime value. */
+static inline __attribute__((always_inline)) void attend_item(
+        const void *query, const void *k_cache, const void *v_cache, const int32_t *block_tables,
+        const int32_t *context_lens, void *out, int s, int kvh, int group, int num_q_heads, int head_dim,
+        int block_size, int max_blocks, int64_t block_stride, int64_t token_stride, float scale, int is_bf16) {
+    const size_t elem = is_bf16 ? 2 : 4;
+    const int ctx = context_lens[s];
+    float q[MAX_GROUP][MAX_HEAD_DIM], acc[MAX_GROUP][MAX_HEAD_DIM], m[MAX_GROUP], l[MAX_GROUP];
+    float kb[MAX_BLOCK][MAX_HEAD_DIM], vb[MAX_BLOCK][MAX_HEAD_DIM];
+    for (int g = 0; g < group; g++) {
+        const int h = kvh * group + g;
+        load_row(q[g], (const char *)query + ((size_t)s * num_q_heads + h) * head_dim * elem, head_dim, is_bf16);
+        for (int d = 0; d < head_dim; d++) { q[g][d] *= scale; acc[g][d] = 0.0f; }
+        m[g] = -FLT_MAX;  /* finite: built with -ffast-math, which assumes no infinities */
+        l[g] = 0.0f;
+    }
+    const int32_t *table = block_tables + (size_t)s * max_blocks;
+    for (int t0 = 0; t0 < ctx; t0 += block_size) {
+        const int n = ctx - t0 < block_size ? ctx - t0 : block_size;  /* tokens of this block in context */
+        const int64_t base = (int64_t)table[t0 / block_size] * block_stride + (int64_t)kvh * head_dim;
+        for (int j = 0; j < n; j++)  /* widen the block's rows once for all heads of the group */
+            load_row(kb[j], (const char *)k_cache + (base + j * token_stride) * elem, head_dim, is_bf16);
+        for (int j = 0; j < n; j++)
+            load_row(vb[j], (const char *)v_cache + (base + j * token_stride) * elem, head_dim, is_bf16);
+        for (int g = 0; g < group; g++) {
+            float sc[MAX_BLOCK], bmax = -FLT_MAX;
+            for (int j = 0; j < n; j++) {
+                float dot = 0.0f;
+                #pragma omp simd reduction(+:dot)
+                for (int d = 0; d < head_dim; d++) dot += q[g][d] * kb[j][d];
+                sc[j] = dot;
+                bmax = dot > bmax ? dot : bmax;
+            }
+            /* online softmax: one rescale per block when the running max grows */
+            if (bmax > m[g]) {
+                const float c = expf(m[g] - bmax);  /* underflows to 0 for the first block */
+                l[g] *= c;
+                for (int d = 0; d < head_dim; d++) acc[g][d] *= c;
+                m[g] = bmax;
+            }
+            float psum = 0.0f;
+            for (int j = 0; j < n; j++) {  /* a loop of its own so that expf vectorizes over the block */
+                sc[j] = expf(sc[j] - m[g]);
+                psum += sc[j];
+            }
+            l[g] += psum;
+            for (int j = 0; j < n; j++)
+                for (int d = 0; d < head_dim; d++) acc[g][d] += sc[j] * vb[j][d];
+        }
+    }
+    for (int g = 0; g < group; g++) {
+        const int h = kvh * group + g;
+        const float inv = ctx > 0 ? 1.0f / l[g] : 0.0f;
+        char *dst = (char *)out + ((size_t)s * num_q_heads + h) * head_dim * elem;
+        if (is_bf16) {
+            uint16_t *o = (uint16_t *)dst;
+            for (int d = 0; d < head_dim; d++) o[d] = f32_to_bf16(acc[g][d] * inv);
+        } else {
+            float *o = (float *)dst;
+            for (int d = 0; d < head_dim; d++) o[d] = acc[g][d] * inv;
+        }
+    }
+}
+
 /* out[s, h, :] = softmax(scale * q[s, h, :] . K[s, :ctx, h / group, :]) . V[s, :ctx, h / group, :]
  *
  * query, out:  [num_seqs, num_q_heads, head_dim], contiguous, fp32 or bf16 (is_bf16).
@@ -61,66 +127,19 @@ void paged_decode_attention(const void *query, const void *k_cache, const void *
                             int num_seqs, int num_q_heads, int num_kv_heads, int head_dim, int block_size,
                             int max_blocks, int64_t block_stride, float scale, int is_bf16, int num_threads) {
     const int group = num_q_heads / num_kv_heads;
-    const size_t elem = is_bf16 ? 2 : 4;
     const int64_t token_stride = (int64_t)num_kv_heads * head_dim;
     #pragma omp parallel for num_threads(num_threads) schedule(static)
     for (int item = 0; item < num_seqs * num_kv_heads; item++) {
         const int s = item / num_kv_heads, kvh = item % num_kv_heads;
-        const int ctx = context_lens[s];
-        float q[MAX_GROUP][MAX_HEAD_DIM], acc[MAX_GROUP][MAX_HEAD_DIM], m[MAX_GROUP], l[MAX_GROUP];
-        float kb[MAX_BLOCK][MAX_HEAD_DIM], vb[MAX_BLOCK][MAX_HEAD_DIM];
-        for (int g = 0; g < group; g++) {
-            const int h = kvh * group + g;
-            load_row(q[g], (const char *)query + ((size_t)s * num_q_heads + h) * head_dim * elem, head_dim, is_bf16);
-            for (int d = 0; d < head_dim; d++) { q[g][d] *= scale; acc[g][d] = 0.0f; }
-            m[g] = -FLT_MAX;  /* finite: built with -ffast-math, which assumes no infinities */
-            l[g] = 0.0f;
+#define ATTEND(HD, BF16) attend_item(query, k_cache, v_cache, block_tables, context_lens, out, s, kvh, group, \
+                                     num_q_heads, HD, block_size, max_blocks, block_stride, token_stride, scale, BF16)
+        if (head_dim == 64) {
+            if (is_bf16) ATTEND(64, 1); else ATTEND(64, 0);
+        } else if (head_dim == 128) {
+            if (is_bf16) ATTEND(128, 1); else ATTEND(128, 0);
+        } else {
+            ATTEND(head_dim, is_bf16);
         }
-        const int32_t *table = block_tables + (size_t)s * max_blocks;
-        for (int t0 = 0; t0 < ctx; t0 += block_size) {
-            const int n = ctx - t0 < block_size ? ctx - t0 : block_size;  /* tokens of this block in context */
-            const int64_t base = (int64_t)table[t0 / block_size] * block_stride + (int64_t)kvh * head_dim;
-            for (int j = 0; j < n; j++)  /* widen the block's rows once for all heads of the group */
-                load_row(kb[j], (const char *)k_cache + (base + j * token_stride) * elem, head_dim, is_bf16);
-            for (int j = 0; j < n; j++)
-                load_row(vb[j], (const char *)v_cache + (base + j * token_stride) * elem, head_dim, is_bf16);
-            for (int g = 0; g < group; g++) {
-                float sc[MAX_BLOCK], bmax = -FLT_MAX;
-                for (int j = 0; j < n; j++) {
-                    float dot = 0.0f;
-                    #pragma omp simd reduction(+:dot)
-                    for (int d = 0; d < head_dim; d++) dot += q[g][d] * kb[j][d];
-                    sc[j] = dot;
-                    bmax = dot > bmax ? dot : bmax;
-                }
-                /* online softmax: one rescale per block when the running max grows */
-                if (bmax > m[g]) {
-                    const float c = expf(m[g] - bmax);  /* underflows to 0 for the first block */
-                    l[g] *= c;
-                    for (int d = 0; d < head_dim; d++) acc[g][d] *= c;
-                    m[g] = bmax;
-                }
-                float psum = 0.0f;
-                for (int j = 0; j < n; j++) {  /* a loop of its own so that expf vectorizes over the block */
-                    sc[j] = expf(sc[j] - m[g]);
-                    psum += sc[j];
-                }
-                l[g] += psum;
-                for (int j = 0; j < n; j++)
-                    for (int d = 0; d < head_dim; d++) acc[g][d] += sc[j] * vb[j][d];
-            }
-        }
-        for (int g = 0; g < group; g++) {
-            const int h = kvh * group + g;
-            const float inv = ctx > 0 ? 1.0f / l[g] : 0.0f;
-            char *dst = (char *)out + ((size_t)s * num_q_heads + h) * head_dim * elem;
-            if (is_bf16) {
-                uint16_t *o = (uint16_t *)dst;
-                for (int d = 0; d < head_dim; d++) o[d] = f32_to_bf16(acc[g][d] * inv);
-            } else {
-                float *o = (float *)dst;
-                for (int d = 0; d < head_dim; d++) o[d] = acc[g][d] * inv;
-            }
-        }
+#undef ATTEND
     }
 }
