@@ -209,8 +209,8 @@ def main(argv=None) -> int:
 
 def system_dtype(name: str, worker_args: list[str]) -> str | None:
     """The dense dtype a system's matmuls ran in: pdserve's --dtype (auto resolved for this CPU), fp32 for the
-    naive server, vLLM's --dtype (float32, or bfloat16 for the -bf16 system); None for llama.cpp (its GGUF's Q4_1 blocks are no dense
-    dtype, so no GEMM rate is its baseline)."""
+    naive server, vLLM's --dtype (float32, or bfloat16 for the -bf16 system); None for llama.cpp (its GGUF's Q4_1
+    blocks are no dense dtype, so no GEMM rate is its baseline)."""
     from engine.hardware import resolve_dtype
 
     if name == "llamacpp":
@@ -274,7 +274,8 @@ def _start_llamacpp(args, tokenizer, levels: list[int], log_dir: Path):
                                       str(log_dir))
 
 
-def _start_vllm(args, model_dir: str, levels: list[int], log_dir: Path, all_cores: bool, dtype: str = "float32"):
+def _start_vllm(args, model_dir: str, levels: list[int], log_dir: Path, all_cores: bool,
+                dtype: str = "float32"):
     """vLLM's CPU build (bench/README.md), its default core placement or all of --threads.
 
     Raises:
