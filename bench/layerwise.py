@@ -29,8 +29,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
-from step_profile import FLAGS_SHOWN  # noqa: E402
-from sweep import commit, machine  # noqa: E402
+from hostinfo import FLAGS_SHOWN, commit, machine  # noqa: E402
 
 
 async def _measure(address: str, prompt: list[int]) -> dict:

@@ -123,8 +123,7 @@ def main() -> None:
 
     from cli.models import resolve_model
     from engine.hardware import cpu_flags
-    from step_profile import FLAGS_SHOWN
-    from sweep import commit, machine
+    from hostinfo import FLAGS_SHOWN, commit, machine
 
     torch.set_num_threads(1)
     model_dir = args.model_dir or str(resolve_model(None))

@@ -52,9 +52,8 @@ from engine.packing import PackedLinear, packing_supported  # noqa: E402
 from engine.quantization import Int8WeightOnlyLinear  # noqa: E402
 from engine.request import Request, SamplingParams  # noqa: E402
 from kernels import AttentionOps  # noqa: E402
-from sweep import commit, machine  # noqa: E402
+from hostinfo import FLAGS_SHOWN, commit, machine  # noqa: E402
 
-FLAGS_SHOWN = {"avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8", "amx_tile", "avx512_fp16"}
 GEMM_OPS = {"aten::mm", "aten::addmm", "aten::mkldnn_linear", "mkldnn::_linear_pointwise", "aten::_mkl_linear",
             "mkl::_mkl_linear", "aten::_weight_int8pack_mm"}
 

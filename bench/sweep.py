@@ -15,8 +15,6 @@ import asyncio
 import datetime
 import json
 import os
-import platform
-import subprocess
 import sys
 from pathlib import Path
 
@@ -26,6 +24,7 @@ sys.path.insert(0, str(HERE))
 from loadgen import run_level  # noqa: E402
 from metrics import Slo, summarize  # noqa: E402
 from prompts import make_requests, seed_requests  # noqa: E402
+from hostinfo import commit, machine  # noqa: E402
 from report import markdown, plot  # noqa: E402
 import systems  # noqa: E402
 
@@ -33,22 +32,6 @@ ALL_SYSTEMS = ("pdserve-disagg", "pdserve-colocated", "naive", "llamacpp", "vllm
                "vllm-all-cores-bf16", "pdserve-disagg-observed")
 DEFAULT_SYSTEMS = ("pdserve-disagg", "pdserve-colocated", "naive", "llamacpp", "vllm", "vllm-all-cores")
 WORKLOADS = ("docs", "seed")
-
-
-def machine() -> str:
-    cpu = platform.processor() or ""
-    try:
-        cpu = next(l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return f"{cpu}, {os.cpu_count()} cores"
-
-
-def commit() -> str:
-    out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=HERE, capture_output=True, text=True)
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=HERE, capture_output=True,
-                           text=True).stdout.strip()
-    return (out.stdout.strip() or "unknown") + ("+dirty" if dirty else "")
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -64,20 +64,20 @@ def select_ops(backend: str, device: torch.device | str) -> AttentionOps:
         raise ValueError(f"attention backend must be one of {BACKENDS}, got {backend!r}")
     device_type = torch.device(device).type
     if backend == "auto" and device_type == "cpu":
-        from kernels.cpu_ops import KernelBuildError, cpu_ops
+        from kernels.cpu_ops import KernelBuildError
         try:
-            return cpu_ops()
+            return _cpu_ops()
         except KernelBuildError as e:
             log.warning("the cpu attention kernel is unavailable (%s); using the slower torch reference", e)
             backend = "torch"
     if backend == "auto":
         backend = "triton" if device_type == "cuda" and triton_usable(device) else "torch"
     if backend == "cpu":
-        from kernels.cpu_ops import KernelBuildError, cpu_ops
+        from kernels.cpu_ops import KernelBuildError
         if device_type != "cpu":
             raise ValueError(f"attention backend 'cpu' runs on CPU only (device {device})")
         try:
-            return cpu_ops()
+            return _cpu_ops()
         except KernelBuildError as e:
             raise ValueError(f"attention backend 'cpu': {e}") from e
     if backend == "torch":
@@ -89,3 +89,15 @@ def select_ops(backend: str, device: torch.device | str) -> AttentionOps:
     from kernels.triton_decode import paged_decode_attention
     from kernels.triton_prefill import prefill_attention
     return AttentionOps("triton", write_kv_cache, paged_decode_attention, prefill_attention)
+
+
+def _cpu_ops() -> AttentionOps:
+    """The "cpu" backend: the C decode kernel (`kernels.cpu_ops`), the reference's KV write and prefill.
+
+    Raises:
+        KernelBuildError: the kernel could not be built or loaded.
+    """
+    from kernels import reference as ref
+    from kernels.cpu_ops import CpuKernels
+
+    return AttentionOps("cpu", ref.write_kv_cache, CpuKernels.load().paged_decode_attention, ref.prefill_attention)

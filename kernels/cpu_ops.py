@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from kernels import reference
+from kernels.reference import paged_decode_attention as reference_decode_attention
 from kernels.checks import check, check_attention
 
 SOURCE = Path(__file__).with_name("cpu_decode.c")
@@ -128,7 +128,7 @@ class CpuKernels:
         num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
         if (query.dtype not in (torch.float32, torch.bfloat16) or num_q_heads // num_kv_heads > MAX_GROUP
                 or head_dim > MAX_HEAD_DIM):
-            return reference.paged_decode_attention(query, k_cache, v_cache, block_tables, context_lens, scale)
+            return reference_decode_attention(query, k_cache, v_cache, block_tables, context_lens, scale)
         check(v_cache.stride(0) == k_cache.stride(0), f"k_cache and v_cache block strides differ: "
                                                       f"{k_cache.stride(0)} vs {v_cache.stride(0)}")
         query, block_tables, context_lens = query.contiguous(), block_tables.contiguous(), context_lens.contiguous()
@@ -140,14 +140,3 @@ class CpuKernels:
                          int(query.dtype == torch.bfloat16), torch.get_num_threads())
         return out
 
-
-def cpu_ops():
-    """The "cpu" backend's `AttentionOps` (the C decode kernel; reference KV write and prefill).
-
-    Raises:
-        KernelBuildError: the kernel could not be built or loaded.
-    """
-    from kernels import AttentionOps
-
-    kernels = CpuKernels.load()
-    return AttentionOps("cpu", reference.write_kv_cache, kernels.paged_decode_attention, reference.prefill_attention)
