@@ -21,8 +21,8 @@ from pathlib import Path
 
 import torch
 
-from kernels.reference import paged_decode_attention as reference_decode_attention
 from kernels.checks import check, check_attention
+from kernels.reference import paged_decode_attention as reference_decode_attention
 
 SOURCE = Path(__file__).with_name("cpu_decode.c")
 # -ffast-math is for compiling only: linked with it, GCC < 13 adds crtfastmath.o, whose constructor turns on
@@ -117,7 +117,8 @@ class CpuKernels:
     def paged_decode_attention(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
         """Same contract as `kernels.reference.paged_decode_attention` (shapes, dtypes, fp32 accumulation), on CPU
-        tensors. fp32 and bf16 run in C; fp16, GQA groups over 16 or head_dim over 256 use the reference.
+        tensors. fp32 and bf16 run in C; fp16, GQA groups over 16, head_dim over 256 or blocks over 64 tokens use the
+        reference.
 
         Raises:
             ValueError: a bad shape, dtype, stride or device (`kernels.checks`), or a non-CPU tensor.
@@ -127,13 +128,16 @@ class CpuKernels:
         check(query.device.type == "cpu", f"the cpu attention kernel needs CPU tensors, got {query.device}")
         num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
         if (query.dtype not in (torch.float32, torch.bfloat16) or num_q_heads // num_kv_heads > MAX_GROUP
-                or head_dim > MAX_HEAD_DIM):
+                or head_dim > MAX_HEAD_DIM or block_size > MAX_BLOCK):  # beyond the C kernel's stack arrays
             return reference_decode_attention(query, k_cache, v_cache, block_tables, context_lens, scale)
         check(v_cache.stride(0) == k_cache.stride(0), f"k_cache and v_cache block strides differ: "
                                                       f"{k_cache.stride(0)} vs {v_cache.stride(0)}")
         query, block_tables, context_lens = query.contiguous(), block_tables.contiguous(), context_lens.contiguous()
         out = torch.empty_like(query)
         if num_seqs:
+            longest = int(context_lens.max())  # the C kernel trusts the table's width: check it here
+            check(longest <= block_tables.shape[1] * block_size,
+                  f"a context of {longest} tokens needs more blocks than block_tables has ({block_tables.shape[1]})")
             self._decode(query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
                          context_lens.data_ptr(), out.data_ptr(), num_seqs, num_q_heads, num_kv_heads, head_dim,
                          block_size, block_tables.shape[1], k_cache.stride(0), scale,

@@ -64,10 +64,17 @@ def test_unsupported_shapes_use_the_reference_and_bad_input_is_a_value_error(ker
     q = torch.randn(2, 20, 16).to(torch.float16)  # fp16 and a group of 20: the reference's path
     torch.testing.assert_close(kernels.paged_decode_attention(q, k_cache, v_cache, table, lens, 0.25),
                                reference.paged_decode_attention(q, k_cache, v_cache, table, lens, 0.25))
+    k_big, v_big, t_big, l_big = _paged([70, 200], 128, 2, 16, torch.float32)  # blocks over the kernel's 64 tokens
+    q_big = torch.randn(2, 4, 16)
+    torch.testing.assert_close(kernels.paged_decode_attention(q_big, k_big, v_big, t_big, l_big, 0.25),
+                               reference.paged_decode_attention(q_big, k_big, v_big, t_big, l_big, 0.25))
     with pytest.raises(ValueError, match="dtype"):  # a query that does not match the cache
         kernels.paged_decode_attention(q.float(), k_cache, v_cache, table, lens, 0.25)
     with pytest.raises(ValueError, match="block_tables"):
         kernels.paged_decode_attention(q, k_cache, v_cache, table.long(), lens, 0.25)
+    k32, v32, t32, l32 = _paged([5, 20], 8, 1, 16, torch.float32)
+    with pytest.raises(ValueError, match="more blocks than block_tables has"):  # C would read past the table
+        kernels.paged_decode_attention(torch.randn(2, 4, 16), k32, v32, t32[:, :2], l32, 0.25)
 
 
 def test_build_is_cached_and_a_missing_compiler_is_reported(tmp_path, monkeypatch):
