@@ -48,8 +48,7 @@ from torch.profiler import ProfilerActivity, profile, record_function  # noqa: E
 from engine.args import EngineArgs  # noqa: E402
 from engine.builder import build_engine, set_threads  # noqa: E402
 from engine.hardware import cpu_flags  # noqa: E402
-from engine.packing import PackedLinear, packing_supported  # noqa: E402
-from engine.quantization import Int8WeightOnlyLinear  # noqa: E402
+from engine.packing import packing_supported  # noqa: E402
 from engine.request import Request, SamplingParams  # noqa: E402
 from kernels import AttentionOps  # noqa: E402
 from hostinfo import FLAGS_SHOWN, commit, machine  # noqa: E402
@@ -68,12 +67,6 @@ def _time(fn, min_s: float = 0.3) -> float:
         elapsed = time.perf_counter() - start
         if elapsed >= min_s:
             return elapsed / n
-
-
-def linear_shapes(model: torch.nn.Module) -> list[tuple[int, int]]:
-    """(in_features, out_features) of every matmul in one forward, lm_head included (applied to sampled rows)."""
-    return [(m.in_features, m.out_features) for m in model.modules()
-            if isinstance(m, (torch.nn.Linear, Int8WeightOnlyLinear, PackedLinear))]
 
 
 def config_linear_shapes(mc) -> list[tuple[int, int]]:
@@ -166,7 +159,7 @@ def measure(args: EngineArgs, batch: int, context: int, steps: int) -> dict:
     python_us = max(total_us - gemm_us - attn_us - ops_us, 0.0)
 
     mc = parts.model_config
-    shapes = linear_shapes(runner.model)
+    shapes = config_linear_shapes(mc)
     matmul_params = sum(k * n for k, n in shapes)  # every linear, lm_head on the B sampled rows included
     ctx = context + steps  # the average context during the timed steps, to a few tokens
     flops = 2 * matmul_params * batch + 4 * batch * ctx * mc.num_heads * mc.head_dim * mc.num_layers
