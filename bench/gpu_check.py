@@ -249,9 +249,43 @@ def throughput(model_dir: Path, batches: list[int], device: str, prompt_len: int
         row = dict(batch=b, prompt_tokens=prompt_len, new_tokens=new, hf_tok_s=b * new / hf_s,
                    pdserve_tok_s=b * new / pd_s, ratio=hf_s / pd_s,
                    pdserve_decode_step_ms=sorted(steps)[len(steps) // 2] * 1e3 if steps else None)
+        if device.startswith("cuda"):
+            row["profile"] = decode_profile(sched, runner, ids, f"p{b}")
         print(f"throughput {row}", flush=True)
         rows.append(row)
     return rows
+
+
+def decode_profile(sched, runner, ids: torch.Tensor, tag: str, steps: int = 5) -> dict:
+    """Is a decode step host-bound? Profiles `steps` all-decode steps of len(ids) requests (after their prefill)
+    with CPU and CUDA activity: device-busy time (sum of kernel times) beside the wall time, kernel launches per
+    step, and the host ops that cost the most CPU time per step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for i, row in enumerate(ids):
+        sched.add_request(Request(f"{tag}-{i}", row.tolist(), SamplingParams(max_tokens=steps + 8, temperature=0.0,
+                                                                              ignore_eos=True)))
+    while True:  # run until a step has only decodes
+        out = sched.schedule()
+        sched.update(out, runner.execute(out))
+        if not out.prefills:
+            break
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        for _ in range(steps):
+            out = sched.schedule()
+            sched.update(out, runner.execute(out))
+        wall = (time.perf_counter() - start) / steps
+    while sched.has_work():
+        out = sched.schedule()
+        sched.update(out, runner.execute(out))
+    events = prof.key_averages()
+    device_us = sum(e.self_device_time_total for e in events)
+    launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx",
+                                                         "cudaLaunchKernelExC"))
+    top = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:10]
+    return dict(wall_ms=wall * 1e3, device_busy_ms=device_us / 1e3 / steps, launches_per_step=launches / steps,
+                top_host_ops_ms={e.key: e.self_cpu_time_total / 1e3 / steps for e in top})
 
 
 def main() -> int:

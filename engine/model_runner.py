@@ -108,7 +108,7 @@ class ModelRunner:
         verify_rows = [row for s, last in verify for row in range(last, last + len(s.spec_token_ids) + 1)]
         if not sample_rows and not verify_rows:
             return RunnerOutput()
-        logits = self.model.compute_logits(hidden[sample_rows + verify_rows]).cpu()
+        logits = self.model.compute_logits(hidden[sample_rows + verify_rows])  # stays on the device
         result = self.sampler(logits[:len(sample_rows)], [s.request for s in scheduled
                                                            if s.sample and not s.spec_token_ids])
         if verify:
@@ -116,12 +116,11 @@ class ModelRunner:
         return result
 
     def _block_tables(self, group: list[ScheduledRequest]) -> torch.Tensor:
-        """[len(group), max_blocks] int32, zero-padded."""
-        width = max((len(s.block_ids) for s in group), default=0)
-        table = torch.zeros(len(group), max(width, 1), dtype=torch.int32)
-        for i, s in enumerate(group):
-            table[i, :len(s.block_ids)] = torch.tensor(s.block_ids, dtype=torch.int32)
-        return table.to(self.device)
+        """[len(group), max_blocks] int32, zero-padded; one tensor built from one padded list (a tensor per row
+        cost a host allocation each)."""
+        width = max(1, max((len(s.block_ids) for s in group), default=0))
+        rows = [s.block_ids + [0] * (width - len(s.block_ids)) for s in group]
+        return torch.tensor(rows, dtype=torch.int32, device=self.device).view(len(group), width)
 
 
 def _verify_drafts(verify: list[tuple[ScheduledRequest, int]], logits: torch.Tensor, result: RunnerOutput) -> None:

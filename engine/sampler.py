@@ -32,18 +32,24 @@ class Sampler:
         self.generator = torch.Generator().manual_seed(seed)
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> RunnerOutput:
-        """logits: [N, vocab] fp32, one row per request, in order. A token per request, or its error."""
+        """logits: [N, vocab] fp32 on the model's device, one row per request, in order. A token per request, or
+        its error.
+
+        Plain-greedy rows take their argmax where the logits are, so a GPU worker copies N token ids to the host
+        rather than N x vocab floats (vLLM samples on the device for the same reason); the other rows come to the
+        host together, once, for the per-request path (penalties, seeded generators, logprobs)."""
         out = RunnerOutput()
         simple = [i for i, r in enumerate(requests) if r.argmax_next]
         if simple:  # batched fast path for the common greedy case
             ids = logits[simple].argmax(dim=-1).tolist()
             for i, t in zip(simple, ids):
                 out.sampled[requests[i].request_id] = SampledToken(t)
-        for i, req in enumerate(requests):
-            if req.request_id in out.sampled:
-                continue
+        rest = [i for i, r in enumerate(requests) if not r.argmax_next]
+        rows = logits[rest].cpu() if rest else logits[:0]
+        for row, i in zip(rows, rest):
+            req = requests[i]
             try:
-                out.sampled[req.request_id] = self._sample_row(logits[i].clone(), req)
+                out.sampled[req.request_id] = self._sample_row(row.clone(), req)
             except Exception as e:  # one request's sampling must not fail the batch
                 out.failed[req.request_id] = EngineError(ErrorKind.INTERNAL, f"sampling failed: {e}")
         return out
