@@ -44,11 +44,16 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos(), persistent=False)  # [max_positions, head_dim]
         self.register_buffer("sin", emb.sin(), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions: [T] int64; q: [T, q_heads, hd]; k: [T, kv_heads, hd]. Returns rotated (q, k)."""
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin rows of the step's positions ([T] int64), each [T, 1, hd] in `dtype`: gathered once per step
+        and shared by every layer (gathering them per layer cost 4 ops x layers)."""
+        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+
+    @staticmethod
+    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x: [T, heads, hd] (q and k heads side by side: RoPE is per head, so one pass rotates both) ->
+        x * cos + rotate_half(x) * sin, a new [T, heads, hd] tensor."""
+        return x * cos + _rotate_half(x) * sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -71,26 +76,32 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
         self.scale = cfg.head_dim ** -0.5
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, meta: AttentionMetadata,
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
                 k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
-        """x: [T, hidden]; k_cache/v_cache: this layer's [num_blocks, block_size, kv_heads, hd]. Returns [T, hidden]."""
+        """x: [T, hidden]; rope: the step's (cos, sin) from `RotaryEmbedding.tables`; k_cache/v_cache: this layer's
+        [num_blocks, block_size, kv_heads, hd]. Returns [T, hidden].
+
+        Each op here is a kernel launch on a GPU (and a dispatch on a CPU), which at small batches costs more than
+        its arithmetic, so q and k are rotated in one pass and an all-decode or all-prefill step takes the
+        attention op's output as is."""
         num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = rope(positions, q, k)
+        qkv = self.qkv_proj(x)
+        qk = RotaryEmbedding.apply(qkv[:, :self.q_size + self.kv_size].view(
+            num_tokens, self.num_heads + self.num_kv_heads, self.head_dim), *rope)
+        q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
+        v = qkv[:, self.q_size + self.kv_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
         self.ops.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
-        out = torch.empty_like(q)
         nd = meta.num_decodes
+        decode = prefill = None
         if nd:
-            out[:nd] = self.ops.paged_decode_attention(q[:nd], k_cache, v_cache, meta.decode_block_tables,
-                                                       meta.decode_context_lens, self.scale)
+            decode = self.ops.paged_decode_attention(q[:nd], k_cache, v_cache, meta.decode_block_tables,
+                                                     meta.decode_context_lens, self.scale)
         if meta.num_prefills:
-            out[nd:] = self.ops.prefill_attention(q[nd:], k_cache, v_cache, meta.prefill_cu_seqlens,
-                                                  meta.prefill_context_lens, meta.prefill_block_tables, self.scale,
-                                                  max_query_len=meta.prefill_max_query_len)
-        return self.o_proj(out.view(num_tokens, self.q_size))
+            prefill = self.ops.prefill_attention(q[nd:], k_cache, v_cache, meta.prefill_cu_seqlens,
+                                                 meta.prefill_context_lens, meta.prefill_block_tables, self.scale,
+                                                 max_query_len=meta.prefill_max_query_len)
+        out = decode if prefill is None else prefill if decode is None else torch.cat((decode, prefill))
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 
 class MLP(nn.Module):
@@ -143,8 +154,9 @@ class DecoderModel(nn.Module):
         on_layer_written(l) is called as soon as layer l's attention has written the step's K/V (before its MLP),
         for layer-wise KV streaming."""
         h = self.embed_tokens(input_ids)
+        rope = self.rope.tables(positions, h.dtype)
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_layers)):
-            h = h + layer.self_attn(layer.input_layernorm(h), positions, self.rope, meta, k_cache, v_cache)
+            h = h + layer.self_attn(layer.input_layernorm(h), rope, meta, k_cache, v_cache)
             if on_layer_written is not None:
                 on_layer_written(i)
             h = h + layer.mlp(layer.post_attention_layernorm(h))
