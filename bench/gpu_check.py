@@ -20,9 +20,10 @@ load the same fp32 safetensors.
    connector (tcp, ucx, nccl, each whole-block and layer-wise) and colocated; all prompts sent at once through the
    SDK; tokens compared with HF fp32; the workers' pools must return to idle. A connector that cannot start (ucxx
    not installed; NCCL refuses two ranks on one GPU) is reported with its error, and the rest still run.
-3. Throughput (bf16): B prompts of 128 random tokens, 64 new tokens each, through the engine, against HF
-   `generate()` on the same batch (a static batch, dynamic cache: the naive server's loop); output tok/s and their
-   ratio, and pdserve's median decode step time.
+3. Throughput (bf16): B prompts of 128 random tokens, 64 new tokens each, through the engine with CUDA graphs
+   (the default) and eager (`--enforce-eager`), against HF `generate()` on the same batch (a static batch, dynamic
+   cache: the naive server's loop); output tok/s and ratios, pdserve's median decode step time, a profile of its
+   decode steps (device-busy vs wall time, launches per step) and, eager, what replaying one captured step costs.
 
 Writes one JSON document (--out) and prints a summary.
 """
@@ -147,13 +148,15 @@ def engine_parity(model_dir: Path, waves, device: str, dtypes: list[str]) -> tup
     return result, hf32
 
 
+MODES = ("colocated", "tcp", "tcp+layerwise", "ucx", "ucx+layerwise", "nccl")
+
+
 def cluster_parity(model_dir: Path, prompts_: list[list[int]], expected: list[list[int]], log_root: Path,
-                   device: str) -> dict:
+                   device: str, modes: list[str]) -> dict:
     """Each topology / connector on `device`: agreement with HF fp32, prefix-cache tokens, pools idle after."""
     from cli.launcher import ServeConfig, start_cluster
     from pdserve import AsyncClient, SamplingParams as SP
 
-    modes = ["colocated", "tcp", "tcp+layerwise", "ucx", "ucx+layerwise", "nccl"]
     env = dict(os.environ, UCX_TLS="cuda_ipc,cuda_copy,tcp,self", UCX_NET_DEVICES="lo")
     out = {}
     for mode in modes:
@@ -214,46 +217,58 @@ def _log_tail(d: Path, chars: int = 1500) -> dict:
 
 
 def throughput(model_dir: Path, batches: list[int], device: str, prompt_len: int = 128, new: int = 64) -> list[dict]:
-    """Output tok/s of pdserve's engine and of HF generate() on the same bf16 batches, and their ratio."""
+    """Output tok/s of HF generate() and of pdserve's engine, with CUDA graphs (the default) and eager
+    (`--enforce-eager`), on the same bf16 batches; ratios against HF; each engine's decode steps profiled."""
     from transformers import AutoModelForCausalLM
 
-    rows = []
-    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.bfloat16).to(device).eval()
-    parts = build_engine(EngineArgs(model_dir=str(model_dir), dtype="bfloat16", device=device, kv_tokens=131072,
-                                    max_num_seqs=max(batches), max_num_batched_tokens=8192, max_model_len=1024))
-    sched, runner = parts.scheduler, parts.runner
     gen = torch.Generator().manual_seed(0)
-    for b in batches:
-        ids = torch.randint(3, 49152, (b, prompt_len), generator=gen)
-        for rep in range(2):  # the first pass compiles kernels and warms allocators; the second is timed
+    batch_ids = {b: torch.randint(3, 49152, (b, prompt_len), generator=gen) for b in batches}
+    rows = {b: dict(batch=b, prompt_tokens=prompt_len, new_tokens=new) for b in batches}
+    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.bfloat16).to(device).eval()
+    for b, ids in batch_ids.items():
+        for _ in range(2):  # the first pass warms up; the second is timed
             _sync(device)
             start = time.perf_counter()
             with torch.inference_mode():
                 hf.generate(ids.to(device), attention_mask=torch.ones_like(ids).to(device), max_new_tokens=new,
                             min_new_tokens=new, do_sample=False, pad_token_id=0)
             _sync(device)
-            hf_s = time.perf_counter() - start
-            reqs = [Request(f"t{b}-{rep}-{i}", row.tolist(), SamplingParams(max_tokens=new, temperature=0.0,
-                                                                             ignore_eos=True))
-                    for i, row in enumerate(ids)]
-            start, steps = time.perf_counter(), []
-            for r in reqs:
-                sched.add_request(r)
-            while sched.has_work():
-                t0 = time.perf_counter()
-                out = sched.schedule()
-                sched.update(out, runner.execute(out))
-                if not out.prefills:
-                    steps.append(time.perf_counter() - t0)
-            pd_s = time.perf_counter() - start
-        row = dict(batch=b, prompt_tokens=prompt_len, new_tokens=new, hf_tok_s=b * new / hf_s,
-                   pdserve_tok_s=b * new / pd_s, ratio=hf_s / pd_s,
-                   pdserve_decode_step_ms=sorted(steps)[len(steps) // 2] * 1e3 if steps else None)
-        if device.startswith("cuda"):
-            row["profile"] = decode_profile(sched, runner, ids, f"p{b}")
-        print(f"throughput {row}", flush=True)
-        rows.append(row)
-    return rows
+            rows[b]["hf_tok_s"] = b * new / (time.perf_counter() - start)
+    del hf
+    for eager in (False, True):
+        mode = "eager" if eager else "graphs"
+        start = time.perf_counter()
+        parts = build_engine(EngineArgs(model_dir=str(model_dir), dtype="bfloat16", device=device,
+                                        kv_tokens=131072, max_num_seqs=max(batches), max_num_batched_tokens=8192,
+                                        max_model_len=1024, enforce_eager=eager))
+        sched, runner = parts.scheduler, parts.runner
+        print(f"engine {mode} built in {time.perf_counter() - start:.1f} s", flush=True)
+        for b, ids in batch_ids.items():
+            for rep in range(2):
+                reqs = [Request(f"t{b}-{rep}-{i}", row.tolist(),
+                                SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True))
+                        for i, row in enumerate(ids)]
+                start, steps = time.perf_counter(), []
+                for r in reqs:
+                    sched.add_request(r)
+                while sched.has_work():
+                    t0 = time.perf_counter()
+                    out = sched.schedule()
+                    sched.update(out, runner.execute(out))
+                    if not out.prefills:
+                        steps.append(time.perf_counter() - t0)
+                tok_s = b * new / (time.perf_counter() - start)
+            row = rows[b]
+            row[f"pdserve_{mode}_tok_s"] = tok_s
+            row[f"ratio_{mode}"] = tok_s / row["hf_tok_s"]
+            row[f"pdserve_{mode}_decode_step_ms"] = sorted(steps)[len(steps) // 2] * 1e3
+            if device.startswith("cuda"):
+                row[f"profile_{mode}"] = decode_profile(sched, runner, ids, f"p{b}")
+                if eager:
+                    row["graph_ceiling"] = graph_ceiling(sched, runner, ids, f"g{b}")
+            print(f"throughput {mode} {row}", flush=True)
+        del parts, sched, runner
+    return list(rows.values())
 
 
 def decode_profile(sched, runner, ids: torch.Tensor, tag: str, steps: int = 5) -> dict:
@@ -288,12 +303,71 @@ def decode_profile(sched, runner, ids: torch.Tensor, tag: str, steps: int = 5) -
                 top_host_ops_ms={e.key: e.self_cpu_time_total / 1e3 / steps for e in top})
 
 
+def graph_ceiling(sched, runner, ids: torch.Tensor, tag: str, reps: int = 20) -> dict:
+    """The launch-free ceiling of one all-decode step (run on an eager engine): its forward + logits + argmax on
+    the same inputs, eager against captured once and replayed (`torch.cuda.CUDAGraph`), ms per step; no host
+    work between steps, unlike the engine's own graph path. The replays rewrite the same KV slots, harmless
+    for timing."""
+    for i, row in enumerate(ids):
+        sched.add_request(Request(f"{tag}-{i}", row.tolist(), SamplingParams(max_tokens=8, temperature=0.0,
+                                                                              ignore_eos=True)))
+    while True:
+        out = sched.schedule()
+        if not out.prefills:
+            break
+        sched.update(out, runner.execute(out))
+    model, seen = runner.model, {}
+    forward = model.forward
+
+    def spy(*a, **k):
+        seen["args"], seen["kwargs"] = a, k
+        return forward(*a, **k)
+    model.forward = spy
+    try:
+        sched.update(out, runner.execute(out))
+    finally:
+        del model.forward
+    args = seen["args"]
+
+    def step():
+        return model.compute_logits(model(*args)).argmax(dim=-1)
+
+    def per_step(fn) -> float:
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+        return (time.perf_counter() - start) / reps * 1e3
+
+    eager_ms = per_step(step)
+    result = dict(eager_ms=eager_ms)
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                step()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
+        result.update(graph_ms=per_step(graph.replay), speedup=eager_ms / per_step(graph.replay))
+    except Exception as e:  # noqa: BLE001 - a capture failure is itself the finding
+        result["error"] = f"{type(e).__name__}: {e}"
+    while sched.has_work():
+        out = sched.schedule()
+        sched.update(out, runner.execute(out))
+    return result
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model-files", required=True, help="directory with config.json and tokenizer files")
     p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "gpu_check.json"))
     p.add_argument("--skip", default="", help="comma list of engine,cluster,throughput to skip")
     p.add_argument("--batches", default="1,16,64,256")
+    p.add_argument("--modes", default=",".join(MODES), help="cluster topologies / connectors to run")
     p.add_argument("--device", default="cuda", help="cuda; cpu only to dry-run this script (C kernel + reference)")
     p.add_argument("--dtypes", default="float32,bfloat16")
     args = p.parse_args()
@@ -327,7 +401,7 @@ def main() -> int:
             del hf
         first = waves[0]
         doc["cluster"] = cluster_parity(model_dir, first, expected[:len(first)], work / "logs",
-                                       args.device)
+                                       args.device, args.modes.split(","))
         save()
     if "throughput" not in skip:
         doc["throughput"] = throughput(model_dir, [int(b) for b in args.batches.split(",")], args.device)

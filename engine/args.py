@@ -37,6 +37,8 @@ class EngineArgs:
         threads: torch intra-op threads for the process; 0 = one per CPU the process may run on
             (`engine.builder.set_threads`). `pdserve serve` splits its host's CPUs among its workers instead.
         random_weights: build the model from its config with random weights (tests, GPU-less benchmarks).
+        enforce_eager: on CUDA, run every step eagerly instead of replaying captured graphs of all-decode steps
+            (`engine.cuda_graphs`; vLLM's flag of the same name). No effect on CPU.
     """
 
     model_dir: str = field(metadata={"cli": False})
@@ -76,3 +78,6 @@ class EngineArgs:
         "help": "torch intra-op threads per process (0 = one per CPU it may run on; `serve` splits the CPUs among "
                 "its workers)"})
     random_weights: bool = field(default=False, metadata={"help": "random weights from the model's config"})
+    enforce_eager: bool = field(default=False, metadata={
+        "help": "CUDA: no CUDA graphs (all-decode steps are captured per padded batch size and replayed by "
+                "default); no effect on CPU"})

@@ -9,6 +9,7 @@ import torch
 
 from engine.args import EngineArgs
 from engine.config import CacheConfig, ModelConfig, SchedulerConfig, num_blocks_for_budget
+from engine.cuda_graphs import capture_sizes
 from engine.hardware import resolve_dtype
 from engine.kv_cache_manager import KVCacheManager
 from engine.loader import load_state_dict
@@ -50,9 +51,12 @@ def build_engine(args: EngineArgs) -> EngineParts:
         speculative=SpeculativeConfig(args.speculative_ngram_tokens, args.speculative_ngram_max,
                                       args.speculative_ngram_min, args.speculative_disable_batch_size))
     state = None if args.random_weights else load_state_dict(path)
+    graphs = torch.device(args.device).type == "cuda" and not args.enforce_eager
     runner = ModelRunner(model_config, cache_config, state, device=args.device, seed=args.seed,
                          attention_backend=args.attention_backend, quantization=args.quantization,
-                         packed_weights=args.packed_weights)
+                         packed_weights=args.packed_weights,
+                         cuda_graph_sizes=capture_sizes(args.max_num_seqs) if graphs else None,
+                         max_model_len=scheduler_config.max_model_len)
     kv = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching)
     return EngineParts(model_config, cache_config, scheduler_config, Scheduler(scheduler_config, kv), runner)
 

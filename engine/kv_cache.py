@@ -18,6 +18,9 @@ from engine.config import CacheConfig, ModelConfig
 class KVCache:
     """Owns the KV tensor and exposes per-layer views and per-block byte views.
 
+    Attributes:
+        scratch_slot: a KV slot in a block past the pool's, written only by padding (`engine.cuda_graphs`).
+
     Args:
         model: shapes and dtype.
         cache: block size and count.
@@ -27,9 +30,11 @@ class KVCache:
     def __init__(self, model: ModelConfig, cache: CacheConfig, device: torch.device | str = "cpu"):
         self.block_size = cache.block_size
         self.num_blocks = cache.num_blocks
-        # kv: [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]
-        self.kv = torch.zeros(cache.num_blocks, model.num_layers, 2, cache.block_size, model.num_kv_heads,
+        # kv: [num_blocks + 1, num_layers, 2, block_size, num_kv_heads, head_dim]. The extra block is outside the
+        # pool (no request owns it): the padded rows of a captured decode step write there (engine.cuda_graphs).
+        self.kv = torch.zeros(cache.num_blocks + 1, model.num_layers, 2, cache.block_size, model.num_kv_heads,
                               model.head_dim, dtype=model.torch_dtype, device=device)
+        self.scratch_slot = cache.num_blocks * cache.block_size
         self.layers = [(self.kv[:, i, 0], self.kv[:, i, 1]) for i in range(model.num_layers)]
 
     @property

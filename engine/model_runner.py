@@ -5,6 +5,7 @@ import torch
 
 from engine.attention import AttentionMetadata
 from engine.config import CacheConfig, ModelConfig
+from engine.cuda_graphs import DecodeGraphs
 from engine.kv_cache import KVCache
 from engine.models.llama import DecoderModel
 from engine.outputs import RunnerOutput, SampledToken, ScheduledRequest, SchedulerOutput
@@ -27,14 +28,19 @@ class ModelRunner:
         attention_backend: "auto" (Triton on CUDA, the C decode kernel on CPU), "triton", "cpu" or "torch".
         quantization: "none", or "int8" (weight-only int8 linears, `engine.quantization`).
         packed_weights: prepack bf16 linears on CPU (`engine.packing`; int8 layers are packed by their own op).
+        cuda_graph_sizes: batch sizes of all-decode steps to capture as CUDA graphs (`engine.cuda_graphs`);
+            None = every step eager. On a non-CUDA device the padded static-buffer step runs without a graph.
+        max_model_len: longest context in tokens; sizes the captured block tables (needed with graphs).
 
     Raises:
-        ValueError: an unknown or unusable attention backend (`kernels.select_ops`), or int8 on a float32 model.
+        ValueError: an unknown or unusable attention backend (`kernels.select_ops`), int8 on a float32 model, or
+            graph sizes without max_model_len.
     """
 
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig,
                  state_dict: dict[str, torch.Tensor] | None, device: str = "cpu", seed: int = 0,
-                 attention_backend: str = "auto", quantization: str = "none", packed_weights: bool = True):
+                 attention_backend: str = "auto", quantization: str = "none", packed_weights: bool = True,
+                 cuda_graph_sizes: list[int] | None = None, max_model_len: int = 0):
         torch.manual_seed(seed)
         self.model_config = model_config
         self.device = torch.device(device)
@@ -51,6 +57,13 @@ class ModelRunner:
         self.kv_cache = KVCache(model_config, cache_config, self.device)
         self.block_size = cache_config.block_size
         self.sampler = Sampler(model_config.vocab_size, seed)
+        self.decode_graphs = None
+        if cuda_graph_sizes:
+            if max_model_len <= 0:
+                raise ValueError("CUDA graphs need max_model_len > 0 to size their block tables")
+            self.decode_graphs = DecodeGraphs(self.model, self.kv_cache.layers, cuda_graph_sizes,
+                                              -(-max_model_len // self.block_size), self.kv_cache.scratch_slot,
+                                              self.device, capture=self.device.type == "cuda")
 
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         """Compute the step's tokens and sample for every request whose chunk reaches its last token; verify the
@@ -78,6 +91,16 @@ class ModelRunner:
                 verify.append((s, len(input_ids) - 1 - len(s.spec_token_ids)))
             elif s.sample:
                 sample_rows.append(len(input_ids) - 1)
+        # Layer-wise KV streaming: a prefill-only request's last chunk tells its sender as each layer is written.
+        # The scheduler files a one-token chunk under decodes (a prefix-cache hit up to the last token).
+        streaming = [s for s in scheduled if s.sample and s.request.kv_layers is not None]
+        graphs = self.decode_graphs
+        if graphs is not None and out.decodes and not out.prefills and not streaming:
+            size = graphs.size_for(len(out.decodes), max(len(s.block_ids) for s in out.decodes))
+            if size is not None:
+                logits = graphs.run(size, input_ids, positions, slots, [s.block_ids for s in out.decodes],
+                                    [s.request.num_computed_tokens + 1 for s in out.decodes])
+                return self.sampler(logits[sample_rows], [s.request for s in scheduled if s.sample])
         dev = self.device
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
@@ -93,9 +116,6 @@ class ModelRunner:
             prefill_block_tables=self._block_tables(out.prefills),
             prefill_max_query_len=max((s.num_new_tokens for s in out.prefills), default=0),
         )
-        # Layer-wise KV streaming: a prefill-only request's last chunk tells its sender as each layer is written.
-        # The scheduler files a one-token chunk under decodes (a prefix-cache hit up to the last token).
-        streaming = [s for s in scheduled if s.sample and s.request.kv_layers is not None]
         for s in streaming:
             s.request.kv_layers.begin(s.block_ids, s.request.num_computed_tokens + s.num_new_tokens)
 

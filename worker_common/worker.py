@@ -5,7 +5,7 @@ import asyncio
 import logging
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import grpc
 from prometheus_client import CollectorRegistry
@@ -46,7 +46,8 @@ def start_engine(config: WorkerConfig) -> WorkerEngine:
         FileNotFoundError / ValueError: from model loading and config validation.
     """
     set_threads(config.engine.threads)
-    parts = build_engine(config.engine)
+    # A prefill worker never runs an all-decode step: capturing decode graphs there would only cost start-up time.
+    parts = build_engine(replace(config.engine, enforce_eager=True) if config.role == "prefill" else config.engine)
     engine = AsyncEngine(lambda emit, on_fault: EngineCore(parts.scheduler, parts.runner, emit, on_fault))
     engine.start()
     registry = CollectorRegistry()
