@@ -1,6 +1,8 @@
 """Runs one scheduled step on the model: packs tokens, builds attention metadata, samples."""
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from engine.attention import AttentionMetadata
@@ -14,6 +16,8 @@ from engine.quantization import quantize_int8_weight_only
 from engine.sampler import Sampler
 from engine.speculative import accept_greedy
 from kernels import select_ops
+
+log = logging.getLogger(__name__)
 
 
 class ModelRunner:
@@ -29,7 +33,7 @@ class ModelRunner:
         quantization: "none", or "int8" (weight-only int8 linears, `engine.quantization`).
         packed_weights: prepack bf16 linears on CPU (`engine.packing`; int8 layers are packed by their own op).
         cuda_graph_sizes: batch sizes of all-decode steps to capture as CUDA graphs (`engine.cuda_graphs`);
-            None = every step eager. On a non-CUDA device the padded static-buffer step runs without a graph.
+            None = every step eager; ignored, with a warning, for an attention backend that cannot be captured.
         max_model_len: longest context in tokens; sizes the captured block tables (needed with graphs).
 
     Raises:
@@ -58,7 +62,10 @@ class ModelRunner:
         self.block_size = cache_config.block_size
         self.sampler = Sampler(model_config.vocab_size, seed)
         self.decode_graphs = None
-        if cuda_graph_sizes:
+        if cuda_graph_sizes and not self.attention_ops.capturable:
+            log.warning("attention backend %r cannot be captured in a CUDA graph; every step runs eagerly",
+                        self.attention_ops.name)
+        elif cuda_graph_sizes:
             if max_model_len <= 0:
                 raise ValueError("CUDA graphs need max_model_len > 0 to size their block tables")
             self.decode_graphs = DecodeGraphs(self.model, self.kv_cache.layers, cuda_graph_sizes,

@@ -27,12 +27,16 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class AttentionOps:
-    """The three paged-KV ops of one backend (see `kernels.reference` for their contracts)."""
+    """The three paged-KV ops of one backend (see `kernels.reference` for their contracts), and whether its decode
+    path can be captured in a CUDA graph (`engine.cuda_graphs`)."""
 
     name: str
     write_kv_cache: Callable[..., None]
     paged_decode_attention: Callable[..., torch.Tensor]
     prefill_attention: Callable[..., torch.Tensor]
+    # No host sync or host-side data dependence in the decode path, so a CUDA graph can capture it (the torch
+    # reference reads context_lens.max() on the host).
+    capturable: bool = False
 
 
 def triton_usable(device: torch.device | str) -> bool:
@@ -88,7 +92,7 @@ def select_ops(backend: str, device: torch.device | str) -> AttentionOps:
     from kernels.triton_cache import write_kv_cache
     from kernels.triton_decode import paged_decode_attention
     from kernels.triton_prefill import prefill_attention
-    return AttentionOps("triton", write_kv_cache, paged_decode_attention, prefill_attention)
+    return AttentionOps("triton", write_kv_cache, paged_decode_attention, prefill_attention, capturable=True)
 
 
 def _cpu_ops() -> AttentionOps:
