@@ -6,7 +6,9 @@ Run on a CUDA machine from the repository root:  python bench/kernels_gpu.py [--
    and the bf16 matmul rate (8192^3 on random data).
 2. Every kernel against its torch reference on fresh random inputs (relative Frobenius error, NaN check; the
    output buffers of the references are compared after the kernels ran on poisoned caches where applicable).
-3. Timings with `triton.testing.do_bench` (median of CUDA-event timings, after warm-up):
+3. Timings with `triton.testing.do_bench` (median of CUDA-event timings, after warm-up; these include the
+   host's launch cost when it exceeds the kernel's) and, for decode, `do_bench_cudagraph` (replayed from a CUDA
+   graph: device time alone, as the engine's captured decode steps run it):
    - decode attention, Llama-3-8B shapes (32 q / 8 kv heads, head_dim 128, bf16, block 16): achieved bandwidth
      (K+V+q+out bytes over time) as a fraction of the copy bandwidth, beside
      `F.scaled_dot_product_attention` on the same data laid out contiguously (what it would need without paging)
@@ -49,6 +51,14 @@ def bench(fn) -> float:
     from triton.testing import do_bench
 
     return do_bench(fn, warmup=100, rep=500, return_mode="median")
+
+
+def bench_graph(fn) -> float:
+    """Median milliseconds of fn() replayed from a CUDA graph: the device time without the host's launch cost
+    (what the engine's captured decode steps see, `engine.cuda_graphs`)."""
+    from triton.testing import do_bench_cudagraph
+
+    return do_bench_cudagraph(fn, rep=500, return_mode="median")
 
 
 def rel_err(out: torch.Tensor, expected: torch.Tensor) -> float:
@@ -111,6 +121,8 @@ def decode_case(batch: int, ctx: int, copy_gbps: float, splits_one_too: bool) ->
     row["triton_ms"] = bench(lambda: paged_decode_attention(q, k_cache, v_cache, tables, lens, scale))
     row["triton_gbps"] = nbytes / row["triton_ms"] / 1e6
     row["triton_frac_copy"] = row["triton_gbps"] / copy_gbps
+    row["triton_graph_ms"] = bench_graph(lambda: paged_decode_attention(q, k_cache, v_cache, tables, lens, scale))
+    row["triton_graph_frac_copy"] = nbytes / row["triton_graph_ms"] / 1e6 / copy_gbps
     if splits_one_too:
         row["triton_nosplit_ms"] = bench(
             lambda: paged_decode_attention(q, k_cache, v_cache, tables, lens, scale, num_splits=1))
@@ -118,6 +130,7 @@ def decode_case(batch: int, ctx: int, copy_gbps: float, splits_one_too: bool) ->
     qs = q[:, :, None, :]  # [B, Hq, 1, D]
     row["sdpa_ms"] = bench(lambda: F.scaled_dot_product_attention(qs, k, v, scale=scale, enable_gqa=True))
     row["sdpa_frac_copy"] = nbytes / row["sdpa_ms"] / 1e6 / copy_gbps
+    row["sdpa_graph_ms"] = bench_graph(lambda: F.scaled_dot_product_attention(qs, k, v, scale=scale, enable_gqa=True))
     fa = flash_attn()
     if fa is not None:
         try:
