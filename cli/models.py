@@ -66,8 +66,10 @@ def resolve_model(model: str | None, cache_dir: Path | None = None) -> Path:
         return path
     if not path.is_file():
         raise FileNotFoundError(f"model path {path} does not exist")
-    stat = path.stat()
-    key = hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    # Keyed by content (0.16 s for the packaged 98 MB): a key of path and mtime made every fresh install or
+    # checkout convert again into a new 517 MB directory, and the old ones were never reused.
+    with path.open("rb") as f:
+        key = hashlib.file_digest(f, "sha256").hexdigest()[:12]
     out = (cache_dir or default_cache_dir()) / f"{path.stem}-{key}"
     if not (out / "config.json").is_file():
         done = subprocess.run([sys.executable, "-m", "cli.gguf_convert", str(path), str(out)],

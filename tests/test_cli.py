@@ -90,3 +90,31 @@ def test_serve_splits_the_cpus_among_its_workers():
     assert worker_threads(1, num_cpus=2) == 2  # colocated: the whole host
     assert worker_threads(3, num_cpus=8) == 2
     assert worker_threads(4, num_cpus=2) == 1  # never 0
+
+
+def test_a_gguf_converts_once_per_content_wherever_it_is(tmp_path, monkeypatch):
+    """The conversion cache is keyed by the file's bytes: the same GGUF at another path (a fresh install) with
+    another mtime reuses the converted directory; different bytes convert again."""
+    import os
+    import subprocess
+
+    from cli import models
+
+    runs = []
+
+    def fake_convert(cmd, **kw):
+        runs.append(cmd)
+        out = tmp_path / "cache" / cmd[-1].rsplit("/", 1)[-1]
+        out.mkdir(parents=True)
+        (out / "config.json").write_text("{}")
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+    monkeypatch.setattr(models.subprocess, "run", fake_convert)
+    a, b, c = tmp_path / "a" / "m.gguf", tmp_path / "b" / "m.gguf", tmp_path / "c" / "m.gguf"
+    for p, data in ((a, b"GGUF same"), (b, b"GGUF same"), (c, b"GGUF other")):
+        p.parent.mkdir()
+        p.write_bytes(data)
+    os.utime(b, (1, 1))
+    cache = tmp_path / "cache"
+    first = models.resolve_model(str(a), cache)
+    assert models.resolve_model(str(b), cache) == first and len(runs) == 1
+    assert models.resolve_model(str(c), cache) != first and len(runs) == 2
