@@ -14,6 +14,10 @@ from pathlib import Path
 
 from server_common.security import CLUSTER_SECRET_ENV
 
+# Set in every process the launcher starts: the pid of the launcher. The child shuts down cleanly when that process
+# is gone (cli.main._run_server), so a `pdserve serve` or test run killed with SIGKILL leaves no server behind.
+PARENT_PID_ENV = "PDSERVE_PARENT_PID"
+
 
 @dataclass(frozen=True)
 class ServeConfig:
@@ -102,7 +106,8 @@ def _spawn(args: list[str], name: str, workdir: Path, log_dir: Path | None,
         log_path = str(log_dir / f"{name}.log")
         out = open(log_path, "w")  # noqa: SIM115 - owned by the child for its lifetime
     proc = subprocess.Popen([sys.executable, "-m", "cli.main", *args, "--ready-file", str(ready)],
-                            stdout=out, stderr=subprocess.STDOUT if out else None, env=env)
+                            stdout=out, stderr=subprocess.STDOUT if out else None,
+                            env={**env, PARENT_PID_ENV: str(os.getpid())})
     return proc, ready, log_path
 
 

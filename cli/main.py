@@ -46,17 +46,35 @@ def _resolved(args: argparse.Namespace) -> tuple[str, str]:
 
 
 def _run_server(coro: Coroutine) -> None:
-    """Run a server coroutine until SIGINT or SIGTERM, then let it shut down cleanly."""
+    """Run a server coroutine until SIGINT or SIGTERM, or until the launcher that started it is gone
+    (`cli.launcher.PARENT_PID_ENV`), then let it shut down cleanly."""
+    from cli.launcher import PARENT_PID_ENV
+
     async def main() -> None:
         task = asyncio.create_task(coro)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, task.cancel)
+        parent = os.environ.get(PARENT_PID_ENV)
+        watch = asyncio.create_task(_stop_without_parent(int(parent), task)) if parent else None
         try:
             await task
         except asyncio.CancelledError:
             pass
+        finally:
+            if watch is not None:
+                watch.cancel()
     asyncio.run(main())
+
+
+async def _stop_without_parent(parent_pid: int, server: asyncio.Task, poll_s: float = 1.0) -> None:
+    """Cancel `server` (its clean shutdown, as SIGTERM does) once the process that started this one has exited:
+    the orphan is re-parented, so getppid() changes. A launcher killed with SIGKILL cannot stop its children, which
+    kept their ports, memory and CPU (seen: clusters of killed test runs idling through benchmarks)."""
+    while os.getppid() == parent_pid:
+        await asyncio.sleep(poll_s)
+    logging.getLogger(__name__).warning("the launcher (pid %d) is gone: shutting down", parent_pid)
+    server.cancel()
 
 
 # ---- roles ------------------------------------------------------------------------------------------------------

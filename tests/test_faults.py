@@ -181,3 +181,43 @@ def test_oversized_inputs_are_refused_before_work_with_short_messages(cluster):
             c.complete("hi", greedy(2), request_id="r" * 100_000)
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and len(e.value.details()) < 500
     assert_idle(cluster)
+
+
+def test_a_killed_launcher_leaves_no_server_behind(tiny_model_dir, tmp_path):
+    """A launcher (here a Python process standing for `pdserve serve` or a test run) killed with SIGKILL cannot stop
+    its cluster; every process it started notices it is gone and shuts down within seconds."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = (
+        "import json, sys, time\n"
+        "from cli.launcher import ServeConfig, start_cluster\n"
+        f"c = start_cluster({str(tiny_model_dir)!r}, 'tiny', ServeConfig(log_dir={str(tmp_path)!r}),\n"
+        "                  worker_args=['--kv-tokens', '1024', '--max-model-len', '256'])\n"
+        "print(json.dumps([p.pid for p in c.processes.values()]), flush=True)\n"
+        "time.sleep(600)\n")
+    root = Path(__file__).resolve().parents[1]
+    launcher = subprocess.Popen([sys.executable, "-c", script], cwd=root, stdout=subprocess.PIPE, text=True)
+    try:
+        pids = json.loads(launcher.stdout.readline())
+        assert len(pids) == 3
+        launcher.send_signal(signal.SIGKILL)
+        launcher.wait(10)
+
+        def alive(pid):
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                return False
+            with open(f"/proc/{pid}/stat") as f:  # a zombie (exited, not yet reaped by init) counts as gone
+                return f.read().split(") ", 1)[1][0] != "Z"
+        deadline = time.monotonic() + 60
+        while any(alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert not [p for p in pids if alive(p)], "servers outlived their launcher"
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
