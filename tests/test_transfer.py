@@ -402,3 +402,36 @@ def test_nccl_receive_given_up_never_writes_into_the_cache_later():
             receiver.close()
             listener.close()
     run(main)
+
+
+def test_nccl_channel_with_both_ends_on_one_gpu_says_so(monkeypatch):
+    """NCCL refuses two ranks on one GPU with a message about duplicate devices, deep in a worker's log; the
+    channel compares the two devices first and names the cause and the way out. (Simulated here: the gloo path with
+    the backend reported as nccl and both ends on the "same GPU"; the group is never made.)"""
+    from engine.transfer import torchdist
+
+    monkeypatch.setattr(torchdist, "dist_backend_for", lambda device: "nccl")
+    monkeypatch.setattr(torchdist, "device_id", lambda device: "GPU-0000")
+
+    async def main():
+        accepted = asyncio.Queue()
+
+        async def on_channel(ch):
+            await accepted.put(ch)
+            await asyncio.Event().wait()
+
+        backend = torchdist.DistBackend()
+        listener = await backend.listen("127.0.0.1", 0, on_channel)
+        sender = await backend.connect("127.0.0.1", listener.port)
+        receiver = await accepted.get()
+        try:
+            block = torch.zeros(BLOCK, dtype=torch.uint8)
+            recv = asyncio.create_task(receiver.recv_into_all([torch.zeros(BLOCK, dtype=torch.uint8)]))
+            with pytest.raises(ChannelClosed, match="different GPUs.*GPU-0000.*--connector ucx or tcp"):
+                await sender.send_buffers([block])
+            recv.cancel()
+        finally:
+            sender.close()
+            receiver.close()
+            listener.close()
+    run(main)

@@ -17,9 +17,11 @@ meets the recv for the same block. A transfer's sends are posted at once, its re
 blocks do not wait on event-loop round trips. Blocking `work.wait()` calls run on the channel's own thread, never
 on the event loop; that thread is bounded by the process group's timeout when a peer stalls.
 
-CUDA (NCCL) path: unverified on GPU. Written to torch's documented behaviour: `ProcessGroupNCCL(store, rank, size)`,
-`send`/`recv` on CUDA tensors enqueue on NCCL's stream, `work.wait()` orders the current stream after it, and the
-current stream is synchronised before returning so a sender's caller may free (and reuse) its blocks at once.
+CUDA (NCCL) path: between two GPUs, unverified. On one GPU NCCL refuses the pair (seen on an H100), so a channel
+whose ends share a GPU fails at setup with a message that says so. Written to torch's documented behaviour:
+`ProcessGroupNCCL(store, rank, size)`, `send`/`recv` on CUDA tensors enqueue on NCCL's stream, `work.wait()`
+orders the current stream after it, and the current stream is synchronised before returning so a sender's caller
+may free (and reuse) its blocks at once.
 """
 from __future__ import annotations
 
@@ -45,6 +47,12 @@ LANDING_WINDOW = 8  # receives posted at once; each lands in a channel-owned buf
 def dist_backend_for(device: torch.device) -> str:
     """The torch.distributed backend that moves tensors on `device`: "nccl" for CUDA, "gloo" otherwise."""
     return "nccl" if device.type == "cuda" else "gloo"
+
+
+def device_id(device: torch.device) -> str:
+    """What tells two processes' devices apart: a CUDA device's UUID, "" for any other device. NCCL refuses a
+    pair of ranks on one GPU ("Duplicate GPU detected", seen on an H100), so the channel checks this first."""
+    return str(torch.cuda.get_device_properties(device).uuid) if device.type == "cuda" else ""
 
 
 def _make_group(store: dist.Store, rank: int, backend: str) -> dist.ProcessGroup:
@@ -160,7 +168,8 @@ class DistChannel(Channel):
             self._store = await self._run(lambda: dist.TCPStore(
                 "0.0.0.0", 0, 2, True, timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S),
                 wait_for_workers=False))
-            await self.control.send_msg(json.dumps({"store_port": self._store.port, "backend": backend}).encode())
+            await self.control.send_msg(json.dumps({"store_port": self._store.port, "backend": backend,
+                                                    "device": device_id(device)}).encode())
             store = self._store
         else:
             try:
@@ -171,6 +180,10 @@ class DistChannel(Channel):
             if peer_backend != backend:
                 raise ChannelClosed(f"the peer moves KV with {peer_backend}, this side's blocks need {backend} "
                                     "(KV caches on different device types)")
+            if backend == "nccl" and setup.get("device") == device_id(device):
+                raise ChannelClosed(f"the nccl connector needs the prefill and decode workers on different GPUs; "
+                                    f"both are on GPU {setup['device']} (NCCL refuses two ranks on one device): "
+                                    "use --connector ucx or tcp")
             store = await self._run(lambda: dist.TCPStore(
                 self.peer_host, port, 2, False, timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S)))
         self._group = await self._run(lambda: _make_group(store, self.rank, backend))
