@@ -81,3 +81,26 @@ def test_speculative_smoke(tiny_model_dir, tmp_path):
     assert [(r["workload"], r["k"]) for r in rows] == [("docs", 0), ("docs", 3), ("rewrite", 0), ("rewrite", 3)]
     assert all(r["same_output"] and r["tokens"] > 0 for r in rows)
     assert rows[0]["draft"] == 0
+
+
+def test_gpu_check_smoke(tiny_model_dir, tmp_path):
+    """bench/gpu_check.py, the GPU acceptance run, dry-run on CPU (`--device cpu`) so it cannot rot between the
+    sessions that get a GPU: random weights from a config, engine parity, one cluster, the throughput table."""
+    import shutil
+
+    files = tmp_path / "files"
+    files.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (tiny_model_dir / name).exists():
+            shutil.copy(tiny_model_dir / name, files / name)
+    config = json.loads((tiny_model_dir / "config.json").read_text())
+    config["max_position_embeddings"] = 2048  # the check's prompts reach 1500 tokens
+    (files / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "gpu_check.json"
+    _run(["bench/gpu_check.py", "--model-files", str(files), "--device", "cpu", "--dtypes", "float32",
+          "--modes", "tcp", "--batches", "2", "--out", str(out)], tmp_path)
+    doc = json.loads(out.read_text())
+    assert {k: v["agreement"] for k, v in doc["engine"].items()} == {"float32/auto": 1.0, "float32/torch": 1.0}
+    assert doc["cluster"]["tcp"]["agreement"] == 1.0 and doc["cluster"]["tcp"]["idle"]
+    (row,) = doc["throughput"]
+    assert row["batch"] == 2 and row["hf_tok_s"] > 0 and row["pdserve_graphs_tok_s"] > 0 and row["ratio_eager"] > 0
