@@ -8,7 +8,8 @@
 - `llamacpp`: llama.cpp's `llama-server` on the packaged GGUF (its Q4_1 weights), started here, one slot per
   request of the highest concurrency level (build: bench/README.md);
 - peers: any OpenAI-compatible server already running (`--peer name=url`), see bench/README.md.
-Every system gets the whole machine: `threads` torch threads in total (the disaggregated pair splits them).
+Every system gets the whole machine: `threads` CPUs. pdserve's workers split them as `pdserve serve` does
+(`cli.launcher.worker_threads`: one CPU left to the coordinator and clients when a worker would span them all).
 """
 from __future__ import annotations
 
@@ -42,12 +43,12 @@ def start_pdserve(name: str, model_dir: str, colocated: bool, threads: int, log_
     second, as in production; the cost of observability is this system's throughput against the plain one.
 
     Raises RuntimeError if a process dies or is not ready in 10 minutes."""
-    from cli.launcher import ServeConfig, start_cluster
+    from cli.launcher import ServeConfig, start_cluster, worker_threads
 
     sink = OtlpSink() if observed else None
     if observed:
         extra_args = [*extra_args, "--metrics-port", "0"]
-    per_worker = threads if colocated else max(1, threads // 2)
+    per_worker = worker_threads(1 if colocated else 2, num_cpus=threads)  # the split `pdserve serve` makes
     cluster = start_cluster(model_dir, Path(model_dir).name, ServeConfig(log_dir=log_dir), colocated=colocated,
                             env=sink.env() if sink else None,
                             worker_args=["--threads", str(per_worker), "--log-level", "WARNING", *extra_args],

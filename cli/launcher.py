@@ -133,11 +133,20 @@ def wait_ready(procs: list[tuple[str, subprocess.Popen, Path]], timeout_s: float
 
 def worker_threads(num_workers: int, num_cpus: int | None = None) -> int:
     """Torch threads for each of num_workers workers sharing this host: its CPUs (affinity mask) split evenly, at
-    least 1, so workers never oversubscribe the cores. Measured on 2 cores (docs/benchmarks.md, seed sweep): 2
-    threads per worker (oversubscribed) won when one worker idles and lost at moderate load; no split won
-    everywhere."""
+    least 1, so workers never oversubscribe the cores, and one CPU left to the coordinator and clients whenever
+    the workers' multi-threaded regions would otherwise take every CPU. An OpenMP region waits for its slowest
+    thread, so a busy coordinator stalls every op of a worker spread over all cores.
+
+    Measured on 2 cores, bf16, both workloads in one run each (docs/benchmarks.md, "Thread split"): a colocated
+    worker with 1 thread against 2 gave 1.12x / 1.38x the output tok/s at concurrency 16 / 64 on the seed workload
+    and 1.24x / 1.24x on 128 in / 32 out. vLLM's CPU backend likewise keeps a core for its scheduler by default.
+    """
     cpus = num_cpus if num_cpus is not None else len(os.sched_getaffinity(0))
-    return max(1, cpus // max(1, num_workers))
+    workers = max(1, num_workers)
+    share = cpus // workers
+    if share > 1:
+        share = (cpus - 1) // workers
+    return max(1, share)
 
 
 def start_cluster(model_dir: str, model_name: str, config: ServeConfig = ServeConfig(), colocated: bool = False,
