@@ -3,9 +3,10 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 import torch
 
-from engine.attention import AttentionMetadata
+from engine.attention import AttentionMetadata, fill_block_tables
 from engine.config import CacheConfig, ModelConfig
 from engine.cuda_graphs import DecodeGraphs
 from engine.kv_cache import KVCache
@@ -101,20 +102,20 @@ class ModelRunner:
         # Layer-wise KV streaming: a prefill-only request's last chunk tells its sender as each layer is written.
         # The scheduler files a one-token chunk under decodes (a prefix-cache hit up to the last token).
         streaming = [s for s in scheduled if s.sample and s.request.kv_layers is not None]
+        decode_context_lens = [s.request.num_computed_tokens + 1 for s in out.decodes]
         graphs = self.decode_graphs
         if graphs is not None and out.decodes and not out.prefills and not streaming:
             size = graphs.size_for(len(out.decodes), max(len(s.block_ids) for s in out.decodes))
             if size is not None:
                 logits = graphs.run(size, input_ids, positions, slots, [s.block_ids for s in out.decodes],
-                                    [s.request.num_computed_tokens + 1 for s in out.decodes])
+                                    decode_context_lens)
                 return self.sampler(logits[sample_rows], [s.request for s in scheduled if s.sample])
         dev = self.device
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
             num_decodes=len(out.decodes),
             decode_block_tables=self._block_tables(out.decodes),
-            decode_context_lens=torch.tensor([s.request.num_computed_tokens + 1 for s in out.decodes],
-                                             dtype=torch.int32, device=dev),
+            decode_context_lens=torch.tensor(decode_context_lens, dtype=torch.int32, device=dev),
             prefill_cu_seqlens=torch.tensor(_cumsum([s.num_new_tokens for s in out.prefills]), dtype=torch.int32,
                                             device=dev),
             prefill_context_lens=torch.tensor(
@@ -143,11 +144,10 @@ class ModelRunner:
         return result
 
     def _block_tables(self, group: list[ScheduledRequest]) -> torch.Tensor:
-        """[len(group), max_blocks] int32, zero-padded; one tensor built from one padded list (a tensor per row
-        cost a host allocation each)."""
-        width = max(1, max((len(s.block_ids) for s in group), default=0))
-        rows = [s.block_ids + [0] * (width - len(s.block_ids)) for s in group]
-        return torch.tensor(rows, dtype=torch.int32, device=self.device).view(len(group), width)
+        """[len(group), max_blocks] int32, zero-padded (`fill_block_tables`), on the runner's device."""
+        host = np.empty((len(group), max(1, max((len(s.block_ids) for s in group), default=0))), dtype=np.int32)
+        fill_block_tables(host, [s.block_ids for s in group])
+        return torch.from_numpy(host).to(self.device)
 
 
 def _verify_drafts(verify: list[tuple[ScheduledRequest, int]], logits: torch.Tensor, result: RunnerOutput) -> None:
