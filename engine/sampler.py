@@ -39,12 +39,13 @@ class Sampler:
         rather than N x vocab floats (vLLM samples on the device for the same reason); the other rows come to the
         host together, once, for the per-request path (penalties, seeded generators, logprobs)."""
         out = RunnerOutput()
-        simple = [i for i, r in enumerate(requests) if r.argmax_next]
+        greedy = [r.argmax_next for r in requests]
+        simple = [i for i, g in enumerate(greedy) if g]
         if simple:  # batched fast path for the common greedy case
             ids = logits[simple].argmax(dim=-1).tolist()
             for i, t in zip(simple, ids):
                 out.sampled[requests[i].request_id] = SampledToken(t)
-        rest = [i for i, r in enumerate(requests) if not r.argmax_next]
+        rest = [i for i, g in enumerate(greedy) if not g]
         rows = logits[rest].cpu() if rest else logits[:0]
         for row, i in zip(rows, rest):
             req = requests[i]
