@@ -50,10 +50,13 @@ def _cpu_signature() -> str:
     return platform.processor() or platform.machine()
 
 
-def build_library(cache_dir: Path | None = None) -> Path:
+def build_library(cache_dir: Path | None = None, extra_cflags: tuple[str, ...] = ()) -> Path:
     """Compile cpu_decode.c unless a build for this source, compiler and CPU is cached; returns the .so's path.
 
     Concurrent workers may build at once: each compiles to its own temporary file and renames it into place.
+    `extra_cflags` are appended to CFLAGS (and keyed): `-DPDSERVE_PORTABLE` builds the plain loops only, as on a
+    CPU without AVX-512, and `-mno-avx512bf16` the AVX-512 path without VDPBF16PS, so that the tests check every
+    path against the reference on one machine.
 
     Raises:
         KernelBuildError: no C compiler, an unwritable cache directory, or compilation failed (with the
@@ -66,7 +69,8 @@ def build_library(cache_dir: Path | None = None) -> Path:
     except (OSError, subprocess.TimeoutExpired) as e:
         raise KernelBuildError(f"no C compiler for the cpu attention kernels ({cc}: {e}); set $CC or use "
                                "--attention-backend torch") from e
-    key = hashlib.sha256(b"\0".join([source, " ".join(CFLAGS + LDFLAGS).encode(), version.encode(),
+    cflags = CFLAGS + tuple(extra_cflags)
+    key = hashlib.sha256(b"\0".join([source, " ".join(cflags + LDFLAGS).encode(), version.encode(),
                                      _cpu_signature().encode()])).hexdigest()[:16]
     cache_dir = cache_dir or Path(os.environ.get("PDSERVE_KERNEL_CACHE", Path.home() / ".cache/pdserve/kernels"))
     target = cache_dir / f"cpu_decode-{key}.so"
@@ -79,7 +83,7 @@ def build_library(cache_dir: Path | None = None) -> Path:
         raise KernelBuildError(f"cannot write the kernel cache {cache_dir} ({e}); set $PDSERVE_KERNEL_CACHE") from e
     os.close(fd)
     try:
-        for command in ([cc, *CFLAGS, "-c", str(SOURCE), "-o", tmp + ".o"],
+        for command in ([cc, *cflags, "-c", str(SOURCE), "-o", tmp + ".o"],
                         [cc, *LDFLAGS, tmp + ".o", "-o", tmp, "-lm"]):
             try:
                 result = subprocess.run(command, capture_output=True, text=True, timeout=300)
@@ -106,9 +110,10 @@ class CpuKernels:
         self._decode = fn
 
     @classmethod
-    def load(cls, cache_dir: Path | None = None) -> CpuKernels:
-        """Build (or find cached) and load the library. Raises KernelBuildError."""
-        path = build_library(cache_dir)
+    def load(cls, cache_dir: Path | None = None, extra_cflags: tuple[str, ...] = ()) -> CpuKernels:
+        """Build (or find cached) and load the library (`extra_cflags`: see `build_library`). Raises
+        KernelBuildError."""
+        path = build_library(cache_dir, extra_cflags)
         try:
             return cls(ctypes.CDLL(str(path)))
         except OSError as e:

@@ -1,5 +1,7 @@
 """The C decode kernel (`kernels/cpu_ops.py`) against the torch reference, built for this machine as a worker
 builds it; and how its build behaves (cache, no compiler, fallbacks)."""
+import platform
+
 import pytest
 import torch
 
@@ -7,9 +9,16 @@ from kernels import reference, select_ops
 from kernels.cpu_ops import CpuKernels, KernelBuildError, build_library
 
 
-@pytest.fixture(scope="module")
-def kernels(tmp_path_factory):
-    return CpuKernels.load(tmp_path_factory.mktemp("kernel-cache"))
+# Every code path of cpu_decode.c on this machine: the build a worker makes (on an AVX-512 CPU, the intrinsics path
+# with VDPBF16PS where the CPU has AVX512_BF16), the AVX-512 path without VDPBF16PS, and the plain loops.
+BUILDS = {"native": (), "portable": ("-DPDSERVE_PORTABLE",)}
+if platform.machine() in ("x86_64", "AMD64"):
+    BUILDS["no-avx512bf16"] = ("-mno-avx512bf16",)
+
+
+@pytest.fixture(scope="module", params=sorted(BUILDS))
+def kernels(request, tmp_path_factory):
+    return CpuKernels.load(tmp_path_factory.mktemp("kernel-cache"), BUILDS[request.param])
 
 
 def _paged(lengths, block_size, hkv, d, dtype, layers=3, layer=1, seed=0):
@@ -50,13 +59,14 @@ def test_decode_matches_reference(kernels, dtype, block_size, hq, hkv, d, thread
 
 def test_large_scores_do_not_overflow(kernels):
     """The online softmax subtracts the running max: scores of +-1e4 stay finite and match the reference."""
-    k_cache, v_cache, table, lens = _paged([40, 9], 16, 2, 32, torch.float32)
-    k_cache.mul_(100.0)
-    q = torch.randn(2, 4, 32) * 100.0
-    out = kernels.paged_decode_attention(q, k_cache, v_cache, table, lens, 32 ** -0.5)
-    assert torch.isfinite(out).all()
-    torch.testing.assert_close(out, reference.paged_decode_attention(q, k_cache, v_cache, table, lens, 32 ** -0.5),
-                               rtol=1e-4, atol=1e-4)
+    for d in (32, 64):  # the plain loops, and the AVX-512 path where the build has it
+        k_cache, v_cache, table, lens = _paged([40, 9], 16, 2, d, torch.float32)
+        k_cache.mul_(100.0)
+        q = torch.randn(2, 4, d) * 100.0
+        out = kernels.paged_decode_attention(q, k_cache, v_cache, table, lens, d ** -0.5)
+        assert torch.isfinite(out).all()
+        torch.testing.assert_close(out, reference.paged_decode_attention(q, k_cache, v_cache, table, lens, d ** -0.5),
+                                   rtol=1e-4, atol=1e-4)
 
 
 def test_unsupported_shapes_use_the_reference_and_bad_input_is_a_value_error(kernels):
