@@ -56,6 +56,28 @@ static inline void load_row(float *restrict dst, const void *src, int n, int is_
     }
 }
 
+/* Blocks sit anywhere in the cache, where the hardware prefetcher cannot follow the block table: without software
+ * prefetch the loads of each block's rows took half of the kernel's samples (perf). Each token's K and V rows of
+ * the block PF_AHEAD blocks ahead are requested as this block's rows are loaded, one row per token, rather than
+ * the whole next block in one burst: a burst of 64+ prefetches filled the line-fill buffers and stalled the loads
+ * behind it (bf16, 64 sequences x 1024 tokens, one thread: 7.7 -> 3.8 ms per layer; docs/benchmarks.md). */
+#define PF_AHEAD 2
+
+static inline void prefetch_row(const void *k_cache, const void *v_cache, int64_t row, size_t row_bytes, size_t elem) {
+    const char *kr = (const char *)k_cache + row * (int64_t)elem, *vr = (const char *)v_cache + row * (int64_t)elem;
+    for (size_t off = 0; off < row_bytes; off += 64) {
+        __builtin_prefetch(kr + off, 0, 3);
+        __builtin_prefetch(vr + off, 0, 3);
+    }
+}
+
+/* First row (element offset) of this head in the block PF_AHEAD blocks after the one at t0, or -1 past the end. */
+static inline int64_t ahead_base(const int32_t *table, int t0, int ctx, int block_size, int64_t block_stride,
+                                 int64_t head_offset) {
+    return t0 + PF_AHEAD * block_size < ctx ? (int64_t)table[t0 / block_size + PF_AHEAD] * block_stride + head_offset
+                                            : -1;
+}
+
 /* One work item: sequence s, kv head kvh, all `group` query heads that share it. Always inlined into the callers
  * below with head_dim a compile-time constant (64, 128) where it can be, so that the loops over head_dim unroll
  * and the accumulators stay in registers; the generic call keeps it a runtime value. */
@@ -79,23 +101,11 @@ static inline __attribute__((always_inline)) void attend_item(
     for (int t0 = 0; t0 < ctx; t0 += block_size) {
         const int n = ctx - t0 < block_size ? ctx - t0 : block_size;  /* tokens of this block in context */
         const int64_t base = (int64_t)table[t0 / block_size] * block_stride + (int64_t)kvh * head_dim;
-        if (t0 + block_size < ctx) {
-            /* Blocks sit anywhere in the cache, where the hardware prefetcher cannot guess the next one: without
-             * this the loads of each block's rows took half of the kernel's samples (perf). Ask for the next
-             * block's K and V rows of this head while this block computes. */
-            const int64_t next = (int64_t)table[t0 / block_size + 1] * block_stride + (int64_t)kvh * head_dim;
-            const int nn = ctx - t0 - block_size < block_size ? ctx - t0 - block_size : block_size;
-            for (int j = 0; j < nn; j++) {
-                const char *kr = (const char *)k_cache + (next + j * token_stride) * elem;
-                const char *vr = (const char *)v_cache + (next + j * token_stride) * elem;
-                for (size_t off = 0; off < row_bytes; off += 64) {
-                    __builtin_prefetch(kr + off, 0, 3);
-                    __builtin_prefetch(vr + off, 0, 3);
-                }
-            }
-        }
-        for (int j = 0; j < n; j++)  /* widen the block's rows once for all heads of the group */
+        const int64_t ahead = ahead_base(table, t0, ctx, block_size, block_stride, (int64_t)kvh * head_dim);
+        for (int j = 0; j < n; j++) {  /* widen the block's rows once for all heads of the group */
+            if (ahead >= 0) prefetch_row(k_cache, v_cache, ahead + j * token_stride, row_bytes, elem);
             load_row(kb[j], (const char *)k_cache + (base + j * token_stride) * elem, head_dim, is_bf16);
+        }
         for (int j = 0; j < n; j++)
             load_row(vb[j], (const char *)v_cache + (base + j * token_stride) * elem, head_dim, is_bf16);
         for (int g = 0; g < group; g++) {
@@ -208,14 +218,7 @@ static inline __attribute__((always_inline)) void attend_item_avx512(
     for (int t0 = 0; t0 < ctx; t0 += block_size) {
         const int in_block = ctx - t0 < block_size ? ctx - t0 : block_size;
         const int64_t base = (int64_t)table[t0 / block_size] * block_stride + (int64_t)kvh * HD;
-        if (t0 + block_size < ctx) {  /* as in attend_item: the next block's rows, while this one computes */
-            const int64_t next = (int64_t)table[t0 / block_size + 1] * block_stride + (int64_t)kvh * HD;
-            for (int j = 0; j < block_size; j++)
-                for (int off = 0; off < HD * (int)elem; off += 64) {
-                    __builtin_prefetch((const char *)k_cache + (next + j * token_stride) * elem + off, 0, 3);
-                    __builtin_prefetch((const char *)v_cache + (next + j * token_stride) * elem + off, 0, 3);
-                }
-        }
+        const int64_t ahead = ahead_base(table, t0, ctx, block_size, block_stride, (int64_t)kvh * HD);
         for (int c0 = 0; c0 < in_block; c0 += 16) {
             const int n = in_block - c0 < 16 ? in_block - c0 : 16;
             const __mmask16 live = (__mmask16)((1u << n) - 1u);
@@ -224,6 +227,7 @@ static inline __attribute__((always_inline)) void attend_item_avx512(
             for (int j = 0; j < n; j++) {
                 const int64_t row = base + (int64_t)(c0 + j) * token_stride;
                 krow[j] = (const char *)k_cache + row * elem;
+                if (ahead >= 0) prefetch_row(k_cache, v_cache, ahead + (int64_t)(c0 + j) * token_stride, HD * elem, elem);
                 if (is_bf16) {  /* widen each V row once for all heads of the group */
                     for (int c = 0; c < NC; c++)
                         _mm512_store_ps(vb[j] + 16 * c, widen16((const char *)v_cache + row * elem + c * 32));
