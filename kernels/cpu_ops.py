@@ -130,19 +130,20 @@ class CpuKernels:
         """
         num_seqs, num_q_heads, head_dim = query.shape
         check_attention(query, k_cache, v_cache, block_tables, context_lens, num_seqs)
-        check(query.device.type == "cpu", f"the cpu attention kernel needs CPU tensors, got {query.device}")
+        check(query.device.type == "cpu", lambda: f"the cpu attention kernel needs CPU tensors, got {query.device}")
         num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
         if (query.dtype not in (torch.float32, torch.bfloat16) or num_q_heads // num_kv_heads > MAX_GROUP
                 or head_dim > MAX_HEAD_DIM or block_size > MAX_BLOCK):  # beyond the C kernel's stack arrays
             return reference_decode_attention(query, k_cache, v_cache, block_tables, context_lens, scale)
-        check(v_cache.stride(0) == k_cache.stride(0), f"k_cache and v_cache block strides differ: "
+        check(v_cache.stride(0) == k_cache.stride(0), lambda: f"k_cache and v_cache block strides differ: "
                                                       f"{k_cache.stride(0)} vs {v_cache.stride(0)}")
         query, block_tables, context_lens = query.contiguous(), block_tables.contiguous(), context_lens.contiguous()
         out = torch.empty_like(query)
         if num_seqs:
             longest = int(context_lens.max())  # the C kernel trusts the table's width: check it here
             check(longest <= block_tables.shape[1] * block_size,
-                  f"a context of {longest} tokens needs more blocks than block_tables has ({block_tables.shape[1]})")
+                  lambda: f"a context of {longest} tokens needs more blocks than block_tables has "
+                          f"({block_tables.shape[1]})")
             self._decode(query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
                          context_lens.data_ptr(), out.data_ptr(), num_seqs, num_q_heads, num_kv_heads, head_dim,
                          block_size, block_tables.shape[1], k_cache.stride(0), scale,

@@ -45,17 +45,18 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor
     """
     device = k_cache.device
     check_kv_caches(k_cache, v_cache, device, k_cache.dtype)
-    check(k_cache.dtype in FLOAT_DTYPES, f"unsupported cache dtype {k_cache.dtype}")
+    check(k_cache.dtype in FLOAT_DTYPES, lambda: f"unsupported cache dtype {k_cache.dtype}")
     _, _, num_kv_heads, head_dim = k_cache.shape
     for name, t in (("key", key), ("value", value)):
         check_tensor(name, t, 3, (k_cache.dtype,), device, inner_contiguous=True)
         check(tuple(t.shape[1:]) == (num_kv_heads, head_dim),
-              f"{name} shape {tuple(t.shape)} does not match cache heads x head_dim ({num_kv_heads}, {head_dim})")
-        check(t.stride(1) == head_dim, f"{name} heads must be one dense row, got strides {t.stride()}")
-    check(key.shape[0] == value.shape[0], f"key has {key.shape[0]} tokens, value {value.shape[0]}")
+              lambda: f"{name} shape {tuple(t.shape)} does not match cache heads x head_dim "
+                      f"({num_kv_heads}, {head_dim})")
+        check(t.stride(1) == head_dim, lambda: f"{name} heads must be one dense row, got strides {t.stride()}")
+    check(key.shape[0] == value.shape[0], lambda: f"key has {key.shape[0]} tokens, value {value.shape[0]}")
     check_tensor("slot_mapping", slot_mapping, 1, (torch.int64,), device)
     check(slot_mapping.shape[0] == key.shape[0],
-          f"slot_mapping shape {tuple(slot_mapping.shape)} != num_tokens {key.shape[0]}")
+          lambda: f"slot_mapping shape {tuple(slot_mapping.shape)} != num_tokens {key.shape[0]}")
     num_tokens = key.shape[0]
     if num_tokens == 0:
         return

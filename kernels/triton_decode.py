@@ -140,7 +140,7 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     _, block_size, num_kv_heads, _ = k_cache.shape
     if num_splits is None:
         num_splits = choose_num_splits(num_seqs, num_kv_heads, block_tables.shape[1] * block_size, _num_sms(device))
-    check(num_splits >= 1, f"num_splits must be >= 1, got {num_splits}")
+    check(num_splits >= 1, lambda: f"num_splits must be >= 1, got {num_splits}")
 
     out = torch.empty_like(query)
     if num_seqs == 0:
