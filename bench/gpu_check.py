@@ -50,6 +50,7 @@ import torch  # noqa: E402
 
 from engine.args import EngineArgs  # noqa: E402
 from engine.builder import build_engine  # noqa: E402
+from engine.offline import generate  # noqa: E402
 from engine.request import Request, SamplingParams  # noqa: E402
 from quality import PROMPTS, agreement  # noqa: E402
 
@@ -104,17 +105,7 @@ def engine_greedy(model_dir: Path, waves: list[list[list[int]]], dtype: str, bac
     """Each wave admitted at once and run to completion; outputs of every wave, in order."""
     parts = build_engine(EngineArgs(model_dir=str(model_dir), dtype=dtype, device=device, attention_backend=backend,
                                     kv_tokens=65536, max_model_len=2048))
-    sched, runner, outs = parts.scheduler, parts.runner, []
-    for w, wave in enumerate(waves):
-        reqs = [Request(f"w{w}-{i}", p, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True))
-                for i, p in enumerate(wave)]
-        for r in reqs:
-            sched.add_request(r)
-        while sched.has_work():
-            out = sched.schedule()
-            sched.update(out, runner.execute(out))
-        outs += [r.output_token_ids for r in reqs]
-    return outs
+    return generate(parts, waves, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True), "w")
 
 
 def _sync(device: str) -> None:

@@ -163,6 +163,7 @@ def prefill_seconds(model_dir: str, prompt_len: int, repeats: int) -> float:
 
     from engine.args import EngineArgs
     from engine.builder import build_engine
+    from engine.offline import run_until_idle
     from engine.request import Request, SamplingParams
 
     torch.set_num_threads(1)
@@ -180,9 +181,7 @@ def prefill_seconds(model_dir: str, prompt_len: int, repeats: int) -> float:
         if i:
             times.append(time.perf_counter() - t)
         parts.scheduler.update(out, sampled)
-        while parts.scheduler.has_work():
-            o = parts.scheduler.schedule()
-            parts.scheduler.update(o, parts.runner.execute(o))
+        run_until_idle(parts)
     return statistics.median(times)
 
 

@@ -45,21 +45,12 @@ def perplexity(model_dir: str, ids: list[int], dtype: str, quantization: str) ->
 def engine_greedy(model_dir: str, prompts: list[list[int]], dtype: str, quantization: str, n: int) -> list[list[int]]:
     from engine.args import EngineArgs
     from engine.builder import build_engine
-    from engine.request import Request, SamplingParams
+    from engine.offline import generate
+    from engine.request import SamplingParams
 
     parts = build_engine(EngineArgs(model_dir=model_dir, dtype=dtype, quantization=quantization, kv_tokens=8192,
                                     max_model_len=512))
-    s, r = parts.scheduler, parts.runner
-    outs = []
-    for i, p in enumerate(prompts):
-        req = Request(f"q{i}", p, SamplingParams(max_tokens=n, temperature=0.0),
-                      eos_token_ids=parts.model_config.eos_token_ids)
-        s.add_request(req)
-        while s.has_work():
-            out = s.schedule()
-            s.update(out, r.execute(out))
-        outs.append(req.output_token_ids)
-    return outs
+    return generate(parts, [[p] for p in prompts], SamplingParams(max_tokens=n, temperature=0.0))
 
 
 def agreement(a: list[list[int]], b: list[list[int]]) -> float:

@@ -49,29 +49,20 @@ def run(model_dir: str, prompts: list[list[int]], batch: int, max_tokens: int, k
     """One batch to completion on a fresh engine; timings in seconds."""
     from engine.args import EngineArgs
     from engine.builder import build_engine
+    from engine.offline import run_until_idle
     from engine.request import Request, SamplingParams
 
     parts = build_engine(EngineArgs(model_dir=model_dir, kv_tokens=16384, max_model_len=2048,
                                     speculative_ngram_tokens=k, speculative_disable_batch_size=max(batch, 1),
                                     **extra))
-    s, r = parts.scheduler, parts.runner
-    warm = Request("warm", prompts[0], SamplingParams(max_tokens=2, temperature=0.0))
-    for req in [warm]:  # one short request first: allocator and kernel first-call costs stay out of the numbers
-        s.add_request(req)
-        while s.has_work():
-            out = s.schedule()
-            s.update(out, r.execute(out))
+    # one short request first: allocator and kernel first-call costs stay out of the numbers
+    run_until_idle(parts, [Request("warm", prompts[0], SamplingParams(max_tokens=2, temperature=0.0))])
     reqs = [Request(f"r{i}", prompts[i % len(prompts)], SamplingParams(max_tokens=max_tokens, temperature=0.0,
                                                                        ignore_eos=True)) for i in range(batch)]
     t0 = time.perf_counter()
-    for req in reqs:
-        s.add_request(req)
-    steps = 0
-    while s.has_work():
-        out = s.schedule()
-        s.update(out, r.execute(out))
-        steps += 1
-    wall = time.perf_counter() - t0
+    scheduled = []
+    run_until_idle(parts, reqs, on_step=scheduled.append)
+    wall, steps = time.perf_counter() - t0, len(scheduled)
     tokens = sum(len(q.output_token_ids) for q in reqs)
     draft, accepted = sum(q.num_draft_tokens for q in reqs), sum(q.num_accepted_tokens for q in reqs)
     return {"wall_s": wall, "tokens": tokens, "tok_s": tokens / wall, "steps": steps,

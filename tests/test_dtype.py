@@ -13,7 +13,8 @@ from engine.args import EngineArgs
 from engine.builder import build_engine
 from engine.hardware import cpu_flags, resolve_dtype
 from engine.quantization import Int8WeightOnlyLinear
-from engine.request import Request, SamplingParams
+from engine.offline import generate
+from engine.request import SamplingParams
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 from quality import PROMPTS, agreement  # noqa: E402  (one definition of the measure, shared with the benchmark)
@@ -42,17 +43,7 @@ def _engine_greedy(model_dir, dtype: str, prompts: list[list[int]], n: int, solo
     parts = build_engine(EngineArgs(model_dir=str(model_dir), dtype=dtype, kv_tokens=8192, max_model_len=512,
                                     quantization=quantization, packed_weights=packed_weights))
     assert parts.runner.kv_cache.layers[0][0].dtype == getattr(torch, dtype)
-    s, r = parts.scheduler, parts.runner
-    eos = parts.model_config.eos_token_ids
-    reqs = [Request(f"r{i}", p, SamplingParams(max_tokens=n, temperature=0.0), eos_token_ids=eos)
-            for i, p in enumerate(prompts)]
-    for group in ([[q] for q in reqs] if solo else [reqs]):
-        for q in group:
-            assert s.add_request(q) is None
-        while s.has_work():
-            out = s.schedule()
-            s.update(out, r.execute(out))
-    return [q.output_token_ids for q in reqs]
+    return generate(parts, [[p] for p in prompts] if solo else [prompts], SamplingParams(max_tokens=n, temperature=0.0))
 
 
 def test_tiny_model_bf16_batched_greedy_matches_hf_bf16(tiny_model_dir):

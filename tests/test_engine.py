@@ -10,22 +10,16 @@ from conftest import hf_greedy
 from engine.args import EngineArgs
 from engine.builder import build_engine
 from engine.errors import ErrorKind
+from engine.offline import run_until_idle
 from engine.request import Request, RequestStatus, SamplingParams
 
 
 def run_to_completion(parts, requests, max_steps=10_000):
-    s, r = parts.scheduler, parts.runner
-    for req in requests:
-        assert s.add_request(req) is None
-    steps = 0
-    while s.has_work():
-        out = s.schedule()
-        assert not out.is_empty, "scheduler stalled with work left"
-        s.update(out, r.execute(out))
-        steps += 1
-        assert steps < max_steps
-    assert s.kv.pool.integrity_errors() == []
-    return steps
+    """Steps taken to finish `requests` (engine.offline.run_until_idle), with the block pool intact after."""
+    steps = []
+    run_until_idle(parts, requests, on_step=steps.append, max_steps=max_steps)
+    assert parts.scheduler.kv.pool.integrity_errors() == []
+    return len(steps)
 
 
 def greedy(rid, prompt, n, **kw):
@@ -232,3 +226,4 @@ def test_a_one_token_last_chunk_streams_its_layers_too(tiny_model_dir, prompts):
     s.update(out, r.execute(out))
     assert [layer for layer, _ in progress.snapshots] == list(range(kv.shape[1]))
     assert progress.num_tokens == 25 and second.status == RequestStatus.HELD
+

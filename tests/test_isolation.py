@@ -11,6 +11,7 @@ from engine.async_engine import AsyncEngine
 from engine.builder import build_engine
 from engine.engine_core import EngineCore
 from engine.errors import EngineError, ErrorKind
+from engine.offline import run_until_idle
 from engine.outputs import RequestFailed
 from engine.request import Request, SamplingParams
 
@@ -29,16 +30,9 @@ def prompts(n, seed=0):
 
 def run(parts, requests):
     """Step to completion; returns the failure events by request id."""
-    s, r = parts.scheduler, parts.runner
-    failures = {}
-    for req in requests:
-        assert s.add_request(req) is None
-    while s.has_work():
-        out = s.schedule()
-        for ev in s.update(out, r.execute(out)):
-            if isinstance(ev, RequestFailed):
-                failures[ev.request_id] = ev
-    assert s.kv.pool.integrity_errors() == [] and s.kv.pool.num_free_blocks == s.kv.pool.num_blocks
+    failures = {ev.request_id: ev for ev in run_until_idle(parts, requests) if isinstance(ev, RequestFailed)}
+    pool = parts.scheduler.kv.pool
+    assert pool.integrity_errors() == [] and pool.num_free_blocks == pool.num_blocks
     return failures
 
 

@@ -13,6 +13,7 @@ from engine.args import EngineArgs
 from engine.builder import build_engine
 from engine.config import ModelConfig
 from engine.models.llama import DecoderModel
+from engine.offline import run_until_idle
 from engine.request import Request, SamplingParams
 from kernels import select_ops
 
@@ -63,18 +64,11 @@ def run_greedy(model_dir: str, prompts: list[list[int]], max_tokens: list[int]):
     chunked says some prefill was split (a later chunk then attends over K/V already in cached blocks)."""
     parts = build_engine(EngineArgs(model_dir=model_dir, block_size=8, kv_tokens=2048, max_num_batched_tokens=16,
                                     max_model_len=512, attention_backend="torch"))
-    s, r = parts.scheduler, parts.runner
     reqs = [Request(f"r{i}", p, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
             for i, (p, n) in enumerate(zip(prompts, max_tokens))]
-    for req in reqs:
-        assert s.add_request(req) is None
-    chunked = False
-    while s.has_work():
-        out = s.schedule()
-        assert not out.is_empty, "scheduler stalled with work left"
-        chunked |= any(not x.sample for x in out.prefills)  # a prefill chunk that stops short of the prompt's end
-        s.update(out, r.execute(out))
-    return parts, reqs, chunked
+    chunks = []  # per step: a prefill chunk that stops short of the prompt's end
+    run_until_idle(parts, reqs, on_step=lambda out: chunks.append(any(not x.sample for x in out.prefills)))
+    return parts, reqs, any(chunks)
 
 
 @pytest.mark.parametrize("model_fixture,qkv_bias,o_bias", [
