@@ -41,8 +41,8 @@ class Sampler:
         out = RunnerOutput()
         greedy = [r.argmax_next for r in requests]
         simple = [i for i, g in enumerate(greedy) if g]
-        if simple:  # batched fast path for the common greedy case
-            ids = logits[simple].argmax(dim=-1).tolist()
+        if simple:  # batched fast path for the common greedy case; no row copy when every row is greedy
+            ids = greedy_argmax(logits if len(simple) == len(requests) else logits[simple]).tolist()
             for i, t in zip(simple, ids):
                 out.sampled[requests[i].request_id] = SampledToken(t)
         rest = [i for i, g in enumerate(greedy) if not g]
@@ -98,6 +98,34 @@ class Sampler:
             gen = torch.Generator().manual_seed(
                 (sp.seed * 6364136223846793005 + len(req.output_token_ids) * 1442695040888963407) & _MASK64)
         return int(torch.multinomial(probs, 1, generator=gen))
+
+
+def greedy_argmax(logits: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
+    """`logits.argmax(dim=-1)` (the first index of each row's maximum; NaN counts as the maximum), computed in two
+    passes: the maximum of every `chunk` columns, then the argmax inside the first chunk holding the row's maximum.
+
+    Why: torch's CPU argmax does not vectorize its index tracking, while amax does; at 64 rows x 49152 (SmolLM2's
+    vocab) fp32 on one thread argmax took 2.05 ms and amax 0.17 ms, a measurable part of a decode step.
+
+    Args:
+        logits: [N, vocab] float, any device.
+
+    Returns:
+        [N] int64 on the logits' device, equal to `logits.argmax(dim=-1)`.
+    """
+    n, vocab = logits.shape
+    if vocab <= 2 * chunk or n == 0 or logits.device.type != "cpu":  # one fast kernel on a GPU, and no host sync
+        return logits.argmax(dim=-1)
+    whole = vocab // chunk * chunk
+    maxima = logits[:, :whole].reshape(n, -1, chunk).amax(dim=-1)  # [N, whole / chunk]
+    if whole < vocab:
+        maxima = torch.cat((maxima, logits[:, whole:].amax(dim=-1, keepdim=True)), dim=1)
+    row_max = maxima.amax(dim=-1, keepdim=True)
+    if torch.isnan(row_max).any():  # NaN != NaN would hide the chunk: keep torch's own semantics for such rows
+        return logits.argmax(dim=-1)
+    first = (maxima == row_max).to(torch.uint8).argmax(dim=-1, keepdim=True)  # the first chunk holding the max
+    cols = (first * chunk + torch.arange(chunk, device=logits.device)).clamp_(max=vocab - 1)  # tail: repeats the last
+    return cols.gather(1, logits.gather(1, cols).argmax(dim=-1, keepdim=True)).squeeze(1)
 
 
 def _apply_penalties(row: torch.Tensor, req: Request) -> None:

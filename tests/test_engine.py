@@ -12,6 +12,7 @@ from engine.builder import build_engine
 from engine.errors import ErrorKind
 from engine.offline import run_until_idle
 from engine.request import Request, RequestStatus, SamplingParams
+from engine.sampler import greedy_argmax
 
 
 def run_to_completion(parts, requests, max_steps=10_000):
@@ -227,3 +228,17 @@ def test_a_one_token_last_chunk_streams_its_layers_too(tiny_model_dir, prompts):
     assert [layer for layer, _ in progress.snapshots] == list(range(kv.shape[1]))
     assert progress.num_tokens == 25 and second.status == RequestStatus.HELD
 
+
+@pytest.mark.parametrize("vocab", [100, 3000, 32000, 49152, 151936])
+def test_greedy_argmax_equals_torch_argmax(vocab):
+    """The sampler's two-pass argmax (engine.sampler.greedy_argmax) gives torch's answer, first index on ties and
+    NaN as the maximum included, for vocabularies with and without a partial last chunk, fp32 and bf16."""
+    g = torch.Generator().manual_seed(vocab)
+    cases = [torch.randn(9, vocab, generator=g), torch.zeros(3, vocab), torch.randn(4, vocab, generator=g).bfloat16()]
+    edges = torch.randn(5, vocab, generator=g)
+    edges[0, -1] = edges[1, 0] = edges[2, vocab // 2] = 1e9  # the maximum in the last, first and middle columns
+    edges[3, [7, vocab - 3]] = 50.0  # a tie: the first index wins
+    edges[4, vocab - 2] = float("nan")
+    cases += [edges, torch.full((2, vocab), float("-inf"))]
+    for logits in cases:
+        assert torch.equal(greedy_argmax(logits), logits.argmax(dim=-1))
