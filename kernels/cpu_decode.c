@@ -56,6 +56,24 @@ static inline void load_row(float *restrict dst, const void *src, int n, int is_
     }
 }
 
+/* out[s, kvh * group + g, :] = acc[g] / l[g] for the group's query heads, rounded to bf16 (nearest even) or kept
+ * fp32; zeros for an empty context. */
+static inline void store_outputs(void *out, float acc[][MAX_HEAD_DIM], const float *l, int s, int kvh, int group,
+                                 int num_q_heads, int head_dim, int ctx, int is_bf16) {
+    const size_t elem = is_bf16 ? 2 : 4;
+    for (int g = 0; g < group; g++) {
+        const float inv = ctx > 0 ? 1.0f / l[g] : 0.0f;
+        char *dst = (char *)out + ((size_t)s * num_q_heads + kvh * group + g) * head_dim * elem;
+        if (is_bf16) {
+            uint16_t *o = (uint16_t *)dst;
+            for (int d = 0; d < head_dim; d++) o[d] = f32_to_bf16(acc[g][d] * inv);
+        } else {
+            float *o = (float *)dst;
+            for (int d = 0; d < head_dim; d++) o[d] = acc[g][d] * inv;
+        }
+    }
+}
+
 /* Blocks sit anywhere in the cache, where the hardware prefetcher cannot follow the block table: without software
  * prefetch the loads of each block's rows took half of the kernel's samples (perf). Each token's K and V rows of
  * the block PF_AHEAD blocks ahead are requested as this block's rows are loaded, one row per token, rather than
@@ -134,18 +152,7 @@ static inline __attribute__((always_inline)) void attend_item(
                 for (int d = 0; d < head_dim; d++) acc[g][d] += sc[j] * vb[j][d];
         }
     }
-    for (int g = 0; g < group; g++) {
-        const int h = kvh * group + g;
-        const float inv = ctx > 0 ? 1.0f / l[g] : 0.0f;
-        char *dst = (char *)out + ((size_t)s * num_q_heads + h) * head_dim * elem;
-        if (is_bf16) {
-            uint16_t *o = (uint16_t *)dst;
-            for (int d = 0; d < head_dim; d++) o[d] = f32_to_bf16(acc[g][d] * inv);
-        } else {
-            float *o = (float *)dst;
-            for (int d = 0; d < head_dim; d++) o[d] = acc[g][d] * inv;
-        }
-    }
+    store_outputs(out, acc, l, s, kvh, group, num_q_heads, head_dim, ctx, is_bf16);
 }
 
 #ifdef HAVE_AVX512
@@ -278,17 +285,7 @@ static inline __attribute__((always_inline)) void attend_item_avx512(
             }
         }
     }
-    for (int g = 0; g < group; g++) {
-        const float inv = ctx > 0 ? 1.0f / l[g] : 0.0f;
-        char *dst = (char *)out + ((size_t)s * num_q_heads + kvh * group + g) * HD * elem;
-        if (is_bf16) {
-            uint16_t *o = (uint16_t *)dst;
-            for (int d = 0; d < HD; d++) o[d] = f32_to_bf16(acc[g][d] * inv);
-        } else {
-            float *o = (float *)dst;
-            for (int d = 0; d < HD; d++) o[d] = acc[g][d] * inv;
-        }
-    }
+    store_outputs(out, acc, l, s, kvh, group, num_q_heads, HD, ctx, is_bf16);
 }
 #endif
 
