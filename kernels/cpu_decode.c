@@ -89,11 +89,24 @@ static inline void prefetch_row(const void *k_cache, const void *v_cache, int64_
     }
 }
 
-/* First row (element offset) of this head in the block PF_AHEAD blocks after the one at t0, or -1 past the end. */
+/* The work item this thread runs next (table == NULL: none). The prefetch runs on into it past this item's last
+ * block, so that a short context's first blocks are not all cold misses (an item of 72 tokens has 5 blocks). */
+typedef struct {
+    const int32_t *table;
+    int ctx;
+    int64_t head_offset;
+} NextItem;
+
+/* First row (element offset) of the block PF_AHEAD blocks after the one at t0: in this item's table while it has
+ * that many blocks, then in the next item's; -1 past both. */
 static inline int64_t ahead_base(const int32_t *table, int t0, int ctx, int block_size, int64_t block_stride,
-                                 int64_t head_offset) {
-    return t0 + PF_AHEAD * block_size < ctx ? (int64_t)table[t0 / block_size + PF_AHEAD] * block_stride + head_offset
-                                            : -1;
+                                 int64_t head_offset, NextItem next) {
+    const int blk = t0 / block_size + PF_AHEAD, have = (ctx + block_size - 1) / block_size;
+    if (blk < have) return (int64_t)table[blk] * block_stride + head_offset;
+    const int k = blk - have;
+    if (next.table != NULL && k < (next.ctx + block_size - 1) / block_size)
+        return (int64_t)next.table[k] * block_stride + next.head_offset;
+    return -1;
 }
 
 /* One work item: sequence s, kv head kvh, all `group` query heads that share it. Always inlined into the callers
@@ -102,7 +115,8 @@ static inline int64_t ahead_base(const int32_t *table, int t0, int ctx, int bloc
 static inline __attribute__((always_inline)) void attend_item(
         const void *query, const void *k_cache, const void *v_cache, const int32_t *block_tables,
         const int32_t *context_lens, void *out, int s, int kvh, int group, int num_q_heads, int head_dim,
-        int block_size, int max_blocks, int64_t block_stride, int64_t token_stride, float scale, int is_bf16) {
+        int block_size, int max_blocks, int64_t block_stride, int64_t token_stride, float scale, int is_bf16,
+        NextItem next) {
     const size_t elem = is_bf16 ? 2 : 4;
     const int ctx = context_lens[s];
     float q[MAX_GROUP][MAX_HEAD_DIM], acc[MAX_GROUP][MAX_HEAD_DIM], m[MAX_GROUP], l[MAX_GROUP];
@@ -119,7 +133,7 @@ static inline __attribute__((always_inline)) void attend_item(
     for (int t0 = 0; t0 < ctx; t0 += block_size) {
         const int n = ctx - t0 < block_size ? ctx - t0 : block_size;  /* tokens of this block in context */
         const int64_t base = (int64_t)table[t0 / block_size] * block_stride + (int64_t)kvh * head_dim;
-        const int64_t ahead = ahead_base(table, t0, ctx, block_size, block_stride, (int64_t)kvh * head_dim);
+        const int64_t ahead = ahead_base(table, t0, ctx, block_size, block_stride, (int64_t)kvh * head_dim, next);
         for (int j = 0; j < n; j++) {  /* widen the block's rows once for all heads of the group */
             if (ahead >= 0) prefetch_row(k_cache, v_cache, ahead + j * token_stride, row_bytes, elem);
             load_row(kb[j], (const char *)k_cache + (base + j * token_stride) * elem, head_dim, is_bf16);
@@ -196,7 +210,8 @@ static inline __m512 hsum16(const __m512 *v) {
 static inline __attribute__((always_inline)) void attend_item_avx512(
         const void *query, const void *k_cache, const void *v_cache, const int32_t *block_tables,
         const int32_t *context_lens, void *out, int s, int kvh, int group, int num_q_heads, const int HD,
-        int block_size, int max_blocks, int64_t block_stride, int64_t token_stride, float scale, int is_bf16) {
+        int block_size, int max_blocks, int64_t block_stride, int64_t token_stride, float scale, int is_bf16,
+        NextItem next) {
     enum { NC_MAX = MAX_HEAD_DIM / 16 };
     const int NC = HD / 16;
     const size_t elem = is_bf16 ? 2 : 4;
@@ -225,7 +240,7 @@ static inline __attribute__((always_inline)) void attend_item_avx512(
     for (int t0 = 0; t0 < ctx; t0 += block_size) {
         const int in_block = ctx - t0 < block_size ? ctx - t0 : block_size;
         const int64_t base = (int64_t)table[t0 / block_size] * block_stride + (int64_t)kvh * HD;
-        const int64_t ahead = ahead_base(table, t0, ctx, block_size, block_stride, (int64_t)kvh * HD);
+        const int64_t ahead = ahead_base(table, t0, ctx, block_size, block_stride, (int64_t)kvh * HD, next);
         for (int c0 = 0; c0 < in_block; c0 += 16) {
             const int n = in_block - c0 < 16 ? in_block - c0 : 16;
             const __mmask16 live = (__mmask16)((1u << n) - 1u);
@@ -307,11 +322,18 @@ void paged_decode_attention(const void *query, const void *k_cache, const void *
     #pragma omp parallel for num_threads(num_threads) schedule(static)
     for (int item = 0; item < num_seqs * num_kv_heads; item++) {
         const int s = item / num_kv_heads, kvh = item % num_kv_heads;
+        NextItem next = {NULL, 0, 0};
+        if (item + 1 < num_seqs * num_kv_heads) {
+            const int s2 = (item + 1) / num_kv_heads;
+            next = (NextItem){block_tables + (size_t)s2 * max_blocks, context_lens[s2],
+                              (int64_t)((item + 1) % num_kv_heads) * head_dim};
+        }
 #define ATTEND(HD, BF16) attend_item(query, k_cache, v_cache, block_tables, context_lens, out, s, kvh, group, \
-                                     num_q_heads, HD, block_size, max_blocks, block_stride, token_stride, scale, BF16)
+                                     num_q_heads, HD, block_size, max_blocks, block_stride, token_stride, scale, BF16, \
+                                     next)
 #ifdef HAVE_AVX512
 #define ATTEND_SIMD(HD, BF16) attend_item_avx512(query, k_cache, v_cache, block_tables, context_lens, out, s, kvh, \
-        group, num_q_heads, HD, block_size, max_blocks, block_stride, token_stride, scale, BF16)
+        group, num_q_heads, HD, block_size, max_blocks, block_stride, token_stride, scale, BF16, next)
         if (head_dim == 64) {
             if (is_bf16) ATTEND_SIMD(64, 1); else ATTEND_SIMD(64, 0);
         } else if (head_dim == 128) {
