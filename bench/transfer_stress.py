@@ -6,7 +6,8 @@ bytes for every transfer it completed, and that one more transfer still works.
 
 The receiver runs in a child process (as a decode worker does) with its own free list of blocks; the sender runs
 here (as a prefill worker does). Block j of transfer i carries the bytes of source block (i + j) % SOURCE_BLOCKS,
-each source block filled with one byte value, so the receiver checks content without being told it.
+each source block filled with one byte value, so the receiver checks content without being told it. Cancel moments
+are scaled to this machine's own median transfer time (`--cancel-window`), measured first on uncancelled transfers.
 tests/test_transfer_stress.py runs a short form of it for every installed backend in CI.
 """
 from __future__ import annotations
@@ -90,7 +91,7 @@ def _receiver_main(backend_name: str, num_blocks: int, block_nbytes: int, conn) 
 
 
 async def _sender(backend_name: str, address: str, transfers: int, concurrency: int, blocks_per: tuple[int, int],
-                  block_nbytes: int, cancel_fraction: float, max_cancel_ms: float, seed: int) -> dict:
+                  block_nbytes: int, cancel_fraction: float, cancel_window: float, seed: int) -> dict:
     import torch
 
     from engine.transfer import release_transports
@@ -102,13 +103,28 @@ async def _sender(backend_name: str, address: str, transfers: int, concurrency: 
     outcomes: dict[str, int] = {}
     gate = asyncio.Semaphore(concurrency)
 
+    async def timed(i: int) -> float:
+        n = blocks_per[1]
+        start = time.monotonic()
+        await sender.send(address, f"calibrate{i}", i, [(i + j) % SOURCE_BLOCKS for j in range(n)], num_tokens=n * 16)
+        return time.monotonic() - start
+
+    # The cancel moments are drawn in units of this machine's own transfer time: a wave of `concurrency` uncancelled
+    # transfers of the largest size opens the connections, a second is timed, and cancels land at uniform(0,
+    # cancel_window x its median). A fixed window in ms let a fast machine finish most transfers first (55 of 280
+    # cancels landed in time on an AMD EPYC VM where an Intel one had over 100).
+    for wave in range(2):
+        durations = sorted(await asyncio.gather(*(timed(transfers + 1 + wave * concurrency + k)
+                                                  for k in range(concurrency))))
+    max_cancel_s = cancel_window * durations[len(durations) // 2]
+
     async def one(i: int) -> None:
         async with gate:
             n = rng.randint(*blocks_per)
             ids = [(i + j) % SOURCE_BLOCKS for j in range(n)]
             task = asyncio.create_task(sender.send(address, f"r{i}", i, ids, num_tokens=n * 16))
             if rng.random() < cancel_fraction:
-                await asyncio.sleep(rng.uniform(0, max_cancel_ms) / 1e3)
+                await asyncio.sleep(rng.uniform(0, max_cancel_s))
                 task.cancel()
             try:
                 await task
@@ -130,11 +146,12 @@ async def _sender(backend_name: str, address: str, transfers: int, concurrency: 
         final = f"{e.kind.name}: {e}"
     sender.close()
     release_transports()
-    return {"outcomes": outcomes, "final_transfer": final, "seconds": round(elapsed, 2)}
+    return {"outcomes": outcomes, "final_transfer": final, "seconds": round(elapsed, 2),
+            "cancel_window_ms": round(max_cancel_s * 1e3, 3)}
 
 
 def run(backend: str, transfers: int = 300, concurrency: int = 64, blocks_per: tuple[int, int] = (1, 8),
-        block_nbytes: int = 1 << 16, cancel_fraction: float = 0.7, max_cancel_ms: float = 30.0, seed: int = 0,
+        block_nbytes: int = 1 << 16, cancel_fraction: float = 0.7, cancel_window: float = 2.0, seed: int = 0,
         settle_s: float = 20.0) -> dict:
     """Run the stress and return the report; `report["ok"]` says whether every check held."""
     ctx = mp.get_context("spawn")  # UCX must not be initialised before a fork
@@ -147,7 +164,7 @@ def run(backend: str, transfers: int = 300, concurrency: int = 64, blocks_per: t
             raise RuntimeError("receiver did not start within 60 s")
         address = parent.recv()
         sent = asyncio.run(_sender(backend, address, transfers, concurrency, blocks_per, block_nbytes,
-                                   cancel_fraction, max_cancel_ms, seed))
+                                   cancel_fraction, cancel_window, seed))
         deadline = time.monotonic() + settle_s
         while True:  # the receiver's own timeout bounds any receive whose sender vanished
             parent.send("report")
@@ -176,12 +193,13 @@ def main() -> None:
     p.add_argument("--transfers", type=int, default=2000)
     p.add_argument("--concurrency", type=int, default=64)
     p.add_argument("--cancel-fraction", type=float, default=0.7)
-    p.add_argument("--max-cancel-ms", type=float, default=30.0)
+    p.add_argument("--cancel-window", type=float, default=2.0,
+                   help="cancels land at uniform(0, this x the median time of an uncancelled transfer)")
     p.add_argument("--seed", type=int, default=int.from_bytes(os.urandom(2), "little"))
     p.add_argument("--out")
     a = p.parse_args()
     report = run(a.backend, a.transfers, a.concurrency, cancel_fraction=a.cancel_fraction,
-                 max_cancel_ms=a.max_cancel_ms, seed=a.seed)
+                 cancel_window=a.cancel_window, seed=a.seed)
     report["seed"] = a.seed
     print(json.dumps(report, indent=1))
     if a.out:

@@ -293,12 +293,14 @@ def test_transfer_stress_with_random_cancellations(tmp_path):
     for backend in BACKENDS:
         out = tmp_path / f"{backend}.json"
         proc = subprocess.run([sys.executable, str(ROOT / "bench" / "transfer_stress.py"), "--backend", backend,
-                               "--transfers", "400", "--max-cancel-ms", "100", "--seed", "7", "--out", str(out)],
+                               "--transfers", "400", "--seed", "7", "--out", str(out)],
                               capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         report = json.loads(out.read_text())
         assert report["ok"] and report["receiver_exitcode"] == 0
-        assert report["sender"]["outcomes"].get("cancelled", 0) > 100 and report["sender"]["outcomes"]["ok"] > 50
+        # ~280 of the 400 get a cancel, at uniform(0, 2 x the machine's median transfer time): about half land before
+        # the transfer ends on any machine (121-150 per connector on an AMD EPYC VM); a quarter is the floor here
+        assert report["sender"]["outcomes"].get("cancelled", 0) >= 70 and report["sender"]["outcomes"]["ok"] > 50
 
 
 def test_ucx_is_available_here():
