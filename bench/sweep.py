@@ -15,6 +15,7 @@ import asyncio
 import datetime
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -39,7 +40,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS), help=f"comma list from {ALL_SYSTEMS}")
     p.add_argument("--peer", action="append", default=[], help="name=http://host:port[,model] (repeat)")
     p.add_argument("--variant", action="append", default=[],
-                   help="NAME=disagg|colocated:WORKER_ARGS, a further pdserve system with its own worker flags, "
+                   help="NAME=disagg|colocated[xN]:WORKER_ARGS, a further pdserve system with its own worker flags "
+                        "(xN: N colocated workers, or N decode workers beside one prefill worker), "
                         "e.g. 'pdserve-int8=colocated:--dtype bfloat16 --quantization int8' (repeat)")
     p.add_argument("--model-dir", default=None, help="HF directory (default: the packaged SmolLM2-135M)")
     p.add_argument("--workload", default="docs", choices=WORKLOADS,
@@ -154,10 +156,12 @@ def main(argv=None) -> int:
         name, _, rest = spec.partition("=")
         topology, _, extra = rest.partition(":")
         variant_args[name] = extra.split()
-        if not name or topology not in ("disagg", "colocated"):
-            raise SystemExit(f"--variant wants NAME=disagg|colocated:WORKER_ARGS, got {spec!r}")
-        starters[name] = (lambda name=name, colocated=topology == "colocated", extra=extra: systems.start_pdserve(
-            name, model_dir, colocated, args.threads, str(log_dir), args.worker_args.split() + extra.split()))
+        shape = re.fullmatch(r"(disagg|colocated)(?:x([1-9][0-9]*))?", topology)
+        if not name or shape is None:
+            raise SystemExit(f"--variant wants NAME=disagg|colocated[xN]:WORKER_ARGS, got {spec!r}")
+        starters[name] = (lambda name=name, colocated=shape[1] == "colocated", n=int(shape[2] or 1), extra=extra:
+                          systems.start_pdserve(name, model_dir, colocated, args.threads, str(log_dir),
+                                                args.worker_args.split() + extra.split(), workers=n))
         names.append(name)
     plan = [(n, starters[n]) for n in names] + [(spec.split("=")[0], lambda s=spec: systems.peer(s))
                                                for spec in args.peer]

@@ -38,9 +38,10 @@ class RunningSystem:
 
 
 def start_pdserve(name: str, model_dir: str, colocated: bool, threads: int, log_dir: str | None,
-                  extra_args: list[str], observed: bool = False) -> RunningSystem:
+                  extra_args: list[str], observed: bool = False, workers: int = 1) -> RunningSystem:
     """observed: every process exports traces (OTLP, to an in-process sink) and serves /metrics, scraped each
     second, as in production; the cost of observability is this system's throughput against the plain one.
+    workers: colocated workers, or decode workers beside the one prefill worker (`ServeConfig.num_decode`).
 
     Raises RuntimeError if a process dies or is not ready in 10 minutes."""
     from cli.launcher import ServeConfig, start_cluster, worker_threads
@@ -48,8 +49,9 @@ def start_pdserve(name: str, model_dir: str, colocated: bool, threads: int, log_
     sink = OtlpSink() if observed else None
     if observed:
         extra_args = [*extra_args, "--metrics-port", "0"]
-    per_worker = worker_threads(1 if colocated else 2, num_cpus=threads)  # the split `pdserve serve` makes
-    cluster = start_cluster(model_dir, Path(model_dir).name, ServeConfig(log_dir=log_dir), colocated=colocated,
+    per_worker = worker_threads(workers if colocated else 1 + workers, num_cpus=threads)  # as `pdserve serve` splits
+    cluster = start_cluster(model_dir, Path(model_dir).name, ServeConfig(num_decode=workers, log_dir=log_dir),
+                            colocated=colocated,
                             env=sink.env() if sink else None,
                             worker_args=["--threads", str(per_worker), "--log-level", "WARNING", *extra_args],
                             coordinator_args=["--log-level", "WARNING", *(["--metrics-port", "0"] if observed else [])])

@@ -24,14 +24,15 @@ class ServeConfig:
     """The shape of a local cluster (the roles' own settings are their config dataclasses).
 
     Attributes:
-        num_prefill / num_decode: worker processes per role (ignored when colocated: one worker).
+        num_prefill / num_decode: worker processes per role; colocated, num_decode colocated workers (the
+            coordinator routes each request to one of them, as it picks a decode worker).
         log_dir: write each process's output to <log_dir>/<name>.log; None = inherit stderr.
         start_timeout_s: how long to wait for every process to serve, seconds.
         restart: `serve` restarts a process that died (on its old gRPC port, so the coordinator finds it again).
     """
 
     num_prefill: int = field(default=1, metadata={"help": "prefill worker processes"})
-    num_decode: int = field(default=1, metadata={"help": "decode worker processes"})
+    num_decode: int = field(default=1, metadata={"help": "decode (with --colocated: colocated) worker processes"})
     log_dir: str | None = field(default=None, metadata={"help": "write each process's log to a file here"})
     start_timeout_s: float = field(default=600.0, metadata={"help": "wait for every process to serve, seconds"})
     restart: bool = field(default=False, metadata={"help": "restart a process that dies"})
@@ -158,7 +159,7 @@ def start_cluster(model_dir: str, model_name: str, config: ServeConfig = ServeCo
         model_dir: resolved HF-format model directory (see `cli.models.resolve_model`).
         model_name: the coordinator's served model name.
         config: how many workers, where logs go, how long to wait.
-        colocated: one colocated worker instead of prefill + decode workers.
+        colocated: `config.num_decode` colocated workers instead of prefill + decode workers.
         worker_args / coordinator_args: flags passed to every worker / the coordinator (e.g. from
             `cli.args.dataclass_to_argv`); the coordinator binds port 0 unless they say otherwise. Workers get
             `--threads` from `worker_threads` unless these flags set it.
@@ -177,7 +178,8 @@ def start_cluster(model_dir: str, model_name: str, config: ServeConfig = ServeCo
     cluster = Cluster(address="", workdir=str(workdir), _env=env, _log_dir=logs)
     worker_args, coordinator_args = list(worker_args or []), list(coordinator_args or [])
     if "--threads" not in worker_args:
-        worker_args += ["--threads", str(worker_threads(1 if colocated else config.num_prefill + config.num_decode))]
+        worker_args += ["--threads", str(worker_threads(config.num_decode if colocated
+                                                        else config.num_prefill + config.num_decode))]
     if "--cluster-secret-file" not in worker_args and CLUSTER_SECRET_ENV not in env:
         secret_file = workdir / "cluster.secret"
         secret_file.touch(mode=0o600)
@@ -191,7 +193,8 @@ def start_cluster(model_dir: str, model_name: str, config: ServeConfig = ServeCo
     cluster.worker_metadata = (("authorization", f"Bearer {secret}"),)
     try:
         waits = []
-        roles = [("colocated", 1)] if colocated else [("prefill", config.num_prefill), ("decode", config.num_decode)]
+        roles = [("colocated", config.num_decode)] if colocated else [("prefill", config.num_prefill),
+                                                                     ("decode", config.num_decode)]
         for role, n in roles:
             for i in range(n):
                 name = f"{role}-{i}"
