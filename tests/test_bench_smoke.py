@@ -25,10 +25,12 @@ def test_sweep_smoke(tiny_model_dir, tmp_path):
     out = tmp_path / "sweep"
     _run(["bench/sweep.py", "--model-dir", str(tiny_model_dir), "--systems", "pdserve-disagg,naive,llamacpp",
           "--llama-server", str(tmp_path / "no-llama-server"), "--workload", "seed",
+          "--variant", "colocated-x2=colocatedx2:",  # two colocated workers behind one coordinator
           "--concurrency", "1,3", "--num-requests", "3", "--output-len", "5",
           "--threads", "1", "--out-dir", str(out)], tmp_path)
     results = json.loads((out / "results.json").read_text())
-    assert set(results["systems"]) == {"pdserve-disagg", "naive"}
+    assert set(results["systems"]) == {"pdserve-disagg", "naive", "colocated-x2"}
+    assert (out / "logs" / "colocated-1.log").exists()  # the variant's second worker started
     assert "no-llama-server" in results["not_run"]["llamacpp"]  # a peer that cannot start is said, the rest run
     assert results["config"]["workload"] == "seed" and results["config"]["input_len"] > 10
     for name, rows in results["systems"].items():
@@ -37,7 +39,7 @@ def test_sweep_smoke(tiny_model_dir, tmp_path):
             assert (r["completed"], r["failed"], r["output_tokens"]) == (3, 0, 15), (name, r)
             assert 0 < r["ttft_ms_p50"] <= r["e2e_ms_p50"] and r["itl_ms_p50"] > 0
             assert r["machine_fraction"] > 0 and r["gemm_flop_s"] > 0  # against the fp32 GEMM rate at c rows
-    assert set(results["ratios"]["pdserve-disagg"]) == {"1", "3"}
+    assert set(results["ratios"]["pdserve-disagg"]) == set(results["ratios"]["colocated-x2"]) == {"1", "3"}
     assert "**naive**" in (out / "results.md").read_text()
     assert (out / "results.png").stat().st_size > 10_000
 
