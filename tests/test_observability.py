@@ -146,7 +146,7 @@ def total(samples: dict, name: str, **labels) -> float:
 
 def test_metrics_count_what_was_sent_and_access_log_is_json(tiny_model_dir, tmp_path):
     cluster = start_cluster(str(tiny_model_dir), "tiny", ServeConfig(log_dir=str(tmp_path)),
-                            worker_args=[*WORKER, "--metrics-port", "0"],
+                            worker_args=[*WORKER, "--max-model-len", "512", "--metrics-port", "0"],
                             coordinator_args=["--metrics-port", "0", "--log-format", "json"])
     try:
         assert set(cluster.metrics_urls) == {"coordinator", "prefill-0", "decode-0"}
@@ -159,10 +159,10 @@ def test_metrics_count_what_was_sent_and_access_log_is_json(tiny_model_dir, tmp_
         prefill = scrape(cluster.metrics_urls["prefill-0"])
         decode = scrape(cluster.metrics_urls["decode-0"])
         with Client(cluster.address) as c, pytest.raises(grpc.RpcError) as late:  # after the scrapes: not counted
-            # 0.4 s: past the reservation and the prefill (the access log must name both workers), well before
-            # 240 tokens are decoded (about 2 s here)
-            c.complete([9] * 12, SamplingParams(max_tokens=240, temperature=0, ignore_eos=True), request_id="late",
-                       timeout=0.4)
+            # 0.25 s: past the reservation and the prefill of 12 tokens (the access log must name both workers),
+            # before 490 tokens are decoded. 240 tokens within 0.4 s was too few on a fast VM: it finished first
+            c.complete([9] * 12, SamplingParams(max_tokens=490, temperature=0, ignore_eos=True), request_id="late",
+                       timeout=0.25)
         assert late.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     finally:
         cluster.stop()
