@@ -30,7 +30,6 @@
 #define MAX_HEAD_DIM 256
 #define MAX_BLOCK 64     /* tokens per KV block */
 
-
 static inline float bf16_to_f32(uint16_t x) {
     uint32_t u = (uint32_t)x << 16;
     float f;
@@ -77,8 +76,9 @@ static inline void store_outputs(void *out, float acc[][MAX_HEAD_DIM], const flo
 /* Blocks sit anywhere in the cache, where the hardware prefetcher cannot follow the block table: without software
  * prefetch the loads of each block's rows took half of the kernel's samples (perf). Each token's K and V rows of
  * the block PF_AHEAD blocks ahead are requested as this block's rows are loaded, one row per token, rather than
- * the whole next block in one burst: a burst of 64+ prefetches filled the line-fill buffers and stalled the loads
- * behind it (bf16, 64 sequences x 1024 tokens, one thread: 7.7 -> 3.8 ms per layer; docs/benchmarks.md). */
+ * the whole next block in one burst (bf16, 64 sequences x 1024 tokens, one thread: 7.7 -> 4.1 ms per layer;
+ * docs/benchmarks.md). With the burst, fp32 read twice bf16's bytes in the same time, so bandwidth was not the
+ * limit; the loads queued behind 64+ outstanding prefetches, as far as timings tell (no counters were read). */
 #define PF_AHEAD 2
 
 static inline void prefetch_row(const void *k_cache, const void *v_cache, int64_t row, size_t row_bytes, size_t elem) {
@@ -331,24 +331,21 @@ void paged_decode_attention(const void *query, const void *k_cache, const void *
 #define ATTEND(HD, BF16) attend_item(query, k_cache, v_cache, block_tables, context_lens, out, s, kvh, group, \
                                      num_q_heads, HD, block_size, max_blocks, block_stride, token_stride, scale, BF16, \
                                      next)
+/* head_dim 64 and 128 as compile-time constants: the AVX-512 path where the build has it, else the plain loops */
 #ifdef HAVE_AVX512
-#define ATTEND_SIMD(HD, BF16) attend_item_avx512(query, k_cache, v_cache, block_tables, context_lens, out, s, kvh, \
+#define ATTEND_FIXED(HD, BF16) attend_item_avx512(query, k_cache, v_cache, block_tables, context_lens, out, s, kvh, \
         group, num_q_heads, HD, block_size, max_blocks, block_stride, token_stride, scale, BF16, next)
-        if (head_dim == 64) {
-            if (is_bf16) ATTEND_SIMD(64, 1); else ATTEND_SIMD(64, 0);
-        } else if (head_dim == 128) {
-            if (is_bf16) ATTEND_SIMD(128, 1); else ATTEND_SIMD(128, 0);
-        } else {
-#undef ATTEND_SIMD
 #else
-        if (head_dim == 64) {
-            if (is_bf16) ATTEND(64, 1); else ATTEND(64, 0);
-        } else if (head_dim == 128) {
-            if (is_bf16) ATTEND(128, 1); else ATTEND(128, 0);
-        } else {
+#define ATTEND_FIXED ATTEND
 #endif
+        if (head_dim == 64) {
+            if (is_bf16) ATTEND_FIXED(64, 1); else ATTEND_FIXED(64, 0);
+        } else if (head_dim == 128) {
+            if (is_bf16) ATTEND_FIXED(128, 1); else ATTEND_FIXED(128, 0);
+        } else {
             ATTEND(head_dim, is_bf16);
         }
+#undef ATTEND_FIXED
 #undef ATTEND
     }
 }
