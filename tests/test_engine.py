@@ -242,3 +242,30 @@ def test_greedy_argmax_equals_torch_argmax(vocab):
     cases += [edges, torch.full((2, vocab), float("-inf"))]
     for logits in cases:
         assert torch.equal(greedy_argmax(logits), logits.argmax(dim=-1))
+
+
+def test_run_until_idle_raises_on_a_refused_request_and_on_a_stalled_scheduler():
+    """engine.offline.run_until_idle reports instead of spinning: a refused admission is a ValueError naming the
+    request, and a scheduler that schedules nothing while it still has work is a RuntimeError."""
+    from types import SimpleNamespace
+
+    from engine.outputs import RequestFailed, SchedulerOutput
+
+    class Stuck:
+        def __init__(self, refuse):
+            self.refuse = refuse
+
+        def add_request(self, req):
+            return RequestFailed(req.request_id, ErrorKind.CAPACITY, "too big") if self.refuse else None
+
+        def has_work(self):
+            return True
+
+        def schedule(self):
+            return SchedulerOutput()
+
+    req = Request("r0", [1, 2, 3], SamplingParams(max_tokens=1))
+    with pytest.raises(ValueError, match="r0 refused: CAPACITY: too big"):
+        run_until_idle(SimpleNamespace(scheduler=Stuck(refuse=True), runner=None), [req])
+    with pytest.raises(RuntimeError, match="stalled"):
+        run_until_idle(SimpleNamespace(scheduler=Stuck(refuse=False), runner=None), [req])
