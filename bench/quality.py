@@ -1,7 +1,7 @@
 """What a lossy lever costs in accuracy: perplexity on a fixed text and greedy token agreement, per precision.
 
-- Perplexity: HF transformers' LlamaForCausalLM on the packaged model, fp32 / bf16 / bf16 with int8 weight-only
-  linears (`engine.quantization.Int8WeightOnlyLinear`, the same module the engine uses), over a fixed window of
+- Perplexity: HF transformers' LlamaForCausalLM on the packaged model, fp32 / bf16 / bf16 with int8 or int4
+  weight-only linears (`engine.quantization`, the same modules the engine uses), over a fixed window of
   real English text (bench/prompts.py's corpus, --ppl-tokens tokens from its start), one forward pass.
 - Agreement: pdserve's engine, greedy, 32 tokens on each of the 8 PROMPTS (shared with tests/test_dtype.py), against
   the engine in fp32 (tokens before the first divergence over the stream's length: greedy streams differ entirely
@@ -24,7 +24,7 @@ sys.path.insert(0, str(HERE))
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "List three colors:", "Water boils at",
            "Once upon a time", "import numpy as np\n", "The quick brown fox", "1, 2, 3, 4,"]
-PRECISIONS = (("float32", "none"), ("bfloat16", "none"), ("bfloat16", "int8"))
+PRECISIONS = (("float32", "none"), ("bfloat16", "none"), ("bfloat16", "int8"), ("bfloat16", "int4"))
 
 
 def perplexity(model_dir: str, ids: list[int], dtype: str, quantization: str) -> float:
@@ -32,11 +32,11 @@ def perplexity(model_dir: str, ids: list[int], dtype: str, quantization: str) ->
     import torch
     from transformers import AutoModelForCausalLM
 
-    from engine.quantization import quantize_int8_weight_only
+    from engine.quantization import quantize_weight_only
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
-    if quantization == "int8":
-        quantize_int8_weight_only(model)
+    if quantization != "none":
+        quantize_weight_only(model, quantization)
     with torch.inference_mode():
         logits = model(torch.tensor([ids])).logits[0, :-1].float()
     return math.exp(torch.nn.functional.cross_entropy(logits, torch.tensor(ids[1:])).item())

@@ -54,7 +54,8 @@ from kernels import AttentionOps  # noqa: E402
 from hostinfo import FLAGS_SHOWN, commit, machine  # noqa: E402
 
 GEMM_OPS = {"aten::mm", "aten::addmm", "aten::mkldnn_linear", "mkldnn::_linear_pointwise", "aten::_mkl_linear",
-            "mkl::_mkl_linear", "aten::_weight_int8pack_mm"}
+            "mkl::_mkl_linear", "aten::_weight_int8pack_mm",
+            "aten::_weight_int4pack_mm_for_cpu"}
 
 
 def _time(fn, min_s: float = 0.3) -> float:
@@ -163,8 +164,9 @@ def measure(args: EngineArgs, batch: int, context: int, steps: int) -> dict:
     matmul_params = sum(k * n for k, n in shapes)  # every linear, lm_head on the B sampled rows included
     ctx = context + steps  # the average context during the timed steps, to a few tokens
     flops = 2 * matmul_params * batch + 4 * batch * ctx * mc.num_heads * mc.head_dim * mc.num_layers
-    weight_bytes = matmul_params * (1 if args.quantization == "int8" else
-                                    torch.empty((), dtype=mc.torch_dtype).element_size())
+    # Bytes per weight: int8 1, int4 half a byte plus a 2-byte scale and zero per 32-weight group.
+    weight_bytes = matmul_params * {"int8": 1.0, "int4": 0.5 + 4 / 32}.get(
+        args.quantization, torch.empty((), dtype=mc.torch_dtype).element_size())
     return {"batch": batch, "context": context, "backend": runner.attention_ops.name, "step_ms": step_s * 1e3,
             "tok_s": batch / step_s,
             "model_flop_s": flops / step_s, "weight_bytes_s": weight_bytes / step_s,
@@ -192,7 +194,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model-dir", default=None, help="HF directory (default: the packaged SmolLM2-135M)")
     p.add_argument("--dtypes", default="float32,bfloat16",
-                   help="comma-separated; DTYPE+int8 adds int8 weight-only linears (e.g. bfloat16+int8)")
+                   help="comma-separated; DTYPE+int8 / DTYPE+int4 add weight-only quantized linears "
+                        "(e.g. bfloat16+int4)")
     p.add_argument("--backends", default="auto",
                    help="comma-separated attention backends to compare (auto, torch, cpu; see kernels.select_ops)")
     p.add_argument("--packed-weights", default="on",

@@ -8,7 +8,7 @@ from kernels import BACKENDS as ATTENTION_BACKENDS
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 DTYPE_CHOICES = ("auto",) + DTYPE_NAMES
-QUANTIZATION_CHOICES = ("none", "int8")
+QUANTIZATION_CHOICES = ("none", "int8", "int4")
 
 
 @dataclass(frozen=True)
@@ -18,7 +18,8 @@ class EngineArgs:
     Attributes:
         model_dir: resolved HF-format directory (see `cli.models.resolve_model`).
         dtype: weights and KV dtype, or "auto" (`engine.hardware.resolve_dtype`).
-        quantization: "none", or "int8": weight-only int8 linears (`engine.quantization`; needs a bf16/fp16 dtype).
+        quantization: "none", "int8" or "int4": weight-only quantized linears (`engine.quantization`; int4 in
+            groups of 32 input channels; both need a bf16/fp16 dtype).
         block_size: tokens per KV block.
         kv_tokens: KV budget in tokens; ignored when kv_bytes is set.
         kv_bytes: KV budget in bytes (overrides kv_tokens); None = use kv_tokens.
@@ -48,8 +49,8 @@ class EngineArgs:
                 "(float16 on older GPUs)"})
     quantization: str = field(default="none", metadata={
         "choices": QUANTIZATION_CHOICES,
-        "help": "int8 = weight-only int8 linears (bf16/fp16 dtypes): faster small-batch decode on CPU, slower at "
-                "large batches"})
+        "help": "int8 / int4 = weight-only int8 / int4 (groups of 32) linears (bf16/fp16 dtypes): faster "
+                "small-batch decode on CPU, slower at large batches"})
     packed_weights: bool = field(default=True, metadata={
         "help": "bf16 on CPU: reorder linear weights once at load into oneDNN's blocked layout (engine.packing); "
                 "no effect elsewhere"})

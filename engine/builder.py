@@ -31,8 +31,9 @@ def build_engine(args: EngineArgs) -> EngineParts:
     """Load config + weights (or random weights when `args.random_weights`) and build the scheduler and runner.
 
     Raises:
-        FileNotFoundError / ValueError: from model loading and config validation (ValueError too for int8
-            quantization of a float32 model, and for inconsistent speculative-decoding flags).
+        FileNotFoundError / ValueError: from model loading and config validation (ValueError too for int8 / int4
+            quantization of a float32 model or of shapes int4 cannot pack, and for inconsistent speculative-decoding
+            flags).
     """
     from transformers import AutoConfig
 

@@ -13,7 +13,7 @@ from engine.kv_cache import KVCache
 from engine.models.llama import DecoderModel
 from engine.outputs import RunnerOutput, SampledToken, ScheduledRequest, SchedulerOutput
 from engine.packing import pack_linears
-from engine.quantization import quantize_int8_weight_only
+from engine.quantization import quantize_weight_only
 from engine.sampler import Sampler
 from engine.speculative import accept_greedy
 from kernels import select_ops
@@ -31,15 +31,15 @@ class ModelRunner:
         device: torch device.
         seed: seed for unseeded sampling and random init.
         attention_backend: "auto" (Triton on CUDA, the C decode kernel on CPU), "triton", "cpu" or "torch".
-        quantization: "none", or "int8" (weight-only int8 linears, `engine.quantization`).
-        packed_weights: prepack bf16 linears on CPU (`engine.packing`; int8 layers are packed by their own op).
+        quantization: "none", "int8" or "int4" (weight-only linears, `engine.quantization`; int4 in groups of 32).
+        packed_weights: prepack bf16 linears on CPU (`engine.packing`; quantized layers are packed by their own op).
         cuda_graph_sizes: batch sizes of all-decode steps to capture as CUDA graphs (`engine.cuda_graphs`);
             None = every step eager; ignored, with a warning, for an attention backend that cannot be captured.
         max_model_len: longest context in tokens; sizes the captured block tables (needed with graphs).
 
     Raises:
-        ValueError: an unknown or unusable attention backend (`kernels.select_ops`), int8 on a float32 model, or
-            graph sizes without max_model_len.
+        ValueError: an unknown or unusable attention backend (`kernels.select_ops`), quantization of a float32
+            model or of shapes int4 cannot pack, or graph sizes without max_model_len.
     """
 
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig,
@@ -55,8 +55,8 @@ class ModelRunner:
         if state_dict is not None:
             self.model.load_weights(state_dict)
         self.model.eval()
-        if quantization == "int8":
-            quantize_int8_weight_only(self.model)
+        if quantization != "none":
+            quantize_weight_only(self.model, quantization)
         elif packed_weights:
             pack_linears(self.model)
         self.kv_cache = KVCache(model_config, cache_config, self.device)

@@ -1,15 +1,21 @@
-"""Weight-only int8 quantization of the decoder's linear layers, for the memory-bound small-batch decode regime.
+"""Weight-only int8 and int4 quantization of the decoder's linear layers, for the memory-bound small-batch decode
+regime.
 
 A batch-1 decode step reads every weight once per token, so its time is the weights' bytes over memory bandwidth:
-int8 weights halve bf16's bytes. The matmul is torch's own packed-weight op, `aten._weight_int8pack_mm`
-(int8 weights, one scale per output channel, activations in bf16/fp16; CPU kernel in ATen), not a kernel of ours.
-Scales are symmetric per output channel with round-to-nearest, the scheme of gpt-fast's and torchao's
-int8 weight-only; they divide the absmax by 127.5 and clamp to [-128, 127], we divide by 127 so that no weight
-clamps.
+int8 weights halve bf16's bytes, int4 quarter them. The matmuls are torch's own packed-weight ops (CPU kernels in
+ATen, activations in bf16/fp16), not kernels of ours:
 
-At larger batches the op loses to the dense bf16 GEMM (one thread, SmolLM2's 1536 x 576 gate/up projection:
-at M = 1 about 160 us against 470 us dense bf16; at M = 64 about 4.3 ms against 0.9 ms), so this is a lever for
-low concurrency, chosen per worker with `--quantization int8` and measured in bench/step_profile.py.
+- int8: `aten._weight_int8pack_mm`, one scale per output channel. Scales are symmetric with round-to-nearest, the
+  scheme of gpt-fast's and torchao's int8 weight-only; they divide the absmax by 127.5 and clamp to [-128, 127], we
+  divide by 127 so that no weight clamps.
+- int4: `aten._weight_int4pack_mm_for_cpu`, asymmetric per group of `group_size` input channels (a scale and a
+  zero point per group; gpt-fast's and torchao's int4 weight-only scheme, and llama.cpp's Q4_1 with group 32): a
+  code q in [0, 15] stands for (q - 8) * scale + zero.
+
+Measured on an AMD EPYC VM (1 thread, SmolLM2-135M's 211 linears streamed from DRAM at M = 1): packed bf16
+11.2 ms, int8 9.9 ms, int4 5.7 ms. At M = 16 both quantized ops lose to the dense bf16 GEMM (gate/up 1536 x 576:
+167-188 us against 106 us), so they are levers for low concurrency, chosen per worker with `--quantization` and
+measured in bench/step_profile.py.
 """
 from __future__ import annotations
 
@@ -18,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 INT8_ACTIVATION_DTYPES = (torch.bfloat16, torch.float16)
+INT4_GROUP_SIZES = (32, 64, 128, 256)  # what aten._weight_int4pack_mm_for_cpu accepts
 
 
 class Int8WeightOnlyLinear(nn.Module):
@@ -61,18 +68,103 @@ class Int8WeightOnlyLinear(nn.Module):
         return y.reshape(*x.shape[:-1], self.out_features)
 
 
-def quantize_int8_weight_only(model: nn.Module) -> int:
-    """Replace every `nn.Linear` under `model` (projections and LM head) by an `Int8WeightOnlyLinear`, in place.
-    Returns how many were replaced. Embeddings and norms stay as they are.
+def quantize_int4(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Asymmetric int4 codes of `weight` ([out, in], bf16/fp16) per group of `group_size` input channels.
+
+    Per group, scale = (max - min) / 15 and zero = min + 8 * scale, rounded to the weight's dtype first; each code is
+    then rounded to nearest against the stored pair, so a weight is off by at most about scale / 2.
+
+    Returns:
+        codes: [out, in] uint8 in [0, 15], on the weight's device.
+        scale_zero: [in / group_size, out, 2] in the weight's dtype (scale, zero), the layout of
+            `aten._weight_int4pack_mm_for_cpu`.
+    """
+    out_features, in_features = weight.shape
+    w = weight.float().view(out_features, in_features // group_size, group_size)
+    lo, hi = w.amin(dim=-1), w.amax(dim=-1)  # [out, groups]
+    scale = ((hi - lo) / 15).clamp(min=1e-12).to(weight.dtype)
+    zero = (lo + 8 * scale.float()).to(weight.dtype)
+    codes = torch.round((w - zero.float()[..., None]) / scale.float()[..., None] + 8).clamp(0, 15)
+    scale_zero = torch.stack((scale, zero), dim=-1).transpose(0, 1).contiguous()
+    return codes.view(out_features, in_features).to(torch.uint8), scale_zero
+
+
+def dequantize_int4(codes: torch.Tensor, scale_zero: torch.Tensor, group_size: int) -> torch.Tensor:
+    """The weight int4 codes stand for: codes [out, in] uint8, scale_zero as `quantize_int4` returns ->
+    [out, in] fp32, (code - 8) * scale + zero."""
+    out_features, in_features = codes.shape
+    scale, zero = scale_zero.float().transpose(0, 1).unbind(-1)  # [out, groups] each
+    w = (codes.float().view(out_features, -1, group_size) - 8) * scale[..., None] + zero[..., None]
+    return w.view(out_features, in_features)
+
+
+class Int4WeightOnlyLinear(nn.Module):
+    """y = x @ W_deq^T + b, with W_deq[n, k] = (q[n, k] - 8) * scale[k // g, n] + zero[k // g, n], q in [0, 15] the
+    codes of `quantize_int4` (g = `group_size`). x: [..., in] in bf16 or fp16 -> [..., out] in the same dtype.
+
+    On CPU the codes are packed once (`aten._convert_weight_to_int4pack_for_cpu`) and the matmul is
+    `aten._weight_int4pack_mm_for_cpu`, which dequantizes in fp32 and accumulates in fp32; elsewhere the codes are
+    kept as uint8 and dequantized into a dense matmul (the same numbers, none of the speed: unverified on GPU).
+
+    Args:
+        linear: the layer to quantize (its weight is [out, in]; its bias, if any, is kept as it is).
+        group_size: input channels per scale/zero pair: 32, 64, 128 or 256.
 
     Raises:
-        ValueError: as `Int8WeightOnlyLinear` (a model not in bf16 / fp16).
+        ValueError: the layer is not bf16 or fp16 (the op's fp32 path is a slow reference kernel), an unsupported
+            group size, in_features not a multiple of it, or out_features not a multiple of 16 (the packing).
     """
+
+    def __init__(self, linear: nn.Linear, group_size: int = 32):
+        super().__init__()
+        dtype = linear.weight.dtype
+        out_features, in_features = linear.weight.shape
+        if dtype not in INT8_ACTIVATION_DTYPES:
+            raise ValueError(f"int4 weight-only quantization needs bf16 or fp16 weights and activations, got {dtype}; "
+                             f"use --dtype bfloat16 (or auto on a CPU with bf16 units)")
+        if group_size not in INT4_GROUP_SIZES:
+            raise ValueError(f"int4 group size must be one of {INT4_GROUP_SIZES}, got {group_size}")
+        if in_features % group_size or out_features % 16:
+            raise ValueError(f"int4 weight-only needs in_features divisible by the group size {group_size} and "
+                             f"out_features divisible by 16; this linear is [{out_features}, {in_features}]")
+        codes, scale_zero = quantize_int4(linear.weight.detach(), group_size)
+        self.register_buffer("scale_zero", scale_zero)
+        self.group_size = group_size
+        self.in_features, self.out_features = in_features, out_features
+        if linear.weight.device.type == "cpu":
+            codes = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)  # [out, in / 2]
+        self.register_buffer("weight_int4", codes)
+        self.bias = linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        if rows.device.type == "cpu":
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows.contiguous(), self.weight_int4, self.group_size,
+                                                          self.scale_zero)
+        else:
+            y = F.linear(rows, dequantize_int4(self.weight_int4, self.scale_zero, self.group_size).to(rows.dtype))
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+
+def quantize_weight_only(model: nn.Module, method: str, group_size: int = 32) -> int:
+    """Replace every `nn.Linear` under `model` (projections and LM head) by its weight-only quantized form, in place:
+    `method` "int8" (`Int8WeightOnlyLinear`) or "int4" (`Int4WeightOnlyLinear` with `group_size`). Returns how many
+    were replaced. Embeddings and norms stay as they are.
+
+    Raises:
+        ValueError: an unknown method, or as the layer classes (a model not in bf16 / fp16, shapes int4 cannot
+            pack).
+    """
+    if method not in ("int8", "int4"):
+        raise ValueError(f"unknown weight-only quantization {method!r}; expected 'int8' or 'int4'")
     count = 0
     for name, child in list(model.named_children()):
         if isinstance(child, nn.Linear):
-            setattr(model, name, Int8WeightOnlyLinear(child))
+            setattr(model, name, Int8WeightOnlyLinear(child) if method == "int8"
+                    else Int4WeightOnlyLinear(child, group_size))
             count += 1
         else:
-            count += quantize_int8_weight_only(child)
+            count += quantize_weight_only(child, method, group_size)
     return count

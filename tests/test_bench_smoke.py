@@ -71,7 +71,7 @@ def test_quality_smoke(tiny_model_dir, tmp_path):
     _run(["bench/quality.py", "--model-dir", str(tiny_model_dir), "--ppl-tokens", "64", "--out", str(out)], tmp_path)
     rows = json.loads(out.read_text())["rows"]
     assert [(r["dtype"], r["quantization"]) for r in rows] == [("float32", "none"), ("bfloat16", "none"),
-                                                               ("bfloat16", "int8")]
+                                                               ("bfloat16", "int8"), ("bfloat16", "int4")]
     assert rows[0]["agreement_vs_fp32"] == 1.0 and all(r["perplexity"] > 1 for r in rows)
 
 

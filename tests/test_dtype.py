@@ -1,5 +1,5 @@
-"""The `auto` dtype choice and bf16 numerics: greedy output in bf16 against HF transformers run in bf16; int8
-weight-only linears against their own dequantized weights and against bf16."""
+"""The `auto` dtype choice and bf16 numerics: greedy output in bf16 against HF transformers run in bf16; int8 and
+int4 weight-only linears against their own dequantized weights and against bf16."""
 import sys
 from pathlib import Path
 
@@ -12,7 +12,7 @@ from conftest import hf_greedy, hf_next_logits
 from engine.args import EngineArgs
 from engine.builder import build_engine
 from engine.hardware import cpu_flags, resolve_dtype
-from engine.quantization import Int8WeightOnlyLinear
+from engine.quantization import Int4WeightOnlyLinear, Int8WeightOnlyLinear, dequantize_int4, quantize_int4
 from engine.offline import generate
 from engine.request import SamplingParams
 
@@ -95,6 +95,39 @@ def test_int8_linear_is_its_dequantized_weights():
         Int8WeightOnlyLinear(nn.Linear(4, 4))
 
 
+@pytest.mark.parametrize("group_size", [32, 64])
+def test_int4_linear_is_its_dequantized_weights(group_size):
+    """Each int4 code stands for a weight within about half a scale step of the original, per group; the packed CPU
+    op computes x @ W_deq^T + b with W_deq in fp32 (up to bf16 rounding of the output and the bias add) for 1 to
+    many rows."""
+    torch.manual_seed(0)
+    lin = nn.Linear(128, 48, bias=True).to(torch.bfloat16)
+    codes, scale_zero = quantize_int4(lin.weight.detach(), group_size)
+    assert codes.dtype == torch.uint8 and codes.shape == (48, 128) and int(codes.max()) <= 15
+    assert scale_zero.shape == (128 // group_size, 48, 2) and scale_zero.dtype == torch.bfloat16
+    deq = dequantize_int4(codes, scale_zero, group_size)
+    scale = scale_zero[..., 0].float().transpose(0, 1).repeat_interleave(group_size, dim=1)  # [out, in]
+    assert ((deq - lin.weight.float()).abs() <= scale * 0.55).all()
+    q = Int4WeightOnlyLinear(lin, group_size)
+    for rows in (1, 7, 33):
+        x = torch.randn(rows, 128, dtype=torch.bfloat16)
+        y = q(x)
+        assert y.shape == (rows, 48) and y.dtype == torch.bfloat16
+        torch.testing.assert_close(y.float(), F.linear(x.float(), deq, lin.bias.float()), atol=0.01, rtol=2 ** -7)
+    assert q(torch.randn(2, 3, 128, dtype=torch.bfloat16)).shape == (2, 3, 48)
+
+
+def test_int4_refuses_what_it_cannot_pack_with_a_message_that_says_why():
+    with pytest.raises(ValueError, match="bf16 or fp16"):
+        Int4WeightOnlyLinear(nn.Linear(64, 64))
+    with pytest.raises(ValueError, match="group size must be one of"):
+        Int4WeightOnlyLinear(nn.Linear(64, 64).to(torch.bfloat16), group_size=16)
+    with pytest.raises(ValueError, match=r"this linear is \[64, 48\]"):
+        Int4WeightOnlyLinear(nn.Linear(48, 64).to(torch.bfloat16))
+    with pytest.raises(ValueError, match=r"this linear is \[40, 64\]"):
+        Int4WeightOnlyLinear(nn.Linear(64, 40).to(torch.bfloat16))
+
+
 def test_tiny_model_int8_weight_only_greedy_stays_close_to_bf16(tiny_model_dir):
     """int8 weights move logits by about a scale step, so greedy may part from bf16 late in a stream; on the
     tiny model's sharp logits most of every stream must agree, batched or not."""
@@ -105,9 +138,31 @@ def test_tiny_model_int8_weight_only_greedy_stays_close_to_bf16(tiny_model_dir):
         assert agreement(int8, bf16) >= 0.75, (int8, bf16)
 
 
-def test_int8_needs_a_16_bit_dtype(tiny_model_dir):
+def test_tiny_model_int4_engine_computes_its_dequantized_model(tiny_model_dir):
+    """int4's steps are 16x int8's, enough to move random weights' greedy streams away from bf16 (agreement 0.375
+    on these prompts), so the check is against the model int4 stands for: the bf16 engine with every linear's
+    weight replaced by its dequantized int4 codes. That reference must round those weights to bf16 (about 2^-9 each,
+    where the op dequantizes in fp32), which on this random model's close logits parts 27% of the tokens (agreement
+    0.73, batched or not); a wrong scale layout or zero point would leave next to nothing (the layer test above holds
+    the op to the fp32 reference within one bf16 rounding)."""
+    prompts = [[5 + i, 17, 300 + 7 * i] * (i + 1) for i in range(6)]
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+    reference = build_engine(EngineArgs(model_dir=str(tiny_model_dir), dtype="bfloat16", kv_tokens=8192,
+                                        max_model_len=512, packed_weights=False))
+    with torch.no_grad():
+        for module in reference.runner.model.modules():
+            if isinstance(module, nn.Linear):
+                module.weight.copy_(dequantize_int4(*quantize_int4(module.weight, 32), 32))
+    expected = generate(reference, [prompts], params)
+    for solo in (False, True):
+        int4 = _engine_greedy(tiny_model_dir, "bfloat16", prompts, 8, solo=solo, quantization="int4")
+        assert agreement(int4, expected) >= 0.6, (int4, expected)
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_weight_only_quantization_needs_a_16_bit_dtype(tiny_model_dir, quantization):
     with pytest.raises(ValueError, match="bf16 or fp16"):
-        build_engine(EngineArgs(model_dir=str(tiny_model_dir), dtype="float32", quantization="int8"))
+        build_engine(EngineArgs(model_dir=str(tiny_model_dir), dtype="float32", quantization=quantization))
 
 
 def test_packed_linear_computes_the_same_linear_and_packs_only_bf16():
