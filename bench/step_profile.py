@@ -12,7 +12,8 @@ under `torch.profiler` splits the step into:
 
 - gemm: self time of the dense matmul ops (aten::mm / addmm / linear's mkldnn forms), lm_head included;
 - attention: everything inside the paged attention ops (KV write, gather, softmax, the reference einsums);
-- other ops: every other aten op (RMSNorm, RoPE, SiLU, adds, embedding, sampling's argmax, tensor creation);
+- other ops: the per-token ops counted whole (RMSNorm with its residual add, RoPE, SiLU-and-mul; C or torch) and
+  every other aten op (embedding, sampling's argmax, tensor creation);
 - python: the step's wall time minus the time inside any op (packing lists, module dispatch, the scheduler's own
   bookkeeping is outside `execute` and not counted).
 
@@ -50,7 +51,6 @@ from engine.builder import build_engine, set_threads  # noqa: E402
 from engine.hardware import cpu_flags  # noqa: E402
 from engine.packing import packing_supported  # noqa: E402
 from engine.request import Request, SamplingParams  # noqa: E402
-from kernels import AttentionOps  # noqa: E402
 from hostinfo import FLAGS_SHOWN, commit, machine  # noqa: E402
 
 GEMM_OPS = {"aten::mm", "aten::addmm", "aten::mkldnn_linear", "mkldnn::_linear_pointwise", "aten::_mkl_linear",
@@ -106,16 +106,23 @@ def copy_bandwidth(nbytes: int = 256 << 20) -> float:
 
 
 def _instrument(model: torch.nn.Module) -> None:
-    """Wrap the model's paged attention ops in record_function("attention") so the profiler can attribute them."""
-    def wrap(fn):
+    """Wrap the model's ops in record_function ranges so the profiler can attribute them: the paged attention ops
+    (KV write included) in "attention", the per-token ops (RMSNorm, RoPE, SiLU-and-mul; C calls on the cpu
+    backend, which the profiler does not see otherwise) in "layer_op"."""
+    def wrap(fn, label):
         def inner(*a, **k):
-            with record_function("attention"):
+            with record_function(label):
                 return fn(*a, **k)
         return inner
+    ops = model.ops
+    profiled = replace(ops, name=ops.name + "+profiled", **{
+        name: wrap(getattr(ops, name), label) for name, label in (
+            ("write_kv_cache", "attention"), ("paged_decode_attention", "attention"),
+            ("prefill_attention", "attention"), ("rms_norm", "layer_op"), ("rotary_embedding", "layer_op"),
+            ("silu_and_mul", "layer_op"))})
+    model.ops = profiled
     for layer in model.layers:
-        ops = layer.self_attn.ops
-        layer.self_attn.ops = AttentionOps(ops.name + "+profiled", wrap(ops.write_kv_cache),
-                                           wrap(ops.paged_decode_attention), wrap(ops.prefill_attention))
+        layer.self_attn.ops = layer.mlp.ops = profiled
 
 
 def measure(args: EngineArgs, batch: int, context: int, steps: int) -> dict:
@@ -152,6 +159,8 @@ def measure(args: EngineArgs, batch: int, context: int, steps: int) -> dict:
     for ev in prof.key_averages():
         if ev.key == "attention":
             attn_us += ev.cpu_time_total
+        elif ev.key == "layer_op":
+            ops_us += ev.cpu_time_total
     # Self times of ops outside the attention ranges: walk the event tree once.
     for ev in prof.events():
         if ev.cpu_parent is None:
@@ -176,8 +185,9 @@ def measure(args: EngineArgs, batch: int, context: int, steps: int) -> dict:
 
 
 def _accumulate(ev, gemm_us: float, ops_us: float) -> tuple[float, float]:
-    """Add self CPU time of ev's subtree to gemm / other ops, skipping the "attention" ranges (counted whole)."""
-    if ev.name == "attention":
+    """Add self CPU time of ev's subtree to gemm / other ops, skipping the "attention" and "layer_op" ranges (counted
+    whole)."""
+    if ev.name in ("attention", "layer_op"):
         return gemm_us, ops_us
     if ev.name in GEMM_OPS:
         gemm_us += ev.self_cpu_time_total

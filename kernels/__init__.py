@@ -1,9 +1,10 @@
-"""Attention and KV-cache ops over the paged KV cache: Triton kernels beside pure-torch references.
+"""Attention and KV-cache ops over the paged KV cache, and a decoder layer's small per-token ops: Triton kernels
+and C beside pure-torch references.
 
 Each op has one signature and up to three implementations: `kernels.reference` (torch; defines the semantics, runs
 anywhere), `kernels.triton_*` (Triton; CUDA, or CPU under TRITON_INTERPRET=1 for tests) and `kernels.cpu_ops`
-(decode attention in C for CPU workers, built on first use). The model gets one `AttentionOps` from `select_ops`
-and never imports any of them directly.
+(decode attention, the KV write and the per-token ops in C for CPU workers, built on first use). The model gets one
+`AttentionOps` from `select_ops` and never imports any of them directly.
 
 Layout shared by all ops (see `engine.kv_cache`):
     k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], one layer's view (may be strided in dim 0)
@@ -27,13 +28,17 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class AttentionOps:
-    """The three paged-KV ops of one backend (see `kernels.reference` for their contracts), and whether its decode
-    path can be captured in a CUDA graph (`engine.cuda_graphs`)."""
+    """The three paged-KV ops of one backend and the per-token ops its layers call around them (see
+    `kernels.reference` for their contracts), and whether its decode path can be captured in a CUDA graph
+    (`engine.cuda_graphs`)."""
 
     name: str
     write_kv_cache: Callable[..., None]
     paged_decode_attention: Callable[..., torch.Tensor]
     prefill_attention: Callable[..., torch.Tensor]
+    rms_norm: Callable[..., torch.Tensor]
+    rotary_embedding: Callable[..., torch.Tensor]
+    silu_and_mul: Callable[..., torch.Tensor]
     # No host sync or host-side data dependence in the decode path, so a CUDA graph can capture it (the torch
     # reference reads context_lens.max() on the host).
     capturable: bool = False
@@ -86,17 +91,21 @@ def select_ops(backend: str, device: torch.device | str) -> AttentionOps:
             raise ValueError(f"attention backend 'cpu': {e}") from e
     if backend == "torch":
         from kernels import reference as ref
-        return AttentionOps("torch", ref.write_kv_cache, ref.paged_decode_attention, ref.prefill_attention)
+        return AttentionOps("torch", ref.write_kv_cache, ref.paged_decode_attention, ref.prefill_attention,
+                            ref.rms_norm, ref.rotary_embedding, ref.silu_and_mul)
     if not triton_usable(device):
         raise ValueError(f"attention backend 'triton' needs a CUDA device or TRITON_INTERPRET=1 (device {device})")
+    from kernels import reference as ref
     from kernels.triton_cache import write_kv_cache
     from kernels.triton_decode import paged_decode_attention
     from kernels.triton_prefill import prefill_attention
-    return AttentionOps("triton", write_kv_cache, paged_decode_attention, prefill_attention, capturable=True)
+    return AttentionOps("triton", write_kv_cache, paged_decode_attention, prefill_attention, ref.rms_norm,
+                        ref.rotary_embedding, ref.silu_and_mul, capturable=True)
 
 
 def _cpu_ops() -> AttentionOps:
-    """The "cpu" backend: the C decode kernel (`kernels.cpu_ops`), the reference's KV write and prefill.
+    """The "cpu" backend: the C decode kernel, KV write and per-token ops (`kernels.cpu_ops`), the reference's
+    prefill.
 
     Raises:
         KernelBuildError: the kernel could not be built or loaded.
@@ -104,4 +113,6 @@ def _cpu_ops() -> AttentionOps:
     from kernels import reference as ref
     from kernels.cpu_ops import CpuKernels
 
-    return AttentionOps("cpu", ref.write_kv_cache, CpuKernels.load().paged_decode_attention, ref.prefill_attention)
+    c = CpuKernels.load()
+    return AttentionOps("cpu", c.write_kv_cache, c.paged_decode_attention, ref.prefill_attention, c.rms_norm,
+                        c.rotary_embedding, c.silu_and_mul)

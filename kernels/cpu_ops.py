@@ -1,10 +1,11 @@
-"""The "cpu" attention backend: paged decode attention in C (`kernels/cpu_decode.c`), reading K/V in place.
+"""The "cpu" backend: paged decode attention in C (`kernels/cpu_decode.c`), reading K/V in place, and a decoder
+layer's small per-token ops and the KV-cache write in C (`kernels/cpu_layer_ops.c`).
 
-The C source is compiled on first use with the system C compiler (`$CC`, else `cc`) for the host's own ISA
-(`-O3 -march=native -ffast-math -fopenmp`) into a cache keyed by the source, the flags, the compiler and the CPU's flags
-(`$PDSERVE_KERNEL_CACHE`, else `~/.cache/pdserve/kernels`), then loaded with ctypes: no torch headers, so a build
-takes about a second. Writing the KV cache and prefill attention are the torch reference's (`kernels.reference`);
-prefill is GEMM-bound and the reference's gather is a small part of it.
+The C sources are compiled on first use with the system C compiler (`$CC`, else `cc`) for the host's own ISA
+(`-O3 -march=native -ffast-math -fopenmp`) into a cache keyed by the sources, the flags, the compiler and the CPU's
+flags (`$PDSERVE_KERNEL_CACHE`, else `~/.cache/pdserve/kernels`), then loaded with ctypes: no torch headers, so a
+build takes about a second. Prefill attention is the torch reference's (`kernels.reference`); prefill is GEMM-bound
+and the reference's gather is a small part of it.
 
 CPU only: the kernel takes host pointers (`Tensor.data_ptr()` of CPU tensors); `select_ops` never picks it for
 another device.
@@ -23,8 +24,12 @@ import torch
 
 from kernels.checks import check, check_attention
 from kernels.reference import paged_decode_attention as reference_decode_attention
+from kernels.reference import rms_norm as reference_rms_norm
+from kernels.reference import rotary_embedding as reference_rotary_embedding
+from kernels.reference import silu_and_mul as reference_silu_and_mul
+from kernels.reference import write_kv_cache as reference_write_kv_cache
 
-SOURCE = Path(__file__).with_name("cpu_decode.c")
+SOURCES = (Path(__file__).with_name("cpu_decode.c"), Path(__file__).with_name("cpu_layer_ops.c"))
 # -ffast-math is for compiling only: linked with it, GCC < 13 adds crtfastmath.o, whose constructor turns on
 # flush-to-zero for the whole process (torch's numerics included) when the library loads.
 # -mprefer-vector-width=512 (x86 only): GCC otherwise keeps to 256-bit vectors on AVX-512 CPUs (one run here, 64
@@ -33,6 +38,7 @@ CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11"
     ("-mprefer-vector-width=512",) if platform.machine() in ("x86_64", "AMD64") else ())
 LDFLAGS = ("-shared", "-fopenmp")
 MAX_GROUP, MAX_HEAD_DIM, MAX_BLOCK = 16, 256, 64  # the C kernel's stack arrays (cpu_decode.c)
+_C_DTYPES = (torch.float32, torch.bfloat16)  # what the C code reads; fp16 goes to the reference
 
 
 class KernelBuildError(RuntimeError):
@@ -51,7 +57,7 @@ def _cpu_signature() -> str:
 
 
 def build_library(cache_dir: Path | None = None, extra_cflags: tuple[str, ...] = ()) -> Path:
-    """Compile cpu_decode.c unless a build for this source, compiler and CPU is cached; returns the .so's path.
+    """Compile the C sources unless a build of them for this compiler and CPU is cached; returns the .so's path.
 
     Concurrent workers may build at once: each compiles to its own temporary file and renames it into place.
     `extra_cflags` are appended to CFLAGS (and keyed): `-DPDSERVE_PORTABLE` builds the plain loops only, as on a
@@ -63,14 +69,14 @@ def build_library(cache_dir: Path | None = None, extra_cflags: tuple[str, ...] =
             compiler's output).
     """
     cc = os.environ.get("CC", "cc")
-    source = SOURCE.read_bytes()
+    sources = [path.read_bytes() for path in SOURCES]
     try:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.TimeoutExpired) as e:
         raise KernelBuildError(f"no C compiler for the cpu attention kernels ({cc}: {e}); set $CC or use "
                                "--attention-backend torch") from e
     cflags = CFLAGS + tuple(extra_cflags)
-    key = hashlib.sha256(b"\0".join([source, " ".join(cflags + LDFLAGS).encode(), version.encode(),
+    key = hashlib.sha256(b"\0".join([*sources, " ".join(cflags + LDFLAGS).encode(), version.encode(),
                                      _cpu_signature().encode()])).hexdigest()[:16]
     cache_dir = cache_dir or Path(os.environ.get("PDSERVE_KERNEL_CACHE", Path.home() / ".cache/pdserve/kernels"))
     target = cache_dir / f"cpu_decode-{key}.so"
@@ -83,8 +89,9 @@ def build_library(cache_dir: Path | None = None, extra_cflags: tuple[str, ...] =
         raise KernelBuildError(f"cannot write the kernel cache {cache_dir} ({e}); set $PDSERVE_KERNEL_CACHE") from e
     os.close(fd)
     try:
-        for command in ([cc, *cflags, "-c", str(SOURCE), "-o", tmp + ".o"],
-                        [cc, *LDFLAGS, tmp + ".o", "-o", tmp, "-lm"]):
+        objects = [f"{tmp}.{i}.o" for i in range(len(SOURCES))]
+        commands = [[cc, *cflags, "-c", str(src), "-o", obj] for src, obj in zip(SOURCES, objects)]
+        for command in commands + [[cc, *LDFLAGS, *objects, "-o", tmp, "-lm"]]:
             try:
                 result = subprocess.run(command, capture_output=True, text=True, timeout=300)
             except (OSError, subprocess.TimeoutExpired) as e:
@@ -93,10 +100,16 @@ def build_library(cache_dir: Path | None = None, extra_cflags: tuple[str, ...] =
                 raise KernelBuildError(f"{' '.join(command)} failed:\n{result.stderr[-4000:]}")
         os.replace(tmp, target)
     finally:
-        for path in (tmp, tmp + ".o"):
+        for path in (tmp, *objects):
             if os.path.exists(path):
                 os.unlink(path)
     return target
+
+
+def _bind(fn, restype, argtypes):
+    """Declare a C function's signature for ctypes (wrong types would pass garbage, not fail)."""
+    fn.restype, fn.argtypes = restype, argtypes
+    return fn
 
 
 class CpuKernels:
@@ -108,6 +121,12 @@ class CpuKernels:
         fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_void_p] + [ctypes.c_int] * 6 + [
             ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_int]
         self._decode = fn
+        c_int, c_i64, c_ptr, c_float = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+        self._rms_norm = _bind(library.rms_norm, None, [c_ptr] * 4 + [c_int, c_int, c_i64, c_float, c_int, c_int])
+        self._rotary = _bind(library.rotary_embedding, None, [c_ptr] * 3 + [c_int] * 3 + [c_i64, c_int])
+        self._silu_and_mul = _bind(library.silu_and_mul, None, [c_ptr, c_ptr] + [c_int] * 4)
+        self._write_kv = _bind(library.write_kv_cache, c_int, [c_ptr] * 5 + [c_int] + [c_i64] * 3 + [c_int] +
+                               [c_i64] * 2)
 
     @classmethod
     def load(cls, cache_dir: Path | None = None, extra_cflags: tuple[str, ...] = ()) -> CpuKernels:
@@ -150,3 +169,69 @@ class CpuKernels:
                          int(query.dtype == torch.bfloat16), torch.get_num_threads())
         return out
 
+
+    # The small per-token ops (cpu_layer_ops.c). Each keeps the contract of its torch reference in kernels.reference;
+    # they are called once or twice per layer per step, so the checks are plain comparisons and anything the C code
+    # does not take (fp16, odd strides) goes to the reference.
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 residual: torch.Tensor | None = None) -> torch.Tensor:
+        """As `kernels.reference.rms_norm` (x [T, hidden], rows may be strided; residual updated in place)."""
+        if (x.dtype not in _C_DTYPES or x.dim() != 2 or x.stride(-1) != 1 or not weight.is_contiguous()
+                or weight.dtype != x.dtype or weight.numel() != x.shape[1] or (residual is not None and not (
+                    residual.is_contiguous() and residual.dtype == x.dtype and residual.shape == x.shape))):
+            return reference_rms_norm(x, weight, eps, residual)
+        rows, dim = x.shape
+        out = torch.empty((rows, dim), dtype=x.dtype)
+        self._rms_norm(x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(),
+                       out.data_ptr(), rows, dim, x.stride(0), eps, int(x.dtype == torch.bfloat16),
+                       torch.get_num_threads())
+        return out
+
+    def rotary_embedding(self, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """As `kernels.reference.rotary_embedding`, rotating `qk` in place and returning it."""
+        tokens, heads, head_dim = qk.shape
+        if (qk.dtype not in _C_DTYPES or qk.stride(2) != 1 or qk.stride(1) != head_dim or head_dim % 2
+                or cos.dtype != qk.dtype or sin.dtype != qk.dtype or not cos.is_contiguous()
+                or not sin.is_contiguous() or cos.numel() != tokens * head_dim or sin.numel() != tokens * head_dim):
+            return reference_rotary_embedding(qk, cos, sin)
+        self._rotary(qk.data_ptr(), cos.data_ptr(), sin.data_ptr(), tokens, heads, head_dim, qk.stride(0),
+                     int(qk.dtype == torch.bfloat16))
+        return qk
+
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """As `kernels.reference.silu_and_mul`."""
+        if gate_up.dtype not in _C_DTYPES or gate_up.dim() != 2 or not gate_up.is_contiguous() or gate_up.shape[1] % 2:
+            return reference_silu_and_mul(gate_up)
+        rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
+        out = torch.empty((rows, inter), dtype=gate_up.dtype)
+        self._silu_and_mul(gate_up.data_ptr(), out.data_ptr(), rows, inter, int(gate_up.dtype == torch.bfloat16),
+                           torch.get_num_threads())
+        return out
+
+    def write_kv_cache(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       slot_mapping: torch.Tensor) -> None:
+        """As `kernels.reference.write_kv_cache` (key/value [T, kv_heads, head_dim], rows may be strided).
+
+        Raises:
+            ValueError: a slot outside the cache (the reference raises IndexError there), naming the token; nothing
+                is written then.
+        """
+        tokens, heads, head_dim = key.shape
+        num_blocks, block_size = k_cache.shape[0], k_cache.shape[1]
+        row = heads * head_dim
+        if (key.dtype != k_cache.dtype or value.dtype != k_cache.dtype or v_cache.dtype != k_cache.dtype
+                or value.shape != key.shape or slot_mapping.dtype != torch.int64 or not slot_mapping.is_contiguous()
+                or key.stride(1) != head_dim or key.stride(2) != 1 or value.stride(1) != head_dim
+                or value.stride(2) != 1 or k_cache.stride(1) != row or v_cache.stride(1) != row
+                or k_cache.stride(2) != head_dim or v_cache.stride(2) != head_dim or k_cache.stride(3) != 1
+                or v_cache.stride(3) != 1 or v_cache.stride(0) != k_cache.stride(0) or v_cache.shape != k_cache.shape
+                or slot_mapping.numel() != tokens):
+            return reference_write_kv_cache(key, value, k_cache, v_cache, slot_mapping)
+        size = key.element_size()
+        bad = self._write_kv(key.data_ptr(), value.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+                             slot_mapping.data_ptr(), tokens, row * size, key.stride(0) * size, value.stride(0) * size,
+                             block_size, k_cache.stride(0) * size, num_blocks)
+        if bad >= 0:
+            raise ValueError(f"slot {int(slot_mapping[bad])} of token {bad} is outside the KV cache "
+                             f"({num_blocks} blocks of {block_size} tokens)")

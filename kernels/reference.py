@@ -1,7 +1,8 @@
-"""Pure-torch reference implementations of the paged KV cache ops (CPU and any device).
+"""Pure-torch reference implementations of the paged KV cache ops and of a decoder layer's small per-token ops
+(RMSNorm, RoPE, SiLU-and-mul), on CPU and any device. They define the semantics the other backends keep.
 
-They read K/V through block tables straight from the paged cache: no per-request contiguous KV is kept between
-steps; a step gathers the blocks it attends over and drops the gather afterwards.
+The attention ops read K/V through block tables straight from the paged cache: no per-request contiguous KV is kept
+between steps; a step gathers the blocks it attends over and drops the gather afterwards.
 """
 from __future__ import annotations
 
@@ -115,3 +116,47 @@ def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
             attn_mask=mask, scale=scale, enable_gqa=True)
         out[s:e] = o[0].transpose(0, 1)
     return out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """RMSNorm (Zhang & Sennrich 2019) as HF's LlamaRMSNorm computes it: in fp32, the normalized row rounded to the
+    input dtype before the weight multiplies it. With `residual`, first residual += x in place (vLLM's
+    fused_add_rms_norm) and the sum is normalized.
+
+    Args:
+        x: [T, hidden] float (a row-strided view is fine).
+        weight: [hidden], x's dtype.
+        eps: added to the mean square.
+        residual: None, or [T, hidden] contiguous in x's dtype, updated in place.
+
+    Returns:
+        [T, hidden] in x's dtype, a new tensor.
+    """
+    if residual is not None:
+        residual.add_(x)
+        x = residual
+    dtype = x.dtype
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(dtype)
+
+
+def rotary_embedding(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE (Su et al. 2021, HF Llama convention): qk * cos + rotate_half(qk) * sin.
+
+    Args:
+        qk: [T, heads, head_dim] (q and k heads side by side: RoPE is per head, so one call rotates both).
+        cos, sin: [T, 1, head_dim] in qk's dtype, the step's rows of the tables.
+
+    Returns:
+        The rotated [T, heads, head_dim]: here a new tensor; other backends may rotate `qk` in place and return it,
+        so callers use the result and not `qk`.
+    """
+    half = qk.shape[-1] // 2
+    return qk * cos + torch.cat((-qk[..., half:], qk[..., :half]), dim=-1) * sin
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SiLU-gated MLP activation: [T, 2 * I] (gate then up) -> silu(gate) * up, [T, I] in the input's dtype."""
+    gate, up = gate_up.split(gate_up.shape[-1] // 2, dim=-1)
+    return F.silu(gate) * up

@@ -112,3 +112,103 @@ def test_select_ops_falls_back_to_the_reference_without_a_compiler(tmp_path, mon
         select_ops("cpu", "cpu")
     with pytest.raises(ValueError, match="CPU only"):
         select_ops("cpu", "meta")
+
+
+# The per-token ops of cpu_layer_ops.c, in the build a worker makes. bf16: the C code rounds where the reference
+# does, so results are equal but for the RMS's sum of squares (reassociated) and libm's expf (an ulp from torch's);
+# fp32 differs in the last bits.
+@pytest.fixture(scope="module")
+def native(tmp_path_factory):
+    return CpuKernels.load(tmp_path_factory.mktemp("kernel-cache"))
+
+
+def _bf16_steps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """How many bf16 values apart a and b are, per element (both bf16, same sign region)."""
+    return (a.view(torch.int16).int() - b.view(torch.int16).int()).abs()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,dim", [(1, 576), (5, 64), (33, 576)])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_matches_reference(native, dtype, rows, dim, with_residual):
+    g = torch.Generator().manual_seed(rows * dim)
+    wide = (torch.randn(rows, dim + 32, generator=g) * 3).to(dtype)
+    x = wide[:, 16:16 + dim]  # rows strided, as a slice of a wider activation
+    weight = torch.randn(dim, generator=g).to(dtype)
+    residual = torch.randn(rows, dim, generator=g).to(dtype) if with_residual else None
+    ours_res, ref_res = (None, None) if residual is None else (residual.clone(), residual.clone())
+    ours = native.rms_norm(x, weight, 1e-5, ours_res)
+    ref = reference.rms_norm(x, weight, 1e-5, ref_res)
+    assert ours.shape == (rows, dim) and ours.dtype == dtype
+    if with_residual:
+        assert torch.equal(ours_res, ref_res)  # the residual add rounds once, as torch's add_
+    if dtype == torch.float32:
+        torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-6)
+    else:
+        steps = _bf16_steps(ours, ref)
+        assert int(steps.max()) <= 1 and float((steps == 0).float().mean()) >= 0.98
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 7])
+def test_rotary_embedding_rotates_in_place_as_the_reference(native, dtype, tokens):
+    g = torch.Generator().manual_seed(tokens)
+    heads, kv_heads, d = 9, 3, 64
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * d, generator=g).to(dtype)  # q, k, v side by side per token
+    angles = torch.rand(tokens, 1, d, generator=g) * 6.28
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    qk = qkv[:, :(heads + kv_heads) * d].view(tokens, heads + kv_heads, d)
+    ref = reference.rotary_embedding(qk.clone(), cos, sin)
+    v_before = qkv[:, (heads + kv_heads) * d:].clone()
+    ours = native.rotary_embedding(qk, cos, sin)
+    assert ours.data_ptr() == qk.data_ptr()  # rotated in place
+    assert torch.equal(qkv[:, (heads + kv_heads) * d:], v_before)  # v untouched
+    if dtype == torch.float32:
+        torch.testing.assert_close(ours, ref, rtol=1e-6, atol=1e-6)
+    else:
+        assert torch.equal(ours, ref)  # the same roundings in the same order
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 20])
+def test_silu_and_mul_matches_reference(native, dtype, rows):
+    gate_up = (torch.randn(rows, 2 * 1536, generator=torch.Generator().manual_seed(rows)) * 4).to(dtype)
+    ours, ref = native.silu_and_mul(gate_up), reference.silu_and_mul(gate_up)
+    assert ours.shape == (rows, 1536) and ours.dtype == dtype
+    if dtype == torch.float32:
+        torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-6)
+    else:
+        # silu one bf16 step apart (a value within an ulp of a rounding midpoint), then the product rounds again
+        steps = _bf16_steps(ours, ref)
+        assert int(steps.max()) <= 2 and float((steps == 0).float().mean()) >= 0.99
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_write_kv_cache_matches_reference_and_refuses_slots_outside_the_cache(native, dtype):
+    g = torch.Generator().manual_seed(0)
+    tokens, heads, d, block_size = 5, 3, 64, 16
+    k_cache, v_cache, _, _ = _paged([40], block_size, heads, d, dtype)  # strided per-layer views
+    qkv = torch.randn(tokens, (9 + 2 * heads) * d, generator=g).to(dtype)
+    key = qkv[:, 9 * d:(9 + heads) * d].view(tokens, heads, d)  # rows strided, as the model's views of qkv
+    value = qkv[:, (9 + heads) * d:].view(tokens, heads, d)
+    slots = torch.tensor([3, 17, 18, 40, 2], dtype=torch.int64)
+    ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    reference.write_kv_cache(key, value, ref_k, ref_v, slots)
+    native.write_kv_cache(key, value, k_cache, v_cache, slots)
+    assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v)
+    if dtype != torch.float16:  # fp16 takes the reference, which raises IndexError instead
+        outside = torch.tensor([1, k_cache.shape[0] * block_size], dtype=torch.int64)
+        with pytest.raises(ValueError, match="outside the KV cache"):
+            native.write_kv_cache(key[:2], value[:2], k_cache, v_cache, outside)
+        assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v)  # nothing written
+
+
+def test_layer_ops_take_the_reference_for_what_the_c_code_does_not_read(native):
+    x = torch.randn(3, 64).half()
+    torch.testing.assert_close(native.rms_norm(x, torch.ones(64).half(), 1e-5),
+                               reference.rms_norm(x, torch.ones(64).half(), 1e-5))
+    gate_up = torch.randn(2, 8).half()
+    assert torch.equal(native.silu_and_mul(gate_up), reference.silu_and_mul(gate_up))
+    qk = torch.randn(2, 3, 8).half()
+    cos, sin = torch.randn(2, 1, 8).half(), torch.randn(2, 1, 8).half()
+    assert torch.equal(native.rotary_embedding(qk.clone(), cos, sin), reference.rotary_embedding(qk, cos, sin))

@@ -1,6 +1,7 @@
 """Llama-family decoder (Llama, Mistral, Qwen2) that reads and writes a paged KV cache.
 
-Matches HF transformers' LlamaForCausalLM numerics (RMSNorm in fp32, rotate-half RoPE, SiLU-gated MLP) so that
+Matches HF transformers' LlamaForCausalLM numerics (RMSNorm in fp32, rotate-half RoPE, SiLU-gated MLP; the ops
+themselves are the worker's `AttentionOps`, whose torch reference is `kernels.reference`) so that
 greedy output equals `generate()` on the same weights. The architectures differ only in projection biases, switched
 by `ModelConfig.qkv_bias` / `o_bias` (Qwen2 = Llama + q/k/v bias). q/k/v and gate/up projections are fused at load
 time (one matmul instead of three / two).
@@ -10,7 +11,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import AttentionMetadata
@@ -19,22 +19,18 @@ from kernels import AttentionOps
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm (Zhang & Sennrich 2019), computed in fp32 as HF Llama does. x: [T, hidden] -> [T, hidden]."""
+    """RMSNorm's weight and eps (Zhang & Sennrich 2019); `AttentionOps.rms_norm` computes it, in fp32 as HF Llama
+    does, with the residual add fused in (`DecoderModel.forward`)."""
 
     def __init__(self, size: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
-
 
 class RotaryEmbedding(nn.Module):
-    """Rotate-half RoPE (Su et al. 2021, HF Llama convention) with a precomputed cos/sin table."""
+    """Rotate-half RoPE (Su et al. 2021, HF Llama convention) with a precomputed cos/sin table; the rotation itself
+    is `AttentionOps.rotary_embedding`."""
 
     def __init__(self, head_dim: int, max_positions: int, theta: float):
         super().__init__()
@@ -48,17 +44,6 @@ class RotaryEmbedding(nn.Module):
         """cos, sin rows of the step's positions ([T] int64), each [T, 1, hd] in `dtype`: gathered once per step
         and shared by every layer (gathering them per layer cost 4 ops x layers)."""
         return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
-
-    @staticmethod
-    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x: [T, heads, hd] (q and k heads side by side: RoPE is per head, so one pass rotates both) ->
-        x * cos + rotate_half(x) * sin, a new [T, heads, hd] tensor."""
-        return x * cos + _rotate_half(x) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 class Attention(nn.Module):
@@ -86,7 +71,7 @@ class Attention(nn.Module):
         attention op's output as is."""
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)
-        qk = RotaryEmbedding.apply(qkv[:, :self.q_size + self.kv_size].view(
+        qk = self.ops.rotary_embedding(qkv[:, :self.q_size + self.kv_size].view(
             num_tokens, self.num_heads + self.num_kv_heads, self.head_dim), *rope)
         q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
         v = qkv[:, self.q_size + self.kv_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -107,15 +92,14 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """SiLU-gated MLP with fused gate/up projection, no bias. x: [T, hidden] -> [T, hidden]."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, ops: AttentionOps):
         super().__init__()
-        self.intermediate = cfg.intermediate_size
+        self.ops = ops
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -126,7 +110,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, ops)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, ops)
 
 
 class DecoderModel(nn.Module):
@@ -140,6 +124,7 @@ class DecoderModel(nn.Module):
     def __init__(self, cfg: ModelConfig, ops: AttentionOps):
         super().__init__()
         self.cfg = cfg
+        self.ops = ops
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, ops) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -153,14 +138,21 @@ class DecoderModel(nn.Module):
         """input_ids, positions: [T] int64. kv_layers[l] = (k_cache, v_cache) of layer l. Returns [T, hidden].
         on_layer_written(l) is called as soon as layer l's attention has written the step's K/V (before its MLP),
         for layer-wise KV streaming."""
+        # h is the residual stream; each norm adds the previous sublayer's output into it in place first (vLLM's
+        # fused_add_rms_norm), the same sums as h = h + sublayer(norm(h)) in fewer ops.
         h = self.embed_tokens(input_ids)
         rope = self.rope.tables(positions, h.dtype)
+        rms_norm = self.ops.rms_norm
+        norms = [layer.input_layernorm for layer in self.layers] + [self.norm]  # norms[i + 1] follows layer i
+        x = rms_norm(h, norms[0].weight, norms[0].eps)
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_layers)):
-            h = h + layer.self_attn(layer.input_layernorm(h), rope, meta, k_cache, v_cache)
+            attn = layer.self_attn(x, rope, meta, k_cache, v_cache)
             if on_layer_written is not None:
                 on_layer_written(i)
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
-        return self.norm(h)
+            post = layer.post_attention_layernorm
+            x = layer.mlp(rms_norm(attn, post.weight, post.eps, h))
+            x = rms_norm(x, norms[i + 1].weight, norms[i + 1].eps, h)
+        return x
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,127 @@
+/* The small per-token ops of a decoder layer on CPU: RMSNorm (with the residual add fused), RoPE in place,
+ * SiLU-and-mul, and the KV-cache write.
+ *
+ * Why C: at batch 1 each of these is a handful of torch ops over a few KB, so the step's time goes to dispatching
+ * them (RMSNorm alone is 8 ops, about 12-16 us a call on the AMD EPYC VM; 30 layers call it twice). One C call
+ * each, through ctypes, costs a few microseconds. Built into the same library as cpu_decode.c (kernels/cpu_ops.py).
+ *
+ * Numerics follow the torch reference (kernels/reference.py) step for step, including where it rounds to bf16 between
+ * ops, so bf16 results match it bit for bit except where a sum is reassociated (the RMS's sum of squares) or libm's
+ * expf differs from torch's by an ulp; fp32 differs in the last bits only. bf16 is widened exactly (bits << 16) and
+ * rounded to nearest even, as torch's .to() does. 1/sqrt is taken in double: with -ffast-math, GCC turns the float
+ * 1.0f / sqrtf into an approximate RSQRTSS and a Newton step.
+ *
+ * Rows of `dim` elements: fp32 when is_bf16 == 0, else bf16. Strides are in elements.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+static inline float bf16_to_f32(uint16_t x) {
+    uint32_t u = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u); /* NaN stays NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);                                            /* round to nearest even */
+    return (uint16_t)(u >> 16);
+}
+
+/* The value torch would hold after rounding an fp32 result to the tensor's dtype. */
+static inline float round_to(float f, int is_bf16) { return is_bf16 ? bf16_to_f32(f32_to_bf16(f)) : f; }
+
+static inline float load(const void *p, int64_t i, int is_bf16) {
+    return is_bf16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+static inline void store(void *p, int64_t i, float f, int is_bf16) {
+    if (is_bf16) ((uint16_t *)p)[i] = f32_to_bf16(f);
+    else ((float *)p)[i] = f;
+}
+
+/* out[r] = weight * (s * rsqrt(mean(s^2) + eps)), s = x[r], or with a residual: residual[r] += x[r] (rounded to
+ * the dtype) and s = residual[r]. The normalized row is rounded to the dtype before the weight multiplies it, as
+ * HF's LlamaRMSNorm does. x: [rows, dim] with row stride x_stride; residual, out: [rows, dim] contiguous;
+ * weight: [dim]. */
+void rms_norm(const void *x, void *residual, const void *weight, void *out, int rows, int dim, int64_t x_stride,
+              float eps, int is_bf16, int num_threads) {
+    #pragma omp parallel for num_threads(num_threads) schedule(static) if (rows >= 16)
+    for (int r = 0; r < rows; r++) {
+        float s[dim];
+        const int64_t xi = (int64_t)r * x_stride, ri = (int64_t)r * dim;
+        for (int i = 0; i < dim; i++) s[i] = load(x, xi + i, is_bf16);
+        if (residual) {
+            for (int i = 0; i < dim; i++) {
+                s[i] = round_to(s[i] + load(residual, ri + i, is_bf16), is_bf16);
+                store(residual, ri + i, s[i], is_bf16);
+            }
+        }
+        float ss = 0.0f;
+        for (int i = 0; i < dim; i++) ss += s[i] * s[i];
+        const float inv = (float)(1.0 / sqrt((double)(ss / (float)dim + eps)));
+        for (int i = 0; i < dim; i++)
+            store(out, ri + i, load(weight, i, is_bf16) * round_to(s[i] * inv, is_bf16), is_bf16);
+    }
+}
+
+/* Rotate-half RoPE in place: for each token t and head h, with x = qk[t, h, :], half = head_dim / 2,
+ * x[i] <- x[i] * cos[t, i] - x[i + half] * sin[t, i] and x[i + half] <- x[i + half] * cos[t, i + half] +
+ * x[i] * sin[t, i + half], each product rounded to the dtype, then the sum (the reference's x * cos +
+ * rotate_half(x) * sin). qk: [tokens, heads, head_dim], heads dense within a token, tokens token_stride apart;
+ * cos, sin: [tokens, head_dim] contiguous, in the dtype. */
+void rotary_embedding(void *qk, const void *cos_t, const void *sin_t, int tokens, int heads, int head_dim,
+                      int64_t token_stride, int is_bf16) {
+    const int half = head_dim / 2;
+    for (int t = 0; t < tokens; t++) {
+        const int64_t ci = (int64_t)t * head_dim;
+        for (int h = 0; h < heads; h++) {
+            const int64_t b = (int64_t)t * token_stride + (int64_t)h * head_dim;
+            for (int i = 0; i < half; i++) {
+                const float x1 = load(qk, b + i, is_bf16), x2 = load(qk, b + i + half, is_bf16);
+                const float lo = round_to(x1 * load(cos_t, ci + i, is_bf16), is_bf16)
+                               + round_to(-x2 * load(sin_t, ci + i, is_bf16), is_bf16);
+                const float hi = round_to(x2 * load(cos_t, ci + i + half, is_bf16), is_bf16)
+                               + round_to(x1 * load(sin_t, ci + i + half, is_bf16), is_bf16);
+                store(qk, b + i, lo, is_bf16);
+                store(qk, b + i + half, hi, is_bf16);
+            }
+        }
+    }
+}
+
+/* out[r, i] = silu(gate_up[r, i]) * gate_up[r, inter + i], silu(g) = g / (1 + exp(-g)) rounded to the dtype first
+ * (F.silu's output). gate_up: [rows, 2 * inter] contiguous; out: [rows, inter] contiguous. */
+void silu_and_mul(const void *gate_up, void *out, int rows, int inter, int is_bf16, int num_threads) {
+    #pragma omp parallel for num_threads(num_threads) schedule(static) if (rows >= 16)
+    for (int r = 0; r < rows; r++) {
+        const int64_t g = (int64_t)r * 2 * inter, o = (int64_t)r * inter;
+        for (int i = 0; i < inter; i++) {
+            const float x = load(gate_up, g + i, is_bf16);
+            const float silu = round_to(x / (1.0f + expf(-x)), is_bf16);
+            store(out, o + i, silu * load(gate_up, g + inter + i, is_bf16), is_bf16);
+        }
+    }
+}
+
+/* Copy each token's K and V rows (row_bytes: num_kv_heads * head_dim elements) into its cache slot,
+ * slot = block * block_size + offset; key/value rows are key_stride / value_stride bytes apart, cache blocks
+ * block_stride bytes apart (a block's rows dense). Returns the first token whose slot is outside
+ * [0, num_blocks * block_size), having written none, or -1. */
+int write_kv_cache(const char *key, const char *value, char *k_cache, char *v_cache, const int64_t *slot_mapping,
+                   int tokens, int64_t row_bytes, int64_t key_stride, int64_t value_stride, int block_size,
+                   int64_t block_stride, int64_t num_blocks) {
+    for (int t = 0; t < tokens; t++)
+        if (slot_mapping[t] < 0 || slot_mapping[t] >= num_blocks * block_size) return t;
+    for (int t = 0; t < tokens; t++) {
+        const int64_t slot = slot_mapping[t];
+        const int64_t at = (slot / block_size) * block_stride + (slot % block_size) * row_bytes;
+        memcpy(k_cache + at, key + t * key_stride, (size_t)row_bytes);
+        memcpy(v_cache + at, value + t * value_stride, (size_t)row_bytes);
+    }
+    return -1;
+}
