@@ -47,7 +47,8 @@ import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile, record_function  # noqa: E402
 
 from engine.args import EngineArgs  # noqa: E402
-from engine.builder import build_engine, set_threads  # noqa: E402
+from engine.builder import build_engine  # noqa: E402
+from engine.hardware import set_threads  # noqa: E402
 from engine.hardware import cpu_flags  # noqa: E402
 from engine.packing import packing_supported  # noqa: E402
 from engine.request import Request, SamplingParams  # noqa: E402

@@ -219,7 +219,7 @@ def add_machine_fraction(results: dict, model_dir: str, threads: int, dtypes: di
     (Chowdhery et al. 2022, appendix B). Prefill FLOPs are left out: the seed's prompt is a prefix-cache hit."""
     import torch
 
-    from engine.builder import set_threads
+    from engine.hardware import set_threads
     from engine.config import ModelConfig
     from step_profile import config_linear_shapes, gemm_rate
     from transformers import AutoConfig

@@ -36,7 +36,7 @@ class EngineArgs:
         speculative_ngram_max / speculative_ngram_min: longest / shortest n-gram looked up, in tokens.
         speculative_disable_batch_size: no drafts while more requests than this are running.
         threads: torch intra-op threads for the process; 0 = one per CPU the process may run on
-            (`engine.builder.set_threads`). `pdserve serve` splits its host's CPUs among its workers instead.
+            (`engine.hardware.set_threads`). `pdserve serve` splits its host's CPUs among its workers instead.
         random_weights: build the model from its config with random weights (tests, GPU-less benchmarks).
         enforce_eager: on CUDA, run every step eagerly instead of replaying captured graphs of all-decode steps
             (`engine.cuda_graphs`; vLLM's flag of the same name). No effect on CPU.

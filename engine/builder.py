@@ -1,7 +1,6 @@
 """Assemble an engine (model config, KV geometry, scheduler, runner) from a resolved model directory."""
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -60,10 +59,3 @@ def build_engine(args: EngineArgs) -> EngineParts:
                          max_model_len=scheduler_config.max_model_len)
     kv = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching)
     return EngineParts(model_config, cache_config, scheduler_config, Scheduler(scheduler_config, kv), runner)
-
-
-def set_threads(num_threads: int) -> None:
-    """Torch intra-op threads for this process; 0 = one per CPU in its affinity mask (what a container or
-    taskset grants it, not the host's count, which torch would take). Several processes on few cores: give each its
-    share (`cli.launcher.worker_threads`); more threads than cores only adds contention."""
-    torch.set_num_threads(num_threads if num_threads > 0 else len(os.sched_getaffinity(0)))

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.errors import ErrorKind
+from engine.hardware import set_threads
 from engine.model_runner import ModelRunner
 from engine.outputs import RequestFailed, SchedulerOutput, StepRecord
 from engine.request import Request
@@ -61,11 +62,15 @@ class EngineCore:
         on_fault: called on the engine thread, once, when a step raises (a fault of the engine, not of one
             request): the step's requests fail, the others carry on, and the worker should report itself unhealthy.
         step_log_size: how many StepRecords to keep.
+        threads: torch intra-op threads of the engine thread (`engine.hardware.set_threads`: 0 = one per CPU);
+            None leaves torch's setting as the engine thread finds it.
     """
 
     def __init__(self, scheduler: Scheduler, runner: ModelRunner, emit: Callable[[list], None],
-                 on_fault: Callable[[str], None] = lambda message: None, step_log_size: int = 4096):
+                 on_fault: Callable[[str], None] = lambda message: None, step_log_size: int = 4096,
+                 threads: int | None = None):
         self.scheduler = scheduler
+        self.threads = threads
         self.runner = runner
         self.emit = emit
         self.on_fault = on_fault
@@ -93,6 +98,8 @@ class EngineCore:
             self._thread.join(timeout=30)
 
     def _run(self) -> None:
+        if self.threads is not None:
+            set_threads(self.threads)  # per thread under OpenMP: the steps run here
         while not self._stop.is_set():
             events: list = []
             out: SchedulerOutput | None = None

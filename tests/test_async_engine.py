@@ -120,3 +120,26 @@ def test_duplicate_id_while_owned_is_refused(run):
             assert e.value.kind == ErrorKind.DUPLICATE_REQUEST
             await stream.next()
     run(scenario)
+
+
+def test_the_engine_thread_runs_torch_on_its_own_thread_count(tiny_model_dir):
+    """Under OpenMP torch's thread count is per thread: the worker's intra-op threads must be set on the engine
+    thread, where the steps run, whatever the thread that built the engine uses (`engine.hardware.set_threads`)."""
+    import torch
+
+    parts = build_engine(EngineArgs(model_dir=str(tiny_model_dir), block_size=8, kv_tokens=1024, max_model_len=512))
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        async def main():
+            engine = AsyncEngine(lambda emit, on_fault: EngineCore(parts.scheduler, parts.runner, emit, on_fault,
+                                                                   threads=2))
+            engine.start()
+            try:
+                return await engine.call(lambda s: torch.get_num_threads())
+            finally:
+                engine.stop()
+        assert asyncio.run(main()) == 2
+        assert torch.get_num_threads() == 1  # this thread's own count is left alone
+    finally:
+        torch.set_num_threads(before)

@@ -11,7 +11,8 @@ import grpc
 from prometheus_client import CollectorRegistry
 
 from engine.async_engine import AsyncEngine
-from engine.builder import EngineParts, build_engine, set_threads
+from engine.builder import EngineParts, build_engine
+from engine.hardware import set_threads
 from engine.config import compat_hash
 from engine.engine_core import EngineCore
 from pdserve.v1 import generate_pb2, worker_pb2, worker_pb2_grpc
@@ -45,10 +46,13 @@ def start_engine(config: WorkerConfig) -> WorkerEngine:
     Raises:
         FileNotFoundError / ValueError: from model loading and config validation.
     """
-    set_threads(config.engine.threads)
+    # The engine thread gets the intra-op threads; this one (loading, the event loop, KV copies) runs torch on one,
+    # so the process never holds two OpenMP pools (`set_threads` says why that doubled a 2-thread step).
+    set_threads(1)
     # A prefill worker never runs an all-decode step: capturing decode graphs there would only cost start-up time.
     parts = build_engine(replace(config.engine, enforce_eager=True) if config.role == "prefill" else config.engine)
-    engine = AsyncEngine(lambda emit, on_fault: EngineCore(parts.scheduler, parts.runner, emit, on_fault))
+    engine = AsyncEngine(lambda emit, on_fault: EngineCore(parts.scheduler, parts.runner, emit, on_fault,
+                                                           threads=config.engine.threads))
     engine.start()
     registry = CollectorRegistry()
     return WorkerEngine(engine, parts, registry, WorkerMetrics(registry, engine, parts.model_config.name, config.role))
