@@ -9,7 +9,7 @@
   request of the highest concurrency level (build: bench/README.md);
 - peers: any OpenAI-compatible server already running (`--peer name=url`), see bench/README.md.
 Every system gets the whole machine: `threads` CPUs. pdserve's workers split them as `pdserve serve` does
-(`cli.launcher.worker_threads`: one CPU left to the coordinator and clients when a worker would span them all).
+(`cli.launcher.worker_threads`: evenly, every CPU to the workers).
 """
 from __future__ import annotations
 

@@ -134,20 +134,16 @@ def wait_ready(procs: list[tuple[str, subprocess.Popen, Path]], timeout_s: float
 
 def worker_threads(num_workers: int, num_cpus: int | None = None) -> int:
     """Torch threads for each of num_workers workers sharing this host: its CPUs (affinity mask) split evenly, at
-    least 1, so workers never oversubscribe the cores, and one CPU left to the coordinator and clients whenever
-    the workers' multi-threaded regions would otherwise take every CPU. An OpenMP region waits for its slowest
-    thread, so a busy coordinator stalls every op of a worker spread over all cores.
+    least 1, so workers never oversubscribe the cores. The coordinator and clients get no CPU of their own.
 
-    Measured on 2 cores, bf16, both workloads in one run each (docs/benchmarks.md, "Thread split"): a colocated
-    worker with 1 thread against 2 gave 1.12x / 1.38x the output tok/s at concurrency 16 / 64 on the seed workload
-    and 1.24x / 1.24x on 128 in / 32 out. vLLM's CPU backend likewise keeps a core for its scheduler by default.
+    Measured on 2 cores, seed workload, bf16, one run (docs/benchmarks.md, "Thread split, again"): one colocated
+    worker with 2 threads gave 1.47x / 1.44x the output tok/s of 1 thread at concurrency 16 / 64, and 1.27x two
+    1-thread workers at 64. (An earlier rule kept one CPU for the coordinator; its measurement had every served
+    worker's OpenMP threads slowed by a second thread pool, `engine.hardware.set_threads`.) Hosts with more cores
+    are not measured yet.
     """
     cpus = num_cpus if num_cpus is not None else len(os.sched_getaffinity(0))
-    workers = max(1, num_workers)
-    share = cpus // workers
-    if share > 1:
-        share = (cpus - 1) // workers
-    return max(1, share)
+    return max(1, cpus // max(1, num_workers))
 
 
 def start_cluster(model_dir: str, model_name: str, config: ServeConfig = ServeConfig(), colocated: bool = False,

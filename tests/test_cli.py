@@ -87,9 +87,9 @@ def test_serve_splits_the_cpus_among_its_workers():
     from cli.launcher import worker_threads
 
     assert worker_threads(2, num_cpus=2) == 1  # 1 prefill + 1 decode on two cores: one each
-    assert worker_threads(1, num_cpus=2) == 1  # colocated: one core left to the coordinator and clients
-    assert worker_threads(1, num_cpus=16) == 15
-    assert worker_threads(2, num_cpus=16) == 7
+    assert worker_threads(1, num_cpus=2) == 2  # colocated: both cores
+    assert worker_threads(1, num_cpus=16) == 16
+    assert worker_threads(2, num_cpus=16) == 8
     assert worker_threads(3, num_cpus=8) == 2
     assert worker_threads(4, num_cpus=2) == 1  # never 0
 
