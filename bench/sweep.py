@@ -196,19 +196,22 @@ def main(argv=None) -> int:
 
 def system_dtype(name: str, worker_args: list[str]) -> str | None:
     """The dense dtype a system's matmuls ran in: pdserve's --dtype (auto resolved for this CPU), fp32 for the
-    naive server, vLLM's --dtype (float32, or bfloat16 for the -bf16 system); None for llama.cpp (its GGUF's Q4_1
-    blocks are no dense dtype, so no GEMM rate is its baseline)."""
+    naive server, vLLM's --dtype (float32, or bfloat16 for the -bf16 system); None for llama.cpp and for pdserve
+    with --quantization int8/int4 (quantized weights are no dense dtype, so no dense GEMM rate is their baseline:
+    int4 at M = 1 beats it)."""
     from engine.hardware import resolve_dtype
 
     if name == "llamacpp":
         return None
     if not name.startswith("pdserve"):
         return "bfloat16" if name.endswith("-bf16") else "float32"
-    dtype = "float32"
+    dtype, quantization = "float32", "none"
     for i, arg in enumerate(worker_args[:-1]):
         if arg == "--dtype":
             dtype = worker_args[i + 1]
-    return resolve_dtype(dtype, "cpu")
+        elif arg == "--quantization":
+            quantization = worker_args[i + 1]
+    return resolve_dtype(dtype, "cpu") if quantization == "none" else None
 
 
 def add_machine_fraction(results: dict, model_dir: str, threads: int, dtypes: dict[str, str | None]) -> None:

@@ -106,3 +106,15 @@ def test_gpu_check_smoke(tiny_model_dir, tmp_path):
     assert doc["cluster"]["tcp"]["agreement"] == 1.0 and doc["cluster"]["tcp"]["idle"]
     (row,) = doc["throughput"]
     assert row["batch"] == 2 and row["hf_tok_s"] > 0 and row["pdserve_graphs_tok_s"] > 0 and row["ratio_eager"] > 0
+
+
+def test_sweep_names_no_dense_dtype_for_quantized_weights():
+    """The machine-fraction baseline is a dense GEMM in the system's dtype; quantized weights have none (int4 at
+    M = 1 outruns the dense bf16 GEMM, which read as a fraction above 1)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    from sweep import system_dtype
+
+    assert system_dtype("pdserve-x", ["--dtype", "bfloat16"]) == "bfloat16"
+    assert system_dtype("pdserve-x", ["--dtype", "bfloat16", "--quantization", "int4"]) is None
+    assert system_dtype("pdserve-x", ["--quantization", "none", "--dtype", "bfloat16"]) == "bfloat16"
+    assert system_dtype("llamacpp", []) is None and system_dtype("naive", []) == "float32"
