@@ -47,7 +47,7 @@ class RotaryEmbedding(nn.Module):
 
 
 class Attention(nn.Module):
-    """GQA self-attention over the paged KV cache through the worker's `AttentionOps` (Triton or torch).
+    """GQA self-attention over the paged KV cache through the worker's `AttentionOps` (Triton, C or torch).
 
     Biases (HF semantics): `cfg.qkv_bias` on the fused q/k/v projection, before RoPE; `cfg.o_bias` on o_proj.
     """
