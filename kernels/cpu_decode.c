@@ -21,6 +21,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "cpu_bf16.h"
+
 #if defined(__AVX512F__) && !defined(PDSERVE_PORTABLE)
 #include <immintrin.h>
 #define HAVE_AVX512 1
@@ -30,20 +32,6 @@
 #define MAX_HEAD_DIM 256
 #define MAX_BLOCK 64     /* tokens per KV block */
 
-static inline float bf16_to_f32(uint16_t x) {
-    uint32_t u = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u); /* NaN stays NaN */
-    u += 0x7fffu + ((u >> 16) & 1u);                                            /* round to nearest even */
-    return (uint16_t)(u >> 16);
-}
 
 /* Load `n` elements of a row (fp32 when is_bf16 == 0, else bf16) into fp32 `dst`. */
 static inline void load_row(float *restrict dst, const void *src, int n, int is_bf16) {

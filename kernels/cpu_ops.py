@@ -30,6 +30,7 @@ from kernels.reference import silu_and_mul as reference_silu_and_mul
 from kernels.reference import write_kv_cache as reference_write_kv_cache
 
 SOURCES = (Path(__file__).with_name("cpu_decode.c"), Path(__file__).with_name("cpu_layer_ops.c"))
+HEADERS = (Path(__file__).with_name("cpu_bf16.h"),)  # included by the sources: part of the cache key
 # -ffast-math is for compiling only: linked with it, GCC < 13 adds crtfastmath.o, whose constructor turns on
 # flush-to-zero for the whole process (torch's numerics included) when the library loads.
 # -mprefer-vector-width=512 (x86 only): GCC otherwise keeps to 256-bit vectors on AVX-512 CPUs (one run here, 64
@@ -69,7 +70,7 @@ def build_library(cache_dir: Path | None = None, extra_cflags: tuple[str, ...] =
             compiler's output).
     """
     cc = os.environ.get("CC", "cc")
-    sources = [path.read_bytes() for path in SOURCES]
+    sources = [path.read_bytes() for path in SOURCES + HEADERS]
     try:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.TimeoutExpired) as e:
