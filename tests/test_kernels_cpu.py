@@ -212,3 +212,18 @@ def test_layer_ops_take_the_reference_for_what_the_c_code_does_not_read(native):
     qk = torch.randn(2, 3, 8).half()
     cos, sin = torch.randn(2, 1, 8).half(), torch.randn(2, 1, 8).half()
     assert torch.equal(native.rotary_embedding(qk.clone(), cos, sin), reference.rotary_embedding(qk, cos, sin))
+
+
+def test_an_installed_package_carries_the_c_sources():
+    """The C kernels are built where they run, from the sources beside kernels/cpu_ops.py: a wheel without them
+    (as the Docker image's `pip install /src` made before) silently runs the slower torch reference."""
+    import fnmatch
+    import tomllib
+    from pathlib import Path
+
+    from kernels.cpu_ops import HEADERS, SOURCES
+
+    config = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
+    patterns = config["tool"]["setuptools"]["package-data"]["kernels"]
+    for path in SOURCES + HEADERS:
+        assert any(fnmatch.fnmatch(path.name, p) for p in patterns), path.name
