@@ -136,7 +136,9 @@ class ModelRunner:
         verify_rows = [row for s, last in verify for row in range(last, last + len(s.spec_token_ids) + 1)]
         if not sample_rows and not verify_rows:
             return RunnerOutput()
-        logits = self.model.compute_logits(hidden[sample_rows + verify_rows])  # stays on the device
+        # Every row sampled (an all-decode step without drafts; sample_rows ascend): the hidden states as they are.
+        every_row = not verify_rows and len(sample_rows) == hidden.shape[0]
+        logits = self.model.compute_logits(hidden if every_row else hidden[sample_rows + verify_rows])  # on device
         result = self.sampler(logits[:len(sample_rows)], [s.request for s in scheduled
                                                            if s.sample and not s.spec_token_ids])
         if verify:
