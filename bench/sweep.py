@@ -121,6 +121,10 @@ def main(argv=None) -> int:
     unknown = set(names) - set(ALL_SYSTEMS)
     if unknown:
         raise SystemExit(f"unknown systems {sorted(unknown)}; choose from {ALL_SYSTEMS} or use --peer")
+    try:  # a malformed --peer must stop the run before it starts, not after the other systems ran unrecorded
+        peers = [systems.peer(spec) for spec in args.peer]
+    except ValueError as e:
+        raise SystemExit(str(e)) from e
     out_dir = Path(args.out_dir or HERE / "results" / datetime.datetime.utcnow().strftime("%Y%m%dT%H%M%SZ"))
     out_dir.mkdir(parents=True, exist_ok=True)
     log_dir = out_dir / "logs"
@@ -163,8 +167,7 @@ def main(argv=None) -> int:
                           systems.start_pdserve(name, model_dir, colocated, args.threads, str(log_dir),
                                                 args.worker_args.split() + extra.split(), workers=n))
         names.append(name)
-    plan = [(n, starters[n]) for n in names] + [(spec.split("=")[0], lambda s=spec: systems.peer(s))
-                                               for spec in args.peer]
+    plan = [(n, starters[n]) for n in names] + [(p.name, lambda p=p: p) for p in peers]
     for name, start in plan:
         print(f"starting {name} ...", flush=True)
         try:

@@ -118,3 +118,10 @@ def test_sweep_names_no_dense_dtype_for_quantized_weights():
     assert system_dtype("pdserve-x", ["--dtype", "bfloat16", "--quantization", "int4"]) is None
     assert system_dtype("pdserve-x", ["--quantization", "none", "--dtype", "bfloat16"]) == "bfloat16"
     assert system_dtype("llamacpp", []) is None and system_dtype("naive", []) == "float32"
+
+
+def test_sweep_refuses_a_malformed_peer_before_running_anything(tmp_path):
+    proc = subprocess.run([sys.executable, "bench/sweep.py", "--systems", "", "--peer", "bogus",
+                           "--out-dir", str(tmp_path / "out")], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and "--peer wants name=http://host:port" in proc.stderr
+    assert "starting" not in proc.stdout
