@@ -23,11 +23,24 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-INT8_ACTIVATION_DTYPES = (torch.bfloat16, torch.float16)
+ACTIVATION_DTYPES = (torch.bfloat16, torch.float16)  # what both packed ops take (their fp32 paths are slow)
 INT4_GROUP_SIZES = (32, 64, 128, 256)  # what aten._weight_int4pack_mm_for_cpu accepts
 
 
-class Int8WeightOnlyLinear(nn.Module):
+class _WeightOnlyLinear(nn.Module):
+    """What the int8 and int4 layers share: x [..., in] -> [..., out], their packed CPU op on CPU (`_cpu_matmul`),
+    elsewhere a dense matmul of the dequantized weight (`_dense_weight`), then the bias. Subclasses set
+    in_features, out_features, bias and on_cpu."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x if x.dim() == 2 else x.reshape(-1, self.in_features)
+        y = self._cpu_matmul(rows.contiguous()) if self.on_cpu else F.linear(rows, self._dense_weight(rows.dtype))
+        if self.bias is not None:
+            y = y + self.bias
+        return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)
+
+
+class Int8WeightOnlyLinear(_WeightOnlyLinear):
     """y = x @ (W_q * s[:, None])^T + b, with W_q int8 [out, in] and s [out] in the activation dtype.
 
     Each weight is off by at most s / 2 from the original (round to nearest against the stored scale s; the
@@ -44,7 +57,7 @@ class Int8WeightOnlyLinear(nn.Module):
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
-        if linear.weight.dtype not in INT8_ACTIVATION_DTYPES:
+        if linear.weight.dtype not in ACTIVATION_DTYPES:
             raise ValueError(f"int8 weight-only quantization needs bf16 or fp16 weights and activations, got "
                              f"{linear.weight.dtype}; use --dtype bfloat16 (or auto on a CPU with bf16 units)")
         w = linear.weight.detach().float()
@@ -60,15 +73,11 @@ class Int8WeightOnlyLinear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.on_cpu = linear.weight.device.type == "cpu"
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x if x.dim() == 2 else x.reshape(-1, self.in_features)
-        if self.on_cpu:
-            y = torch.ops.aten._weight_int8pack_mm(rows.contiguous(), self.weight_int8, self.scale)
-        else:
-            y = F.linear(rows, self.weight_int8.to(rows.dtype) * self.scale[:, None])
-        if self.bias is not None:
-            y = y + self.bias
-        return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)
+    def _cpu_matmul(self, rows: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int8pack_mm(rows, self.weight_int8, self.scale)
+
+    def _dense_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        return self.weight_int8.to(dtype) * self.scale[:, None]
 
 
 def quantize_int4(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -101,7 +110,7 @@ def dequantize_int4(codes: torch.Tensor, scale_zero: torch.Tensor, group_size: i
     return w.view(out_features, in_features)
 
 
-class Int4WeightOnlyLinear(nn.Module):
+class Int4WeightOnlyLinear(_WeightOnlyLinear):
     """y = x @ W_deq^T + b, with W_deq[n, k] = (q[n, k] - 8) * scale[k // g, n] + zero[k // g, n], q in [0, 15] the
     codes of `quantize_int4` (g = `group_size`). x: [..., in] in bf16 or fp16 -> [..., out] in the same dtype.
 
@@ -122,7 +131,7 @@ class Int4WeightOnlyLinear(nn.Module):
         super().__init__()
         dtype = linear.weight.dtype
         out_features, in_features = linear.weight.shape
-        if dtype not in INT8_ACTIVATION_DTYPES:
+        if dtype not in ACTIVATION_DTYPES:
             raise ValueError(f"int4 weight-only quantization needs bf16 or fp16 weights and activations, got {dtype}; "
                              f"use --dtype bfloat16 (or auto on a CPU with bf16 units)")
         if group_size not in INT4_GROUP_SIZES:
@@ -139,16 +148,11 @@ class Int4WeightOnlyLinear(nn.Module):
         self.weight_int4 = codes  # plain attributes, as Int8WeightOnlyLinear's
         self.bias = linear.bias
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x if x.dim() == 2 else x.reshape(-1, self.in_features)
-        if self.on_cpu:
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows.contiguous(), self.weight_int4, self.group_size,
-                                                          self.scale_zero)
-        else:
-            y = F.linear(rows, dequantize_int4(self.weight_int4, self.scale_zero, self.group_size).to(rows.dtype))
-        if self.bias is not None:
-            y = y + self.bias
-        return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)
+    def _cpu_matmul(self, rows: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.weight_int4, self.group_size, self.scale_zero)
+
+    def _dense_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        return dequantize_int4(self.weight_int4, self.scale_zero, self.group_size).to(dtype)
 
 
 def quantize_weight_only(model: nn.Module, method: str, group_size: int = 32) -> int:
