@@ -4,8 +4,8 @@ layer's small per-token ops and the KV-cache write in C (`kernels/cpu_layer_ops.
 The C sources are compiled on first use with the system C compiler (`$CC`, else `cc`) for the host's own ISA
 (`-O3 -march=native -ffast-math -fopenmp`) into a cache keyed by the sources, the flags, the compiler and the CPU's
 flags (`$PDSERVE_KERNEL_CACHE`, else `~/.cache/pdserve/kernels`), then loaded with ctypes: no torch headers, so a
-build takes about a second. Prefill attention is the torch reference's (`kernels.reference`); prefill is GEMM-bound
-and the reference's gather is a small part of it.
+build takes about a second. Prefill attention is the torch reference's (`kernels.reference`: a gather of the blocks,
+then SDPA); on a 1024-token prompt its SDPA is 60% of the prefill step (docs/benchmarks.md, "Long prompts").
 
 CPU only: the kernel takes host pointers (`Tensor.data_ptr()` of CPU tensors); `select_ops` never picks it for
 another device.
@@ -117,12 +117,9 @@ class CpuKernels:
     """The loaded C library. Build with `CpuKernels.load()`; one instance per worker (it holds the handle)."""
 
     def __init__(self, library: ctypes.CDLL):
-        fn = library.paged_decode_attention
-        fn.restype = None
-        fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_void_p] + [ctypes.c_int] * 6 + [
-            ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_int]
-        self._decode = fn
         c_int, c_i64, c_ptr, c_float = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+        self._decode = _bind(library.paged_decode_attention, None, [c_ptr] * 6 + [c_int] * 6 +
+                             [c_i64, c_float, c_int, c_int])
         self._rms_norm = _bind(library.rms_norm, None, [c_ptr] * 4 + [c_int, c_int, c_i64, c_float, c_int, c_int])
         self._rotary = _bind(library.rotary_embedding, None, [c_ptr] * 3 + [c_int] * 3 + [c_i64, c_int])
         self._silu_and_mul = _bind(library.silu_and_mul, None, [c_ptr, c_ptr] + [c_int] * 4)
@@ -169,7 +166,6 @@ class CpuKernels:
                          block_size, block_tables.shape[1], k_cache.stride(0), scale,
                          int(query.dtype == torch.bfloat16), torch.get_num_threads())
         return out
-
 
     # The small per-token ops (cpu_layer_ops.c). Each keeps the contract of its torch reference in kernels.reference;
     # they are called once or twice per layer per step, so the checks are plain comparisons and anything the C code
