@@ -28,21 +28,26 @@ ATTN_TYPES = dict(q_ptr=BF16, k_ptr=BF16, v_ptr=BF16, bt_ptr="*i32", ctx_ptr="*i
 def _cases():
     from kernels.triton_cache import _write_kv_kernel
     from kernels.triton_decode import _decode_kernel, _merge_kernel
-    from kernels.triton_prefill import _prefill_kernel
+    import torch
+
+    from kernels.triton_prefill import _prefill_kernel, prefill_config
 
     dot = dict(UPCAST_DOT=False, DOT_PRECISION="tf32")
+    pf = prefill_config(LLAMA3["HEAD_PAD"], torch.bfloat16)  # the launch shape the engine would use
     return {
         "decode": (_decode_kernel, ATTN_TYPES, dict(LLAMA3, GROUP_PAD=16, BLOCK_N=64, NUM_SPLITS=1, **dot)),
         "decode-split8": (_decode_kernel, ATTN_TYPES, dict(LLAMA3, GROUP_PAD=16, BLOCK_N=64, NUM_SPLITS=8, **dot)),
         "merge-split8": (_merge_kernel, dict(part_acc_ptr="*fp32", part_ml_ptr="*fp32", out_ptr=BF16),
                          dict(NUM_Q_HEADS=32, HEAD_DIM=128, HEAD_PAD=128, NUM_SPLITS=8, SPLITS_PAD=8)),
-        "prefill": (_prefill_kernel, ATTN_TYPES, dict(LLAMA3, BLOCK_M=64, BLOCK_N=64, **dot)),
+        "prefill": (_prefill_kernel, ATTN_TYPES, dict(LLAMA3, BLOCK_M=pf.block_m, BLOCK_N=pf.block_n,
+                                                       SPLIT_MASK=pf.split_mask, **dot),
+                    dict(num_warps=pf.num_warps, num_stages=pf.num_stages)),
         "write_kv": (_write_kv_kernel, dict(key_ptr=BF16, value_ptr=BF16, k_cache_ptr=BF16, v_cache_ptr=BF16,
                                             slot_ptr="*i64"), dict(BLOCK_SIZE=16, ROW=1024, ROW_PAD=1024)),
     }
 
 
-def compile_sm90(kernel, types: dict[str, str], consts: dict, num_warps: int = 4):
+def compile_sm90(kernel, types: dict[str, str], consts: dict, num_warps: int = 4, num_stages: int = 3):
     """Ahead-of-time compile one @triton.jit kernel for sm_90. Returns Triton's CompiledKernel (asm: ptx, cubin)."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -53,7 +58,8 @@ def compile_sm90(kernel, types: dict[str, str], consts: dict, num_warps: int = 4
     hinted = [n for n in names if signature[n] == "i32" or signature[n].startswith("*")]
     src = ASTSource(fn=kernel, signature=signature, constexprs={(names.index(k),): v for k, v in consts.items()},
                     attrs={(names.index(n),): [["tt.divisibility", 16]] for n in hinted})
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps))
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=num_warps, num_stages=num_stages))
 
 
 def report() -> list[dict]:
@@ -70,8 +76,8 @@ def report() -> list[dict]:
     tool = os.path.join(os.path.dirname(nv.__file__), "bin", "cuobjdump")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for name, (kernel, types, consts) in _cases().items():
-            compiled = compile_sm90(kernel, types, consts)
+        for name, (kernel, types, consts, *options) in _cases().items():
+            compiled = compile_sm90(kernel, types, consts, **(options[0] if options else {}))
             cubin = os.path.join(tmp, name + ".cubin")
             with open(cubin, "wb") as f:
                 f.write(compiled.asm["cubin"])

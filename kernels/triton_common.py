@@ -41,17 +41,23 @@ def attend_paged_tile(q, m_i, l_i, acc, k_ptr, v_ptr, bt_row_ptr, pos, n_mask, v
     """One tile of an online softmax (Milakov & Gimelshein 2018) over keys gathered through a block table.
 
     q [R, HEAD_PAD] attends to the tile's positions `pos` [N] (valid where n_mask) of one KV head; `visible`
-    ([R, N] or [1, N]) masks scores. m_i, l_i [R] (running max and sum, log2 units) and acc [R, HEAD_PAD] are fp32.
+    ([R, N] or [1, N]) masks scores. n_mask and visible None: every position is valid and visible to every row
+    (no masking work). m_i, l_i [R] (running max and sum, log2 units) and acc [R, HEAD_PAD] are fp32.
     Probabilities are rounded to the cache dtype before the PV product (as FlashAttention does). A token's heads
     are one dense row of NUM_KV_HEADS * HEAD_DIM elements inside a block. The caller guarantees every row sees at
     least one position by its first tile, so the running max is finite. Returns the updated (m_i, l_i, acc).
     """
-    block = tl.load(bt_row_ptr + pos // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+    if n_mask is None:
+        block = tl.load(bt_row_ptr + pos // BLOCK_SIZE).to(tl.int64)
+        kv_mask = d_mask[None, :]
+    else:
+        block = tl.load(bt_row_ptr + pos // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+        kv_mask = n_mask[:, None] & d_mask[None, :]
     inner = (pos % BLOCK_SIZE) * (NUM_KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM
-    kv_mask = n_mask[:, None] & d_mask[None, :]
     k = tl.load(k_ptr + block[:, None] * stride_k_block + inner[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
     s = mma(q, tl.trans(k), UPCAST_DOT, DOT_PRECISION) * qk_scale
-    s = tl.where(visible, s, float("-inf"))
+    if visible is not None:
+        s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])

@@ -5,9 +5,12 @@ one head, and streams that sequence's K/V from the paged cache in BLOCK_N-token 
 table, so cached prefix blocks, earlier chunks and the chunk itself are read alike) with a FlashAttention-2 style
 online softmax (Dao 2023) in fp32, log2 domain. Query row j of a chunk of q_len tokens sits at absolute position
 context_len - q_len + j and sees keys at positions <= its own (causal); tiles past the last row's position are
-never loaded. Programs past a chunk's end do no work (ragged chunks share one launch).
+never loaded, and whole tiles at or before the first row's position are walked without the mask (SPLIT_MASK).
+Programs past a chunk's end do no work (ragged chunks share one launch).
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -19,6 +22,31 @@ from kernels.triton_common import attend_paged_tile, dot_mode
 _LOG2E = 1.4426950408889634
 
 
+@dataclass(frozen=True)
+class PrefillConfig:
+    """Launch shape of the prefill kernel: query rows and key tokens per tile, warps, software-pipeline stages, and
+    whether tiles every row of a program sees whole skip the causal mask (SPLIT_MASK)."""
+
+    block_m: int
+    block_n: int
+    num_warps: int = 4
+    num_stages: int = 3
+    split_mask: bool = False
+
+
+def prefill_config(head_pad: int, dtype: torch.dtype) -> PrefillConfig:
+    """The default launch shape for a padded head size and cache dtype.
+
+    Chosen on an H100 (bench/prefill_tune.py, docs/benchmarks.md, one run): unmasked whole tiles paid 12-30% in
+    every launch shape tried, for head sizes 64 and 128. Tiles of 128 x 128 keys on 8 warps measured -3% to +8%
+    against 64 x 64 on 4 warps for head size 128 in that run, within what one run can tell apart, so they are not
+    the default.
+    """
+    if head_pad > 128:
+        return PrefillConfig(32, 32, split_mask=True)
+    return PrefillConfig(64, 64, split_mask=True)
+
+
 @triton.jit
 def _prefill_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, cu_ptr, ctx_ptr, out_ptr, qk_scale,
                     stride_q_tok, stride_q_head, stride_k_block, stride_v_block, stride_bt_seq,
@@ -26,7 +54,7 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, cu_ptr, ctx_ptr, out_ptr, qk_sc
                     BLOCK_SIZE: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
                     HEAD_DIM: tl.constexpr,
                     HEAD_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                    UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT_MASK: tl.constexpr):
     m_block = tl.program_id(0)
     seq = tl.program_id(1)
     head = tl.program_id(2)
@@ -52,7 +80,17 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, cu_ptr, ctx_ptr, out_ptr, qk_sc
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
-    for tile in range(0, hi, BLOCK_N):
+    start = 0
+    if SPLIT_MASK:
+        # Whole tiles at positions <= the block's first row are seen by every row: no causal mask, no ragged end.
+        full = tl.minimum(prefix + m_block * BLOCK_M + 1, hi) // BLOCK_N * BLOCK_N
+        for tile in range(0, full, BLOCK_N):
+            m_i, l_i, acc = attend_paged_tile(
+                q, m_i, l_i, acc, k_ptr, v_ptr, bt_ptr + seq * stride_bt_seq, tile + offs_n, None, None, kv_head,
+                stride_k_block, stride_v_block, qk_scale, offs_d, d_mask,
+                BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, UPCAST_DOT, DOT_PRECISION)
+        start = full
+    for tile in range(start, hi, BLOCK_N):
         pos = tile + offs_n
         n_mask = pos < hi
         # Tile 0 holds position 0, which every row sees, so each row's running max is finite from then on.
@@ -70,7 +108,8 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, cu_ptr, ctx_ptr, out_ptr, qk_sc
 
 def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, block_tables: torch.Tensor,
-                      scale: float, max_query_len: int | None = None) -> torch.Tensor:
+                      scale: float, max_query_len: int | None = None,
+                      config: PrefillConfig | None = None) -> torch.Tensor:
     """Causal attention for packed query chunks over cached prefix + new tokens (contract of `kernels.reference`).
 
     Args:
@@ -83,6 +122,7 @@ def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         scale: softmax scale.
         max_query_len: longest chunk in tokens, if the caller knows it; None reads it from cu_seqlens_q (one
             device sync).
+        config: launch shape; None takes `prefill_config`'s default for the head size and dtype.
 
     Returns:
         [num_tokens, num_q_heads, head_dim] in the query's dtype; fp32 softmax and accumulation.
@@ -103,8 +143,8 @@ def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     if max_query_len is None:
         max_query_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
     head_pad = max(16, triton.next_power_of_2(head_dim))
-    block_m = 64 if head_pad <= 128 else 32
-    grid = (triton.cdiv(max_query_len, block_m), num_seqs, num_q_heads)
+    cfg = config or prefill_config(head_pad, query.dtype)
+    grid = (triton.cdiv(max_query_len, cfg.block_m), num_seqs, num_q_heads)
     upcast, precision = dot_mode(query.dtype)
     _prefill_kernel[grid](
         query, k_cache, v_cache, block_tables, cu_seqlens_q.contiguous(), context_lens.contiguous(), out,
@@ -112,6 +152,6 @@ def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         query.stride(0), query.stride(1), k_cache.stride(0), v_cache.stride(0), block_tables.stride(0),
         out.stride(0), out.stride(1),
         BLOCK_SIZE=block_size, NUM_KV_HEADS=num_kv_heads, GROUP=num_q_heads // num_kv_heads, HEAD_DIM=head_dim,
-        HEAD_PAD=head_pad, BLOCK_M=block_m, BLOCK_N=64 if head_pad <= 128 else 32, UPCAST_DOT=upcast,
-        DOT_PRECISION=precision)
+        HEAD_PAD=head_pad, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, UPCAST_DOT=upcast,
+        DOT_PRECISION=precision, SPLIT_MASK=cfg.split_mask, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
