@@ -2,8 +2,9 @@
 and C beside pure-torch references.
 
 Each op has one signature and up to three implementations: `kernels.reference` (torch; defines the semantics, runs
-anywhere), `kernels.triton_*` (Triton; CUDA, or CPU under TRITON_INTERPRET=1 for tests) and `kernels.cpu_ops`
-(decode attention, the KV write and the per-token ops in C for CPU workers, built on first use). The model gets one
+anywhere), `kernels.triton_*` (Triton; CUDA, or CPU under TRITON_INTERPRET=1 for tests) and, for CPU workers,
+`kernels.cpu_ops` (decode attention, the KV write and the per-token ops in C, built on first use) with
+`kernels.cpu_prefill` (prefill attention as blocked GEMMs). The model gets one
 `AttentionOps` from `select_ops` and never imports any of them directly.
 
 Layout shared by all ops (see `engine.kv_cache`):
@@ -104,15 +105,15 @@ def select_ops(backend: str, device: torch.device | str) -> AttentionOps:
 
 
 def _cpu_ops() -> AttentionOps:
-    """The "cpu" backend: the C decode kernel, KV write and per-token ops (`kernels.cpu_ops`), the reference's
-    prefill.
+    """The "cpu" backend: the C decode kernel, KV write and per-token ops (`kernels.cpu_ops`), and blocked-GEMM
+    prefill attention for 16-bit caches (`kernels.cpu_prefill`; fp32 takes the reference's).
 
     Raises:
         KernelBuildError: the kernel could not be built or loaded.
     """
-    from kernels import reference as ref
     from kernels.cpu_ops import CpuKernels
+    from kernels.cpu_prefill import prefill_attention
 
     c = CpuKernels.load()
-    return AttentionOps("cpu", c.write_kv_cache, c.paged_decode_attention, ref.prefill_attention, c.rms_norm,
+    return AttentionOps("cpu", c.write_kv_cache, c.paged_decode_attention, prefill_attention, c.rms_norm,
                         c.rotary_embedding, c.silu_and_mul)

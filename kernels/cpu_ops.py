@@ -4,8 +4,8 @@ layer's small per-token ops and the KV-cache write in C (`kernels/cpu_layer_ops.
 The C sources are compiled on first use with the system C compiler (`$CC`, else `cc`) for the host's own ISA
 (`-O3 -march=native -ffast-math -fopenmp`) into a cache keyed by the sources, the flags, the compiler and the CPU's
 flags (`$PDSERVE_KERNEL_CACHE`, else `~/.cache/pdserve/kernels`), then loaded with ctypes: no torch headers, so a
-build takes about a second. Prefill attention is the torch reference's (`kernels.reference`: a gather of the blocks,
-then SDPA); on a 1024-token prompt its SDPA is 60% of the prefill step (docs/benchmarks.md, "Long prompts").
+build takes about a second. Prefill attention is not here: the "cpu" backend takes it from `kernels.cpu_prefill`
+(blocked GEMMs in torch).
 
 CPU only: the kernel takes host pointers (`Tensor.data_ptr()` of CPU tensors); `select_ops` never picks it for
 another device.
