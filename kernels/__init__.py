@@ -106,14 +106,13 @@ def select_ops(backend: str, device: torch.device | str) -> AttentionOps:
 
 def _cpu_ops() -> AttentionOps:
     """The "cpu" backend: the C decode kernel, KV write and per-token ops (`kernels.cpu_ops`), and blocked-GEMM
-    prefill attention for 16-bit caches (`kernels.cpu_prefill`; fp32 takes the reference's).
+    prefill attention for 16-bit caches (`kernels.cpu_prefill`, its softmax in C; fp32 takes the reference's).
 
     Raises:
         KernelBuildError: the kernel could not be built or loaded.
     """
     from kernels.cpu_ops import CpuKernels
-    from kernels.cpu_prefill import prefill_attention
 
     c = CpuKernels.load()
-    return AttentionOps("cpu", c.write_kv_cache, c.paged_decode_attention, prefill_attention, c.rms_norm,
+    return AttentionOps("cpu", c.write_kv_cache, c.paged_decode_attention, c.prefill_attention, c.rms_norm,
                         c.rotary_embedding, c.silu_and_mul)

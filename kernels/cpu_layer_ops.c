@@ -113,3 +113,30 @@ int write_kv_cache(const char *key, const char *value, char *k_cache, char *v_ca
     }
     return -1;
 }
+
+/* Causal softmax in place over one block of prefill scores (kernels/cpu_prefill.py): scores is [num_rows, end] bf16,
+ * contiguous, row i being query row i % rows of the block (the GQA group's heads are stacked as blocks of `rows`),
+ * whose last row sees all `end` keys; row r sees the first end - rows + r + 1. Each row becomes
+ * softmax(scale * s) over the keys it sees, in fp32, rounded to bf16 once, with 0 for the keys it does not see:
+ * what the torch path computes with its mask, mul, fp32 softmax and cast, in one pass. */
+void causal_softmax_bf16(uint16_t *scores, int64_t num_rows, int rows, int end, float scale, int num_threads) {
+    #pragma omp parallel for num_threads(num_threads) schedule(static) if (num_rows >= 16)
+    for (int64_t i = 0; i < num_rows; i++) {
+        uint16_t *s = scores + i * (int64_t)end;
+        const int visible = end - rows + (int)(i % rows) + 1;
+        float e[visible];
+        float m = -INFINITY;
+        for (int j = 0; j < visible; j++) {
+            e[j] = bf16_to_f32(s[j]) * scale;
+            m = e[j] > m ? e[j] : m;
+        }
+        float sum = 0.0f;
+        for (int j = 0; j < visible; j++) {  /* a loop of its own so that expf vectorizes (libmvec) */
+            e[j] = expf(e[j] - m);
+            sum += e[j];
+        }
+        const float inv = 1.0f / sum;
+        for (int j = 0; j < visible; j++) s[j] = f32_to_bf16(e[j] * inv);
+        memset(s + visible, 0, (size_t)(end - visible) * sizeof *s);
+    }
+}

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from kernels import cpu_prefill
 from kernels.checks import check, check_attention
 from kernels.reference import paged_decode_attention as reference_decode_attention
 from kernels.reference import rms_norm as reference_rms_norm
@@ -125,6 +126,7 @@ class CpuKernels:
         self._silu_and_mul = _bind(library.silu_and_mul, None, [c_ptr, c_ptr] + [c_int] * 4)
         self._write_kv = _bind(library.write_kv_cache, c_int, [c_ptr] * 5 + [c_int] + [c_i64] * 3 + [c_int] +
                                [c_i64] * 2)
+        self._causal_softmax = _bind(library.causal_softmax_bf16, None, [c_ptr, c_i64, c_int, c_int, c_float, c_int])
 
     @classmethod
     def load(cls, cache_dir: Path | None = None, extra_cflags: tuple[str, ...] = ()) -> CpuKernels:
@@ -205,6 +207,23 @@ class CpuKernels:
         self._silu_and_mul(gate_up.data_ptr(), out.data_ptr(), rows, inter, int(gate_up.dtype == torch.bfloat16),
                            torch.get_num_threads())
         return out
+
+    def causal_softmax(self, scores: torch.Tensor, rows: int, scale: float) -> torch.Tensor:
+        """As `kernels.cpu_prefill.causal_softmax`, writing the probabilities into `scores` and returning it;
+        fp16 or non-contiguous scores take the torch version."""
+        if scores.dtype != torch.bfloat16 or not scores.is_contiguous():
+            return cpu_prefill.causal_softmax(scores, rows, scale)
+        end = scores.shape[-1]
+        self._causal_softmax(scores.data_ptr(), scores.numel() // end, rows, end, scale, torch.get_num_threads())
+        return scores
+
+    def prefill_attention(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, block_tables: torch.Tensor,
+                          scale: float, max_query_len: int | None = None) -> torch.Tensor:
+        """`kernels.cpu_prefill.prefill_attention` with the softmax in C."""
+        return cpu_prefill.prefill_attention(query, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables,
+                                             scale, max_query_len, softmax=self.causal_softmax,
+                                             block_m=cpu_prefill.C_BLOCK_M)
 
     def write_kv_cache(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                        slot_mapping: torch.Tensor) -> None:

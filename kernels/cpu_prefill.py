@@ -4,9 +4,10 @@ torch's CPU SDPA (its flash kernel) runs a 1024-token causal bf16 prefill of Smo
 head_dim 64) at about 80-120 GFLOP/s on 2 AMD EPYC cores, where the same machine's bf16 GEMM reaches about 700.
 It was 60% of a 1024-token prefill step (docs/benchmarks.md). Here each sequence's query rows go in blocks of
 `block_m`: one batched bf16 GEMM per block for the scores of every query head against the keys the block can see
-(the GQA group's heads stacked as rows of one GEMM per KV head), a causal mask on the block's diagonal square only,
-softmax in fp32, the probabilities rounded to the cache dtype, and one GEMM with V. Blocks keep the scores
-[heads, block_m, context] small enough to stay in cache, which is what makes the softmax cheap.
+(the GQA group's heads stacked as rows of one GEMM per KV head), a causal softmax that masks the block's diagonal
+square only, and one GEMM with V. Blocks keep the scores [heads, block_m, context] small enough to stay in cache.
+The softmax is `causal_softmax` here (torch ops) or its C version from the cpu backend (`CpuKernels`), which reads
+the bf16 scores and writes the probabilities in one pass.
 
 Numerics: the scores come out of the bf16 GEMM rounded to bf16 (fp32 accumulation inside), as HF transformers'
 eager attention computes them; SDPA keeps them in fp32. Softmax, its max and sum stay fp32, and the probabilities
@@ -14,16 +15,44 @@ are rounded to bf16 before the PV product as FlashAttention does. fp32 caches ta
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from kernels import reference as ref
 
-BLOCK_M = 64  # query rows per block: 32 / 64 / 128 took 7.1 / 5.3 / 9.0 ms for a 1024-token layer (2 threads)
+# Query rows per block. With the torch softmax, 32 / 64 / 128 took 7.1 / 5.3 / 9.0 ms for a 1024-token layer; with
+# the C one, a 1024-token prefill + first token took 523-588 / 468-514 / 456-466 / 459-474 ms at 32 / 64 / 128 / 256
+# (2 threads, AMD EPYC): larger blocks pay once the softmax makes no fp32 copies.
+BLOCK_M = 64
+C_BLOCK_M = 128
+
+
+def causal_softmax(scores: torch.Tensor, rows: int, scale: float) -> torch.Tensor:
+    """Probabilities of one query block's scores: softmax(scale * scores) in fp32 over the keys each row sees,
+    rounded to the scores' dtype, 0 for the keys it does not see.
+
+    Args:
+        scores: [..., end] 16-bit, contiguous; each run of `rows` rows is the block's query rows in order, the last
+            seeing all `end` keys and row r the first end - rows + r + 1 (causal within the block's diagonal).
+        rows: query rows in the block.
+        scale: softmax scale.
+
+    Returns:
+        a tensor shaped and typed as scores (the C version, `CpuKernels.causal_softmax`, writes into scores).
+    """
+    end = scores.shape[-1]
+    tri = torch.ones(rows, rows, dtype=torch.bool, device=scores.device).triu_(1)  # key after the row: hidden
+    s = scores.view(-1, rows, end).float()
+    s[..., end - rows:].masked_fill_(tri, float("-inf"))
+    return torch.softmax(s.mul_(scale), -1).to(scores.dtype).view(scores.shape)
 
 
 def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, block_tables: torch.Tensor,
-                      scale: float, max_query_len: int | None = None) -> torch.Tensor:
+                      scale: float, max_query_len: int | None = None,
+                      softmax: Callable[[torch.Tensor, int, float], torch.Tensor] = causal_softmax,
+                      block_m: int = BLOCK_M) -> torch.Tensor:
     """Causal attention for packed query chunks over cached prefix + new tokens (contract of
     `kernels.reference.prefill_attention`).
 
@@ -35,6 +64,8 @@ def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         block_tables: [num_seqs, max_blocks] int32.
         scale: softmax scale.
         max_query_len: unused (the reference's signature).
+        softmax: `causal_softmax`'s contract; the cpu backend passes its C version.
+        block_m: query rows per block (`BLOCK_M`, `C_BLOCK_M`).
 
     Returns:
         [num_tokens, num_q_heads, head_dim] in the query's dtype.
@@ -45,7 +76,6 @@ def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     _, block_size, kv_heads, head_dim = k_cache.shape
     group = query.shape[1] // kv_heads
     starts = cu_seqlens_q.tolist()
-    tri = torch.ones(BLOCK_M, BLOCK_M, dtype=torch.bool, device=query.device).triu_(1)  # key after the row: hidden
     for i, ctx in enumerate(context_lens.tolist()):
         s, e = starts[i], starts[i + 1]
         q_len, prefix = e - s, ctx - (e - s)
@@ -56,12 +86,10 @@ def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         v = torch.index_select(v_cache, 0, ids).view(-1, kv_heads, head_dim)[:ctx].transpose(0, 1).contiguous()
         q = query[s:e].view(q_len, kv_heads, group, head_dim).permute(1, 2, 0, 3)  # [kvh, group, q_len, d]
         o = out[s:e].view(q_len, kv_heads, group, head_dim).permute(1, 2, 0, 3)
-        for r0 in range(0, q_len, BLOCK_M):
-            rows = min(BLOCK_M, q_len - r0)
+        for r0 in range(0, q_len, block_m):
+            rows = min(block_m, q_len - r0)
             end = prefix + r0 + rows  # keys the block's last row sees
             qb = q[:, :, r0:r0 + rows].reshape(kv_heads, group * rows, head_dim)
-            scores = torch.bmm(qb, k[:, :end].transpose(1, 2)).view(kv_heads, group, rows, end).float()
-            scores[..., end - rows:].masked_fill_(tri[:rows, :rows], float("-inf"))
-            p = torch.softmax(scores.mul_(scale), -1).to(query.dtype).view(kv_heads, group * rows, end)
+            p = softmax(torch.bmm(qb, k[:, :end].transpose(1, 2)), rows, scale)  # [kvh, group * rows, end]
             o[:, :, r0:r0 + rows] = torch.bmm(p, v[:, :end]).view(kv_heads, group, rows, head_dim)
     return out

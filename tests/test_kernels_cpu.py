@@ -229,22 +229,25 @@ def test_an_installed_package_carries_the_c_sources():
         assert any(fnmatch.fnmatch(path.name, p) for p in patterns), path.name
 
 
+@pytest.mark.parametrize("softmax", ["torch", "c"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
 @pytest.mark.parametrize("block_size,hq,hkv,d", [(16, 9, 3, 64), (8, 8, 1, 128)])
-def test_blocked_prefill_matches_reference(dtype, block_size, hq, hkv, d):
-    """kernels.cpu_prefill against the reference's SDPA: chunks of 1 token, shorter and longer than one query block
-    (64 rows), whole prompts and chunks after cached prefixes that do and do not end on a block edge.
+def test_blocked_prefill_matches_reference(kernels, softmax, dtype, block_size, hq, hkv, d):
+    """kernels.cpu_prefill against the reference's SDPA, with its torch softmax and with the C one (the cpu
+    backend's prefill) in each build: chunks of 1 token, shorter and longer than one query block, whole prompts and
+    chunks after cached prefixes that do and do not end on a block edge.
     16-bit: the scores are rounded to the cache dtype once (HF eager's numerics), so the bound is a few roundings
     (seen: bf16 4-5e-3, relative Frobenius); one visible key masked wrongly moves rows by far more. fp32 is the
     reference itself."""
     from kernels.cpu_prefill import prefill_attention
 
-    seqs = [(1, 1), (17, 17), (200, 3), (333 + 70, 70), (130, 130), (65 + 65, 65), (64 + 128, 128)]  # (ctx, chunk)
+    seqs = [(1, 1), (17, 17), (200, 3), (333 + 70, 70), (130, 130), (65 + 65, 65), (64 + 200, 200)]  # (ctx, chunk)
     k_cache, v_cache, table, lens = _paged([c for c, _ in seqs], block_size, hkv, d, dtype, seed=hq)
     q_lens = [q for _, q in seqs]
     cu = torch.tensor([0] + q_lens).cumsum(0).to(torch.int32)
     q = torch.randn(sum(q_lens), hq, d, generator=torch.Generator().manual_seed(d)).to(dtype)
-    out = prefill_attention(q, k_cache, v_cache, cu, lens, table, d ** -0.5)
+    attend = kernels.prefill_attention if softmax == "c" else prefill_attention
+    out = attend(q, k_cache, v_cache, cu, lens, table, d ** -0.5)
     ref = reference.prefill_attention(q, k_cache, v_cache, cu, lens, table, d ** -0.5)
     assert out.dtype == dtype and out.shape == q.shape
     if dtype == torch.float32:
@@ -253,3 +256,21 @@ def test_blocked_prefill_matches_reference(dtype, block_size, hq, hkv, d):
     for i, (s, e) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):  # every sequence, not just the sum
         err = float((out[s:e].double() - ref[s:e].double()).norm() / ref[s:e].double().norm())
         assert err < (1e-2 if dtype == torch.bfloat16 else 2e-3), (i, seqs[i], err)
+
+
+@pytest.mark.parametrize("rows,end", [(1, 1), (5, 5), (64, 300), (128, 128), (7, 4000)])
+def test_c_causal_softmax_matches_torch(kernels, rows, end):
+    """The C softmax against `cpu_prefill.causal_softmax` on the same bf16 scores (3 stacked heads of `rows`
+    rows): within one bf16 step of each probability (expf and the sum's order may differ by an ulp), exact zeros
+    where a row must not see, rows summing to 1, and large scores without overflow."""
+    from kernels.cpu_prefill import causal_softmax
+
+    g = torch.Generator().manual_seed(rows * end)
+    scores = (torch.randn(3, rows, end, generator=g) * 30).to(torch.bfloat16)
+    expected = causal_softmax(scores.clone(), rows, 0.125)
+    out = kernels.causal_softmax(scores, rows, 0.125)
+    assert out.data_ptr() == scores.data_ptr()  # in place
+    torch.testing.assert_close(out.float(), expected.float(), rtol=8e-3, atol=1e-6)
+    hidden = torch.ones(rows, end, dtype=torch.bool).triu_(end - rows + 1)
+    assert (out[:, hidden] == 0).all() and (out[:, ~hidden] > 0).any()
+    torch.testing.assert_close(out.float().sum(-1), torch.ones(3, rows), atol=2e-2, rtol=0)
