@@ -122,7 +122,7 @@ class CpuKernels:
         self._decode = _bind(library.paged_decode_attention, None, [c_ptr] * 6 + [c_int] * 6 +
                              [c_i64, c_float, c_int, c_int])
         self._rms_norm = _bind(library.rms_norm, None, [c_ptr] * 4 + [c_int, c_int, c_i64, c_float, c_int, c_int])
-        self._rotary = _bind(library.rotary_embedding, None, [c_ptr] * 3 + [c_int] * 3 + [c_i64, c_int])
+        self._rotary = _bind(library.rotary_embedding, None, [c_ptr] * 3 + [c_int] * 3 + [c_i64, c_int, c_int])
         self._silu_and_mul = _bind(library.silu_and_mul, None, [c_ptr, c_ptr] + [c_int] * 4)
         self._write_kv = _bind(library.write_kv_cache, c_int, [c_ptr] * 5 + [c_int] + [c_i64] * 3 + [c_int] +
                                [c_i64] * 2)
@@ -195,7 +195,7 @@ class CpuKernels:
                 or not sin.is_contiguous() or cos.numel() != tokens * head_dim or sin.numel() != tokens * head_dim):
             return reference_rotary_embedding(qk, cos, sin)
         self._rotary(qk.data_ptr(), cos.data_ptr(), sin.data_ptr(), tokens, heads, head_dim, qk.stride(0),
-                     int(qk.dtype == torch.bfloat16))
+                     int(qk.dtype == torch.bfloat16), torch.get_num_threads())
         return qk
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:

@@ -150,7 +150,7 @@ def test_rms_norm_matches_reference(native, dtype, rows, dim, with_residual):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("tokens", [1, 7])
+@pytest.mark.parametrize("tokens", [1, 7, 33])  # 33: split over threads (16 tokens or more)
 def test_rotary_embedding_rotates_in_place_as_the_reference(native, dtype, tokens):
     g = torch.Generator().manual_seed(tokens)
     heads, kv_heads, d = 9, 3, 64
