@@ -72,7 +72,7 @@ class DecodeGraphs:
             self._capture_all()
 
     def _step(self, size: int) -> torch.Tensor:
-        """The padded step on the static buffers: [size, vocab] fp32 logits."""
+        """The padded step on the static buffers: [size, vocab] logits in the model's dtype."""
         cu, ctx, tables = self._no_prefill
         meta = AttentionMetadata(slot_mapping=self.slot_mapping[:size], num_decodes=size,
                                  decode_block_tables=self.block_tables[:size],
@@ -105,7 +105,7 @@ class DecodeGraphs:
 
     def run(self, size: int, input_ids: list[int], positions: list[int], slots: list[int],
             block_tables: list[list[int]], context_lens: list[int]) -> torch.Tensor:
-        """One all-decode step of n = len(input_ids) <= size requests. Returns [n, vocab] fp32 logits on the
+        """One all-decode step of n = len(input_ids) <= size requests. Returns [n, vocab] logits (model dtype) on the
         device, a view of the graph's output: read it before the next run."""
         n = len(input_ids)
         pad = size - n

@@ -154,7 +154,7 @@ class ModelRunner:
 
 def _verify_drafts(verify: list[tuple[ScheduledRequest, int]], logits: torch.Tensor, result: RunnerOutput) -> None:
     """Greedy verification of n-gram drafts (`engine.speculative.accept_greedy`): each request's k + 1 rows of
-    logits ([sum(k + 1), vocab] fp32, in `verify` order) give the model's own token after the last known token and
+    logits ([sum(k + 1), vocab], in `verify` order) give the model's own token after the last known token and
     after each draft; the emitted tokens go into `result` (the first as sampled, the rest as spec_tokens)."""
     targets = logits.argmax(dim=-1).tolist()  # the sampler's greedy path takes the same argmax
     at = 0

@@ -32,8 +32,8 @@ class Sampler:
         self.generator = torch.Generator().manual_seed(seed)
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> RunnerOutput:
-        """logits: [N, vocab] fp32 on the model's device, one row per request, in order. A token per request, or
-        its error.
+        """logits: [N, vocab] on the model's device, fp32 or the model's 16-bit dtype, one row per request, in order.
+        A token per request, or its error.
 
         Plain-greedy rows take their argmax where the logits are, so a GPU worker copies N token ids to the host
         rather than N x vocab floats (vLLM samples on the device for the same reason); the other rows come to the
@@ -46,7 +46,7 @@ class Sampler:
             for i, t in zip(simple, ids):
                 out.sampled[requests[i].request_id] = SampledToken(t)
         rest = [i for i, g in enumerate(greedy) if not g]
-        rows = logits[rest].cpu() if rest else logits[:0]
+        rows = logits[rest].cpu().float() if rest else logits[:0]  # penalties, softmax and logprobs in fp32
         for row, i in zip(rows, rest):
             req = requests[i]
             try:

@@ -244,6 +244,28 @@ def test_greedy_argmax_equals_torch_argmax(vocab):
         assert torch.equal(greedy_argmax(logits), logits.argmax(dim=-1))
 
 
+def test_sampler_reads_bf16_logits_as_their_fp32_widening():
+    """compute_logits hands the sampler the model's own dtype; greedy rows take the argmax of bf16 as it is and the
+    other rows (seeded draws, penalties, logprobs) are widened to fp32 first, so every token and logprob equals what
+    the same logits widened to fp32 give."""
+    from engine.sampler import Sampler
+
+    logits = (torch.randn(4, 3000, generator=torch.Generator().manual_seed(0)) * 4).bfloat16()
+    logits[0, [11, 2500]] = 40.0  # a tie for the greedy row: the first index wins in both dtypes
+    params = [SamplingParams(max_tokens=4, temperature=0.0),
+              SamplingParams(max_tokens=4, temperature=0.8, top_p=0.9, seed=7, logprobs=3),
+              SamplingParams(max_tokens=4, temperature=0.0, repetition_penalty=1.3, logprobs=2),
+              SamplingParams(max_tokens=4, temperature=1.0, top_k=50, seed=3)]
+
+    def sample(x):
+        reqs = [Request(f"r{i}", [5, 11, 2500], sp) for i, sp in enumerate(params)]
+        return Sampler(3000, seed=0)(x, reqs).sampled
+
+    ours, widened = sample(logits), sample(logits.float())
+    assert ours == widened and ours["r0"].token_id == 11
+    assert ours["r1"].logprob is not None and len(ours["r1"].top_logprobs) == 3
+
+
 def test_run_until_idle_raises_on_a_refused_request_and_on_a_stalled_scheduler():
     """engine.offline.run_until_idle reports instead of spinning: a refused admission is a ValueError naming the
     request, and a scheduler that schedules nothing while it still has work is a RuntimeError."""

