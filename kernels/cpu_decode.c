@@ -103,15 +103,15 @@ static inline int64_t ahead_base(const int32_t *table, int t0, int ctx, int bloc
 static inline __attribute__((always_inline)) void attend_item(
         const void *query, const void *k_cache, const void *v_cache, const int32_t *block_tables,
         const int32_t *context_lens, void *out, int s, int kvh, int group, int num_q_heads, int head_dim,
-        int block_size, int max_blocks, int64_t block_stride, int64_t token_stride, float scale, int is_bf16,
-        NextItem next) {
+        int block_size, int max_blocks, int64_t block_stride, int64_t token_stride, int64_t q_stride, float scale,
+        int is_bf16, NextItem next) {
     const size_t elem = is_bf16 ? 2 : 4;
     const int ctx = context_lens[s];
     float q[MAX_GROUP][MAX_HEAD_DIM], acc[MAX_GROUP][MAX_HEAD_DIM], m[MAX_GROUP], l[MAX_GROUP];
     float kb[MAX_BLOCK][MAX_HEAD_DIM], vb[MAX_BLOCK][MAX_HEAD_DIM];
     for (int g = 0; g < group; g++) {
         const int h = kvh * group + g;
-        load_row(q[g], (const char *)query + ((size_t)s * num_q_heads + h) * head_dim * elem, head_dim, is_bf16);
+        load_row(q[g], (const char *)query + ((size_t)s * q_stride + (size_t)h * head_dim) * elem, head_dim, is_bf16);
         for (int d = 0; d < head_dim; d++) { q[g][d] *= scale; acc[g][d] = 0.0f; }
         m[g] = -FLT_MAX;  /* finite: built with -ffast-math, which assumes no infinities */
         l[g] = 0.0f;
@@ -198,8 +198,8 @@ static inline __m512 hsum16(const __m512 *v) {
 static inline __attribute__((always_inline)) void attend_item_avx512(
         const void *query, const void *k_cache, const void *v_cache, const int32_t *block_tables,
         const int32_t *context_lens, void *out, int s, int kvh, int group, int num_q_heads, const int HD,
-        int block_size, int max_blocks, int64_t block_stride, int64_t token_stride, float scale, int is_bf16,
-        NextItem next) {
+        int block_size, int max_blocks, int64_t block_stride, int64_t token_stride, int64_t q_stride, float scale,
+        int is_bf16, NextItem next) {
     enum { NC_MAX = MAX_HEAD_DIM / 16 };
     const int NC = HD / 16;
     const size_t elem = is_bf16 ? 2 : 4;
@@ -211,7 +211,7 @@ static inline __attribute__((always_inline)) void attend_item_avx512(
     __m512i qb[MAX_GROUP][NC_MAX / 2];
 #endif
     for (int g = 0; g < group; g++) {
-        const char *qrow = (const char *)query + ((size_t)s * num_q_heads + kvh * group + g) * HD * elem;
+        const char *qrow = (const char *)query + ((size_t)s * q_stride + (size_t)(kvh * group + g) * HD) * elem;
         for (int c = 0; c < NC; c++) {
             qf[g][c] = load16(qrow + c * 16 * elem, is_bf16);
             _mm512_store_ps(acc[g] + 16 * c, _mm512_setzero_ps());
@@ -294,7 +294,9 @@ static inline __attribute__((always_inline)) void attend_item_avx512(
 
 /* out[s, h, :] = softmax(scale * q[s, h, :] . K[s, :ctx, h / group, :]) . V[s, :ctx, h / group, :]
  *
- * query, out:  [num_seqs, num_q_heads, head_dim], contiguous, fp32 or bf16 (is_bf16).
+ * query: [num_seqs, num_q_heads, head_dim], fp32 or bf16 (is_bf16), heads dense within a sequence, sequences
+ *     q_stride elements apart (the model's q is a view of its fused qkv rows: no copy to make it contiguous).
+ * out: [num_seqs, num_q_heads, head_dim], contiguous, the query's dtype.
  * k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], the same dtype; a block is dense, blocks are
  *     `block_stride` elements apart (a per-layer view of a cache holding all layers is strided in dim 0).
  * block_tables: [num_seqs, max_blocks] int32, contiguous; context_lens: [num_seqs] int32 (>= 1 each).
@@ -304,7 +306,8 @@ static inline __attribute__((always_inline)) void attend_item_avx512(
 void paged_decode_attention(const void *query, const void *k_cache, const void *v_cache,
                             const int32_t *block_tables, const int32_t *context_lens, void *out,
                             int num_seqs, int num_q_heads, int num_kv_heads, int head_dim, int block_size,
-                            int max_blocks, int64_t block_stride, float scale, int is_bf16, int num_threads) {
+                            int max_blocks, int64_t block_stride, int64_t q_stride, float scale, int is_bf16,
+                            int num_threads) {
     const int group = num_q_heads / num_kv_heads;
     const int64_t token_stride = (int64_t)num_kv_heads * head_dim;
     #pragma omp parallel for num_threads(num_threads) schedule(static)
@@ -317,12 +320,12 @@ void paged_decode_attention(const void *query, const void *k_cache, const void *
                               (int64_t)((item + 1) % num_kv_heads) * head_dim};
         }
 #define ATTEND(HD, BF16) attend_item(query, k_cache, v_cache, block_tables, context_lens, out, s, kvh, group, \
-                                     num_q_heads, HD, block_size, max_blocks, block_stride, token_stride, scale, BF16, \
-                                     next)
+                                     num_q_heads, HD, block_size, max_blocks, block_stride, token_stride, q_stride, \
+                                     scale, BF16, next)
 /* head_dim 64 and 128 as compile-time constants: the AVX-512 path where the build has it, else the plain loops */
 #ifdef HAVE_AVX512
 #define ATTEND_FIXED(HD, BF16) attend_item_avx512(query, k_cache, v_cache, block_tables, context_lens, out, s, kvh, \
-        group, num_q_heads, HD, block_size, max_blocks, block_stride, token_stride, scale, BF16, next)
+        group, num_q_heads, HD, block_size, max_blocks, block_stride, token_stride, q_stride, scale, BF16, next)
 #else
 #define ATTEND_FIXED ATTEND
 #endif

@@ -120,7 +120,7 @@ class CpuKernels:
     def __init__(self, library: ctypes.CDLL):
         c_int, c_i64, c_ptr, c_float = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
         self._decode = _bind(library.paged_decode_attention, None, [c_ptr] * 6 + [c_int] * 6 +
-                             [c_i64, c_float, c_int, c_int])
+                             [c_i64, c_i64, c_float, c_int, c_int])
         self._rms_norm = _bind(library.rms_norm, None, [c_ptr] * 4 + [c_int, c_int, c_i64, c_float, c_int, c_int])
         self._rotary = _bind(library.rotary_embedding, None, [c_ptr] * 3 + [c_int] * 3 + [c_i64, c_int, c_int])
         self._silu_and_mul = _bind(library.silu_and_mul, None, [c_ptr, c_ptr] + [c_int] * 4)
@@ -156,8 +156,10 @@ class CpuKernels:
             return reference_decode_attention(query, k_cache, v_cache, block_tables, context_lens, scale)
         check(v_cache.stride(0) == k_cache.stride(0), lambda: f"k_cache and v_cache block strides differ: "
                                                       f"{k_cache.stride(0)} vs {v_cache.stride(0)}")
-        query, block_tables, context_lens = query.contiguous(), block_tables.contiguous(), context_lens.contiguous()
-        out = torch.empty_like(query)
+        if query.stride(2) != 1 or query.stride(1) != head_dim:  # the kernel takes any sequence stride, not these
+            query = query.contiguous()
+        block_tables, context_lens = block_tables.contiguous(), context_lens.contiguous()
+        out = torch.empty(query.shape, dtype=query.dtype)
         if num_seqs:
             longest = int(context_lens.max())  # the C kernel trusts the table's width: check it here
             check(longest <= block_tables.shape[1] * block_size,
@@ -165,7 +167,7 @@ class CpuKernels:
                           f"({block_tables.shape[1]})")
             self._decode(query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
                          context_lens.data_ptr(), out.data_ptr(), num_seqs, num_q_heads, num_kv_heads, head_dim,
-                         block_size, block_tables.shape[1], k_cache.stride(0), scale,
+                         block_size, block_tables.shape[1], k_cache.stride(0), query.stride(0), scale,
                          int(query.dtype == torch.bfloat16), torch.get_num_threads())
         return out
 

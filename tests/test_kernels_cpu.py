@@ -43,7 +43,8 @@ def _paged(lengths, block_size, hkv, d, dtype, layers=3, layer=1, seed=0):
 def test_decode_matches_reference(kernels, dtype, block_size, hq, hkv, d, threads):
     lengths = [1, 3, block_size, block_size + 1, 5 * block_size - 1, 70]
     k_cache, v_cache, table, lens = _paged(lengths, block_size, hkv, d, dtype)
-    q = torch.randn(len(lengths), hq, d).to(dtype)
+    # q as the model passes it: a view of the fused q/k/v rows, sequences (hq + 2 hkv) * d elements apart
+    q = torch.randn(len(lengths), hq + 2 * hkv, d).to(dtype)[:, :hq]
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
