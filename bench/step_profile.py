@@ -28,6 +28,11 @@ parameters) x B + attention's 4 x B x context x heads x head_dim x layers (the u
 Chowdhery et al. 2022, appendix B). For B = 1 the step is bandwidth-bound, so the figure is weight bytes read per
 second / copy bandwidth. Profiler timings carry the profiler's own overhead; the split is reported as shares of the
 profiled step, the wall time from the unprofiled pass.
+
+Roofline fraction = max(model FLOPs / GEMM rate, (weight + K/V bytes) / read bandwidth) / step time: the share of
+the lower of the two bounds the step reaches. On a CPU with AMX the GEMM rate at M = 64 is high enough that a
+decode step streaming its weights is bound by memory at every batch this benchmark runs, and the GEMM fraction
+alone reads low; read bandwidth is a sum over a 256 MiB fp32 buffer (bytes read per second).
 """
 from __future__ import annotations
 
@@ -106,6 +111,12 @@ def copy_bandwidth(nbytes: int = 256 << 20) -> float:
     return 2 * nbytes / _time(lambda: dst.copy_(src), min_s=0.5)
 
 
+def read_bandwidth(nbytes: int = 256 << 20) -> float:
+    """Bytes/s read by a sum over a large fp32 buffer: what a step that streams its weights and K/V can reach."""
+    src = torch.ones(nbytes // 4, dtype=torch.float32)
+    return nbytes / _time(lambda: src.sum(), min_s=0.5)
+
+
 def _instrument(model: torch.nn.Module) -> None:
     """Wrap the model's ops in record_function ranges so the profiler can attribute them: the paged attention ops
     (KV write included) in "attention", the per-token ops (RMSNorm, RoPE, SiLU-and-mul; C calls on the cpu
@@ -175,11 +186,13 @@ def measure(args: EngineArgs, batch: int, context: int, steps: int) -> dict:
     ctx = context + steps  # the average context during the timed steps, to a few tokens
     flops = 2 * matmul_params * batch + 4 * batch * ctx * mc.num_heads * mc.head_dim * mc.num_layers
     # Bytes per weight: int8 1, int4 half a byte plus a 2-byte scale and zero per 32-weight group.
-    weight_bytes = matmul_params * {"int8": 1.0, "int4": 0.5 + 4 / 32}.get(
-        args.quantization, torch.empty((), dtype=mc.torch_dtype).element_size())
+    elem = torch.empty((), dtype=mc.torch_dtype).element_size()
+    weight_bytes = matmul_params * {"int8": 1.0, "int4": 0.5 + 4 / 32}.get(args.quantization, elem)
+    kv_bytes = batch * ctx * mc.num_layers * 2 * mc.num_kv_heads * mc.head_dim * elem  # K and V read once a step
     return {"batch": batch, "context": context, "backend": runner.attention_ops.name, "step_ms": step_s * 1e3,
             "tok_s": batch / step_s,
-            "model_flop_s": flops / step_s, "weight_bytes_s": weight_bytes / step_s,
+            "model_flop_s": flops / step_s, "weight_bytes_s": weight_bytes / step_s, "flops": flops,
+            "bytes": weight_bytes + kv_bytes, "step_s": step_s,
             "split": {"gemm": gemm_us / total_us, "attention": attn_us / total_us, "other_ops": ops_us / total_us,
                       "python": python_us / total_us},
             "shapes": shapes}
@@ -224,11 +237,13 @@ def main(argv=None) -> int:
     report = {"machine": machine(), "cpu_flags": sorted(cpu_flags() & FLAGS_SHOWN), "commit": commit(),
               "threads": a.threads,
               "torch": torch.__version__, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
-                  timespec="seconds"), "copy_bytes_s": copy_bandwidth(), "points": []}
+                  timespec="seconds"), "copy_bytes_s": copy_bandwidth(), "read_bytes_s": read_bandwidth(),
+              "points": []}
     print(f"# {report['machine']}; flags {' '.join(report['cpu_flags'])}; commit {report['commit']}; "
-          f"{a.threads} thread(s); copy bandwidth {report['copy_bytes_s'] / 1e9:.1f} GB/s")
+          f"{a.threads} thread(s); copy bandwidth {report['copy_bytes_s'] / 1e9:.1f} GB/s, read "
+          f"{report['read_bytes_s'] / 1e9:.1f} GB/s")
     print("dtype     attn  pack batch  step ms   tok/s  GEMM@B GF/s  model GF/s  frac   wbytes/copy  "
-          "gemm  attn  other  python")
+          "roofline  gemm  attn  other  python")
     for name, backend, packing in ((n, be, pk) for n in a.dtypes.split(",") for be in a.backends.split(",")
                                    for pk in a.packed_weights.split(",")):
         dt, _, quant = name.partition("+")
@@ -242,10 +257,15 @@ def main(argv=None) -> int:
             point["gemm_flop_s"] = gemm_rate(point.pop("shapes"), b, torch_dtype)
             point["fraction"] = point["model_flop_s"] / point["gemm_flop_s"]
             point["bandwidth_fraction"] = point["weight_bytes_s"] / report["copy_bytes_s"]
+            # The roofline: the step cannot beat its GEMMs at the measured rate nor its weight + K/V bytes at the
+            # measured read bandwidth (Williams et al. 2009, "Roofline"); this is the share of that bound reached.
+            point["roofline_fraction"] = max(point.pop("flops") / point["gemm_flop_s"],
+                                             point.pop("bytes") / report["read_bytes_s"]) / point.pop("step_s")
             sp = point["split"]
             print(f"{name:9} {point['attention_backend']:5} {'on' if point['packed_weights'] else '-':4} {b:5d} "
                   f"{point['step_ms']:8.1f} {point['tok_s']:7.1f} {point['gemm_flop_s'] / 1e9:11.1f} "
                   f"{point['model_flop_s'] / 1e9:11.1f} {point['fraction']:5.2f} {point['bandwidth_fraction']:12.2f}  "
+                  f"{point['roofline_fraction']:8.2f}  "
                   f"{sp['gemm']:4.0%} {sp['attention']:5.0%} {sp['other_ops']:6.0%} {sp['python']:6.0%}", flush=True)
             report["points"].append(point)
     if a.out:
