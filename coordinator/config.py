@@ -29,6 +29,11 @@ class CoordinatorConfig:
         worker_tls_ca: PEM CA to verify workers that serve TLS; None = dial workers in plaintext.
         stall_timeout_s: a client that takes none of its stream for this long is dropped (its KV freed), seconds.
         max_migrations: how many times a request may resume on other workers after losing one (then UNAVAILABLE).
+        local_prefill_tokens: disaggregated mode: a request with at most this many context tokens its decode
+            worker must compute (not in its prefix cache, as far as this coordinator knows) is prefilled there,
+            with no prefill worker and no KV transfer (NVIDIA Dynamo's conditional disaggregation); 0 = never.
+        local_prefill_fallback: disaggregated mode: while no prefill worker is live, decode workers prefill
+            locally (Dynamo's fallback to decode-only) instead of failing requests with UNAVAILABLE.
         rate_limit_requests_per_s / rate_limit_tokens_per_s: per API key (or per peer without keys), requests and
             tokens (prompt + max_tokens, charged at admission) per second; 0 = unlimited. Bursts of
             rate_limit_burst_s seconds' worth are allowed.
@@ -56,6 +61,11 @@ class CoordinatorConfig:
     api_keys_file: str | None = field(default=None, metadata={
         "help": "file of API keys clients must send as 'authorization: Bearer <key>' (also $PDSERVE_API_KEYS)"})
     worker_tls_ca: str | None = field(default=None, metadata={"help": "PEM CA of workers that serve TLS"})
+    local_prefill_tokens: int = field(default=0, metadata={
+        "help": "disaggregated: prefill on the decode worker when at most this many tokens are not in its prefix "
+                "cache (no prefill worker, no KV transfer); 0 = never"})
+    local_prefill_fallback: bool = field(default=True, metadata={
+        "help": "disaggregated: decode workers prefill locally while no prefill worker is live (else UNAVAILABLE)"})
     rate_limit_requests_per_s: float = field(default=0.0, metadata={"help": "per key; 0 = unlimited"})
     rate_limit_tokens_per_s: float = field(default=0.0, metadata={
         "help": "per key, prompt + max_tokens charged at admission; 0 = unlimited"})

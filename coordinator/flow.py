@@ -171,10 +171,11 @@ async def _renewing_lease(decode: WorkerHandle, request_id: str, lease_ms: int) 
 async def run_colocated(router: Router, flow: Flow, request_id: str, prompt: list[int], generated: list[int],
                         sampling: generate_pb2.SamplingParams,
                         timeout_s: float) -> AsyncIterator[Tokens | WorkerFinish]:
-    """One colocated worker computes the prompt (and `generated`, the tokens a lost worker had sent) and decodes."""
+    """One worker computes the prompt (and `generated`, the tokens a lost worker had sent) and decodes: a colocated
+    worker, or a decode worker prefilling locally (`Router.local_prefill`)."""
     context = prompt + generated
     with router.lease(_pick_decode(router, len(prompt) + sampling.max_tokens, context), len(context)) as worker:
-        flow.decode_worker = worker.address
+        flow.prefill_worker = flow.decode_worker = worker.address
         call = WorkerCall(worker.decode.Decode(worker_pb2.DecodeRequest(
             request_id=request_id, prompt_token_ids=prompt, sampling=sampling, output_token_ids=generated,
             kv_source=worker_pb2.KV_SOURCE_LOCAL), timeout=timeout_s), worker, flow)
@@ -193,6 +194,7 @@ async def run_disaggregated(router: Router, flow: Flow, request_id: str, prompt:
     `generated`: tokens a lost worker had sent (a migration); both workers resume after them."""
     with router.lease(_pick_decode(router, len(prompt) + sampling.max_tokens)) as decode:
         flow.decode_worker = decode.address
+        router.record_prefix(decode, prompt + generated)  # its prefix cache keeps the KV it receives
         dcall = WorkerCall(decode.decode.Decode(worker_pb2.DecodeRequest(
             request_id=request_id, prompt_token_ids=prompt, sampling=sampling, output_token_ids=generated,
             kv_source=worker_pb2.KV_SOURCE_REMOTE), timeout=timeout_s), decode, flow)

@@ -41,13 +41,21 @@ class Cluster:
 
     router: Router
     colocated: bool
+    local_prefill_fallback: bool = False  # decode workers prefill while no prefill worker is live
     reference: worker_pb2.WorkerInfo | None = None
     flows: dict[str, flows.Flow] = field(default_factory=dict)
     _limits: Limits | None = None
 
     @property
     def ready(self) -> bool:
-        """Every role a request needs has a live worker."""
+        """Requests can be served: a live decode (or colocated) worker, and in disaggregated mode a live prefill
+        worker unless decode workers may prefill in its absence (`local_prefill_fallback`)."""
+        return bool(self.router.live("decode")) and (self.colocated or self.local_prefill_fallback
+                                                     or bool(self.router.live("prefill")))
+
+    @property
+    def complete(self) -> bool:
+        """Every configured role has a live worker (what the coordinator waits for at start)."""
         return bool(self.router.live("decode")) and (self.colocated or bool(self.router.live("prefill")))
 
     def missing_roles(self) -> list[str]:
@@ -203,7 +211,8 @@ class Membership:
             self.on_change()
 
     async def wait_ready(self, timeout_s: float) -> None:
-        """Poll until every needed role has a live worker.
+        """Poll until every configured role has a live worker (`Cluster.complete`: a fallback is for losing a role,
+        not for starting without one).
 
         Raises:
             TimeoutError: naming the roles still missing after timeout_s.
@@ -211,7 +220,7 @@ class Membership:
         deadline = time.monotonic() + timeout_s
         while True:
             await self.refresh()
-            if self.cluster.ready:
+            if self.cluster.complete:
                 return
             if time.monotonic() > deadline:
                 raise TimeoutError(f"no live {' or '.join(self.cluster.missing_roles())} worker after "

@@ -5,6 +5,8 @@ Only live workers are candidates (`coordinator.membership` keeps `live` and `sta
 - Prefill (and colocated) choice is prefix-cache aware, with NVIDIA Dynamo's cost: the blocks the worker would
   have to compute (the prompt's blocks minus those it probably holds, `coordinator.prefix_index`) plus the prompt
   blocks already queued there by this coordinator; the cheapest wins, then the worker's own reported queue.
+- Local prefill (disaggregated mode, `Router.local_prefill`): a short uncached prompt, or any prompt while no
+  prefill worker is live, is prefilled by its decode worker itself (Dynamo's conditional disaggregation).
 - Decode choice: a worker whose KV headroom holds the whole request (prompt + max_tokens), then the fewest
   requests this coordinator has running there, then the most free KV blocks. Between polls of `Worker.GetStats`
   the blocks routed since the last report are subtracted from the headroom.
@@ -122,6 +124,40 @@ class Router:
                                                 w.reported_queue))
         self.prefixes.record(worker.address, hashes, worker.info.num_blocks)
         return worker
+
+    def record_prefix(self, worker: WorkerHandle, token_ids: list[int]) -> None:
+        """The worker will hold these tokens' full blocks in its prefix cache (it computes them, or receives their
+        KV)."""
+        self.prefixes.record(worker.address, block_hashes(token_ids, worker.info.block_size), worker.info.num_blocks)
+
+    def local_prefill(self, context: list[int], max_local_tokens: int, fallback: bool) -> str | None:
+        """Conditional disaggregation (NVIDIA Dynamo's): whether a disaggregated request should be prefilled on its
+        decode worker instead of a prefill worker, and why. A prefill that short costs the decode batch little
+        and saves the transfer; with no prefill worker live, local prefill keeps the service up (degraded: a long
+        prompt then stalls that decode worker's batch while it is computed).
+
+        Args:
+            context: the tokens to compute (prompt, plus the tokens already sent when a request resumes).
+            max_local_tokens: prefill locally when at most this many of the context's tokens are not in the best
+                decode worker's prefix cache as far as this coordinator knows (`coordinator.prefix_index`, which
+                records the prompts that worker prefilled or received KV for); 0 = never for length.
+            fallback: prefill locally when no prefill worker is live.
+
+        Returns:
+            "short" or "no_prefill_worker" to prefill locally, None to go to a prefill worker. With no live decode
+            worker, None (the disaggregated path then raises UNAVAILABLE naming the decode role).
+        """
+        decode = self.live("decode")
+        if not decode:
+            return None
+        if fallback and not self.live("prefill"):
+            return "no_prefill_worker"
+        if max_local_tokens <= 0:
+            return None
+        block_size = decode[0].info.block_size
+        hashes = block_hashes(context, block_size)
+        cached = max(self.prefixes.overlap(w.address, hashes) for w in decode) * block_size
+        return "short" if len(context) - cached <= max_local_tokens else None
 
     def _prefill_cost(self, w: WorkerHandle, num_tokens: int, hashes: list[bytes]) -> int:
         """Dynamo's KV-router cost with overlap weight 1: blocks to compute here plus blocks queued here."""

@@ -279,6 +279,11 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         timeout_s = max(0.001, flow.deadline - time.monotonic())
         if self.config.colocated:
             return flows.run_colocated(router, flow, worker_rid, prompt, p.generated, sampling, timeout_s)
+        local = router.local_prefill(prompt + p.generated, self.config.local_prefill_tokens,
+                                     self.config.local_prefill_fallback)
+        if local is not None:
+            self.metrics.local_prefills.labels(self.config.model_name, local).inc()
+            return flows.run_colocated(router, flow, worker_rid, prompt, p.generated, sampling, timeout_s)
         return flows.run_disaggregated(router, flow, worker_rid, prompt, p.generated, sampling, arrival_wall,
                                        timeout_s)
 
@@ -359,14 +364,15 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
 async def serve(config: CoordinatorConfig) -> None:
     """Find live workers, then serve the public API until cancelled (SIGTERM drains).
 
-    Health tells the truth: readiness ("" and pdserve.v1.Generation) is SERVING only while every needed role has
-    a live worker, and follows membership changes; liveness stays SERVING while the process runs.
+    Health tells the truth: readiness ("" and pdserve.v1.Generation) is SERVING only while requests can be served
+    (`Cluster.ready`: decode workers that may prefill locally keep it SERVING without a prefill worker), and
+    follows membership changes; liveness stays SERVING while the process runs.
 
     Raises:
         TimeoutError: no live worker of a needed role within config.connect_timeout_s.
     """
     tracing = Tracing.from_env("pdserve-coordinator")
-    cluster = Cluster(Router(), config.colocated)
+    cluster = Cluster(Router(), config.colocated, local_prefill_fallback=config.local_prefill_fallback)
     membership = Membership(config, cluster, interceptors=tracing.client_interceptors())
     await membership.wait_ready(config.connect_timeout_s)
     tokenizer = await asyncio.to_thread(Tokenizer, config.model_dir)
@@ -383,6 +389,8 @@ async def serve(config: CoordinatorConfig) -> None:
     def follow_membership() -> None:
         if not cluster.ready:
             log.warning("no live %s worker: reporting NOT_SERVING", " or ".join(cluster.missing_roles()))
+        elif not cluster.complete:
+            log.warning("no live prefill worker: decode workers prefill locally until one is back")
         task = asyncio.get_running_loop().create_task(running.set_serving(cluster.ready))
         pending.add(task)
         task.add_done_callback(pending.discard)

@@ -150,3 +150,54 @@ def test_sigterm_to_serve_stops_every_process(tiny_model_dir, tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def local_prefills(metrics_url: str) -> dict[str, float]:
+    """The coordinator's pdserve:request_local_prefills_total by reason."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(metrics_url, timeout=5).read().decode()
+    return {s.labels["reason"]: s.value for f in text_string_to_metric_families(text)
+            if f.name == "pdserve:request_local_prefills" for s in f.samples if s.name.endswith("_total")}
+
+
+def test_conditional_disaggregation_and_decode_workers_prefilling_without_a_prefill_worker(tiny_model_dir,
+                                                                                           tmp_path):
+    """Dynamo's conditional disaggregation: an uncached part of at most --local-prefill-tokens is prefilled on the
+    decode worker (no KV transfer), a longer one on the prefill worker; the decode worker's prefix cache counts
+    (a prompt whose KV it received goes local the next time). With the prefill worker gone, decode workers
+    prefill every request and readiness stays SERVING. Greedy output equals HF's on every path."""
+    from conftest import hf_greedy
+
+    p = Processes(tiny_model_dir, tmp_path)
+    try:
+        prefill = p.start("prefill", "prefill", *WORKER)
+        decode = p.start("decode", "decode", *WORKER)
+        coordinator = p.start("coordinator", "coordinator", "--prefill", prefill, "--decode", decode,
+                              "--stats-interval-s", "0.5", "--local-prefill-tokens", "8", "--metrics-port", "0")
+        metrics_url = json.loads((tmp_path / "coordinator.ready").read_text())["metrics_url"]
+        long_prompt = [(7 * i + 3) % 500 + 10 for i in range(40)]  # 40 tokens: 2 full blocks of 16 + 8
+        with Client(coordinator) as c:
+            def run(prompt: list[int], cached: int = 0) -> float:
+                out = c.complete(prompt, GREEDY)
+                assert out.token_ids == hf_greedy(tiny_model_dir, prompt, 4), prompt
+                assert out.cached_prompt_tokens == cached
+                return out.timings["transfer_ms"]
+
+            assert run(long_prompt) > 0  # 40 uncached tokens > 8: the prefill worker, then a transfer
+            assert run([5, 6, 7, 8, 9]) == 0  # 5 <= 8: prefilled on the decode worker
+            # The decode worker kept the 32 tokens of full blocks it received: 8 left to compute, locally.
+            assert run(long_prompt, cached=32) == 0
+            assert local_prefills(metrics_url) == {"short": 2.0}
+
+            p.kill("prefill")
+            wait_for(lambda: c.model_info().num_prefill_workers == 0, 10, "the prefill worker to leave")
+            assert readiness(coordinator) == health_pb2.HealthCheckResponse.SERVING
+            other = [(11 * i + 5) % 500 + 10 for i in range(40)]
+            assert run(other) == 0
+            assert local_prefills(metrics_url) == {"short": 2.0, "no_prefill_worker": 1.0}
+        assert "decode workers prefill locally" in (tmp_path / "coordinator.log").read_text()
+    finally:
+        p.stop()
