@@ -40,9 +40,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS), help=f"comma list from {ALL_SYSTEMS}")
     p.add_argument("--peer", action="append", default=[], help="name=http://host:port[,model] (repeat)")
     p.add_argument("--variant", action="append", default=[],
-                   help="NAME=disagg|colocated[xN]:WORKER_ARGS, a further pdserve system with its own worker flags "
-                        "(xN: N colocated workers, or N decode workers beside one prefill worker), "
-                        "e.g. 'pdserve-int8=colocated:--dtype bfloat16 --quantization int8' (repeat)")
+                   help="NAME=disagg|colocated[xN]:WORKER_ARGS[|COORDINATOR_ARGS], a further pdserve system with "
+                        "its own worker (and coordinator) flags (xN: N colocated workers, or N decode workers beside "
+                        "one prefill worker), e.g. 'pdserve-int8=colocated:--dtype bfloat16 --quantization int8' or "
+                        "'pdserve-local=disagg:--dtype bfloat16|--local-prefill-tokens 64' (repeat)")
     p.add_argument("--model-dir", default=None, help="HF directory (default: the packaged SmolLM2-135M)")
     p.add_argument("--workload", default="docs", choices=WORKLOADS,
                    help="docs = --input-len windows of real text; seed = seed 004's one chat prompt, 75 tokens out")
@@ -159,13 +160,16 @@ def main(argv=None) -> int:
     for spec in args.variant:
         name, _, rest = spec.partition("=")
         topology, _, extra = rest.partition(":")
+        extra, _, coordinator = extra.partition("|")
         variant_args[name] = extra.split()
         shape = re.fullmatch(r"(disagg|colocated)(?:x([1-9][0-9]*))?", topology)
         if not name or shape is None:
             raise SystemExit(f"--variant wants NAME=disagg|colocated[xN]:WORKER_ARGS, got {spec!r}")
-        starters[name] = (lambda name=name, colocated=shape[1] == "colocated", n=int(shape[2] or 1), extra=extra:
+        starters[name] = (lambda name=name, colocated=shape[1] == "colocated", n=int(shape[2] or 1), extra=extra,
+                          coordinator=coordinator:
                           systems.start_pdserve(name, model_dir, colocated, args.threads, str(log_dir),
-                                                args.worker_args.split() + extra.split(), workers=n))
+                                                args.worker_args.split() + extra.split(), workers=n,
+                                                coordinator_args=coordinator.split()))
         names.append(name)
     plan = [(n, starters[n]) for n in names] + [(p.name, lambda p=p: p) for p in peers]
     for name, start in plan:

@@ -38,10 +38,12 @@ class RunningSystem:
 
 
 def start_pdserve(name: str, model_dir: str, colocated: bool, threads: int, log_dir: str | None,
-                  extra_args: list[str], observed: bool = False, workers: int = 1) -> RunningSystem:
+                  extra_args: list[str], observed: bool = False, workers: int = 1,
+                  coordinator_args: list[str] = ()) -> RunningSystem:
     """observed: every process exports traces (OTLP, to an in-process sink) and serves /metrics, scraped each
     second, as in production; the cost of observability is this system's throughput against the plain one.
     workers: colocated workers, or decode workers beside the one prefill worker (`ServeConfig.num_decode`).
+    extra_args / coordinator_args: flags for every worker / the coordinator.
 
     Raises RuntimeError if a process dies or is not ready in 10 minutes."""
     from cli.launcher import ServeConfig, start_cluster, worker_threads
@@ -54,7 +56,8 @@ def start_pdserve(name: str, model_dir: str, colocated: bool, threads: int, log_
                             colocated=colocated,
                             env=sink.env() if sink else None,
                             worker_args=["--threads", str(per_worker), "--log-level", "WARNING", *extra_args],
-                            coordinator_args=["--log-level", "WARNING", *(["--metrics-port", "0"] if observed else [])])
+                            coordinator_args=["--log-level", "WARNING", *coordinator_args,
+                                              *(["--metrics-port", "0"] if observed else [])])
     if not observed:
         return RunningSystem(name, lambda: PdserveBackend(cluster.address), cluster.stop)
     scraper = Scraper(list(cluster.metrics_urls.values()))

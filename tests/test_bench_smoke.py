@@ -23,9 +23,10 @@ def _run(args, tmp_path, timeout=600):
 
 def test_sweep_smoke(tiny_model_dir, tmp_path):
     out = tmp_path / "sweep"
-    _run(["bench/sweep.py", "--model-dir", str(tiny_model_dir), "--systems", "pdserve-disagg,naive,llamacpp",
+    _run(["bench/sweep.py", "--model-dir", str(tiny_model_dir), "--systems", "naive,llamacpp",
           "--llama-server", str(tmp_path / "no-llama-server"), "--workload", "seed",
           "--variant", "colocated-x2=colocatedx2:",  # two colocated workers behind one coordinator
+          "--variant", "pdserve-disagg=disagg:|--local-prefill-tokens 64",  # coordinator flags after the |
           "--concurrency", "1,3", "--num-requests", "3", "--output-len", "5",
           "--threads", "1", "--out-dir", str(out)], tmp_path)
     results = json.loads((out / "results.json").read_text())
