@@ -34,6 +34,7 @@ class CoordinatorConfig:
             with no prefill worker and no KV transfer (NVIDIA Dynamo's conditional disaggregation); 0 = never.
         local_prefill_fallback: disaggregated mode: while no prefill worker is live, decode workers prefill
             locally (Dynamo's fallback to decode-only) instead of failing requests with UNAVAILABLE.
+        (The two make `coordinator.router.LocalPrefillPolicy`.)
         rate_limit_requests_per_s / rate_limit_tokens_per_s: per API key (or per peer without keys), requests and
             tokens (prompt + max_tokens, charged at admission) per second; 0 = unlimited. Bursts of
             rate_limit_burst_s seconds' worth are allowed.

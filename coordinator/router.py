@@ -5,8 +5,9 @@ Only live workers are candidates (`coordinator.membership` keeps `live` and `sta
 - Prefill (and colocated) choice is prefix-cache aware, with NVIDIA Dynamo's cost: the blocks the worker would
   have to compute (the prompt's blocks minus those it probably holds, `coordinator.prefix_index`) plus the prompt
   blocks already queued there by this coordinator; the cheapest wins, then the worker's own reported queue.
-- Local prefill (disaggregated mode, `Router.local_prefill`): a short uncached prompt, or any prompt while no
-  prefill worker is live, is prefilled by its decode worker itself (Dynamo's conditional disaggregation).
+- Local prefill (disaggregated mode, `Router.local_prefill`, `LocalPrefillPolicy`): a short uncached prompt, or
+  any prompt while no prefill worker is live, is prefilled by its decode worker itself (Dynamo's conditional
+  disaggregation).
 - Decode choice: a worker whose KV headroom holds the whole request (prompt + max_tokens), then the fewest
   requests this coordinator has running there, then the most free KV blocks. Between polls of `Worker.GetStats`
   the blocks routed since the last report are subtracted from the headroom.
@@ -71,6 +72,26 @@ class WorkerHandle:
         return 0 if self.stats is None else self.stats.num_waiting + self.stats.num_running
 
 
+@dataclass(frozen=True)
+class LocalPrefillPolicy:
+    """When a disaggregated request is prefilled on its decode worker instead of a prefill worker: NVIDIA Dynamo's
+    conditional disaggregation by prefill length, plus its fallback to decode-only serving. A local prefill saves
+    the transfer and the second hop but joins the decode batch, whose steps it slows while it is computed (chunked,
+    under the worker's token budget). Dynamo's other condition, local when the prefill queue is long, was measured
+    and left out: on 2 cores it moved so much prefill onto the decode worker that 128/32 at c=64 lost 20% of its
+    throughput and ITL p99 went from 45 to 317 ms (docs/benchmarks.md, "Conditional disaggregation").
+
+    Attributes:
+        max_uncached_tokens: local when at most this many of the context's tokens are outside the decode worker's
+            prefix cache, as far as this coordinator knows (`coordinator.prefix_index`: the prompts that worker
+            prefilled or received KV for); 0 = never for length.
+        fallback: local while no prefill worker is live, rather than failing the request with UNAVAILABLE.
+    """
+
+    max_uncached_tokens: int = 0
+    fallback: bool = True
+
+
 @dataclass
 class Router:
     """Picks workers per role (see the module docstring) and counts what this coordinator has on each."""
@@ -130,34 +151,30 @@ class Router:
         KV)."""
         self.prefixes.record(worker.address, block_hashes(token_ids, worker.info.block_size), worker.info.num_blocks)
 
-    def local_prefill(self, context: list[int], max_local_tokens: int, fallback: bool) -> str | None:
-        """Conditional disaggregation (NVIDIA Dynamo's): whether a disaggregated request should be prefilled on its
-        decode worker instead of a prefill worker, and why. A prefill that short costs the decode batch little
-        and saves the transfer; with no prefill worker live, local prefill keeps the service up (degraded: a long
-        prompt then stalls that decode worker's batch while it is computed).
+    def local_prefill(self, context: list[int], policy: LocalPrefillPolicy) -> str | None:
+        """Conditional disaggregation: whether a disaggregated request should be prefilled on its decode worker
+        instead of a prefill worker (`LocalPrefillPolicy`), and why.
 
         Args:
             context: the tokens to compute (prompt, plus the tokens already sent when a request resumes).
-            max_local_tokens: prefill locally when at most this many of the context's tokens are not in the best
-                decode worker's prefix cache as far as this coordinator knows (`coordinator.prefix_index`, which
-                records the prompts that worker prefilled or received KV for); 0 = never for length.
-            fallback: prefill locally when no prefill worker is live.
+            policy: when to.
 
         Returns:
-            "short" or "no_prefill_worker" to prefill locally, None to go to a prefill worker. With no live decode
+            "no_prefill_worker" or "short" to prefill locally, None to go to a prefill worker. With no live decode
             worker, None (the disaggregated path then raises UNAVAILABLE naming the decode role).
         """
         decode = self.live("decode")
         if not decode:
             return None
-        if fallback and not self.live("prefill"):
+        if policy.fallback and not self.live("prefill"):
             return "no_prefill_worker"
-        if max_local_tokens <= 0:
-            return None
-        block_size = decode[0].info.block_size
-        hashes = block_hashes(context, block_size)
-        cached = max(self.prefixes.overlap(w.address, hashes) for w in decode) * block_size
-        return "short" if len(context) - cached <= max_local_tokens else None
+        if policy.max_uncached_tokens > 0:
+            block_size = decode[0].info.block_size
+            hashes = block_hashes(context, block_size)
+            cached = max(self.prefixes.overlap(w.address, hashes) for w in decode) * block_size
+            if len(context) - cached <= policy.max_uncached_tokens:
+                return "short"
+        return None
 
     def _prefill_cost(self, w: WorkerHandle, num_tokens: int, hashes: list[bytes]) -> int:
         """Dynamo's KV-router cost with overlap weight 1: blocks to compute here plus blocks queued here."""

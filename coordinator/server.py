@@ -19,7 +19,7 @@ from coordinator.ratelimit import RateLimiter
 from coordinator.membership import Cluster, Membership
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.record import RequestRecord, log_access
-from coordinator.router import Router
+from coordinator.router import LocalPrefillPolicy, Router
 from coordinator.text import IncrementalDetokenizer, StopMatcher
 from coordinator.tokenizer import Tokenizer
 from coordinator.validation import check_chat, check_prompt, check_text_length, resolve_sampling, shorten
@@ -90,6 +90,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
     def __init__(self, config: CoordinatorConfig, cluster: Cluster, tokenizer: Tokenizer,
                  metrics: CoordinatorMetrics):
         self.config, self.cluster, self.tokenizer, self.metrics = config, cluster, tokenizer, metrics
+        self.local_prefill = LocalPrefillPolicy(config.local_prefill_tokens, config.local_prefill_fallback)
         self.limiter = RateLimiter(config.rate_limit_requests_per_s, config.rate_limit_tokens_per_s,
                                    config.rate_limit_burst_s)
 
@@ -279,8 +280,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         timeout_s = max(0.001, flow.deadline - time.monotonic())
         if self.config.colocated:
             return flows.run_colocated(router, flow, worker_rid, prompt, p.generated, sampling, timeout_s)
-        local = router.local_prefill(prompt + p.generated, self.config.local_prefill_tokens,
-                                     self.config.local_prefill_fallback)
+        local = router.local_prefill(prompt + p.generated, self.local_prefill)
         if local is not None:
             self.metrics.local_prefills.labels(self.config.model_name, local).inc()
             return flows.run_colocated(router, flow, worker_rid, prompt, p.generated, sampling, timeout_s)

@@ -4,7 +4,7 @@ import pytest
 
 from coordinator.errors import RequestError
 from coordinator.membership import Cluster
-from coordinator.router import Router, WorkerHandle
+from coordinator.router import LocalPrefillPolicy, Router, WorkerHandle
 from pdserve.v1 import worker_pb2
 
 
@@ -115,22 +115,25 @@ def test_no_worker_of_a_role_is_unavailable():
 
 def test_local_prefill_for_short_uncached_prompts_and_when_no_prefill_worker_is_live():
     router = two_by_two()
+    short = LocalPrefillPolicy(max_uncached_tokens=8)
     prompt = list(range(40))  # 2 full blocks of 16 + 8 tokens
-    assert router.local_prefill(prompt, 8, fallback=True) is None  # 40 uncached > 8
-    assert router.local_prefill(prompt[:8], 8, fallback=True) == "short"
+    assert router.local_prefill(prompt, short) is None  # 40 uncached > 8
+    assert router.local_prefill(prompt[:8], short) == "short"
     router.record_prefix(router.decode[1], prompt)  # d1 received the prompt's KV: 32 tokens cached there
-    assert router.local_prefill(prompt, 8, fallback=True) == "short"  # the best decode worker has 8 to compute
-    assert router.local_prefill(prompt + [1], 8, fallback=True) is None  # 9
-    assert router.local_prefill(prompt, 0, fallback=True) is None  # 0: never for length
+    assert router.local_prefill(prompt, short) == "short"  # the best decode worker has 8 to compute
+    assert router.local_prefill(prompt + [1], short) is None  # 9
+    assert router.local_prefill(prompt, LocalPrefillPolicy()) is None  # 0: never for length
     router.record_prefix(router.prefill[0], list(range(100, 140)))  # a prefill worker's cache does not count
-    assert router.local_prefill(list(range(100, 140)), 8, fallback=True) is None
+    assert router.local_prefill(list(range(100, 140)), short) is None
+
     for w in router.prefill:
         w.live = False
-    assert router.local_prefill(prompt + [1], 0, fallback=True) == "no_prefill_worker"
-    assert router.local_prefill(prompt + [1], 0, fallback=False) is None  # then pick_prefill: UNAVAILABLE
+    assert router.local_prefill(prompt + [1], LocalPrefillPolicy()) == "no_prefill_worker"
+    assert router.local_prefill(prompt + [1], LocalPrefillPolicy(fallback=False)) is None  # pick_prefill: UNAVAILABLE
+    assert router.local_prefill(prompt[:8], LocalPrefillPolicy(8, fallback=False)) == "short"  # still served
     for w in router.decode:
         w.live = False
-    assert router.local_prefill(prompt, 8, fallback=True) is None  # pick_decode names the missing role
+    assert router.local_prefill(prompt, short) is None  # pick_decode names the missing role
 
 
 def test_readiness_without_a_prefill_worker_follows_the_fallback():
