@@ -65,7 +65,10 @@ class Cluster:
 
     def supervise(self, restart: bool, poll_s: float = 0.5) -> None:
         """Watch the processes until interrupted: report each that exits and, with restart, start it again on
-        the gRPC port it had (a worker comes back with a new KV port, which the coordinator re-reads)."""
+        the gRPC port it had (a worker comes back with a new KV port, which the coordinator re-reads). Without
+        restart, returns once the coordinator has exited: the cluster has no public endpoint left, and the caller
+        should stop it (and exit non-zero, for a process manager to act on). A lost worker is only reported: the
+        coordinator routes around it."""
         while True:
             for name, proc in list(self.processes.items()):
                 if proc.poll() is None:
@@ -74,6 +77,8 @@ class Cluster:
                       + (f" (log: {self.log_files[name]})" if self.log_files.get(name) else ""), flush=True)
                 if not restart:
                     del self.processes[name]
+                    if name == "coordinator":
+                        return
                     continue
                 address = self.address if name == "coordinator" else self.worker_addresses[name]
                 args = [*self._commands[name], "--port", address.rsplit(":", 1)[1]]

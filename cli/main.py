@@ -161,6 +161,7 @@ def _run_serve(args: argparse.Namespace) -> None:
     print(f"pdserve ready on {cluster.address}", flush=True)
     for process, url in cluster.metrics_urls.items():
         print(f"  metrics of {process}: {url}", flush=True)
+    lost = False
     try:
         if args.demo is not None:
             from server_common.security import read_api_keys
@@ -169,10 +170,13 @@ def _run_serve(args: argparse.Namespace) -> None:
             _stream(cluster.address, args.demo, args.demo_max_tokens, 0.0, chat=True, api_key=keys[0] if keys else None)
         else:
             cluster.supervise(restart=serve_config.restart)
+            lost = True  # it returns only when the coordinator is gone
     except KeyboardInterrupt:
         pass
     finally:
         cluster.stop()
+    if lost:
+        raise SystemExit("pdserve: the coordinator exited; stopped the workers")
 
 
 def _raise_interrupt(signum, frame) -> None:

@@ -152,6 +152,33 @@ def test_sigterm_to_serve_stops_every_process(tiny_model_dir, tmp_path):
             proc.kill()
 
 
+def test_serve_exits_nonzero_and_stops_the_workers_when_its_coordinator_dies(tiny_model_dir, tmp_path):
+    """`serve` used to go on supervising workers nobody could reach, exit code 0 never coming."""
+    import signal
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-m", "cli.main", "serve", "--model", str(tiny_model_dir), "--port",
+                             "0", "--kv-tokens", "1024", "--max-model-len", "256", "--log-dir", str(tmp_path)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        for line in proc.stdout:
+            if line.startswith("pdserve ready on"):
+                break
+        children = children_of(proc.pid)
+        (coordinator,) = [c for c in children if b"coordinator" in Path(f"/proc/{c}/cmdline").read_bytes()]
+        os.kill(coordinator, signal.SIGKILL)
+        assert proc.wait(60) == 1
+        assert "the coordinator exited" in proc.stdout.read()
+        deadline = time.monotonic() + 30
+        while any(alive(c) for c in children):
+            assert time.monotonic() < deadline, "workers outlived serve"
+            time.sleep(0.2)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
 def local_prefills(metrics_url: str) -> dict[str, float]:
     """The coordinator's pdserve:request_local_prefills_total by reason."""
     import urllib.request
