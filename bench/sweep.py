@@ -139,7 +139,7 @@ def main(argv=None) -> int:
                           args.num_requests, "levels": levels, "slo_ttft_ms": args.slo_ttft_ms,
                           "slo_tpot_ms": args.slo_tpot_ms, "threads": args.threads, "machine": machine(),
                           "commit": commit(), "date": datetime.datetime.utcnow().isoformat(timespec="seconds") + "Z",
-                          "quick": args.quick},
+                          "quick": args.quick, "worker_args": args.worker_args, "variants": args.variant},
                "systems": {}}
     starters = {
         "pdserve-disagg": lambda: systems.start_pdserve("pdserve-disagg", model_dir, False, args.threads,

@@ -34,6 +34,7 @@ def test_sweep_smoke(tiny_model_dir, tmp_path):
     assert (out / "logs" / "colocated-1.log").exists()  # the variant's second worker started
     assert "no-llama-server" in results["not_run"]["llamacpp"]  # a peer that cannot start is said, the rest run
     assert results["config"]["workload"] == "seed" and results["config"]["input_len"] > 10
+    assert "pdserve-disagg=disagg:|--local-prefill-tokens 64" in results["config"]["variants"]  # how to rerun it
     for name, rows in results["systems"].items():
         assert [r["concurrency"] for r in rows] == [1, 3]
         for r in rows:
