@@ -36,6 +36,13 @@ def check_tensor(name: str, t: torch.Tensor, ndim: int, dtypes: tuple[torch.dtyp
                                  f" for shape {tuple(t.shape)}")
 
 
+def dense_within_block(cache: torch.Tensor) -> bool:
+    """A [num_blocks, block_size, num_kv_heads, head_dim] cache view whose (block_size, heads, head_dim) slab is
+    dense, so a token's heads are one row; dim 0 may be strided (the per-layer view of a cache of all layers)."""
+    _, _, heads, head_dim = cache.shape
+    return cache.stride(3) == 1 and cache.stride(2) == head_dim and cache.stride(1) == heads * head_dim
+
+
 def check_kv_caches(k_cache: torch.Tensor, v_cache: torch.Tensor, device: torch.device,
                     dtype: torch.dtype) -> None:
     """k_cache/v_cache: [num_blocks, block_size, num_kv_heads, head_dim], `dtype`, each (block_size, heads,
@@ -46,8 +53,7 @@ def check_kv_caches(k_cache: torch.Tensor, v_cache: torch.Tensor, device: torch.
     """
     for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
         check_tensor(name, c, 4, (dtype,), device, inner_contiguous=True)
-        h, d = c.shape[2], c.shape[3]
-        check(c.stride(2) == d and c.stride(1) == h * d,
+        check(dense_within_block(c),
               lambda: f"{name} must be dense within a block, got strides {c.stride()} for shape {tuple(c.shape)}")
     check(k_cache.shape == v_cache.shape,
           lambda: f"k_cache shape {tuple(k_cache.shape)} != v_cache shape {tuple(v_cache.shape)}")

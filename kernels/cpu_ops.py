@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from kernels import cpu_prefill
-from kernels.checks import check, check_attention
+from kernels.checks import check, check_attention, dense_within_block
 from kernels.reference import paged_decode_attention as reference_decode_attention
 from kernels.reference import rms_norm as reference_rms_norm
 from kernels.reference import rotary_embedding as reference_rotary_embedding
@@ -241,10 +241,9 @@ class CpuKernels:
         if (key.dtype != k_cache.dtype or value.dtype != k_cache.dtype or v_cache.dtype != k_cache.dtype
                 or value.shape != key.shape or slot_mapping.dtype != torch.int64 or not slot_mapping.is_contiguous()
                 or key.stride(1) != head_dim or key.stride(2) != 1 or value.stride(1) != head_dim
-                or value.stride(2) != 1 or k_cache.stride(1) != row or v_cache.stride(1) != row
-                or k_cache.stride(2) != head_dim or v_cache.stride(2) != head_dim or k_cache.stride(3) != 1
-                or v_cache.stride(3) != 1 or v_cache.stride(0) != k_cache.stride(0) or v_cache.shape != k_cache.shape
-                or slot_mapping.numel() != tokens):
+                or value.stride(2) != 1 or k_cache.shape[2:] != key.shape[1:] or v_cache.shape != k_cache.shape
+                or not dense_within_block(k_cache) or not dense_within_block(v_cache)
+                or v_cache.stride(0) != k_cache.stride(0) or slot_mapping.numel() != tokens):
             return reference_write_kv_cache(key, value, k_cache, v_cache, slot_mapping)
         size = key.element_size()
         bad = self._write_kv(key.data_ptr(), value.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
