@@ -194,7 +194,6 @@ async def run_disaggregated(router: Router, flow: Flow, request_id: str, prompt:
     `generated`: tokens a lost worker had sent (a migration); both workers resume after them."""
     with router.lease(_pick_decode(router, len(prompt) + sampling.max_tokens)) as decode:
         flow.decode_worker = decode.address
-        router.record_prefix(decode, prompt + generated)  # its prefix cache keeps the KV it receives
         dcall = WorkerCall(decode.decode.Decode(worker_pb2.DecodeRequest(
             request_id=request_id, prompt_token_ids=prompt, sampling=sampling, output_token_ids=generated,
             kv_source=worker_pb2.KV_SOURCE_REMOTE), timeout=timeout_s), decode, flow)
@@ -236,7 +235,11 @@ async def run_disaggregated(router: Router, flow: Flow, request_id: str, prompt:
 
             watcher = asyncio.create_task(watch_transfer())
             try:
+                recorded = False
                 async for item in _decode_stream(dcall):
+                    if not recorded:  # the KV arrived and joined the batch: its blocks enter that prefix cache
+                        router.record_prefix(decode, context)
+                        recorded = True
                     yield item
             except (RequestError, asyncio.CancelledError):
                 if transfer_error:
