@@ -84,7 +84,9 @@ class LocalPrefillPolicy:
     Attributes:
         max_uncached_tokens: local when at most this many of the context's tokens are outside the decode worker's
             prefix cache, as far as this coordinator knows (`coordinator.prefix_index`: the prompts that worker
-            prefilled or received KV for); 0 = never for length.
+            prefilled or received KV for); 0 = never for length. Where the index is wrong (the worker evicted the
+            blocks, or another coordinator's requests filled it), more is computed locally than planned; the
+            output is the same.
         fallback: local while no prefill worker is live, rather than failing the request with UNAVAILABLE.
     """
 
