@@ -2,6 +2,9 @@
 (new KV port) and a new one (found through an @FILE address list) are used with no coordinator restart."""
 import json
 import os
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -126,38 +129,11 @@ def alive(pid: int) -> bool:
         return False
 
 
-def test_sigterm_to_serve_stops_every_process(tiny_model_dir, tmp_path):
-    """SIGTERM used to kill `pdserve serve` alone and orphan its coordinator and workers."""
-    import signal
-    import subprocess
-    import sys
-
-    proc = subprocess.Popen([sys.executable, "-m", "cli.main", "serve", "--model", str(tiny_model_dir), "--port",
-                             "0", "--kv-tokens", "1024", "--max-model-len", "256", "--log-dir", str(tmp_path)],
-                            stdout=subprocess.PIPE, text=True)
-    try:
-        for line in proc.stdout:
-            if line.startswith("pdserve ready on"):
-                break
-        children = children_of(proc.pid)
-        assert len(children) == 3  # coordinator, prefill, decode
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(60) == 0
-        deadline = time.monotonic() + 30
-        while any(alive(c) for c in children):
-            assert time.monotonic() < deadline, "children outlived serve"
-            time.sleep(0.2)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-
-
-def test_serve_exits_nonzero_and_stops_the_workers_when_its_coordinator_dies(tiny_model_dir, tmp_path):
-    """`serve` used to go on supervising workers nobody could reach, exit code 0 never coming."""
-    import signal
-    import subprocess
-    import sys
-
+@pytest.mark.parametrize("ending", ["sigterm", "coordinator_killed"])
+def test_serve_leaves_no_process_behind(tiny_model_dir, tmp_path, ending):
+    """SIGTERM used to kill `pdserve serve` alone and orphan its coordinator and workers; a dead coordinator used to
+    leave `serve` supervising workers nobody could reach, never exiting. SIGTERM: exit 0; the coordinator killed:
+    exit 1, saying so. Either way no child outlives serve."""
     proc = subprocess.Popen([sys.executable, "-m", "cli.main", "serve", "--model", str(tiny_model_dir), "--port",
                              "0", "--kv-tokens", "1024", "--max-model-len", "256", "--log-dir", str(tmp_path)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -166,13 +142,18 @@ def test_serve_exits_nonzero_and_stops_the_workers_when_its_coordinator_dies(tin
             if line.startswith("pdserve ready on"):
                 break
         children = children_of(proc.pid)
-        (coordinator,) = [c for c in children if b"coordinator" in Path(f"/proc/{c}/cmdline").read_bytes()]
-        os.kill(coordinator, signal.SIGKILL)
-        assert proc.wait(60) == 1
-        assert "the coordinator exited" in proc.stdout.read()
+        assert len(children) == 3  # coordinator, prefill, decode
+        if ending == "sigterm":
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(60) == 0
+        else:
+            (coordinator,) = [c for c in children if b"coordinator" in Path(f"/proc/{c}/cmdline").read_bytes()]
+            os.kill(coordinator, signal.SIGKILL)
+            assert proc.wait(60) == 1
+            assert "the coordinator exited" in proc.stdout.read()
         deadline = time.monotonic() + 30
         while any(alive(c) for c in children):
-            assert time.monotonic() < deadline, "workers outlived serve"
+            assert time.monotonic() < deadline, "children outlived serve"
             time.sleep(0.2)
     finally:
         if proc.poll() is None:
