@@ -164,7 +164,7 @@ def main(argv=None) -> int:
         variant_args[name] = extra.split()
         shape = re.fullmatch(r"(disagg|colocated)(?:x([1-9][0-9]*))?", topology)
         if not name or shape is None:
-            raise SystemExit(f"--variant wants NAME=disagg|colocated[xN]:WORKER_ARGS, got {spec!r}")
+            raise SystemExit(f"--variant wants NAME=disagg|colocated[xN]:WORKER_ARGS[|COORDINATOR_ARGS], got {spec!r}")
         starters[name] = (lambda name=name, colocated=shape[1] == "colocated", n=int(shape[2] or 1), extra=extra,
                           coordinator=coordinator:
                           systems.start_pdserve(name, model_dir, colocated, args.threads, str(log_dir),

@@ -21,7 +21,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from coordinator import flow as flows
 from coordinator.config import CoordinatorConfig
-from coordinator.router import Router, WorkerHandle
+from coordinator.router import LocalPrefillPolicy, Router, WorkerHandle
 from coordinator.validation import Limits
 from pdserve.v1 import worker_pb2
 from server_common.addresses import expand
@@ -41,22 +41,21 @@ class Cluster:
 
     router: Router
     colocated: bool
-    local_prefill_fallback: bool = False  # decode workers prefill while no prefill worker is live
+    local_prefill: LocalPrefillPolicy = LocalPrefillPolicy()  # when decode workers prefill (disaggregated mode)
     reference: worker_pb2.WorkerInfo | None = None
     flows: dict[str, flows.Flow] = field(default_factory=dict)
     _limits: Limits | None = None
 
     @property
-    def ready(self) -> bool:
-        """Requests can be served: a live decode (or colocated) worker, and in disaggregated mode a live prefill
-        worker unless decode workers may prefill in its absence (`local_prefill_fallback`)."""
-        return bool(self.router.live("decode")) and (self.colocated or self.local_prefill_fallback
-                                                     or bool(self.router.live("prefill")))
-
-    @property
     def complete(self) -> bool:
         """Every configured role has a live worker (what the coordinator waits for at start)."""
         return bool(self.router.live("decode")) and (self.colocated or bool(self.router.live("prefill")))
+
+    @property
+    def ready(self) -> bool:
+        """Requests can be served: every role is live, or decode workers are and may prefill in the prefill
+        workers' absence (`LocalPrefillPolicy.fallback`)."""
+        return self.complete or (self.local_prefill.fallback and bool(self.router.live("decode")))
 
     def missing_roles(self) -> list[str]:
         decode = "colocated" if self.colocated else "decode"

@@ -90,7 +90,6 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
     def __init__(self, config: CoordinatorConfig, cluster: Cluster, tokenizer: Tokenizer,
                  metrics: CoordinatorMetrics):
         self.config, self.cluster, self.tokenizer, self.metrics = config, cluster, tokenizer, metrics
-        self.local_prefill = LocalPrefillPolicy(config.local_prefill_tokens, config.local_prefill_fallback)
         self.limiter = RateLimiter(config.rate_limit_requests_per_s, config.rate_limit_tokens_per_s,
                                    config.rate_limit_burst_s)
 
@@ -280,7 +279,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         timeout_s = max(0.001, flow.deadline - time.monotonic())
         if self.config.colocated:
             return flows.run_colocated(router, flow, worker_rid, prompt, p.generated, sampling, timeout_s)
-        local = router.local_prefill(prompt + p.generated, self.local_prefill)
+        local = router.local_prefill(prompt + p.generated, self.cluster.local_prefill)
         if local is not None:
             self.metrics.local_prefills.labels(self.config.model_name, local).inc()
             return flows.run_colocated(router, flow, worker_rid, prompt, p.generated, sampling, timeout_s)
@@ -372,7 +371,8 @@ async def serve(config: CoordinatorConfig) -> None:
         TimeoutError: no live worker of a needed role within config.connect_timeout_s.
     """
     tracing = Tracing.from_env("pdserve-coordinator")
-    cluster = Cluster(Router(), config.colocated, local_prefill_fallback=config.local_prefill_fallback)
+    cluster = Cluster(Router(), config.colocated,
+                      LocalPrefillPolicy(config.local_prefill_tokens, config.local_prefill_fallback))
     membership = Membership(config, cluster, interceptors=tracing.client_interceptors())
     await membership.wait_ready(config.connect_timeout_s)
     tokenizer = await asyncio.to_thread(Tokenizer, config.model_dir)

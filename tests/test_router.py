@@ -140,9 +140,9 @@ def test_readiness_without_a_prefill_worker_follows_the_fallback():
     router = two_by_two()
     for w in router.prefill:
         w.live = False
-    assert Cluster(router, colocated=False, local_prefill_fallback=True).ready
-    assert not Cluster(router, colocated=False, local_prefill_fallback=False).ready
-    assert not Cluster(router, colocated=False, local_prefill_fallback=True).complete  # start waits for it
+    assert Cluster(router, colocated=False, local_prefill=LocalPrefillPolicy(fallback=True)).ready
+    assert not Cluster(router, colocated=False, local_prefill=LocalPrefillPolicy(fallback=False)).ready
+    assert not Cluster(router, colocated=False, local_prefill=LocalPrefillPolicy(fallback=True)).complete  # start waits
     for w in router.decode:
         w.live = False
-    assert not Cluster(router, colocated=False, local_prefill_fallback=True).ready
+    assert not Cluster(router, colocated=False, local_prefill=LocalPrefillPolicy(fallback=True)).ready
