@@ -302,12 +302,22 @@ static inline __attribute__((always_inline)) void attend_item_avx512(
  * block_tables: [num_seqs, max_blocks] int32, contiguous; context_lens: [num_seqs] int32 (>= 1 each).
  * Work items are (sequence, kv head) pairs, split statically over `num_threads` OpenMP threads.
  * A sequence with context_len <= 0 gets zeros (the caller never sends one; defined rather than NaN).
- */
-void paged_decode_attention(const void *query, const void *k_cache, const void *v_cache,
-                            const int32_t *block_tables, const int32_t *context_lens, void *out,
-                            int num_seqs, int num_q_heads, int num_kv_heads, int head_dim, int block_size,
-                            int max_blocks, int64_t block_stride, int64_t q_stride, float scale, int is_bf16,
-                            int num_threads) {
+ * Returns the first sequence whose context needs more than max_blocks blocks or whose table names a block outside
+ * [0, num_blocks), having computed nothing, or -1. Checked here rather than by the caller: a pass over the tables
+ * is free next to the attention, and the wrapper's host-side max of context_lens cost a microsecond per layer. */
+int paged_decode_attention(const void *query, const void *k_cache, const void *v_cache,
+                           const int32_t *block_tables, const int32_t *context_lens, void *out,
+                           int num_seqs, int num_q_heads, int num_kv_heads, int head_dim, int block_size,
+                           int max_blocks, int64_t block_stride, int64_t q_stride, float scale, int is_bf16,
+                           int num_threads, int64_t num_blocks) {
+    for (int s = 0; s < num_seqs; s++) {
+        const int ctx = context_lens[s];
+        if (ctx > (int64_t)max_blocks * block_size) return s;
+        for (int b = 0; b < (ctx + block_size - 1) / block_size; b++) {
+            const int32_t block = block_tables[(size_t)s * max_blocks + b];
+            if (block < 0 || block >= num_blocks) return s;
+        }
+    }
     const int group = num_q_heads / num_kv_heads;
     const int64_t token_stride = (int64_t)num_kv_heads * head_dim;
     #pragma omp parallel for num_threads(num_threads) schedule(static)
@@ -339,4 +349,5 @@ void paged_decode_attention(const void *query, const void *k_cache, const void *
 #undef ATTEND_FIXED
 #undef ATTEND
     }
+    return -1;
 }

@@ -119,8 +119,8 @@ class CpuKernels:
 
     def __init__(self, library: ctypes.CDLL):
         c_int, c_i64, c_ptr, c_float = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
-        self._decode = _bind(library.paged_decode_attention, None, [c_ptr] * 6 + [c_int] * 6 +
-                             [c_i64, c_i64, c_float, c_int, c_int])
+        self._decode = _bind(library.paged_decode_attention, c_int, [c_ptr] * 6 + [c_int] * 6 +
+                             [c_i64, c_i64, c_float, c_int, c_int, c_i64])
         self._rms_norm = _bind(library.rms_norm, None, [c_ptr] * 4 + [c_int, c_int, c_i64, c_float, c_int, c_int])
         self._rotary = _bind(library.rotary_embedding, None, [c_ptr] * 3 + [c_int] * 3 + [c_i64, c_int, c_int])
         self._silu_and_mul = _bind(library.silu_and_mul, None, [c_ptr, c_ptr] + [c_int] * 4)
@@ -145,30 +145,35 @@ class CpuKernels:
         reference.
 
         Raises:
-            ValueError: a bad shape, dtype, stride or device (`kernels.checks`), or a non-CPU tensor.
+            ValueError: a bad shape, dtype, stride or device (`kernels.checks`), a non-CPU tensor, a context longer
+                than its row of block_tables, or a block id outside the cache (nothing is computed then).
         """
         num_seqs, num_q_heads, head_dim = query.shape
         check_attention(query, k_cache, v_cache, block_tables, context_lens, num_seqs)
         check(query.device.type == "cpu", lambda: f"the cpu attention kernel needs CPU tensors, got {query.device}")
-        num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
-        if (query.dtype not in (torch.float32, torch.bfloat16) or num_q_heads // num_kv_heads > MAX_GROUP
+        num_blocks, block_size, num_kv_heads = k_cache.shape[:3]
+        if (query.dtype not in _C_DTYPES or num_q_heads // num_kv_heads > MAX_GROUP
                 or head_dim > MAX_HEAD_DIM or block_size > MAX_BLOCK):  # beyond the C kernel's stack arrays
             return reference_decode_attention(query, k_cache, v_cache, block_tables, context_lens, scale)
-        check(v_cache.stride(0) == k_cache.stride(0), lambda: f"k_cache and v_cache block strides differ: "
-                                                      f"{k_cache.stride(0)} vs {v_cache.stride(0)}")
-        if query.stride(2) != 1 or query.stride(1) != head_dim:  # the kernel takes any sequence stride, not these
+        block_stride = k_cache.stride(0)
+        check(v_cache.stride(0) == block_stride, lambda: f"k_cache and v_cache block strides differ: "
+                                                 f"{block_stride} vs {v_cache.stride(0)}")
+        if query.stride(1) != head_dim:  # the kernel takes any sequence stride, not this
             query = query.contiguous()
-        block_tables, context_lens = block_tables.contiguous(), context_lens.contiguous()
+        if not context_lens.is_contiguous():  # block_tables: rows dense (checked), any row stride but its width
+            context_lens = context_lens.contiguous()
+        if block_tables.stride(0) != block_tables.shape[1]:
+            block_tables = block_tables.contiguous()
         out = torch.empty(query.shape, dtype=query.dtype)
         if num_seqs:
-            longest = int(context_lens.max())  # the C kernel trusts the table's width: check it here
-            check(longest <= block_tables.shape[1] * block_size,
-                  lambda: f"a context of {longest} tokens needs more blocks than block_tables has "
-                          f"({block_tables.shape[1]})")
-            self._decode(query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
-                         context_lens.data_ptr(), out.data_ptr(), num_seqs, num_q_heads, num_kv_heads, head_dim,
-                         block_size, block_tables.shape[1], k_cache.stride(0), query.stride(0), scale,
-                         int(query.dtype == torch.bfloat16), torch.get_num_threads())
+            bad = self._decode(query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
+                               context_lens.data_ptr(), out.data_ptr(), num_seqs, num_q_heads, num_kv_heads,
+                               head_dim, block_size, block_tables.shape[1], block_stride, query.stride(0), scale,
+                               int(query.dtype == torch.bfloat16), torch.get_num_threads(), num_blocks)
+            if bad >= 0:
+                raise ValueError(f"sequence {bad}: a context of {int(context_lens[bad])} tokens over block table "
+                                 f"row {block_tables[bad].tolist()} needs more blocks than the row has or names a "
+                                 f"block outside the cache ({num_blocks} blocks of {block_size} tokens)")
         return out
 
     # The small per-token ops (cpu_layer_ops.c). Each keeps the contract of its torch reference in kernels.reference;

@@ -90,8 +90,20 @@ def test_unsupported_shapes_use_the_reference_and_bad_input_is_a_value_error(ker
     with pytest.raises(ValueError, match="block_tables"):
         kernels.paged_decode_attention(q, k_cache, v_cache, table.long(), lens, 0.25)
     k32, v32, t32, l32 = _paged([5, 20], 8, 1, 16, torch.float32)
-    with pytest.raises(ValueError, match="more blocks than block_tables has"):  # C would read past the table
-        kernels.paged_decode_attention(torch.randn(2, 4, 16), k32, v32, t32[:, :2], l32, 0.25)
+    q32 = torch.randn(2, 4, 16)
+    with pytest.raises(ValueError, match="sequence 1: .* more blocks than the row has"):  # C would read past it
+        kernels.paged_decode_attention(q32, k32, v32, t32[:, :2], l32, 0.25)
+    outside = t32.clone()
+    outside[0, 0] = k32.shape[0]  # one past the last block
+    with pytest.raises(ValueError, match="sequence 0: .* outside the cache"):
+        kernels.paged_decode_attention(q32, k32, v32, outside, l32, 0.25)
+    outside[0, 0] = -1
+    with pytest.raises(ValueError, match="sequence 0: .* outside the cache"):
+        kernels.paged_decode_attention(q32, k32, v32, outside, l32, 0.25)
+    unused = t32.clone()
+    unused[0, 1:] = 10 ** 6  # past sequence 0's 5 tokens: padding, never read
+    torch.testing.assert_close(kernels.paged_decode_attention(q32, k32, v32, unused, l32, 0.25),
+                               reference.paged_decode_attention(q32, k32, v32, t32, l32, 0.25))
 
 
 def test_build_is_cached_and_a_missing_compiler_is_reported(tmp_path, monkeypatch):
