@@ -11,8 +11,9 @@ through `ModelRunner.execute`, the path a worker takes (metadata packing, forwar
 under `torch.profiler` splits the step into:
 
 - gemm: self time of the dense matmul ops (aten::mm / addmm / linear's mkldnn forms), lm_head included;
-- attention: everything inside the paged attention ops (KV write, gather, softmax, the reference einsums);
-- other ops: the per-token ops counted whole (RMSNorm with its residual add, RoPE, SiLU-and-mul; C or torch) and
+- attention: everything inside the paged attention ops (RoPE with the KV write, gather, softmax, the reference
+  einsums);
+- other ops: the per-token ops counted whole (RMSNorm with its residual add, SiLU-and-mul; C or torch) and
   every other aten op (embedding, sampling's argmax, tensor creation);
 - python: the step's wall time minus the time inside any op (packing lists, module dispatch, the scheduler's own
   bookkeeping is outside `execute` and not counted).
@@ -119,7 +120,7 @@ def read_bandwidth(nbytes: int = 256 << 20) -> float:
 
 def _instrument(model: torch.nn.Module) -> None:
     """Wrap the model's ops in record_function ranges so the profiler can attribute them: the paged attention ops
-    (KV write included) in "attention", the per-token ops (RMSNorm, RoPE, SiLU-and-mul; C calls on the cpu
+    (RoPE and the KV write included) in "attention", the per-token ops (RMSNorm, SiLU-and-mul; C calls on the cpu
     backend, which the profiler does not see otherwise) in "layer_op"."""
     def wrap(fn, label):
         def inner(*a, **k):
@@ -129,8 +130,8 @@ def _instrument(model: torch.nn.Module) -> None:
     ops = model.ops
     profiled = replace(ops, name=ops.name + "+profiled", **{
         name: wrap(getattr(ops, name), label) for name, label in (
-            ("write_kv_cache", "attention"), ("paged_decode_attention", "attention"),
-            ("prefill_attention", "attention"), ("rms_norm", "layer_op"), ("rotary_embedding", "layer_op"),
+            ("rotary_and_write_kv", "attention"), ("paged_decode_attention", "attention"),
+            ("prefill_attention", "attention"), ("rms_norm", "layer_op"),
             ("silu_and_mul", "layer_op"))})
     model.ops = profiled
     for layer in model.layers:

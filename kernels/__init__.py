@@ -14,6 +14,7 @@ Layout shared by all ops (see `engine.kv_cache`):
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from dataclasses import dataclass
@@ -29,16 +30,16 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class AttentionOps:
-    """The three paged-KV ops of one backend and the per-token ops its layers call around them (see
+    """The three paged-KV ops of one backend (RoPE with the KV write, decode and prefill attention) and the
+    per-token ops its layers call around them (see
     `kernels.reference` for their contracts), and whether its decode path can be captured in a CUDA graph
     (`engine.cuda_graphs`)."""
 
     name: str
-    write_kv_cache: Callable[..., None]
+    rotary_and_write_kv: Callable[..., torch.Tensor]
     paged_decode_attention: Callable[..., torch.Tensor]
     prefill_attention: Callable[..., torch.Tensor]
     rms_norm: Callable[..., torch.Tensor]
-    rotary_embedding: Callable[..., torch.Tensor]
     silu_and_mul: Callable[..., torch.Tensor]
     # No host sync or host-side data dependence in the decode path, so a CUDA graph can capture it (the torch
     # reference reads context_lens.max() on the host).
@@ -92,16 +93,16 @@ def select_ops(backend: str, device: torch.device | str) -> AttentionOps:
             raise ValueError(f"attention backend 'cpu': {e}") from e
     if backend == "torch":
         from kernels import reference as ref
-        return AttentionOps("torch", ref.write_kv_cache, ref.paged_decode_attention, ref.prefill_attention,
-                            ref.rms_norm, ref.rotary_embedding, ref.silu_and_mul)
+        return AttentionOps("torch", ref.rotary_and_write_kv, ref.paged_decode_attention, ref.prefill_attention,
+                            ref.rms_norm, ref.silu_and_mul)
     if not triton_usable(device):
         raise ValueError(f"attention backend 'triton' needs a CUDA device or TRITON_INTERPRET=1 (device {device})")
     from kernels import reference as ref
     from kernels.triton_cache import write_kv_cache
     from kernels.triton_decode import paged_decode_attention
     from kernels.triton_prefill import prefill_attention
-    return AttentionOps("triton", write_kv_cache, paged_decode_attention, prefill_attention, ref.rms_norm,
-                        ref.rotary_embedding, ref.silu_and_mul, capturable=True)
+    return AttentionOps("triton", functools.partial(ref.rotary_and_write_kv, write_kv=write_kv_cache),
+                        paged_decode_attention, prefill_attention, ref.rms_norm, ref.silu_and_mul, capturable=True)
 
 
 def _cpu_ops() -> AttentionOps:
@@ -114,5 +115,5 @@ def _cpu_ops() -> AttentionOps:
     from kernels.cpu_ops import CpuKernels
 
     c = CpuKernels.load()
-    return AttentionOps("cpu", c.write_kv_cache, c.paged_decode_attention, c.prefill_attention, c.rms_norm,
-                        c.rotary_embedding, c.silu_and_mul)
+    return AttentionOps("cpu", c.rotary_and_write_kv, c.paged_decode_attention, c.prefill_attention, c.rms_norm,
+                        c.silu_and_mul)

@@ -149,6 +149,27 @@ int write_kv_cache(const char *key, const char *value, char *k_cache, char *v_ca
     return -1;
 }
 
+/* RoPE on the q and k heads of each token's fused q/k/v row, then its k and v heads into the token's cache slot:
+ * rotary_embedding over heads [0, num_heads + num_kv_heads), then write_kv_cache of heads [num_heads,
+ * num_heads + num_kv_heads) as K and the last num_kv_heads as V. qkv: [tokens, num_heads + 2 * num_kv_heads,
+ * head_dim], fp32 or bf16 (is_bf16), heads dense within a token, tokens token_stride elements apart; the cache
+ * arguments as write_kv_cache's (block_stride in bytes). One call where the model made two: at batch 1 each
+ * Python-to-C crossing costs a few microseconds per layer. Returns the first token whose slot is outside
+ * [0, num_blocks * block_size), having changed nothing, or -1. */
+int rotary_and_write_kv(void *qkv, const void *cos_t, const void *sin_t, char *k_cache, char *v_cache,
+                        const int64_t *slot_mapping, int tokens, int num_heads, int num_kv_heads, int head_dim,
+                        int64_t token_stride, int block_size, int64_t block_stride, int64_t num_blocks, int is_bf16,
+                        int num_threads) {
+    for (int t = 0; t < tokens; t++)
+        if (slot_mapping[t] < 0 || slot_mapping[t] >= num_blocks * block_size) return t;
+    rotary_embedding(qkv, cos_t, sin_t, tokens, num_heads + num_kv_heads, head_dim, token_stride, is_bf16,
+                     num_threads);
+    const int64_t elem = is_bf16 ? 2 : 4, row_bytes = (int64_t)num_kv_heads * head_dim * elem;
+    const char *key = (const char *)qkv + (int64_t)num_heads * head_dim * elem;
+    return write_kv_cache(key, key + row_bytes, k_cache, v_cache, slot_mapping, tokens, row_bytes,
+                          token_stride * elem, token_stride * elem, block_size, block_stride, num_blocks);
+}
+
 /* Causal softmax in place over one block of prefill scores (kernels/cpu_prefill.py): scores is [num_rows, end] bf16,
  * contiguous, row i being query row i % rows of the block (the GQA group's heads are stacked as blocks of `rows`),
  * whose last row sees all `end` keys; row r sees the first end - rows + r + 1. Each row becomes

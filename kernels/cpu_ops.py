@@ -26,9 +26,8 @@ from kernels import cpu_prefill
 from kernels.checks import check, check_attention, dense_within_block
 from kernels.reference import paged_decode_attention as reference_decode_attention
 from kernels.reference import rms_norm as reference_rms_norm
-from kernels.reference import rotary_embedding as reference_rotary_embedding
+from kernels.reference import rotary_and_write_kv as reference_rotary_and_write_kv
 from kernels.reference import silu_and_mul as reference_silu_and_mul
-from kernels.reference import write_kv_cache as reference_write_kv_cache
 
 SOURCES = (Path(__file__).with_name("cpu_decode.c"), Path(__file__).with_name("cpu_layer_ops.c"))
 HEADERS = (Path(__file__).with_name("cpu_bf16.h"),)  # included by the sources: part of the cache key
@@ -122,10 +121,9 @@ class CpuKernels:
         self._decode = _bind(library.paged_decode_attention, c_int, [c_ptr] * 6 + [c_int] * 6 +
                              [c_i64, c_i64, c_float, c_int, c_int, c_i64])
         self._rms_norm = _bind(library.rms_norm, None, [c_ptr] * 4 + [c_int, c_int, c_i64, c_float, c_int, c_int])
-        self._rotary = _bind(library.rotary_embedding, None, [c_ptr] * 3 + [c_int] * 3 + [c_i64, c_int, c_int])
         self._silu_and_mul = _bind(library.silu_and_mul, None, [c_ptr, c_ptr] + [c_int] * 4)
-        self._write_kv = _bind(library.write_kv_cache, c_int, [c_ptr] * 5 + [c_int] + [c_i64] * 3 + [c_int] +
-                               [c_i64] * 2)
+        self._rotary_and_write_kv = _bind(library.rotary_and_write_kv, c_int, [c_ptr] * 6 + [c_int] * 4 +
+                                          [c_i64, c_int, c_i64, c_i64, c_int, c_int])
         self._causal_softmax = _bind(library.causal_softmax_bf16, None, [c_ptr, c_i64, c_int, c_int, c_float, c_int])
 
     @classmethod
@@ -194,17 +192,6 @@ class CpuKernels:
                        torch.get_num_threads())
         return out
 
-    def rotary_embedding(self, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """As `kernels.reference.rotary_embedding`, rotating `qk` in place and returning it."""
-        tokens, heads, head_dim = qk.shape
-        if (qk.dtype not in _C_DTYPES or qk.stride(2) != 1 or qk.stride(1) != head_dim or head_dim % 2
-                or cos.dtype != qk.dtype or sin.dtype != qk.dtype or not cos.is_contiguous()
-                or not sin.is_contiguous() or cos.numel() != tokens * head_dim or sin.numel() != tokens * head_dim):
-            return reference_rotary_embedding(qk, cos, sin)
-        self._rotary(qk.data_ptr(), cos.data_ptr(), sin.data_ptr(), tokens, heads, head_dim, qk.stride(0),
-                     int(qk.dtype == torch.bfloat16), torch.get_num_threads())
-        return qk
-
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """As `kernels.reference.silu_and_mul`."""
         if gate_up.dtype not in _C_DTYPES or gate_up.dim() != 2 or not gate_up.is_contiguous() or gate_up.shape[1] % 2:
@@ -232,28 +219,34 @@ class CpuKernels:
                                              scale, max_query_len, softmax=self.causal_softmax,
                                              block_m=cpu_prefill.C_BLOCK_M)
 
-    def write_kv_cache(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                       slot_mapping: torch.Tensor) -> None:
-        """As `kernels.reference.write_kv_cache` (key/value [T, kv_heads, head_dim], rows may be strided).
+    def rotary_and_write_kv(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                            v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+        """As `kernels.reference.rotary_and_write_kv`, rotating the q and k heads of `qkv` in place and returning the
+        q heads' view of it.
 
         Raises:
             ValueError: a slot outside the cache (the reference raises IndexError there), naming the token; nothing
-                is written then.
+                is rotated or written then.
         """
-        tokens, heads, head_dim = key.shape
-        num_blocks, block_size = k_cache.shape[0], k_cache.shape[1]
-        row = heads * head_dim
-        if (key.dtype != k_cache.dtype or value.dtype != k_cache.dtype or v_cache.dtype != k_cache.dtype
-                or value.shape != key.shape or slot_mapping.dtype != torch.int64 or not slot_mapping.is_contiguous()
-                or key.stride(1) != head_dim or key.stride(2) != 1 or value.stride(1) != head_dim
-                or value.stride(2) != 1 or k_cache.shape[2:] != key.shape[1:] or v_cache.shape != k_cache.shape
+        tokens, all_heads, head_dim = qkv.shape
+        num_blocks, block_size, kv_heads = k_cache.shape[:3]
+        dtype, block_stride = qkv.dtype, k_cache.stride(0)
+        q_heads = all_heads - 2 * kv_heads
+        if (dtype not in _C_DTYPES or qkv.stride(2) != 1 or qkv.stride(1) != head_dim or head_dim % 2
+                or q_heads < 1 or cos.dtype != dtype or sin.dtype != dtype or not cos.is_contiguous()
+                or not sin.is_contiguous() or cos.numel() != tokens * head_dim or sin.numel() != tokens * head_dim
+                or k_cache.dtype != dtype or v_cache.dtype != dtype or k_cache.shape[3] != head_dim
+                or v_cache.shape != k_cache.shape or v_cache.stride(0) != block_stride
                 or not dense_within_block(k_cache) or not dense_within_block(v_cache)
-                or v_cache.stride(0) != k_cache.stride(0) or slot_mapping.numel() != tokens):
-            return reference_write_kv_cache(key, value, k_cache, v_cache, slot_mapping)
-        size = key.element_size()
-        bad = self._write_kv(key.data_ptr(), value.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-                             slot_mapping.data_ptr(), tokens, row * size, key.stride(0) * size, value.stride(0) * size,
-                             block_size, k_cache.stride(0) * size, num_blocks)
+                or slot_mapping.dtype != torch.int64 or not slot_mapping.is_contiguous()
+                or slot_mapping.numel() != tokens):
+            return reference_rotary_and_write_kv(qkv, cos, sin, k_cache, v_cache, slot_mapping)
+        size = qkv.element_size()
+        bad = self._rotary_and_write_kv(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(),
+                                        v_cache.data_ptr(), slot_mapping.data_ptr(), tokens, q_heads, kv_heads,
+                                        head_dim, qkv.stride(0), block_size, block_stride * size, num_blocks,
+                                        int(dtype == torch.bfloat16), torch.get_num_threads())
         if bad >= 0:
             raise ValueError(f"slot {int(slot_mapping[bad])} of token {bad} is outside the KV cache "
                              f"({num_blocks} blocks of {block_size} tokens)")
+        return qkv[:, :q_heads]

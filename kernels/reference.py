@@ -6,6 +6,8 @@ between steps; a step gathers the blocks it attends over and drops the gather af
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -154,6 +156,30 @@ def rotary_embedding(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> 
     """
     half = qk.shape[-1] // 2
     return qk * cos + torch.cat((-qk[..., half:], qk[..., :half]), dim=-1) * sin
+
+
+def rotary_and_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                        v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                        write_kv: Callable[..., None] = write_kv_cache) -> torch.Tensor:
+    """RoPE on the q and k heads of the fused q/k/v projection's output, then its k and v heads into the paged cache
+    (`rotary_embedding`, then `write_kv_cache`): a layer's steps between its q/k/v projection and its attention.
+
+    Args:
+        qkv: [T, num_heads + 2 * num_kv_heads, head_dim]: each token's q heads, k heads, then v heads (num_kv_heads
+            is the cache's); rows may be strided.
+        cos, sin: [T, 1, head_dim] as `rotary_embedding`'s.
+        k_cache, v_cache, slot_mapping: as `write_kv_cache`'s.
+        write_kv: the backend's KV write (the Triton backend passes its own).
+
+    Returns:
+        The rotated q heads, [T, num_heads, head_dim]: here a new tensor; the C backend rotates `qkv` in place and
+        returns a view of it.
+    """
+    kv_heads = k_cache.shape[2]
+    q_heads = qkv.shape[1] - 2 * kv_heads
+    qk = rotary_embedding(qkv[:, :q_heads + kv_heads], cos, sin)
+    write_kv(qk[:, q_heads:], qkv[:, q_heads + kv_heads:], k_cache, v_cache, slot_mapping)
+    return qk[:, :q_heads]
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -168,24 +168,36 @@ def test_rms_norm_matches_reference(native, dtype, rows, dim, with_residual):
         assert int(steps.max()) <= 1 and float((steps == 0).float().mean()) >= 0.98
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("tokens", [1, 7, 33])  # 33: split over threads (16 tokens or more)
-def test_rotary_embedding_rotates_in_place_as_the_reference(native, dtype, tokens):
-    g = torch.Generator().manual_seed(tokens)
+def _qkv_and_cache(tokens, dtype, seed):
+    """A fused q/k/v projection's output per head ([tokens, 9 + 2 * 3, 64], SmolLM2's heads, rows strided as a slice
+    of a wider activation), RoPE rows for it, and a per-layer view of a cache holding 3 layers."""
+    g = torch.Generator().manual_seed(seed)
     heads, kv_heads, d = 9, 3, 64
-    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * d, generator=g).to(dtype)  # q, k, v side by side per token
+    wide = torch.randn(tokens, (heads + 2 * kv_heads + 1) * d, generator=g).to(dtype)
+    qkv = wide[:, :(heads + 2 * kv_heads) * d].view(tokens, heads + 2 * kv_heads, d)
     angles = torch.rand(tokens, 1, d, generator=g) * 6.28
-    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
-    qk = qkv[:, :(heads + kv_heads) * d].view(tokens, heads + kv_heads, d)
-    ref = reference.rotary_embedding(qk.clone(), cos, sin)
-    v_before = qkv[:, (heads + kv_heads) * d:].clone()
-    ours = native.rotary_embedding(qk, cos, sin)
-    assert ours.data_ptr() == qk.data_ptr()  # rotated in place
-    assert torch.equal(qkv[:, (heads + kv_heads) * d:], v_before)  # v untouched
+    k_cache, v_cache, _, _ = _paged([max(tokens, 40)], 16, kv_heads, d, dtype)
+    return qkv, angles.cos().to(dtype), angles.sin().to(dtype), k_cache, v_cache
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 7, 33])  # 33: RoPE split over threads (16 tokens or more)
+def test_rotary_and_write_kv_rotates_in_place_and_writes_as_the_reference(native, dtype, tokens):
+    qkv, cos, sin, k_cache, v_cache = _qkv_and_cache(tokens, dtype, tokens)
+    slots = torch.randperm(k_cache.shape[0] * 16, generator=torch.Generator().manual_seed(tokens))[:tokens]
+    ref_qkv, ref_k, ref_v = qkv.clone(), k_cache.clone(), v_cache.clone()
+    ref_q = reference.rotary_and_write_kv(ref_qkv, cos, sin, ref_k, ref_v, slots)
+    v_before = qkv[:, 12:].clone()
+    q = native.rotary_and_write_kv(qkv, cos, sin, k_cache, v_cache, slots)
+    assert q.shape == (tokens, 9, 64) and q.data_ptr() == qkv.data_ptr()  # the q heads, rotated in place
+    assert torch.equal(qkv[:, 12:], v_before)  # v is not rotated
+    assert torch.equal(v_cache, ref_v)
     if dtype == torch.float32:
-        torch.testing.assert_close(ours, ref, rtol=1e-6, atol=1e-6)
-    else:
-        assert torch.equal(ours, ref)  # the same roundings in the same order
+        torch.testing.assert_close(q, ref_q, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(k_cache, ref_k, rtol=1e-6, atol=1e-6)
+    else:  # the same roundings in the same order
+        assert torch.equal(q, ref_q) and torch.equal(k_cache, ref_k)
+    assert torch.equal(k_cache.reshape(-1, 3, 64)[slots], qkv[:, 9:12])  # the rotated k heads are what was written
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -202,24 +214,14 @@ def test_silu_and_mul_matches_reference(native, dtype, rows):
         assert int(steps.max()) <= 2 and float((steps == 0).float().mean()) >= 0.99
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_write_kv_cache_matches_reference_and_refuses_slots_outside_the_cache(native, dtype):
-    g = torch.Generator().manual_seed(0)
-    tokens, heads, d, block_size = 5, 3, 64, 16
-    k_cache, v_cache, _, _ = _paged([40], block_size, heads, d, dtype)  # strided per-layer views
-    qkv = torch.randn(tokens, (9 + 2 * heads) * d, generator=g).to(dtype)
-    key = qkv[:, 9 * d:(9 + heads) * d].view(tokens, heads, d)  # rows strided, as the model's views of qkv
-    value = qkv[:, (9 + heads) * d:].view(tokens, heads, d)
-    slots = torch.tensor([3, 17, 18, 40, 2], dtype=torch.int64)
-    ref_k, ref_v = k_cache.clone(), v_cache.clone()
-    reference.write_kv_cache(key, value, ref_k, ref_v, slots)
-    native.write_kv_cache(key, value, k_cache, v_cache, slots)
-    assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v)
-    if dtype != torch.float16:  # fp16 takes the reference, which raises IndexError instead
-        outside = torch.tensor([1, k_cache.shape[0] * block_size], dtype=torch.int64)
-        with pytest.raises(ValueError, match="outside the KV cache"):
-            native.write_kv_cache(key[:2], value[:2], k_cache, v_cache, outside)
-        assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v)  # nothing written
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_and_write_kv_refuses_slots_outside_the_cache(native, dtype):
+    qkv, cos, sin, k_cache, v_cache = _qkv_and_cache(2, dtype, 0)
+    before = qkv.clone(), k_cache.clone(), v_cache.clone()
+    for slot in (k_cache.shape[0] * 16, -1):
+        with pytest.raises(ValueError, match=f"slot {slot} of token 1 is outside the KV cache"):
+            native.rotary_and_write_kv(qkv, cos, sin, k_cache, v_cache, torch.tensor([1, slot]))
+        assert all(torch.equal(a, b) for a, b in zip((qkv, k_cache, v_cache), before))  # nothing changed
 
 
 def test_layer_ops_take_the_reference_for_what_the_c_code_does_not_read(native):
@@ -228,9 +230,12 @@ def test_layer_ops_take_the_reference_for_what_the_c_code_does_not_read(native):
                                reference.rms_norm(x, torch.ones(64).half(), 1e-5))
     gate_up = torch.randn(2, 8).half()
     assert torch.equal(native.silu_and_mul(gate_up), reference.silu_and_mul(gate_up))
-    qk = torch.randn(2, 3, 8).half()
-    cos, sin = torch.randn(2, 1, 8).half(), torch.randn(2, 1, 8).half()
-    assert torch.equal(native.rotary_embedding(qk.clone(), cos, sin), reference.rotary_embedding(qk, cos, sin))
+    qkv, cos, sin, k_cache, v_cache = _qkv_and_cache(3, torch.float16, 1)
+    slots = torch.tensor([5, 0, 17])
+    ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    assert torch.equal(native.rotary_and_write_kv(qkv.clone(), cos, sin, k_cache, v_cache, slots),
+                       reference.rotary_and_write_kv(qkv, cos, sin, ref_k, ref_v, slots))
+    assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v)
 
 
 def test_an_installed_package_carries_the_c_sources():

@@ -22,6 +22,7 @@ import torch
 
 from kernels import reference as ref
 from kernels import select_ops
+from kernels.triton_cache import write_kv_cache
 from kernels.triton_prefill import PrefillConfig
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
@@ -167,9 +168,22 @@ def test_write_kv_cache_matches_reference(block_size, num_kv_heads, head_dim, dt
     key = qkv[:, num_kv_heads * head_dim:2 * num_kv_heads * head_dim].view(num_tokens, num_kv_heads, head_dim)
     value = qkv[:, 2 * num_kv_heads * head_dim:].view(num_tokens, num_kv_heads, head_dim)
     slots = torch.randperm(num_blocks * block_size, generator=g)[:num_tokens].to(DEVICE)
-    _ops().write_kv_cache(key, value, kv[:, 0, 0], kv[:, 0, 1], slots)
+    write_kv_cache(key, value, kv[:, 0, 0], kv[:, 0, 1], slots)
     ref.write_kv_cache(key, value, expected[:, 0, 0], expected[:, 0, 1], slots)
     assert torch.equal(kv, expected)  # the written slots match and nothing else (e.g. layer 1) changed
+
+
+def test_rotary_and_write_kv_is_the_reference_with_the_triton_write():
+    g = _rng("rope-write")
+    num_tokens, heads, kv_heads, head_dim, block_size = 5, 4, 2, 16, 4
+    kv = torch.randn(6, 2, block_size, kv_heads, head_dim, generator=g).to(DEVICE)
+    expected = kv.clone()
+    qkv = torch.randn(num_tokens, heads + 2 * kv_heads, head_dim, generator=g).to(DEVICE)
+    angles = torch.rand(num_tokens, 1, head_dim, generator=g).to(DEVICE)
+    slots = torch.randperm(6 * block_size, generator=g)[:num_tokens].to(DEVICE)
+    q = _ops().rotary_and_write_kv(qkv, angles.cos(), angles.sin(), kv[:, 0], kv[:, 1], slots)
+    expected_q = ref.rotary_and_write_kv(qkv, angles.cos(), angles.sin(), expected[:, 0], expected[:, 1], slots)
+    assert torch.equal(q, expected_q) and torch.equal(kv, expected)
 
 
 def _decode_args(**over):
@@ -210,9 +224,9 @@ def test_prefill_and_write_wrappers_reject_bad_arguments():
                               a["block_tables"], 0.25)
     key = torch.randn(3, 2, 16, device=DEVICE)
     with pytest.raises(ValueError, match=r"slot_mapping shape \(2,\) != num_tokens 3"):
-        ops.write_kv_cache(key, key, a["k_cache"], a["v_cache"], torch.zeros(2, dtype=torch.long, device=DEVICE))
+        write_kv_cache(key, key, a["k_cache"], a["v_cache"], torch.zeros(2, dtype=torch.long, device=DEVICE))
     with pytest.raises(ValueError, match=r"key shape \(3, 1, 16\) does not match"):
-        ops.write_kv_cache(key[:, :1], key[:, :1], a["k_cache"], a["v_cache"],
+        write_kv_cache(key[:, :1], key[:, :1], a["k_cache"], a["v_cache"],
                            torch.zeros(3, dtype=torch.long, device=DEVICE))
 
 

@@ -30,7 +30,7 @@ class RMSNorm(nn.Module):
 
 class RotaryEmbedding(nn.Module):
     """Rotate-half RoPE (Su et al. 2021, HF Llama convention) with a precomputed cos/sin table; the rotation itself
-    is `AttentionOps.rotary_embedding`."""
+    is part of `AttentionOps.rotary_and_write_kv`."""
 
     def __init__(self, head_dim: int, max_positions: int, theta: float):
         super().__init__()
@@ -67,15 +67,11 @@ class Attention(nn.Module):
         [num_blocks, block_size, kv_heads, hd]. Returns [T, hidden].
 
         Each op here is a kernel launch on a GPU (and a dispatch on a CPU), which at small batches costs more than
-        its arithmetic, so q and k are rotated in one pass and an all-decode or all-prefill step takes the
-        attention op's output as is."""
+        its arithmetic, so q and k are rotated and K/V written in one op, and an all-decode or all-prefill step
+        takes the attention op's output as is."""
         num_tokens = x.shape[0]
-        qkv = self.qkv_proj(x)
-        qk = self.ops.rotary_embedding(qkv[:, :self.q_size + self.kv_size].view(
-            num_tokens, self.num_heads + self.num_kv_heads, self.head_dim), *rope)
-        q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
-        v = qkv[:, self.q_size + self.kv_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
-        self.ops.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        qkv = self.qkv_proj(x).view(num_tokens, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+        q = self.ops.rotary_and_write_kv(qkv, *rope, k_cache, v_cache, meta.slot_mapping)
         nd = meta.num_decodes
         decode = prefill = None
         if nd:
