@@ -10,7 +10,8 @@ COLUMNS = [("concurrency", "conc", "{:d}"), ("completed", "done", "{:d}"), ("fai
            ("tpot_ms_p50", "TPOT p50", "{:.1f}"), ("tpot_ms_p90", "p90", "{:.1f}"), ("tpot_ms_p99", "p99", "{:.1f}"),
            ("e2e_ms_p50", "E2E p50", "{:.0f}"), ("e2e_ms_p99", "p99", "{:.0f}"),
            ("output_tok_s", "out tok/s", "{:.1f}"), ("req_s", "req/s", "{:.2f}"),
-           ("goodput_req_s", "goodput", "{:.2f}"), ("machine_fraction", "frac", "{:.2f}")]
+           ("goodput_req_s", "goodput", "{:.2f}"), ("machine_fraction", "frac", "{:.2f}"),
+           ("bandwidth_fraction", "bw frac", "{:.2f}")]
 
 
 def markdown(results: dict) -> str:
@@ -19,12 +20,14 @@ def markdown(results: dict) -> str:
     lines = [f"Model `{cfg['model']}`; workload {cfg.get('workload', 'docs')}, input {cfg['input_len']} / output "
              f"{cfg['output_len']} tokens "
              f"(range ratio {cfg['range_ratio']}); {cfg['num_requests']} requests per level; SLO TTFT <= "
-             f"{cfg['slo_ttft_ms']:.0f} ms, TPOT <= {cfg['slo_tpot_ms']:.0f} ms. Times in ms.", ""]
+             f"{cfg['slo_ttft_ms']:.0f} ms, TPOT <= {cfg['slo_tpot_ms']:.0f} ms. Times in ms. frac: model FLOP/s over "
+             f"the same-run dense GEMM rate in the system's dtype; bw frac (concurrency 1): weight bytes read per "
+             f"second over the same-run copy bandwidth.", ""]
     for name, rows in results["systems"].items():
         lines += [f"**{name}**", "", "| " + " | ".join(c[1] for c in COLUMNS) + " |",
                   "|" + "---:|" * len(COLUMNS)]
         for r in rows:
-            lines.append("| " + " | ".join(fmt.format(r[k]) if r.get(k) == r.get(k) else "-"
+            lines.append("| " + " | ".join(fmt.format(r[k]) if r.get(k) is not None and r[k] == r[k] else "-"
                                            for k, _, fmt in COLUMNS) + " |")
         lines.append("")
     for name, why in results.get("not_run", {}).items():

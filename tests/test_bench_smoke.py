@@ -41,6 +41,9 @@ def test_sweep_smoke(tiny_model_dir, tmp_path):
             assert (r["completed"], r["failed"], r["output_tokens"]) == (3, 0, 15), (name, r)
             assert 0 < r["ttft_ms_p50"] <= r["e2e_ms_p50"] and r["itl_ms_p50"] > 0
             assert r["machine_fraction"] > 0 and r["gemm_flop_s"] > 0  # against the fp32 GEMM rate at c rows
+            # weight bytes/s over copy bandwidth, where one step reads every weight per token
+            assert (r.get("bandwidth_fraction", 0) > 0) == (r["concurrency"] == 1), (name, r)
+    assert results["config"]["copy_bytes_s"] > 1e8
     assert set(results["ratios"]["pdserve-disagg"]) == set(results["ratios"]["colocated-x2"]) == {"1", "3"}
     assert "**naive**" in (out / "results.md").read_text()
     assert (out / "results.png").stat().st_size > 10_000
@@ -112,14 +115,46 @@ def test_gpu_check_smoke(tiny_model_dir, tmp_path):
 
 def test_sweep_names_no_dense_dtype_for_quantized_weights():
     """The machine-fraction baseline is a dense GEMM in the system's dtype; quantized weights have none (int4 at
-    M = 1 outruns the dense bf16 GEMM, which read as a fraction above 1)."""
+    M = 1 outruns the dense bf16 GEMM, which read as a fraction above 1). A --variant is pdserve whatever its name
+    (one called "int4" used to be taken for a vLLM peer in fp32, and its int4 read 1.25 of the fp32 GEMM rate)."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
     from sweep import system_dtype
 
-    assert system_dtype("pdserve-x", ["--dtype", "bfloat16"]) == "bfloat16"
-    assert system_dtype("pdserve-x", ["--dtype", "bfloat16", "--quantization", "int4"]) is None
-    assert system_dtype("pdserve-x", ["--quantization", "none", "--dtype", "bfloat16"]) == "bfloat16"
-    assert system_dtype("llamacpp", []) is None and system_dtype("naive", []) == "float32"
+    assert system_dtype("pdserve-x", ["--dtype", "bfloat16"], pdserve=True) == "bfloat16"
+    assert system_dtype("pdserve-x", ["--dtype", "bfloat16", "--quantization", "int4"], pdserve=True) is None
+    assert system_dtype("int4", ["--dtype", "bfloat16", "--quantization", "int4"], pdserve=True) is None
+    assert system_dtype("x", ["--quantization", "none", "--dtype", "bfloat16"], pdserve=True) == "bfloat16"
+    assert system_dtype("llamacpp", [], pdserve=False) is None and system_dtype("naive", [], False) == "float32"
+    assert system_dtype("vllm-all-cores-bf16", [], False) == "bfloat16" and system_dtype("vllm", [], False) == "float32"
+    assert system_dtype("my-peer", [], pdserve=False) is None  # a --peer: its dtype is not known
+
+
+def test_sweep_weight_bytes_per_token(tiny_model_dir, real_model_dir):
+    """Bytes of matmul weights read per token at batch 1, the numerator of the concurrency-1 bandwidth fraction:
+    every projection and the LM head, at each system's storage size; llama.cpp's from the GGUF it runs."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import gguf
+    from sweep import weight_bytes_per_token
+
+    from cli.models import default_model_path
+
+    # tiny model: hidden 64, 4 q / 2 kv heads of 16, intermediate 128, 2 layers, vocab 49152 (untied head)
+    layer = 64 * (64 + 2 * 32) + 64 * 64 + 64 * 256 + 128 * 64
+    params = 2 * layer + 64 * 49152
+    model = str(tiny_model_dir)
+    assert weight_bytes_per_token("pdserve-colocated", [], model, pdserve=True) == 4 * params
+    assert weight_bytes_per_token("v", ["--dtype", "bfloat16"], model, pdserve=True) == 2 * params
+    assert weight_bytes_per_token("v", ["--dtype", "bfloat16", "--quantization", "int4"], model,
+                                  pdserve=True) == params * 0.625
+    outputs = 2 * (128 + 64 + 256 + 64) + 49152
+    assert weight_bytes_per_token("v", ["--dtype", "bfloat16", "--quantization", "int8"], model,
+                                  pdserve=True) == params + 2 * outputs
+    assert weight_bytes_per_token("naive", [], model, pdserve=False) == 4 * params
+    assert weight_bytes_per_token("vllm-all-cores-bf16", [], model, pdserve=False) == 2 * params
+    assert weight_bytes_per_token("my-peer", [], model, pdserve=False) is None
+    tensors = gguf.GGUFReader(str(default_model_path())).tensors
+    gguf_2d = sum(int(t.n_bytes) for t in tensors if len(t.shape) == 2)
+    assert weight_bytes_per_token("llamacpp", [], model, pdserve=False) == gguf_2d > 90e6  # Q4_1 layers, Q8_0 head
 
 
 def test_sweep_refuses_a_malformed_peer_before_running_anything(tmp_path):
