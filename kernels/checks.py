@@ -36,11 +36,17 @@ def check_tensor(name: str, t: torch.Tensor, ndim: int, dtypes: tuple[torch.dtyp
                                  f" for shape {tuple(t.shape)}")
 
 
+def dense_block_strides(num_kv_heads: int, head_dim: int) -> tuple[int, int, int]:
+    """Strides (in elements) of dims 1-3 of a [num_blocks, block_size, num_kv_heads, head_dim] cache whose
+    (block_size, heads, head_dim) slab is dense, so a token's heads are one row: the layout the kernels read."""
+    return num_kv_heads * head_dim, head_dim, 1
+
+
 def dense_within_block(cache: torch.Tensor) -> bool:
     """A [num_blocks, block_size, num_kv_heads, head_dim] cache view whose (block_size, heads, head_dim) slab is
-    dense, so a token's heads are one row; dim 0 may be strided (the per-layer view of a cache of all layers)."""
+    dense (`dense_block_strides`); dim 0 may be strided (the per-layer view of a cache of all layers)."""
     _, _, heads, head_dim = cache.shape
-    return cache.stride(3) == 1 and cache.stride(2) == head_dim and cache.stride(1) == heads * head_dim
+    return cache.stride()[1:] == dense_block_strides(heads, head_dim)
 
 
 def check_kv_caches(k_cache: torch.Tensor, v_cache: torch.Tensor, device: torch.device,
@@ -99,8 +105,8 @@ def _attention_ok(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     bt_shape = block_tables.shape
     return (len(q_shape) == 3 and dtype in FLOAT_DTYPES and query.stride(2) == 1 and len(k_shape) == 4
             and k_cache.dtype == dtype and v_cache.dtype == dtype and v_cache.shape == k_shape
-            and k_strides[3] == 1 and k_strides[2] == k_shape[3] and k_strides[1] == k_shape[2] * k_shape[3]
-            and v_strides[1:] == k_strides[1:] and k_shape[3] == q_shape[2] and q_shape[1] % k_shape[2] == 0
+            and k_strides[1:] == dense_block_strides(k_shape[2], k_shape[3]) and v_strides[1:] == k_strides[1:]
+            and k_shape[3] == q_shape[2] and q_shape[1] % k_shape[2] == 0
             and block_tables.dtype == torch.int32 and len(bt_shape) == 2 and bt_shape[0] == num_seqs
             and block_tables.stride(1) == 1 and context_lens.dtype == torch.int32
             and context_lens.shape == (num_seqs,) and k_cache.device == device and v_cache.device == device

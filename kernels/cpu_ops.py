@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from kernels import cpu_prefill
-from kernels.checks import check, check_attention, dense_within_block
+from kernels.checks import check, check_attention, dense_block_strides
 from kernels.reference import paged_decode_attention as reference_decode_attention
 from kernels.reference import rms_norm as reference_rms_norm
 from kernels.reference import rotary_and_write_kv as reference_rotary_and_write_kv
@@ -181,24 +181,26 @@ class CpuKernels:
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
                  residual: torch.Tensor | None = None) -> torch.Tensor:
         """As `kernels.reference.rms_norm` (x [T, hidden], rows may be strided; residual updated in place)."""
-        if (x.dtype not in _C_DTYPES or x.dim() != 2 or x.stride(-1) != 1 or not weight.is_contiguous()
-                or weight.dtype != x.dtype or weight.numel() != x.shape[1] or (residual is not None and not (
-                    residual.is_contiguous() and residual.dtype == x.dtype and residual.shape == x.shape))):
+        # Each condition costs a call into torch: shape and strides are read once (called 2 x layers per step).
+        dtype, shape, strides = x.dtype, x.shape, x.stride()
+        if (dtype not in _C_DTYPES or len(shape) != 2 or strides[1] != 1 or weight.dtype != dtype
+                or weight.shape != shape[1:] or not weight.is_contiguous() or (residual is not None and not (
+                    residual.dtype == dtype and residual.shape == shape and residual.is_contiguous()))):
             return reference_rms_norm(x, weight, eps, residual)
-        rows, dim = x.shape
-        out = torch.empty((rows, dim), dtype=x.dtype)
+        out = torch.empty(shape, dtype=dtype)
         self._rms_norm(x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(),
-                       out.data_ptr(), rows, dim, x.stride(0), eps, int(x.dtype == torch.bfloat16),
+                       out.data_ptr(), shape[0], shape[1], strides[0], eps, int(dtype == torch.bfloat16),
                        torch.get_num_threads())
         return out
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """As `kernels.reference.silu_and_mul`."""
-        if gate_up.dtype not in _C_DTYPES or gate_up.dim() != 2 or not gate_up.is_contiguous() or gate_up.shape[1] % 2:
+        dtype, shape = gate_up.dtype, gate_up.shape
+        if dtype not in _C_DTYPES or len(shape) != 2 or shape[1] % 2 or not gate_up.is_contiguous():
             return reference_silu_and_mul(gate_up)
-        rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
-        out = torch.empty((rows, inter), dtype=gate_up.dtype)
-        self._silu_and_mul(gate_up.data_ptr(), out.data_ptr(), rows, inter, int(gate_up.dtype == torch.bfloat16),
+        rows, inter = shape[0], shape[1] // 2
+        out = torch.empty((rows, inter), dtype=dtype)
+        self._silu_and_mul(gate_up.data_ptr(), out.data_ptr(), rows, inter, int(dtype == torch.bfloat16),
                            torch.get_num_threads())
         return out
 
@@ -229,22 +231,23 @@ class CpuKernels:
                 is rotated or written then.
         """
         tokens, all_heads, head_dim = qkv.shape
-        num_blocks, block_size, kv_heads = k_cache.shape[:3]
-        dtype, block_stride = qkv.dtype, k_cache.stride(0)
+        cache_shape, k_strides, qkv_strides = k_cache.shape, k_cache.stride(), qkv.stride()
+        num_blocks, block_size, kv_heads = cache_shape[:3]
+        dtype, block_stride = qkv.dtype, k_strides[0]
         q_heads = all_heads - 2 * kv_heads
-        if (dtype not in _C_DTYPES or qkv.stride(2) != 1 or qkv.stride(1) != head_dim or head_dim % 2
-                or q_heads < 1 or cos.dtype != dtype or sin.dtype != dtype or not cos.is_contiguous()
-                or not sin.is_contiguous() or cos.numel() != tokens * head_dim or sin.numel() != tokens * head_dim
-                or k_cache.dtype != dtype or v_cache.dtype != dtype or k_cache.shape[3] != head_dim
-                or v_cache.shape != k_cache.shape or v_cache.stride(0) != block_stride
-                or not dense_within_block(k_cache) or not dense_within_block(v_cache)
-                or slot_mapping.dtype != torch.int64 or not slot_mapping.is_contiguous()
-                or slot_mapping.numel() != tokens):
+        # The conditions in one expression, each tensor's shape and strides read once (called once per layer).
+        if (dtype not in _C_DTYPES or qkv_strides[1:] != (head_dim, 1) or head_dim % 2
+                or q_heads < 1 or cos.dtype != dtype or sin.dtype != dtype or cos.numel() != tokens * head_dim
+                or sin.numel() != tokens * head_dim or not cos.is_contiguous() or not sin.is_contiguous()
+                or k_cache.dtype != dtype or v_cache.dtype != dtype or cache_shape[3] != head_dim
+                or v_cache.shape != cache_shape or k_strides[1:] != dense_block_strides(kv_heads, head_dim)
+                or v_cache.stride() != k_strides or slot_mapping.dtype != torch.int64
+                or slot_mapping.numel() != tokens or not slot_mapping.is_contiguous()):
             return reference_rotary_and_write_kv(qkv, cos, sin, k_cache, v_cache, slot_mapping)
         size = qkv.element_size()
         bad = self._rotary_and_write_kv(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(),
                                         v_cache.data_ptr(), slot_mapping.data_ptr(), tokens, q_heads, kv_heads,
-                                        head_dim, qkv.stride(0), block_size, block_stride * size, num_blocks,
+                                        head_dim, qkv_strides[0], block_size, block_stride * size, num_blocks,
                                         int(dtype == torch.bfloat16), torch.get_num_threads())
         if bad >= 0:
             raise ValueError(f"slot {int(slot_mapping[bad])} of token {bad} is outside the KV cache "
