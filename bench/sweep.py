@@ -288,8 +288,8 @@ def add_machine_fraction(results: dict, model_dir: str, threads: int, dtypes: di
       prompt is a prefix-cache hit. NaN where the system has no dense dtype (`dtypes[name]` None).
     - `bandwidth_fraction`, at concurrency 1 only, where a decode step reads every weight once per token: weight
       bytes read per second (output tok/s x `weight_bytes[name]`) over the copy bandwidth (bytes read + written per
-      second of a 256 MiB `Tensor.copy_`, `step_profile.copy_bandwidth`). Also for quantized systems and
-      llama.cpp, which have no dense GEMM baseline.
+      second of a 256 MiB `Tensor.copy_`, `step_profile.copy_bandwidth`, the median of three). Also for quantized
+      systems and llama.cpp, which have no dense GEMM baseline.
     """
     import torch
 
@@ -310,7 +310,8 @@ def add_machine_fraction(results: dict, model_dir: str, threads: int, dtypes: di
         per_token = (weight_bytes or {}).get(name)
         for r in rows:
             if r["concurrency"] == 1 and per_token is not None:
-                copy_bytes_s = copy_bytes_s or copy_bandwidth()
+                # the median of three: one run here read 78 GB/s where the others, before and after, read 44-46
+                copy_bytes_s = copy_bytes_s or sorted(copy_bandwidth() for _ in range(3))[1]
                 r["bandwidth_fraction"] = r["output_tok_s"] * per_token / copy_bytes_s
             if dtype is None:
                 r["machine_fraction"] = float("nan")
