@@ -50,12 +50,17 @@ def plot(results: dict, path: Path) -> None:
 
     panels = [("e2e_ms_p50", "E2E latency p50 (s)", 1e-3), ("itl_ms_p50", "ITL p50 (ms)", 1.0),
               ("output_tok_s", "output throughput (tok/s)", 1.0),
-              ("machine_fraction", "fraction of the machine (model FLOP/s / same-run GEMM rate)", 1.0)]
+              ("machine_fraction", "fraction of the machine: o model FLOP/s / GEMM rate,\n"
+                                   "x (c=1) weight bytes/s / copy bandwidth", 1.0)]
     fig, axes = plt.subplots(2, 2, figsize=(11, 8))
     for ax, (key, title, scale) in zip(axes.flat, panels):
         for name, rows in results["systems"].items():
-            ax.plot([r["concurrency"] for r in rows], [r.get(key, float("nan")) * scale for r in rows], marker="o",
-                    label=name)
+            (line,) = ax.plot([r["concurrency"] for r in rows], [r.get(key, float("nan")) * scale for r in rows],
+                              marker="o", label=name)
+            if key == "machine_fraction":  # the batch-1 bound, also for quantized weights (no GEMM baseline)
+                bw = [(r["concurrency"], r["bandwidth_fraction"]) for r in rows if "bandwidth_fraction" in r]
+                ax.plot([c for c, _ in bw], [f for _, f in bw], marker="x", markersize=9, linestyle="none",
+                        color=line.get_color())
         ax.set_xscale("log", base=2)
         ax.set_xlabel("concurrency")
         ax.set_title(title)
