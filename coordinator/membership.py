@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from coordinator import flow as flows
+from coordinator.flow import Flow
 from coordinator.config import CoordinatorConfig
 from coordinator.router import LocalPrefillPolicy, Router, WorkerHandle
 from coordinator.validation import Limits
@@ -43,7 +43,7 @@ class Cluster:
     colocated: bool
     local_prefill: LocalPrefillPolicy = LocalPrefillPolicy()  # when decode workers prefill (disaggregated mode)
     reference: worker_pb2.WorkerInfo | None = None
-    flows: dict[str, flows.Flow] = field(default_factory=dict)
+    flows: dict[str, Flow] = field(default_factory=dict)
     _limits: Limits | None = None
 
     @property
