@@ -186,11 +186,8 @@ def main(argv=None) -> int:
             system.stop()
     pdserve_names = {n for n in starters if n.startswith("pdserve")} | set(variant_args)
     add_machine_fraction(results, model_dir, args.threads,
-                         {name: system_dtype(name, args.worker_args.split() + variant_args.get(name, []),
-                                             pdserve=name in pdserve_names)
-                          for name in results["systems"]},
-                         {name: weight_bytes_per_token(name, args.worker_args.split() + variant_args.get(name, []),
-                                                       model_dir, pdserve=name in pdserve_names)
+                         {name: weight_format(name, args.worker_args.split() + variant_args.get(name, []),
+                                              pdserve=name in pdserve_names)
                           for name in results["systems"]})
     naive = {r["concurrency"]: r["output_tok_s"] for r in results["systems"].get("naive", [])}
     if naive:
@@ -206,17 +203,27 @@ def main(argv=None) -> int:
     return 1 if failed else 0
 
 
-def system_dtype(name: str, worker_args: list[str], pdserve: bool) -> str | None:
-    """The dense dtype a system's matmuls ran in: pdserve's --dtype (auto resolved for this CPU; `pdserve` says the
-    system is one of ours, a built-in pdserve system or a --variant, whatever its name), fp32 for the naive server,
-    vLLM's --dtype (float32, or bfloat16 for the -bf16 system); None for llama.cpp, for pdserve with
-    --quantization int8/int4 (quantized weights are no dense dtype, so no dense GEMM rate is their baseline: int4 at
-    M = 1 beats it) and for a --peer, whose dtype the harness does not know."""
+DENSE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}  # bytes per weight of a dense dtype
+
+
+def weight_format(name: str, worker_args: list[str], pdserve: bool) -> str | None:
+    """How a system stores its matmul weights: a dense dtype (`DENSE_BYTES`), "int8" / "int4" (pdserve's
+    --quantization), "gguf" (llama.cpp, the packaged file's own types), or None where the harness does not know (a
+    --peer). pdserve (`pdserve`: a built-in pdserve system or a --variant, whatever its name): its --dtype, auto
+    resolved for this CPU, unless quantized; the naive server fp32; vLLM its --dtype (float32, or bfloat16 for the
+    -bf16 system)."""
     from engine.hardware import resolve_dtype
 
     if pdserve:
-        dtype, quantization = _pdserve_weights(worker_args)
-        return resolve_dtype(dtype, "cpu") if quantization == "none" else None
+        dtype, quantization = "float32", "none"
+        for i, arg in enumerate(worker_args[:-1]):  # as the worker reads its flags: the last one wins
+            if arg == "--dtype":
+                dtype = worker_args[i + 1]
+            elif arg == "--quantization":
+                quantization = worker_args[i + 1]
+        return resolve_dtype(dtype, "cpu") if quantization == "none" else quantization
+    if name == "llamacpp":
+        return "gguf"
     if name == "naive":
         return "float32"
     if name.startswith("vllm"):
@@ -224,44 +231,30 @@ def system_dtype(name: str, worker_args: list[str], pdserve: bool) -> str | None
     return None
 
 
-def _pdserve_weights(worker_args: list[str]) -> tuple[str, str]:
-    """(--dtype, --quantization) as a pdserve worker reads them from its flags (the last one wins)."""
-    dtype, quantization = "float32", "none"
-    for i, arg in enumerate(worker_args[:-1]):
-        if arg == "--dtype":
-            dtype = worker_args[i + 1]
-        elif arg == "--quantization":
-            quantization = worker_args[i + 1]
-    return dtype, quantization
+def dense_dtype(fmt: str | None) -> str | None:
+    """The dense dtype of a `weight_format`, the dtype of the GEMM rate the machine fraction is measured against;
+    None for quantized or unknown weights (no dense GEMM rate is their baseline: int4 at M = 1 beats it)."""
+    return fmt if fmt in DENSE_BYTES else None
 
 
-def weight_bytes_per_token(name: str, worker_args: list[str], model_dir: str, pdserve: bool) -> float | None:
-    """Bytes of matmul weights a system reads to decode one token at batch 1 (every projection and the LM head
-    once; the embedding lookup's one row is left out), or None where unknown (a --peer).
+def weight_bytes_per_token(fmt: str | None, shapes: list[tuple[int, int]]) -> float | None:
+    """Bytes of matmul weights a system stored as `fmt` (`weight_format`) reads to decode one token at batch 1: every
+    projection and the LM head once (`shapes`, `step_profile.config_linear_shapes`); the embedding lookup's one row
+    is left out. None where the format is unknown.
 
-    pdserve: the model's matmul parameters (`step_profile.config_linear_shapes`) x 4 (fp32) or 2 (bf16) bytes;
-    int8 one byte each plus a 2-byte scale per output channel; int4 half a byte plus a 2-byte scale and zero per
-    group of 32 (`engine.quantization`). vLLM and the naive server: their dense dtype. llama.cpp: the packaged
-    GGUF's own tensors, summed from the file (`gguf.GGUFReader`): its 2-D weights at their stored sizes, the token
-    embedding included as the tied LM head (this GGUF stores it as Q8_0, the layers as Q4_1)."""
-    dtype = system_dtype(name, worker_args, pdserve)
-    if name == "llamacpp" and not pdserve:
-        return _gguf_matmul_bytes()
-    if dtype is None and not pdserve:
-        return None
-    from engine.config import ModelConfig
-    from step_profile import config_linear_shapes
-    from transformers import AutoConfig
-
-    shapes = config_linear_shapes(ModelConfig.from_hf(AutoConfig.from_pretrained(model_dir), name="m",
-                                                      path=model_dir))
+    Dense: 4 or 2 bytes a weight; int8 one byte plus a 2-byte scale per output channel; int4 half a byte plus a
+    2-byte scale and zero per group of 32 (`engine.quantization`); gguf: the packaged file's 2-D tensors at their
+    stored sizes, the token embedding counted as the tied LM head (this GGUF: Q4_1 layers, a Q8_0 head)."""
     params = sum(k * n for k, n in shapes)
-    quantization = _pdserve_weights(worker_args)[1] if pdserve else "none"
-    if quantization == "int8":
+    if fmt in DENSE_BYTES:
+        return params * DENSE_BYTES[fmt]
+    if fmt == "int8":
         return params + 2 * sum(n for _, n in shapes)
-    if quantization == "int4":
+    if fmt == "int4":
         return params * (0.5 + 4 / 32)
-    return params * {"float32": 4, "bfloat16": 2, "float16": 2}[dtype]
+    if fmt == "gguf":
+        return _gguf_matmul_bytes()
+    return None
 
 
 def _gguf_matmul_bytes() -> float:
@@ -276,8 +269,7 @@ def _gguf_matmul_bytes() -> float:
     return float(sum(int(t.n_bytes) for t in tensors if not (has_head and t.name == "token_embd.weight")))
 
 
-def add_machine_fraction(results: dict, model_dir: str, threads: int, dtypes: dict[str, str | None],
-                         weight_bytes: dict[str, float | None] | None = None) -> None:
+def add_machine_fraction(results: dict, model_dir: str, threads: int, formats: dict[str, str | None]) -> None:
     """Add the fraction of the machine to every level row (issue 13's steering number), both against baselines
     measured now with the sweep's thread count:
 
@@ -285,9 +277,9 @@ def add_machine_fraction(results: dict, model_dir: str, threads: int, dtypes: di
       concurrency (bench/step_profile.py's `gemm_rate`). Model FLOPs per output token = 2 x matmul parameters (LM
       head included) + attention's 4 x context x heads x head_dim x layers at the mean context (prompt + half the
       output); the PaLM MFU accounting (Chowdhery et al. 2022, appendix B). Prefill FLOPs are left out: the seed's
-      prompt is a prefix-cache hit. NaN where the system has no dense dtype (`dtypes[name]` None).
+      prompt is a prefix-cache hit. NaN where the system has no dense dtype (`dense_dtype`).
     - `bandwidth_fraction`, at concurrency 1 only, where a decode step reads every weight once per token: weight
-      bytes read per second (output tok/s x `weight_bytes[name]`) over the copy bandwidth (bytes read + written per
+      bytes read per second (output tok/s x `weight_bytes_per_token`) over the copy bandwidth (bytes read + written per
       second of a 256 MiB `Tensor.copy_`, `step_profile.copy_bandwidth`, the median of three). Also for quantized
       systems and llama.cpp, which have no dense GEMM baseline.
     """
@@ -305,9 +297,9 @@ def add_machine_fraction(results: dict, model_dir: str, threads: int, dtypes: di
     set_threads(threads)
     rates: dict[tuple[str, int], float] = {}
     copy_bytes_s = None
+    weight_bytes = {name: weight_bytes_per_token(formats.get(name), shapes) for name in results["systems"]}
     for name, rows in results["systems"].items():
-        dtype = dtypes.get(name)
-        per_token = (weight_bytes or {}).get(name)
+        dtype, per_token = dense_dtype(formats.get(name)), weight_bytes[name]
         for r in rows:
             if r["concurrency"] == 1 and per_token is not None:
                 # the median of three: one run here read 78 GB/s where the others, before and after, read 44-46
@@ -323,7 +315,7 @@ def add_machine_fraction(results: dict, model_dir: str, threads: int, dtypes: di
             r["machine_fraction"] = r["output_tok_s"] * flops_per_token / rates[key]
     results["config"]["gemm_flop_s"] = {f"{d}@{c}": v for (d, c), v in rates.items()}
     results["config"]["copy_bytes_s"] = copy_bytes_s
-    results["config"]["weight_bytes_per_token"] = weight_bytes or {}
+    results["config"]["weight_bytes_per_token"] = weight_bytes
 
 
 def _start_llamacpp(args, tokenizer, levels: list[int], log_dir: Path):

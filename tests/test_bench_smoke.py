@@ -118,7 +118,10 @@ def test_sweep_names_no_dense_dtype_for_quantized_weights():
     M = 1 outruns the dense bf16 GEMM, which read as a fraction above 1). A --variant is pdserve whatever its name
     (one called "int4" used to be taken for a vLLM peer in fp32, and its int4 read 1.25 of the fp32 GEMM rate)."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-    from sweep import system_dtype
+    from sweep import dense_dtype, weight_format
+
+    def system_dtype(name, args, pdserve):
+        return dense_dtype(weight_format(name, args, pdserve))
 
     assert system_dtype("pdserve-x", ["--dtype", "bfloat16"], pdserve=True) == "bfloat16"
     assert system_dtype("pdserve-x", ["--dtype", "bfloat16", "--quantization", "int4"], pdserve=True) is None
@@ -134,27 +137,35 @@ def test_sweep_weight_bytes_per_token(tiny_model_dir, real_model_dir):
     every projection and the LM head, at each system's storage size; llama.cpp's from the GGUF it runs."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
     import gguf
-    from sweep import weight_bytes_per_token
+    from step_profile import config_linear_shapes
+    from sweep import weight_bytes_per_token as bytes_of, weight_format
+    from transformers import AutoConfig
 
     from cli.models import default_model_path
+    from engine.config import ModelConfig
 
     # tiny model: hidden 64, 4 q / 2 kv heads of 16, intermediate 128, 2 layers, vocab 49152 (untied head)
     layer = 64 * (64 + 2 * 32) + 64 * 64 + 64 * 256 + 128 * 64
     params = 2 * layer + 64 * 49152
     model = str(tiny_model_dir)
-    assert weight_bytes_per_token("pdserve-colocated", [], model, pdserve=True) == 4 * params
-    assert weight_bytes_per_token("v", ["--dtype", "bfloat16"], model, pdserve=True) == 2 * params
-    assert weight_bytes_per_token("v", ["--dtype", "bfloat16", "--quantization", "int4"], model,
+    shapes = config_linear_shapes(ModelConfig.from_hf(AutoConfig.from_pretrained(model), name="m", path=model))
+
+    def weight_bytes_per_token(name, args, pdserve):
+        return bytes_of(weight_format(name, args, pdserve), shapes)
+
+    assert weight_bytes_per_token("pdserve-colocated", [], pdserve=True) == 4 * params
+    assert weight_bytes_per_token("v", ["--dtype", "bfloat16"], pdserve=True) == 2 * params
+    assert weight_bytes_per_token("v", ["--dtype", "bfloat16", "--quantization", "int4"],
                                   pdserve=True) == params * 0.625
     outputs = 2 * (128 + 64 + 256 + 64) + 49152
-    assert weight_bytes_per_token("v", ["--dtype", "bfloat16", "--quantization", "int8"], model,
+    assert weight_bytes_per_token("v", ["--dtype", "bfloat16", "--quantization", "int8"],
                                   pdserve=True) == params + 2 * outputs
-    assert weight_bytes_per_token("naive", [], model, pdserve=False) == 4 * params
-    assert weight_bytes_per_token("vllm-all-cores-bf16", [], model, pdserve=False) == 2 * params
-    assert weight_bytes_per_token("my-peer", [], model, pdserve=False) is None
+    assert weight_bytes_per_token("naive", [], pdserve=False) == 4 * params
+    assert weight_bytes_per_token("vllm-all-cores-bf16", [], pdserve=False) == 2 * params
+    assert weight_bytes_per_token("my-peer", [], pdserve=False) is None
     tensors = gguf.GGUFReader(str(default_model_path())).tensors
     gguf_2d = sum(int(t.n_bytes) for t in tensors if len(t.shape) == 2)
-    assert weight_bytes_per_token("llamacpp", [], model, pdserve=False) == gguf_2d > 90e6  # Q4_1 layers, Q8_0 head
+    assert weight_bytes_per_token("llamacpp", [], pdserve=False) == gguf_2d > 90e6  # Q4_1 layers, Q8_0 head
 
 
 def test_sweep_refuses_a_malformed_peer_before_running_anything(tmp_path):
