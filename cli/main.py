@@ -275,7 +275,12 @@ def main(argv: list[str] | None = None) -> None:
     command = top.parse_args(argv[:1]).command  # only the name: each command builds its own flags lazily
     args = build_parser(command).parse_args(argv[1:])
     configure_logging(args.log_level, args.log_format)
-    COMMANDS[command].run(args)
+    from server_common.errors import StartupError
+
+    try:
+        COMMANDS[command].run(args)
+    except StartupError as e:  # the operator can fix it: one line, exit status 1
+        raise SystemExit(f"pdserve {command}: {e}") from None
 
 
 if __name__ == "__main__":

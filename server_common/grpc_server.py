@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import inspect
 import json
 import os
+import socket
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +17,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from server_common.config import ServerArgs
+from server_common.errors import StartupError
 from server_common.security import BearerTokenInterceptor, server_credentials, warn_if_exposed
 
 MAX_MESSAGE_BYTES = 64 << 20
@@ -126,8 +129,11 @@ async def start_grpc_server(args: ServerArgs, add_servicers: Callable[[grpc.aio.
     Health reports SERVING for "", each service name and `LIVENESS_SERVICE` once the server has started. A request
     body that does not parse is answered with INVALID_ARGUMENT (`MalformedRequestInterceptor`).
 
+    The port is bound without SO_REUSEPORT (grpcio sets it by default on Linux): a second server on a busy port
+    would otherwise start silently and take half of the first one's connections.
+
     Raises:
-        RuntimeError: the address could not be bound (grpc raises it from add_*_port).
+        StartupError: the address could not be bound ("port N is in use" when another process holds it).
         ValueError / OSError: unusable TLS files.
     """
     chain: list[grpc.aio.ServerInterceptor] = [MalformedRequestInterceptor(), *interceptors]
@@ -135,7 +141,8 @@ async def start_grpc_server(args: ServerArgs, add_servicers: Callable[[grpc.aio.
         chain.insert(0, BearerTokenInterceptor(tokens, what))
     server = grpc.aio.server(interceptors=chain,
                              options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                                      ("grpc.max_send_message_length", MAX_MESSAGE_BYTES), *SERVER_KEEPALIVE])
+                                      ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                                      ("grpc.so_reuseport", 0), *SERVER_KEEPALIVE])
     add_servicers(server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -143,14 +150,33 @@ async def start_grpc_server(args: ServerArgs, add_servicers: Callable[[grpc.aio.
     reflection.enable_server_reflection(names, server)
     credentials = server_credentials(args.tls_cert, args.tls_key, args.tls_client_ca)  # None: plaintext
     address = f"{args.host}:{args.port}"
-    bound = (server.add_secure_port(address, credentials) if credentials is not None
-             else server.add_insecure_port(address))
+    try:
+        bound = (server.add_secure_port(address, credentials) if credentials is not None
+                 else server.add_insecure_port(address))
+    except RuntimeError as e:  # grpcio says only "Failed to bind"; the cause is in its C log line
+        raise StartupError(_bind_failure(args.host, args.port)) from e
     warn_if_exposed(", ".join(service_names), args.host, tls=credentials is not None, auth=bool(tokens))
     await server.start()
     running = RunningServer(server, bound, health_servicer, list(service_names))
     await running.set_live(True)
     await running.set_serving(True)
     return running
+
+
+def _bind_failure(host: str, port: int) -> str:
+    """Why host:port could not be bound, as an operator reads it (probed with a plain socket: grpcio's exception
+    does not carry the errno)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    probe = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        probe.bind((host.strip("[]"), port))
+    except OSError as e:
+        if e.errno == errno.EADDRINUSE:
+            return f"port {port} is in use on {host} (another server holds it); pick another with --port"
+        return f"cannot bind {host}:{port}: {e.strerror}"
+    finally:
+        probe.close()
+    return f"cannot bind {host}:{port} (grpc refused the address; run with GRPC_VERBOSITY=debug for its reason)"
 
 
 def write_ready_file(path: str | None, address: str, **extra) -> None:

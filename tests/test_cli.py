@@ -120,3 +120,50 @@ def test_a_gguf_converts_once_per_content_wherever_it_is(tmp_path, monkeypatch):
     first = models.resolve_model(str(a), cache)
     assert models.resolve_model(str(b), cache) == first and len(runs) == 1
     assert models.resolve_model(str(c), cache) != first and len(runs) == 2
+
+
+def test_a_grpc_server_on_a_busy_port_fails_to_start():
+    """grpcio binds with SO_REUSEPORT unless told not to: a second server on a busy port used to start and take
+    part of the first one's traffic. Now it is a StartupError that names the port."""
+    import asyncio
+
+    import grpc
+
+    from server_common.config import ServerArgs
+    from server_common.errors import StartupError
+    from server_common.grpc_server import start_grpc_server
+
+    async def main():
+        # The first holder as grpcio leaves it by default (SO_REUSEPORT on), as any other gRPC server would.
+        other = grpc.aio.server()
+        port = other.add_insecure_port("127.0.0.1:0")
+        await other.start()
+        try:
+            with pytest.raises(StartupError, match=f"port {port} is in use"):
+                await start_grpc_server(ServerArgs(host="127.0.0.1", port=port), lambda s: None, [], tokens=[])
+        finally:
+            await other.stop(None)
+    asyncio.run(main())
+
+
+@pytest.mark.e2e
+def test_a_worker_on_a_busy_port_exits_with_one_line(tiny_model_dir):
+    """The command line reports the busy port in one line (no traceback) and exits non-zero."""
+    import socket
+    import subprocess
+    import sys
+
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen(1)
+    port = holder.getsockname()[1]
+    try:
+        done = subprocess.run([sys.executable, "-m", "cli.main", "decode", "--model", str(tiny_model_dir),
+                               "--host", "127.0.0.1", "--port", str(port), "--kv-tokens", "256",
+                               "--max-model-len", "128", "--threads", "1", "--log-level", "ERROR"],
+                              capture_output=True, text=True, timeout=300)
+    finally:
+        holder.close()
+    assert done.returncode == 1
+    assert f"pdserve decode: port {port} is in use" in done.stderr
+    assert "Traceback" not in done.stderr
