@@ -14,7 +14,7 @@ from cli.launcher import ServeConfig, _spawn, start_cluster, wait_ready
 from coordinator.ratelimit import RateLimiter
 from engine.errors import ErrorKind
 from engine.transfer import get_backend
-from engine.transfer.protocol import KvReceiver, KvSender, TransferError
+from engine.transfer.protocol import PROTOCOL_VERSION, KvReceiver, KvSender, TransferError
 from pdserve import Client, SamplingParams, tls_credentials
 from pdserve.v1 import generate_pb2, worker_pb2, worker_pb2_grpc
 from server_common.security import BearerTokenInterceptor, presented_token, read_api_keys
@@ -123,6 +123,68 @@ def test_kv_port_survives_huge_length_headers_and_garbage_offers():
                 await sender.send(address, "ghost", 1, [], num_tokens=1)
             assert e.value.kind == ErrorKind.TRANSFER_REJECTED
             sender.close()
+        finally:
+            receiver.close()
+    asyncio.run(main())
+
+
+def test_ucx_kv_port_refuses_a_huge_announced_size_before_allocating_it():
+    """ucxx's recv_obj allocated whatever 8-byte length a stranger sent, before the hello was authenticated (1 GiB
+    of RSS for 8 bytes). The channel now checks the length first and hangs up; the port keeps serving."""
+    import array
+
+    import ucxx
+
+    from engine.transfer.channel import ChannelClosed
+    from engine.transfer.ucx import UcxChannel
+
+    async def main():
+        sink = Sink({})
+        receiver = KvReceiver(get_backend("ucx"), "h", lambda b: None, sink, timeout_s=30, secret="s3cret")
+        address = await receiver.start("127.0.0.1")
+        port = int(address.rsplit(":", 1)[1])
+        try:
+            ep = await ucxx.create_endpoint("127.0.0.1", port)
+            stranger = UcxChannel(ep)
+            await asyncio.wait_for(stranger.recv_msg(), 30)  # the challenge
+            await ep.send(array.array("Q", [1 << 30]))  # "a 1 GiB hello follows"
+            with pytest.raises(ChannelClosed):  # the receiver hangs up instead of allocating and waiting for it
+                await asyncio.wait_for(stranger.recv_msg(), 30)
+            stranger.close()
+            sender = KvSender("h", lambda b: None, timeout_s=30, secret="s3cret")
+            with pytest.raises(TransferError) as e:  # still serving
+                await sender.send(address, "ghost", 1, [], num_tokens=1)
+            assert e.value.kind == ErrorKind.TRANSFER_REJECTED
+            sender.close()
+        finally:
+            receiver.close()
+            from engine.transfer.ucx import reset
+            reset()
+    asyncio.run(main())
+
+
+def test_kv_handshake_tells_a_stranger_nothing_and_survives_a_non_ascii_mac():
+    """The secret is checked before the layout (a stranger used to be told the expected layout hash), and a
+    non-ASCII mac (compare_digest raised TypeError on it) is refused like any wrong one."""
+    import json
+    import struct
+
+    async def main():
+        receiver = KvReceiver(get_backend("tcp"), "layout-h", lambda b: None, Sink({}), timeout_s=5, secret="s3cret")
+        address = await receiver.start("127.0.0.1")
+        port = int(address.rsplit(":", 1)[1])
+        try:
+            for hello in ({"type": "hello", "version": PROTOCOL_VERSION, "compat_hash": "other", "mac": "x"},
+                          {"type": "hello", "version": PROTOCOL_VERSION, "compat_hash": "layout-h", "mac": "\u00e9\u00e9"}):
+                reader, writer = await asyncio.open_connection("127.0.0.1", port)
+                await reader.readexactly(struct.unpack("!I", await reader.readexactly(4))[0])  # the challenge
+                msg = json.dumps(hello).encode()
+                writer.write(struct.pack("!I", len(msg)) + msg)
+                await writer.drain()
+                ack = json.loads(await reader.readexactly(struct.unpack("!I", await reader.readexactly(4))[0]))
+                assert ack["ok"] is False and "authentication failed" in ack["error"]
+                assert "layout-h" not in ack["error"]
+                writer.close()
         finally:
             receiver.close()
     asyncio.run(main())

@@ -18,8 +18,22 @@ if TYPE_CHECKING:  # the CLI reads BACKEND_NAMES through this module and must no
 log = logging.getLogger(__name__)
 
 
+MAX_CONTROL_MESSAGE_BYTES = 1 << 20  # control messages are small JSON; a bigger length header is an attack or a bug
+
+
 class ChannelClosed(ConnectionError):
     """The peer closed the channel or died."""
+
+
+def check_control_size(num_bytes: int) -> None:
+    """Refuse a control message's announced length before anything is allocated for it: the first message on a
+    channel (the hello) comes before authentication, so its size is a stranger's to choose.
+
+    Raises:
+        ChannelClosed: num_bytes exceeds MAX_CONTROL_MESSAGE_BYTES (the caller drops the channel).
+    """
+    if num_bytes > MAX_CONTROL_MESSAGE_BYTES:
+        raise ChannelClosed(f"control message of {num_bytes} bytes announced; at most {MAX_CONTROL_MESSAGE_BYTES}")
 
 
 class HostStaging:

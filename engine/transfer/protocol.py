@@ -435,17 +435,21 @@ class KvReceiver:
             nonce = os.urandom(16).hex()
             await ch.send_msg(_encode({"type": "challenge", "version": PROTOCOL_VERSION, "nonce": nonce}))
             hello = _decode(await asyncio.wait_for(ch.recv_msg(), self.timeout_s))
-            if hello.get("version") != PROTOCOL_VERSION or hello.get("compat_hash") != self.compat_hash:
-                err = (f"incompatible peer: version {hello.get('version')} / layout {hello.get('compat_hash')}, "
-                       f"expected {PROTOCOL_VERSION} / {self.compat_hash} (same model, dtype and block size?)")
-                log.error(err)
-                await ch.send_msg(_encode({"type": "hello_ack", "ok": False, "error": err}))
-                return
+            # The secret first, over the layout the sender claims: a stranger learns nothing (not even our layout
+            # hash), and a peer that proved the secret is told exactly why its layout is refused. Compared as
+            # bytes: compare_digest raises TypeError for a non-ASCII str.
+            claimed = str(hello.get("compat_hash", ""))
             if self.secret and not hmac.compare_digest(
-                    str(hello.get("mac", "")), handshake_mac(self.secret, nonce, self.compat_hash)):
+                    str(hello.get("mac", "")).encode(), handshake_mac(self.secret, nonce, claimed).encode()):
                 log.warning("KV handshake refused: the sender did not prove the cluster secret")
                 await ch.send_msg(_encode({"type": "hello_ack", "ok": False,
                                            "error": "authentication failed: wrong or missing cluster secret"}))
+                return
+            if hello.get("version") != PROTOCOL_VERSION or claimed != self.compat_hash:
+                err = (f"incompatible peer: version {hello.get('version')} / layout {claimed}, "
+                       f"expected {PROTOCOL_VERSION} / {self.compat_hash} (same model, dtype and block size?)")
+                log.error(err)
+                await ch.send_msg(_encode({"type": "hello_ack", "ok": False, "error": err}))
                 return
             await ch.send_msg(_encode({"type": "hello_ack", "ok": True}))
             while True:

@@ -8,10 +8,10 @@ import struct
 
 import torch
 
-from engine.transfer.channel import Backend, Channel, ChannelClosed, HostStaging, Listener, OnChannel
+from engine.transfer.channel import (Backend, Channel, ChannelClosed, HostStaging, Listener, OnChannel,
+                                     check_control_size)
 
 _LEN = struct.Struct("!I")
-MAX_CONTROL_MESSAGE_BYTES = 1 << 20  # control messages are small JSON; a bigger length header is an attack or a bug
 
 
 class TcpChannel(Channel):
@@ -39,8 +39,7 @@ class TcpChannel(Channel):
         header = bytearray(_LEN.size)
         await self._recv_exact(memoryview(header))
         (n,) = _LEN.unpack(header)
-        if n > MAX_CONTROL_MESSAGE_BYTES:  # never allocate what a stranger's 4-byte header asks for
-            raise ChannelClosed(f"control message of {n} bytes announced; at most {MAX_CONTROL_MESSAGE_BYTES}")
+        check_control_size(n)  # never allocate what a stranger's 4-byte header asks for
         body = bytearray(n)
         await self._recv_exact(memoryview(body))
         return bytes(body)

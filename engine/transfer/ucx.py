@@ -15,13 +15,14 @@ The notifier thread is bound to the event loop UCX started on: `reset` must run 
 """
 from __future__ import annotations
 
+import array
 import logging
 import os
 import sys
 
 import torch
 
-from engine.transfer.channel import Backend, Channel, ChannelClosed, Listener, OnChannel
+from engine.transfer.channel import Backend, Channel, ChannelClosed, Listener, OnChannel, check_control_size
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +62,19 @@ class UcxChannel(Channel):
         await self._io(self.ep.send_obj(msg))
 
     async def recv_msg(self) -> bytes:
-        return bytes(await self._io(self.ep.recv_obj()))
+        """One control message in ucxx's `send_obj` framing (an 8-byte native length, then the bytes). ucxx's own
+        `recv_obj` allocates whatever length arrives, before the hello is authenticated: 8 bytes from a stranger
+        grew a decode worker by 1 GiB. The length is checked first (`check_control_size`).
+
+        Raises:
+            ChannelClosed: the peer is gone, or it announced more than a control message may hold.
+        """
+        header = array.array("Q", [0])
+        await self._io(self.ep.recv(header))
+        check_control_size(header[0])
+        body = bytearray(header[0])
+        await self._io(self.ep.recv(body))
+        return bytes(body)
 
     async def send_buffer(self, buf: torch.Tensor) -> None:
         await self._io(self.ep.send(_ucx_buffer(buf)))
@@ -98,6 +111,9 @@ class UcxBackend(Backend):
     name = "ucx"
 
     async def listen(self, host: str, port: int, on_channel: OnChannel) -> Listener:
+        """Listen on `port`. ucxx's listener takes a port only, so it accepts on every interface whatever `host`
+        says (UCX_NET_DEVICES narrows the devices UCX uses); a stranger who reaches it gets nothing past the
+        hello's HMAC and cannot make it allocate more than a control message (`UcxChannel.recv_msg`)."""
         ucxx = _ucxx()
 
         async def handler(ep) -> None:
