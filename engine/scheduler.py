@@ -47,10 +47,14 @@ class Scheduler:
                                  f"request id {request.request_id!r} is in use")
         if not request.prompt_token_ids:
             return RequestFailed(request.request_id, ErrorKind.INVALID_REQUEST, "the prompt is empty")
-        bad = next((t for t in request.prompt_token_ids if not 0 <= t < self.config.vocab_size), None)
-        if bad is not None:  # an embedding lookup out of range would fail the whole step, not just this request
-            return RequestFailed(request.request_id, ErrorKind.INVALID_REQUEST,
-                                 f"token id {bad} is outside the vocabulary [0, {self.config.vocab_size})")
+        # An embedding lookup out of range would fail the whole step, not just this request: the prompt and the
+        # output a migrated request brings (generated elsewhere, computed here as context) are checked alike.
+        for field, ids in (("prompt", request.prompt_token_ids), ("output_token_ids", request.output_token_ids)):
+            bad = next((t for t in ids if not 0 <= t < self.config.vocab_size), None)
+            if bad is not None:
+                return RequestFailed(request.request_id, ErrorKind.INVALID_REQUEST,
+                                     f"token id {bad} in {field} is outside the vocabulary "
+                                     f"[0, {self.config.vocab_size})")
         # Tokens it may hold: a prefill-only request computes what it has (prompt, and output a lost worker had
         # generated) plus one; a decode request its prompt plus max_tokens outputs, however many it brings.
         need = (request.num_tokens + 1 if request.prefill_only

@@ -20,9 +20,9 @@ SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.Health
 
 
 @contextlib.asynccontextmanager
-async def colocated_worker(model_dir, tmp_path, monkeypatch, on_step):
+async def colocated_worker(model_dir, tmp_path, monkeypatch, on_step, served: list | None = None):
     """A colocated worker serving in this process whose every step first calls on_step(request ids); yields a
-    channel to it."""
+    channel to it. `served`, when given, receives the serve task (to see how it ended)."""
     execute = ModelRunner.execute
 
     def patched(self, out):
@@ -35,15 +35,18 @@ async def colocated_worker(model_dir, tmp_path, monkeypatch, on_step):
                                                               max_model_len=256, threads=0),
                           server=ServerArgs(ready_file=str(ready)))
     server = asyncio.create_task(serve(config))
+    if served is not None:
+        served.append(server)
     try:
         while not ready.exists():
             await asyncio.sleep(0.05)
         async with grpc.aio.insecure_channel(json.loads(ready.read_text())["address"]) as channel:
             yield channel
     finally:
-        server.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await server
+        if not server.done():
+            server.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await server
 
 
 def decode_call(channel, rid: str, max_tokens: int):
@@ -52,28 +55,33 @@ def decode_call(channel, rid: str, max_tokens: int):
         sampling=generate_pb2.SamplingParams(max_tokens=max_tokens, temperature=0)), timeout=30)
 
 
-def test_engine_fault_turns_health_not_serving(tiny_model_dir, tmp_path, monkeypatch):
+def test_engine_fault_stops_serving_and_exits_for_a_restart(tiny_model_dir, tmp_path, monkeypatch):
+    """A faulted engine cannot be trusted: the worker stops taking traffic (readiness and liveness NOT_SERVING),
+    drains as on SIGTERM, then serve() ends with StartupError, which the command line turns into exit status 1, so
+    `serve --restart` or an orchestrator restarts it. It used to stay up, NOT_SERVING, forever."""
+    from server_common.errors import StartupError
+
     def fault_on_boom(ids):
         if "boom" in ids:
             raise RuntimeError("injected device fault")
 
     async def main():
-        async with colocated_worker(tiny_model_dir, tmp_path, monkeypatch, fault_on_boom) as ch:
+        served = []
+        async with colocated_worker(tiny_model_dir, tmp_path, monkeypatch, fault_on_boom, served) as ch:
             health = health_pb2_grpc.HealthStub(ch)
-            assert (await health.Check(health_pb2.HealthCheckRequest())).status == SERVING
+            # Watches opened before the fault see every change however fast the server then goes away.
+            watches = [health.Watch(health_pb2.HealthCheckRequest(service=name))
+                       for name in ("pdserve.v1.Decode", "", "pdserve.liveness")]
+            assert [(await w.read()).status for w in watches] == [SERVING] * 3
             assert [m async for m in decode_call(ch, "fine", 3)][-1].WhichOneof("response") == "finished"
             with pytest.raises(grpc.aio.AioRpcError) as e:
                 [m async for m in decode_call(ch, "boom", 3)]
             assert e.value.code() == grpc.StatusCode.INTERNAL
-            for _ in range(100):
-                status = (await health.Check(health_pb2.HealthCheckRequest(service="pdserve.v1.Decode"))).status
-                if status == NOT_SERVING:
-                    break
-                await asyncio.sleep(0.05)
-            assert status == NOT_SERVING
-            assert (await health.Check(health_pb2.HealthCheckRequest())).status == NOT_SERVING
-            assert (await health.Check(health_pb2.HealthCheckRequest(service="pdserve.liveness"))).status \
-                == NOT_SERVING  # restart me
+            assert [(await asyncio.wait_for(w.read(), 60)).status for w in watches] == [NOT_SERVING] * 3
+            with pytest.raises(StartupError, match="engine fault .*injected device fault.*restarted"):
+                await asyncio.wait_for(served[0], 60)
+            for w in watches:
+                w.cancel()
 
     asyncio.run(main())
 
@@ -96,5 +104,31 @@ def test_a_long_step_does_not_make_a_worker_look_dead(tiny_model_dir, tmp_path, 
             assert time.monotonic() - start < 0.5 and stats.num_requests == 1
             assert health.status == SERVING
             call.cancel()
+
+    asyncio.run(main())
+
+
+def test_an_out_of_vocabulary_migrated_output_fails_only_its_request(tiny_model_dir, tmp_path, monkeypatch):
+    """A resumed (migrated) request brings the output generated elsewhere as context: an id outside the vocabulary
+    there used to fail the whole step (bystanders too) and fault the engine. It is refused like a bad prompt."""
+    async def main():
+        served = []
+        async with colocated_worker(tiny_model_dir, tmp_path, monkeypatch, lambda ids: None, served) as ch:
+            bystander = decode_call(ch, "bystander", 8)
+            await bystander.read()
+            bad = worker_pb2_grpc.DecodeStub(ch).Decode(worker_pb2.DecodeRequest(
+                request_id="resumed", prompt_token_ids=[5, 6, 7], output_token_ids=[8, 10 ** 6],
+                kv_source=worker_pb2.KV_SOURCE_LOCAL,
+                sampling=generate_pb2.SamplingParams(max_tokens=4, temperature=0)), timeout=30)
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                [m async for m in bad]
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "output_token_ids" in e.value.details() and "outside the vocabulary" in e.value.details()
+            last = await bystander.read()
+            while last is not grpc.aio.EOF and last.WhichOneof("response") != "finished":
+                last = await bystander.read()
+            assert last is not grpc.aio.EOF  # it finished, untouched by the bad request
+            health = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=30)
+            assert health.status == SERVING and not served[0].done()
 
     asyncio.run(main())

@@ -17,6 +17,7 @@ from engine.config import compat_hash
 from engine.engine_core import EngineCore
 from pdserve.v1 import generate_pb2, worker_pb2, worker_pb2_grpc
 from server_common.addresses import advertise_host
+from server_common.errors import StartupError
 from server_common.grpc_server import RunningServer, start_grpc_server, write_ready_file
 from server_common.metrics import metrics_url, start_metrics_server
 from server_common.tracing import Tracing
@@ -108,7 +109,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 async def serve_worker(config: WorkerConfig, worker: WorkerEngine, servicer: WorkerServicer,
                        add_role: Callable[[grpc.aio.Server], None], role_service: str, secret: str | None,
                        tracing: Tracing, **ready: str) -> None:
-    """Serve the Worker service plus the role's own until cancelled, then stop the server and the engine.
+    """Serve the Worker service plus the role's own until cancelled, then stop the server and the engine. An engine
+    fault ends it too: readiness and liveness NOT_SERVING, the drain of a SIGTERM, then StartupError.
 
     Args:
         add_role: registers the role's servicer (Prefill or Decode) on the server.
@@ -116,6 +118,9 @@ async def serve_worker(config: WorkerConfig, worker: WorkerEngine, servicer: Wor
         secret: the cluster secret callers must present (None: no authentication).
         tracing: the process's tracing (its server interceptors continue the coordinator's traces).
         ready: extra fields for the ready file (e.g. kv_address).
+
+    Raises:
+        StartupError: the engine faulted (its message); the process should exit non-zero and be restarted.
     """
     def add(server: grpc.aio.Server) -> None:
         worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
@@ -126,16 +131,19 @@ async def serve_worker(config: WorkerConfig, worker: WorkerEngine, servicer: Wor
                                                      interceptors=tracing.server_interceptors())
 
     pending: set[asyncio.Task] = set()  # the loop keeps only weak references to tasks
+    serving_task = asyncio.current_task()
+    faults: list[str] = []
 
-    async def unhealthy() -> None:
-        await running.set_serving(False)
-        await running.set_live(False)
-
-    def on_fault(message: str) -> None:  # the engine cannot be trusted any more: stop taking traffic, say why
-        log.error("engine fault (%s): reporting NOT_SERVING until this worker is restarted", message)
-        task = asyncio.get_running_loop().create_task(unhealthy())
+    def on_fault(message: str) -> None:
+        """The engine cannot be trusted any more: stop taking traffic, drain as on SIGTERM, then exit non-zero
+        (below), so `serve --restart` or the orchestrator restarts the worker. A live process that only
+        reported NOT_SERVING was never restarted by anything but a liveness probe."""
+        log.error("engine fault (%s): draining, then exiting for a restart", message)
+        faults.append(message)
+        task = asyncio.get_running_loop().create_task(running.set_live(False))
         pending.add(task)
         task.add_done_callback(pending.discard)
+        serving_task.cancel()
 
     worker.engine.add_fault_listener(on_fault)
     address = f"{advertise_host(config.server.host, config.server.advertise_host)}:{running.port}"
@@ -148,6 +156,10 @@ async def serve_worker(config: WorkerConfig, worker: WorkerEngine, servicer: Wor
     try:
         await running.serve_until_cancelled(config.server.drain_timeout_s,
                                             in_flight=lambda: len(worker.engine.streams))
+    except asyncio.CancelledError:
+        if not faults:
+            raise
+        raise StartupError(f"engine fault ({faults[0]}); the worker exited so that it is restarted") from None
     finally:
         worker.engine.stop()
         if metrics is not None:
