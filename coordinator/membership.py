@@ -196,6 +196,17 @@ class Membership:
                 log.warning("worker %s left the routing set: %s", w.address, why)
         w.live = live
 
+    def report_lost(self, address: str, why: str) -> None:
+        """A request's call to this worker failed as if it were gone (UNAVAILABLE): take it out of routing now,
+        as a failed poll would, rather than wait for the next polls (passive health checking). Readiness follows
+        at once (`on_change`): health said SERVING for 47 s while every request was refused, because the request
+        path took the worker out behind membership's back and no poll ever saw a change. The next poll that
+        finds it answering brings it back."""
+        for w in self.cluster.router.workers:
+            if w.address == address and w.live:
+                self._set_live(w, False, f"a request's call failed: {why}")
+                self.on_change()
+
     async def refresh(self) -> None:
         """One round: discovery when due, then poll every endpoint concurrently."""
         self._changed = False

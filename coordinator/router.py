@@ -196,13 +196,6 @@ class Router:
             worker.in_flight -= 1
             worker.queued_blocks -= blocks
 
-    def mark_down(self, address: str) -> None:
-        """A call to this worker failed as if it were gone: stop routing to it until membership's next poll finds
-        it answering (passive health checking)."""
-        for w in self.workers:
-            if w.address == address:
-                w.live = False
-
     @property
     def workers(self) -> list[WorkerHandle]:
         return [*self.prefill, *self.decode]

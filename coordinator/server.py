@@ -6,6 +6,7 @@ import contextlib
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc
@@ -88,8 +89,11 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
     """Generate / Abort / GetModelInfo: validate and tokenize, route, stream text back, free on every exit."""
 
     def __init__(self, config: CoordinatorConfig, cluster: Cluster, tokenizer: Tokenizer,
-                 metrics: CoordinatorMetrics):
+                 metrics: CoordinatorMetrics, on_worker_lost: Callable[[str, str], None] = lambda address, why: None):
+        """on_worker_lost(address, why): a worker call failed as if the worker were gone
+        (`Membership.report_lost`, which owns liveness)."""
         self.config, self.cluster, self.tokenizer, self.metrics = config, cluster, tokenizer, metrics
+        self.on_worker_lost = on_worker_lost
         self.limiter = RateLimiter(config.rate_limit_requests_per_s, config.rate_limit_tokens_per_s,
                                    config.rate_limit_burst_s)
 
@@ -320,6 +324,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         again), end with LENGTH when every token was already sent, or re-raise."""
         if error.code != grpc.StatusCode.UNAVAILABLE or not error.worker:
             raise error
+        self.on_worker_lost(error.worker, error.message)
         if len(p.generated) >= sampling.max_tokens:  # the finish message was lost, not a token
             p.reason = generate_pb2.FINISH_REASON_LENGTH
             return
@@ -327,7 +332,6 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             raise RequestError(grpc.StatusCode.UNAVAILABLE,
                                f"{error.message} (after {p.migrations} migration(s), the most allowed)") from error
         p.migrations += 1
-        self.cluster.router.mark_down(error.worker)
         log.warning("request %s: %s; resuming on other workers after %d token(s) (migration %d of at most %d)",
                     flow.request_id, error.message, len(p.generated), p.migrations, self.config.max_migrations)
 
@@ -377,7 +381,8 @@ async def serve(config: CoordinatorConfig) -> None:
     await membership.wait_ready(config.connect_timeout_s)
     tokenizer = await asyncio.to_thread(Tokenizer, config.model_dir)
     registry = CollectorRegistry()
-    servicer = GenerationServicer(config, cluster, tokenizer, CoordinatorMetrics(registry, config.model_name))
+    servicer = GenerationServicer(config, cluster, tokenizer, CoordinatorMetrics(registry, config.model_name),
+                                  on_worker_lost=membership.report_lost)
     metrics = (start_metrics_server(config.server.host, config.server.metrics_port, registry)
                if config.server.metrics_port is not None else None)
     running = await start_grpc_server(

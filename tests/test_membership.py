@@ -209,3 +209,31 @@ def test_conditional_disaggregation_and_decode_workers_prefilling_without_a_pref
         assert "decode workers prefill locally" in (tmp_path / "coordinator.log").read_text()
     finally:
         p.stop()
+
+
+def test_a_worker_lost_under_load_turns_readiness_off_at_once(tiny_model_dir, tmp_path):
+    """A decode worker killed while requests stream: the failed requests take it out of routing through membership,
+    so readiness turns NOT_SERVING before any poll could have noticed (polls every 60 s here, and two must fail).
+    It used to stay SERVING: the request path marked the worker down behind membership's back, the polls then
+    saw no change, and load balancers kept sending traffic that was refused."""
+    p = Processes(tiny_model_dir, tmp_path)
+    try:
+        prefill = p.start("prefill", "prefill", *WORKER)
+        decode = p.start("decode", "decode", *WORKER)
+        coordinator = p.start("coordinator", "coordinator", "--prefill", prefill, "--decode", decode,
+                              "--stats-interval-s", "60", "--no-local-prefill-fallback")
+        with grpc.insecure_channel(coordinator) as ch, Client(coordinator) as c:
+            watch = health_pb2_grpc.HealthStub(ch).Watch(health_pb2.HealthCheckRequest(), timeout=50)
+            assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
+            stream = c.generate([5, 6, 7], SamplingParams(max_tokens=200, temperature=0, ignore_eos=True))
+            next(stream)  # the first token came: the request is decoding on the worker
+            p.kill("decode")
+            with pytest.raises(grpc.RpcError) as e:
+                list(stream)
+            assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert next(watch).status == health_pb2.HealthCheckResponse.NOT_SERVING  # well before a 2nd poll
+            watch.cancel()
+        log = (tmp_path / "coordinator.log").read_text()
+        assert f"worker {decode} left the routing set: a request's call failed" in log
+    finally:
+        p.stop()
