@@ -309,7 +309,8 @@ def run(model_dir: str, seconds: float, round_s: float = 60.0, clients: int = 6,
     prompts = [[rng.randrange(3, 40000) for _ in range(rng.randint(4, 60))] for _ in range(12)]
     refs = references(model_dir, prompts, max_tokens)
     workdir = Path(tempfile.mkdtemp(prefix="pdserve-chaos-"))
-    cluster = Cluster(model_dir, workdir, worker_args or ["--kv-tokens", "2048", "--max-model-len", "256",
+    cluster = Cluster(model_dir, workdir, worker_args or ["--dtype", "float32", "--kv-tokens", "2048",
+                                                          "--max-model-len", "256",
                                                           "--connector", "tcp"])
     tally = Tally()
     rounds = []
@@ -360,7 +361,8 @@ def main() -> int:
     args = p.parse_args()
     model_dir = args.model_dir or tiny_model(Path(tempfile.mkdtemp(prefix="pdserve-chaos-model-")))
     report = run(model_dir, args.minutes * 60, round_s=args.round_s, clients=args.clients,
-                 worker_args=["--kv-tokens", "2048", "--max-model-len", "256", "--connector", args.connector,
+                 worker_args=["--dtype", "float32", "--kv-tokens", "2048", "--max-model-len", "256", "--connector",
+                              args.connector,
                               *(["--kv-layerwise"] if args.kv_layerwise else [])])
     report["connector"] = args.connector
     report["kv_layerwise"] = args.kv_layerwise

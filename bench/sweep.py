@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import datetime
 import json
 import os
@@ -212,10 +213,12 @@ def weight_format(name: str, worker_args: list[str], pdserve: bool) -> str | Non
     --peer). pdserve (`pdserve`: a built-in pdserve system or a --variant, whatever its name): its --dtype, auto
     resolved for this CPU, unless quantized; the naive server fp32; vLLM its --dtype (float32, or bfloat16 for the
     -bf16 system)."""
+    from engine.args import EngineArgs
     from engine.hardware import resolve_dtype
 
     if pdserve:
-        dtype, quantization = "float32", "none"
+        dtype = next(f.default for f in dataclasses.fields(EngineArgs) if f.name == "dtype")  # what a worker takes
+        quantization = "none"
         for i, arg in enumerate(worker_args[:-1]):  # as the worker reads its flags: the last one wins
             if arg == "--dtype":
                 dtype = worker_args[i + 1]

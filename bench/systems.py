@@ -177,7 +177,7 @@ def find_vllm() -> str | None:
 
 def start_vllm(binary: str, model_dir: str, threads: int, max_num_seqs: int, log_dir: str | None,
                all_cores: bool, dtype: str = "float32") -> RunningSystem:
-    """vLLM's CPU build serving the HF directory in `dtype` (float32, pdserve's default, or bfloat16). all_cores=False
+    """vLLM's CPU build serving the HF directory in `dtype` (float32 or bfloat16). all_cores=False
     keeps vLLM's default placement (on this 2-core machine: the model's OpenMP threads on one core, the other left
     to its scheduler and API server); True binds its OpenMP threads to all `threads` cores."""
     import os

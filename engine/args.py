@@ -17,7 +17,8 @@ class EngineArgs:
 
     Attributes:
         model_dir: resolved HF-format directory (see `cli.models.resolve_model`).
-        dtype: weights and KV dtype, or "auto" (`engine.hardware.resolve_dtype`).
+        dtype: weights and KV dtype, or "auto" (the default: `engine.hardware.resolve_dtype`, the fastest dtype the
+            device computes well, as vLLM's default is).
         quantization: "none", "int8" or "int4": weight-only quantized linears (`engine.quantization`; int4 in
             groups of 32 input channels; both need a bf16/fp16 dtype).
         block_size: tokens per KV block.
@@ -43,10 +44,10 @@ class EngineArgs:
     """
 
     model_dir: str = field(metadata={"cli": False})
-    dtype: str = field(default="float32", metadata={
+    dtype: str = field(default="auto", metadata={
         "choices": DTYPE_CHOICES,
         "help": "weights and KV dtype; auto = bfloat16 on CPUs with AVX512_BF16/AMX and bf16 GPUs, else float32 "
-                "(float16 on older GPUs)"})
+                "(float16 on older GPUs); float32 for exact parity with an fp32 reference"})
     quantization: str = field(default="none", metadata={
         "choices": QUANTIZATION_CHOICES,
         "help": "int8 / int4 = weight-only int8 / int4 (groups of 32) linears (bf16/fp16 dtypes): faster "

@@ -24,7 +24,8 @@ async def idle(engine: AsyncEngine) -> tuple[int, int, list]:
 
 @pytest.fixture
 def run(tiny_model_dir):
-    parts = build_engine(EngineArgs(model_dir=str(tiny_model_dir), block_size=8, kv_tokens=1024, max_model_len=512))
+    parts = build_engine(EngineArgs(dtype="float32", model_dir=str(tiny_model_dir), block_size=8, kv_tokens=1024,
+                                    max_model_len=512))
 
     def go(scenario):
         async def main():
@@ -127,7 +128,8 @@ def test_the_engine_thread_runs_torch_on_its_own_thread_count(tiny_model_dir):
     thread, where the steps run, whatever the thread that built the engine uses (`engine.hardware.set_threads`)."""
     import torch
 
-    parts = build_engine(EngineArgs(model_dir=str(tiny_model_dir), block_size=8, kv_tokens=1024, max_model_len=512))
+    parts = build_engine(EngineArgs(dtype="float32", model_dir=str(tiny_model_dir), block_size=8, kv_tokens=1024,
+                                    max_model_len=512))
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

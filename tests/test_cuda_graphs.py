@@ -20,7 +20,8 @@ def test_capture_sizes():
 def _run(model_dir, prompts, sizes):
     """Greedy outputs with requests arriving one per step (so the decode batch grows through 1..n and needs
     padding), and how many steps ran through the graph path."""
-    parts = build_engine(EngineArgs(model_dir=str(model_dir), kv_tokens=4096, max_model_len=512, block_size=8))
+    parts = build_engine(EngineArgs(dtype="float32", model_dir=str(model_dir), kv_tokens=4096, max_model_len=512,
+                                    block_size=8))
     runner, sched = parts.runner, parts.scheduler
     used = []
     if sizes:
@@ -66,7 +67,8 @@ def test_more_decodes_than_the_largest_size_run_eagerly(tiny_model_dir):
 
 
 def test_a_table_wider_than_captured_runs_eagerly(tiny_model_dir):
-    parts = build_engine(EngineArgs(model_dir=str(tiny_model_dir), kv_tokens=1024, max_model_len=512, block_size=8))
+    parts = build_engine(EngineArgs(dtype="float32", model_dir=str(tiny_model_dir), kv_tokens=1024, max_model_len=512,
+                                    block_size=8))
     r = parts.runner
     graphs = DecodeGraphs(r.model, r.kv_cache.layers, [1, 2], 4, r.kv_cache.scratch_slot, r.device, capture=False)
     assert graphs.size_for(2, 4) == 2 and graphs.size_for(1, 5) is None and graphs.size_for(3, 1) is None

@@ -15,7 +15,7 @@ from pdserve.v1 import worker_pb2, worker_pb2_grpc
 
 pytestmark = pytest.mark.e2e
 
-WORKER_ARGS = ["--kv-tokens", "4096", "--max-model-len", "1024", "--log-level", "INFO"]
+WORKER_ARGS = ["--dtype", "float32", "--kv-tokens", "4096", "--max-model-len", "1024", "--log-level", "INFO"]
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "List three colors:", "Water boils at",
            "Once upon a time", "import numpy as np\n", "The quick brown fox", "1, 2, 3, 4,"]
 
@@ -221,7 +221,7 @@ def test_tiny_model_cluster_matches_hf(tiny_model_dir, tmp_path, mode):
     49-token prompt comes again at the end: the prefill worker's prefix cache then holds all but its last token,
     a one-token last chunk (its layer-wise stream once waited forever for a signal that never came)."""
     connector, _, layerwise = mode.partition("+")
-    args = ["--kv-tokens", "2048", "--max-model-len", "512", "--max-num-batched-tokens", "32",
+    args = ["--dtype", "float32", "--kv-tokens", "2048", "--max-model-len", "512", "--max-num-batched-tokens", "32",
             "--connector", "tcp" if mode == "colocated" else connector, *(["--kv-layerwise"] if layerwise else [])]
     c = start_cluster(str(tiny_model_dir), "tiny", ServeConfig(log_dir=str(tmp_path)), colocated=mode == "colocated",
                       worker_args=args)
@@ -254,7 +254,8 @@ def test_tiny_model_cluster_matches_hf(tiny_model_dir, tmp_path, mode):
 def test_two_prefill_two_decode_workers_all_take_requests(tiny_model_dir, tmp_path):
     """Routing spreads load per role: sequential requests alternate, concurrent ones spread by load."""
     c = start_cluster(str(tiny_model_dir), "tiny", ServeConfig(num_prefill=2, num_decode=2, log_dir=str(tmp_path)),
-                      worker_args=["--kv-tokens", "2048", "--max-model-len", "512", "--connector", "tcp"])
+                      worker_args=["--dtype", "float32", "--kv-tokens", "2048", "--max-model-len", "512",
+                                   "--connector", "tcp"])
     try:
         def steps():
             return {name: worker_stats(c, name).num_steps for name in c.worker_addresses}
@@ -281,7 +282,8 @@ def test_shared_system_prompt_goes_to_the_prefill_worker_that_holds_it(tiny_mode
     """Prefix-aware routing: the second request with the same 256-token system prompt lands on the prefill worker
     that computed it and reports those tokens as cached; plain rotation would have sent it to the other one."""
     c = start_cluster(str(tiny_model_dir), "tiny", ServeConfig(num_prefill=2, log_dir=str(tmp_path)),
-                      worker_args=["--kv-tokens", "4096", "--max-model-len", "512", "--connector", "tcp"])
+                      worker_args=["--dtype", "float32", "--kv-tokens", "4096", "--max-model-len", "512",
+                                   "--connector", "tcp"])
     try:
         system = list(range(2000, 2256))
         with Client(c.address) as client:
@@ -305,7 +307,8 @@ def test_decode_workers_cached_prefix_shrinks_the_transfer(tiny_model_dir, tmp_p
     from test_observability import scrape, total
 
     c = start_cluster(str(tiny_model_dir), "tiny", ServeConfig(log_dir=str(tmp_path)),
-                      worker_args=["--kv-tokens", "2048", "--max-model-len", "512", "--connector", "tcp",
+                      worker_args=["--dtype", "float32", "--kv-tokens", "2048", "--max-model-len", "512",
+                                   "--connector", "tcp",
                                    "--metrics-port", "0", *(["--kv-layerwise"] if layerwise else [])])
     try:
         shared = list(range(3000, 3064))

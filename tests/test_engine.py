@@ -42,7 +42,8 @@ def prompts():
 def test_concurrent_greedy_matches_hf(tiny_model_dir, prompts, budget, num_blocks, backend):
     """Mixed lengths in one batch; a small budget forces chunked prefill (so chunks attend over cached blocks);
     a small pool forces preemption. The Triton row runs the whole model through the kernels."""
-    parts = build_engine(EngineArgs(model_dir=str(tiny_model_dir), block_size=8, kv_tokens=num_blocks * 8,
+    parts = build_engine(EngineArgs(dtype="float32", model_dir=str(tiny_model_dir), block_size=8,
+                                    kv_tokens=num_blocks * 8,
                                     max_num_batched_tokens=budget, max_model_len=512, attention_backend=backend))
     assert parts.runner.attention_ops.name == backend
     reqs = [greedy(f"r{i}", p, 4 + 3 * i) for i, p in enumerate(prompts)]
@@ -54,7 +55,8 @@ def test_concurrent_greedy_matches_hf(tiny_model_dir, prompts, budget, num_block
 
 
 def test_prefix_cache_hit_gives_same_tokens(tiny_model_dir, prompts):
-    parts = build_engine(EngineArgs(model_dir=str(tiny_model_dir), block_size=8, kv_tokens=2048, max_model_len=512))
+    parts = build_engine(EngineArgs(dtype="float32", model_dir=str(tiny_model_dir), block_size=8, kv_tokens=2048,
+                                    max_model_len=512))
     first = greedy("a", prompts[6], 6)
     run_to_completion(parts, [first])
     again = greedy("b", prompts[6][:96] + [5, 6, 7], 6)
@@ -65,7 +67,7 @@ def test_prefix_cache_hit_gives_same_tokens(tiny_model_dir, prompts):
 
 def test_remote_kv_request_reserves_then_decodes(tiny_model_dir, prompts):
     """Decode-side path: reserve blocks, fill them (here by a prefill-only engine), join the batch."""
-    args = EngineArgs(model_dir=str(tiny_model_dir), block_size=8, kv_tokens=1024, max_model_len=512)
+    args = EngineArgs(dtype="float32", model_dir=str(tiny_model_dir), block_size=8, kv_tokens=1024, max_model_len=512)
     prefill, decode = build_engine(args), build_engine(args)
     prompt = prompts[4]
     p_req = Request("x", prompt, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), prefill_only=True)
@@ -99,7 +101,8 @@ def test_reservations_that_fill_the_pool_cannot_deadlock_the_decode_worker(tiny_
     its next token, none could get it, nothing ran to free one, and the worker stalled until the leases lapsed
     (the chaos run's DEADLINE_EXCEEDED under 256-stream bursts). Now reservations leave the blocks the queued
     requests need, and when nothing runs, a waiting request is preempted (recomputed later) to let the head in."""
-    parts = build_engine(EngineArgs(model_dir=str(tiny_model_dir), block_size=8, kv_tokens=8 * 12, max_model_len=64))
+    parts = build_engine(EngineArgs(dtype="float32", model_dir=str(tiny_model_dir), block_size=8, kv_tokens=8 * 12,
+                                    max_model_len=64))
     s = parts.scheduler
     reqs = [Request(f"d{i}", [5 + i] * 16, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True),
                     remote_kv=True) for i in range(8)]
@@ -124,7 +127,7 @@ def test_reservations_that_fill_the_pool_cannot_deadlock_the_decode_worker(tiny_
 
 def test_seeded_sampling_reproducible_and_split_invariant(tiny_model_dir, prompts):
     """Same seed -> same tokens, whether one engine samples everything or the first token comes from another."""
-    args = EngineArgs(model_dir=str(tiny_model_dir), block_size=8, kv_tokens=1024, max_model_len=512)
+    args = EngineArgs(dtype="float32", model_dir=str(tiny_model_dir), block_size=8, kv_tokens=1024, max_model_len=512)
     sp = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=1234, max_tokens=10, ignore_eos=True)
     a, b = Request("a", prompts[3], sp), Request("b", prompts[3], sp)
     run_to_completion(build_engine(args), [a])
@@ -136,7 +139,7 @@ def test_seeded_sampling_reproducible_and_split_invariant(tiny_model_dir, prompt
 
 
 def test_stop_token_and_min_tokens(tiny_model_dir, prompts):
-    args = EngineArgs(model_dir=str(tiny_model_dir), block_size=8, kv_tokens=1024, max_model_len=512)
+    args = EngineArgs(dtype="float32", model_dir=str(tiny_model_dir), block_size=8, kv_tokens=1024, max_model_len=512)
     ref = hf_greedy(tiny_model_dir, prompts[2], 6)
     stop = Request("s", prompts[2], SamplingParams(temperature=0.0, max_tokens=6, stop_token_ids=(ref[2],)))
     run_to_completion(build_engine(args), [stop])
@@ -148,7 +151,8 @@ def test_stop_token_and_min_tokens(tiny_model_dir, prompts):
 
 
 def test_request_that_can_never_fit_is_rejected(tiny_model_dir):
-    parts = build_engine(EngineArgs(model_dir=str(tiny_model_dir), block_size=8, kv_tokens=64, max_model_len=512))
+    parts = build_engine(EngineArgs(dtype="float32", model_dir=str(tiny_model_dir), block_size=8, kv_tokens=64,
+                                    max_model_len=512))
     failure = parts.scheduler.add_request(greedy("big", [5] * 60, 20))
     assert failure is not None and failure.kind == ErrorKind.CAPACITY
 
@@ -156,7 +160,7 @@ def test_request_that_can_never_fit_is_rejected(tiny_model_dir):
 def test_a_request_resumed_with_its_outputs_continues_the_same_stream(tiny_model_dir, prompts):
     """Migration resumes a request on another worker with the tokens already sent as its first outputs: seeded
     sampling, penalties and max_tokens go on as if nothing happened."""
-    args = EngineArgs(model_dir=str(tiny_model_dir), block_size=8, kv_tokens=1024, max_model_len=512)
+    args = EngineArgs(dtype="float32", model_dir=str(tiny_model_dir), block_size=8, kv_tokens=1024, max_model_len=512)
     sp = SamplingParams(temperature=1.0, top_k=40, seed=7, max_tokens=12, frequency_penalty=0.5, ignore_eos=True)
     whole = Request("w", prompts[4], sp)
     run_to_completion(build_engine(args), [whole])
@@ -181,7 +185,7 @@ class RecordingProgress:
 def test_layer_signals_come_as_each_layer_of_the_last_chunk_is_written(tiny_model_dir, prompts):
     """Layer-wise streaming's engine half: only the last chunk signals; at layer l's signal that layer's K/V is
     final for every block of the request (earlier chunks included) and layer l+1's is not yet written."""
-    parts = build_engine(EngineArgs(model_dir=str(tiny_model_dir), block_size=8, kv_tokens=64 * 8,
+    parts = build_engine(EngineArgs(dtype="float32", model_dir=str(tiny_model_dir), block_size=8, kv_tokens=64 * 8,
                                     max_num_batched_tokens=24, max_model_len=512))
     kv = parts.runner.kv_cache.kv  # [blocks, layers, 2, block_size, kv_heads, head_dim]
     prompt = prompts[6][:60]  # 60 tokens in chunks of 24: the signals come in the third step only
@@ -209,7 +213,7 @@ def test_layer_signals_come_as_each_layer_of_the_last_chunk_is_written(tiny_mode
 def test_a_one_token_last_chunk_streams_its_layers_too(tiny_model_dir, prompts):
     """A prefix-cache hit up to the last token leaves a last chunk of one token, which the scheduler files under
     decodes: it must signal every layer all the same (it did not, and its KV sender waited forever)."""
-    parts = build_engine(EngineArgs(model_dir=str(tiny_model_dir), block_size=8, kv_tokens=64 * 8,
+    parts = build_engine(EngineArgs(dtype="float32", model_dir=str(tiny_model_dir), block_size=8, kv_tokens=64 * 8,
                                     max_model_len=512))
     kv = parts.runner.kv_cache.kv
     prompt = prompts[6][:25]  # 3 full blocks of 8 + 1 token

@@ -21,7 +21,8 @@ LEASE_S = 2
 @pytest.fixture(scope="module")
 def cluster(tiny_model_dir, tmp_path_factory):
     c = start_cluster(str(tiny_model_dir), "tiny", ServeConfig(log_dir=str(tmp_path_factory.mktemp("logs"))),
-                      worker_args=["--kv-tokens", "2048", "--max-model-len", "512", "--connector", "tcp",
+                      worker_args=["--dtype", "float32", "--kv-tokens", "2048", "--max-model-len", "512",
+                                   "--connector", "tcp",
                                    "--kv-timeout-s", str(LEASE_S)])
     yield c
     c.stop()

@@ -20,7 +20,7 @@ ARGS = dict(block_size=8, kv_tokens=2048, max_model_len=512)
 
 @pytest.fixture
 def parts(tiny_model_dir):
-    return build_engine(EngineArgs(model_dir=str(tiny_model_dir), **ARGS))
+    return build_engine(EngineArgs(dtype="float32", model_dir=str(tiny_model_dir), **ARGS))
 
 
 def prompts(n, seed=0):

@@ -17,7 +17,8 @@ from pdserve import Client, SamplingParams
 
 pytestmark = pytest.mark.e2e
 GREEDY = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
-WORKER = ["--kv-tokens", "1024", "--max-model-len", "256", "--connector", "tcp", "--log-level", "INFO"]
+WORKER = ["--dtype", "float32", "--kv-tokens", "1024", "--max-model-len", "256", "--connector", "tcp", "--log-level",
+          "INFO"]
 
 
 class Processes:

@@ -62,7 +62,8 @@ def llama_bias_dir(tmp_path_factory) -> str:
 def run_greedy(model_dir: str, prompts: list[list[int]], max_tokens: list[int]):
     """Run all prompts in one engine with a 16-token step budget. Returns (engine parts, requests, chunked) where
     chunked says some prefill was split (a later chunk then attends over K/V already in cached blocks)."""
-    parts = build_engine(EngineArgs(model_dir=model_dir, block_size=8, kv_tokens=2048, max_num_batched_tokens=16,
+    parts = build_engine(EngineArgs(dtype="float32", model_dir=model_dir, block_size=8, kv_tokens=2048,
+                                    max_num_batched_tokens=16,
                                     max_model_len=512, attention_backend="torch"))
     reqs = [Request(f"r{i}", p, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
             for i, (p, n) in enumerate(zip(prompts, max_tokens))]

@@ -69,7 +69,7 @@ def test_three_hosts_greedy_equals_single_host(lan, tiny_model_dir, tmp_path):
     secret.write_text("multi-host-secret")
     common = ["--model", str(tiny_model_dir), "--host", "0.0.0.0", "--cluster-secret-file", str(secret),
               "--log-level", "INFO"]
-    worker = ["--kv-tokens", "1024", "--max-model-len", "256", "--connector", "tcp"]
+    worker = ["--dtype", "float32", "--kv-tokens", "1024", "--max-model-len", "256", "--connector", "tcp"]
     plan = [("p", ["prefill", "--port", "7101", *worker]),
             ("d", ["decode", "--port", "7102", "--kv-port", "7103", *worker]),
             ("c", ["coordinator", "--port", "7100", "--prefill", f"{ip['p']}:7101", "--decode", f"{ip['d']}:7102"])]

@@ -15,7 +15,7 @@ from cli.launcher import ServeConfig, start_cluster
 from pdserve import Client, SamplingParams
 
 pytestmark = pytest.mark.e2e
-WORKER = ["--kv-tokens", "1024", "--max-model-len", "256", "--connector", "tcp"]
+WORKER = ["--dtype", "float32", "--kv-tokens", "1024", "--max-model-len", "256", "--connector", "tcp"]
 TRACE_ID, CLIENT_SPAN = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
 
 

@@ -35,7 +35,8 @@ def test_sdk_installed_alone_streams_a_completion(tiny_model_dir, tmp_path):
     assert "pdserve-client" in names and not names & {"torch", "pdserve", "transformers", "numpy"}
 
     cluster = start_cluster(str(tiny_model_dir), "tiny", ServeConfig(log_dir=str(tmp_path / "logs")),
-                            worker_args=["--kv-tokens", "1024", "--max-model-len", "256", "--connector", "tcp"])
+                            worker_args=["--dtype", "float32", "--kv-tokens", "1024", "--max-model-len", "256",
+                                         "--connector", "tcp"])
     try:
         run = subprocess.run([str(python), "-c", CLIENT, cluster.address], capture_output=True, text=True,
                              timeout=120, cwd=tmp_path)  # not the repository root: nothing importable by accident

@@ -214,7 +214,8 @@ def pki(tmp_path_factory):
 @pytest.fixture(scope="module")
 def workers(tiny_model_dir, tmp_path_factory):
     c = start_cluster(str(tiny_model_dir), "tiny", ServeConfig(log_dir=str(tmp_path_factory.mktemp("logs"))),
-                      worker_args=["--kv-tokens", "1024", "--max-model-len", "256", "--connector", "tcp"])
+                      worker_args=["--dtype", "float32", "--kv-tokens", "1024", "--max-model-len", "256",
+                                   "--connector", "tcp"])
     yield c
     for p in getattr(c, "extra", []):
         p.terminate()

@@ -47,7 +47,7 @@ def test_config_rejects_inconsistent_lookup_lengths():
 
 
 def _engine(model_dir, spec_tokens, disable_batch_size=8, **kw):
-    return build_engine(EngineArgs(model_dir=str(model_dir), kv_tokens=4096, max_model_len=512,
+    return build_engine(EngineArgs(dtype="float32", model_dir=str(model_dir), kv_tokens=4096, max_model_len=512,
                                    speculative_ngram_tokens=spec_tokens, speculative_ngram_min=1,
                                    speculative_disable_batch_size=disable_batch_size, **kw))
 
@@ -124,7 +124,7 @@ def test_no_drafts_above_the_batch_size_limit_or_for_sampled_requests(real_model
 def test_drafts_only_take_blocks_no_other_request_could_need(tiny_model_dir):
     """Draft slots beyond a request's blocks come only from spare blocks: one per running request plus the step's
     remaining budget stay free for the others, so speculation never causes a preemption."""
-    parts = build_engine(EngineArgs(model_dir=str(tiny_model_dir), kv_tokens=16 * 6, max_model_len=512,
+    parts = build_engine(EngineArgs(dtype="float32", model_dir=str(tiny_model_dir), kv_tokens=16 * 6, max_model_len=512,
                                     max_num_batched_tokens=32, speculative_ngram_tokens=4,
                                     speculative_ngram_min=1))
     s = parts.scheduler
@@ -158,7 +158,8 @@ def test_cluster_with_speculation_matches_hf_and_reports_acceptance(real_model_d
     from test_observability import scrape, total
 
     c = start_cluster(str(real_model_dir), "SmolLM2-135M-Instruct", ServeConfig(log_dir=str(tmp_path)),
-                      colocated=colocated, worker_args=["--kv-tokens", "4096", "--max-model-len", "512",
+                      colocated=colocated, worker_args=["--dtype", "float32", "--kv-tokens", "4096",
+                                                        "--max-model-len", "512",
                                                         "--speculative-ngram-tokens", "4", "--metrics-port", "0"])
     try:
         async def main():

@@ -19,7 +19,8 @@ MAX_TOKENS = 24
 @pytest.fixture(scope="module")
 def ucx_cluster(tiny_model_dir, tmp_path_factory):
     c = start_cluster(str(tiny_model_dir), "tiny", ServeConfig(log_dir=str(tmp_path_factory.mktemp("logs"))),
-                      worker_args=["--connector", "ucx", "--kv-tokens", "8192", "--max-model-len", "256"])
+                      worker_args=["--connector", "ucx", "--dtype", "float32", "--kv-tokens", "8192",
+                                   "--max-model-len", "256"])
     yield c
     c.stop()
 

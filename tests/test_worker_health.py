@@ -31,7 +31,7 @@ async def colocated_worker(model_dir, tmp_path, monkeypatch, on_step, served: li
 
     monkeypatch.setattr(ModelRunner, "execute", patched)
     ready = tmp_path / "ready.json"
-    config = WorkerConfig(role="colocated", engine=EngineArgs(model_dir=str(model_dir), kv_tokens=1024,
+    config = WorkerConfig(role="colocated", engine=EngineArgs(dtype="float32", model_dir=str(model_dir), kv_tokens=1024,
                                                               max_model_len=256, threads=0),
                           server=ServerArgs(ready_file=str(ready)))
     server = asyncio.create_task(serve(config))
