@@ -6,7 +6,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import grpc
@@ -24,6 +24,8 @@ from coordinator.router import LocalPrefillPolicy, Router
 from coordinator.text import IncrementalDetokenizer, StopMatcher
 from coordinator.tokenizer import Tokenizer
 from coordinator.validation import check_chat, check_prompt, check_text_length, resolve_sampling, shorten
+from coordinator.vllm_engine import SERVICE_NAME as VLLM_ENGINE_SERVICE, VllmEngineServicer
+from smg_grpc_proto.generated import vllm_engine_pb2_grpc
 from pdserve.v1 import generate_pb2, generate_pb2_grpc
 from server_common.addresses import advertise_host
 from server_common.grpc_server import start_grpc_server, write_ready_file
@@ -63,14 +65,14 @@ class Progress:
     spec_accepted: int = 0
 
 
-def _trace_request(request: generate_pb2.GenerateRequest, sampling: generate_pb2.SamplingParams, model: str,
-                   rid: str) -> None:
-    """The request's OpenTelemetry GenAI attributes on the current (Generate server) span."""
+def _trace_request(operation: str, sampling: generate_pb2.SamplingParams, model: str, rid: str) -> None:
+    """The request's OpenTelemetry GenAI attributes on the current (Generate server) span; operation is "chat" or
+    "text_completion"."""
     span = trace.get_current_span()
     if not span.is_recording():
         return
     span.set_attributes({
-        "gen_ai.operation.name": "chat" if request.WhichOneof("input") == "chat" else "text_completion",
+        "gen_ai.operation.name": operation,
         "gen_ai.provider.name": "pdserve", "gen_ai.request.model": model,
         "gen_ai.request.max_tokens": sampling.max_tokens, "gen_ai.request.temperature": sampling.temperature,
         "gen_ai.request.top_p": sampling.top_p, "gen_ai.request.top_k": sampling.top_k,
@@ -99,8 +101,27 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
 
     async def Generate(self, request: generate_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
         """Stream one completion (written with context.write, so a client that stops reading is noticed)."""
+        operation = "chat" if request.WhichOneof("input") == "chat" else "text_completion"
+        await self.serve(context, request.request_id or uuid.uuid4().hex, lambda: self._prepare(request), operation,
+                         lambda msg: self._write(context, msg))
+
+    async def serve(self, context: grpc.aio.ServicerContext, rid: str,
+                    prepare: Callable[[], Awaitable[tuple[list[int], generate_pb2.SamplingParams]]], operation: str,
+                    send: Callable[[generate_pb2.GenerateResponse], Awaitable[None]]) -> None:
+        """The one request path behind every public door (this service's Generate, `coordinator.vllm_engine`'s):
+        admission, validation, routing, migration, stop handling, metrics and the access log, and cleanup on every
+        exit. A RequestError (from `prepare`, the path or `send`) ends the call with its status.
+
+        Args:
+            context: the door's call (deadline, caller identity, abort).
+            rid: the request id (unique among requests in flight, else ALREADY_EXISTS).
+            prepare: returns (prompt token ids, resolved sampling: `validation.resolve_sampling`'s form) or raises
+                RequestError; called after admission.
+            operation: "chat" or "text_completion", for the trace.
+            send: takes each of the request's `generate_pb2.GenerateResponse` messages (chunks, then one final) in
+                order and hands it on to the door's client.
+        """
         arrival_wall, t0 = time.time(), flows.now_ms()
-        rid = request.request_id or uuid.uuid4().hex
         caller = _caller(context)
         try:
             self._admit(rid, caller)
@@ -114,12 +135,12 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         self.metrics.in_flight.inc()
         error: RequestError | None = None
         try:
-            prompt, sampling = await self._prepare(request)
+            prompt, sampling = await prepare()
             flow.record.prompt_tokens = len(prompt)  # kept if the request fails: the access log says how big it was
-            _trace_request(request, sampling, self.config.model_name, rid)
+            _trace_request(operation, sampling, self.config.model_name, rid)
             self._charge(caller, len(prompt) + sampling.max_tokens)
-            async for msg in self._stream(flow, request, prompt, sampling, arrival_wall, t0):
-                await self._write(context, msg)
+            async for msg in self._stream(flow, prompt, sampling, arrival_wall, t0):
+                await send(msg)
         except RequestError as e:
             error = e
             await context.abort(e.code, f"request {rid}: {e.message}", e.trailing_metadata())
@@ -228,14 +249,14 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         check_prompt(prompt, limits)
         return prompt, resolve_sampling(request.sampling, len(prompt), limits)
 
-    async def _stream(self, flow: flows.Flow, request: generate_pb2.GenerateRequest, prompt: list[int],
-                      sampling: generate_pb2.SamplingParams, arrival_wall: float, t0: float):
+    async def _stream(self, flow: flows.Flow, prompt: list[int], sampling: generate_pb2.SamplingParams,
+                      arrival_wall: float, t0: float):
         """Relay the workers' tokens as text chunks, then the final message. When a worker is lost mid-request
         (UNAVAILABLE from a worker call), the request resumes on other workers with the tokens already sent
         (migration, at most config.max_migrations times): the client's stream goes on, no token repeated or lost.
         """
         detok = IncrementalDetokenizer(self.tokenizer, prompt)
-        stops = StopMatcher(list(request.sampling.stop), request.sampling.include_stop_str_in_output)
+        stops = StopMatcher(list(sampling.stop), sampling.include_stop_str_in_output)
         p = Progress()
         try:
             while p.reason == generate_pb2.FINISH_REASON_UNSPECIFIED:
@@ -347,12 +368,17 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         return out
 
     async def Abort(self, request, context):
-        flow = self.cluster.flows.get(request.request_id)
+        return generate_pb2.AbortResponse(found=self.abort(request.request_id))
+
+    def abort(self, rid: str) -> bool:
+        """Stop an in-flight request (its stream ends with finish reason ABORT; the workers free its KV). False when
+        no request with this id is in flight."""
+        flow = self.cluster.flows.get(rid)
         if flow is None:
-            return generate_pb2.AbortResponse(found=False)
+            return False
         flow.aborted = True
         flow.cancel()
-        return generate_pb2.AbortResponse(found=True)
+        return True
 
     async def GetModelInfo(self, request, context):
         c = self.cluster
@@ -364,10 +390,17 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             kv_connector=c.connector)
 
 
+def _add_servicers(server: grpc.aio.Server, servicer: GenerationServicer) -> None:
+    """Our public API, and vLLM's engine service over the same request path (for the smg gateway)."""
+    generate_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
+    vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(VllmEngineServicer(servicer), server)
+
+
 async def serve(config: CoordinatorConfig) -> None:
     """Find live workers, then serve the public API until cancelled (SIGTERM drains).
 
-    Health tells the truth: readiness ("" and pdserve.v1.Generation) is SERVING only while requests can be served
+    Serves pdserve.v1.Generation and, on the same port, vllm.grpc.engine.VllmEngine (`coordinator.vllm_engine`).
+    Health tells the truth: readiness ("" and both services) is SERVING only while requests can be served
     (`Cluster.ready`: decode workers that may prefill locally keep it SERVING without a prefill worker), and
     follows membership changes; liveness stays SERVING while the process runs.
 
@@ -386,8 +419,8 @@ async def serve(config: CoordinatorConfig) -> None:
     metrics = (start_metrics_server(config.server.host, config.server.metrics_port, registry)
                if config.server.metrics_port is not None else None)
     running = await start_grpc_server(
-        config.server, lambda server: generate_pb2_grpc.add_GenerationServicer_to_server(servicer, server),
-        ["pdserve.v1.Generation"], tokens=read_api_keys(config.api_keys_file), what="API key",
+        config.server, lambda server: _add_servicers(server, servicer),
+        ["pdserve.v1.Generation", VLLM_ENGINE_SERVICE], tokens=read_api_keys(config.api_keys_file), what="API key",
         interceptors=tracing.server_interceptors())
     pending: set[asyncio.Task] = set()
 

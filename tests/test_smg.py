@@ -1,0 +1,316 @@
+"""The coordinator's second door, vLLM's gRPC engine service (`coordinator/vllm_engine.py`): driven directly with
+smg-grpc-proto's stubs, then through the real smg gateway (the `smg` wheel's binary) with the official openai
+client. A real cluster of the tiny random-weight model; every port is chosen at run time; nothing leaves the host
+(smg loads the tokenizer from the coordinator's model directory and runs with the hub switched off)."""
+import hashlib
+import io
+import json
+import os
+import random
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+import zipfile
+from pathlib import Path
+
+import grpc
+import pytest
+from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2 as pb, vllm_engine_pb2_grpc as pb_grpc
+
+from cli.launcher import ServeConfig, start_cluster
+from pdserve import Client, SamplingParams
+from test_e2e import assert_idle
+
+pytestmark = pytest.mark.e2e
+
+WORKER_ARGS = ["--dtype", "float32", "--kv-tokens", "2048", "--max-model-len", "512", "--connector", "tcp"]
+SMG_START_TIMEOUT_S = 180.0  # generous: the gateway starts in seconds, but this machine may be busy
+CALL_TIMEOUT_S = 120.0
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model_dir, tmp_path_factory):
+    c = start_cluster(str(tiny_model_dir), "tiny", ServeConfig(log_dir=str(tmp_path_factory.mktemp("logs"))),
+                      worker_args=WORKER_ARGS)
+    yield c
+    c.stop()
+
+
+@pytest.fixture(scope="module")
+def engine(cluster):
+    with grpc.insecure_channel(cluster.address) as channel:
+        yield pb_grpc.VllmEngineStub(channel)
+
+
+def greedy(n, **kw):
+    return SamplingParams(max_tokens=n, temperature=0.0, **kw)
+
+
+def vllm_request(ids, max_tokens, stream=True, request_id="", **sampling) -> pb.GenerateRequest:
+    """A greedy request for token ids, as smg sends them."""
+    return pb.GenerateRequest(request_id=request_id, tokenized=pb.TokenizedInput(input_ids=ids), stream=stream,
+                              sampling_params=pb.SamplingParams(temperature=0.0, max_tokens=max_tokens, **sampling))
+
+
+def run(engine, request) -> tuple[list[int], pb.GenerateComplete, list[pb.GenerateStreamChunk]]:
+    """(output token ids, the GenerateComplete, the chunks) of one Generate call."""
+    chunks, completes = [], []
+    for msg in engine.Generate(request, timeout=CALL_TIMEOUT_S):
+        (chunks if msg.WhichOneof("response") == "chunk" else completes).append(getattr(msg, msg.WhichOneof(
+            "response")))
+    assert len(completes) == 1
+    ids = [t for c in chunks for t in c.token_ids] if request.stream else list(completes[0].output_ids)
+    return ids, completes[0], chunks
+
+
+# ---- the service, driven directly -----------------------------------------------------------------------------
+
+
+def test_greedy_tokens_equal_our_own_api(cluster, engine):
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, 49152) for _ in range(n)] for n in (5, 23, 40)]
+    with Client(cluster.address) as c:
+        for prompt in prompts:
+            ours = c.complete(prompt, greedy(12, ignore_eos=True)).token_ids
+            streamed, done, chunks = run(engine, vllm_request(prompt, 12, ignore_eos=True))
+            whole, whole_done, whole_chunks = run(engine, vllm_request(prompt, 12, stream=False, ignore_eos=True))
+            assert streamed == whole == ours and len(ours) == 12
+            assert not whole_chunks and done.output_ids == []  # streamed: the tokens came in the chunks
+            for d in (done, whole_done):
+                assert (d.finish_reason, d.prompt_tokens, d.completion_tokens) == ("length", len(prompt), 12)
+            assert all(c.prompt_tokens == len(prompt) and c.completion_tokens == len(c.token_ids) for c in chunks)
+    assert_idle(cluster)
+
+
+def test_logprobs_and_stop_token(cluster, engine):
+    prompt = [11, 12, 13, 14]
+    ids, _, chunks = run(engine, vllm_request(prompt, 6, ignore_eos=True, logprobs=2))
+    lps = [(t, top) for c in chunks for t, top in zip(c.output_logprobs.token_ids, c.output_logprobs.top_logprobs)]
+    assert [t for t, _ in lps] == ids and all(len(top.token_ids) == 2 and top.values[0] <= 0 for _, top in lps)
+    assert all(len(c.output_logprobs.token_logprobs) == len(c.token_ids) for c in chunks)
+    stop_at = ids[3]  # a stop token taken from the real output: the request ends there, the token included
+    cut, done, _ = run(engine, vllm_request(prompt, 6, ignore_eos=True, stop_token_ids=[stop_at]))
+    assert cut == ids[:ids.index(stop_at) + 1]
+    assert done.finish_reason == "stop" and done.matched_token_id == stop_at
+
+
+def test_abort_and_cancel_free_the_request(cluster, engine):
+    stream = engine.Generate(vllm_request([5] * 20, 200, request_id="v-abort", ignore_eos=True),
+                             timeout=CALL_TIMEOUT_S)
+    first = next(stream)
+    assert first.WhichOneof("response") == "chunk"
+    engine.Abort(pb.AbortRequest(request_ids=["v-abort", "never-seen"]), timeout=30)
+    rest = list(stream)
+    assert rest[-1].complete.finish_reason == "abort"
+    assert len(first.chunk.token_ids) + sum(len(m.chunk.token_ids) for m in rest) < 200
+    assert_idle(cluster)
+
+    stream = engine.Generate(vllm_request([6] * 20, 200, request_id="v-cancel", ignore_eos=True),
+                             timeout=CALL_TIMEOUT_S)
+    next(stream)
+    stream.cancel()  # the gateway dropped the call
+    assert_idle(cluster)
+
+
+@pytest.mark.parametrize("request_, needle", [
+    (vllm_request([1, 2, 10 ** 6], 4), "outside the vocabulary"),
+    (vllm_request([], 4), "prompt is empty"),
+    (vllm_request([1, 2], 5000), "exceeds the context window"),
+    (vllm_request([1, 2], 4, n=2), "parallel sampling is not supported yet"),
+    (vllm_request([1, 2], 4, json_schema='{"type": "object"}'), "structured outputs are not supported yet"),
+    (vllm_request([1, 2], 4, regex="a+"), "structured outputs are not supported yet"),
+    (vllm_request([1, 2], 4, logprobs=-1), "logprobs must be in [0, 20]"),
+    (vllm_request([1, 2], 4, top_p=1.5), "top_p"),
+    (pb.GenerateRequest(request_id="no-input"), "one of tokenized or text is required"),
+])
+def test_bad_requests_are_invalid_argument(cluster, engine, request_, needle):
+    with pytest.raises(grpc.RpcError) as e:
+        run(engine, request_)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and needle in e.value.details(), e.value.details()
+
+
+def test_text_input_is_tokenized_as_our_text_prompts(cluster, engine):
+    request = pb.GenerateRequest(text="The capital of France is", stream=True,
+                                 sampling_params=pb.SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    ids, done, _ = run(engine, request)
+    with Client(cluster.address) as c:
+        ours = c.complete("The capital of France is", greedy(8, ignore_eos=True))
+    assert ids == ours.token_ids and done.prompt_tokens == ours.prompt_tokens
+
+
+def test_info_health_loads_and_tokenizer(cluster, engine, tiny_model_dir):
+    assert engine.HealthCheck(pb.HealthCheckRequest(), timeout=30).healthy
+    info = engine.GetModelInfo(pb.GetModelInfoRequest(), timeout=30)
+    assert info.served_model_name == "tiny" and info.is_generation
+    assert info.tokenizer_path == info.model_path == str(Path(tiny_model_dir).resolve())
+    assert (info.max_context_length, info.vocab_size, list(info.eos_token_ids)) == (512, 49152, [2])
+    assert info.model_type == "llama" and list(info.architectures) == ["LlamaForCausalLM"]
+    server = engine.GetServerInfo(pb.GetServerInfoRequest(), timeout=30)
+    assert server.kv_connector == "" and server.block_size > 0 and server.uptime_seconds > 0
+    loads = engine.GetLoads(pb.GetLoadsRequest(), timeout=30)
+    assert loads.dp_rank_count == 1 and len(loads.loads) == 1
+    load = loads.loads[0]
+    assert 0.0 <= load.token_usage <= 1.0 and load.max_total_num_tokens >= 2048
+    assert load.num_running_reqs >= 0 and load.num_waiting_reqs >= 0
+    chunks = list(engine.GetTokenizer(common_pb2.GetTokenizerRequest(), timeout=30))
+    data = b"".join(c.data for c in chunks)
+    assert chunks[-1].sha256 == hashlib.sha256(data).hexdigest() and not any(c.sha256 for c in chunks[:-1])
+    with zipfile.ZipFile(io.BytesIO(data)) as zf:
+        assert zf.read("tokenizer.json") == (Path(tiny_model_dir) / "tokenizer.json").read_bytes()
+        assert "chat_template.jinja" in zf.namelist()
+    with pytest.raises(grpc.RpcError) as e:
+        engine.Embed(pb.EmbedRequest(request_id="e"), timeout=30)
+    assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED
+
+
+def test_standard_health_and_reflection_know_the_service(cluster):
+    from google.protobuf.descriptor_pool import DescriptorPool
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+
+    with grpc.insecure_channel(cluster.address) as channel:
+        health = health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service="vllm.grpc.engine.VllmEngine"), timeout=30)
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
+        db = ProtoReflectionDescriptorDatabase(channel)
+        assert {"pdserve.v1.Generation", "vllm.grpc.engine.VllmEngine"} <= set(db.get_services())
+        service = DescriptorPool(db).FindServiceByName("vllm.grpc.engine.VllmEngine")
+        assert "Generate" in service.methods_by_name and "GetLoads" in service.methods_by_name
+
+
+# ---- through the smg gateway, with the openai client ------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def gateway(cluster, tmp_path_factory):
+    """The smg binary in front of the coordinator; yields its base URL once it lists the model."""
+    smg = shutil.which("smg", path=str(Path(sys.executable).parent)) or shutil.which("smg")  # the venv's first
+    if smg is None:
+        pytest.skip("the smg gateway is not installed (pip install -e '.[test]')")
+    port = free_port()
+    home = tmp_path_factory.mktemp("smg-home")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_HOME": str(home / "hf"),
+           "HOME": str(home)}  # no hub, and nothing of it cached from elsewhere
+    log_path = home / "smg.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen([smg, "launch", "--host", "127.0.0.1", "--port", str(port),
+                                 "--worker-urls", f"grpc://{cluster.address}",
+                                 "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
+                                 "--log-level", "info"], stdout=log, stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + SMG_START_TIMEOUT_S
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"smg exited with {proc.returncode}:\n{log_path.read_text()[-4000:]}")
+            try:
+                with urllib.request.urlopen(url + "/v1/models", timeout=5) as r:
+                    if any(m["id"] == "tiny" for m in json.load(r).get("data", [])):
+                        break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"smg did not list the model within {SMG_START_TIMEOUT_S:.0f}s:\n"
+                            f"{log_path.read_text()[-4000:]}")
+            time.sleep(0.5)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        print(f"smg log:\n{log_path.read_text()[-3000:]}")
+
+
+@pytest.fixture(scope="module")
+def openai_client(gateway):
+    import openai
+
+    with openai.OpenAI(base_url=gateway + "/v1", api_key="unused", timeout=CALL_TIMEOUT_S, max_retries=0) as c:
+        yield c
+
+
+MESSAGES = [{"role": "user", "content": "Count from 1 to 10."}]
+
+
+def test_chat_through_smg_equals_our_api(cluster, openai_client):
+    with Client(cluster.address) as c:
+        ours = c.complete(MESSAGES, greedy(16))
+    out = openai_client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=16, temperature=0)
+    assert out.choices[0].message.content == ours.text
+    assert out.choices[0].finish_reason == ours.finish_reason
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (ours.prompt_tokens, ours.completion_tokens)
+    stream = openai_client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=16, temperature=0,
+                                                   stream=True)
+    chunks = list(stream)
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == ours.text
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason] == \
+        [ours.finish_reason]
+    assert_idle(cluster)
+
+
+def test_completions_through_smg_equal_our_api(cluster, openai_client):
+    prompt = "The capital of France is"
+    with Client(cluster.address) as c:
+        ours = c.complete(prompt, greedy(16))
+    out = openai_client.completions.create(model="tiny", prompt=prompt, max_tokens=16, temperature=0)
+    assert out.choices[0].text == ours.text and out.choices[0].finish_reason == ours.finish_reason
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (ours.prompt_tokens, ours.completion_tokens)
+    stream = openai_client.completions.create(model="tiny", prompt=prompt, max_tokens=16, temperature=0,
+                                              stream=True)
+    assert "".join(ch.choices[0].text for ch in stream if ch.choices) == ours.text
+    assert_idle(cluster)
+
+
+def test_stop_string_through_smg(cluster, openai_client):
+    with Client(cluster.address) as c:
+        full = c.complete(MESSAGES, greedy(24))
+        stop = full.text.strip()[3:6]  # a stop string from inside the real output
+        ours = c.complete(MESSAGES, greedy(24, stop=[stop]))
+    out = openai_client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=24, temperature=0,
+                                                stop=[stop])
+    assert out.choices[0].message.content == ours.text == full.text[:full.text.index(stop)]
+    assert out.choices[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("kw, needle", [
+    ({"max_tokens": 5000}, "exceeds the context window"),
+    ({"max_tokens": 4, "n": 2}, "parallel sampling is not supported yet"),
+    ({"max_tokens": 4, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object"}}}}, "structured outputs are not supported yet"),
+])
+def test_invalid_requests_reach_the_client_as_400(cluster, openai_client, kw, needle):
+    import openai
+
+    with pytest.raises(openai.BadRequestError) as e:
+        openai_client.chat.completions.create(model="tiny", messages=MESSAGES, temperature=0, **kw)
+    assert e.value.status_code == 400 and needle in str(e.value), str(e.value)
+
+
+def test_client_disconnect_through_smg_frees_the_request(cluster, openai_client):
+    stream = openai_client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=300, temperature=0,
+                                                   stream=True, extra_body={"ignore_eos": True})
+    got = 0
+    for chunk in stream:
+        got += bool(chunk.choices and chunk.choices[0].delta.content)
+        if got >= 2:
+            break
+    stream.close()  # the HTTP client goes: smg aborts the request on the coordinator
+    assert_idle(cluster, timeout_s=60)
+    # ... and it did end early, rather than running out its 300 tokens: its access-log line says so.
+    log = Path(cluster.log_files["coordinator"]).read_text()
+    ended = re.findall(r"request (chatcmpl-\S+) (\w+): \d+ prompt \+ (\d+) output tokens, finish (\w+)", log)
+    rid, status, output_tokens, finish = ended[-1]
+    assert int(output_tokens) < 300 and (status == "CANCELLED" or finish == "abort"), ended[-1]
