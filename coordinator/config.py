@@ -34,7 +34,9 @@ class CoordinatorConfig:
             with no prefill worker and no KV transfer (NVIDIA Dynamo's conditional disaggregation); 0 = never.
         local_prefill_fallback: disaggregated mode: while no prefill worker is live, decode workers prefill
             locally (Dynamo's fallback to decode-only) instead of failing requests with UNAVAILABLE.
-        (The two make `coordinator.router.LocalPrefillPolicy`.)
+        local_prefill_queue: disaggregated mode: a decode worker prefills a request itself when it is predicted to
+            give the first token sooner than the prefill workers' queues would, each at its measured rate.
+        (The three make `coordinator.router.LocalPrefillPolicy`.)
         rate_limit_requests_per_s / rate_limit_tokens_per_s: per API key (or per peer without keys), requests and
             tokens (prompt + max_tokens, charged at admission) per second; 0 = unlimited. Bursts of
             rate_limit_burst_s seconds' worth are allowed.
@@ -67,6 +69,9 @@ class CoordinatorConfig:
                 "cache (no prefill worker, no KV transfer); 0 = never"})
     local_prefill_fallback: bool = field(default=True, metadata={
         "help": "disaggregated: decode workers prefill locally while no prefill worker is live (else UNAVAILABLE)"})
+    local_prefill_queue: bool = field(default=True, metadata={
+        "help": "disaggregated: a decode worker prefills a request itself when it would give the first token "
+                "sooner than the prefill workers' queues (measured rates)"})
     rate_limit_requests_per_s: float = field(default=0.0, metadata={"help": "per key; 0 = unlimited"})
     rate_limit_tokens_per_s: float = field(default=0.0, metadata={
         "help": "per key, prompt + max_tokens charged at admission; 0 = unlimited"})

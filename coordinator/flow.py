@@ -174,13 +174,15 @@ async def run_colocated(router: Router, flow: Flow, request_id: str, prompt: lis
     """One worker computes the prompt (and `generated`, the tokens a lost worker had sent) and decodes: a colocated
     worker, or a decode worker prefilling locally (`Router.local_prefill`)."""
     context = prompt + generated
-    with router.lease(_pick_decode(router, len(prompt) + sampling.max_tokens, context), len(context)) as worker:
+    with (router.lease(_pick_decode(router, len(prompt) + sampling.max_tokens, context), len(context)) as worker,
+          worker.prefill_queue.track(len(context)) as first_token):
         flow.prefill_worker = flow.decode_worker = worker.address
         call = WorkerCall(worker.decode.Decode(worker_pb2.DecodeRequest(
             request_id=request_id, prompt_token_ids=prompt, sampling=sampling, output_token_ids=generated,
             kv_source=worker_pb2.KV_SOURCE_LOCAL), timeout=timeout_s), worker, flow)
         try:
             async for item in _decode_stream(call):
+                first_token()  # the prefill is done: a rate sample (once)
                 yield item
         finally:
             await call.close()
@@ -200,19 +202,24 @@ async def run_disaggregated(router: Router, flow: Flow, request_id: str, prompt:
         pcall: WorkerCall | None = None
         watcher: asyncio.Task | None = None
         try:
-            reserved = await dcall.next()
-            if reserved is None or reserved.WhichOneof("response") != "reserved":
-                raise RequestError(grpc.StatusCode.UNAVAILABLE, f"decode worker {decode.address} did not reserve",
-                                   worker=decode.address)
             context = prompt + generated  # what the prefill worker computes (and then holds in its prefix cache)
-            with router.lease(_pick_prefill(router, context), len(context)) as prefill:  # queued until first token
+            # The prefill worker is chosen before the reservation's round trip, so the prompt is in its queue
+            # (`lease`, `prefill_queue`) from the moment it is routed: a burst of requests sees the queue it builds.
+            with (router.lease(_pick_prefill(router, context), len(context)) as prefill,  # queued until first token
+                  prefill.prefill_queue.track(len(context)) as first_token):
                 flow.prefill_worker = prefill.address
+                reserved = await dcall.next()
+                if reserved is None or reserved.WhichOneof("response") != "reserved":
+                    raise RequestError(grpc.StatusCode.UNAVAILABLE, f"decode worker {decode.address} did not "
+                                                                    "reserve", worker=decode.address)
                 pcall = WorkerCall(prefill.prefill.Prefill(worker_pb2.PrefillRequest(
                     request_id=request_id, prompt_token_ids=prompt, sampling=sampling, output_token_ids=generated,
                     kv_address=decode.info.kv_address, arrival_time=arrival,
                     kv_skip_blocks=reserved.reserved.num_cached_blocks), timeout=timeout_s), prefill, flow)
                 async with _renewing_lease(decode, request_id, reserved.reserved.lease_ms):
                     first = await pcall.next()
+                if first is not None and first.WhichOneof("response") == "first_token":
+                    first_token()
             if first is None or first.WhichOneof("response") != "first_token":
                 raise RequestError(grpc.StatusCode.UNAVAILABLE, f"prefill worker {prefill.address} sent no first token",
                                    worker=prefill.address)

@@ -47,7 +47,8 @@ class CoordinatorMetrics:
         self.failure = count("request_failure", "Requests ended by an error status, by gRPC code.", ["code"])
         self.migrations = count("request_migrations", "Requests resumed on other workers after a worker was lost.")
         self.local_prefills = count("request_local_prefills", "Disaggregated requests prefilled on their decode "
-                                    "worker, by reason: short (uncached prompt) or no_prefill_worker (none live).",
+                                    "worker, by reason: short (uncached prompt), queue (sooner than the prefill "
+                                    "queue) or no_prefill_worker (none live).",
                                     ["reason"])
         self.in_flight = Gauge("pdserve:num_requests_in_flight", "Requests admitted and not yet finished.", label,
                                registry=registry).labels(model_name)

@@ -5,9 +5,10 @@ Only live workers are candidates (`coordinator.membership` keeps `live` and `sta
 - Prefill (and colocated) choice is prefix-cache aware, with NVIDIA Dynamo's cost: the blocks the worker would
   have to compute (the prompt's blocks minus those it probably holds, `coordinator.prefix_index`) plus the prompt
   blocks already queued there by this coordinator; the cheapest wins, then the worker's own reported queue.
-- Local prefill (disaggregated mode, `Router.local_prefill`, `LocalPrefillPolicy`): a short uncached prompt, or
-  any prompt while no prefill worker is live, is prefilled by its decode worker itself (Dynamo's conditional
-  disaggregation).
+- Local prefill (disaggregated mode, `Router.local_prefill`, `LocalPrefillPolicy`): a short uncached prompt, any
+  prompt while no prefill worker is live, or a prompt whose first token the decode worker is predicted to give
+  sooner than the prefill workers' queues would (`coordinator.prefill_queue`), is prefilled by its decode worker
+  itself (Dynamo's conditional disaggregation, driven by live queue state).
 - Decode choice: a worker whose KV headroom holds the whole request (prompt + max_tokens), then the fewest
   requests this coordinator has running there, then the most free KV blocks. Between polls of `Worker.GetStats`
   the blocks routed since the last report are subtracted from the headroom.
@@ -24,6 +25,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from coordinator.errors import RequestError
+from coordinator.prefill_queue import PrefillQueue
 from coordinator.prefix_index import PrefixIndex, block_hashes
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 
@@ -40,6 +42,8 @@ class WorkerHandle:
         queued_blocks: prompt blocks of those requests (prefill: work still to do there).
         stats: the worker's last GetStats answer, None before the first poll.
         blocks_routed: KV blocks of requests routed here since `stats` was taken (decode headroom estimate).
+        prefill_queue: prompt tokens routed here for prefill, awaiting their first token, and the measured rate
+            (prefill workers; decode workers for their local prefills).
     """
 
     address: str
@@ -54,6 +58,7 @@ class WorkerHandle:
     queued_blocks: int = 0
     stats: worker_pb2.WorkerStats | None = None
     blocks_routed: int = 0
+    prefill_queue: PrefillQueue = field(default_factory=PrefillQueue)
 
     @classmethod
     def connect(cls, address: str, channel: grpc.aio.Channel) -> "WorkerHandle":
@@ -75,11 +80,13 @@ class WorkerHandle:
 @dataclass(frozen=True)
 class LocalPrefillPolicy:
     """When a disaggregated request is prefilled on its decode worker instead of a prefill worker: NVIDIA Dynamo's
-    conditional disaggregation by prefill length, plus its fallback to decode-only serving. A local prefill saves
-    the transfer and the second hop but joins the decode batch, whose steps it slows while it is computed (chunked,
-    under the worker's token budget). Dynamo's other condition, local when the prefill queue is long, was measured
-    and left out: on 2 cores it moved so much prefill onto the decode worker that 128/32 at c=64 lost 20% of its
-    throughput and ITL p99 went from 45 to 317 ms (docs/benchmarks.md, "Conditional disaggregation").
+    conditional disaggregation by prefill length and by queue state, plus its fallback to decode-only serving. A
+    local prefill saves the transfer and the second hop but joins the decode batch, whose steps it slows while it
+    is computed (chunked, under the worker's token budget). A rule of "local while the prefill queue is long" was
+    measured and left out: on 2 cores it moved so much prefill onto the decode worker that 128/32 at c=64 lost 20%
+    of its throughput and ITL p99 went from 45 to 317 ms (docs/benchmarks.md, "Conditional disaggregation"). The
+    queue rule here compares predicted times instead, each worker at its own measured rate, so the decode worker
+    takes a prompt only while it would finish it first (`coordinator.prefill_queue`).
 
     Attributes:
         max_uncached_tokens: local when at most this many of the context's tokens are outside the decode worker's
@@ -88,10 +95,16 @@ class LocalPrefillPolicy:
             blocks, or another coordinator's requests filled it), more is computed locally than planned; the
             output is the same.
         fallback: local while no prefill worker is live, rather than failing the request with UNAVAILABLE.
+        queue: while every prefill worker has prompts queued, local when the least loaded decode worker is
+            predicted to give the first token sooner than the least loaded prefill worker: each one's queued prompt
+            tokens plus this prompt, at the rate it has been measured to prefill (a decode worker with no
+            measurement yet is taken to be as fast as the fastest prefill worker). Nothing is predicted before a
+            prefill worker has produced a first token.
     """
 
     max_uncached_tokens: int = 0
     fallback: bool = True
+    queue: bool = True
 
 
 @dataclass
@@ -162,13 +175,14 @@ class Router:
             policy: when to.
 
         Returns:
-            "no_prefill_worker" or "short" to prefill locally, None to go to a prefill worker. With no live decode
-            worker, None (the disaggregated path then raises UNAVAILABLE naming the decode role).
+            "no_prefill_worker", "short" or "queue" to prefill locally, None to go to a prefill worker. With no live
+            decode worker, None (the disaggregated path then raises UNAVAILABLE naming the decode role).
         """
         decode = self.live("decode")
         if not decode:
             return None
-        if policy.fallback and not self.live("prefill"):
+        prefill = self.live("prefill")
+        if policy.fallback and not prefill:
             return "no_prefill_worker"
         if policy.max_uncached_tokens > 0:
             block_size = decode[0].info.block_size
@@ -176,6 +190,13 @@ class Router:
             cached = max(self.prefixes.overlap(w.address, hashes) for w in decode) * block_size
             if len(context) - cached <= policy.max_uncached_tokens:
                 return "short"
+        if policy.queue and all(w.prefill_queue.pending_tokens for w in prefill):  # only a queue is worth avoiding
+            remote = [t for w in prefill if (t := w.prefill_queue.predicted_wait_s(len(context))) is not None]
+            if remote:
+                prior = max(w.prefill_queue.tokens_per_s or 0.0 for w in prefill)
+                local = min(w.prefill_queue.predicted_wait_s(len(context), prior) for w in decode)
+                if local < min(remote):
+                    return "queue"
         return None
 
     def _prefill_cost(self, w: WorkerHandle, num_tokens: int, hashes: list[bytes]) -> int:

@@ -409,7 +409,8 @@ async def serve(config: CoordinatorConfig) -> None:
     """
     tracing = Tracing.from_env("pdserve-coordinator")
     cluster = Cluster(Router(), config.colocated,
-                      LocalPrefillPolicy(config.local_prefill_tokens, config.local_prefill_fallback))
+                      LocalPrefillPolicy(config.local_prefill_tokens, config.local_prefill_fallback,
+                                         config.local_prefill_queue))
     membership = Membership(config, cluster, interceptors=tracing.client_interceptors())
     await membership.wait_ready(config.connect_timeout_s)
     tokenizer = await asyncio.to_thread(Tokenizer, config.model_dir)

@@ -212,6 +212,41 @@ def test_conditional_disaggregation_and_decode_workers_prefilling_without_a_pref
         p.stop()
 
 
+def test_a_decode_worker_prefills_while_the_prefill_queue_is_long_then_disaggregation_resumes(tiny_model_dir,
+                                                                                                tmp_path):
+    """Conditional disaggregation on live queue state (issue 26): a slow prefill worker (4 prompt tokens a step)
+    gets a burst of long prompts; the first is routed to it, and while it is queued there the decode worker, which
+    would give a first token sooner, prefills some of the others itself. Once the burst is served a request goes to
+    the prefill worker again (its queue is empty). Greedy output equals HF's either way."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from conftest import hf_greedy
+
+    p = Processes(tiny_model_dir, tmp_path)
+    try:
+        prefill = p.start("prefill", "prefill", *WORKER, "--max-num-batched-tokens", "4")
+        decode = p.start("decode", "decode", *WORKER)
+        coordinator = p.start("coordinator", "coordinator", "--prefill", prefill, "--decode", decode,
+                              "--metrics-port", "0")
+        metrics_url = json.loads((tmp_path / "coordinator.ready").read_text())["metrics_url"]
+        prompts = [[(k * 31 + 7 * i) % 900 + 10 for i in range(120)] for k in range(7)]
+        with Client(coordinator) as c:
+            def run(prompt: list[int]) -> float:
+                out = c.complete(prompt, GREEDY)
+                assert out.token_ids == hf_greedy(tiny_model_dir, prompt, 4), prompt
+                return out.timings["transfer_ms"]
+
+            assert run(prompts[0]) > 0  # alone: the prefill worker (its rate is measured), then a transfer
+            with ThreadPoolExecutor(5) as pool:
+                list(pool.map(run, prompts[1:6]))
+            burst = local_prefills(metrics_url)
+            assert burst.get("queue", 0) >= 1 and set(burst) == {"queue"}, burst
+            assert run(prompts[6]) > 0  # the queue drained: disaggregated again
+            assert local_prefills(metrics_url) == burst
+    finally:
+        p.stop()
+
+
 def test_a_worker_lost_under_load_turns_readiness_off_at_once(tiny_model_dir, tmp_path):
     """A decode worker killed while requests stream: the failed requests take it out of routing through membership,
     so readiness turns NOT_SERVING before any poll could have noticed (polls every 60 s here, and two must fail).

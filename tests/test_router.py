@@ -146,3 +146,49 @@ def test_readiness_without_a_prefill_worker_follows_the_fallback():
     for w in router.decode:
         w.live = False
     assert not Cluster(router, colocated=False, local_prefill=LocalPrefillPolicy(fallback=True)).ready
+
+
+def test_prefill_queue_measures_its_rate_and_predicts_the_wait():
+    from coordinator.prefill_queue import PrefillQueue
+
+    now = [0.0]
+    q = PrefillQueue()
+    assert q.predicted_wait_s(100) is None and q.predicted_wait_s(100, prior_tokens_per_s=50.0) == 2.0
+    with q.track(300, clock=lambda: now[0]) as first:
+        with q.track(100, clock=lambda: now[0]) as second:  # queued behind the first
+            assert q.pending_tokens == 400
+            now[0] = 3.0
+            first()  # 300 tokens in 3 s
+            assert q.pending_tokens == 100 and q.tokens_per_s == 100.0
+            now[0] = 5.0
+            second()  # 300 ahead + 100 own in 5 s: 80 tok/s, smoothed
+            first()  # once only
+    assert q.pending_tokens == 0 and q.tokens_per_s == 0.3 * 80.0 + 0.7 * 100.0
+    with pytest.raises(RuntimeError), q.track(50, clock=lambda: now[0]):
+        raise RuntimeError("the call failed before its first token")
+    assert q.pending_tokens == 0 and q.tokens_per_s == 94.0  # tokens given back, no sample
+    q.pending_tokens = 188
+    assert q.predicted_wait_s(94) == 3.0
+
+
+def test_local_prefill_while_the_prefill_queue_is_slower_and_back_once_it_drains():
+    """Conditional disaggregation on live queue state (issue 26): with prompts queued on the prefill worker, a
+    decode worker that would give the first token sooner prefills locally; once the prefill queue drains (or the
+    decode worker's own local backlog makes it the slower one) requests are disaggregated again."""
+    router = Router([handle("p0", "prefill")], [handle("d0", "decode")])
+    p0, d0 = router.prefill[0], router.decode[0]
+    policy = LocalPrefillPolicy()
+    prompt = list(range(1000))
+    assert router.local_prefill(prompt, policy) is None  # nothing measured yet
+    p0.prefill_queue.tokens_per_s = 1000.0
+    assert router.local_prefill(prompt, policy) is None  # no queue: disaggregate
+    p0.prefill_queue.pending_tokens = 3000  # three long prompts queued: 4 s for this one there
+    assert router.local_prefill(prompt, policy) == "queue"  # d0, unmeasured, taken as fast: 1 s
+    d0.prefill_queue.tokens_per_s = 300.0  # measured: prefilling beside its decode batch, d0 is slower
+    assert router.local_prefill(prompt, policy) == "queue"  # 3.3 s < 4 s
+    d0.prefill_queue.pending_tokens = 1000  # one local prefill under way: 6.7 s there
+    assert router.local_prefill(prompt, policy) is None
+    d0.prefill_queue.pending_tokens = 0
+    assert router.local_prefill(prompt, LocalPrefillPolicy(queue=False)) is None  # the rule can be turned off
+    p0.prefill_queue.pending_tokens = 0  # the queue drained
+    assert router.local_prefill(prompt, policy) is None
