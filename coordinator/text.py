@@ -54,10 +54,14 @@ class StopMatcher:
             return (text[:i + len(s)] if self.include_stop else text[:i]), s
         keep = 0
         for s in self.stops:  # longest suffix of text that is a proper prefix of a stop string
-            for k in range(min(len(s) - 1, len(text)), keep, -1):
-                if text.endswith(s[:k]):
-                    keep = k
+            # Candidates start where the text has s's first character, within the last len(s) - 1 characters:
+            # the earliest that fits is the longest (a find per candidate, not an endswith per length).
+            j = text.find(s[0], max(0, len(text) - len(s) + 1))
+            while j != -1 and len(text) - j > keep:
+                if s.startswith(text[j:]):
+                    keep = len(text) - j
                     break
+                j = text.find(s[0], j + 1)
         self.held = text[len(text) - keep:] if keep else ""
         return text[:len(text) - keep], None
 

@@ -15,6 +15,12 @@ from coordinator.errors import RequestError, invalid
 from pdserve.v1 import generate_pb2
 
 MAX_LOGPROBS = 20
+# Stop conditions a request may carry. Stop strings are matched against every chunk on the coordinator's event loop
+# (shared by every stream): 10^6 of them froze other streams for ~10 s. OpenAI's API takes 4 stop strings; these
+# bounds leave room for any real use and keep matching to microseconds a token.
+MAX_STOP_STRINGS = 32
+MAX_STOP_STRING_CHARS = 256
+MAX_STOP_TOKEN_IDS = 256
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 
 
@@ -77,8 +83,15 @@ def resolve_sampling(p: generate_pb2.SamplingParams, num_prompt_tokens: int,
     min_tokens = p.min_tokens if p.HasField("min_tokens") else 0
     if not 0 <= min_tokens <= max_tokens:
         raise invalid(f"sampling.min_tokens must be in [0, max_tokens={max_tokens}], got {min_tokens}")
+    if len(p.stop) > MAX_STOP_STRINGS:
+        raise invalid(f"sampling.stop has {len(p.stop)} strings; at most {MAX_STOP_STRINGS} are allowed")
     if any(s == "" for s in p.stop):
         raise invalid("sampling.stop must not contain empty strings")
+    if (longest := max(map(len, p.stop), default=0)) > MAX_STOP_STRING_CHARS:
+        raise invalid(f"sampling.stop has a string of {longest} characters; at most {MAX_STOP_STRING_CHARS} each")
+    if len(p.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise invalid(f"sampling.stop_token_ids has {len(p.stop_token_ids)} ids; at most {MAX_STOP_TOKEN_IDS} are "
+                      "allowed")
     bad = [t for t in p.stop_token_ids if t >= limits.vocab_size]
     if bad:
         raise invalid(f"sampling.stop_token_ids {bad} are outside the vocabulary [0, {limits.vocab_size})")

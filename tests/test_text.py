@@ -24,6 +24,24 @@ def test_include_stop_and_earliest_match_wins():
     assert m.feed("xxabc") == ("xxabc", "abc")  # "abc" starts at 2, before "b" at 3
 
 
+def test_held_back_text_is_the_longest_suffix_that_may_start_a_stop_string():
+    """The held-back part is found with a find per candidate position; it must equal the definition (the longest
+    suffix of the text that is a proper prefix of some stop string), checked by brute force on random text."""
+    import random
+
+    rng = random.Random(7)
+    for _ in range(2000):
+        stops = ["".join(rng.choice("ab#") for _ in range(rng.randint(1, 6))) for _ in range(rng.randint(1, 3))]
+        text = "".join(rng.choice("ab#x") for _ in range(rng.randint(0, 12)))
+        m = StopMatcher(stops, include_stop=False)
+        emitted, matched = m.feed(text)
+        if matched is not None:
+            continue
+        want = max((k for s in stops for k in range(1, min(len(s) - 1, len(text)) + 1) if text.endswith(s[:k])),
+                   default=0)
+        assert len(m.held) == want and emitted + m.held == text, (stops, text, m.held)
+
+
 @pytest.fixture(scope="module")
 def tok(real_model_dir):
     return Tokenizer(real_model_dir)

@@ -128,3 +128,17 @@ def test_a_send_to_a_client_that_went_is_recorded_as_its_deadline_or_cancel(rema
     assert record.error_code == code and record.prompt_tokens == 3 and error, (record, error)
     in_flight = registry.get_sample_value("pdserve:num_requests_in_flight", {"model_name": "n"})
     assert not servicer.cluster.flows and in_flight == 0  # nothing held
+
+
+def test_stop_conditions_are_bounded():
+    """10^6 stop strings were accepted and matched on the event loop every chunk (other streams froze ~10 s)."""
+    from coordinator.validation import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
+
+    ok = SamplingParams(stop=["x" * MAX_STOP_STRING_CHARS] * MAX_STOP_STRINGS, stop_token_ids=[1] * MAX_STOP_TOKEN_IDS)
+    resolve_sampling(ok, num_prompt_tokens=10, limits=LIMITS)
+    for bad, what in ((SamplingParams(stop=["x"] * (MAX_STOP_STRINGS + 1)), "at most 32 are allowed"),
+                      (SamplingParams(stop=["x" * (MAX_STOP_STRING_CHARS + 1)]), "at most 256 each"),
+                      (SamplingParams(stop_token_ids=[1] * (MAX_STOP_TOKEN_IDS + 1)), "at most 256 are allowed")):
+        with pytest.raises(RequestError) as e:
+            resolve_sampling(bad, num_prompt_tokens=10, limits=LIMITS)
+        assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and what in e.value.message
