@@ -6,8 +6,10 @@ config into the flags that reproduce it, which is how `pdserve serve` hands its 
 starts. Adding a field to a config dataclass therefore adds the flag to every command that uses it, and `serve`
 forwards it, with no other edit. The same approach as vLLM's dataclass-derived engine arguments.
 
-Field metadata understood: "help" (text), "choices" (allowed values), "cli": False (not a flag; the command
-supplies the value).
+Field metadata understood: "help" (text), "choices" (allowed values), "min" / "gt" (a number's inclusive /
+exclusive lower bound, "max" its inclusive upper bound: checked as the flag is parsed, so `--max-num-seqs -1` is
+one line of usage error instead of a server that starts and hangs), "cli": False (not a flag; the command supplies
+the value).
 """
 from __future__ import annotations
 
@@ -70,12 +72,32 @@ def add_dataclass_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup
             kwargs.update(action="append", type=typing.get_args(kind)[0], default=None)
             kwargs["help"] = f"{kwargs['help']} (repeat for more)"
         elif kind in (int, float, str):
-            kwargs.update(type=kind, default=default, choices=f.metadata.get("choices"))
+            kwargs.update(type=bounded_type(kind, f.metadata), default=default, choices=f.metadata.get("choices"))
             if required:
                 kwargs["required"] = True
         else:
             raise TypeError(f"{cls.__name__}.{f.name}: no flag for type {annotation!r}")
         parser.add_argument(_flag(f.name), **kwargs)
+
+
+def bounded_type(kind: type, metadata) -> Any:
+    """The flag's type conversion, checking the field's "min" / "gt" / "max" bounds (argparse reports a failure
+    as "argument --flag: ..." and exits 2)."""
+    low, above, high = metadata.get("min"), metadata.get("gt"), metadata.get("max")
+    if kind is str or (low is None and above is None and high is None):
+        return kind
+
+    def convert(text: str):
+        value = kind(text)  # ValueError: argparse says "invalid int value"
+        if low is not None and value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {text}")
+        if above is not None and not value > above:
+            raise argparse.ArgumentTypeError(f"must be > {above}, got {text}")
+        if high is not None and value > high:
+            raise argparse.ArgumentTypeError(f"must be <= {high}, got {text}")
+        return value
+    convert.__name__ = kind.__name__  # argparse names the type in its "invalid ... value" message
+    return convert
 
 
 def dataclass_from_args(cls: type[T], ns: argparse.Namespace, **values: Any) -> T:

@@ -32,10 +32,12 @@ class ServeConfig:
         restart: `serve` restarts a process that died (on its old gRPC port, so the coordinator finds it again).
     """
 
-    num_prefill: int = field(default=1, metadata={"help": "prefill worker processes"})
-    num_decode: int = field(default=1, metadata={"help": "decode (with --colocated: colocated) worker processes"})
+    num_prefill: int = field(default=1, metadata={"min": 0, "help": "prefill worker processes"})
+    num_decode: int = field(default=1, metadata={
+        "min": 1, "help": "decode (with --colocated: colocated) worker processes"})
     log_dir: str | None = field(default=None, metadata={"help": "write each process's log to a file here"})
-    start_timeout_s: float = field(default=600.0, metadata={"help": "wait for every process to serve, seconds"})
+    start_timeout_s: float = field(default=600.0, metadata={
+        "gt": 0, "help": "wait for every process to serve, seconds"})
     restart: bool = field(default=False, metadata={"help": "restart a process that dies"})
 
 

@@ -15,7 +15,7 @@ import sys
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 
-from cli.args import add_dataclass_args, dataclass_from_args, dataclass_to_argv
+from cli.args import add_dataclass_args, bounded_type, dataclass_from_args, dataclass_to_argv
 from server_common.config import ServerArgs
 
 
@@ -133,7 +133,8 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
 
     _add_model_args(p, served_name=True)
     add_dataclass_args(p, ServeConfig)
-    p.add_argument("--port", type=int, default=50051, help="coordinator port (0 = any free port)")
+    p.add_argument("--port", type=bounded_type(int, {"min": 0, "max": 65535}), default=50051,
+                   help="coordinator port (0 = any free port)")
     p.add_argument("--colocated", action="store_true", help="one worker runs both phases (the baseline)")
     add_dataclass_args(p.add_argument_group("workers"), WorkerConfig, skip=SERVE_WORKER_SKIP)
     add_dataclass_args(p.add_argument_group("coordinator"), CoordinatorConfig, skip=SERVE_COORDINATOR_SKIP)

@@ -50,21 +50,24 @@ class CoordinatorConfig:
     decode: tuple[str, ...] = field(default=(), metadata={
         "help": "decode (or colocated) workers: host:port or @FILE, as --prefill"})
     colocated: bool = field(default=False, metadata={"help": "one worker runs both phases (the baseline)"})
-    max_in_flight: int = field(default=256, metadata={"help": "requests admitted at once (more: RESOURCE_EXHAUSTED)"})
-    max_in_flight_per_caller: int = field(default=0, metadata={
+    max_in_flight: int = field(default=256, metadata={
+        "min": 1, "help": "requests admitted at once (more: RESOURCE_EXHAUSTED)"})
+    max_in_flight_per_caller: int = field(default=0, metadata={"min": 0,
         "help": "requests one caller (API key, else peer) may have in flight; 0 = no per-caller limit"})
-    request_timeout_s: float = field(default=600.0, metadata={"help": "deadline of each worker call, seconds"})
-    connect_timeout_s: float = field(default=300.0, metadata={
+    request_timeout_s: float = field(default=600.0, metadata={"gt": 0, "help": "deadline of each worker call, seconds"})
+    connect_timeout_s: float = field(default=300.0, metadata={"gt": 0,
         "help": "at start, wait this long for a live worker of every role, seconds"})
-    stats_interval_s: float = field(default=1.0, metadata={"help": "worker health and load polling period, s"})
-    discovery_interval_s: float = field(default=5.0, metadata={"help": "re-resolve worker addresses this often, s"})
-    stall_timeout_s: float = field(default=30.0, metadata={
+    stats_interval_s: float = field(default=1.0, metadata={"gt": 0, "help": "worker health and load polling period, s"})
+    discovery_interval_s: float = field(default=5.0, metadata={
+        "gt": 0, "help": "re-resolve worker addresses this often, s"})
+    stall_timeout_s: float = field(default=30.0, metadata={"gt": 0,
         "help": "drop a client that reads nothing for this long (frees its batch slot and KV), seconds"})
-    max_migrations: int = field(default=2, metadata={"help": "resumptions on other workers after a worker is lost"})
+    max_migrations: int = field(default=2, metadata={
+        "min": 0, "help": "resumptions on other workers after a worker is lost"})
     api_keys_file: str | None = field(default=None, metadata={
         "help": "file of API keys clients must send as 'authorization: Bearer <key>' (also $PDSERVE_API_KEYS)"})
     worker_tls_ca: str | None = field(default=None, metadata={"help": "PEM CA of workers that serve TLS"})
-    local_prefill_tokens: int = field(default=0, metadata={
+    local_prefill_tokens: int = field(default=0, metadata={"min": 0,
         "help": "disaggregated: prefill on the decode worker when at most this many tokens are not in its prefix "
                 "cache (no prefill worker, no KV transfer); 0 = never"})
     local_prefill_fallback: bool = field(default=True, metadata={
@@ -72,7 +75,7 @@ class CoordinatorConfig:
     local_prefill_queue: bool = field(default=True, metadata={
         "help": "disaggregated: a decode worker prefills a request itself when it would give the first token "
                 "sooner than the prefill workers' queues (measured rates)"})
-    rate_limit_requests_per_s: float = field(default=0.0, metadata={"help": "per key; 0 = unlimited"})
-    rate_limit_tokens_per_s: float = field(default=0.0, metadata={
+    rate_limit_requests_per_s: float = field(default=0.0, metadata={"min": 0, "help": "per key; 0 = unlimited"})
+    rate_limit_tokens_per_s: float = field(default=0.0, metadata={"min": 0,
         "help": "per key, prompt + max_tokens charged at admission; 0 = unlimited"})
-    rate_limit_burst_s: float = field(default=1.0, metadata={"help": "bursts of this many seconds' worth"})
+    rate_limit_burst_s: float = field(default=1.0, metadata={"gt": 0, "help": "bursts of this many seconds' worth"})

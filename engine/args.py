@@ -55,28 +55,30 @@ class EngineArgs:
     packed_weights: bool = field(default=True, metadata={
         "help": "bf16 on CPU: reorder linear weights once at load into oneDNN's blocked layout (engine.packing); "
                 "no effect elsewhere"})
-    block_size: int = field(default=16, metadata={"help": "tokens per KV block"})
-    kv_tokens: int = field(default=16384, metadata={"help": "KV budget in tokens (ignored when --kv-bytes is set)"})
-    kv_bytes: int | None = field(default=None, metadata={"help": "KV budget in bytes (overrides --kv-tokens)"})
-    max_num_batched_tokens: int = field(default=512, metadata={"help": "token budget per engine step"})
-    max_num_seqs: int = field(default=64, metadata={"help": "most requests in the running batch"})
-    max_model_len: int = field(default=0, metadata={
+    block_size: int = field(default=16, metadata={"min": 1, "help": "tokens per KV block"})
+    kv_tokens: int = field(default=16384, metadata={
+        "min": 1, "help": "KV budget in tokens (ignored when --kv-bytes is set)"})
+    kv_bytes: int | None = field(default=None, metadata={
+        "min": 1, "help": "KV budget in bytes (overrides --kv-tokens)"})
+    max_num_batched_tokens: int = field(default=512, metadata={"min": 1, "help": "token budget per engine step"})
+    max_num_seqs: int = field(default=64, metadata={"min": 1, "help": "most requests in the running batch"})
+    max_model_len: int = field(default=0, metadata={"min": 0,
         "help": "most prompt + output tokens per request (0 = the model's context length)"})
     enable_prefix_caching: bool = field(default=True, metadata={"help": "reuse cached prefix KV blocks"})
     device: str = field(default="cpu", metadata={"help": "torch device, e.g. cpu or cuda:0"})
-    seed: int = field(default=0, metadata={"help": "seed for unseeded sampling and random weights"})
+    seed: int = field(default=0, metadata={"min": 0, "help": "seed for unseeded sampling and random weights"})
     attention_backend: str = field(default="auto", metadata={
         "choices": ATTENTION_BACKENDS,
         "help": "paged attention ops (auto = Triton kernels on CUDA; on CPU the C decode kernel, built on first "
                 "use with $CC, else the torch reference)"})
-    speculative_ngram_tokens: int = field(default=0, metadata={
+    speculative_ngram_tokens: int = field(default=0, metadata={"min": 0,
         "help": "speculative decoding: draft tokens per decode step from n-gram prompt lookup (vLLM's ngram "
                 "method; greedy requests without penalties or logprobs), 0 = off"})
-    speculative_ngram_max: int = field(default=4, metadata={"help": "longest n-gram looked up (tokens)"})
-    speculative_ngram_min: int = field(default=2, metadata={"help": "shortest n-gram looked up (tokens)"})
-    speculative_disable_batch_size: int = field(default=4, metadata={
+    speculative_ngram_max: int = field(default=4, metadata={"min": 1, "help": "longest n-gram looked up (tokens)"})
+    speculative_ngram_min: int = field(default=2, metadata={"min": 1, "help": "shortest n-gram looked up (tokens)"})
+    speculative_disable_batch_size: int = field(default=4, metadata={"min": 0,
         "help": "no speculation while more requests than this are running (a large batch is compute-bound)"})
-    threads: int = field(default=0, metadata={
+    threads: int = field(default=0, metadata={"min": 0,
         "help": "torch intra-op threads per process (0 = one per CPU it may run on; `serve` splits the CPUs among "
                 "its workers)"})
     random_weights: bool = field(default=False, metadata={"help": "random weights from the model's config"})

@@ -27,7 +27,8 @@ class ServerArgs:
     """
 
     host: str = field(default="127.0.0.1", metadata={"help": "bind address"})
-    port: int = field(default=0, metadata={"help": "gRPC port (0 = any free port; see --ready-file)"})
+    port: int = field(default=0, metadata={
+        "min": 0, "max": 65535, "help": "gRPC port (0 = any free port; see --ready-file)"})
     ready_file: str | None = field(default=None, metadata={"help": 'write {"address": ...} here once serving'})
     tls_cert: str | None = field(default=None, metadata={"help": "PEM certificate chain: serve TLS"})
     tls_key: str | None = field(default=None, metadata={"help": "PEM private key of --tls-cert"})
@@ -36,9 +37,9 @@ class ServerArgs:
         "help": "shared secret for worker APIs and KV channels (else $PDSERVE_CLUSTER_SECRET, else none)"})
     advertise_host: str | None = field(default=None, metadata={
         "help": "host peers dial to reach this process (default: the bind host, or this host's IP for 0.0.0.0)"})
-    drain_timeout_s: float = field(default=30.0, metadata={
+    drain_timeout_s: float = field(default=30.0, metadata={"min": 0,
         "help": "on SIGTERM: NOT_SERVING, then in-flight requests get this long to finish, seconds"})
-    metrics_port: int | None = field(default=None, metadata={
+    metrics_port: int | None = field(default=None, metadata={"min": 0, "max": 65535,
         "help": "Prometheus /metrics HTTP port (0 = any free port; unset = no metrics endpoint)"})
 
     @property

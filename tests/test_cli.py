@@ -167,3 +167,18 @@ def test_a_worker_on_a_busy_port_exits_with_one_line(tiny_model_dir):
     assert done.returncode == 1
     assert f"pdserve decode: port {port} is in use" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("command,argv,message", [
+    ("decode", ["--max-num-seqs", "-1"], "argument --max-num-seqs: must be >= 1, got -1"),
+    ("prefill", ["--kv-tokens", "-5"], "argument --kv-tokens: must be >= 1, got -5"),
+    ("coordinator", ["--stats-interval-s", "0"], "argument --stats-interval-s: must be > 0, got 0"),
+    ("serve", ["--port", "70000"], "argument --port: must be <= 65535, got 70000"),
+    ("serve", ["--max-num-batched-tokens", "x"], "argument --max-num-batched-tokens: invalid int value: 'x'"),
+])
+def test_out_of_range_settings_are_refused_as_the_flags_are_parsed(command, argv, message, capsys):
+    """`--max-num-seqs -1` gave a ready server whose requests hung; `--kv-tokens -5` failed after model loading in
+    84 lines of traceback. Now argparse refuses them at once: usage and one line, exit status 2."""
+    with pytest.raises(SystemExit) as e:
+        build_parser(command).parse_args(argv)
+    assert e.value.code == 2 and message in capsys.readouterr().err

@@ -33,9 +33,11 @@ class WorkerConfig:
         "choices": ("auto", *BACKEND_NAMES),
         "help": "KV transfer connector decode workers listen on (auto = ucx on CUDA if it handshakes, else tcp;"
                 " nccl = torch.distributed point-to-point: NCCL on CUDA, gloo on CPU)"})
-    kv_port: int = field(default=0, metadata={"help": "decode: KV listener port (0 = any free port)"})
-    kv_timeout_s: float = field(default=60.0, metadata={"help": "lease on decode blocks reserved for KV, seconds"})
-    transfer_timeout_s: float = field(default=30.0, metadata={"help": "bound on one KV transfer, seconds"})
+    kv_port: int = field(default=0, metadata={
+        "min": 0, "max": 65535, "help": "decode: KV listener port (0 = any free port)"})
+    kv_timeout_s: float = field(default=60.0, metadata={
+        "gt": 0, "help": "lease on decode blocks reserved for KV, seconds"})
+    transfer_timeout_s: float = field(default=30.0, metadata={"gt": 0, "help": "bound on one KV transfer, seconds"})
     kv_layerwise: bool = field(default=False, metadata={
         "help": "prefill: stream each layer's KV while the last prefill chunk computes (else whole blocks after "
                 "the first token)"})
