@@ -73,9 +73,21 @@ class Flow:
     def __post_init__(self) -> None:
         self.record = RequestRecord(self.request_id)
 
+    @property
+    def key(self) -> str:
+        """The request's id scoped to its caller (`scoped_id`): its key in the cluster's flows and its id on the
+        workers."""
+        return scoped_id(self.caller, self.request_id)
+
     def cancel(self) -> None:
         for call in self.calls:
             call.cancel()
+
+
+def scoped_id(caller: str, request_id: str) -> str:
+    """A request id within its caller's scope: two callers may use the same id, and neither can reach (Abort,
+    probe, block with ALREADY_EXISTS) the other's request."""
+    return f"{caller}/{request_id}"
 
 
 class WorkerCall:

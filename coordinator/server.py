@@ -14,6 +14,7 @@ from opentelemetry import trace
 from prometheus_client import CollectorRegistry
 
 from coordinator import flow as flows
+from coordinator import kserve
 from coordinator.config import CoordinatorConfig
 from coordinator.errors import RequestError, invalid
 from coordinator.ratelimit import RateLimiter
@@ -79,23 +80,18 @@ def _trace_request(operation: str, sampling: generate_pb2.SamplingParams, model:
         "pdserve.request_id": rid})
 
 
-def _caller(context: grpc.aio.ServicerContext) -> str:
-    """Who a call is for rate limiting: its API key's id, else the peer's address without the port."""
-    token = presented_token(context.invocation_metadata())
-    if token is not None:
-        return "key:" + key_id(token)
-    return "peer:" + context.peer().rsplit(":", 1)[0]
-
-
 class GenerationServicer(generate_pb2_grpc.GenerationServicer):
     """Generate / Abort / GetModelInfo: validate and tokenize, route, stream text back, free on every exit."""
 
     def __init__(self, config: CoordinatorConfig, cluster: Cluster, tokenizer: Tokenizer,
-                 metrics: CoordinatorMetrics, on_worker_lost: Callable[[str, str], None] = lambda address, why: None):
+                 metrics: CoordinatorMetrics, on_worker_lost: Callable[[str, str], None] = lambda address, why: None,
+                 keys_required: bool = False):
         """on_worker_lost(address, why): a worker call failed as if the worker were gone
-        (`Membership.report_lost`, which owns liveness)."""
+        (`Membership.report_lost`, which owns liveness). keys_required: the port authenticates API keys (`caller`
+        then trusts the presented key)."""
         self.config, self.cluster, self.tokenizer, self.metrics = config, cluster, tokenizer, metrics
         self.on_worker_lost = on_worker_lost
+        self.keys_required = keys_required
         self.limiter = RateLimiter(config.rate_limit_requests_per_s, config.rate_limit_tokens_per_s,
                                    config.rate_limit_burst_s)
 
@@ -122,7 +118,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                 order and hands it on to the door's client.
         """
         arrival_wall, t0 = time.time(), flows.now_ms()
-        caller = _caller(context)
+        caller = self.caller(context)
         try:
             self._admit(rid, caller)
         except RequestError as e:
@@ -131,7 +127,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         flow = flows.Flow(rid, caller=caller)
         remaining = context.time_remaining()  # the client's deadline bounds every worker call, not only ours
         flow.deadline = time.monotonic() + min(self.config.request_timeout_s, remaining or float("inf"))
-        self.cluster.flows[rid] = flow  # the id is taken before the first await: a duplicate cannot slip in
+        self.cluster.flows[flow.key] = flow  # the id is taken before the first await: a duplicate cannot slip in
         self.metrics.in_flight.inc()
         error: RequestError | None = None
         try:
@@ -154,7 +150,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             raise
         finally:
             flow.cancel()
-            self.cluster.flows.pop(rid, None)
+            self.cluster.flows.pop(flow.key, None)
             self.metrics.in_flight.dec()
             record = flow.record
             if error is not None:
@@ -211,7 +207,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                                f"retry after {wait:.2f} s", retry_after_s=wait)
         if len(rid) > MAX_REQUEST_ID_CHARS:
             raise invalid(f"request_id has {len(rid)} characters; at most {MAX_REQUEST_ID_CHARS} are allowed")
-        if rid in self.cluster.flows:
+        if flows.scoped_id(caller, rid) in self.cluster.flows:
             raise RequestError(grpc.StatusCode.ALREADY_EXISTS, f"request_id {rid!r} is already in flight")
         if len(self.cluster.flows) >= self.config.max_in_flight:
             raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -300,7 +296,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         """The worker calls of one attempt; a resumed attempt carries the tokens sent so far and its own worker-side
         request id (the lost attempt's may still be winding down on a worker that is alive)."""
         router = self.cluster.router
-        worker_rid = flow.request_id if not p.migrations else f"{flow.request_id}~{p.migrations}"
+        worker_rid = flow.key if not p.migrations else f"{flow.key}~{p.migrations}"
         timeout_s = max(0.001, flow.deadline - time.monotonic())
         if self.config.colocated:
             return flows.run_colocated(router, flow, worker_rid, prompt, p.generated, sampling, timeout_s)
@@ -368,12 +364,21 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         return out
 
     async def Abort(self, request, context):
-        return generate_pb2.AbortResponse(found=self.abort(request.request_id))
+        return generate_pb2.AbortResponse(found=self.abort(self.caller(context), request.request_id))
 
-    def abort(self, rid: str) -> bool:
-        """Stop an in-flight request (its stream ends with finish reason ABORT; the workers free its KV). False when
-        no request with this id is in flight."""
-        flow = self.cluster.flows.get(rid)
+    def caller(self, context: grpc.aio.ServicerContext) -> str:
+        """Who a call is for (rate limits, per-caller limits, the scope of its request ids): its API key's id when
+        the port requires keys (the interceptor has checked it), else the peer's address without the port. A key
+        presented where none is required is not trusted: random keys made every request a new caller."""
+        token = presented_token(context.invocation_metadata())
+        if self.keys_required and token is not None:
+            return "key:" + key_id(token)
+        return "peer:" + context.peer().rsplit(":", 1)[0]
+
+    def abort(self, caller: str, rid: str) -> bool:
+        """Stop one of `caller`'s in-flight requests (its stream ends with finish reason ABORT; the workers free its
+        KV). False when the caller has no request with this id in flight: another caller's is out of reach."""
+        flow = self.cluster.flows.get(flows.scoped_id(caller, rid))
         if flow is None:
             return False
         flow.aborted = True
@@ -391,21 +396,24 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
 
 
 def _add_servicers(server: grpc.aio.Server, servicer: GenerationServicer) -> None:
-    """Our public API, and vLLM's engine service over the same request path (for the smg gateway)."""
+    """Our public API, and over the same request path vLLM's engine service (for the smg gateway) and KServe v2's
+    (for tritonclient and other Triton clients)."""
     generate_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
     vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(VllmEngineServicer(servicer), server)
+    kserve.add_to_server(kserve.KServeServicer(servicer), server)
 
 
 async def serve(config: CoordinatorConfig) -> None:
     """Find live workers, then serve the public API until cancelled (SIGTERM drains).
 
-    Serves pdserve.v1.Generation and, on the same port, vllm.grpc.engine.VllmEngine (`coordinator.vllm_engine`).
+    Serves pdserve.v1.Generation and, on the same port, vllm.grpc.engine.VllmEngine (`coordinator.vllm_engine`) and
+    inference.GRPCInferenceService (KServe v2, `coordinator.kserve`).
     Health tells the truth: readiness ("" and both services) is SERVING only while requests can be served
     (`Cluster.ready`: decode workers that may prefill locally keep it SERVING without a prefill worker), and
     follows membership changes; liveness stays SERVING while the process runs.
 
     Raises:
-        TimeoutError: no live worker of a needed role within config.connect_timeout_s.
+        CommandError: no live worker of a needed role within config.connect_timeout_s.
     """
     tracing = Tracing.from_env("pdserve-coordinator")
     cluster = Cluster(Router(), config.colocated,
@@ -415,13 +423,14 @@ async def serve(config: CoordinatorConfig) -> None:
     await membership.wait_ready(config.connect_timeout_s)
     tokenizer = await asyncio.to_thread(Tokenizer, config.model_dir)
     registry = CollectorRegistry()
+    api_keys = read_api_keys(config.api_keys_file)
     servicer = GenerationServicer(config, cluster, tokenizer, CoordinatorMetrics(registry, config.model_name),
-                                  on_worker_lost=membership.report_lost)
+                                  on_worker_lost=membership.report_lost, keys_required=bool(api_keys))
     metrics = (start_metrics_server(config.server.host, config.server.metrics_port, registry)
                if config.server.metrics_port is not None else None)
     running = await start_grpc_server(
         config.server, lambda server: _add_servicers(server, servicer),
-        ["pdserve.v1.Generation", VLLM_ENGINE_SERVICE], tokens=read_api_keys(config.api_keys_file), what="API key",
+        ["pdserve.v1.Generation", VLLM_ENGINE_SERVICE, kserve.SERVICE_NAME], tokens=api_keys, what="API key",
         interceptors=tracing.server_interceptors())
     pending: set[asyncio.Task] = set()
 

@@ -210,7 +210,7 @@ class VllmEngineServicer(pb_grpc.VllmEngineServicer):
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
         """Cancel each named request still in flight (unknown ids are ignored, as finished ones are)."""
         for rid in request.request_ids:
-            self.generation.abort(rid)
+            self.generation.abort(self.generation.caller(context), rid)
         return pb.AbortResponse()
 
     async def HealthCheck(self, request, context) -> pb.HealthCheckResponse:

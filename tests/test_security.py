@@ -345,3 +345,34 @@ def test_one_caller_cannot_take_every_slot(workers, tiny_model_dir):
             c.complete([5, 6, 7], GREEDY)
         stream.close()
     assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "requests in flight" in e.value.details()
+
+
+def test_without_api_keys_a_presented_key_does_not_make_a_new_caller(workers, tiny_model_dir):
+    """With no keys configured, any bearer token used to become a caller of its own: random keys bypassed
+    --max-in-flight-per-caller (40 of 40 admitted where 10 should be). Without keys the caller is the peer."""
+    address = coordinator(workers, tiny_model_dir, "keyless-coordinator", "--max-in-flight-per-caller", "1")
+    with Client(address, api_key="random-1") as first, Client(address, api_key="random-2") as second:
+        stream = first.generate([5, 6, 7], SamplingParams(max_tokens=200, temperature=0, ignore_eos=True))
+        next(stream)  # one request in flight for this peer
+        with pytest.raises(grpc.RpcError) as e:
+            second.complete([5, 6, 7], GREEDY)
+        stream.close()
+    assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "requests in flight" in e.value.details()
+
+
+def test_request_ids_belong_to_their_caller(workers, tiny_model_dir, pki):
+    """Any key could Abort another key's request, probe which ids were in flight, or hold an id so that another
+    key got ALREADY_EXISTS. Ids are scoped to the caller now."""
+    address = coordinator(workers, tiny_model_dir, "scoped-coordinator", "--api-keys-file", str(pki / "keys"))
+    with Client(address, api_key=KEY) as owner, Client(address, api_key="another-key") as other:
+        stream = owner.generate([5, 6, 7], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True),
+                                request_id="shared")
+        next(stream)
+        assert other.abort("shared") is False  # not its request: out of reach, and not even confirmed to exist
+        assert other.complete([5, 6, 7], GREEDY, request_id="shared").completion_tokens == 4  # its own "shared"
+        with pytest.raises(grpc.RpcError) as e:  # the owner's own id is still taken
+            owner.complete([5, 6, 7], GREEDY, request_id="shared")
+        assert e.value.code() == grpc.StatusCode.ALREADY_EXISTS
+        chunks = list(stream)
+        assert chunks[-1].final is not None and chunks[-1].final.finish_reason == "length"  # not aborted
+        assert owner.abort("shared") is False  # finished
