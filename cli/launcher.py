@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from server_common.errors import StartupError
+from server_common.errors import CommandError
 from server_common.security import CLUSTER_SECRET_ENV
 
 # Set in every process the launcher starts: the pid of the launcher. The child shuts down cleanly when that process
@@ -125,16 +125,16 @@ def wait_ready(procs: list[tuple[str, subprocess.Popen, Path]], timeout_s: float
     and return their contents in order.
 
     Raises:
-        StartupError: naming a process that exited or did not get ready within timeout_s.
+        CommandError: naming a process that exited or did not get ready within timeout_s.
     """
     deadline = time.monotonic() + timeout_s
     out = []
     for name, proc, ready in procs:
         while not ready.exists():
             if proc.poll() is not None:
-                raise StartupError(f"{name} exited with code {proc.returncode} before it was ready")
+                raise CommandError(f"{name} exited with code {proc.returncode} before it was ready")
             if time.monotonic() > deadline:
-                raise StartupError(f"{name} not ready after {timeout_s:.0f}s")
+                raise CommandError(f"{name} not ready after {timeout_s:.0f}s")
             time.sleep(0.1)
         out.append(json.loads(ready.read_text()))
     return out
@@ -174,7 +174,7 @@ def start_cluster(model_dir: str, model_name: str, config: ServeConfig = ServeCo
     else on this host.
 
     Raises:
-        StartupError: a process died or did not become ready; everything started is stopped first.
+        CommandError: a process died or did not become ready; everything started is stopped first.
     """
     workdir = Path(tempfile.mkdtemp(prefix="pdserve-"))
     env = dict(os.environ if env is None else env)

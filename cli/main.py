@@ -39,10 +39,19 @@ def _add_model_args(p: argparse.ArgumentParser, served_name: bool = False) -> No
 
 
 def _resolved(args: argparse.Namespace) -> tuple[str, str]:
-    """(model directory, served name) for --model; converts a GGUF once, in a child process."""
-    from cli.models import resolve_model, served_name
+    """(model directory, served name) for --model; converts a GGUF once, in a child process.
 
-    return str(resolve_model(args.model)), getattr(args, "served_model_name", None) or served_name(args.model)
+    Raises:
+        CommandError: the path does not exist or holds no model.
+    """
+    from cli.models import resolve_model, served_name
+    from server_common.errors import CommandError
+
+    try:
+        model_dir = resolve_model(args.model)
+    except FileNotFoundError as e:
+        raise CommandError(f"{e} (--model)") from None
+    return str(model_dir), getattr(args, "served_model_name", None) or served_name(args.model)
 
 
 def _run_server(coro: Coroutine) -> None:
@@ -193,24 +202,36 @@ def _generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chat", action="store_true", help="send the prompt as one user chat message")
     p.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"), help="API key ($PDSERVE_API_KEY)")
     p.add_argument("--tls-ca", default=None, help="PEM CA of the coordinator's certificate: connect with TLS")
+    p.add_argument("--timeout", type=bounded_type(float, {"gt": 0}), default=300.0,
+                   help="give up on the request after this many seconds")
 
 
 def _run_generate(args: argparse.Namespace) -> None:
+    import grpc
+
     from pdserve import tls_credentials
+    from server_common.errors import CommandError
 
     credentials = tls_credentials(ca_file=args.tls_ca) if args.tls_ca else None
-    _stream(args.address, args.prompt, args.max_tokens, args.temperature, chat=args.chat, credentials=credentials,
-            api_key=args.api_key)
+    try:
+        _stream(args.address, args.prompt, args.max_tokens, args.temperature, chat=args.chat,
+                credentials=credentials, api_key=args.api_key, timeout_s=args.timeout)
+    except grpc.RpcError as e:  # the server's status, as one line (a traceback told the user nothing more)
+        hint = {grpc.StatusCode.UNAVAILABLE: f"; is a coordinator serving on {args.address} (--address)?",
+                grpc.StatusCode.DEADLINE_EXCEEDED: f" after {args.timeout:g} s (--timeout)",
+                grpc.StatusCode.UNAUTHENTICATED: " (--api-key or $PDSERVE_API_KEY)"}.get(e.code(), "")
+        raise CommandError(f"{e.code().name}: {e.details()}{hint}") from None
 
 
 def _stream(address: str, prompt: str, max_tokens: int, temperature: float, chat: bool, credentials=None,
-            api_key: str | None = None) -> None:
+            api_key: str | None = None, timeout_s: float | None = None) -> None:
     from pdserve import Client, SamplingParams
 
     with Client(address, credentials=credentials, api_key=api_key) as client:
         request = [{"role": "user", "content": prompt}] if chat else prompt
         print(f">>> {prompt}", flush=True)
-        for chunk in client.generate(request, SamplingParams(max_tokens=max_tokens, temperature=temperature)):
+        for chunk in client.generate(request, SamplingParams(max_tokens=max_tokens, temperature=temperature),
+                                     timeout=timeout_s):
             if chunk.final is not None:
                 f = chunk.final
                 print(f"\n[{f.finish_reason}] {f.prompt_tokens} prompt + {f.completion_tokens} completion tokens; "
@@ -276,11 +297,11 @@ def main(argv: list[str] | None = None) -> None:
     command = top.parse_args(argv[:1]).command  # only the name: each command builds its own flags lazily
     args = build_parser(command).parse_args(argv[1:])
     configure_logging(args.log_level, args.log_format)
-    from server_common.errors import StartupError
+    from server_common.errors import CommandError
 
     try:
         COMMANDS[command].run(args)
-    except StartupError as e:  # the operator can fix it: one line, exit status 1
+    except CommandError as e:  # the operator can fix it: one line, exit status 1
         raise SystemExit(f"pdserve {command}: {e}") from None
 
 

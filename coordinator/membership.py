@@ -25,12 +25,14 @@ from coordinator.router import LocalPrefillPolicy, Router, WorkerHandle
 from coordinator.validation import Limits
 from pdserve.v1 import worker_pb2
 from server_common.addresses import expand
+from server_common.errors import CommandError
 from server_common.grpc_server import CLIENT_KEEPALIVE, MAX_MESSAGE_BYTES
 from server_common.security import internal_channel, read_secret
 
 log = logging.getLogger(__name__)
 
 MAX_FAILED_POLLS = 2
+WAIT_NOTE_S = 10.0  # at start, say what is still missing this often
 ROLE_SERVICE = {"prefill": "pdserve.v1.Prefill", "decode": "pdserve.v1.Decode", "colocated": "pdserve.v1.Decode"}
 
 
@@ -225,15 +227,21 @@ class Membership:
         not for starting without one).
 
         Raises:
-            TimeoutError: naming the roles still missing after timeout_s.
+            CommandError: naming the roles still missing after timeout_s, and the addresses tried.
         """
-        deadline = time.monotonic() + timeout_s
+        start = time.monotonic()
+        deadline, note = start + timeout_s, start + WAIT_NOTE_S
         while True:
             await self.refresh()
             if self.cluster.complete:
                 return
+            if time.monotonic() >= note:  # an operator watching the log learns what it waits for
+                note += WAIT_NOTE_S
+                log.warning("waiting for a live %s worker (%.0f of %.0f s; prefill %s, decode %s)",
+                            " and ".join(self.cluster.missing_roles()), time.monotonic() - start, timeout_s,
+                            list(self.config.prefill), list(self.config.decode))
             if time.monotonic() > deadline:
-                raise TimeoutError(f"no live {' or '.join(self.cluster.missing_roles())} worker after "
+                raise CommandError(f"no live {' or '.join(self.cluster.missing_roles())} worker after "
                                    f"{timeout_s:.0f}s (addresses: prefill {list(self.config.prefill)}, "
                                    f"decode {list(self.config.decode)})")
             self._last_discovery = float("-inf")  # keep resolving while we wait

@@ -1,8 +1,9 @@
-"""Errors a process's operator can act on: reported as one line and a non-zero exit, never as a traceback."""
+"""Errors the person running a command can act on: reported as one line and a non-zero exit, never a traceback."""
 from __future__ import annotations
 
 
-class StartupError(RuntimeError):
-    """A process cannot start or keep serving for a reason its operator can fix (a port in use, a worker that
-    never became ready, an engine fault that needs a restart). `cli.main` prints the message alone and exits 1.
-    A RuntimeError, so callers that caught the launcher's RuntimeError still do."""
+class CommandError(RuntimeError):
+    """A command cannot start, go on serving or finish for a reason its user can fix: a port in use, a missing
+    model, a worker that never became ready, an engine fault that needs a restart, a request the server refused.
+    `cli.main` prints the message alone and exits 1. A RuntimeError, so callers that caught the launcher's
+    RuntimeError still do."""

@@ -17,7 +17,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from server_common.config import ServerArgs
-from server_common.errors import StartupError
+from server_common.errors import CommandError
 from server_common.security import BearerTokenInterceptor, server_credentials, warn_if_exposed
 
 MAX_MESSAGE_BYTES = 64 << 20
@@ -133,7 +133,7 @@ async def start_grpc_server(args: ServerArgs, add_servicers: Callable[[grpc.aio.
     would otherwise start silently and take half of the first one's connections.
 
     Raises:
-        StartupError: the address could not be bound ("port N is in use" when another process holds it).
+        CommandError: the address could not be bound ("port N is in use" when another process holds it).
         ValueError / OSError: unusable TLS files.
     """
     chain: list[grpc.aio.ServerInterceptor] = [MalformedRequestInterceptor(), *interceptors]
@@ -154,7 +154,7 @@ async def start_grpc_server(args: ServerArgs, add_servicers: Callable[[grpc.aio.
         bound = (server.add_secure_port(address, credentials) if credentials is not None
                  else server.add_insecure_port(address))
     except RuntimeError as e:  # grpcio says only "Failed to bind"; the cause is in its C log line
-        raise StartupError(_bind_failure(args.host, args.port)) from e
+        raise CommandError(_bind_failure(args.host, args.port)) from e
     warn_if_exposed(", ".join(service_names), args.host, tls=credentials is not None, auth=bool(tokens))
     await server.start()
     running = RunningServer(server, bound, health_servicer, list(service_names))

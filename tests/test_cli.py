@@ -124,13 +124,13 @@ def test_a_gguf_converts_once_per_content_wherever_it_is(tmp_path, monkeypatch):
 
 def test_a_grpc_server_on_a_busy_port_fails_to_start():
     """grpcio binds with SO_REUSEPORT unless told not to: a second server on a busy port used to start and take
-    part of the first one's traffic. Now it is a StartupError that names the port."""
+    part of the first one's traffic. Now it is a CommandError that names the port."""
     import asyncio
 
     import grpc
 
     from server_common.config import ServerArgs
-    from server_common.errors import StartupError
+    from server_common.errors import CommandError
     from server_common.grpc_server import start_grpc_server
 
     async def main():
@@ -139,7 +139,7 @@ def test_a_grpc_server_on_a_busy_port_fails_to_start():
         port = other.add_insecure_port("127.0.0.1:0")
         await other.start()
         try:
-            with pytest.raises(StartupError, match=f"port {port} is in use"):
+            with pytest.raises(CommandError, match=f"port {port} is in use"):
                 await start_grpc_server(ServerArgs(host="127.0.0.1", port=port), lambda s: None, [], tokens=[])
         finally:
             await other.stop(None)
@@ -182,3 +182,24 @@ def test_out_of_range_settings_are_refused_as_the_flags_are_parsed(command, argv
     with pytest.raises(SystemExit) as e:
         build_parser(command).parse_args(argv)
     assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_user_errors_of_the_command_line_are_one_line(tmp_path):
+    """A missing model path and a coordinator that is not there used to end in tracebacks."""
+    import socket
+    import subprocess
+    import sys
+
+    def run(*argv):
+        return subprocess.run([sys.executable, "-m", "cli.main", *argv], capture_output=True, text=True, timeout=120)
+
+    missing = run("decode", "--model", str(tmp_path / "nowhere"))
+    assert missing.returncode == 1 and "Traceback" not in missing.stderr
+    assert f"pdserve decode: model path {tmp_path / 'nowhere'} does not exist (--model)" in missing.stderr
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    refused = run("generate", "hi", "--address", f"127.0.0.1:{port}", "--timeout", "20")
+    assert refused.returncode == 1 and "Traceback" not in refused.stderr
+    assert "pdserve generate: UNAVAILABLE: " in refused.stderr and "is a coordinator serving on" in refused.stderr

@@ -57,9 +57,9 @@ def decode_call(channel, rid: str, max_tokens: int):
 
 def test_engine_fault_stops_serving_and_exits_for_a_restart(tiny_model_dir, tmp_path, monkeypatch):
     """A faulted engine cannot be trusted: the worker stops taking traffic (readiness and liveness NOT_SERVING),
-    drains as on SIGTERM, then serve() ends with StartupError, which the command line turns into exit status 1, so
+    drains as on SIGTERM, then serve() ends with CommandError, which the command line turns into exit status 1, so
     `serve --restart` or an orchestrator restarts it. It used to stay up, NOT_SERVING, forever."""
-    from server_common.errors import StartupError
+    from server_common.errors import CommandError
 
     def fault_on_boom(ids):
         if "boom" in ids:
@@ -78,7 +78,7 @@ def test_engine_fault_stops_serving_and_exits_for_a_restart(tiny_model_dir, tmp_
                 [m async for m in decode_call(ch, "boom", 3)]
             assert e.value.code() == grpc.StatusCode.INTERNAL
             assert [(await asyncio.wait_for(w.read(), 60)).status for w in watches] == [NOT_SERVING] * 3
-            with pytest.raises(StartupError, match="engine fault .*injected device fault.*restarted"):
+            with pytest.raises(CommandError, match="engine fault .*injected device fault.*restarted"):
                 await asyncio.wait_for(served[0], 60)
             for w in watches:
                 w.cancel()

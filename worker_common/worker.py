@@ -17,7 +17,7 @@ from engine.config import compat_hash
 from engine.engine_core import EngineCore
 from pdserve.v1 import generate_pb2, worker_pb2, worker_pb2_grpc
 from server_common.addresses import advertise_host
-from server_common.errors import StartupError
+from server_common.errors import CommandError
 from server_common.grpc_server import RunningServer, start_grpc_server, write_ready_file
 from server_common.metrics import metrics_url, start_metrics_server
 from server_common.tracing import Tracing
@@ -110,7 +110,7 @@ async def serve_worker(config: WorkerConfig, worker: WorkerEngine, servicer: Wor
                        add_role: Callable[[grpc.aio.Server], None], role_service: str, secret: str | None,
                        tracing: Tracing, **ready: str) -> None:
     """Serve the Worker service plus the role's own until cancelled, then stop the server and the engine. An engine
-    fault ends it too: readiness and liveness NOT_SERVING, the drain of a SIGTERM, then StartupError.
+    fault ends it too: readiness and liveness NOT_SERVING, the drain of a SIGTERM, then CommandError.
 
     Args:
         add_role: registers the role's servicer (Prefill or Decode) on the server.
@@ -120,7 +120,7 @@ async def serve_worker(config: WorkerConfig, worker: WorkerEngine, servicer: Wor
         ready: extra fields for the ready file (e.g. kv_address).
 
     Raises:
-        StartupError: the engine faulted (its message); the process should exit non-zero and be restarted.
+        CommandError: the engine faulted (its message); the process should exit non-zero and be restarted.
     """
     def add(server: grpc.aio.Server) -> None:
         worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
@@ -159,7 +159,7 @@ async def serve_worker(config: WorkerConfig, worker: WorkerEngine, servicer: Wor
     except asyncio.CancelledError:
         if not faults:
             raise
-        raise StartupError(f"engine fault ({faults[0]}); the worker exited so that it is restarted") from None
+        raise CommandError(f"engine fault ({faults[0]}); the worker exited so that it is restarted") from None
     finally:
         worker.engine.stop()
         if metrics is not None:
