@@ -68,6 +68,7 @@ class Flow:
     prefill_worker: str = ""
     decode_worker: str = ""
     deadline: float = float("inf")  # time.monotonic() by which the request must end (client's or ours)
+    shutting_down: bool = False  # cut by the coordinator's drain: end with UNAVAILABLE, no migration
     record: RequestRecord = field(init=False)
 
     def __post_init__(self) -> None:
@@ -82,6 +83,11 @@ class Flow:
     def cancel(self) -> None:
         for call in self.calls:
             call.cancel()
+
+    def shut_down(self) -> None:
+        """The coordinator's drain ran out of time: end the request with UNAVAILABLE (retry elsewhere)."""
+        self.shutting_down = True
+        self.cancel()
 
 
 def scoped_id(caller: str, request_id: str) -> str:
@@ -103,14 +109,20 @@ class WorkerCall:
         """The next message, or None when the worker ended the stream.
 
         Raises:
-            RequestError: the worker's status (connection loss: UNAVAILABLE), naming the worker.
+            RequestError: the worker's status (connection loss: UNAVAILABLE), naming the worker; UNAVAILABLE
+                "shutting down" when the coordinator's drain cut the request (`Flow.shut_down`).
             asyncio.CancelledError: the request was aborted (Abort RPC).
         """
         try:
             return await self._responses.__anext__()
         except StopAsyncIteration:
             return None
-        except grpc.aio.AioRpcError as e:
+        except (grpc.aio.AioRpcError, asyncio.CancelledError) as e:
+            if self.flow.shutting_down:  # no worker is at fault: nothing to migrate, nobody to mark down
+                raise RequestError(grpc.StatusCode.UNAVAILABLE, "the server is shutting down; retry the request "
+                                                                "(its drain timeout passed)") from e
+            if isinstance(e, asyncio.CancelledError):  # our own cancel (Abort) or the client's
+                raise
             if self.flow.aborted:
                 raise asyncio.CancelledError from e
             raise from_rpc_error(e, self.worker.info.role, self.worker.address) from e

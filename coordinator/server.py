@@ -266,20 +266,19 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                     await source.aclose()
         except asyncio.CancelledError:
             if not flow.aborted:
+                flow.record = self._record(flow, len(prompt), p, t0)  # what was streamed before the cancel
                 raise
             p.reason = generate_pb2.FINISH_REASON_ABORT
+        except BaseException:
+            flow.record = self._record(flow, len(prompt), p, t0)
+            raise
         if p.stop_string is None and (tail := stops.flush()):  # text held back for a stop string that never came
             yield generate_pb2.GenerateResponse(chunk=generate_pb2.Chunk(text=tail))
         end = flows.now_ms()
         t = flow.timings
         ttft = (p.first_ms - t0) if p.first_ms is not None else 0.0
         num_out = len(p.generated)
-        flow.record = RequestRecord(
-            flow.request_id, prompt_tokens=len(prompt), output_tokens=num_out, cached_tokens=p.cached,
-            ttft_s=ttft / 1e3, e2e_s=(end - t0) / 1e3, queue_s=t.queue_ms / 1e3, prefill_s=t.prefill_ms / 1e3,
-            transfer_s=t.transfer_ms / 1e3, token_gaps=tuple(p.gaps),
-            finish_reason=generate_pb2.FinishReason.Name(p.reason).removeprefix("FINISH_REASON_").lower(),
-            prefill_worker=flow.prefill_worker, decode_worker=flow.decode_worker, migrations=p.migrations)
+        flow.record = self._record(flow, len(prompt), p, t0)
         matched = (p.stop_string if p.stop_string is not None
                    else "" if p.stop_token_id is None else str(p.stop_token_id))
         yield generate_pb2.GenerateResponse(final=generate_pb2.Final(
@@ -290,6 +289,20 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             timings=generate_pb2.Timings(queue_ms=t.queue_ms, prefill_ms=t.prefill_ms, transfer_ms=t.transfer_ms,
                                          ttft_ms=ttft, decode_ms=(end - p.first_ms) if p.first_ms else 0.0,
                                          e2e_ms=end - t0)))
+
+    @staticmethod
+    def _record(flow: flows.Flow, num_prompt_tokens: int, p: Progress, t0: float) -> RequestRecord:
+        """The request's record from what it sent so far (also when it fails or is cancelled midway: the access
+        log and metrics count the tokens that were streamed)."""
+        t = flow.timings
+        reason = (generate_pb2.FinishReason.Name(p.reason).removeprefix("FINISH_REASON_").lower()
+                  if p.reason != generate_pb2.FINISH_REASON_UNSPECIFIED else "")
+        return RequestRecord(
+            flow.request_id, prompt_tokens=num_prompt_tokens, output_tokens=len(p.generated), cached_tokens=p.cached,
+            ttft_s=(p.first_ms - t0) / 1e3 if p.first_ms is not None else 0.0, e2e_s=(flows.now_ms() - t0) / 1e3,
+            queue_s=t.queue_ms / 1e3, prefill_s=t.prefill_ms / 1e3, transfer_s=t.transfer_ms / 1e3,
+            token_gaps=tuple(p.gaps), finish_reason=reason, prefill_worker=flow.prefill_worker,
+            decode_worker=flow.decode_worker, migrations=p.migrations)
 
     def _attempt(self, flow: flows.Flow, prompt: list[int], sampling: generate_pb2.SamplingParams,
                  arrival_wall: float, p: Progress):
@@ -451,7 +464,8 @@ async def serve(config: CoordinatorConfig) -> None:
     write_ready_file(config.server.ready_file, address, **metrics_url(config.server, metrics))
     poller = asyncio.create_task(membership.run())
     try:
-        await running.serve_until_cancelled(config.server.drain_timeout_s, in_flight=lambda: len(cluster.flows))
+        await running.serve_until_cancelled(config.server.drain_timeout_s, in_flight=lambda: len(cluster.flows),
+                                            cut=lambda: [f.shut_down() for f in list(cluster.flows.values())])
     finally:
         poller.cancel()
         with contextlib.suppress(asyncio.CancelledError):

@@ -32,6 +32,7 @@ CLIENT_KEEPALIVE = [("grpc.keepalive_time_ms", 20_000), ("grpc.keepalive_timeout
 # the process is sound (liveness: a Kubernetes livenessProbe restarts the process when it is NOT_SERVING).
 LIVENESS_SERVICE = "pdserve.liveness"
 DRAIN_NOTICE_S = 2.0  # after NOT_SERVING, keep accepting this long so pollers notice before new calls are refused
+CUT_MARGIN_S = 1.0  # a drain's `cut` comes this long before grpc would cancel what is left, to send its status
 
 
 @dataclass
@@ -52,17 +53,28 @@ class RunningServer:
         """Liveness (`LIVENESS_SERVICE`): NOT_SERVING asks the platform to restart this process."""
         await self.health.set(LIVENESS_SERVICE, _status(live))
 
-    async def serve_until_cancelled(self, drain_timeout_s: float, in_flight: Callable[[], int]) -> None:
+    async def serve_until_cancelled(self, drain_timeout_s: float, in_flight: Callable[[], int],
+                                    cut: Callable[[], None] | None = None) -> None:
         """Serve until the task is cancelled (SIGTERM/SIGINT), then drain: readiness NOT_SERVING, a short notice
-        for pollers when requests are in flight, then refuse new calls and give in-flight ones drain_timeout_s to
-        finish. A second cancel cuts the drain short."""
+        for pollers when requests are in flight, then refuse new calls and give in-flight ones what is left of
+        drain_timeout_s to finish. `cut`, if given, is called CUT_MARGIN_S before that time is up while requests
+        remain, so they can end with a status of the server's choosing (grpc would cancel them). A second cancel
+        cuts the drain short."""
         try:
-            await self.server.wait_for_termination()
+            # Shielded: grpcio's wait_for_termination awaits the server's shutdown future itself, so cancelling it
+            # cancelled that future, and the stop below then raised at once: every stream was cut when the drain
+            # notice ended instead of being given drain_timeout_s.
+            await asyncio.shield(self.server.wait_for_termination())
         finally:
             await self.set_serving(False)
-            if in_flight() and drain_timeout_s > 0:
-                await asyncio.sleep(min(DRAIN_NOTICE_S, drain_timeout_s))
-            await self.server.stop(grace=drain_timeout_s)
+            notice = min(DRAIN_NOTICE_S, drain_timeout_s) if in_flight() and drain_timeout_s > 0 else 0.0
+            await asyncio.sleep(notice)
+            stopping = asyncio.ensure_future(self.server.stop(grace=drain_timeout_s - notice))
+            if cut is not None:
+                await asyncio.wait({stopping}, timeout=max(0.0, drain_timeout_s - notice - CUT_MARGIN_S))
+                if not stopping.done() and in_flight():
+                    cut()
+            await stopping
 
 
 def _status(serving: bool) -> int:

@@ -273,3 +273,61 @@ def test_a_worker_lost_under_load_turns_readiness_off_at_once(tiny_model_dir, tm
         assert f"worker {decode} left the routing set: a request's call failed" in log
     finally:
         p.stop()
+
+
+@pytest.mark.parametrize("drain_s", [120.0, 2.5])
+def test_sigterm_drains_the_coordinator(tiny_model_dir, tmp_path, drain_s):
+    """SIGTERM: readiness off, then in-flight streams get --drain-timeout-s to finish. They used to be cut when the
+    2 s drain notice ended, as CANCELLED, filed by the access log as client cancels with 0 output tokens. Streams
+    that finish in time finish OK; those still running when it runs out end UNAVAILABLE "shutting down; retry",
+    and the access log counts the tokens they had streamed. (With --max-num-seqs 1 the decode worker runs the eight
+    253-token streams one after another: more than 2.5 s of decoding on any machine.)"""
+    from pdserve.v1 import generate_pb2, generate_pb2_grpc
+
+    p = Processes(tiny_model_dir, tmp_path)
+    try:
+        prefill = p.start("prefill", "prefill", *WORKER)
+        decode = p.start("decode", "decode", *WORKER, "--max-num-seqs", "1")
+        coordinator = p.start("coordinator", "coordinator", "--prefill", prefill, "--decode", decode,
+                              "--drain-timeout-s", str(drain_s), "--metrics-port", "0")
+        metrics_url = json.loads((tmp_path / "coordinator.ready").read_text())["metrics_url"]
+        with grpc.insecure_channel(coordinator) as ch:
+            stub = generate_pb2_grpc.GenerationStub(ch)
+            calls = [stub.Generate(generate_pb2.GenerateRequest(
+                token_ids=generate_pb2.TokenIds(ids=[5 + i, 6, 7]),
+                sampling=generate_pb2.SamplingParams(max_tokens=253, temperature=0, ignore_eos=True)), timeout=300)
+                for i in range(8)]
+            wait_for(lambda: in_flight(metrics_url) == 8, 60, "eight requests in flight")
+            p.procs["coordinator"].send_signal(signal.SIGTERM)
+            ends, counts = [], []
+            for call in calls:
+                counts.append(0)
+                try:
+                    for msg in call:
+                        counts[-1] += len(msg.chunk.token_ids)
+                    ends.append("OK")
+                except grpc.RpcError as e:
+                    assert e.code() == grpc.StatusCode.UNAVAILABLE and "shutting down; retry" in e.details(), e
+                    ends.append("UNAVAILABLE")
+        assert p.procs["coordinator"].wait(timeout=drain_s + 60) == 0
+        if drain_s > 100:
+            assert ends == ["OK"] * 8 and counts == [253] * 8
+        else:
+            assert "UNAVAILABLE" in ends
+        log = (tmp_path / "coordinator.log").read_text()
+        for end, count in zip(ends, counts):
+            assert f"{end}: 3 prompt + {count} output tokens" in log
+        assert "CANCELLED" not in log
+    finally:
+        p.stop()
+
+
+def in_flight(metrics_url: str) -> float:
+    """The coordinator's pdserve:num_requests_in_flight."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(metrics_url, timeout=5).read().decode()
+    return sum(s.value for f in text_string_to_metric_families(text) if f.name == "pdserve:num_requests_in_flight"
+               for s in f.samples)
