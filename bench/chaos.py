@@ -27,6 +27,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -293,18 +294,27 @@ def check_idle(cluster: Cluster, timeout_s: float = 60) -> dict:
 
 
 async def _round(cluster: Cluster, load: Load, faults: Faults, seconds: float, clients: int,
-                 fault_period_s: float) -> None:
+                 fault_period_s: float, enough: Callable[[], bool] = lambda: True,
+                 max_seconds: float | None = None) -> None:
+    """Load and faults for `seconds`, then on until enough() (counted events, so a slow or busy machine gets the
+    same amount of chaos, only later), at most max_seconds in all."""
     stop = asyncio.Event()
     tasks = [asyncio.create_task(load.client_loop(stop)) for _ in range(clients)]
     tasks.append(asyncio.create_task(faults.run(stop, fault_period_s)))
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + max(seconds, max_seconds or seconds)
     await asyncio.sleep(seconds)
+    while not enough() and loop.time() < deadline:
+        await asyncio.sleep(0.5)
     stop.set()
     await asyncio.gather(*tasks)
 
 
 def run(model_dir: str, seconds: float, round_s: float = 60.0, clients: int = 6, max_tokens: int = 24,
-        fault_period_s: float = 5.0, seed: int = 0, worker_args: list[str] | None = None) -> dict:
-    """Run chaos rounds for `seconds`; returns the report (see the module docstring)."""
+        fault_period_s: float = 5.0, seed: int = 0, worker_args: list[str] | None = None, min_faults: int = 0,
+        min_ok: int = 0, max_round_s: float | None = None) -> dict:
+    """Run chaos rounds for `seconds`; returns the report (see the module docstring). Each round also goes on until
+    min_faults faults were injected and min_ok requests finished OK in all (at most max_round_s a round)."""
     rng = random.Random(seed)
     prompts = [[rng.randrange(3, 40000) for _ in range(rng.randint(4, 60))] for _ in range(12)]
     refs = references(model_dir, prompts, max_tokens)
@@ -322,7 +332,10 @@ def run(model_dir: str, seconds: float, round_s: float = 60.0, clients: int = 6,
         faults = Faults(cluster, load, tally, rng)
         start = time.monotonic()
         while time.monotonic() - start < seconds:
-            asyncio.run(_round(cluster, load, faults, min(round_s, seconds), clients, fault_period_s))
+            asyncio.run(_round(cluster, load, faults, min(round_s, seconds), clients, fault_period_s,
+                               enough=lambda: (sum(tally.faults.values()) >= min_faults
+                                               and tally.outcomes.get("ok", 0) >= min_ok),
+                               max_seconds=max_round_s))
             for name, proc in cluster.procs.items():  # anything that died outside a fault is restarted, counted
                 if proc.poll() is not None:
                     cluster.start(name)
