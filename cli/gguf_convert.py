@@ -38,6 +38,7 @@ def convert_gguf(gguf: Path, out: Path) -> None:
         config = model.config
         if hasattr(config, "quantization_config"):
             del config.quantization_config
+        config.architectures = [type(model).__name__]  # other tools (vLLM) build the LM head from it
         config.save_pretrained(str(tmp))
         state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
         if getattr(config, "tie_word_embeddings", False):

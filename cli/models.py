@@ -41,6 +41,11 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("PDSERVE_CACHE_DIR", Path.home() / ".cache" / "pdserve"))
 
 
+# Bumped when the converted directory's content changes, so caches written by an older conversion are redone
+# (2: config.json names its architectures).
+CONVERSION_VERSION = 2
+
+
 def served_name(model: str | None) -> str:
     """The name clients use for a model argument: a directory's name, or a GGUF file's name up to its first dot
     ("SmolLM2-135M-Instruct" for the packaged default)."""
@@ -70,7 +75,7 @@ def resolve_model(model: str | None, cache_dir: Path | None = None) -> Path:
     # checkout convert again into a new 517 MB directory, and the old ones were never reused.
     with path.open("rb") as f:
         key = hashlib.file_digest(f, "sha256").hexdigest()[:12]
-    out = (cache_dir or default_cache_dir()) / f"{path.stem}-{key}"
+    out = (cache_dir or default_cache_dir()) / f"{path.stem}-{key}-c{CONVERSION_VERSION}"
     if not (out / "config.json").is_file():
         done = subprocess.run([sys.executable, "-m", "cli.gguf_convert", str(path), str(out)],
                               capture_output=True, text=True)

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from coordinator.errors import RequestError
 from coordinator.flow import Flow
 from coordinator.config import CoordinatorConfig
 from coordinator.router import LocalPrefillPolicy, Router, WorkerHandle
@@ -67,14 +68,18 @@ class Cluster:
     @property
     def limits(self) -> Limits:
         """What a request may ask for: the tightest context and KV capacity among live workers (the last known
-        when none is live)."""
+        when none is live).
+
+        Raises:
+            RequestError: UNAVAILABLE before any worker has been seen.
+        """
         live = [w for w in self.router.workers if w.live and w.info is not None]
         if live and self.reference is not None:
             self._limits = Limits(context_length=min(w.info.context_length for w in live),
                                   kv_capacity_tokens=min(w.info.max_request_tokens for w in live),
                                   vocab_size=self.reference.vocab_size)
         if self._limits is None:
-            raise RuntimeError("no worker has been seen yet")
+            raise RequestError(grpc.StatusCode.UNAVAILABLE, "no worker has been seen yet; retry shortly")
         return self._limits
 
     @property
@@ -234,6 +239,7 @@ class Membership:
         while True:
             await self.refresh()
             if self.cluster.complete:
+                self.cluster.limits  # noqa: B018 - taken now, so they are known even if every worker flaps later
                 return
             if time.monotonic() >= note:  # an operator watching the log learns what it waits for
                 note += WAIT_NOTE_S

@@ -37,6 +37,7 @@ from server_common.tracing import Tracing
 log = logging.getLogger(__name__)
 
 MAX_REQUEST_ID_CHARS = 256  # ids are echoed in errors, logs and traces
+CAPACITY_RETRY_S = 1.0  # RetryInfo of "server at capacity": about one short request's time, a hint not a promise
 # The client's deadline timer starts before ours (ours counts from the call's arrival), so its cancellation at its
 # deadline reaches us with a little of our own left: a cancellation this close to the deadline is the deadline.
 CLIENT_DEADLINE_SLACK_S = 0.1
@@ -189,8 +190,8 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
     def _charge(self, caller: str, num_tokens: int) -> None:
         """Take the request's tokens from the caller's rate limit. Raises RequestError RESOURCE_EXHAUSTED."""
         wait = self.limiter.admit(caller, "tokens", num_tokens)
-        if wait == float("inf"):
-            raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+        if wait == float("inf"):  # retrying cannot help: the request itself is too big for the limit
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,
                                f"prompt + max_tokens = {num_tokens} tokens exceeds this key's token burst "
                                f"({self.config.rate_limit_tokens_per_s:g}/s for {self.config.rate_limit_burst_s:g} s);"
                                " lower max_tokens")
@@ -211,7 +212,8 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             raise RequestError(grpc.StatusCode.ALREADY_EXISTS, f"request_id {rid!r} is already in flight")
         if len(self.cluster.flows) >= self.config.max_in_flight:
             raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                               f"server at capacity ({self.config.max_in_flight} requests in flight); retry later")
+                               f"server at capacity ({self.config.max_in_flight} requests in flight); retry later",
+                               retry_after_s=CAPACITY_RETRY_S)
         per_caller = self.config.max_in_flight_per_caller
         if per_caller and sum(f.caller == caller for f in self.cluster.flows.values()) >= per_caller:
             raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -400,6 +402,10 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
 
     async def GetModelInfo(self, request, context):
         c = self.cluster
+        try:
+            c.limits  # noqa: B018 - UNAVAILABLE before any worker was seen (grpc would say UNKNOWN)
+        except RequestError as e:
+            await context.abort(e.code, e.message)
         return generate_pb2.ModelInfo(
             model=self.config.model_name, context_length=c.limits.context_length, block_size=c.block_size,
             vocab_size=c.limits.vocab_size, eos_token_id=c.eos_token_id,

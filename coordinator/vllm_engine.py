@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 import grpc
 from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2 as pb, vllm_engine_pb2_grpc as pb_grpc
 
-from coordinator.errors import invalid
+from coordinator.errors import RequestError, invalid
 from coordinator.validation import check_prompt, check_text_length, resolve_sampling
 from pdserve.v1 import generate_pb2
 
@@ -224,7 +224,10 @@ class VllmEngineServicer(pb_grpc.VllmEngineServicer):
         """The served model. model_path and tokenizer_path name the coordinator's model directory: a gateway on
         this host loads the tokenizer from it (it would treat a path it cannot see as a hub id); one elsewhere can
         take GetTokenizer's copy."""
-        limits, cfg = self.cluster.limits, self.hf_config
+        try:
+            limits, cfg = self.cluster.limits, self.hf_config
+        except RequestError as e:  # no worker seen yet: UNAVAILABLE, not grpc's UNKNOWN
+            await context.abort(e.code, e.message)
         eos = cfg.get("eos_token_id")
         eos = [self.cluster.eos_token_id] if eos is None else eos if isinstance(eos, list) else [eos]
         return pb.GetModelInfoResponse(

@@ -110,6 +110,9 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
         token = presented_token(handler_call_details.invocation_metadata)
         message = (f"missing {self.what}: send metadata 'authorization: Bearer <{self.what}>'" if token is None
                    else f"invalid {self.what}")
+        # An operator should see who is knocking (the key itself is never logged, only its id).
+        log.warning("refused %s: %s%s", handler_call_details.method, message,
+                    f" (presented key id {key_id(token)})" if token is not None else "")
         return _refusing(handler, grpc.StatusCode.UNAUTHENTICATED, message)
 
 

@@ -192,3 +192,13 @@ def test_local_prefill_while_the_prefill_queue_is_slower_and_back_once_it_drains
     assert router.local_prefill(prompt, LocalPrefillPolicy(queue=False)) is None  # the rule can be turned off
     p0.prefill_queue.pending_tokens = 0  # the queue drained
     assert router.local_prefill(prompt, policy) is None
+
+
+def test_limits_before_any_worker_was_seen_are_unavailable():
+    """GetModelInfo under load answered UNKNOWN ("no worker has been seen yet"): it is UNAVAILABLE, retryable."""
+    cluster = Cluster(two_by_two(), colocated=False)
+    for w in cluster.router.workers:
+        w.live = False
+    with pytest.raises(RequestError) as e:
+        cluster.limits
+    assert e.value.code == grpc.StatusCode.UNAVAILABLE

@@ -2,6 +2,7 @@
 the KV channel, per-key rate limits with a retry hint (issue 9, findings 3-4 and "TLS and authentication")."""
 import asyncio
 import subprocess
+import time
 from pathlib import Path
 
 import grpc
@@ -376,3 +377,30 @@ def test_request_ids_belong_to_their_caller(workers, tiny_model_dir, pki):
         chunks = list(stream)
         assert chunks[-1].final is not None and chunks[-1].final.finish_reason == "length"  # not aborted
         assert owner.abort("shared") is False  # finished
+
+
+def test_refusals_say_whether_a_retry_can_help(workers, tiny_model_dir, pki):
+    """'Server at capacity' carries a RetryInfo; a request bigger than the key's whole token burst is
+    INVALID_ARGUMENT (it can never pass, a retryable RESOURCE_EXHAUSTED said otherwise); a refused key is logged."""
+    address = coordinator(workers, tiny_model_dir, "refusing-coordinator", "--max-in-flight", "1",
+                          "--rate-limit-tokens-per-s", "20", "--api-keys-file", str(pki / "keys"))
+    with Client(address, api_key=KEY) as c:
+        stream = c.generate([5, 6, 7], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+        next(stream)
+        with pytest.raises(grpc.RpcError) as e:
+            c.complete([5, 6, 7], GREEDY)
+        stream.close()
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "at capacity" in e.value.details()
+        info = error_details_pb2.RetryInfo()
+        assert rpc_status.from_call(e.value).details[0].Unpack(info) and info.retry_delay.ToTimedelta().seconds >= 1
+        for _ in range(300):  # until the closed stream has left the coordinator (its cancel is asynchronous)
+            with pytest.raises(grpc.RpcError) as e:
+                c.complete([5, 6, 7], SamplingParams(max_tokens=100, temperature=0))
+            if "at capacity" not in e.value.details():
+                break
+            time.sleep(0.1)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "token burst" in e.value.details()
+    with Client(address, api_key="not-a-key") as c, pytest.raises(grpc.RpcError):
+        c.complete([5, 6, 7], GREEDY)
+    log = (Path(workers.workdir) / "refusing-coordinator.log").read_text()
+    assert "refused /pdserve.v1.Generation/Generate: invalid API key (presented key id" in log
