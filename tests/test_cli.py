@@ -203,3 +203,10 @@ def test_user_errors_of_the_command_line_are_one_line(tmp_path):
     refused = run("generate", "hi", "--address", f"127.0.0.1:{port}", "--timeout", "20")
     assert refused.returncode == 1 and "Traceback" not in refused.stderr
     assert "pdserve generate: UNAVAILABLE: " in refused.stderr and "is a coordinator serving on" in refused.stderr
+
+
+def test_the_converted_default_model_names_its_architecture(real_model_dir):
+    """Other tools build the LM head from config.json's architectures (vLLM loaded the directory without one)."""
+    import json
+
+    assert json.loads((real_model_dir / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
