@@ -1,0 +1,483 @@
+"""The KServe v2 inference protocol (`inference.GRPCInferenceService`) on the coordinator's port, with the tensors of
+Triton's vLLM backend, so `tritonclient.grpc` (and other KServe v2 / Triton clients) work against pdserve unmodified.
+
+Protocol: the gRPC form of the KServe v2 ("Open Inference") protocol as Triton serves it (Triton's
+docs/protocol/README.md and the KServe v2 predict-protocol spec); its generated stubs are tritonclient's
+(`tritonclient.grpc.service_pb2`, `service_pb2_grpc`, `model_config_pb2`), imported, never copied. One model exists:
+config.model_name, version "1" ("" picks it); any other name or version is NOT_FOUND, as on Triton.
+
+The model's tensors are those of Triton's vLLM backend (triton-inference-server/vllm_backend, src/utils/request.py):
+  - text_input (BYTES, shape [1]): the prompt, tokenized by the coordinator's tokenizer as pdserve.v1's `text`.
+  - stream (BOOL, [1], optional, default false): stream text deltas; only over ModelStreamInfer.
+  - sampling_parameters (BYTES, [1], optional): a JSON object of vLLM SamplingParams fields (`SAMPLING_FIELDS`);
+    values may be JSON strings ("0.5"), as the backend converts them; null means the default. Unset max_tokens is
+    vLLM's default, 16. Without the tensor, the request's own parameters are read the same way (reserved ones, such
+    as priority or sequence_id, left out), as the backend does.
+  - exclude_input_in_output (BOOL, [1], optional): without streaming the text is the prompt + the completion unless
+    this is true; streamed text never includes the prompt, and stream with this explicitly false is refused.
+  - text_output (BYTES, shape [1]): the only output.
+
+ModelInfer answers once with the whole text. ModelStreamInfer takes any number of requests on one call and runs them
+concurrently; with stream=true each request gets one response per text delta, then a last response with empty text,
+each carrying the `triton_final_response` parameter (true on the last only), as Triton's decoupled models answer;
+with stream=false one response with the whole text, flagged final. A failed request in a stream gets a response
+with `error_message` (led by its status's name, e.g. "[StatusCode.INVALID_ARGUMENT] ...", since a stream response
+has no status code) and the stream goes on; a unary call ends with the status itself.
+
+Every inference goes through the coordinator's one request path (`GenerationServicer.serve`: admission,
+validation, routing, disaggregated prefill and decode, migration, stop strings, error statuses, access log).
+"""
+from __future__ import annotations
+
+import asyncio
+import importlib
+import importlib.util
+import json
+import math
+import struct
+import sys
+import types
+import uuid
+from importlib import metadata
+from typing import TYPE_CHECKING
+
+import grpc
+
+from coordinator.errors import RequestError, invalid
+from coordinator.validation import check_prompt, check_text_length, resolve_sampling, shorten
+from pdserve.v1 import generate_pb2
+from server_common.errors import CommandError
+
+if TYPE_CHECKING:  # coordinator.server registers this service: no import back at run time
+    from coordinator.server import GenerationServicer
+
+
+def _import_protos() -> tuple[types.ModuleType, types.ModuleType, types.ModuleType]:
+    """tritonclient's generated KServe modules (model_config_pb2, service_pb2, service_pb2_grpc), imported without
+    running `tritonclient/grpc/__init__.py`, which loads the whole client, numpy among it (the coordinator process
+    stays free of numerical libraries). A stand-in package object serves the import and is removed after it; a
+    later `import tritonclient.grpc` runs the real package and finds these modules already imported.
+
+    Raises:
+        CommandError: tritonclient is not installed or its modules do not load (protobuf or grpcio too old for its
+            generated code), with what to install.
+    """
+    package, names = "tritonclient.grpc", ("model_config_pb2", "service_pb2", "service_pb2_grpc")
+    try:
+        if package in sys.modules:  # the client is loaded already (a test process): the same modules
+            return tuple(importlib.import_module(f"{package}.{n}") for n in names)
+        spec = importlib.util.find_spec(package)
+        if spec is None or not spec.submodule_search_locations:
+            raise ImportError(f"no package {package}")
+        stand_in = types.ModuleType(package)
+        stand_in.__path__ = list(spec.submodule_search_locations)
+        sys.modules[package] = stand_in
+        try:
+            return tuple(importlib.import_module(f"{package}.{n}") for n in names)
+        finally:
+            if sys.modules.get(package) is stand_in:
+                del sys.modules[package]
+    except Exception as e:  # ImportError, protobuf's VersionError, the RuntimeError of a grpcio older than the stubs
+        raise CommandError(
+            f"the KServe v2 service (inference.GRPCInferenceService) needs the protos of the tritonclient package, "
+            f"which did not load ({type(e).__name__}: {e}); install it with `pip install tritonclient` (no extras: "
+            "tritonclient[grpc] pins protobuf<7, which pdserve's stubs cannot use), or run scripts/install.sh") from e
+
+
+model_config_pb2, pb, pb_grpc = _import_protos()
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name  # "inference.GRPCInferenceService"
+MODEL_VERSION = "1"
+# Input name -> (KServe datatype, required), with Triton's vLLM backend's names and types; every one has shape [1].
+INPUTS = {"text_input": ("BYTES", True), "stream": ("BOOL", False), "sampling_parameters": ("BYTES", False),
+          "exclude_input_in_output": ("BOOL", False)}
+OUTPUT = "text_output"
+FINAL = "triton_final_response"
+VLLM_DEFAULT_MAX_TOKENS = 16  # vLLM's SamplingParams default, which the backend's callers rely on
+# sampling_parameters fields taken, by their vLLM type; the others of vLLM's SamplingParams are refused by name.
+SAMPLING_FIELDS = {
+    "float": ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"),
+    "int": ("max_tokens", "min_tokens", "top_k", "seed", "n", "best_of"),
+    "bool": ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens",
+             "use_beam_search"),
+    "list": ("stop", "stop_token_ids")}
+UNSUPPORTED = ("logprobs", "prompt_logprobs", "logit_bias", "allowed_token_ids", "bad_words", "structured_outputs",
+               "guided_decoding", "lora_name", "truncate_prompt_tokens")
+INT32 = (-2**31, 2**31 - 1)  # our int fields' range: larger values are clamped, and validation names the limit
+# Request parameters that belong to the protocol or to tritonclient, never sampling fields.
+RESERVED_PARAMETERS = ("sequence_id", "sequence_start", "sequence_end", "priority", "timeout", "headers",
+                       "binary_data_output")
+
+
+def _kinds() -> dict[str, str]:
+    return {name: kind for kind, names in SAMPLING_FIELDS.items() for name in names}
+
+
+def to_sampling(fields: dict) -> generate_pb2.SamplingParams:
+    """sampling_parameters' fields (vLLM's names; values as the backend converts them: "0.5" is 0.5) as our public
+    SamplingParams, unresolved. null means the default; max_tokens defaults to 16 (vLLM's); top_k -1 is off.
+
+    Raises:
+        RequestError: INVALID_ARGUMENT naming the field, for unknown or unsupported fields and values of the wrong
+            type (n or best_of > 1, skip_special_tokens false: not supported).
+    """
+    kinds, out = _kinds(), generate_pb2.SamplingParams(max_tokens=VLLM_DEFAULT_MAX_TOKENS)
+    for key, value in fields.items():
+        if value is None:
+            continue
+        if key in UNSUPPORTED:
+            raise invalid(f"sampling_parameters.{key} is not supported by this server")
+        kind = kinds.get(key)
+        if kind is None:
+            raise invalid(f"sampling_parameters has an unknown field {shorten(key)}; known: {', '.join(kinds)}")
+        v = _convert(key, kind, value)
+        if key in ("n", "best_of"):
+            if v != 1:
+                raise invalid(f"sampling_parameters.{key} = {v}: parallel sampling is not supported; send 1")
+        elif key == "skip_special_tokens":
+            if not v:
+                raise invalid("sampling_parameters.skip_special_tokens = false is not supported: text never "
+                              "includes special tokens")
+        elif key == "use_beam_search":
+            if v:
+                raise invalid("sampling_parameters.use_beam_search = true is not supported")
+        elif key == "spaces_between_special_tokens":
+            pass  # only about special tokens, which text never includes
+        elif key == "top_k":
+            # vLLM's -1 (or 0) is off, as our 0; other negatives fail validation
+            out.top_k = 0 if v == -1 else min(max(v, INT32[0]), INT32[1])
+        elif key == "seed":
+            out.seed = v % 2**64  # vLLM takes any int; ours is uint64
+        elif kind == "int":
+            setattr(out, key, min(max(v, INT32[0]), INT32[1]))
+        elif key == "stop":
+            out.stop.extend(v)
+        elif key == "stop_token_ids":
+            out.stop_token_ids.extend(v)
+        else:
+            setattr(out, key, v)
+    return out
+
+
+def _convert(key: str, kind: str, value):
+    """One field's value as its vLLM type. Raises RequestError INVALID_ARGUMENT naming the field and the type."""
+    try:
+        if kind == "float" and not isinstance(value, bool):
+            v = float(value)
+            if math.isfinite(v):
+                return v
+        elif kind == "int" and not isinstance(value, bool):
+            v = float(value) if isinstance(value, float) else int(value)
+            if v == int(v) and abs(v) < 2**63:
+                return int(v)
+        elif kind == "bool":
+            if isinstance(value, bool) or value in (0, 1):
+                return bool(value)
+            if isinstance(value, str) and value.lower() in ("true", "false"):
+                return value.lower() == "true"
+        elif key == "stop" and isinstance(value, str):
+            return [value]
+        elif key == "stop" and isinstance(value, list) and all(isinstance(s, str) for s in value):
+            return value
+        elif key == "stop_token_ids" and isinstance(value, list):
+            ids = [_convert(key, "int", t) for t in value]
+            if all(0 <= t < 2**31 for t in ids):
+                return ids
+    except (TypeError, ValueError, OverflowError, RequestError):
+        pass
+    expected = {"float": "a finite number", "int": "an integer", "bool": "true or false"}.get(kind) or (
+        "a string or a list of strings" if key == "stop" else "a list of token ids (integers >= 0)")
+    raise invalid(f"sampling_parameters.{key} must be {expected}, got {shorten(json.dumps(value))}")
+
+
+def _parameter_value(p):
+    """An InferParameter's value (bool, int, float or str)."""
+    kind = p.WhichOneof("parameter_choice")
+    return getattr(p, kind) if kind else None
+
+
+def _elements(tensor, raw: bytes | None, datatype: str) -> list:
+    """A tensor's elements (bytes or bool), from raw_input_contents when it came that way (BYTES: each element
+    a 4-byte little-endian length, then the bytes; BOOL: one byte each), else from its typed contents.
+
+    Raises:
+        RequestError: INVALID_ARGUMENT for raw bytes that do not parse.
+    """
+    if raw is None:
+        return list(tensor.contents.bytes_contents if datatype == "BYTES" else tensor.contents.bool_contents)
+    if datatype == "BOOL":
+        return [b != 0 for b in raw]
+    out, at = [], 0
+    while at < len(raw):
+        if at + 4 > len(raw):
+            raise invalid(f"input {tensor.name!r}: raw BYTES content ends inside an element's 4-byte length")
+        (n,) = struct.unpack_from("<I", raw, at)
+        if at + 4 + n > len(raw):
+            raise invalid(f"input {tensor.name!r}: raw BYTES element of {n} bytes runs past the content's end")
+        out.append(raw[at + 4:at + 4 + n])
+        at += 4 + n
+    return out
+
+
+def read_inputs(request) -> dict[str, bytes | bool]:
+    """The request's inputs by name, each the single element of its shape [1] tensor.
+
+    Raises:
+        RequestError: INVALID_ARGUMENT naming the tensor: unknown, repeated, of another datatype, not one element,
+            raw contents that do not match the inputs, or text_input missing.
+    """
+    raw = request.raw_input_contents
+    if raw and len(raw) != len(request.inputs):
+        raise invalid(f"raw_input_contents has {len(raw)} entries for {len(request.inputs)} inputs; "
+                      "send one per input, in order, or none")
+    out: dict[str, bytes | bool] = {}
+    for i, t in enumerate(request.inputs):
+        if t.name not in INPUTS:
+            raise invalid(f"unexpected input {shorten(t.name)}; this model takes {', '.join(INPUTS)}")
+        if t.name in out:
+            raise invalid(f"input {t.name!r} is given twice")
+        datatype = INPUTS[t.name][0]
+        if t.datatype != datatype:
+            raise invalid(f"input {t.name!r} has datatype {shorten(t.datatype)}; expected {datatype}")
+        values = _elements(t, raw[i] if raw else None, datatype)
+        if list(t.shape) != [1] or len(values) != 1:
+            raise invalid(f"input {t.name!r} must be one element of shape [1]; got shape {list(t.shape)} with "
+                          f"{len(values)} element(s)")
+        out[t.name] = values[0]
+    if "text_input" not in out:
+        raise invalid("input 'text_input' (BYTES, shape [1]: the prompt) is required")
+    return out
+
+
+class _Request:
+    """One inference request's reading and its answers: the text so far, and the KServe responses."""
+
+    def __init__(self, servicer: KServeServicer, request, streaming_call: bool):
+        self.servicer, self.request, self.streaming_call = servicer, request, streaming_call
+        self.stream = self.prepend = False
+        self.prompt_text = ""
+        self.parts: list[str] = []
+
+    async def prepare(self) -> tuple[list[int], generate_pb2.SamplingParams]:
+        """(prompt token ids, resolved sampling) for `GenerationServicer.serve`.
+
+        Raises:
+            RequestError: NOT_FOUND for another model or version; INVALID_ARGUMENT for bad tensors, JSON, fields,
+                or the prompt (empty, too long); RESOURCE_EXHAUSTED when it can never fit the KV cache.
+        """
+        s, r = self.servicer, self.request
+        s.check_model(r.model_name, r.model_version)
+        for o in r.outputs:
+            if o.name != OUTPUT:
+                raise invalid(f"unknown output {shorten(o.name)}; this model's only output is {OUTPUT!r}")
+        inputs = read_inputs(r)
+        self.stream = bool(inputs.get("stream", False))
+        if self.stream and not self.streaming_call:
+            raise invalid("stream = true needs ModelStreamInfer (tritonclient: start_stream, then "
+                          "async_stream_infer); ModelInfer answers once: send stream = false or leave it out")
+        exclude = inputs.get("exclude_input_in_output")
+        if self.stream and exclude is False:
+            raise invalid("when streaming, exclude_input_in_output = false is not allowed (streamed text never "
+                          "includes the prompt)")
+        self.prepend = not self.stream and not exclude
+        try:
+            self.prompt_text = inputs["text_input"].decode()
+        except UnicodeDecodeError as e:
+            raise invalid(f"text_input is not valid UTF-8 ({e})") from None
+        if not self.prompt_text:
+            raise invalid("text_input is empty: the prompt must be non-empty")
+        sampling = to_sampling(self._sampling_fields(inputs.get("sampling_parameters")))
+        limits = s.cluster.limits
+        check_text_length(len(self.prompt_text), s.tokenizer.max_chars_per_token, limits)
+        prompt = await asyncio.to_thread(s.tokenizer.encode, self.prompt_text)
+        check_prompt(prompt, limits)
+        return prompt, resolve_sampling(sampling, len(prompt), limits)
+
+    def _sampling_fields(self, text: bytes | None) -> dict:
+        """sampling_parameters' JSON object, or without it the request's parameters less the reserved ones.
+        Raises RequestError INVALID_ARGUMENT for text that is no JSON object."""
+        if text is None:
+            return {k: _parameter_value(v) for k, v in self.request.parameters.items()
+                    if k not in RESERVED_PARAMETERS and not k.startswith("triton_")}
+        try:
+            fields = json.loads(text)
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise invalid(f"sampling_parameters is not valid JSON ({e}); send a JSON object such as "
+                          '{"max_tokens": 16, "temperature": 0}') from None
+        if not isinstance(fields, dict):
+            raise invalid(f"sampling_parameters must be a JSON object, got {shorten(text.decode(errors='replace'))}")
+        return fields
+
+    def response(self, text: str, final: bool | None) -> pb.ModelInferResponse:
+        """A ModelInferResponse carrying `text` as text_output; `final` sets triton_final_response (streams)."""
+        r = pb.ModelInferResponse(model_name=self.servicer.config.model_name, model_version=MODEL_VERSION,
+                                  id=self.request.id)
+        r.outputs.add(name=OUTPUT, datatype="BYTES", shape=[1])
+        data = text.encode()
+        r.raw_output_contents.append(struct.pack("<I", len(data)) + data)
+        if final is not None:
+            r.parameters[FINAL].bool_param = final
+        return r
+
+    def whole_text(self) -> str:
+        return (self.prompt_text if self.prepend else "") + "".join(self.parts)
+
+    def convert(self, msg: generate_pb2.GenerateResponse) -> pb.ModelInferResponse | None:
+        """The stream response for one of our messages (None: nothing to send yet). Without streaming, text is
+        gathered until the final message, which becomes the one response."""
+        if msg.WhichOneof("response") == "chunk":
+            if self.stream:
+                return self.response(msg.chunk.text, False) if msg.chunk.text else None
+            self.parts.append(msg.chunk.text)
+            return None
+        return self.response("" if self.stream else self.whole_text(), True)
+
+
+class _StreamRequestContext:
+    """The call's context as `GenerationServicer.serve` sees it for one request of a ModelStreamInfer call: abort
+    ends that request (raising _Failed), not the stream its neighbours share."""
+
+    def __init__(self, context: grpc.aio.ServicerContext):
+        self._context = context
+
+    def __getattr__(self, name):
+        return getattr(self._context, name)
+
+    async def abort(self, code: grpc.StatusCode, details: str = "", trailing_metadata=()) -> None:
+        raise _Failed(code, details)
+
+
+class _Failed(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
+class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
+    """`inference.GRPCInferenceService` over the coordinator's request path (see the module docstring). RPCs not
+    defined here (statistics, model load/unload, shared memory, trace and log settings) answer UNIMPLEMENTED.
+
+    Args:
+        generation: the public Generation servicer, whose request path, tokenizer and cluster this door shares.
+    """
+
+    def __init__(self, generation: GenerationServicer):
+        self.generation = generation
+        self.config, self.cluster, self.tokenizer = generation.config, generation.cluster, generation.tokenizer
+
+    def check_model(self, name: str, version: str) -> None:
+        """Raises RequestError NOT_FOUND unless name is the served model and version "1" or ""."""
+        if name != self.config.model_name:
+            raise RequestError(grpc.StatusCode.NOT_FOUND, f"Request for unknown model: {shorten(name)} is not "
+                                                          f"found; this server serves {self.config.model_name!r}")
+        if version not in ("", MODEL_VERSION):
+            raise RequestError(grpc.StatusCode.NOT_FOUND, f"Request for unknown model: {name!r} version "
+                                                          f"{shorten(version)} is not found; its only version is "
+                                                          f"{MODEL_VERSION!r}")
+
+    async def _known_model(self, request, context) -> None:
+        try:
+            self.check_model(request.name, request.version)
+        except RequestError as e:
+            await context.abort(e.code, e.message)
+
+    async def ServerLive(self, request, context):
+        return pb.ServerLiveResponse(live=True)
+
+    async def ServerReady(self, request, context):
+        """Ready while requests can be served (`Cluster.ready`), as the health service's readiness."""
+        return pb.ServerReadyResponse(ready=self.cluster.ready)
+
+    async def ModelReady(self, request, context):
+        """The served model is ready with the server; another name or version is not (false, no error: Triton's)."""
+        known = request.name == self.config.model_name and request.version in ("", MODEL_VERSION)
+        return pb.ModelReadyResponse(ready=known and self.cluster.ready)
+
+    async def ServerMetadata(self, request, context):
+        try:
+            version = metadata.version("pdserve")
+        except metadata.PackageNotFoundError:
+            version = ""
+        return pb.ServerMetadataResponse(name="pdserve", version=version)
+
+    async def ModelMetadata(self, request, context):
+        """The model's tensors (`INPUTS`, `OUTPUT`). Raises NOT_FOUND for another model or version."""
+        await self._known_model(request, context)
+        return pb.ModelMetadataResponse(
+            name=self.config.model_name, versions=[MODEL_VERSION], platform="vllm",
+            inputs=[pb.ModelMetadataResponse.TensorMetadata(name=n, datatype=d, shape=[1])
+                    for n, (d, _) in INPUTS.items()],
+            outputs=[pb.ModelMetadataResponse.TensorMetadata(name=OUTPUT, datatype="BYTES", shape=[-1])])
+
+    async def ModelConfig(self, request, context):
+        """The model's configuration as Triton's vLLM backend completes it (decoupled, no batching dimension).
+        Raises NOT_FOUND for another model or version."""
+        await self._known_model(request, context)
+        dtype = {"BYTES": model_config_pb2.TYPE_STRING, "BOOL": model_config_pb2.TYPE_BOOL}
+        return pb.ModelConfigResponse(config=model_config_pb2.ModelConfig(
+            name=self.config.model_name, backend="vllm", max_batch_size=0,
+            input=[model_config_pb2.ModelInput(name=n, data_type=dtype[d], dims=[1], optional=not required)
+                   for n, (d, required) in INPUTS.items()],
+            output=[model_config_pb2.ModelOutput(name=OUTPUT, data_type=model_config_pb2.TYPE_STRING, dims=[-1])],
+            model_transaction_policy=model_config_pb2.ModelTransactionPolicy(decoupled=True)))
+
+    async def RepositoryIndex(self, request, context):
+        """The one model, READY or UNAVAILABLE (with why); request.ready lists it only when ready."""
+        ready = self.cluster.ready
+        if request.ready and not ready:
+            return pb.RepositoryIndexResponse()
+        reason = "" if ready else f"no live {' or '.join(self.cluster.missing_roles()) or 'worker'} worker"
+        return pb.RepositoryIndexResponse(models=[pb.RepositoryIndexResponse.ModelIndex(
+            name=self.config.model_name, version=MODEL_VERSION, state="READY" if ready else "UNAVAILABLE",
+            reason=reason)])
+
+    async def ModelInfer(self, request, context):
+        """One request, answered once with the whole text (stream = true is refused: use ModelStreamInfer).
+        Errors end the call with the request path's statuses: NOT_FOUND, INVALID_ARGUMENT, RESOURCE_EXHAUSTED,
+        ALREADY_EXISTS (an id in flight), UNAVAILABLE, DEADLINE_EXCEEDED, CANCELLED."""
+        req = _Request(self, request, streaming_call=False)
+
+        async def send(msg: generate_pb2.GenerateResponse) -> None:
+            req.convert(msg)
+
+        await self.generation.serve(context, request.id or uuid.uuid4().hex, req.prepare, "text_completion", send)
+        return req.response(req.whole_text(), None)
+
+    async def ModelStreamInfer(self, request_iterator, context):
+        """Every request of the call, concurrently, each answered as the module docstring says; the call ends
+        when the client has closed its side and every request has finished. Writes are serialized, and a client
+        that takes none for stall_timeout_s fails the request writing (its KV freed)."""
+        lock = asyncio.Lock()
+
+        async def write(response: pb.ModelStreamInferResponse) -> None:
+            async with lock:
+                await self.generation._write(context, response)
+
+        async with asyncio.TaskGroup() as tasks:
+            async for request in request_iterator:
+                tasks.create_task(self._stream_one(request, context, write))
+
+    async def _stream_one(self, request, context, write) -> None:
+        req = _Request(self, request, streaming_call=True)
+
+        async def send(msg: generate_pb2.GenerateResponse) -> None:
+            if (out := req.convert(msg)) is not None:
+                await write(pb.ModelStreamInferResponse(infer_response=out))
+
+        try:
+            await self.generation.serve(_StreamRequestContext(context), request.id or uuid.uuid4().hex,
+                                        req.prepare, "text_completion", send)
+        except _Failed as e:
+            failed = pb.ModelInferResponse(model_name=request.model_name, model_version=request.model_version,
+                                           id=request.id)
+            try:
+                await write(pb.ModelStreamInferResponse(error_message=f"[{e.code}] {e.message}",
+                                                        infer_response=failed))
+            except (RequestError, grpc.aio.InternalError):
+                pass  # the client is gone or stalled: nobody to tell
+        except grpc.aio.InternalError:
+            pass  # a write raced the call's end: the client is gone (serve has recorded it)
+
+
+def add_to_server(servicer: KServeServicer, server: grpc.aio.Server) -> None:
+    pb_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, server)
