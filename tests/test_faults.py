@@ -48,12 +48,16 @@ def test_one_extreme_request_fails_no_bystander(cluster, tiny_model_dir, extreme
 
 
 def test_worker_abort_ends_the_client_stream_promptly(cluster):
-    """Worker.Abort used to free the request but leave its client waiting for the deadline."""
+    """Worker.Abort used to free the request but leave its client waiting for the deadline. (Workers know a
+    request by its id scoped to the caller, here this test's peer address: `coordinator.flow.scoped_id`.)"""
+    from coordinator.flow import scoped_id
+
     with Client(cluster.address) as c:
         stream = c.generate([5, 6, 7], greedy(400, ignore_eos=True), request_id="worker-abort", timeout=60)
         next(stream)
+        worker_id = scoped_id("peer:ipv4:127.0.0.1", "worker-abort")
         with grpc.insecure_channel(cluster.worker_addresses["decode-0"]) as ch:
-            assert worker_pb2_grpc.WorkerStub(ch).Abort(generate_pb2.AbortRequest(request_id="worker-abort"),
+            assert worker_pb2_grpc.WorkerStub(ch).Abort(generate_pb2.AbortRequest(request_id=worker_id),
                                                         metadata=cluster.worker_metadata).found
         start = time.monotonic()
         with pytest.raises(grpc.RpcError) as e:
