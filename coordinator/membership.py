@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 
 MAX_FAILED_POLLS = 2
 WAIT_NOTE_S = 10.0  # at start, say what is still missing this often
+POLL_TIMEOUT_S = 5.0  # a health or stats poll's deadline (at least the poll interval)
 ROLE_SERVICE = {"prefill": "pdserve.v1.Prefill", "decode": "pdserve.v1.Decode", "colocated": "pdserve.v1.Decode"}
 
 
@@ -132,7 +133,7 @@ class Membership:
                 if address not in known:
                     channel = internal_channel(address, self.config.worker_tls_ca, self.secret,
                                                options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                                                        *CLIENT_KEEPALIVE],
+                                                        *CLIENT_KEEPALIVE, *self._reconnect_backoff()],
                                                interceptors=self.interceptors)
                     handles.append(WorkerHandle.connect(address, channel))
                     log.info("%s endpoint %s discovered", role, address)
@@ -144,10 +145,18 @@ class Membership:
                     asyncio.get_running_loop().create_task(h.channel.close())
                     log.info("%s endpoint %s removed (no longer discovered)", role, h.address)
 
+    def _reconnect_backoff(self) -> list[tuple[str, int]]:
+        """Channel options that keep gRPC's reconnect backoff near the poll interval: by default it grows to
+        120 s, and a restarted worker rejoined 26-65 s after it was serving again."""
+        ms = int(max(1.0, self.config.stats_interval_s) * 1000)
+        return [("grpc.initial_reconnect_backoff_ms", ms), ("grpc.min_reconnect_backoff_ms", ms),
+                ("grpc.max_reconnect_backoff_ms", 2 * ms)]
+
     # ---- polling ------------------------------------------------------------------------------------------------
     async def _poll(self, w: WorkerHandle, role: str) -> None:
-        """One health + stats poll of a worker; updates its info, stats, failures and live flag."""
-        timeout = max(self.config.stats_interval_s, 1.0)
+        """One health + stats poll of a worker; updates its info, stats, failures and live flag. A poll may take
+        POLL_TIMEOUT_S (at least the interval): with 1 s, idle workers on a busy host flapped out of routing."""
+        timeout = max(self.config.stats_interval_s, POLL_TIMEOUT_S)
         try:
             health = await health_pb2_grpc.HealthStub(w.channel).Check(
                 health_pb2.HealthCheckRequest(service=ROLE_SERVICE[role]), timeout=timeout)

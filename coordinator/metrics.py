@@ -1,6 +1,8 @@
 """The coordinator's request metrics, as the client sees them (vLLM's names with the pdserve: prefix)."""
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from coordinator.record import RequestRecord
@@ -52,6 +54,13 @@ class CoordinatorMetrics:
                                     ["reason"])
         self.in_flight = Gauge("pdserve:num_requests_in_flight", "Requests admitted and not yet finished.", label,
                                registry=registry).labels(model_name)
+        self._workers_live = Gauge("pdserve:num_workers_live", "Workers in the routing set, by role (decode holds "
+                                   "colocated workers).", [*label, "role"], registry=registry)
+
+    def track_workers(self, live: Callable[[str], list]) -> None:
+        """Report live(role) ("prefill", "decode") as pdserve:num_workers_live at every scrape."""
+        for role in ("prefill", "decode"):
+            self._workers_live.labels(self.model_name, role).set_function(lambda role=role: len(live(role)))
 
     def observe(self, r: RequestRecord) -> None:
         """Record one finished (or failed) request."""

@@ -42,7 +42,9 @@ def log_access(record: RequestRecord, error: str = "") -> None:
     for k in ("ttft_s", "e2e_s", "queue_s", "prefill_s", "transfer_s"):
         fields.pop(k)
     status = record.error_code or "OK"
-    log.info("request %s %s: %d prompt + %d output tokens, finish %s, TTFT %.0f ms, e2e %.0f ms, P %s D %s%s",
+    # A failure is a warning for whoever watches the log; a client that went away is ordinary traffic.
+    level = logging.WARNING if record.error_code not in ("", "CANCELLED") else logging.INFO
+    log.log(level, "request %s %s: %d prompt + %d output tokens, finish %s, TTFT %.0f ms, e2e %.0f ms, P %s D %s%s",
              record.request_id, status, record.prompt_tokens, record.output_tokens, record.finish_reason or "-",
              record.ttft_s * 1e3, record.e2e_s * 1e3, record.prefill_worker or "-", record.decode_worker or "-",
              f": {error}" if error else "", extra={"access": fields})

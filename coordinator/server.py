@@ -463,6 +463,7 @@ async def serve(config: CoordinatorConfig) -> None:
         task.add_done_callback(pending.discard)
 
     membership.on_change = follow_membership
+    servicer.metrics.track_workers(cluster.router.live)
     address = f"{advertise_host(config.server.host, config.server.advertise_host)}:{running.port}"
     log.info("coordinator serving %s on %s (%s, %d prefill / %d decode workers live, connector %s)",
              config.model_name, address, "colocated" if config.colocated else "disaggregated",

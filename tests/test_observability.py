@@ -175,6 +175,8 @@ def test_metrics_count_what_was_sent_and_access_log_is_json(tiny_model_dir, tmp_
     assert total(coordinator, "pdserve:inter_token_latency_seconds_count") == sum(o.completion_tokens - 1 for o in outs)
     assert total(coordinator, "pdserve:request_time_per_output_token_seconds_count") == n
     assert total(coordinator, "pdserve:num_requests_in_flight") == 0
+    assert total(coordinator, "pdserve:num_workers_live", role="prefill") == 1
+    assert total(coordinator, "pdserve:num_workers_live", role="decode") == 1
     assert total(prefill, "pdserve:kv_transfer_time_seconds_count") == n
     assert total(prefill, "pdserve:kv_transfer_bytes_sum") > 0
     assert total(prefill, "pdserve:prefix_cache_queries_total") == sum(o.prompt_tokens for o in outs)
