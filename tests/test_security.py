@@ -92,6 +92,17 @@ def test_kv_handshake_proves_the_cluster_secret(sender_secret, ok):
     asyncio.run(main())
 
 
+async def assert_still_serving(address: str, secret: str | None = None) -> None:
+    """The KV port still answers a well-formed sender (an offer for an unknown request: TRANSFER_REJECTED)."""
+    sender = KvSender("h", lambda b: None, timeout_s=30, secret=secret)
+    try:
+        with pytest.raises(TransferError) as e:
+            await sender.send(address, "ghost", 1, [], num_tokens=1)
+        assert e.value.kind == ErrorKind.TRANSFER_REJECTED
+    finally:
+        sender.close()
+
+
 def test_kv_port_survives_huge_length_headers_and_garbage_offers():
     """A 4-byte header of 1 GiB used to allocate 1 GiB up front; a malformed offer is dropped, not crashed on."""
     import struct
@@ -119,11 +130,7 @@ def test_kv_port_survives_huge_length_headers_and_garbage_offers():
                 except ConnectionResetError:
                     pass
                 writer.close()
-            sender = KvSender("h", lambda b: None, timeout_s=5)
-            with pytest.raises(TransferError) as e:  # still serving
-                await sender.send(address, "ghost", 1, [], num_tokens=1)
-            assert e.value.kind == ErrorKind.TRANSFER_REJECTED
-            sender.close()
+            await assert_still_serving(address)
         finally:
             receiver.close()
     asyncio.run(main())
@@ -152,11 +159,7 @@ def test_ucx_kv_port_refuses_a_huge_announced_size_before_allocating_it():
             with pytest.raises(ChannelClosed):  # the receiver hangs up instead of allocating and waiting for it
                 await asyncio.wait_for(stranger.recv_msg(), 30)
             stranger.close()
-            sender = KvSender("h", lambda b: None, timeout_s=30, secret="s3cret")
-            with pytest.raises(TransferError) as e:  # still serving
-                await sender.send(address, "ghost", 1, [], num_tokens=1)
-            assert e.value.kind == ErrorKind.TRANSFER_REJECTED
-            sender.close()
+            await assert_still_serving(address, secret="s3cret")
         finally:
             receiver.close()
             from engine.transfer.ucx import reset
