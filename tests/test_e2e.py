@@ -119,8 +119,9 @@ def test_short_request_overtakes_long_one(cluster):
     assert asyncio.run(main()) == ["short-1", "long-1"]
     log = open(cluster.log_files["decode-0"]).read()
     joined = re.findall(r"step (\d+): batch=(\d+) tokens=\d+ joined=\[([^\]]*)\] left=\[([^\]]*)\]", log)
-    join_step = {rid: int(s) for s, _, j, _ in joined for rid in re.findall(r"'([^']+)'", j)}
-    leave_step = {rid: int(s) for s, _, _, lft in joined for rid in re.findall(r"'([^']+)'", lft)}
+    # Workers know a request by its id scoped to the caller ("peer:.../long-1", `coordinator.flow.scoped_id`).
+    join_step = {rid: int(s) for s, _, j, _ in joined for rid in re.findall(r"'[^']*/([^'/]+)'", j)}
+    leave_step = {rid: int(s) for s, _, _, lft in joined for rid in re.findall(r"'[^']*/([^'/]+)'", lft)}
     assert join_step["long-1"] < join_step["short-1"] < leave_step["short-1"] < leave_step["long-1"]
     assert any(int(b) >= 2 and "short-1" in j for _, b, j, _ in joined)
     assert_idle(cluster)
