@@ -1,6 +1,7 @@
 """The deployment files hold together: Kubernetes manifests pass the API schema (kubernetes-validate, strict, the
 newest bundled Kubernetes version), and compose.yaml, the Dockerfile and the manifests start processes with flags
-the CLI accepts. Building images and bringing compose up is scripts/compose-test.sh (docs/deploy.md)."""
+the CLI accepts (and compose's smg gateway flags smg's own parser accepts). Building images and bringing compose up
+is scripts/compose-test.sh (docs/deploy.md)."""
 from pathlib import Path
 
 import pytest
@@ -26,13 +27,20 @@ def test_kubernetes_manifests_pass_the_api_schema():
         kubernetes_validate.validate(doc, latest_version(), strict=True)
 
 
-def commands():
-    """(where, argv) of every pdserve process the deployment files start."""
-    out = []
+def compose_services() -> list[tuple[str, dict]]:
+    """(name, service) of compose.yaml, then of the GPU override."""
     compose = yaml.safe_load((ROOT / "compose.yaml").read_text())
     gpu = yaml.safe_load((ROOT / "deploy" / "compose.gpu.yaml").read_text())
-    for name, service in [*compose["services"].items(), *gpu["services"].items()]:
-        if "command" in service:
+    return [*compose["services"].items(), *gpu["services"].items()]
+
+
+def commands():
+    """(where, argv) of every pdserve process the deployment files start. A compose service with its own
+    entrypoint runs another program from the image (the smg gateway):
+    test_compose_gateway_is_smg_in_front_of_the_coordinator checks it."""
+    out = []
+    for name, service in compose_services():
+        if "command" in service and "entrypoint" not in service:  # the image's ENTRYPOINT: pdserve
             out.append((f"compose {name}", [str(a) for a in service["command"]]))
     for doc in k8s_documents():
         if doc["kind"] == "Deployment":
@@ -44,6 +52,26 @@ def commands():
 @pytest.mark.parametrize("where,argv", commands(), ids=[w for w, _ in commands()])
 def test_deployment_commands_parse(where, argv):
     build_parser(argv[0]).parse_args(argv[1:])
+
+
+def test_compose_gateway_is_smg_in_front_of_the_coordinator():
+    """The only non-pdserve service is the smg gateway: its flags are ones `smg launch` accepts (smg's own parser,
+    from the `test` extra), it dials the coordinator's service port, stays off the hub, publishes the OpenAI port
+    and waits for a healthy coordinator; the image installs smg."""
+    others = {name: s for name, s in compose_services() if "entrypoint" in s}
+    assert list(others) == ["gateway"]
+    gateway = others["gateway"]
+    assert gateway["entrypoint"] == ["smg"] and gateway["command"][0] == "launch"
+    launch_router = pytest.importorskip("smg.launch_router")
+    args = launch_router.parse_router_args([str(a) for a in gateway["command"][1:]])  # exits 2 on a bad flag
+    coordinator = yaml.safe_load((ROOT / "compose.yaml").read_text())["services"]["coordinator"]
+    port = coordinator["command"][coordinator["command"].index("--port") + 1]
+    assert args.worker_urls == [f"grpc://coordinator:{port}"] and args.host == "0.0.0.0"
+    assert gateway["ports"] == [f"${{PDSERVE_OPENAI_PORT:-8000}}:{args.port}"]
+    assert gateway["environment"]["HF_HUB_OFFLINE"] == "1"
+    assert gateway["depends_on"] == {"coordinator": {"condition": "service_healthy"}}
+    assert f":{args.port}/readiness" in " ".join(gateway["healthcheck"]["test"])
+    assert '"smg==' in (ROOT / "deploy" / "Dockerfile").read_text()
 
 
 def test_container_healthcheck_uses_the_grpc_health_protocol():
