@@ -18,7 +18,7 @@ from engine.errors import ErrorKind
 from engine.hardware import set_threads
 from engine.model_runner import ModelRunner
 from engine.outputs import RequestFailed, SchedulerOutput, StepRecord
-from engine.request import Request
+from engine.request import Request, RequestStatus
 from engine.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
@@ -32,7 +32,9 @@ class AddRequest:
 @dataclass
 class Abort:
     """Drop a request and free its blocks. notify: tell its owner with RequestFailed(ABORTED) (an abort from
-    outside, e.g. Worker.Abort); the owner's own cleanup aborts silently (it stopped listening)."""
+    outside, e.g. Worker.Abort); the owner's own cleanup aborts silently (it stopped listening). An abort from
+    outside leaves a prefill-done request (HELD) alone: its blocks are being read by its KV transfer, and freeing
+    them under it would let another request overwrite KV in flight; its owner frees them when the send ends."""
 
     request_id: str
     notify: bool = False
@@ -162,6 +164,9 @@ class EngineCore:
             if failure is not None:
                 self.emit([failure])
         elif isinstance(cmd, Abort):
+            req = s.requests.get(cmd.request_id)
+            if cmd.notify and req is not None and req.status == RequestStatus.HELD:
+                return
             if s.abort(cmd.request_id) and cmd.notify:
                 self.emit([RequestFailed(cmd.request_id, ErrorKind.ABORTED, "aborted by Worker.Abort")])
         elif isinstance(cmd, KvArrived):

@@ -102,6 +102,19 @@ def test_external_abort_ends_the_stream_with_aborted(run):
     run(scenario)
 
 
+def test_external_abort_leaves_blocks_under_a_kv_send_alone(run):
+    """A prefill-done request's blocks are read by its KV transfer until its owner leaves: Worker.Abort used to
+    free them under the send (another request could then overwrite KV in flight) and say found."""
+    async def scenario(engine):
+        with engine.request(greedy("p", prefill_only=True)) as stream:
+            ev = await stream.next()
+            assert ev.finish_reason == FinishReason.PREFILL_DONE
+            engine.abort("p")
+            assert await idle(engine) == (1, len(ev.block_ids), [])  # still held, intact
+        assert (await idle(engine))[:2] == (0, 0)  # the owner freed them on leaving
+    run(scenario)
+
+
 def test_hand_over_moves_the_free_to_the_new_owner(run):
     async def scenario(engine):
         with engine.request(greedy("r", remote_kv=True)) as stream:

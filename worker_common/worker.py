@@ -15,6 +15,7 @@ from engine.builder import EngineParts, build_engine
 from engine.hardware import set_threads
 from engine.config import compat_hash
 from engine.engine_core import EngineCore
+from engine.request import RequestStatus
 from pdserve.v1 import generate_pb2, worker_pb2, worker_pb2_grpc
 from server_common.addresses import advertise_host
 from server_common.errors import CommandError
@@ -100,9 +101,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             instance_id=self.instance_id)
 
     async def Abort(self, request, context):
+        """Abort a request this worker holds; found is False for an unknown id and for a prefill-done request whose
+        KV is being sent (`engine_core.Abort`: cancel the coordinator's request instead)."""
         engine = self.worker.engine
-        found = await engine.call(lambda s: request.request_id in s.requests)
-        engine.abort(request.request_id)
+        rid = request.request_id
+        found = await engine.call(lambda s: rid in s.requests and s.requests[rid].status != RequestStatus.HELD)
+        engine.abort(rid)
         return generate_pb2.AbortResponse(found=found)
 
 
