@@ -276,14 +276,17 @@ def build_parser(command: str) -> argparse.ArgumentParser:
 
 def configure_logging(level: str, fmt: str) -> None:
     """Root logging for the process: readable text, or JSON lines for log shippers (python-json-logger)."""
+    from server_common.tracing import TraceContextFilter, TraceFormatter
+
     handler = logging.StreamHandler()
+    handler.addFilter(TraceContextFilter())  # lines logged inside a traced request name its trace
     if fmt == "json":
         from pythonjsonlogger.json import JsonFormatter
 
         handler.setFormatter(JsonFormatter("%(asctime)s %(levelname)s %(name)s %(process)d %(message)s",
                                            rename_fields={"levelname": "level", "asctime": "time"}))
     else:
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s"))
+        handler.setFormatter(TraceFormatter("%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s"))
     logging.basicConfig(level=level.upper(), handlers=[handler])
 
 

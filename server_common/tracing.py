@@ -28,6 +28,26 @@ TRACER_NAME = "pdserve"
 ENDPOINT_VARS = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
 
 
+class TraceContextFilter(logging.Filter):
+    """Puts the current span's trace id on every log record (`record.trace_id`: 32 hex digits, "" outside a
+    sampled trace), so a log line can be found from its trace and back. A filter on the process's handler: JSON
+    logs carry it as a key; `TraceFormatter` appends it to text lines."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        ctx = trace.get_current_span().get_span_context()
+        record.trace_id = format(ctx.trace_id, "032x") if ctx.is_valid else ""
+        return True
+
+
+class TraceFormatter(logging.Formatter):
+    """A text formatter that ends a line with " [trace <id>]" when the record has a trace id."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        line = super().format(record)
+        trace_id = getattr(record, "trace_id", "")
+        return f"{line} [trace {trace_id}]" if trace_id else line
+
+
 def tracer() -> trace.Tracer:
     """pdserve's tracer (a no-op one while tracing is off)."""
     return trace.get_tracer(TRACER_NAME)

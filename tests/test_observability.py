@@ -114,6 +114,9 @@ def test_one_trace_across_every_hop(tiny_model_dir, tmp_path, collector):
     assert a["gen_ai.usage.output_tokens"] == 4 and a["gen_ai.response.finish_reasons"] == ["length"]
     assert a["gen_ai.request.model"] == "tiny" and a["pdserve.decode_worker"]
     assert not any(s.name.startswith("/grpc.health") for _, s in collector.spans)  # probes are not traced
+    # The access log line of the request names its trace (log <-> trace, both ways).
+    log = (tmp_path / "coordinator.log").read_text()
+    assert any("pdserve.access" in line and line.endswith(f"[trace {TRACE_ID}]") for line in log.splitlines())
 
 
 def test_colocated_trace_has_no_transfer(tiny_model_dir, tmp_path, collector):
