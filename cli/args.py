@@ -109,7 +109,7 @@ def dataclass_from_args(cls: type[T], ns: argparse.Namespace, **values: Any) -> 
             kwargs[f.name] = values[f.name]
         elif dataclasses.is_dataclass(annotation):
             kwargs[f.name] = dataclass_from_args(annotation, ns, **values)
-        elif hasattr(ns, f.name):
+        elif hasattr(ns, f.name) and f.metadata.get("cli", True):  # a non-flag field comes from `values` only
             value = getattr(ns, f.name)
             kwargs[f.name] = tuple(value or ()) if typing.get_origin(_scalar_type(annotation)[0]) is tuple else value
     return cls(**kwargs)

@@ -202,7 +202,8 @@ def start_cluster(model_dir: str, model_name: str, config: ServeConfig = ServeCo
         for role, n in roles:
             for i in range(n):
                 name = f"{role}-{i}"
-                cluster._commands[name] = [role, "--model", model_dir, *worker_args]
+                cluster._commands[name] = [role, "--model", model_dir, "--served-model-name", model_name,
+                                           *worker_args]
                 proc, ready, log_path = _spawn(cluster._commands[name], name, workdir, logs, env)
                 cluster.processes[name] = proc
                 cluster.log_files[name] = log_path

@@ -35,7 +35,8 @@ def _add_model_args(p: argparse.ArgumentParser, served_name: bool = False) -> No
                    help="HF-format directory or .gguf file (default: $PDSERVE_MODEL, else the packaged "
                         "SmolLM2-135M-Instruct)")
     if served_name:
-        p.add_argument("--served-model-name", default=None, help="name clients pass as model (default: from --model)")
+        p.add_argument("--served-model-name", default=None,
+                       help="name clients pass as model, and the model_name label of metrics (default: from --model)")
 
 
 def _resolved(args: argparse.Namespace) -> tuple[str, str]:
@@ -90,7 +91,7 @@ async def _stop_without_parent(parent_pid: int, server: asyncio.Task, poll_s: fl
 def _worker_args(p: argparse.ArgumentParser) -> None:
     from worker_common.config import WorkerConfig
 
-    _add_model_args(p)
+    _add_model_args(p, served_name=True)
     add_dataclass_args(p, WorkerConfig)
 
 
@@ -98,8 +99,8 @@ def _run_worker(role: str) -> Callable[[argparse.Namespace], None]:
     def run(args: argparse.Namespace) -> None:
         from worker_common.config import WorkerConfig
 
-        model_dir, _ = _resolved(args)
-        config = dataclass_from_args(WorkerConfig, args, role=role, model_dir=model_dir)
+        model_dir, name = _resolved(args)
+        config = dataclass_from_args(WorkerConfig, args, role=role, model_dir=model_dir, served_model_name=name)
         if role == "prefill":
             from prefill_worker.server import serve
         else:

@@ -180,7 +180,7 @@ def test_metrics_count_what_was_sent_and_access_log_is_json(tiny_model_dir, tmp_
     assert total(coordinator, "pdserve:num_requests_in_flight") == 0
     assert total(coordinator, "pdserve:num_workers_live", role="prefill") == 1
     assert total(coordinator, "pdserve:num_workers_live", role="decode") == 1
-    assert total(prefill, "pdserve:kv_transfer_time_seconds_count") == n
+    assert total(prefill, "pdserve:kv_transfer_time_seconds_count", model_name="tiny") == n  # the served name
     assert total(prefill, "pdserve:kv_transfer_bytes_sum") > 0
     assert total(prefill, "pdserve:prefix_cache_queries_total") == sum(o.prompt_tokens for o in outs)
     assert total(decode, "pdserve:num_requests_running") == 0

@@ -17,6 +17,9 @@ class WorkerConfig:
     Attributes:
         role: "prefill", "decode" or "colocated" (the command, not a flag).
         engine: engine knobs.
+        served_model_name: the name the coordinator serves the model as (--served-model-name, as the
+            coordinator's): the model_name label of this worker's metrics, so dashboards join both; "" = the model
+            directory's name.
         server: gRPC bind settings.
         connector: KV connector a decode worker listens on: "auto", or one of `engine.transfer.BACKEND_NAMES`.
         kv_port: decode: the KV listener's port (0 = any free port); fix it to publish or firewall it.
@@ -28,6 +31,7 @@ class WorkerConfig:
 
     role: str = field(metadata={"cli": False})
     engine: EngineArgs
+    served_model_name: str = field(default="", metadata={"cli": False})
     server: ServerArgs = ServerArgs()
     connector: str = field(default="auto", metadata={
         "choices": ("auto", *BACKEND_NAMES),

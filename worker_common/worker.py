@@ -57,7 +57,8 @@ def start_engine(config: WorkerConfig) -> WorkerEngine:
                                                            threads=config.engine.threads))
     engine.start()
     registry = CollectorRegistry()
-    return WorkerEngine(engine, parts, registry, WorkerMetrics(registry, engine, parts.model_config.name, config.role))
+    name = config.served_model_name or parts.model_config.name
+    return WorkerEngine(engine, parts, registry, WorkerMetrics(registry, engine, name, config.role))
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
