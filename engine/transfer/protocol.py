@@ -103,6 +103,10 @@ class Offer:
         return offer
 
 
+class _StaleChannel(ChannelClosed):
+    """A channel taken from the idle pool failed before the receiver answered the offer (see `KvSender._transfer`)."""
+
+
 MAX_CHANNELS_PER_PEER = 4  # transfers to one decode worker share the link; more channels only add endpoints
 
 
@@ -124,6 +128,14 @@ class KvSender:
     by `timeout_s`) even if `send` is cancelled: cancelling a transfer mid-message meant aborting the endpoint
     with operations in flight, which crashed ucxx (a segfault in `create_endpoint` and lost completions, issue 12).
     Only a transfer that fails or times out closes its channel.
+
+    A pooled channel may be dead: the decode worker behind the address restarted (same KV port) since it was last
+    used. So a transfer whose channel came from the idle pool and failed (ChannelClosed) while the offer was
+    sent or its answer awaited is retried once, on a freshly opened channel (`_transfer`). Nothing of the transfer
+    was accepted then: the receiver writes blocks only after it sent its accept, and a receiver that did accept
+    before the channel died marked its reservation receiving, so it rejects the retry's offer (TRANSFER_REJECTED)
+    rather than take the blocks twice. Never retried: a failure on a fresh channel, one after the accept arrived
+    (blocks may have been written), a timeout, a malformed answer, or a transfer whose caller was cancelled.
 
     Args:
         compat_hash: this worker's `engine.config.compat_hash`; the receiver refuses a mismatch.
@@ -215,14 +227,21 @@ class KvSender:
         deadline = asyncio.get_running_loop().time() + self.timeout_s
         request_id = offer["request_id"]
         try:
-            ch = await self._acquire(address, deadline)
-            exchange = asyncio.ensure_future(self._exchange(address, ch, deadline, offer, block_ids, body))
-            try:
-                stats = await asyncio.shield(exchange)
-            except asyncio.CancelledError:
-                on_cancel()
-                await uncancellable(exchange)
-                raise
+            ch, pooled = await self._acquire(address, deadline)
+            while True:
+                exchange = asyncio.ensure_future(
+                    self._exchange(address, ch, deadline, offer, block_ids, body, pooled=pooled))
+                try:
+                    stats = await asyncio.shield(exchange)
+                    break
+                except _StaleChannel as e:  # once: the retry's channel is fresh (see the class docstring)
+                    log.info("KV channel to %s was dead (%s): retrying %s on a fresh channel", address, e,
+                             request_id)
+                    ch, pooled = await self._acquire(address, deadline, fresh=True)
+                except asyncio.CancelledError:
+                    on_cancel()
+                    await uncancellable(exchange)
+                    raise
         except TimeoutError as e:
             raise TransferError(ErrorKind.KV_TIMEOUT,
                                 f"KV transfer of {request_id} to {address} exceeded {self.timeout_s:.1f}s") from e
@@ -233,16 +252,26 @@ class KvSender:
         return stats
 
     async def _exchange(self, address: str, ch: Channel, deadline: float, offer: dict, block_ids: list[int],
-                        body: Callable[[Channel], Awaitable[None]]) -> TransferStats:
-        """offer -> accept -> body -> done on `ch`, which this owns and gives back (or closes) at the end."""
+                        body: Callable[[Channel], Awaitable[None]], pooled: bool = False) -> TransferStats:
+        """offer -> accept -> body -> done on `ch`, which this owns and gives back (or closes) at the end.
+
+        Raises:
+            _StaleChannel: `pooled` (ch came from the idle pool) and the channel failed before the offer's answer.
+        """
         request_id = offer["request_id"]
         nbytes = self.block_view(block_ids[0]).nbytes if block_ids else 0  # every block of a cache is one size
         staged_before = ch.staged_bytes
         reusable = False
         try:
             async with asyncio.timeout_at(deadline):
-                await ch.send_msg(_encode({"type": "offer", **offer, "block_nbytes": nbytes}))
-                reply = _decode(await ch.recv_msg())
+                try:
+                    await ch.send_msg(_encode({"type": "offer", **offer, "block_nbytes": nbytes}))
+                    raw = await ch.recv_msg()
+                except ChannelClosed as e:
+                    if pooled:
+                        raise _StaleChannel(str(e)) from e
+                    raise
+                reply = _decode(raw)
                 if not reply.get("ok"):
                     reusable = True
                     raise TransferError(ErrorKind.TRANSFER_REJECTED,
@@ -265,8 +294,9 @@ class KvSender:
         return TransferStats(len(block_ids), nbytes * len(block_ids), 0.0,
                              staged_bytes=ch.staged_bytes - staged_before)
 
-    async def _acquire(self, address: str, deadline: float) -> Channel:
-        """An idle channel to `address`, or a new one; waits while `max_channels_per_peer` transfers are on it."""
+    async def _acquire(self, address: str, deadline: float, fresh: bool = False) -> tuple[Channel, bool]:
+        """(An idle channel to `address`, True), or (a new one, False); `fresh`: a new one even if some are idle.
+        Waits while `max_channels_per_peer` transfers are on the peer."""
         peer = self._peers.get(address)
         if peer is None:
             peer = self._peers[address] = _PeerChannels(self.max_channels_per_peer)
@@ -274,14 +304,19 @@ class KvSender:
             await peer.slots.acquire()
             try:
                 async with peer.opening:
-                    if peer.idle:
-                        return peer.idle.pop()
+                    if peer.idle and not fresh:
+                        return peer.idle.pop(), True
                     opening = asyncio.ensure_future(self.connect(address))
                     self._connecting.add(opening)
                     opening.add_done_callback(lambda t: self._opened(peer, t))
                     # A cancelled or timed-out caller leaves the endpoint to finish opening into the pool.
-                    await asyncio.shield(opening)
-                    return peer.idle.pop()
+                    ch = await asyncio.shield(opening)
+                    # `_opened` (which ran first) pooled it; nothing else takes from the pool without `opening`,
+                    # but `close` may have emptied it meanwhile.
+                    if ch not in peer.idle:
+                        raise ChannelClosed(f"the KV sender was closed while a channel to {address} opened")
+                    peer.idle.remove(ch)
+                    return ch, False
             except BaseException:
                 peer.slots.release()
                 raise
@@ -300,11 +335,11 @@ class KvSender:
         peer.slots.release()
 
     def _keep(self, peer: _PeerChannels, ch: Channel) -> None:
-        """Pool an idle channel; beyond the limit (callers cancelled while theirs opened) close it: it is idle."""
-        if len(peer.idle) < self.max_channels_per_peer:
-            peer.idle.append(ch)
-        else:
-            ch.close()
+        """Pool an idle channel; beyond the limit (callers cancelled while theirs opened) close the oldest idle one
+        (the newest stays: `_acquire` takes the channel it just opened out of the pool)."""
+        peer.idle.append(ch)
+        if len(peer.idle) > self.max_channels_per_peer:
+            peer.idle.pop(0).close()
 
     async def connect(self, address: str) -> Channel:
         """Open a channel to `address` and complete the handshake (version, layout hash, cluster secret).
