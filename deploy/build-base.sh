@@ -5,7 +5,7 @@
 set -euo pipefail
 TAG="${1:-pdserve-base:bookworm-cc}"
 SUITE="${SUITE:-bookworm}"
-MIRROR="${MIRROR:-http://deb.debian.org/debian}"
+MIRROR="${MIRROR:-}"  # empty: debootstrap's own default mirror
 if docker image inspect "$TAG" >/dev/null 2>&1; then
   echo "base image $TAG exists"; exit 0
 fi
@@ -14,7 +14,8 @@ ROOTFS="$(mktemp -d /tmp/pdserve-rootfs.XXXXXX)"
 trap 'rm -rf "$ROOTFS"' EXIT
 # python3 + venv: the image's interpreter (bookworm: 3.11); ca-certificates: pip over https; gcc + libc6-dev: the
 # CPU decode-attention kernel (kernels/cpu_decode.c) is built on the host that runs it (-march=native), at first use.
-debootstrap --variant=minbase --include=python3,python3-venv,ca-certificates,gcc,libc6-dev "$SUITE" "$ROOTFS" "$MIRROR"
+debootstrap --variant=minbase --include=python3,python3-venv,ca-certificates,gcc,libc6-dev "$SUITE" "$ROOTFS" \
+  ${MIRROR:+"$MIRROR"}
 rm -rf "$ROOTFS"/var/lib/apt/lists/* "$ROOTFS"/var/cache/apt/*.bin
 tar -C "$ROOTFS" -c . | docker import --change 'ENV LANG=C.UTF-8' - "$TAG"
 echo "built $TAG"
