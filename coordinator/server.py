@@ -280,7 +280,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         t = flow.timings
         ttft = (p.first_ms - t0) if p.first_ms is not None else 0.0
         num_out = len(p.generated)
-        flow.record = self._record(flow, len(prompt), p, t0)
+        flow.record = self._record(flow, len(prompt), p, t0, end)
         matched = (p.stop_string if p.stop_string is not None
                    else "" if p.stop_token_id is None else str(p.stop_token_id))
         yield generate_pb2.GenerateResponse(final=generate_pb2.Final(
@@ -293,15 +293,17 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                                          e2e_ms=end - t0)))
 
     @staticmethod
-    def _record(flow: flows.Flow, num_prompt_tokens: int, p: Progress, t0: float) -> RequestRecord:
+    def _record(flow: flows.Flow, num_prompt_tokens: int, p: Progress, t0: float,
+                end: float | None = None) -> RequestRecord:
         """The request's record from what it sent so far (also when it fails or is cancelled midway: the access
-        log and metrics count the tokens that were streamed)."""
+        log and metrics count the tokens that were streamed). end: the finish time (ms, `flows.now_ms`) the final
+        message reports, so both say the same e2e; default now."""
         t = flow.timings
         reason = (generate_pb2.FinishReason.Name(p.reason).removeprefix("FINISH_REASON_").lower()
                   if p.reason != generate_pb2.FINISH_REASON_UNSPECIFIED else "")
         return RequestRecord(
             flow.request_id, prompt_tokens=num_prompt_tokens, output_tokens=len(p.generated), cached_tokens=p.cached,
-            ttft_s=(p.first_ms - t0) / 1e3 if p.first_ms is not None else 0.0, e2e_s=(flows.now_ms() - t0) / 1e3,
+            ttft_s=(p.first_ms - t0) / 1e3 if p.first_ms is not None else 0.0, e2e_s=((end if end is not None else flows.now_ms()) - t0) / 1e3,
             queue_s=t.queue_ms / 1e3, prefill_s=t.prefill_ms / 1e3, transfer_s=t.transfer_ms / 1e3,
             token_gaps=tuple(p.gaps), finish_reason=reason, prefill_worker=flow.prefill_worker,
             decode_worker=flow.decode_worker, migrations=p.migrations)
