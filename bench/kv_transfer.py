@@ -51,7 +51,7 @@ def _block_geometry(model_dir: str, block_size: int) -> tuple[int, int]:
 def _receiver_main(backend: str, block_nbytes: int, num_blocks: int, conn) -> None:
     """Spawned process: serve KV offers into a preallocated cache until told to stop."""
     from engine.transfer import get_backend, release_transports
-    from engine.transfer.protocol import KvReceiver
+    from engine.transfer.receiver import KvReceiver
 
     import torch
 
@@ -116,7 +116,7 @@ def connector(backend: str, block_nbytes: int, num_blocks: int, repeats: int, la
     block and layer, no compute to overlap)."""
     from engine.kv_stream import KvLayerProgress
     from engine.transfer import release_transports
-    from engine.transfer.protocol import KvSender
+    from engine.transfer.sender import KvSender
 
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()

@@ -69,7 +69,7 @@ def _receiver_main(backend_name: str, num_blocks: int, block_nbytes: int, conn) 
     import torch
 
     from engine.transfer import get_backend, release_transports
-    from engine.transfer.protocol import KvReceiver
+    from engine.transfer.receiver import KvReceiver
 
     async def main() -> None:
         blocks = [torch.zeros(block_nbytes, dtype=torch.uint8) for _ in range(num_blocks)]
@@ -95,7 +95,7 @@ async def _sender(backend_name: str, address: str, transfers: int, concurrency: 
     import torch
 
     from engine.transfer import release_transports
-    from engine.transfer.protocol import KvSender, TransferError
+    from engine.transfer.sender import KvSender, TransferError
 
     rng = random.Random(seed)
     source = [torch.full((block_nbytes,), _block_value(k), dtype=torch.uint8) for k in range(SOURCE_BLOCKS)]

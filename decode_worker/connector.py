@@ -6,7 +6,8 @@ import logging
 
 from engine.transfer import available_backends, get_backend
 from engine.transfer.channel import Backend
-from engine.transfer.protocol import KvReceiver, KvSender
+from engine.transfer.receiver import KvReceiver
+from engine.transfer.sender import KvSender
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from decode_worker.reservations import Reservation, Reservations, ReservationSta
 from engine.errors import EngineError, ErrorKind
 from engine.request import Request
 from engine.transfer import release_transports
-from engine.transfer.protocol import KvReceiver
+from engine.transfer.receiver import KvReceiver
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 from server_common.addresses import advertise_host
 from server_common.security import read_secret

@@ -15,7 +15,9 @@ from cli.launcher import ServeConfig, _spawn, start_cluster, wait_ready
 from coordinator.ratelimit import RateLimiter
 from engine.errors import ErrorKind
 from engine.transfer import get_backend
-from engine.transfer.protocol import PROTOCOL_VERSION, KvReceiver, KvSender, TransferError
+from engine.transfer.receiver import KvReceiver
+from engine.transfer.sender import KvSender, TransferError
+from engine.transfer.wire import PROTOCOL_VERSION
 from pdserve import Client, SamplingParams, tls_credentials
 from pdserve.v1 import generate_pb2, worker_pb2, worker_pb2_grpc
 from server_common.security import BearerTokenInterceptor, presented_token, read_api_keys

@@ -14,7 +14,8 @@ from engine.kv_stream import KvLayerProgress, LayerStreamEnded
 from engine.transfer import available_backends, get_backend, release_transports
 from engine.transfer.channel import ChannelClosed
 from engine.transfer import layer_gather
-from engine.transfer.protocol import KvReceiver, KvSender, TransferError
+from engine.transfer.receiver import KvReceiver
+from engine.transfer.sender import KvSender, TransferError
 
 BACKENDS = available_backends()
 ROOT = Path(__file__).resolve().parent.parent

@@ -6,7 +6,7 @@ has it), and a CPU tensor through the numpy view of its own memory. No staging c
 ucxx's and torch's documented interfaces and is unverified on GPU (no GPU has run it).
 
 ucxx is imported lazily, inside the worker process (UCX must not be initialised before a fork). Endpoints are
-expensive to create (0.4-1 s), so senders keep them open and reuse them (see protocol.KvSender).
+expensive to create (0.4-1 s), so senders keep them open and reuse them (see sender.KvSender).
 
 Completions reach asyncio through ucxx's notifier thread (UCXPY_ENABLE_PYTHON_FUTURE=1, set here unless the
 environment says otherwise). Without it ucxx awaits every request by polling the event loop (`wait_yield`), so a

@@ -1,30 +1,22 @@
-"""The KV transfer protocol, shared by every backend (see the package docstring for the message flow)."""
+"""The sending end of the KV transfer protocol (`wire.py`), on a prefill worker: `KvSender` pushes a request's
+held blocks, whole or layer by layer, to a decode worker over a small pool of channels per peer, retrying once a
+transfer whose pooled channel turned out dead."""
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import hmac
-import json
 import logging
-import os
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
-from typing import Protocol
-
-import torch
+from dataclasses import dataclass
 
 from engine.errors import EngineError, ErrorKind
 from engine.kv_stream import KvLayerProgress, LayerStreamEnded
 from engine.transfer.backends import get_backend, parse_address
-from engine.transfer.channel import Backend, Channel, ChannelClosed, Listener
+from engine.transfer.channel import Backend, Channel, ChannelClosed
 from engine.transfer.layer_gather import LayerGather
+from engine.transfer.wire import PROTOCOL_VERSION, BlockView, decode, encode, handshake_mac
 
 log = logging.getLogger(__name__)
-
-# 2: the receiver challenges with a nonce; hello carries an HMAC of it under the cluster secret.
-# 3: layer-wise offers (num_layers > 0): a header per layer and an end message that carries the first token.
-PROTOCOL_VERSION = 3
 
 
 class TransferError(EngineError):
@@ -40,67 +32,6 @@ class TransferStats:
     num_bytes: int
     seconds: float
     staged_bytes: int = 0
-
-
-BlockView = Callable[[int], torch.Tensor]  # block id -> 1-D uint8 tensor over that block's memory (any device)
-
-
-def _encode(msg: dict) -> bytes:
-    return json.dumps(msg).encode()
-
-
-def _decode(raw: bytes) -> dict:
-    """A control message. Raises ValueError for anything but a JSON object (a peer speaking garbage)."""
-    msg = json.loads(raw)
-    if not isinstance(msg, dict):
-        raise ValueError(f"control message is not an object: {raw[:80]!r}")
-    return msg
-
-
-def handshake_mac(secret: str | None, nonce: str, compat_hash: str) -> str:
-    """HMAC-SHA256 (RFC 2104) of the receiver's nonce and the sender's layout hash, keyed by the cluster secret:
-    proves the sender knows the secret without sending it, bound to this connection. "" without a secret."""
-    if not secret:
-        return ""
-    return hmac.new(secret.encode(), f"{nonce}:{compat_hash}".encode(), hashlib.sha256).hexdigest()
-
-
-@dataclass(frozen=True)
-class Offer:
-    """One request's KV, announced by the sender (validated: a malformed offer drops the channel).
-
-    num_layers: 0 = whole blocks follow. > 0 = layer-wise: the blocks come layer by layer, each layer after a
-    header (each block's bytes are num_layers equal slices, `kv_cache.KVCache`'s layout). Either way an end
-    message follows with the prefill's first token (a layer-wise offer goes out before it is sampled).
-    trace_context: the sender's W3C trace headers ({"traceparent": ...}; empty when not tracing), so the receive
-    is recorded in the same trace.
-    """
-
-    request_id: str
-    first_block: int  # index in the request's block table of the first block sent (earlier ones are not sent)
-    num_blocks: int
-    block_nbytes: int
-    num_tokens: int
-    num_layers: int = 0
-    trace_context: dict = field(default_factory=dict)
-
-    @classmethod
-    def parse(cls, msg: dict) -> "Offer":
-        """Raises ValueError unless every field is present with its type (ints non-negative)."""
-        try:
-            offer = cls(**{name: msg[name] for name in cls.__dataclass_fields__ if name != "trace_context"},
-                        trace_context=msg.get("trace_context") or {})
-        except KeyError as e:
-            raise ValueError(f"offer without {e}") from None
-        if not isinstance(offer.request_id, str) or not all(
-                isinstance(v, int) and not isinstance(v, bool) and v >= 0
-                for v in (offer.first_block, offer.num_blocks, offer.block_nbytes, offer.num_tokens,
-                          offer.num_layers)):
-            raise ValueError(f"malformed offer {msg}")
-        if not isinstance(offer.trace_context, dict) or not all(
-                isinstance(k, str) and isinstance(v, str) for k, v in offer.trace_context.items()):
-            raise ValueError(f"malformed trace context in offer {msg}")
-        return offer
 
 
 class _StaleChannel(ChannelClosed):
@@ -177,7 +108,7 @@ class KvSender:
 
         async def body(ch: Channel) -> None:
             await ch.send_buffers([self.block_view(b) for b in block_ids])
-            await ch.send_msg(_encode({"type": "end", "ok": True, "first_token": first_token}))
+            await ch.send_msg(encode({"type": "end", "ok": True, "first_token": first_token}))
         return await self._transfer(address, offer, block_ids, body)
 
     async def send_layers(self, address: str, request_id: str, progress: KvLayerProgress, first_block: int = 0,
@@ -206,13 +137,13 @@ class KvSender:
                 gather = LayerGather(blocks, layers)
                 for layer in range(layers):
                     await progress.written(layer)
-                    await ch.send_msg(_encode({"type": "layer", "layer": layer}))
+                    await ch.send_msg(encode({"type": "layer", "layer": layer}))
                     for group in gather.groups():
                         await ch.send_buffer(await gather.gather(layer, group))
                 end = {"type": "end", "ok": True, "first_token": await progress.first_token()}
             except LayerStreamEnded as e:
                 ended, end = e, {"type": "end", "ok": False, "error": str(e)}
-            await ch.send_msg(_encode(end))
+            await ch.send_msg(encode(end))
             if ended is not None:
                 raise ended
         return await self._transfer(address, offer, block_ids[first_block:], body,
@@ -265,13 +196,13 @@ class KvSender:
         try:
             async with asyncio.timeout_at(deadline):
                 try:
-                    await ch.send_msg(_encode({"type": "offer", **offer, "block_nbytes": nbytes}))
+                    await ch.send_msg(encode({"type": "offer", **offer, "block_nbytes": nbytes}))
                     raw = await ch.recv_msg()
                 except ChannelClosed as e:
                     if pooled:
                         raise _StaleChannel(str(e)) from e
                     raise
-                reply = _decode(raw)
+                reply = decode(raw)
                 if not reply.get("ok"):
                     reusable = True
                     raise TransferError(ErrorKind.TRANSFER_REJECTED,
@@ -279,10 +210,10 @@ class KvSender:
                 try:
                     await body(ch)
                 except LayerStreamEnded:  # told the receiver; its done message keeps the channel in step
-                    _decode(await ch.recv_msg())
+                    decode(await ch.recv_msg())
                     reusable = True
                     raise
-                done = _decode(await ch.recv_msg())
+                done = decode(await ch.recv_msg())
                 reusable = True
                 if not done.get("ok"):
                     raise TransferError(ErrorKind.TRANSFER_FAILED,
@@ -354,11 +285,11 @@ class KvSender:
             backend = self._backends[scheme] = get_backend(scheme)
         ch = await backend.connect(host, port)
         try:
-            challenge = _decode(await ch.recv_msg())
-            await ch.send_msg(_encode({"type": "hello", "version": PROTOCOL_VERSION, "compat_hash": self.compat_hash,
+            challenge = decode(await ch.recv_msg())
+            await ch.send_msg(encode({"type": "hello", "version": PROTOCOL_VERSION, "compat_hash": self.compat_hash,
                                        "mac": handshake_mac(self.secret, str(challenge.get("nonce")),
                                                             self.compat_hash)}))
-            ack = _decode(await ch.recv_msg())
+            ack = decode(await ch.recv_msg())
         except ValueError as e:
             ch.close()
             raise TransferError(ErrorKind.INCOMPATIBLE_PEER, f"KV peer {address} speaks another protocol: {e}") from e
@@ -405,158 +336,3 @@ async def uncancellable(task: asyncio.Future) -> None:
     if task.done() and not task.cancelled():
         task.exception()  # retrieved, so asyncio does not log it as never retrieved
 
-
-class ReceiveSink(Protocol):
-    """What the receiver needs from the decode worker (called on the event loop thread)."""
-
-    def begin_receive(self, request_id: str, first_block: int, num_blocks: int, num_tokens: int,
-                      trace_context: dict[str, str]) -> list[int]:
-        """Return the reserved block ids to fill with the offered blocks (positions first_block .. first_block +
-        num_blocks of the request's block table), in order, and mark the request as receiving. trace_context:
-        the sender's W3C trace headers (for the receive's span).
-
-        Raises:
-            LookupError: reject the offer (unknown or aborted request, or other blocks than those awaited); the
-                message is sent back to the prefill worker.
-        """
-
-    def end_receive(self, request_id: str, first_token: int, error: str | None) -> None:
-        """The blocks are complete (error None) or the transfer failed (the request must be aborted)."""
-
-
-class KvReceiver:
-    """Accepts channels from prefill workers and receives blocks in place into the reserved KV blocks.
-
-    Args:
-        backend: transport to listen on.
-        compat_hash: this worker's layout hash.
-        block_view: block id -> writable 1-D uint8 tensor over that block's memory, on the cache's device.
-        sink: reservation bookkeeping of the decode worker.
-        timeout_s: bound on the handshake and on receiving one request's blocks once accepted, seconds.
-        secret: the cluster secret a sender must prove at the handshake; None = anyone may send.
-    """
-
-    def __init__(self, backend: Backend, compat_hash: str, block_view: BlockView, sink: ReceiveSink,
-                 timeout_s: float = 30.0, secret: str | None = None):
-        self.backend, self.compat_hash, self.block_view, self.sink = backend, compat_hash, block_view, sink
-        self.timeout_s = timeout_s
-        self.secret = secret
-        self._listener: Listener | None = None
-        self._channels: set[Channel] = set()
-        self.host = ""
-
-    async def start(self, host: str, port: int = 0, advertise: str | None = None) -> str:
-        """Listen on host:port (0 = any free port) and return the address peers dial, e.g.
-        'tcp://10.0.0.7:40123': `advertise` (default: host) with the bound port."""
-        self._listener = await self.backend.listen(host, port, self._serve)
-        self.host = advertise or host
-        return self.address
-
-    @property
-    def address(self) -> str:
-        assert self._listener is not None
-        return f"{self.backend.name}://{self.host}:{self._listener.port}"
-
-    def close(self) -> None:
-        """Stop listening and drop every open channel (transfers in flight fail on both sides)."""
-        if self._listener is not None:
-            self._listener.close()
-        for ch in list(self._channels):
-            ch.close()
-
-    async def _serve(self, ch: Channel) -> None:
-        self._channels.add(ch)
-        try:
-            nonce = os.urandom(16).hex()
-            await ch.send_msg(_encode({"type": "challenge", "version": PROTOCOL_VERSION, "nonce": nonce}))
-            hello = _decode(await asyncio.wait_for(ch.recv_msg(), self.timeout_s))
-            # The secret first, over the layout the sender claims: a stranger learns nothing (not even our layout
-            # hash), and a peer that proved the secret is told exactly why its layout is refused. Compared as
-            # bytes: compare_digest raises TypeError for a non-ASCII str.
-            claimed = str(hello.get("compat_hash", ""))
-            if self.secret and not hmac.compare_digest(
-                    str(hello.get("mac", "")).encode(), handshake_mac(self.secret, nonce, claimed).encode()):
-                log.warning("KV handshake refused: the sender did not prove the cluster secret")
-                await ch.send_msg(_encode({"type": "hello_ack", "ok": False,
-                                           "error": "authentication failed: wrong or missing cluster secret"}))
-                return
-            if hello.get("version") != PROTOCOL_VERSION or claimed != self.compat_hash:
-                err = (f"incompatible peer: version {hello.get('version')} / layout {claimed}, "
-                       f"expected {PROTOCOL_VERSION} / {self.compat_hash} (same model, dtype and block size?)")
-                log.error(err)
-                await ch.send_msg(_encode({"type": "hello_ack", "ok": False, "error": err}))
-                return
-            await ch.send_msg(_encode({"type": "hello_ack", "ok": True}))
-            while True:
-                offer = Offer.parse(_decode(await ch.recv_msg()))  # idle: no timeout, peer death ends the wait
-                if not await self._receive_one(ch, offer):
-                    return
-        except (ChannelClosed, asyncio.TimeoutError, ValueError) as e:
-            log.info("KV channel closed: %s", e)
-        finally:
-            self._channels.discard(ch)
-            ch.close()
-
-    async def _receive_one(self, ch: Channel, offer: Offer) -> bool:
-        """Handle one offer; returns False when the channel must be dropped."""
-        rid = offer.request_id
-        try:
-            block_ids = self.sink.begin_receive(rid, offer.first_block, offer.num_blocks, offer.num_tokens,
-                                                offer.trace_context)
-            if offer.num_blocks and offer.block_nbytes != self.block_view(block_ids[0]).nbytes:
-                self.sink.end_receive(rid, 0, "block size mismatch")
-                raise LookupError(f"block of {offer.block_nbytes} bytes, expected "
-                                  f"{self.block_view(block_ids[0]).nbytes}")
-            if offer.num_layers and offer.block_nbytes % offer.num_layers:
-                self.sink.end_receive(rid, 0, "layer size mismatch")
-                raise LookupError(f"a block of {offer.block_nbytes} bytes does not split into {offer.num_layers} "
-                                  "layers")
-        except LookupError as e:
-            await ch.send_msg(_encode({"type": "accept", "ok": False, "error": str(e)}))
-            return True
-        await ch.send_msg(_encode({"type": "accept", "ok": True}))
-        try:
-            async with asyncio.timeout(self.timeout_s):
-                views = [self.block_view(b) for b in block_ids]
-                if offer.num_layers:
-                    end = await self._receive_layers(ch, views, offer.num_layers)
-                else:
-                    await ch.recv_into_all(views)
-                    end = _decode(await ch.recv_msg())
-                first_token, error = _parse_end(end)
-        except BaseException as e:
-            self.sink.end_receive(rid, 0, f"KV transfer interrupted: {type(e).__name__}: {e}")
-            raise
-        self.sink.end_receive(rid, first_token, error)
-        await ch.send_msg(_encode({"type": "done", "ok": True}))
-        return True
-
-    @staticmethod
-    async def _receive_layers(ch: Channel, views: list[torch.Tensor], num_layers: int) -> dict:
-        """Receive a layer-wise offer's layers into the blocks; returns the end message (which may come early: the
-        sender gave up on the request). Raises ValueError on a message out of order."""
-        gather = LayerGather(views, num_layers)
-        for layer in range(num_layers):
-            msg = _decode(await ch.recv_msg())
-            if msg.get("type") == "end":
-                return msg
-            if msg.get("type") != "layer" or msg.get("layer") != layer:
-                raise ValueError(f"expected the header of layer {layer}, got {msg}")
-            for group in gather.groups():
-                landing = gather.buffer(group)
-                await ch.recv_into(landing)
-                await gather.scatter(layer, group, landing)
-        return _decode(await ch.recv_msg())
-
-
-def _parse_end(msg: dict) -> tuple[int, str | None]:
-    """(first_token, None) from a successful end message, (0, why) from a sender that gave up.
-    Raises ValueError on anything else."""
-    if msg.get("type") != "end":
-        raise ValueError(f"expected the end message, got {msg}")
-    if not msg.get("ok"):
-        return 0, f"the prefill worker ended the transfer: {msg.get('error')}"
-    token = msg.get("first_token")
-    if not isinstance(token, int) or isinstance(token, bool) or token < 0:
-        raise ValueError(f"malformed end message {msg}")
-    return token, None
