@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from cli.args import add_dataclass_args, bounded_type, dataclass_from_args, dataclass_to_argv
 from server_common.config import ServerArgs
+from server_common.logs import configure_logging
 
 
 @dataclass(frozen=True)
@@ -100,7 +101,8 @@ def _run_worker(role: str) -> Callable[[argparse.Namespace], None]:
         from worker_common.config import WorkerConfig
 
         model_dir, name = _resolved(args)
-        config = dataclass_from_args(WorkerConfig, args, role=role, model_dir=model_dir, served_model_name=name)
+        config = dataclass_from_args(WorkerConfig, args, role=role, model_dir=model_dir, served_model_name=name,
+                                     log_level=args.log_level, log_format=args.log_format)
         if role == "prefill":
             from prefill_worker.server import serve
         else:
@@ -273,22 +275,6 @@ def build_parser(command: str) -> argparse.ArgumentParser:
     parser.add_argument("--log-format", default="text", choices=["text", "json"],
                         help="json: one JSON object per line (the access log's fields become keys)")
     return parser
-
-
-def configure_logging(level: str, fmt: str) -> None:
-    """Root logging for the process: readable text, or JSON lines for log shippers (python-json-logger)."""
-    from server_common.tracing import TraceContextFilter, TraceFormatter
-
-    handler = logging.StreamHandler()
-    handler.addFilter(TraceContextFilter())  # lines logged inside a traced request name its trace
-    if fmt == "json":
-        from pythonjsonlogger.json import JsonFormatter
-
-        handler.setFormatter(JsonFormatter("%(asctime)s %(levelname)s %(name)s %(process)d %(message)s",
-                                           rename_fields={"levelname": "level", "asctime": "time"}))
-    else:
-        handler.setFormatter(TraceFormatter("%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s"))
-    logging.basicConfig(level=level.upper(), handlers=[handler])
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -41,7 +41,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
         remote = request.kv_source == worker_pb2.KV_SOURCE_REMOTE
         try:
             req = Request(rid, list(request.prompt_token_ids), sampling_from_proto(request.sampling),
-                          eos_token_ids=self.worker.parts.model_config.eos_token_ids, remote_kv=remote,
+                          eos_token_ids=self.worker.model_config.eos_token_ids, remote_kv=remote,
                           output_token_ids=list(request.output_token_ids))
             with self.worker.engine.request(req) as stream:
                 if remote:
@@ -114,14 +114,14 @@ async def serve(config: WorkerConfig) -> None:
     """Run a decode worker (role 'decode') or a colocated worker (role 'colocated') until cancelled."""
     secret = read_secret(config.server.cluster_secret_file)
     tracing = Tracing.from_env(f"pdserve-{config.role}")
-    worker = start_engine(config)
+    worker = await start_engine(config)
     reservations = Reservations()
     receiver = None
     kv_address = connector = ""
     if config.role == "decode":
         backend = await choose_backend(config.connector, worker.compat_hash, config.server.host,
                                        config.engine.device)
-        receiver = KvReceiver(backend, worker.compat_hash, worker.parts.runner.kv_cache.block_bytes, reservations,
+        receiver = KvReceiver(backend, worker.compat_hash, worker.block_bytes, reservations,
                               timeout_s=config.transfer_timeout_s, secret=secret)
         kv_address = await receiver.start(config.server.host, config.kv_port,
                                           advertise=advertise_host(config.server.host, config.server.advertise_host))

@@ -1,4 +1,7 @@
-"""asyncio facade over EngineCore: one owner object per request, commands forwarded to the engine thread."""
+"""asyncio facade over an engine: one owner object per request, commands forwarded to the engine's loop.
+
+`AsyncEngine` runs the `EngineCore` on a thread of this process; `engine.process_engine.ProcessEngine` runs it in
+a process of its own behind the same interface."""
 from __future__ import annotations
 
 import asyncio
@@ -7,7 +10,7 @@ from typing import Any, Callable
 
 from engine.engine_core import Abort, AddRequest, Call, EngineCore, KvArrived
 from engine.errors import EngineError, ErrorKind
-from engine.outputs import RequestFailed, Reserved, TokenOutput
+from engine.outputs import Forgotten, RequestFailed, Reserved, SchedulerStats, TokenOutput
 from engine.request import FinishReason, Request
 from engine.scheduler import Scheduler
 
@@ -60,12 +63,12 @@ class RequestStream:
 
     def kv_arrived(self, first_token: int) -> None:
         """The prompt's KV is in the reserved blocks: the request joins the running batch with its first token."""
-        self.engine.core.submit(KvArrived(self.request_id, first_token))
+        self.engine.submit(KvArrived(self.request_id, first_token))
 
     def hand_over(self) -> Callable[[], None]:
         """Leave the free to another owner: this stream's exit will not abort; call the returned function instead."""
         self._handed_over = True
-        return lambda: self.engine.core.submit(Abort(self.request_id))
+        return lambda: self.engine.submit(Abort(self.request_id))
 
     def _check(self, ev: Any) -> Reserved | TokenOutput:
         if isinstance(ev, RequestFailed):
@@ -86,8 +89,27 @@ class AsyncEngine:
     def __init__(self, core_factory: Callable[[Callable[[list], None], Callable[[str], None]], EngineCore]):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._streams: dict[str, RequestStream] = {}
+        # Ids whose owner left with an abort the engine has not acknowledged yet: their events are stale.
+        self._stale: dict[str, int] = {}
         self._fault_listeners: list[Callable[[str], None]] = []
         self.core = core_factory(self._emit, self._fault)
+
+    def submit(self, command: AddRequest | Abort | KvArrived | Call) -> None:
+        """Queue a command for the engine's loop (any thread)."""
+        self.core.submit(command)
+
+    @property
+    def stats(self) -> SchedulerStats:
+        """The stats the engine published after its last loop iteration (or as its current step started)."""
+        return self.core.stats
+
+    async def snapshot(self) -> tuple[SchedulerStats, bool]:
+        """Stats and the block pool's integrity, taken together between steps (`EngineCore.snapshot`)."""
+        return await self.call(lambda s: self.core.snapshot())
+
+    async def abortable(self, request_id: str) -> bool:
+        """Whether `abort(request_id)` would drop a request (`EngineCore.abortable`)."""
+        return await self.call(lambda s: self.core.abortable(request_id))
 
     def add_fault_listener(self, listener: Callable[[str], None]) -> None:
         """Call listener(message) on the event loop when an engine step faults (once; see EngineCore.on_fault)."""
@@ -112,24 +134,26 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         """Abort from outside the owner (Worker.Abort): the owner's stream ends with EngineError(ABORTED).
         Idempotent; unknown ids are ignored."""
-        self.core.submit(Abort(request_id, notify=True))
+        self.submit(Abort(request_id, notify=True))
 
     async def call(self, fn: Callable[[Scheduler], Any]) -> Any:
-        """Run fn(scheduler) on the engine thread (consistent snapshot) and return its result."""
+        """Run fn(scheduler) on the engine thread (consistent snapshot) and return its result. In-process engines
+        only (tests): a process boundary takes the typed queries above."""
         fut: Future = Future()
-        self.core.submit(Call(fn, fut))
+        self.submit(Call(fn, fut))
         return await asyncio.wrap_future(fut)
 
     def _open(self, stream: RequestStream, request: Request) -> None:
         if request.request_id in self._streams:
             raise EngineError(ErrorKind.DUPLICATE_REQUEST, f"request id {request.request_id!r} is in use")
         self._streams[request.request_id] = stream
-        self.core.submit(AddRequest(request))
+        self.submit(AddRequest(request))
 
     def _close(self, request_id: str, abort: bool) -> None:
-        if abort:
-            self.core.submit(Abort(request_id))
         self._streams.pop(request_id, None)
+        if abort:
+            self._stale[request_id] = self._stale.get(request_id, 0) + 1
+            self.submit(Abort(request_id, ack=True))
 
     def _fault(self, message: str) -> None:  # engine thread
         assert self._loop is not None
@@ -142,6 +166,12 @@ class AsyncEngine:
 
     def _dispatch(self, events: list) -> None:  # event loop thread
         for ev in events:
-            stream = self._streams.get(ev.request_id)
+            rid = ev.request_id
+            if rid in self._stale:  # made before the engine applied the abort of a former owner of this id
+                if isinstance(ev, Forgotten):
+                    if (left := self._stale.pop(rid) - 1) > 0:
+                        self._stale[rid] = left
+                continue
+            stream = self._streams.get(rid)
             if stream is not None:
                 stream._queue.put_nowait(ev)

@@ -1,7 +1,8 @@
-"""The engine loop: drain commands, reserve, schedule, execute, update, emit. Runs in its own thread so the
-asyncio loop (gRPC, KV transfers) stays responsive while torch computes; torch releases the GIL in its ops.
+"""The engine loop: drain commands, reserve, schedule, execute, update, emit. It runs on a thread of its own,
+either in the worker's process (`AsyncEngine`) or as the main loop of an engine-core process (`engine.core_process`),
+so the asyncio loop (gRPC, KV transfers) stays responsive while torch computes.
 
-Only this thread touches the scheduler, block pool and model. Other threads talk to it through `submit`.
+Only the loop's thread touches the scheduler, block pool and model. Other threads talk to it through `submit`.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from typing import Any
 from engine.errors import ErrorKind
 from engine.hardware import set_threads
 from engine.model_runner import ModelRunner
-from engine.outputs import RequestFailed, SchedulerOutput, StepRecord
+from engine.outputs import Forgotten, RequestFailed, SchedulerOutput, SchedulerStats, StepRecord
 from engine.request import Request, RequestStatus
 from engine.scheduler import Scheduler
 
@@ -34,10 +35,13 @@ class Abort:
     """Drop a request and free its blocks. notify: tell its owner with RequestFailed(ABORTED) (an abort from
     outside, e.g. Worker.Abort); the owner's own cleanup aborts silently (it stopped listening). An abort from
     outside leaves a prefill-done request (HELD) alone: its blocks are being read by its KV transfer, and freeing
-    them under it would let another request overwrite KV in flight; its owner frees them when the send ends."""
+    them under it would let another request overwrite KV in flight; its owner frees them when the send ends.
+    ack: emit `Forgotten` once applied, known request or not (an owner that stops listening drops the request's
+    events until then, so a new request under the same id never receives the old one's)."""
 
     request_id: str
     notify: bool = False
+    ack: bool = False
 
 
 @dataclass
@@ -66,11 +70,13 @@ class EngineCore:
         step_log_size: how many StepRecords to keep.
         threads: torch intra-op threads of the engine thread (`engine.hardware.set_threads`: 0 = one per CPU);
             None leaves torch's setting as the engine thread finds it.
+        on_stats: called on the engine thread with each new `stats` (as a step starts, and after each loop
+            iteration that changed them): an engine in another process publishes them this way.
     """
 
     def __init__(self, scheduler: Scheduler, runner: ModelRunner, emit: Callable[[list], None],
                  on_fault: Callable[[str], None] = lambda message: None, step_log_size: int = 4096,
-                 threads: int | None = None):
+                 threads: int | None = None, on_stats: Callable[[SchedulerStats], None] | None = None):
         self.scheduler = scheduler
         self.threads = threads
         self.runner = runner
@@ -81,6 +87,7 @@ class EngineCore:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.num_steps = 0
+        self.on_stats = on_stats
         self.stats = scheduler.make_stats(0)  # replaced (never mutated) by the engine thread; any thread may read
         self.step_log: deque[StepRecord] = deque(maxlen=step_log_size)
         self._running: set[str] = set()
@@ -90,16 +97,41 @@ class EngineCore:
         self._commands.put(command)
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="engine-core", daemon=True)
+        """Run the loop on a thread of its own."""
+        self._thread = threading.Thread(target=self.run, name="engine-core", daemon=True)
         self._thread.start()
 
-    def stop(self) -> None:
+    def request_stop(self) -> None:
+        """Thread-safe: end the loop after its current iteration."""
         self._stop.set()
         self._commands.put(None)
+
+    def stop(self) -> None:
+        """End the loop and wait (30 s at most) for its thread."""
+        self.request_stop()
         if self._thread is not None:
             self._thread.join(timeout=30)
 
-    def _run(self) -> None:
+    def snapshot(self) -> tuple[SchedulerStats, bool]:
+        """Engine thread (a `Call`): the stats and whether the block pool passes its integrity check, taken
+        together."""
+        return self.scheduler.make_stats(self.num_steps), not self.scheduler.kv.pool.integrity_errors()
+
+    def abortable(self, request_id: str) -> bool:
+        """Engine thread (a `Call`): whether an outside abort would drop the request (it is known and not HELD;
+        see `Abort`)."""
+        req = self.scheduler.requests.get(request_id)
+        return req is not None and req.status != RequestStatus.HELD
+
+    def _publish_stats(self) -> None:
+        stats = self.scheduler.make_stats(self.num_steps)
+        if stats != self.stats:
+            self.stats = stats
+            if self.on_stats is not None:
+                self.on_stats(stats)
+
+    def run(self) -> None:
+        """The loop, on the calling thread, until `request_stop`."""
         if self.threads is not None:
             set_threads(self.threads)  # per thread under OpenMP: the steps run here
         while not self._stop.is_set():
@@ -110,12 +142,12 @@ class EngineCore:
                 events.extend(self.scheduler.reserve())
                 out = self.scheduler.schedule()
                 if not out.is_empty:
-                    self.stats = self.scheduler.make_stats(self.num_steps)  # as the step starts: it may be long
+                    self._publish_stats()  # as the step starts: it may be long
                     events.extend(self.scheduler.update(out, self.runner.execute(out)))
                     self._record_step(out)
             except Exception as e:  # noqa: BLE001 - a fault must fail loudly, not wedge the loop
                 events.extend(self._fail_step(out, e))
-            self.stats = self.scheduler.make_stats(self.num_steps)
+            self._publish_stats()
             if events:
                 self.emit(events)
 
@@ -164,6 +196,8 @@ class EngineCore:
             if failure is not None:
                 self.emit([failure])
         elif isinstance(cmd, Abort):
+            if cmd.ack:
+                self.emit([Forgotten(cmd.request_id)])  # first: emitted before anything the abort might emit
             req = s.requests.get(cmd.request_id)
             if cmd.notify and req is not None and req.status == RequestStatus.HELD:
                 return

@@ -17,6 +17,7 @@ class ErrorKind(enum.Enum):
     TRANSFER_REJECTED = "transfer_rejected"  # the receiver had no reservation for it (aborted or expired)
     INCOMPATIBLE_PEER = "incompatible_peer"  # KV handshake refused: protocol version or KV layout differ
     INTERNAL = "internal"                    # a bug: the engine step raised
+    ENGINE_DIED = "engine_died"              # the engine process died (killed, crashed): retry elsewhere
 
 
 class EngineError(Exception):

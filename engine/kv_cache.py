@@ -25,15 +25,24 @@ class KVCache:
         model: shapes and dtype.
         cache: block size and count.
         device: where the cache lives.
+        kv: an existing cache tensor of this geometry to wrap (one an engine process shares) instead of a new one.
+
+    Raises:
+        ValueError: `kv` does not have the geometry and dtype of `model` and `cache`.
     """
 
-    def __init__(self, model: ModelConfig, cache: CacheConfig, device: torch.device | str = "cpu"):
+    def __init__(self, model: ModelConfig, cache: CacheConfig, device: torch.device | str = "cpu",
+                 kv: torch.Tensor | None = None):
         self.block_size = cache.block_size
         self.num_blocks = cache.num_blocks
         # kv: [num_blocks + 1, num_layers, 2, block_size, num_kv_heads, head_dim]. The extra block is outside the
         # pool (no request owns it): the padded rows of a captured decode step write there (engine.cuda_graphs).
-        self.kv = torch.zeros(cache.num_blocks + 1, model.num_layers, 2, cache.block_size, model.num_kv_heads,
-                              model.head_dim, dtype=model.torch_dtype, device=device)
+        shape = (cache.num_blocks + 1, model.num_layers, 2, cache.block_size, model.num_kv_heads, model.head_dim)
+        if kv is None:
+            kv = torch.zeros(shape, dtype=model.torch_dtype, device=device)
+        elif tuple(kv.shape) != shape or kv.dtype != model.torch_dtype:
+            raise ValueError(f"KV cache tensor {tuple(kv.shape)} {kv.dtype} is not {shape} {model.torch_dtype}")
+        self.kv = kv
         self.scratch_slot = cache.num_blocks * cache.block_size
         self.layers = [(self.kv[:, i, 0], self.kv[:, i, 1]) for i in range(model.num_layers)]
 

@@ -46,10 +46,10 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
     async def Prefill(self, request: worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext):
         rid = request.request_id
         try:
-            progress = (KvLayerProgress(self.worker.parts.model_config.num_layers)
+            progress = (KvLayerProgress(self.worker.model_config.num_layers)
                         if self.layerwise and request.kv_address else None)
             req = Request(rid, list(request.prompt_token_ids), sampling_from_proto(request.sampling),
-                          eos_token_ids=self.worker.parts.model_config.eos_token_ids, prefill_only=True,
+                          eos_token_ids=self.worker.model_config.eos_token_ids, prefill_only=True,
                           arrival_time=request.arrival_time or time.time(),
                           output_token_ids=list(request.output_token_ids), kv_layers=progress)
             with self.worker.engine.request(req) as stream:
@@ -135,8 +135,8 @@ async def serve(config: WorkerConfig) -> None:
     """Run a prefill worker until cancelled."""
     secret = read_secret(config.server.cluster_secret_file)
     tracing = Tracing.from_env("pdserve-prefill")
-    worker = start_engine(config)
-    sender = KvSender(worker.compat_hash, worker.parts.runner.kv_cache.block_bytes,
+    worker = await start_engine(config)
+    sender = KvSender(worker.compat_hash, worker.block_bytes,
                       timeout_s=config.transfer_timeout_s, secret=secret)
     prefill = PrefillServicer(worker, sender, layerwise=config.kv_layerwise)
     try:

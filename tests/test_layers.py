@@ -43,5 +43,6 @@ def test_other_commands_parse_without_torch(command):
 
 
 def test_engine_imports_no_grpc():
-    loaded = loaded_after("import engine.builder, engine.async_engine, engine.transfer.protocol")
+    loaded = loaded_after("import engine.builder, engine.async_engine, engine.process_engine, "
+                          "engine.transfer.sender, engine.transfer.receiver")
     assert not loaded & {"grpc", "pdserve", "coordinator", "worker_common", "cli", "server_common"}

@@ -31,8 +31,10 @@ async def colocated_worker(model_dir, tmp_path, monkeypatch, on_step, served: li
 
     monkeypatch.setattr(ModelRunner, "execute", patched)
     ready = tmp_path / "ready.json"
-    config = WorkerConfig(role="colocated", engine=EngineArgs(dtype="float32", model_dir=str(model_dir), kv_tokens=1024,
-                                                              max_model_len=256, threads=0),
+    # The engine on a thread of this process: the patch above must reach its steps.
+    config = WorkerConfig(role="colocated", engine_process=False,
+                          engine=EngineArgs(dtype="float32", model_dir=str(model_dir), kv_tokens=1024,
+                                            max_model_len=256, threads=0),
                           server=ServerArgs(ready_file=str(ready)))
     server = asyncio.create_task(serve(config))
     if served is not None:

@@ -27,6 +27,12 @@ class WorkerConfig:
         transfer_timeout_s: bound on one request's KV transfer, seconds.
         kv_layerwise: prefill: stream each layer's KV as the last prefill chunk writes it, overlapping the
             transfer with the forward, instead of sending whole blocks after the first token.
+        engine_process: run the engine core (scheduler, model, KV cache) in a process of its own
+            (`engine.process_engine`), else on a thread of the worker's process.
+        engine_restart: when the engine process dies, restart it in place (`worker_common.supervisor`) instead of
+            exiting non-zero for the orchestrator (or `serve --restart`) to restart the worker.
+        log_level / log_format: the process's logging (the global --log-level / --log-format), which an engine
+            process is given too.
     """
 
     role: str = field(metadata={"cli": False})
@@ -45,3 +51,12 @@ class WorkerConfig:
     kv_layerwise: bool = field(default=False, metadata={
         "help": "prefill: stream each layer's KV while the last prefill chunk computes (else whole blocks after "
                 "the first token)"})
+    engine_process: bool = field(default=True, metadata={
+        "help": "run the engine core (scheduler, model, KV cache) in a process of its own, so its steps and this "
+                "process's gRPC and KV transfers never share a GIL and a crash there fails requests cleanly "
+                "(--no-engine-process: a thread of the worker's process)"})
+    engine_restart: bool = field(default=False, metadata={
+        "help": "when the engine process dies (killed, crashed), restart it in place with a bounded backoff (else "
+                "fail what is in flight, drain and exit non-zero, for the orchestrator to restart the worker)"})
+    log_level: str = field(default="info", metadata={"cli": False})
+    log_format: str = field(default="text", metadata={"cli": False})

@@ -17,6 +17,7 @@ STATUS_FOR_KIND: dict[ErrorKind, grpc.StatusCode] = {
     ErrorKind.TRANSFER_REJECTED: grpc.StatusCode.ABORTED,
     ErrorKind.INCOMPATIBLE_PEER: grpc.StatusCode.FAILED_PRECONDITION,
     ErrorKind.INTERNAL: grpc.StatusCode.INTERNAL,
+    ErrorKind.ENGINE_DIED: grpc.StatusCode.UNAVAILABLE,
 }
 
 

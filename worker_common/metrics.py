@@ -22,7 +22,7 @@ class EngineStatsCollector(Collector):
         self.engine, self.labels = engine, labels
 
     def collect(self) -> Iterator[Metric]:
-        s = self.engine.core.stats
+        s = self.engine.stats
         gauge, counter = GaugeMetricFamily, CounterMetricFamily
         for family, name, doc, value in (
                 (gauge, "num_requests_running", "Requests in the running batch.", s.num_running),

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import uuid
 from collections.abc import Callable
@@ -11,54 +12,87 @@ import grpc
 from prometheus_client import CollectorRegistry
 
 from engine.async_engine import AsyncEngine
-from engine.builder import EngineParts, build_engine
-from engine.hardware import set_threads
-from engine.config import compat_hash
+from engine.builder import build_engine
+from engine.config import CacheConfig, ModelConfig, SchedulerConfig, compat_hash
 from engine.engine_core import EngineCore
-from engine.request import RequestStatus
+from engine.hardware import set_threads
+from engine.kv_cache import KVCache
+from engine.process_engine import EngineBuildError, ProcessEngine
 from pdserve.v1 import generate_pb2, worker_pb2, worker_pb2_grpc
 from server_common.addresses import advertise_host
 from server_common.errors import CommandError
 from server_common.grpc_server import RunningServer, start_grpc_server, write_ready_file
+from server_common.logs import configure_logging
 from server_common.metrics import metrics_url, start_metrics_server
 from server_common.tracing import Tracing
 from worker_common.config import WorkerConfig
 from worker_common.metrics import WorkerMetrics
+from worker_common.supervisor import EngineRestarter
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
 class WorkerEngine:
-    """A worker's running engine, the parts it was built from (configs, scheduler, runner), and its metrics."""
+    """A worker's running engine (a thread here or a process of its own), what it was built as, its KV cache
+    memory (what the KV connectors read and write) and its metrics."""
 
     engine: AsyncEngine
-    parts: EngineParts
+    model_config: ModelConfig
+    cache_config: CacheConfig
+    scheduler_config: SchedulerConfig
+    kv_cache: KVCache
     registry: CollectorRegistry
     metrics: WorkerMetrics
 
     @property
     def compat_hash(self) -> str:
-        return compat_hash(self.parts.model_config, self.parts.cache_config)
+        return compat_hash(self.model_config, self.cache_config)
+
+    def block_bytes(self, block_id: int):
+        """`KVCache.block_bytes` of the engine's current cache (a restarted engine process has a new one)."""
+        return self.kv_cache.block_bytes(block_id)
 
 
-def start_engine(config: WorkerConfig) -> WorkerEngine:
-    """Build the model and KV cache for this process and start the engine thread (on the running event loop).
+async def start_engine(config: WorkerConfig) -> WorkerEngine:
+    """Build the model and KV cache and start the engine's loop: in a process of its own (`config.engine_process`)
+    or on a thread of this one, on the running event loop.
 
     Raises:
         FileNotFoundError / ValueError: from model loading and config validation.
+        CommandError: the engine process failed otherwise (its message).
     """
-    # The engine thread gets the intra-op threads; this one (loading, the event loop, KV copies) runs torch on one,
-    # so the process never holds two OpenMP pools (`set_threads` says why that doubled a 2-thread step).
+    # This process's own torch work (the KV copies; loading too, without an engine process) runs on one thread: the
+    # engine's loop gets the intra-op threads, and no process holds two OpenMP pools (`set_threads` says why that
+    # doubled a 2-thread step).
     set_threads(1)
     # A prefill worker never runs an all-decode step: capturing decode graphs there would only cost start-up time.
-    parts = build_engine(replace(config.engine, enforce_eager=True) if config.role == "prefill" else config.engine)
-    engine = AsyncEngine(lambda emit, on_fault: EngineCore(parts.scheduler, parts.runner, emit, on_fault,
-                                                           threads=config.engine.threads))
-    engine.start()
+    args = replace(config.engine, enforce_eager=True) if config.role == "prefill" else config.engine
+    engine: AsyncEngine
+    if config.engine_process:
+        engine = ProcessEngine(args, threads=config.engine.threads,
+                               log_setup=functools.partial(configure_logging, config.log_level, config.log_format))
+        try:
+            await engine.start()
+        except EngineBuildError as e:  # the build's own error, as the thread engine would raise it
+            raise {"FileNotFoundError": FileNotFoundError, "ValueError": ValueError}.get(
+                e.error_type, CommandError)(str(e)) from None
+        except RuntimeError as e:
+            raise CommandError(str(e)) from None
+        assert engine.model_config and engine.cache_config and engine.scheduler_config and engine.kv is not None
+        model, cache, sched = engine.model_config, engine.cache_config, engine.scheduler_config
+        kv_cache = KVCache(model, cache, kv=engine.kv)
+    else:
+        parts = build_engine(args)
+        engine = AsyncEngine(lambda emit, on_fault: EngineCore(parts.scheduler, parts.runner, emit, on_fault,
+                                                               threads=config.engine.threads))
+        engine.start()
+        model, cache, sched = parts.model_config, parts.cache_config, parts.scheduler_config
+        kv_cache = parts.runner.kv_cache
     registry = CollectorRegistry()
-    name = config.served_model_name or parts.model_config.name
-    return WorkerEngine(engine, parts, registry, WorkerMetrics(registry, engine, name, config.role))
+    name = config.served_model_name or model.name
+    return WorkerEngine(engine, model, cache, sched, kv_cache, registry,
+                        WorkerMetrics(registry, engine, name, config.role))
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
@@ -70,7 +104,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.instance_id = uuid.uuid4().hex  # tells a restart at the same address from a long-lived process
 
     def info(self) -> worker_pb2.WorkerInfo:
-        m, c, s = self.worker.parts.model_config, self.worker.parts.cache_config, self.worker.parts.scheduler_config
+        m, c, s = self.worker.model_config, self.worker.cache_config, self.worker.scheduler_config
         return worker_pb2.WorkerInfo(
             role=self.role, model=m.name, compat_hash=self.worker.compat_hash, block_size=c.block_size,
             num_blocks=c.num_blocks, context_length=s.max_model_len, vocab_size=m.vocab_size,
@@ -89,10 +123,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         check_integrity the stats and the pool's integrity check are taken together on the engine thread."""
         engine = self.worker.engine
         if request.check_integrity:
-            stats, integrity_ok = await engine.call(
-                lambda s: (s.make_stats(engine.core.num_steps), not s.kv.pool.integrity_errors()))
+            stats, integrity_ok = await engine.snapshot()
         else:
-            stats, integrity_ok = engine.core.stats, True
+            stats, integrity_ok = engine.stats, True
         return worker_pb2.WorkerStats(
             num_total_blocks=stats.num_total_blocks, num_free_blocks=stats.num_free_blocks,
             num_cached_blocks=stats.num_cached_blocks, num_running=stats.num_running,
@@ -106,7 +139,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         KV is being sent (`engine_core.Abort`: cancel the coordinator's request instead)."""
         engine = self.worker.engine
         rid = request.request_id
-        found = await engine.call(lambda s: rid in s.requests and s.requests[rid].status != RequestStatus.HELD)
+        found = await engine.abortable(rid)
         engine.abort(rid)
         return generate_pb2.AbortResponse(found=found)
 
@@ -124,6 +157,9 @@ async def serve_worker(config: WorkerConfig, worker: WorkerEngine, servicer: Wor
         tracing: the process's tracing (its server interceptors continue the coordinator's traces).
         ready: extra fields for the ready file (e.g. kv_address).
 
+    An engine process that dies is restarted in place instead when `config.engine_restart` is on
+    (`EngineRestarter`).
+
     Raises:
         CommandError: the engine faulted (its message); the process should exit non-zero and be restarted.
     """
@@ -137,12 +173,22 @@ async def serve_worker(config: WorkerConfig, worker: WorkerEngine, servicer: Wor
 
     pending: set[asyncio.Task] = set()  # the loop keeps only weak references to tasks
     serving_task = asyncio.current_task()
+    assert serving_task is not None
     faults: list[str] = []
+    engine = worker.engine
+    restarter = (EngineRestarter(engine, running.set_serving, lambda kv: setattr(worker, "kv_cache", kv),
+                                 lambda instance: setattr(servicer, "instance_id", instance),
+                                 stopping=lambda: serving_task.cancelling() > 0)
+                 if config.engine_restart and isinstance(engine, ProcessEngine) else None)
 
     def on_fault(message: str) -> None:
         """The engine cannot be trusted any more: stop taking traffic, drain as on SIGTERM, then exit non-zero
         (below), so `serve --restart` or the orchestrator restarts the worker. A live process that only
-        reported NOT_SERVING was never restarted by anything but a liveness probe."""
+        reported NOT_SERVING was never restarted by anything but a liveness probe. A dead engine process is
+        restarted in place instead when asked (its requests have failed already)."""
+        if restarter is not None and isinstance(engine, ProcessEngine) and engine.died is not None:
+            restarter.restart(message)
+            return
         log.error("engine fault (%s): draining, then exiting for a restart", message)
         faults.append(message)
         task = asyncio.get_running_loop().create_task(running.set_live(False))
@@ -152,7 +198,7 @@ async def serve_worker(config: WorkerConfig, worker: WorkerEngine, servicer: Wor
 
     worker.engine.add_fault_listener(on_fault)
     address = f"{advertise_host(config.server.host, config.server.advertise_host)}:{running.port}"
-    c = worker.parts.cache_config
+    c = worker.cache_config
     log.info("%s worker serving on %s (%d KV blocks of %d tokens%s)", config.role, address, c.num_blocks,
              c.block_size, "".join(f", {k} {v}" for k, v in ready.items() if v))
     metrics = (start_metrics_server(config.server.host, config.server.metrics_port, worker.registry)
@@ -166,6 +212,8 @@ async def serve_worker(config: WorkerConfig, worker: WorkerEngine, servicer: Wor
             raise
         raise CommandError(f"engine fault ({faults[0]}); the worker exited so that it is restarted") from None
     finally:
+        if restarter is not None:
+            restarter.cancel()
         worker.engine.stop()
         if metrics is not None:
             metrics.close()

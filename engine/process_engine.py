@@ -1,0 +1,312 @@
+"""`AsyncEngine` with the engine core in a process of its own (vLLM V1's split): this process keeps gRPC, KV
+transfer control and streaming; the engine process (`engine.core_process`) owns the scheduler, the model and the
+KV cache memory. Commands and outputs cross as typed messages (`engine.ipc`).
+
+Supervision: the engine process is watched through its sentinel. If it dies (kill -9, a segfault in a kernel),
+every request in flight fails at once with ENGINE_DIED (gRPC UNAVAILABLE: the coordinator retries or migrates it)
+and the fault listeners hear why, as after a faulted step (the worker then stops taking traffic). `stop` ends it
+cleanly; a worker killed outright takes it along (`core_process._die_with_parent`).
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import multiprocessing
+import os
+import shutil
+import signal
+import tempfile
+from collections.abc import Callable
+
+import torch
+
+from engine.args import EngineArgs
+from engine.async_engine import AsyncEngine, RequestStream
+from engine.config import CacheConfig, ModelConfig, SchedulerConfig
+from engine.core_process import EngineProcessSpec, run_engine_process
+from engine.engine_core import Abort, AddRequest, Call, KvArrived
+from engine.errors import EngineError, ErrorKind
+from engine.ipc import (AbortRequest, BuildFailed, Codec, Fault, KvArrivedMsg, LayerBegin, LayerWritten,
+                        NewRequest, Outputs, Query, QueryResult, Ready, Shutdown, StatsUpdate)
+from engine.kv_stream import KvLayerProgress
+from engine.outputs import RequestFailed, SchedulerStats
+from engine.request import Request
+
+log = logging.getLogger(__name__)
+
+STOP_TIMEOUT_S = 10.0  # a clean stop waits this long for the current step, then kills
+
+
+class EngineBuildError(RuntimeError):
+    """The engine process could not build the engine; `error_type` names the exception it raised there."""
+
+    def __init__(self, error_type: str, message: str):
+        super().__init__(message)
+        self.error_type = error_type
+
+
+class ProcessEngine(AsyncEngine):
+    """An engine core in a child process, behind `AsyncEngine`'s interface. `await start()` before use.
+
+    After start: `model_config`, `cache_config`, `scheduler_config` describe the engine, and `kv` is its KV cache
+    tensor (shared memory, see `engine.ipc.Ready`).
+
+    Args:
+        args: the engine to build there.
+        threads: torch intra-op threads of the engine's loop (None: torch's default).
+        log_setup: configures the engine process's logging (picklable), or None.
+    """
+
+    def __init__(self, args: EngineArgs, threads: int | None = None, log_setup: Callable[[], None] | None = None):
+        super().__init__(lambda emit, on_fault: None)  # type: ignore[arg-type,return-value]
+        self.args, self.threads, self.log_setup = args, threads, log_setup
+        self.model_config: ModelConfig | None = None
+        self.cache_config: CacheConfig | None = None
+        self.scheduler_config: SchedulerConfig | None = None
+        self.kv: torch.Tensor | None = None
+        self.pid: int | None = None
+        self.died: str | None = None  # why the engine process is gone, once it is
+        self._codec = Codec()
+        self._stats = SchedulerStats()
+        self._layers: dict[str, KvLayerProgress] = {}
+        self._calls: dict[int, asyncio.Future] = {}
+        self._call_ids = itertools.count()
+        self._process: multiprocessing.process.BaseProcess | None = None
+        self._stopping = False
+        self._reader: asyncio.Task | None = None
+        self._dir: str | None = None
+        self._zmq = self._azmq = self._commands = self._outputs = None
+
+    # ---- lifecycle -------------------------------------------------------------------------------------------
+    async def start(self) -> None:  # type: ignore[override]
+        """Spawn the engine process and wait until its engine is built.
+
+        Raises:
+            EngineBuildError: the build failed there (its error type and message).
+            RuntimeError: the process exited before answering.
+        """
+        import zmq
+        import zmq.asyncio
+
+        self._loop = asyncio.get_running_loop()
+        self._dir = tempfile.mkdtemp(prefix="pdserve-engine-")
+        self._zmq, self._azmq = zmq.Context(), zmq.asyncio.Context()
+        self._commands = self._zmq.socket(zmq.PUSH)
+        self._commands.setsockopt(zmq.SNDHWM, 0)  # never block the event loop: commands are few and small
+        self._commands.setsockopt(zmq.LINGER, 0)
+        self._commands.bind(f"ipc://{self._dir}/commands")
+        self._outputs = self._azmq.socket(zmq.PULL)
+        self._outputs.setsockopt(zmq.RCVHWM, 0)
+        self._outputs.setsockopt(zmq.LINGER, 0)
+        self._outputs.bind(f"ipc://{self._dir}/outputs")
+        ctx = multiprocessing.get_context("spawn")  # no fork of a process with gRPC and OpenMP threads
+        parent_end, child_end = ctx.Pipe(duplex=False)
+        spec = EngineProcessSpec(self.args, self.threads, f"ipc://{self._dir}/commands",
+                                 f"ipc://{self._dir}/outputs", os.getpid(), self.log_setup)
+        self._process = ctx.Process(target=run_engine_process, args=(spec, child_end), name="pdserve-engine",
+                                    daemon=True)
+        self._process.start()
+        child_end.close()
+        self.pid = self._process.pid
+        try:
+            answer = await asyncio.to_thread(_receive_answer, parent_end, self._process)
+        except BaseException:
+            self._kill()
+            raise
+        finally:
+            parent_end.close()
+        if isinstance(answer, BuildFailed):
+            self._kill()
+            raise EngineBuildError(answer.error_type, answer.message)
+        assert isinstance(answer, Ready)
+        self.model_config, self.cache_config = answer.model_config, answer.cache_config
+        self.scheduler_config, self.kv = answer.scheduler_config, answer.kv
+        self._stats = answer.stats
+        self._loop.add_reader(self._process.sentinel, self._on_exit)
+        self._reader = asyncio.ensure_future(self._read_outputs())
+        log.info("engine process %d started", self.pid)
+
+    async def restart(self) -> None:
+        """Start a fresh engine process after this one died (a new, empty KV cache: `kv` is a new tensor; requests
+        in flight failed when it died).
+
+        Raises:
+            as `start`.
+        """
+        assert self.died is not None, "restart() is for an engine process that died"
+        self._release()
+        self._stale.clear()
+        self._layers.clear()
+        self._calls.clear()
+        self.kv = None
+        self.died = None
+        await self.start()
+
+    def stop(self) -> None:
+        """Stop the engine process: ask it to finish its step and exit, kill it after STOP_TIMEOUT_S."""
+        self._stopping = True
+        process = self._process
+        if process is not None:
+            if self._loop is not None:
+                self._loop.remove_reader(process.sentinel)
+            if process.is_alive() and self._commands is not None:
+                self._commands.send(self._codec.encode(Shutdown()))
+                process.join(STOP_TIMEOUT_S)
+        self._release()
+
+    def _release(self) -> None:
+        """Kill the process if it still runs, and close the sockets and their directory."""
+        self._kill()
+        if self._reader is not None:
+            self._reader.cancel()
+            self._reader = None
+        for sock in (self._commands, self._outputs):
+            if sock is not None:
+                sock.close(linger=0)
+        for ctx in (self._zmq, self._azmq):
+            if ctx is not None:
+                ctx.term()
+        self._zmq = self._azmq = self._commands = self._outputs = None
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
+            self._dir = None
+
+    def _kill(self) -> None:
+        process = self._process
+        if process is not None and process.is_alive():
+            process.kill()
+            process.join(5)
+
+    # ---- commands --------------------------------------------------------------------------------------------
+    def submit(self, command: AddRequest | Abort | KvArrived | Call) -> None:
+        """Send a command to the engine process (event loop thread). Dropped once the process is gone: its
+        requests have failed already."""
+        if self.died is not None or self._stopping:
+            return
+        if isinstance(command, AddRequest):
+            r = command.request
+            msg = NewRequest(r.request_id, r.prompt_token_ids, r.sampling, tuple(r.eos_token_ids), r.prefill_only,
+                             r.remote_kv, r.arrival_time, r.output_token_ids, r.kv_layers is not None)
+            if r.kv_layers is not None:
+                self._layers[r.request_id] = r.kv_layers
+        elif isinstance(command, Abort):
+            msg = AbortRequest(command.request_id, command.notify, command.ack)
+        elif isinstance(command, KvArrived):
+            msg = KvArrivedMsg(command.request_id, command.first_token)
+        else:
+            raise TypeError(f"{type(command).__name__} cannot cross to an engine process; use a typed query")
+        self._commands.send(self._codec.encode(msg))
+
+    @property
+    def stats(self) -> SchedulerStats:
+        return self._stats
+
+    async def snapshot(self) -> tuple[SchedulerStats, bool]:
+        result = await self._query("snapshot")
+        assert result.stats is not None
+        return result.stats, result.flag
+
+    async def abortable(self, request_id: str) -> bool:
+        return (await self._query("abortable", request_id)).flag
+
+    async def call(self, fn):  # type: ignore[override]
+        raise TypeError("an engine in another process answers typed queries only (snapshot, abortable)")
+
+    async def _query(self, name: str, request_id: str = "") -> QueryResult:
+        """Raises: EngineError(ENGINE_DIED) when the engine process is gone; RuntimeError when the query raised."""
+        if self.died is not None:
+            raise EngineError(ErrorKind.ENGINE_DIED, self.died)
+        call_id = next(self._call_ids)
+        future = asyncio.get_running_loop().create_future()
+        self._calls[call_id] = future
+        try:
+            self._commands.send(self._codec.encode(Query(call_id, name, request_id)))
+            result = await future
+        finally:
+            self._calls.pop(call_id, None)
+        if result.error is not None:
+            raise RuntimeError(f"engine query {name} failed: {result.error}")
+        return result
+
+    def _open(self, stream: RequestStream, request: Request) -> None:
+        if self.died is not None:
+            raise EngineError(ErrorKind.ENGINE_DIED, self.died)
+        super()._open(stream, request)
+
+    def _close(self, request_id: str, abort: bool) -> None:
+        self._layers.pop(request_id, None)
+        super()._close(request_id, abort)
+
+    # ---- outputs ---------------------------------------------------------------------------------------------
+    async def _read_outputs(self) -> None:
+        while True:
+            msg = self._codec.decode_output(await self._outputs.recv())
+            if isinstance(msg, Outputs):
+                self._dispatch(msg.events)
+            elif isinstance(msg, StatsUpdate):
+                self._stats = msg.stats
+            elif isinstance(msg, (LayerBegin, LayerWritten)):
+                progress = None if msg.request_id in self._stale else self._layers.get(msg.request_id)
+                if progress is None:
+                    continue
+                if isinstance(msg, LayerBegin):
+                    progress.begin(msg.block_ids, msg.num_tokens)
+                else:
+                    progress.layer_written(msg.layer, torch.device("cpu"))  # synchronized over there
+            elif isinstance(msg, QueryResult):
+                future = self._calls.get(msg.call_id)
+                if future is not None and not future.done():
+                    future.set_result(msg)
+            elif isinstance(msg, Fault):
+                for listener in self._fault_listeners:
+                    listener(msg.message)
+
+    def _on_exit(self) -> None:
+        """The engine process is gone without being asked: fail everything in flight and tell the listeners."""
+        process = self._process
+        assert process is not None and self._loop is not None
+        self._loop.remove_reader(process.sentinel)
+        if self._stopping:
+            return
+        process.join(1)
+        self.died = f"the engine process died ({_describe_exit(process.exitcode)})"
+        log.error("%s; failing %d request(s) in flight", self.died, len(self._streams))
+        if self._reader is not None:
+            self._reader.cancel()
+        for rid, stream in list(self._streams.items()):
+            stream._queue.put_nowait(RequestFailed(rid, ErrorKind.ENGINE_DIED, self.died))
+        for progress in self._layers.values():
+            progress.fail(self.died)
+        for future in self._calls.values():
+            if not future.done():
+                future.set_exception(EngineError(ErrorKind.ENGINE_DIED, self.died))
+        self._stale.clear()
+        for listener in self._fault_listeners:
+            listener(self.died)
+
+
+def _receive_answer(conn, process) -> Ready | BuildFailed:
+    """Worker thread: the engine process's first message; RuntimeError if it exits without one."""
+    try:
+        while not conn.poll(0.5):
+            if not process.is_alive():
+                break
+        else:
+            return conn.recv()
+    except EOFError:
+        pass
+    process.join(5)
+    raise RuntimeError(f"the engine process exited ({_describe_exit(process.exitcode)}) before its engine was "
+                       "built; see the log above")
+
+
+def _describe_exit(code: int | None) -> str:
+    if code is None:
+        return "exit status unknown"
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
