@@ -1,0 +1,174 @@
+"""The scheduler as pure policy (issue 30 item 3): no model, no thread. Each test feeds requests and fake step
+results (`RunnerOutput` with a made-up token for every request the step samples) and checks the batches, the
+preemptions and the block accounting the scheduler decides."""
+import pytest
+
+from engine.config import SchedulerConfig
+from engine.kv_cache_manager import KVCacheManager
+from engine.outputs import RunnerOutput, SampledToken, SchedulerOutput
+from engine.request import FinishReason, Request, RequestStatus, SamplingParams
+from engine.scheduler import Scheduler
+
+BLOCK = 4
+
+
+def scheduler(num_blocks=32, budget=16, max_seqs=8, prefix_caching=True) -> Scheduler:
+    config = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs, max_model_len=256,
+                             enable_prefix_caching=prefix_caching, vocab_size=1000)
+    return Scheduler(config, KVCacheManager(num_blocks, BLOCK, prefix_caching))
+
+
+def request(rid, prompt_len, max_tokens=4, first=10, **kw) -> Request:
+    return Request(rid, list(range(first, first + prompt_len)), SamplingParams(max_tokens=max_tokens,
+                                                                               temperature=0.0, ignore_eos=True), **kw)
+
+
+def step(s: Scheduler, token: int = 7) -> tuple[SchedulerOutput, list]:
+    """One engine iteration with a fake runner: every request whose chunk reaches its last token samples `token`."""
+    s.reserve()
+    out = s.schedule()
+    result = RunnerOutput(sampled={x.request.request_id: SampledToken(token)
+                                   for x in out.decodes + out.prefills if x.sample})
+    return out, s.update(out, result)
+
+
+def shape(out: SchedulerOutput) -> tuple[list, list]:
+    """(decode ids, [(prefill id, tokens)]) of a step."""
+    return ([x.request.request_id for x in out.decodes],
+            [(x.request.request_id, x.num_new_tokens) for x in out.prefills])
+
+
+def blocks_in_use(s: Scheduler) -> int:
+    return sum(len(s.kv.get_block_table(rid)) for rid in s.requests)
+
+
+def assert_accounting(s: Scheduler) -> None:
+    """Every block is either free or in exactly one live request's table (prefix-shared blocks excepted: none here
+    unless a test shares prompts), and the pool agrees with itself."""
+    assert not s.kv.pool.integrity_errors()
+    assert s.kv.pool.num_free_blocks + blocks_in_use(s) == s.kv.pool.num_blocks
+
+
+def test_chunked_prefill_splits_a_long_prompt_under_the_token_budget():
+    s = scheduler(budget=16)
+    s.add_request(request("long", 40))
+    shapes = [shape(step(s)[0]) for _ in range(3)]
+    assert shapes == [([], [("long", 16)]), ([], [("long", 16)]), ([], [("long", 8)])]
+    out, events = step(s)
+    assert shape(out) == (["long"], []) and [e.token.token_id for e in events] == [7]
+    assert_accounting(s)
+
+
+def test_decodes_go_first_and_a_new_prompt_takes_what_budget_is_left():
+    s = scheduler(budget=16)
+    s.add_request(request("a", 8, max_tokens=10))
+    step(s)  # a's prefill, first token
+    s.add_request(request("b", 30, first=100))
+    out, _ = step(s)
+    assert shape(out) == (["a"], [("b", 15)])  # one budget token went to a's decode
+    out, _ = step(s)
+    assert shape(out) == (["a"], [("b", 15)])
+    assert_accounting(s)
+
+
+def test_max_num_seqs_caps_the_running_batch():
+    s = scheduler(budget=64, max_seqs=2)
+    for i in range(3):
+        s.add_request(request(f"r{i}", 4, first=100 * i))
+    out, _ = step(s)
+    assert [rid for rid, _ in shape(out)[1]] == ["r0", "r1"] and len(s.waiting) == 1
+
+
+def test_finished_requests_free_their_blocks():
+    s = scheduler()
+    s.add_request(request("a", 6, max_tokens=3))
+    events = []
+    while s.has_work():
+        events += step(s)[1]
+    assert [e.finish_reason for e in events] == [None, None, FinishReason.LENGTH]
+    assert s.requests == {} and s.kv.pool.num_free_blocks == s.kv.pool.num_blocks
+
+
+def test_kv_pressure_preempts_the_newest_and_it_resumes_with_its_tokens():
+    """Two requests grow until the pool is short: the newest running one is preempted (its blocks freed, back at
+    the head of the queue), the older finishes, then the preempted one recomputes prompt + output and finishes with
+    every token it had."""
+    s = scheduler(num_blocks=6, budget=64, prefix_caching=False)
+    s.add_request(request("old", 8, max_tokens=8))
+    s.add_request(request("new", 8, max_tokens=8, first=500))
+    tokens: dict[str, list[int]] = {"old": [], "new": []}
+    preempted_at = None
+    for i in range(40):
+        out, events = step(s, token=20 + i)
+        for e in events:
+            tokens[e.request_id].append(e.token.token_id)
+        assert_accounting(s)
+        if out.preempted_ids and preempted_at is None:
+            preempted_at = i
+            assert out.preempted_ids == ["new"]
+            victim = s.requests["new"]
+            assert victim.status == RequestStatus.PREEMPTED and s.waiting[0] is victim
+            assert s.kv.get_block_table("new") == [] and victim.num_computed_tokens == 0
+        if not s.has_work():
+            break
+    assert preempted_at is not None and s.num_preemptions >= 1
+    assert len(tokens["old"]) == 8 and len(tokens["new"]) == 8
+    assert s.requests == {} and s.kv.pool.num_free_blocks == 6
+
+
+def test_prefix_cache_hit_skips_the_cached_blocks():
+    s = scheduler(budget=64)
+    s.add_request(request("first", 12, max_tokens=1))
+    while s.has_work():
+        step(s)
+    s.add_request(request("second", 14, max_tokens=1))  # shares the first 12 tokens: 3 full blocks
+    out, events = step(s)
+    assert shape(out) == ([], [("second", 2)])
+    assert events[0].num_cached_tokens == 12
+    assert s.kv.prefix_hit_tokens == 12
+
+
+def test_remote_kv_reserves_blocks_then_joins_the_batch_as_a_decode():
+    s = scheduler()
+    s.add_request(request("remote", 10, remote_kv=True))
+    (reserved,) = s.reserve()
+    assert reserved.request_id == "remote" and len(reserved.block_ids) == 3  # ceil(10 / 4)
+    assert s.schedule().is_empty  # nothing runs before the KV arrives
+    assert s.kv_arrived("remote", 42) is None
+    out, events = step(s)
+    assert shape(out) == (["remote"], []) and s.requests["remote"].output_token_ids == [42, 7]
+    assert_accounting(s)
+
+
+def test_reservations_never_take_the_blocks_a_waiting_request_needs():
+    """A request whose KV arrived waits for its first step needing one block more than it holds; a later
+    reservation must leave that block (else a burst of reservations stalled the worker until leases lapsed)."""
+    s = scheduler(num_blocks=4, budget=64, prefix_caching=False)
+    s.add_request(request("arrived", 12, remote_kv=True))
+    assert [r.request_id for r in s.reserve()] == ["arrived"]  # 3 blocks
+    s.kv_arrived("arrived", 42)  # 13 tokens now: its first step needs a 4th block
+    s.add_request(request("next", 4, remote_kv=True, first=300))
+    assert s.reserve() == []
+    step(s)  # "arrived" runs and takes the block
+    while "arrived" in s.requests:
+        step(s)
+    assert [r.request_id for r in s.reserve()] == ["next"]
+
+
+@pytest.mark.parametrize("bad", [[-1], [1000]])
+def test_out_of_vocabulary_tokens_are_refused_at_admission(bad):
+    s = scheduler()
+    failure = s.add_request(Request("x", bad, SamplingParams(max_tokens=2)))
+    assert failure is not None and "outside the vocabulary" in failure.message and s.requests == {}
+
+
+def test_abort_frees_a_request_in_any_state():
+    s = scheduler(budget=8)
+    s.add_request(request("running", 20))
+    s.add_request(request("waiting", 4, first=200))
+    s.add_request(request("reserving", 4, remote_kv=True, first=300))
+    step(s)
+    for rid in ("running", "waiting", "reserving"):
+        assert s.abort(rid)
+    assert not s.abort("running")  # idempotent
+    assert s.requests == {} and s.kv.pool.num_free_blocks == s.kv.pool.num_blocks
