@@ -187,7 +187,9 @@ def _run_serve(args: argparse.Namespace) -> None:
     except KeyboardInterrupt:
         pass
     finally:
-        cluster.stop()
+        # Each process drains for up to its --drain-timeout-s, then a worker stops its engine process (10 s at
+        # most): killing children earlier cut streams the drain had promised to finish.
+        cluster.stop(timeout_s=max(worker.server.drain_timeout_s, coordinator.server.drain_timeout_s) + 15)
     if lost:
         raise SystemExit("pdserve: the coordinator exited; stopped the workers")
 
