@@ -69,8 +69,8 @@ class EngineArgs:
     seed: int = field(default=0, metadata={"min": 0, "help": "seed for unseeded sampling and random weights"})
     attention_backend: str = field(default="auto", metadata={
         "choices": ATTENTION_BACKENDS,
-        "help": "paged attention ops (auto = Triton kernels on CUDA; on CPU the C decode kernel, built on first "
-                "use with $CC, else the torch reference)"})
+        "help": "paged attention ops (auto = Triton kernels on CUDA; on CPU the C kernels compiled at install, "
+                "kernels/_C; torch = the reference, on any device)"})
     speculative_ngram_tokens: int = field(default=0, metadata={"min": 0,
         "help": "speculative decoding: draft tokens per decode step from n-gram prompt lookup (vLLM's ngram "
                 "method; greedy requests without penalties or logprobs), 0 = off"})

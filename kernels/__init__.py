@@ -3,8 +3,8 @@ and C beside pure-torch references.
 
 Each op has one signature and up to three implementations: `kernels.reference` (torch; defines the semantics, runs
 anywhere), `kernels.triton_*` (Triton; CUDA, or CPU under TRITON_INTERPRET=1 for tests) and, for CPU workers,
-`kernels.cpu_ops` (decode attention, the KV write and the per-token ops in C, built on first use) with
-`kernels.cpu_prefill` (prefill attention as blocked GEMMs). The model gets one
+`kernels.cpu_ops` (decode attention, the KV write and the per-token ops in C, compiled when pdserve is installed:
+setup.py) with `kernels.cpu_prefill` (prefill attention as blocked GEMMs). The model gets one
 `AttentionOps` from `select_ops` and never imports any of them directly.
 
 Layout shared by all ops (see `engine.kv_cache`):
@@ -15,7 +15,6 @@ Layout shared by all ops (see `engine.kv_cache`):
 from __future__ import annotations
 
 import functools
-import logging
 import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
@@ -25,7 +24,6 @@ if TYPE_CHECKING:
 
 # Names only: importing this package loads no torch, so the command line can list the choices cheaply.
 BACKENDS = ("auto", "torch", "triton", "cpu")
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -61,35 +59,31 @@ def select_ops(backend: str, device: torch.device | str) -> AttentionOps:
     """Pick the attention ops for a worker.
 
     Args:
-        backend: "auto" (Triton on CUDA; on CPU the C decode kernel, or the torch reference when it cannot be
-            built), "triton", "cpu" or "torch".
+        backend: "auto" (Triton on CUDA, the compiled C kernels on CPU), "triton", "cpu" or "torch" (the
+            reference, on any device).
         device: the device the KV cache lives on.
 
     Raises:
         ValueError: unknown backend; "triton" where Triton cannot run (no CUDA and no TRITON_INTERPRET=1); "cpu"
-            on another device or when its kernel cannot be built (no C compiler).
+            on another device; "cpu", or "auto" on CPU, when the compiled kernels (`kernels/_C`) are missing or do
+            not load: a worker fails at start rather than serve several times slower on the reference without
+            saying so (the message says how to reinstall, or to choose --attention-backend torch).
     """
     import torch
 
     if backend not in BACKENDS:
         raise ValueError(f"attention backend must be one of {BACKENDS}, got {backend!r}")
     device_type = torch.device(device).type
-    if backend == "auto" and device_type == "cpu":
-        from kernels.cpu_ops import KernelBuildError
-        try:
-            return _cpu_ops()
-        except KernelBuildError as e:
-            log.warning("the cpu attention kernel is unavailable (%s); using the slower torch reference", e)
-            backend = "torch"
     if backend == "auto":
-        backend = "triton" if device_type == "cuda" and triton_usable(device) else "torch"
+        backend = ("cpu" if device_type == "cpu" else
+                   "triton" if device_type == "cuda" and triton_usable(device) else "torch")
     if backend == "cpu":
-        from kernels.cpu_ops import KernelBuildError
+        from kernels.cpu_ops import KernelLoadError
         if device_type != "cpu":
             raise ValueError(f"attention backend 'cpu' runs on CPU only (device {device})")
         try:
             return _cpu_ops()
-        except KernelBuildError as e:
+        except KernelLoadError as e:
             raise ValueError(f"attention backend 'cpu': {e}") from e
     if backend == "torch":
         from kernels import reference as ref
@@ -110,7 +104,7 @@ def _cpu_ops() -> AttentionOps:
     prefill attention for 16-bit caches (`kernels.cpu_prefill`, its softmax in C; fp32 takes the reference's).
 
     Raises:
-        KernelBuildError: the kernel could not be built or loaded.
+        KernelLoadError: the compiled kernels are missing or do not load.
     """
     from kernels.cpu_ops import CpuKernels
 

@@ -9,10 +9,11 @@
  *
  * Numerics: scores, softmax and the P.V accumulation in fp32 for every storage dtype (the torch reference's
  * contract); bf16 is widened exactly (bits << 16) and the output rounded to nearest even, as torch's .to() does.
- * Built by kernels/cpu_ops.py with the system C compiler (-O3 -march=native -ffast-math -fopenmp). Two paths:
- * attend_item_avx512 (AVX-512 intrinsics, head_dim 64 and 128; 1.4-2.0x the plain loops on an AMD EPYC, one
- * thread, 64 sequences x 256-1024 tokens: docs/benchmarks.md) and attend_item, plain loops over head_dim that the
- * compiler vectorizes for any ISA (every other case, and every CPU without AVX-512; -DPDSERVE_PORTABLE forces it).
+ * Built at install time by setup.py, once per ISA level (-O3 -ffast-math -fopenmp plus the level's -m flags; see
+ * cpu_kernels.h), and called through the torch ops of cpu_ops.cpp. Two paths: attend_item_avx512 (AVX-512
+ * intrinsics, head_dim 64 and 128, in the avx512 and avx512_bf16 builds; 1.4-2.0x the plain loops on an AMD EPYC,
+ * one thread, 64 sequences x 256-1024 tokens: docs/benchmarks.md) and attend_item, plain loops over head_dim that
+ * the compiler vectorizes for the build's ISA (every other case, and the base and avx2 builds).
  * -ffast-math lets the compiler reassociate the dot products and call glibc's vector expf (libmvec), 2x on this
  * kernel. Hence no infinities here: -FLT_MAX is the empty max.
  */
@@ -22,15 +23,16 @@
 #include <string.h>
 
 #include "cpu_bf16.h"
+#include "cpu_kernels.h"
 
-#if defined(__AVX512F__) && !defined(PDSERVE_PORTABLE)
+#ifdef __AVX512F__
 #include <immintrin.h>
 #define HAVE_AVX512 1
 #endif
 
-#define MAX_GROUP 16   /* query heads per kv head handled in registers/stack; larger groups fall back in Python */
-#define MAX_HEAD_DIM 256
-#define MAX_BLOCK 64     /* tokens per KV block */
+#define MAX_GROUP PDSERVE_MAX_GROUP  /* query heads per kv head in registers/stack; larger groups take the reference */
+#define MAX_HEAD_DIM PDSERVE_MAX_HEAD_DIM
+#define MAX_BLOCK PDSERVE_MAX_BLOCK  /* tokens per KV block */
 
 
 /* Load `n` elements of a row (fp32 when is_bf16 == 0, else bf16) into fp32 `dst`. */

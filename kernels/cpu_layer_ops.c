@@ -3,7 +3,8 @@
  *
  * Why C: at batch 1 each of these is a handful of torch ops over a few KB, so the step's time goes to dispatching
  * them (RMSNorm alone is 8 ops, about 12-16 us a call on the AMD EPYC VM; 30 layers call it twice). One C call
- * each, through ctypes, costs a few microseconds. Built into the same library as cpu_decode.c (kernels/cpu_ops.py).
+ * each, through a torch op (cpu_ops.cpp), costs a few microseconds. Built into the same library as cpu_decode.c, once
+ * per ISA level (setup.py, cpu_kernels.h).
  *
  * Numerics follow the torch reference (kernels/reference.py) step for step, including where it rounds to bf16 between
  * ops, so bf16 results match it bit for bit except where a sum is reassociated (the RMS's sum of squares) or libm's
@@ -18,6 +19,7 @@
 #include <string.h>
 
 #include "cpu_bf16.h"
+#include "cpu_kernels.h"
 
 
 /* The value torch would hold after rounding an fp32 result to the tensor's dtype. */
@@ -106,8 +108,8 @@ ALWAYS_INLINE void rotary_tokens(void *qk, const void *cos_t, const void *sin_t,
  * x[i] * sin[t, i + half], each product rounded to the dtype, then the sum (the reference's x * cos +
  * rotate_half(x) * sin). qk: [tokens, heads, head_dim], heads dense within a token, tokens token_stride apart;
  * cos, sin: [tokens, head_dim] contiguous, in the dtype. */
-void rotary_embedding(void *qk, const void *cos_t, const void *sin_t, int tokens, int heads, int head_dim,
-                      int64_t token_stride, int is_bf16, int num_threads) {
+static void rotary_embedding(void *qk, const void *cos_t, const void *sin_t, int tokens, int heads, int head_dim,
+                             int64_t token_stride, int is_bf16, int num_threads) {
     BY_DTYPE(rotary_tokens, qk, cos_t, sin_t, tokens, heads, head_dim, token_stride, num_threads);
 }
 
@@ -135,9 +137,9 @@ void silu_and_mul(const void *gate_up, void *out, int rows, int inter, int is_bf
  * slot = block * block_size + offset; key/value rows are key_stride / value_stride bytes apart, cache blocks
  * block_stride bytes apart (a block's rows dense). Returns the first token whose slot is outside
  * [0, num_blocks * block_size), having written none, or -1. */
-int write_kv_cache(const char *key, const char *value, char *k_cache, char *v_cache, const int64_t *slot_mapping,
-                   int tokens, int64_t row_bytes, int64_t key_stride, int64_t value_stride, int block_size,
-                   int64_t block_stride, int64_t num_blocks) {
+static int write_kv_cache(const char *key, const char *value, char *k_cache, char *v_cache,
+                          const int64_t *slot_mapping, int tokens, int64_t row_bytes, int64_t key_stride,
+                          int64_t value_stride, int block_size, int64_t block_stride, int64_t num_blocks) {
     for (int t = 0; t < tokens; t++)
         if (slot_mapping[t] < 0 || slot_mapping[t] >= num_blocks * block_size) return t;
     for (int t = 0; t < tokens; t++) {

@@ -1,24 +1,23 @@
-"""The C decode kernel (`kernels/cpu_ops.py`) against the torch reference, built for this machine as a worker
-builds it; and how its build behaves (cache, no compiler, fallbacks)."""
-import platform
-
+"""The C kernels (`kernels/cpu_ops.py`, the compiled `kernels/_C`) against the torch reference, in every ISA build of
+them that this CPU runs; the builds it cannot run are compiled all the same (tests/test_kernels_extension.py)."""
 import pytest
 import torch
 
-from kernels import reference, select_ops
-from kernels.cpu_ops import CpuKernels, KernelBuildError, build_library
+from kernels import reference
+from kernels.cpu_ops import ALL_ISAS, CpuKernels, cpu_isa, cpu_isas, set_cpu_isa
 
 
-# Every code path of cpu_decode.c on this machine: the build a worker makes (on an AVX-512 CPU, the intrinsics path
-# with VDPBF16PS where the CPU has AVX512_BF16), the AVX-512 path without VDPBF16PS, and the plain loops.
-BUILDS = {"native": (), "portable": ("-DPDSERVE_PORTABLE",)}
-if platform.machine() in ("x86_64", "AMD64"):
-    BUILDS["no-avx512bf16"] = ("-mno-avx512bf16",)
-
-
-@pytest.fixture(scope="module", params=sorted(BUILDS))
-def kernels(request, tmp_path_factory):
-    return CpuKernels.load(tmp_path_factory.mktemp("kernel-cache"), BUILDS[request.param])
+@pytest.fixture(scope="module", params=ALL_ISAS)
+def kernels(request):
+    """The ops, running the param's build: on an AVX-512 CPU the intrinsics path of cpu_decode.c (with VDPBF16PS in
+    avx512_bf16), else the plain loops vectorized for AVX2 (avx2) or for the compiler's baseline (base)."""
+    k = CpuKernels.load()
+    if request.param not in cpu_isas():
+        pytest.skip(f"this CPU cannot run the {request.param} build of the kernels (only {cpu_isas()})")
+    default = cpu_isa()
+    set_cpu_isa(request.param)
+    yield k
+    set_cpu_isa(default)
 
 
 def _paged(lengths, block_size, hkv, d, dtype, layers=3, layer=1, seed=0):
@@ -106,41 +105,8 @@ def test_unsupported_shapes_use_the_reference_and_bad_input_is_a_value_error(ker
                                reference.paged_decode_attention(q32, k32, v32, t32, l32, 0.25))
 
 
-def test_build_is_cached_and_a_missing_compiler_is_reported(tmp_path, monkeypatch):
-    first = build_library(tmp_path)
-    mtime = first.stat().st_mtime_ns
-    assert build_library(tmp_path) == first and first.stat().st_mtime_ns == mtime  # found, not rebuilt
-    assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no temporary files left
-    readonly = tmp_path / "readonly"
-    readonly.write_text("a file, so no directory can be made under it")
-    with pytest.raises(KernelBuildError, match="cannot write the kernel cache"):
-        build_library(readonly / "cache")
-    monkeypatch.setenv("CC", "/nonexistent/cc")
-    with pytest.raises(KernelBuildError, match="no C compiler"):
-        build_library(tmp_path / "other")
-
-
-def test_select_ops_falls_back_to_the_reference_without_a_compiler(tmp_path, monkeypatch, caplog):
-    monkeypatch.setenv("PDSERVE_KERNEL_CACHE", str(tmp_path))
-    assert select_ops("cpu", "cpu").name == "cpu"
-    monkeypatch.setenv("PDSERVE_KERNEL_CACHE", str(tmp_path / "empty"))
-    monkeypatch.setenv("CC", "/nonexistent/cc")
-    assert select_ops("auto", "cpu").name == "torch"
-    assert "torch reference" in caplog.text
-    with pytest.raises(ValueError, match="no C compiler"):
-        select_ops("cpu", "cpu")
-    with pytest.raises(ValueError, match="CPU only"):
-        select_ops("cpu", "meta")
-
-
-# The per-token ops of cpu_layer_ops.c, in the build a worker makes. bf16: the C code rounds where the reference
-# does, so results are equal but for the RMS's sum of squares (reassociated) and libm's expf (an ulp from torch's);
-# fp32 differs in the last bits.
-@pytest.fixture(scope="module")
-def native(tmp_path_factory):
-    return CpuKernels.load(tmp_path_factory.mktemp("kernel-cache"))
-
-
+# The per-token ops of cpu_layer_ops.c. bf16: the C code rounds where the reference does, so results are equal but for
+# the RMS's sum of squares (reassociated) and libm's expf (an ulp from torch's); fp32 differs in the last bits.
 def _bf16_steps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """How many bf16 values apart a and b are, per element (both bf16, same sign region)."""
     return (a.view(torch.int16).int() - b.view(torch.int16).int()).abs()
@@ -149,14 +115,14 @@ def _bf16_steps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows,dim", [(1, 576), (5, 64), (33, 576)])
 @pytest.mark.parametrize("with_residual", [False, True])
-def test_rms_norm_matches_reference(native, dtype, rows, dim, with_residual):
+def test_rms_norm_matches_reference(kernels, dtype, rows, dim, with_residual):
     g = torch.Generator().manual_seed(rows * dim)
     wide = (torch.randn(rows, dim + 32, generator=g) * 3).to(dtype)
     x = wide[:, 16:16 + dim]  # rows strided, as a slice of a wider activation
     weight = torch.randn(dim, generator=g).to(dtype)
     residual = torch.randn(rows, dim, generator=g).to(dtype) if with_residual else None
     ours_res, ref_res = (None, None) if residual is None else (residual.clone(), residual.clone())
-    ours = native.rms_norm(x, weight, 1e-5, ours_res)
+    ours = kernels.rms_norm(x, weight, 1e-5, ours_res)
     ref = reference.rms_norm(x, weight, 1e-5, ref_res)
     assert ours.shape == (rows, dim) and ours.dtype == dtype
     if with_residual:
@@ -182,13 +148,13 @@ def _qkv_and_cache(tokens, dtype, seed):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tokens", [1, 7, 33])  # 33: RoPE split over threads (16 tokens or more)
-def test_rotary_and_write_kv_rotates_in_place_and_writes_as_the_reference(native, dtype, tokens):
+def test_rotary_and_write_kv_rotates_in_place_and_writes_as_the_reference(kernels, dtype, tokens):
     qkv, cos, sin, k_cache, v_cache = _qkv_and_cache(tokens, dtype, tokens)
     slots = torch.randperm(k_cache.shape[0] * 16, generator=torch.Generator().manual_seed(tokens))[:tokens]
     ref_qkv, ref_k, ref_v = qkv.clone(), k_cache.clone(), v_cache.clone()
     ref_q = reference.rotary_and_write_kv(ref_qkv, cos, sin, ref_k, ref_v, slots)
     v_before = qkv[:, 12:].clone()
-    q = native.rotary_and_write_kv(qkv, cos, sin, k_cache, v_cache, slots)
+    q = kernels.rotary_and_write_kv(qkv, cos, sin, k_cache, v_cache, slots)
     assert q.shape == (tokens, 9, 64) and q.data_ptr() == qkv.data_ptr()  # the q heads, rotated in place
     assert torch.equal(qkv[:, 12:], v_before)  # v is not rotated
     assert torch.equal(v_cache, ref_v)
@@ -202,9 +168,9 @@ def test_rotary_and_write_kv_rotates_in_place_and_writes_as_the_reference(native
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 20])
-def test_silu_and_mul_matches_reference(native, dtype, rows):
+def test_silu_and_mul_matches_reference(kernels, dtype, rows):
     gate_up = (torch.randn(rows, 2 * 1536, generator=torch.Generator().manual_seed(rows)) * 4).to(dtype)
-    ours, ref = native.silu_and_mul(gate_up), reference.silu_and_mul(gate_up)
+    ours, ref = kernels.silu_and_mul(gate_up), reference.silu_and_mul(gate_up)
     assert ours.shape == (rows, 1536) and ours.dtype == dtype
     if dtype == torch.float32:
         torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-6)
@@ -215,42 +181,27 @@ def test_silu_and_mul_matches_reference(native, dtype, rows):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rotary_and_write_kv_refuses_slots_outside_the_cache(native, dtype):
+def test_rotary_and_write_kv_refuses_slots_outside_the_cache(kernels, dtype):
     qkv, cos, sin, k_cache, v_cache = _qkv_and_cache(2, dtype, 0)
     before = qkv.clone(), k_cache.clone(), v_cache.clone()
     for slot in (k_cache.shape[0] * 16, -1):
         with pytest.raises(ValueError, match=f"slot {slot} of token 1 is outside the KV cache"):
-            native.rotary_and_write_kv(qkv, cos, sin, k_cache, v_cache, torch.tensor([1, slot]))
+            kernels.rotary_and_write_kv(qkv, cos, sin, k_cache, v_cache, torch.tensor([1, slot]))
         assert all(torch.equal(a, b) for a, b in zip((qkv, k_cache, v_cache), before))  # nothing changed
 
 
-def test_layer_ops_take_the_reference_for_what_the_c_code_does_not_read(native):
+def test_layer_ops_take_the_reference_for_what_the_c_code_does_not_read(kernels):
     x = torch.randn(3, 64).half()
-    torch.testing.assert_close(native.rms_norm(x, torch.ones(64).half(), 1e-5),
+    torch.testing.assert_close(kernels.rms_norm(x, torch.ones(64).half(), 1e-5),
                                reference.rms_norm(x, torch.ones(64).half(), 1e-5))
     gate_up = torch.randn(2, 8).half()
-    assert torch.equal(native.silu_and_mul(gate_up), reference.silu_and_mul(gate_up))
+    assert torch.equal(kernels.silu_and_mul(gate_up), reference.silu_and_mul(gate_up))
     qkv, cos, sin, k_cache, v_cache = _qkv_and_cache(3, torch.float16, 1)
     slots = torch.tensor([5, 0, 17])
     ref_k, ref_v = k_cache.clone(), v_cache.clone()
-    assert torch.equal(native.rotary_and_write_kv(qkv.clone(), cos, sin, k_cache, v_cache, slots),
+    assert torch.equal(kernels.rotary_and_write_kv(qkv.clone(), cos, sin, k_cache, v_cache, slots),
                        reference.rotary_and_write_kv(qkv, cos, sin, ref_k, ref_v, slots))
     assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v)
-
-
-def test_an_installed_package_carries_the_c_sources():
-    """The C kernels are built where they run, from the sources beside kernels/cpu_ops.py: a wheel without them
-    (as the Docker image's `pip install /src` made before) silently runs the slower torch reference."""
-    import fnmatch
-    import tomllib
-    from pathlib import Path
-
-    from kernels.cpu_ops import HEADERS, SOURCES
-
-    config = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
-    patterns = config["tool"]["setuptools"]["package-data"]["kernels"]
-    for path in SOURCES + HEADERS:
-        assert any(fnmatch.fnmatch(path.name, p) for p in patterns), path.name
 
 
 @pytest.mark.parametrize("softmax", ["torch", "c"])

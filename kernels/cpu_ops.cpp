@@ -1,0 +1,309 @@
+// The cpu backend's C kernels (cpu_decode.c, cpu_layer_ops.c) as torch custom ops, pdserve::*, with run-time
+// dispatch over the ISA builds that setup.py links into this library (cpu_kernels.h).
+//
+// Why torch ops rather than ctypes: a call passes tensors, not a dozen host pointers and sizes marshalled one by one
+// in Python, and the checks and strides read here cost nanoseconds instead of microseconds: the 5 op calls of 30 layers
+// took 1.7 ms per batch-1 decode step through ctypes and 0.8 ms as ops (SmolLM2-135M shapes, one thread, 2-core AMD
+// EPYC VM; decode attention 22 -> 8 us a call). The ops have fake implementations (kernels/cpu_ops.py): they trace.
+//
+// Each op checks what its C kernel relies on to stay inside its buffers (a ValueError in Python: TORCH_CHECK_VALUE),
+// copies an input whose layout the kernel cannot read where that is free of side effects, and leaves the choice of
+// the torch reference for what the kernel does not compute (fp16, shapes beyond its stack arrays) to cpu_ops.py.
+//
+// The build is chosen once, when the library loads: the best one the CPU runs (libgcc's __builtin_cpu_supports, which
+// also asks the OS whether it saves the AVX-512 registers). pdserve::set_cpu_isa overrides it ($PDSERVE_CPU_ISA,
+// tests, benchmarks).
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/Exception.h>
+#include <torch/library.h>
+
+#include <atomic>
+#include <sstream>
+#include <string>
+#include <vector>
+
+extern "C" {
+#include "cpu_kernels.h"
+
+PDSERVE_DECLARE_KERNELS(base)
+#ifdef PDSERVE_X86_LEVELS
+PDSERVE_DECLARE_KERNELS(avx2)
+PDSERVE_DECLARE_KERNELS(avx512)
+PDSERVE_DECLARE_KERNELS(avx512_bf16)
+#endif
+}
+
+namespace {
+
+// One ISA level's build of the kernels.
+struct Build {
+    const char *isa;
+    bool (*runs_here)();  // the CPU (and OS) have every feature the build was compiled for
+    decltype(&paged_decode_attention_base) paged_decode_attention;
+    decltype(&rms_norm_base) rms_norm;
+    decltype(&silu_and_mul_base) silu_and_mul;
+    decltype(&rotary_and_write_kv_base) rotary_and_write_kv;
+    decltype(&causal_softmax_bf16_base) causal_softmax_bf16;
+};
+
+#define PDSERVE_BUILD(isa, runs_here)                                                                            \
+    Build { #isa, runs_here, paged_decode_attention_##isa, rms_norm_##isa, silu_and_mul_##isa,                   \
+            rotary_and_write_kv_##isa, causal_softmax_bf16_##isa }
+
+bool always() { return true; }
+
+#ifdef PDSERVE_X86_LEVELS
+// The features of each level's -m flags (setup.py ISA_LEVELS); __builtin_cpu_init first, as this runs from the
+// library's static initializer, possibly before libgcc's own.
+bool has_avx2() {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+}
+
+bool has_avx512() {
+    return has_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
+}
+
+bool has_avx512_bf16() { return has_avx512() && __builtin_cpu_supports("avx512bf16"); }
+#endif
+
+// Best first: the default is the first that runs here.
+const Build kBuilds[] = {
+#ifdef PDSERVE_X86_LEVELS
+    PDSERVE_BUILD(avx512_bf16, has_avx512_bf16),
+    PDSERVE_BUILD(avx512, has_avx512),
+    PDSERVE_BUILD(avx2, has_avx2),
+#endif
+    PDSERVE_BUILD(base, always),
+};
+
+const Build *best_build() {
+    for (const Build &b : kBuilds)
+        if (b.runs_here()) return &b;
+    return &kBuilds[sizeof kBuilds / sizeof kBuilds[0] - 1];
+}
+
+std::atomic<const Build *> current_build{best_build()};
+
+const Build &kernels() { return *current_build.load(std::memory_order_relaxed); }
+
+int is_bf16(const at::Tensor &t) { return t.scalar_type() == at::kBFloat16; }
+
+void check_cpu(const at::Tensor &t, const char *name) {
+    TORCH_CHECK_VALUE(t.device().is_cpu(), "the cpu kernels take CPU tensors; ", name, " is on ", t.device());
+}
+
+// query / x dtype: what the C code reads.
+void check_float(const at::Tensor &t, const char *name) {
+    TORCH_CHECK_VALUE(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16, "the cpu kernels take ",
+                      name, " in float32 or bfloat16, got ", t.scalar_type());
+}
+
+void check_same_dtype(const at::Tensor &t, const char *name, const at::Tensor &like, const char *like_name) {
+    TORCH_CHECK_VALUE(t.scalar_type() == like.scalar_type(), name, " must have ", like_name, "'s dtype ",
+                      like.scalar_type(), ", got ", t.scalar_type());
+}
+
+// A [num_blocks, block_size, num_kv_heads, head_dim] cache view whose (block_size, heads, head_dim) slab is dense
+// (dim 0 may be strided: the per-layer view of a cache holding all layers); v_cache the same shape and strides.
+void check_caches(const at::Tensor &k_cache, const at::Tensor &v_cache) {
+    check_cpu(k_cache, "k_cache");
+    check_cpu(v_cache, "v_cache");
+    TORCH_CHECK_VALUE(k_cache.dim() == 4, "k_cache must have 4 dims, got shape ", k_cache.sizes());
+    TORCH_CHECK_VALUE(v_cache.sizes() == k_cache.sizes(), "k_cache shape ", k_cache.sizes(), " != v_cache shape ",
+                      v_cache.sizes());
+    const int64_t heads = k_cache.size(2), head_dim = k_cache.size(3);
+    TORCH_CHECK_VALUE(k_cache.stride(3) == 1 && k_cache.stride(2) == head_dim && k_cache.stride(1) == heads * head_dim,
+                      "k_cache must be dense within a block, got strides ", k_cache.strides(), " for shape ",
+                      k_cache.sizes());
+    TORCH_CHECK_VALUE(v_cache.strides() == k_cache.strides(), "v_cache strides ", v_cache.strides(),
+                      " != k_cache strides ", k_cache.strides());
+}
+
+std::string row_text(const at::Tensor &table, int64_t row) {  // as Python prints the list
+    std::ostringstream s;
+    const int32_t *r = table.data_ptr<int32_t>() + row * table.size(1);
+    s << "[";
+    for (int64_t i = 0; i < table.size(1); i++) s << (i ? ", " : "") << r[i];
+    s << "]";
+    return s.str();
+}
+
+at::Tensor paged_decode_attention(const at::Tensor &query, const at::Tensor &k_cache, const at::Tensor &v_cache,
+                                  const at::Tensor &block_tables, const at::Tensor &context_lens, double scale) {
+    check_cpu(query, "query");
+    check_float(query, "query");
+    TORCH_CHECK_VALUE(query.dim() == 3 && query.stride(2) == 1, "query must be [num_seqs, num_q_heads, head_dim] "
+                      "with a dense last dim, got shape ", query.sizes(), " strides ", query.strides());
+    check_caches(k_cache, v_cache);
+    check_same_dtype(k_cache, "k_cache", query, "query");
+    const int64_t num_seqs = query.size(0), num_q_heads = query.size(1), head_dim = query.size(2);
+    const int64_t num_blocks = k_cache.size(0), block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
+    TORCH_CHECK_VALUE(k_cache.size(3) == head_dim, "query head_dim ", head_dim, " != cache head_dim ",
+                      k_cache.size(3));
+    TORCH_CHECK_VALUE(num_kv_heads > 0 && num_q_heads % num_kv_heads == 0, "num_q_heads ", num_q_heads,
+                      " is not a multiple of num_kv_heads ", num_kv_heads);
+    TORCH_CHECK_VALUE(num_q_heads / num_kv_heads <= PDSERVE_MAX_GROUP && head_dim <= PDSERVE_MAX_HEAD_DIM &&
+                      block_size <= PDSERVE_MAX_BLOCK, "the cpu decode kernel takes up to ", PDSERVE_MAX_GROUP,
+                      " query heads per kv head, head_dim ", PDSERVE_MAX_HEAD_DIM, " and blocks of ",
+                      PDSERVE_MAX_BLOCK, " tokens; got ", num_q_heads / num_kv_heads, ", ", head_dim, ", ",
+                      block_size);
+    check_cpu(block_tables, "block_tables");
+    check_cpu(context_lens, "context_lens");
+    TORCH_CHECK_VALUE(block_tables.scalar_type() == at::kInt && block_tables.dim() == 2 &&
+                      block_tables.size(0) == num_seqs, "block_tables must be [num_seqs=", num_seqs,
+                      ", max_blocks] int32, got ", block_tables.scalar_type(), " of shape ", block_tables.sizes());
+    TORCH_CHECK_VALUE(context_lens.scalar_type() == at::kInt && context_lens.dim() == 1 &&
+                      context_lens.size(0) == num_seqs, "context_lens must be [num_seqs=", num_seqs,
+                      "] int32, got ", context_lens.scalar_type(), " of shape ", context_lens.sizes());
+    // The kernel takes any sequence stride of the query (a view of the fused q/k/v rows) but heads dense, and dense
+    // tables: anything else is copied (never on the engine's path).
+    const at::Tensor q = query.stride(1) == head_dim ? query : query.contiguous();
+    const at::Tensor tables = block_tables.contiguous(), lens = context_lens.contiguous();
+    at::Tensor out = at::empty(query.sizes(), query.options());
+    if (num_seqs == 0) return out;
+    const int bad = kernels().paged_decode_attention(
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr<int32_t>(), lens.data_ptr<int32_t>(),
+        out.data_ptr(), num_seqs, num_q_heads, num_kv_heads, head_dim, block_size, tables.size(1), k_cache.stride(0),
+        q.stride(0), static_cast<float>(scale), is_bf16(q), at::get_num_threads(), num_blocks);
+    TORCH_CHECK_VALUE(bad < 0, "sequence ", bad, ": a context of ", lens.data_ptr<int32_t>()[bad],  // on failure only
+                      " tokens over block table row ", row_text(tables, bad),
+                      " needs more blocks than the row has or names a block outside the cache (", num_blocks,
+                      " blocks of ", block_size, " tokens)");
+    return out;
+}
+
+at::Tensor rms_norm(const at::Tensor &x, const at::Tensor &weight, double eps,
+                    const std::optional<at::Tensor> &residual) {
+    check_cpu(x, "x");
+    check_float(x, "x");
+    check_cpu(weight, "weight");
+    TORCH_CHECK_VALUE(x.dim() == 2, "x must be [tokens, hidden], got shape ", x.sizes());
+    const int64_t rows = x.size(0), dim = x.size(1);
+    check_same_dtype(weight, "weight", x, "x");
+    TORCH_CHECK_VALUE(weight.dim() == 1 && weight.size(0) == dim, "weight must be [hidden=", dim, "], got shape ",
+                      weight.sizes());
+    if (residual) {  // updated in place: it cannot be a copy
+        check_cpu(*residual, "residual");
+        check_same_dtype(*residual, "residual", x, "x");
+        TORCH_CHECK_VALUE(residual->sizes() == x.sizes() && residual->is_contiguous(), "residual must be contiguous "
+                          "and shaped as x ", x.sizes(), ", got shape ", residual->sizes(), " strides ",
+                          residual->strides());
+    }
+    const at::Tensor xs = x.stride(1) == 1 ? x : x.contiguous(), w = weight.contiguous();  // rows may be strided
+    at::Tensor out = at::empty({rows, dim}, x.options());
+    kernels().rms_norm(xs.data_ptr(), residual ? residual->data_ptr() : nullptr, w.data_ptr(), out.data_ptr(), rows,
+                       dim, xs.stride(0), static_cast<float>(eps), is_bf16(x), at::get_num_threads());
+    return out;
+}
+
+at::Tensor silu_and_mul(const at::Tensor &gate_up) {
+    check_cpu(gate_up, "gate_up");
+    check_float(gate_up, "gate_up");
+    TORCH_CHECK_VALUE(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, "gate_up must be [tokens, 2 * intermediate], "
+                      "got shape ", gate_up.sizes());
+    const at::Tensor g = gate_up.contiguous();
+    const int64_t rows = g.size(0), inter = g.size(1) / 2;
+    at::Tensor out = at::empty({rows, inter}, g.options());
+    kernels().silu_and_mul(g.data_ptr(), out.data_ptr(), rows, inter, is_bf16(g), at::get_num_threads());
+    return out;
+}
+
+void rotary_and_write_kv(const at::Tensor &qkv, const at::Tensor &cos, const at::Tensor &sin,
+                         const at::Tensor &k_cache, const at::Tensor &v_cache, const at::Tensor &slot_mapping) {
+    check_cpu(qkv, "qkv");
+    check_float(qkv, "qkv");
+    TORCH_CHECK_VALUE(qkv.dim() == 3, "qkv must be [tokens, num_heads + 2 * num_kv_heads, head_dim], got shape ",
+                      qkv.sizes());
+    const int64_t tokens = qkv.size(0), all_heads = qkv.size(1), head_dim = qkv.size(2);
+    TORCH_CHECK_VALUE(qkv.stride(2) == 1 && qkv.stride(1) == head_dim, "qkv's heads must be dense within a token "
+                      "(rotated in place), got strides ", qkv.strides(), " for shape ", qkv.sizes());
+    TORCH_CHECK_VALUE(head_dim % 2 == 0, "RoPE needs an even head_dim, got ", head_dim);
+    check_caches(k_cache, v_cache);
+    check_same_dtype(k_cache, "k_cache", qkv, "qkv");
+    const int64_t num_blocks = k_cache.size(0), block_size = k_cache.size(1), kv_heads = k_cache.size(2);
+    TORCH_CHECK_VALUE(k_cache.size(3) == head_dim && all_heads > 2 * kv_heads, "qkv ", qkv.sizes(),
+                      " does not hold q heads and the k and v heads of a cache of shape ", k_cache.sizes());
+    for (const auto &[t, name] : {std::pair{&cos, "cos"}, std::pair{&sin, "sin"}}) {
+        check_cpu(*t, name);
+        check_same_dtype(*t, name, qkv, "qkv");
+        TORCH_CHECK_VALUE(t->numel() == tokens * head_dim, name, " must hold [tokens=", tokens, ", head_dim=",
+                          head_dim, "], got shape ", t->sizes());
+    }
+    check_cpu(slot_mapping, "slot_mapping");
+    TORCH_CHECK_VALUE(slot_mapping.scalar_type() == at::kLong && slot_mapping.numel() == tokens,
+                      "slot_mapping must be [tokens=", tokens, "] int64, got ", slot_mapping.scalar_type(),
+                      " of shape ", slot_mapping.sizes());
+    const at::Tensor c = cos.contiguous(), s = sin.contiguous(), slots = slot_mapping.contiguous();
+    const int bad = kernels().rotary_and_write_kv(
+        qkv.data_ptr(), c.data_ptr(), s.data_ptr(), static_cast<char *>(k_cache.data_ptr()),
+        static_cast<char *>(v_cache.data_ptr()), slots.data_ptr<int64_t>(), tokens, all_heads - 2 * kv_heads,
+        kv_heads, head_dim, qkv.stride(0), block_size, k_cache.stride(0) * k_cache.element_size(), num_blocks,
+        is_bf16(qkv), at::get_num_threads());
+    TORCH_CHECK_VALUE(bad < 0, "slot ", slots.data_ptr<int64_t>()[bad], " of token ", bad,
+                      " is outside the KV cache (", num_blocks, " blocks of ", block_size, " tokens)");
+}
+
+void causal_softmax_(const at::Tensor &scores, int64_t rows, double scale) {
+    check_cpu(scores, "scores");
+    TORCH_CHECK_VALUE(scores.scalar_type() == at::kBFloat16 && scores.is_contiguous() && scores.dim() >= 1,
+                      "scores must be contiguous bfloat16, got ", scores.scalar_type(), " strides ", scores.strides());
+    const int64_t end = scores.size(-1);
+    TORCH_CHECK_VALUE(rows >= 1 && rows <= end && scores.numel() % (rows * end) == 0, "scores of shape ",
+                      scores.sizes(), " are not blocks of ", rows, " query rows");
+    kernels().causal_softmax_bf16(static_cast<uint16_t *>(scores.data_ptr()), scores.numel() / end, rows, end,
+                                  static_cast<float>(scale), at::get_num_threads());
+}
+
+std::string cpu_isa() { return kernels().isa; }
+
+std::vector<std::string> cpu_isas() {
+    std::vector<std::string> isas;
+    for (const Build &b : kBuilds)
+        if (b.runs_here()) isas.emplace_back(b.isa);
+    return isas;
+}
+
+void set_cpu_isa(const std::string &isa) {
+    for (const Build &b : kBuilds) {
+        if (isa != b.isa) continue;
+        TORCH_CHECK_VALUE(b.runs_here(), "this CPU lacks the instructions of the ", isa, " build of the cpu kernels");
+        current_build.store(&b);
+        return;
+    }
+    std::ostringstream known;
+    for (const Build &b : kBuilds) known << " " << b.isa;
+    TORCH_CHECK_VALUE(false, "no ", isa, " build of the cpu kernels; built:", known.str());
+}
+
+#define PDSERVE_STR2(x) #x
+#define PDSERVE_STR(x) PDSERVE_STR2(x)
+std::string torch_version() { return PDSERVE_STR(PDSERVE_TORCH_VERSION); }  // setup.py: torch.__version__
+
+}  // namespace
+
+TORCH_LIBRARY(pdserve, m) {
+    m.def("paged_decode_attention(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+          "Tensor context_lens, float scale) -> Tensor");
+    m.def("rms_norm(Tensor x, Tensor weight, float eps, Tensor(a!)? residual=None) -> Tensor");
+    m.def("silu_and_mul(Tensor gate_up) -> Tensor");
+    m.def("rotary_and_write_kv(Tensor(a!) qkv, Tensor cos, Tensor sin, Tensor(b!) k_cache, Tensor(c!) v_cache, "
+          "Tensor slot_mapping) -> ()");
+    m.def("causal_softmax_(Tensor(a!) scores, int rows, float scale) -> ()");
+    // The ISA builds, and the torch this library was compiled against (kernels/cpu_ops.py checks it at load).
+    m.def("cpu_isa() -> str", &cpu_isa);
+    m.def("cpu_isas() -> str[]", &cpu_isas);
+    m.def("set_cpu_isa(str isa) -> ()", &set_cpu_isa);
+    m.def("torch_version() -> str", &torch_version);
+}
+
+TORCH_LIBRARY_IMPL(pdserve, CPU, m) {
+    m.impl("paged_decode_attention", &paged_decode_attention);
+    m.impl("rms_norm", &rms_norm);
+    m.impl("silu_and_mul", &silu_and_mul);
+    m.impl("rotary_and_write_kv", &rotary_and_write_kv);
+    m.impl("causal_softmax_", &causal_softmax_);
+}
