@@ -59,8 +59,8 @@ async def start_engine(config: WorkerConfig) -> WorkerEngine:
     or on a thread of this one, on the running event loop.
 
     Raises:
-        FileNotFoundError / ValueError: from model loading and config validation.
-        CommandError: the engine process failed otherwise (its message).
+        CommandError: the engine could not be built (a missing model, a config or flag it cannot serve, kernels
+            that do not load) or its process failed to start: the message, for a one-line error.
     """
     # This process's own torch work (the KV copies; loading too, without an engine process) runs on one thread: the
     # engine's loop gets the intra-op threads, and no process holds two OpenMP pools (`set_threads` says why that
@@ -74,16 +74,16 @@ async def start_engine(config: WorkerConfig) -> WorkerEngine:
                                log_setup=functools.partial(configure_logging, config.log_level, config.log_format))
         try:
             await engine.start()
-        except EngineBuildError as e:  # the build's own error, as the thread engine would raise it
-            raise {"FileNotFoundError": FileNotFoundError, "ValueError": ValueError}.get(
-                e.error_type, CommandError)(str(e)) from None
-        except RuntimeError as e:
+        except (EngineBuildError, RuntimeError) as e:  # EngineBuildError: the build's own error, over there
             raise CommandError(str(e)) from None
         assert engine.model_config and engine.cache_config and engine.scheduler_config and engine.kv is not None
         model, cache, sched = engine.model_config, engine.cache_config, engine.scheduler_config
         kv_cache = KVCache(model, cache, kv=engine.kv)
     else:
-        parts = build_engine(args)
+        try:
+            parts = build_engine(args)
+        except (OSError, ValueError) as e:
+            raise CommandError(str(e)) from None
         engine = AsyncEngine(lambda emit, on_fault: EngineCore(parts.scheduler, parts.runner, emit, on_fault,
                                                                threads=config.engine.threads))
         engine.start()
