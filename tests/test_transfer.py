@@ -244,6 +244,39 @@ def test_fresh_channel_failing_before_the_accept_is_not_retried(backend):
     run(main)
 
 
+def test_retry_refused_after_a_dead_channel_is_a_failed_transfer(monkeypatch):
+    """Issue 28 item 11: the pooled channel died after the receiver had accepted the offer (its reservation is
+    receiving, and that receive failed with the channel), so the retry's offer is refused. The transfer failed:
+    TRANSFER_FAILED, which the coordinator retries or migrates, not TRANSFER_REJECTED, which ended the request."""
+    from engine.transfer import sender as sender_module
+
+    attempts = []
+
+    async def acquire(self, address, deadline, fresh=False):
+        return object(), not fresh
+
+    async def exchange(self, address, ch, deadline, offer, block_ids, body, pooled=False):
+        attempts.append(pooled)
+        if pooled:
+            raise sender_module._StaleChannel("connection reset")
+        raise TransferError(ErrorKind.TRANSFER_REJECTED, "decode worker rejected r: no reservation waiting for KV")
+
+    monkeypatch.setattr(KvSender, "_acquire", acquire)
+    monkeypatch.setattr(KvSender, "_exchange", exchange)
+
+    async def main():
+        sender = KvSender("abc", FakeCache(1, 1).view, timeout_s=10)
+        try:
+            with pytest.raises(TransferError) as e:
+                await sender.send("127.0.0.1:1", "r", 1, [0], num_tokens=1)
+        finally:
+            sender.close()
+        return e.value
+    error = asyncio.run(main())
+    assert attempts == [True, False] and error.kind == ErrorKind.TRANSFER_FAILED
+    assert "retry was refused" in error.message
+
+
 LAYERS = 4
 
 

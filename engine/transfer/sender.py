@@ -64,8 +64,9 @@ class KvSender:
     used. So a transfer whose channel came from the idle pool and failed (ChannelClosed) while the offer was
     sent or its answer awaited is retried once, on a freshly opened channel (`_transfer`). Nothing of the transfer
     was accepted then: the receiver writes blocks only after it sent its accept, and a receiver that did accept
-    before the channel died marked its reservation receiving, so it rejects the retry's offer (TRANSFER_REJECTED)
-    rather than take the blocks twice. Never retried: a failure on a fresh channel, one after the accept arrived
+    before the channel died marked its reservation receiving, so it rejects the retry's offer rather than take the
+    blocks twice; that receive failed with the channel, so the transfer ends TRANSFER_FAILED (retried or migrated by
+    the coordinator), not TRANSFER_REJECTED. Never retried: a failure on a fresh channel, one after the accept arrived
     (blocks may have been written), a timeout, a malformed answer, or a transfer whose caller was cancelled.
 
     Args:
@@ -159,6 +160,7 @@ class KvSender:
         request_id = offer["request_id"]
         try:
             ch, pooled = await self._acquire(address, deadline)
+            retried = False
             while True:
                 exchange = asyncio.ensure_future(
                     self._exchange(address, ch, deadline, offer, block_ids, body, pooled=pooled))
@@ -168,7 +170,17 @@ class KvSender:
                 except _StaleChannel as e:  # once: the retry's channel is fresh (see the class docstring)
                     log.info("KV channel to %s was dead (%s): retrying %s on a fresh channel", address, e,
                              request_id)
+                    retried = True
                     ch, pooled = await self._acquire(address, deadline, fresh=True)
+                except TransferError as e:
+                    if retried and e.kind == ErrorKind.TRANSFER_REJECTED:
+                        # The receiver had accepted the first offer before that channel died: that receive
+                        # failed with it, so the transfer failed (the coordinator retries or migrates), rather
+                        # than ending the request as rejected.
+                        raise TransferError(ErrorKind.TRANSFER_FAILED, f"KV transfer of {request_id} to {address} "
+                                            f"failed: its channel died mid-offer and the retry was refused "
+                                            f"({e.message})") from e
+                    raise
                 except asyncio.CancelledError:
                     on_cancel()
                     await uncancellable(exchange)
