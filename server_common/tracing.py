@@ -136,21 +136,39 @@ def record_span(name: str, start_s: float, end_s: float, attributes: dict | None
 
 
 def _accept_write_style_streams(interceptor):
-    """Let the instrumentation's aio server interceptor trace response-streaming methods that write their stream
-    with `context.write` (a coroutine) rather than yield it (an async generator).
+    """Trace every response-streaming method through the instrumentation's unary wrapper (a span around
+    `await behavior(...)`), each as a coroutine that writes its stream with `context.write`.
 
-    The instrumentation wraps every response-streaming behaviour in `async for` and so fails such a method with
-    "'async for' requires an object with __aiter__ method, got coroutine" (open-telemetry/opentelemetry-python-contrib
-    issue 3066, open as of 0.66b2). The coordinator's Generate writes with `context.write` on purpose: it bounds each
-    write, so a client that stops reading is noticed. A write-style method is a coroutine that returns when its stream
-    is done, so the instrumentation's unary wrapper (span around `await behavior(...)`) traces it correctly.
+    - Write-style methods (the coordinator's Generate writes with `context.write` on purpose: it bounds each write,
+      so a client that stops reading is noticed) failed in the instrumentation's stream wrapper with "'async for'
+      requires an object with __aiter__ method, got coroutine" (open-telemetry/opentelemetry-python-contrib issue
+      3066, open as of 0.66b2).
+    - Async-generator methods (the workers' streams) are adapted to write style (`_written`). In the stream wrapper
+      the span's context was attached inside an async generator; a client that cancelled while a message was being
+      written left that generator suspended at its yield, and Python closed it later from another task, where the
+      detach failed: "Failed to detach context" with a traceback in the log for every such cancel (seen 6 times in
+      80 abandoned streams; open-telemetry/opentelemetry-python-contrib issue 2357). Written by a coroutine, the
+      generator is closed in the handler's own task, so the span ends where it began.
     """
-    stream_wrapper, unary_wrapper = interceptor._intercept_aio_server_stream, interceptor._intercept_aio_server_unary
+    unary_wrapper = interceptor._intercept_aio_server_unary
 
     def intercept_stream(behavior, handler_call_details):
         if inspect.isasyncgenfunction(behavior):
-            return stream_wrapper(behavior, handler_call_details)
+            behavior = _written(behavior)
         return unary_wrapper(behavior, handler_call_details)
 
     interceptor._intercept_aio_server_stream = intercept_stream
     return interceptor
+
+
+def _written(behavior):
+    """An async-generator streaming method as a coroutine that writes each message, closing the generator in the
+    calling task on every exit (a cancel included)."""
+    async def write_style(request, context):
+        stream = behavior(request, context)
+        try:
+            async for message in stream:
+                await context.write(message)
+        finally:
+            await stream.aclose()
+    return write_style
