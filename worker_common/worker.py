@@ -15,6 +15,7 @@ from engine.async_engine import AsyncEngine
 from engine.builder import build_engine
 from engine.config import CacheConfig, ModelConfig, SchedulerConfig, compat_hash
 from engine.engine_core import EngineCore
+from engine.errors import EngineError
 from engine.hardware import set_threads
 from engine.kv_cache import KVCache
 from engine.process_engine import EngineBuildError, ProcessEngine
@@ -26,6 +27,7 @@ from server_common.logs import configure_logging
 from server_common.metrics import metrics_url, start_metrics_server
 from server_common.tracing import Tracing
 from worker_common.config import WorkerConfig
+from worker_common.errors import abort_with
 from worker_common.metrics import WorkerMetrics
 from worker_common.supervisor import EngineRestarter
 
@@ -120,10 +122,14 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
         Routers' polls get the stats the engine published after its last iteration, at once: a poll must not wait
         behind a long step (a CPU prefill step can take seconds) and be taken for a dead worker. With
-        check_integrity the stats and the pool's integrity check are taken together on the engine thread."""
+        check_integrity the stats and the pool's integrity check are taken together on the engine thread (UNAVAILABLE
+        while the engine process is dead)."""
         engine = self.worker.engine
         if request.check_integrity:
-            stats, integrity_ok = await engine.snapshot()
+            try:
+                stats, integrity_ok = await engine.snapshot()
+            except EngineError as e:
+                await abort_with(context, e)
         else:
             stats, integrity_ok = engine.stats, True
         return worker_pb2.WorkerStats(
@@ -136,10 +142,14 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     async def Abort(self, request, context):
         """Abort a request this worker holds; found is False for an unknown id and for a prefill-done request whose
-        KV is being sent (`engine_core.Abort`: cancel the coordinator's request instead)."""
+        KV is being sent (`engine_core.Abort`: cancel the coordinator's request instead). UNAVAILABLE while the
+        engine process is dead (its requests have failed already)."""
         engine = self.worker.engine
         rid = request.request_id
-        found = await engine.abortable(rid)
+        try:
+            found = await engine.abortable(rid)
+        except EngineError as e:
+            await abort_with(context, e)
         engine.abort(rid)
         return generate_pb2.AbortResponse(found=found)
 
