@@ -470,7 +470,8 @@ async def serve(config: CoordinatorConfig) -> None:
     log.info("coordinator serving %s on %s (%s, %d prefill / %d decode workers live, connector %s)",
              config.model_name, address, "colocated" if config.colocated else "disaggregated",
              len(cluster.router.live("prefill")), len(cluster.router.live("decode")), cluster.connector or "-")
-    write_ready_file(config.server.ready_file, address, **metrics_url(config.server, metrics))
+    write_ready_file(config.server.ready_file, address, tls=config.server.tls,
+                     **metrics_url(config.server, metrics))
     poller = asyncio.create_task(membership.run())
     try:
         await running.serve_until_cancelled(config.server.drain_timeout_s, in_flight=lambda: len(cluster.flows),

@@ -298,6 +298,16 @@ def test_mutual_tls_requires_a_client_certificate(workers, tiny_model_dir, pki):
     with Client(address, credentials=tls_credentials(str(pki / "ca.pem"))) as c, pytest.raises(grpc.RpcError) as e:
         c.complete([5, 6, 7], GREEDY, timeout=5)
     assert e.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+    # The container health check reads TLS from the ready file and needs the probe's own client certificate.
+    from cli import healthcheck
+
+    ready = str(Path(workers.workdir) / "mtls-coordinator.ready")
+    client = ["--tls-ca", str(pki / "ca.pem"), "--tls-cert", str(pki / "client.pem"), "--tls-key",
+              str(pki / "client.key")]
+    assert healthcheck.main(["--ready-file", ready, *client]) == 0
+    assert healthcheck.main(["--address", address, *client, "--tls-server-name", "localhost"]) == 0
+    assert healthcheck.main(["--ready-file", ready, "--tls-ca", str(pki / "ca.pem")]) == 1  # no client cert
+    assert healthcheck.main(["--ready-file", ready]) == 1  # the system's roots do not know the test CA
 
 
 def test_rate_limit_answers_resource_exhausted_with_retry_info(workers, tiny_model_dir):

@@ -213,7 +213,8 @@ async def serve_worker(config: WorkerConfig, worker: WorkerEngine, servicer: Wor
              c.block_size, "".join(f", {k} {v}" for k, v in ready.items() if v))
     metrics = (start_metrics_server(config.server.host, config.server.metrics_port, worker.registry)
                if config.server.metrics_port is not None else None)
-    write_ready_file(config.server.ready_file, address, **ready, **metrics_url(config.server, metrics))
+    write_ready_file(config.server.ready_file, address, tls=config.server.tls, **ready,
+                     **metrics_url(config.server, metrics))
     try:
         await running.serve_until_cancelled(config.server.drain_timeout_s,
                                             in_flight=lambda: len(worker.engine.streams))
