@@ -12,7 +12,9 @@ The model's tensors are those of Triton's vLLM backend (triton-inference-server/
   - sampling_parameters (BYTES, [1], optional): a JSON object of vLLM SamplingParams fields (`SAMPLING_FIELDS`);
     values may be JSON strings ("0.5"), as the backend converts them; null means the default. Unset max_tokens is
     vLLM's default, 16. Without the tensor, the request's own parameters are read the same way (reserved ones, such
-    as priority or sequence_id, left out), as the backend does.
+    as priority or sequence_id, left out), as the backend does. Structured outputs: `structured_outputs` (or
+    `guided_decoding`) as an object of vLLM's StructuredOutputsParams fields (json, regex, grammar, choice,
+    json_object), or vLLM's `guided_json` / `guided_regex` / `guided_grammar` / `guided_choice` keys; one at most.
   - exclude_input_in_output (BOOL, [1], optional): without streaming the text is the prompt + the completion unless
     this is true; streamed text never includes the prompt, and stream with this explicitly false is refused.
   - text_output (BYTES, shape [1]): the only output.
@@ -101,8 +103,13 @@ SAMPLING_FIELDS = {
     "bool": ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens",
              "use_beam_search"),
     "list": ("stop", "stop_token_ids")}
-UNSUPPORTED = ("logprobs", "prompt_logprobs", "logit_bias", "allowed_token_ids", "bad_words", "structured_outputs",
-               "guided_decoding", "lora_name", "truncate_prompt_tokens")
+UNSUPPORTED = ("logprobs", "prompt_logprobs", "logit_bias", "allowed_token_ids", "bad_words", "lora_name",
+               "truncate_prompt_tokens")
+# Structured outputs, as vLLM takes them: an object of StructuredOutputsParams' fields (`structured_outputs`, or
+# `guided_decoding` as older vLLM and Triton's vLLM backend call it), or vLLM's OpenAI-server `guided_*` keys.
+STRUCTURED_OBJECTS = ("structured_outputs", "guided_decoding")
+GUIDED_KEYS = {"guided_json": "json", "guided_regex": "regex", "guided_grammar": "grammar",
+               "guided_choice": "choice", "guided_json_object": "json_object"}
 INT32 = (-2**31, 2**31 - 1)  # our int fields' range: larger values are clamped, and validation names the limit
 # Request parameters that belong to the protocol or to tritonclient, never sampling fields.
 RESERVED_PARAMETERS = ("sequence_id", "sequence_start", "sequence_end", "priority", "timeout", "headers",
@@ -127,6 +134,9 @@ def to_sampling(fields: dict) -> generate_pb2.SamplingParams:
             continue
         if key in UNSUPPORTED:
             raise invalid(f"sampling_parameters.{key} is not supported by this server")
+        if key in STRUCTURED_OBJECTS or key in GUIDED_KEYS:
+            _structured(key, value, out)
+            continue
         kind = kinds.get(key)
         if kind is None:
             raise invalid(f"sampling_parameters has an unknown field {shorten(key)}; known: {', '.join(kinds)}")
@@ -157,6 +167,46 @@ def to_sampling(fields: dict) -> generate_pb2.SamplingParams:
         else:
             setattr(out, key, v)
     return out
+
+
+def _structured(key: str, value, out: generate_pb2.SamplingParams) -> None:
+    """One structured-output field of sampling_parameters into out.structured_output (vLLM's names: json (an object
+    or its JSON text), regex, grammar, choice (a list of strings), json_object (true)).
+
+    Raises:
+        RequestError: INVALID_ARGUMENT when a second constraint is given, or for a value of the wrong type.
+    """
+    if key in STRUCTURED_OBJECTS:
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError:
+                value = None
+        if not isinstance(value, dict):
+            raise invalid(f"sampling_parameters.{key} must be an object with one of json, regex, grammar, choice, "
+                          "json_object")
+        items = [(f"{key}.{k}", k, v) for k, v in value.items() if v is not None and v is not False]
+    else:
+        items = [(key, GUIDED_KEYS[key], value)]
+    for name, field, v in items:
+        if out.HasField("structured_output"):
+            raise invalid(f"sampling_parameters.{name}: only one structured-output constraint may be given")
+        target = out.structured_output
+        if field == "json" and isinstance(v, (dict, bool)):
+            target.json_schema = json.dumps(v)
+        elif field == "json" and isinstance(v, str):
+            target.json_schema = v
+        elif field in ("regex", "grammar") and isinstance(v, str):
+            setattr(target, field, v)
+        elif field == "choice" and isinstance(v, list) and all(isinstance(c, str) for c in v):
+            target.choice.choices.extend(v)
+        elif field == "json_object" and v is True:
+            target.json_object = True
+        else:
+            out.ClearField("structured_output")
+            raise invalid(f"sampling_parameters.{name} is not a structured-output field of the expected type (json: "
+                          f"object or string; regex, grammar: string; choice: list of strings; json_object: true), "
+                          f"got {shorten(json.dumps(v))}")
 
 
 def _convert(key: str, kind: str, value):

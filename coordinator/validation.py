@@ -6,6 +6,7 @@ generate.proto (tests/test_validation.py holds them against the engine's datacla
 """
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 
@@ -22,6 +23,10 @@ MAX_STOP_STRINGS = 32
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 256
 CHAT_ROLES = ("system", "user", "assistant", "tool")
+# Structured outputs: the text compiles on every worker the request visits (llguidance, cached per text); these
+# bounds keep a request's compile and the cache's memory small (the largest JSON schemas in real use are a few KiB).
+MAX_STRUCTURED_CHARS = 64 << 10
+MAX_CHOICES = 1024
 
 
 @dataclass(frozen=True)
@@ -98,6 +103,8 @@ def resolve_sampling(p: generate_pb2.SamplingParams, num_prompt_tokens: int,
     logprobs = p.logprobs if p.HasField("logprobs") else None
     if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
         raise invalid(f"sampling.logprobs must be in [0, {MAX_LOGPROBS}], got {logprobs}")
+    if p.HasField("structured_output"):
+        check_structured_output(p.structured_output)
     resolved = generate_pb2.SamplingParams()
     resolved.CopyFrom(p)
     resolved.temperature, resolved.top_p, resolved.top_k, resolved.min_p = temperature, top_p, top_k, min_p
@@ -105,6 +112,43 @@ def resolve_sampling(p: generate_pb2.SamplingParams, num_prompt_tokens: int,
     resolved.presence_penalty, resolved.frequency_penalty = p.presence_penalty, p.frequency_penalty
     resolved.max_tokens, resolved.min_tokens = max_tokens, min_tokens
     return resolved
+
+
+def check_structured_output(c: generate_pb2.StructuredOutput) -> None:
+    """What the coordinator can check without the tokenizer: one kind set, sizes, JSON that parses. Whether the
+    text compiles (schema keywords, regex and grammar syntax) is the workers' check, also before any compute.
+
+    Raises:
+        RequestError: INVALID_ARGUMENT naming sampling.structured_output.<kind> and the problem.
+    """
+    kind = c.WhichOneof("kind")
+    name = f"sampling.structured_output.{kind}"
+    if kind is None:
+        raise invalid("sampling.structured_output is set but empty: set one of json_schema, regex, grammar, "
+                      "json_object, choice")
+    if kind == "json_object":
+        if not c.json_object:
+            raise invalid(f"{name} must be true when set (leave structured_output unset for no constraint)")
+        return
+    if kind == "choice":
+        choices = list(c.choice.choices)
+        if not choices or len(choices) > MAX_CHOICES:
+            raise invalid(f"{name} has {len(choices)} strings; give 1 to {MAX_CHOICES}")
+        if sum(map(len, choices)) > MAX_STRUCTURED_CHARS:
+            raise invalid(f"{name} has more than {MAX_STRUCTURED_CHARS} characters in all")
+        return
+    text = getattr(c, kind)
+    if not text.strip():
+        raise invalid(f"{name} is empty")
+    if len(text) > MAX_STRUCTURED_CHARS:
+        raise invalid(f"{name} has {len(text)} characters; at most {MAX_STRUCTURED_CHARS} are allowed")
+    if kind == "json_schema":
+        try:
+            schema = json.loads(text)
+        except ValueError as e:
+            raise invalid(f"{name} is not JSON: {e}") from None
+        if not isinstance(schema, (dict, bool)):
+            raise invalid(f"{name} must be a JSON object (or true / false), got {type(schema).__name__}")
 
 
 def check_prompt(token_ids: list[int], limits: Limits) -> None:

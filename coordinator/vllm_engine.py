@@ -5,7 +5,10 @@ tokenizes, applies the chat template, cuts stop strings and detokenizes itself, 
 door maps its requests onto the coordinator's one request path (`GenerationServicer.serve`: admission, validation,
 routing, migration, stop handling, error statuses), so a request behaves the same through either door. What the
 path cannot do yet is refused with INVALID_ARGUMENT (the gateway answers HTTP 400), never silently ignored:
-structured outputs, n > 1, logit_bias, prompt logprobs, multimodal input, external KV transfer parameters.
+structural tags, n > 1, logit_bias, prompt logprobs, multimodal input, external KV transfer parameters. Structured
+outputs (json_schema, regex, grammar, json_object, choice) map onto `SamplingParams.structured_output`; a
+constraint the workers cannot compile is INVALID_ARGUMENT too. `grammar_from_first_token` needs nothing: our
+constraint always starts at the first generated token (no reasoning parser holds it back).
 
 Generate streams `GenerateStreamChunk`s (token id deltas, as vLLM does) then one `GenerateComplete` when the request
 asked to stream, else one `GenerateComplete` with every token. Abort cancels the named requests (their KV is freed
@@ -52,11 +55,13 @@ def to_sampling(p: pb.SamplingParams) -> generate_pb2.SamplingParams:
     Detokenization options (skip_special_tokens, ...) are the gateway's business and ignored here.
 
     Raises:
-        RequestError: INVALID_ARGUMENT for what this server cannot do yet (structured outputs, n > 1, logit_bias,
+        RequestError: INVALID_ARGUMENT for what this server cannot do yet (structural tags, n > 1, logit_bias,
             prompt logprobs).
     """
-    if (constraint := p.WhichOneof("constraint")) is not None:
-        raise invalid(f"structured outputs are not supported yet (sampling_params.{constraint})")
+    constraint = p.WhichOneof("constraint")
+    if constraint == "structural_tag":
+        raise invalid("sampling_params.structural_tag is not supported; use json_schema, regex, grammar, "
+                      "json_object or choice")
     if p.n > 1:
         raise invalid(f"n = {p.n}: parallel sampling is not supported yet; send n = 1")
     if p.logit_bias:
@@ -85,6 +90,10 @@ def to_sampling(p: pb.SamplingParams) -> generate_pb2.SamplingParams:
         out.logprobs = p.logprobs  # -1 ("all") is refused by validation with the allowed range
     if p.HasField("seed"):
         out.seed = p.seed % 2**64  # int32 there, uint64 here: a negative seed maps to one fixed seed
+    if constraint == "choice":
+        out.structured_output.choice.choices.extend(p.choice.choices)
+    elif constraint is not None:  # json_schema, regex, grammar, json_object: the same names and types
+        setattr(out.structured_output, constraint, getattr(p, constraint))
     return out
 
 

@@ -15,6 +15,7 @@ from engine.loader import load_state_dict
 from engine.model_runner import ModelRunner
 from engine.scheduler import Scheduler
 from engine.speculative import SpeculativeConfig
+from engine.structured import GrammarCompiler
 
 
 @dataclass
@@ -58,4 +59,5 @@ def build_engine(args: EngineArgs) -> EngineParts:
                          cuda_graph_sizes=capture_sizes(args.max_num_seqs) if graphs else None,
                          max_model_len=scheduler_config.max_model_len)
     kv = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching)
-    return EngineParts(model_config, cache_config, scheduler_config, Scheduler(scheduler_config, kv), runner)
+    grammars = GrammarCompiler(path / "tokenizer.json", model_config.vocab_size, model_config.eos_token_ids)
+    return EngineParts(model_config, cache_config, scheduler_config, Scheduler(scheduler_config, kv, grammars), runner)

@@ -6,7 +6,7 @@ import enum
 import math
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from engine.errors import EngineError, ErrorKind
 
@@ -14,6 +14,19 @@ if TYPE_CHECKING:
     from engine.kv_stream import KvLayerProgress
 
 MAX_LOGPROBS = 20  # most alternatives per position (vLLM's default cap); coordinator.validation has the same
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """A constraint on the output (the public `pdserve.v1.StructuredOutput`), compiled by `engine.structured`.
+
+    Attributes:
+        kind: "json_schema", "regex", "grammar" (GBNF or Lark), "json_object" or "choice".
+        spec: the schema / regex / grammar text; "" for json_object; a JSON list of strings for choice.
+    """
+
+    kind: str
+    spec: str = ""
 
 
 @dataclass(frozen=True)
@@ -38,6 +51,8 @@ class SamplingParams:
         stop_token_ids: extra ids that end generation.
         ignore_eos: do not stop on the model's EOS.
         logprobs: None = off; k = sampled token's logprob plus the top-k alternatives.
+        structured_output: None = unconstrained; else the language the output must belong to (the sampler masks
+            the tokens it does not allow; `engine.structured`).
     """
 
     max_tokens: int
@@ -53,6 +68,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    structured_output: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         """The same ranges the coordinator enforces, checked again because the worker API may be called directly.
@@ -122,6 +138,8 @@ class Request:
         kv_layers: prefill worker, layer-wise streaming: told as each layer of the last prefill chunk is written,
             so the KV sender can send that layer while the rest of the forward runs. None = not streamed.
         num_draft_tokens / num_accepted_tokens: speculative decoding: draft tokens verified / accepted so far.
+        matcher: the constraint's `engine.structured.Matcher`, advanced with every output token (set by the
+            scheduler at admission, output_token_ids replayed into it); None when unconstrained.
     """
 
     request_id: str
@@ -142,6 +160,7 @@ class Request:
     kv_layers: KvLayerProgress | None = field(default=None, repr=False, compare=False)
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    matcher: Any = field(default=None, repr=False, compare=False)
     _all_token_ids: list[int] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:

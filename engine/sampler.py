@@ -33,12 +33,16 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> RunnerOutput:
         """logits: [N, vocab] on the model's device, fp32 or the model's 16-bit dtype, one row per request, in order.
-        A token per request, or its error.
+        A token per request, or its error. The rows of requests with a structured-output matcher are masked in
+        place first (`_mask_constrained`).
 
         Plain-greedy rows take their argmax where the logits are, so a GPU worker copies N token ids to the host
         rather than N x vocab floats (vLLM samples on the device for the same reason); the other rows come to the
         host together, once, for the per-request path (penalties, seeded generators, logprobs)."""
         out = RunnerOutput()
+        constrained = [i for i, r in enumerate(requests) if r.matcher is not None]
+        if constrained:  # structured outputs: disallowed tokens to -inf, for every path below
+            _mask_constrained(logits, requests, constrained, self.vocab_size)
         greedy = [r.argmax_next for r in requests]
         simple = [i for i, g in enumerate(greedy) if g]
         if simple:  # batched fast path for the common greedy case; no row copy when every row is greedy
@@ -98,6 +102,21 @@ class Sampler:
             gen = torch.Generator().manual_seed(
                 (sp.seed * 6364136223846793005 + len(req.output_token_ids) * 1442695040888963407) & _MASK64)
         return int(torch.multinomial(probs, 1, generator=gen))
+
+
+def _mask_constrained(logits: torch.Tensor, requests: list[Request], rows: list[int], vocab_size: int) -> None:
+    """In place: the rows of constrained requests keep only the tokens their matchers allow (one batched bitmask
+    fill for the step, `engine.structured`). logits: [N, vocab] as in `Sampler.__call__`; rows: indices into it."""
+    from engine.structured import apply_bitmask, fill_bitmask
+
+    bitmask = fill_bitmask([requests[i].matcher for i in rows], vocab_size)
+    with torch.inference_mode():  # the runner's logits are inference tensors: in-place only in this mode
+        if len(rows) == len(requests):
+            apply_bitmask(logits, bitmask)
+        else:
+            sub = logits[rows]
+            apply_bitmask(sub, bitmask)
+            logits[rows] = sub
 
 
 def greedy_argmax(logits: torch.Tensor, chunk: int = 1024) -> torch.Tensor:

@@ -8,16 +8,23 @@ requests join while budget, batch slots and blocks allow. Owned by the engine th
 """
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
+from typing import TYPE_CHECKING
 
 from engine.config import SchedulerConfig
-from engine.errors import ErrorKind
+from engine.errors import EngineError, ErrorKind
 from engine.kv_cache_manager import KVCacheManager
 from engine.outputs import (Reserved, RequestFailed, RunnerOutput, SampledToken, ScheduledRequest, SchedulerOutput,
                             SchedulerStats, TokenOutput)
 from engine.request import FinishReason, Request, RequestStatus
 from engine.speculative import propose_ngram
+
+if TYPE_CHECKING:
+    from engine.structured import GrammarCompiler
+
+log = logging.getLogger(__name__)
 
 
 class Scheduler:
@@ -26,11 +33,14 @@ class Scheduler:
     Args:
         config: step limits.
         kv: block tables and pool.
+        grammars: compiles requests' structured-output constraints (`engine.structured`); None = such requests
+            are refused (INVALID_REQUEST).
     """
 
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager):
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, grammars: GrammarCompiler | None = None):
         self.config = config
         self.kv = kv
+        self.grammars = grammars
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -67,6 +77,8 @@ class Scheduler:
             return RequestFailed(request.request_id, ErrorKind.CAPACITY,
                                  f"request needs {self.kv.blocks_needed(need)} KV blocks, the pool has "
                                  f"{self.kv.pool.num_blocks}; lower max_tokens or raise the KV budget")
+        if request.sampling.structured_output is not None and (failure := self._attach_matcher(request)):
+            return failure
         self.requests[request.request_id] = request
         if request.remote_kv:
             request.status = RequestStatus.WAITING_FOR_BLOCKS
@@ -74,6 +86,23 @@ class Scheduler:
         else:
             request.status = RequestStatus.WAITING
             self.waiting.append(request)
+        return None
+
+    def _attach_matcher(self, request: Request) -> RequestFailed | None:
+        """Compile the request's constraint (cached per text) into its matcher and replay the output it brings
+        (a migrated request). Returns a failure (INVALID_REQUEST, naming the problem) when the constraint does not
+        compile or the output it brings is outside its language; nothing has been computed for it then."""
+        if self.grammars is None:
+            return RequestFailed(request.request_id, ErrorKind.INVALID_REQUEST,
+                                 "structured outputs are not available on this engine (no tokenizer)")
+        try:
+            request.matcher = self.grammars.matcher(request.sampling.structured_output)
+        except EngineError as e:
+            return RequestFailed(request.request_id, e.kind, e.message)
+        for i, t in enumerate(request.output_token_ids):
+            if not request.matcher.accept(t):
+                return RequestFailed(request.request_id, ErrorKind.INVALID_REQUEST,
+                                     f"output_token_ids[{i}] = {t} is outside the structured output's language")
         return None
 
     def reserve(self) -> list[Reserved]:
@@ -112,6 +141,11 @@ class Scheduler:
             self.abort(request_id)
             return RequestFailed(request_id, ErrorKind.INVALID_REQUEST,
                                  f"first token {first_token} from the prefill worker is outside the vocabulary")
+        if req.matcher is not None and not req.matcher.accept(first_token):
+            self.abort(request_id)
+            return RequestFailed(request_id, ErrorKind.INVALID_REQUEST,
+                                 f"first token {first_token} from the prefill worker is outside the structured "
+                                 "output's language")
         req.num_computed_tokens = req.num_tokens
         req.append_output(first_token)
         req.first_token_time = time.time()
@@ -178,7 +212,7 @@ class Scheduler:
         max_tokens and the context window leave room to emit; none unless its next token is a plain argmax, which
         the step can verify without changing the output."""
         spec = self.config.speculative
-        if req.prefill_only or not req.argmax_next:
+        if req.prefill_only or not req.argmax_next or req.matcher is not None:  # a draft would skip the mask
             return []
         room = min(spec.num_tokens, budget - 1, req.sampling.max_tokens - len(req.output_token_ids) - 1,
                    self.config.max_model_len - req.num_tokens - 1)
@@ -268,6 +302,11 @@ class Scheduler:
         after that from `tokens` (in place) and returns the last event."""
         for i, token in enumerate(tokens):
             req.append_output(token.token_id)
+            if req.matcher is not None and not req.matcher.accept(token.token_id):
+                # The sampler only draws allowed tokens, so this is a bug; the matcher is now stopped and
+                # _check_stop ends the request here rather than let it go on unconstrained.
+                log.warning("request %s: token %d rejected by its structured output (%s)", req.request_id,
+                            token.token_id, req.matcher.error)
             ev = TokenOutput(req.request_id, token, num_cached_tokens=req.num_cached_tokens,
                              num_draft_tokens=req.num_draft_tokens, num_accepted_tokens=req.num_accepted_tokens)
             if req.first_token_time is None:
@@ -289,6 +328,11 @@ class Scheduler:
         if num_out > sp.min_tokens and (
                 (not sp.ignore_eos and token_id in req.eos_token_ids) or token_id in sp.stop_token_ids):
             ev.finish_reason, ev.stop_token_id = FinishReason.STOP, token_id
+            return
+        if req.matcher is not None and req.matcher.stopped:  # the constraint's language allows nothing more
+            ev.finish_reason = FinishReason.STOP
+            if token_id in req.eos_token_ids or token_id in sp.stop_token_ids:
+                ev.stop_token_id = token_id
             return
         if num_out >= sp.max_tokens or req.num_tokens >= self.config.max_model_len:
             ev.finish_reason = FinishReason.LENGTH

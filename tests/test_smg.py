@@ -51,9 +51,10 @@ def greedy(n, **kw):
 
 
 def vllm_request(ids, max_tokens, stream=True, request_id="", **sampling) -> pb.GenerateRequest:
-    """A greedy request for token ids, as smg sends them."""
+    """A request for token ids, as smg sends them; greedy unless sampling gives a temperature."""
+    sampling.setdefault("temperature", 0.0)
     return pb.GenerateRequest(request_id=request_id, tokenized=pb.TokenizedInput(input_ids=ids), stream=stream,
-                              sampling_params=pb.SamplingParams(temperature=0.0, max_tokens=max_tokens, **sampling))
+                              sampling_params=pb.SamplingParams(max_tokens=max_tokens, **sampling))
 
 
 def run(engine, request) -> tuple[list[int], pb.GenerateComplete, list[pb.GenerateStreamChunk]]:
@@ -121,8 +122,9 @@ def test_abort_and_cancel_free_the_request(cluster, engine):
     (vllm_request([], 4), "prompt is empty"),
     (vllm_request([1, 2], 5000), "exceeds the context window"),
     (vllm_request([1, 2], 4, n=2), "parallel sampling is not supported yet"),
-    (vllm_request([1, 2], 4, json_schema='{"type": "object"}'), "structured outputs are not supported yet"),
-    (vllm_request([1, 2], 4, regex="a+"), "structured outputs are not supported yet"),
+    (vllm_request([1, 2], 4, json_schema='{"type": "objekt"}'), "objekt"),
+    (vllm_request([1, 2], 4, regex="a(b"), "unclosed group"),
+    (vllm_request([1, 2], 4, structural_tag="{}"), "structural_tag is not supported"),
     (vllm_request([1, 2], 4, logprobs=-1), "logprobs must be in [0, 20]"),
     (vllm_request([1, 2], 4, top_p=1.5), "top_p"),
     (pb.GenerateRequest(request_id="no-input"), "one of tokenized or text is required"),
@@ -131,6 +133,26 @@ def test_bad_requests_are_invalid_argument(cluster, engine, request_, needle):
     with pytest.raises(grpc.RpcError) as e:
         run(engine, request_)
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and needle in e.value.details(), e.value.details()
+
+
+def test_structured_outputs_through_the_service(cluster, engine, tokenizer):
+    """smg's constraints (json_schema, regex, choice) reach the engine: sampled at temperature 1, the random model's
+    output still belongs to each constraint's language."""
+    from test_structured import REGEX, SCHEMA
+    jsonschema = pytest.importorskip("jsonschema")
+
+    prompt = [1, 504, 3158, 28]
+    for seed in range(2):
+        ids, done, _ = run(engine, vllm_request(prompt, 300, json_schema=json.dumps(SCHEMA), temperature=1.0,
+                                                seed=seed))
+        assert done.finish_reason == "stop"
+        jsonschema.validate(json.loads(tokenizer.decode(ids, skip_special_tokens=True)), SCHEMA)
+    ids, done, _ = run(engine, vllm_request(prompt, 60, regex=REGEX, temperature=1.0, seed=3))
+    assert re.fullmatch(REGEX, tokenizer.decode(ids, skip_special_tokens=True))
+    ids, done, _ = run(engine, vllm_request(prompt, 60, choice=pb.ChoiceConstraint(choices=["yes", "no"]),
+                                            temperature=1.0, seed=4))
+    assert tokenizer.decode(ids, skip_special_tokens=True) in ("yes", "no")
+    assert_idle(cluster)
 
 
 def test_text_input_is_tokenized_as_our_text_prompts(cluster, engine):
@@ -289,7 +311,7 @@ def test_stop_string_through_smg(cluster, openai_client):
     ({"max_tokens": 5000}, "exceeds the context window"),
     ({"max_tokens": 4, "n": 2}, "parallel sampling is not supported yet"),
     ({"max_tokens": 4, "response_format": {"type": "json_schema", "json_schema": {
-        "name": "x", "schema": {"type": "object"}}}}, "structured outputs are not supported yet"),
+        "name": "x", "schema": {"type": "objekt"}}}}, "objekt"),
 ])
 def test_invalid_requests_reach_the_client_as_400(cluster, openai_client, kw, needle):
     import openai
@@ -297,6 +319,23 @@ def test_invalid_requests_reach_the_client_as_400(cluster, openai_client, kw, ne
     with pytest.raises(openai.BadRequestError) as e:
         openai_client.chat.completions.create(model="tiny", messages=MESSAGES, temperature=0, **kw)
     assert e.value.status_code == 400 and needle in str(e.value), str(e.value)
+
+
+def test_json_schema_response_format_through_smg(cluster, openai_client):
+    """OpenAI's response_format json_schema, through the gateway: the message content parses and validates."""
+    from test_structured import SCHEMA
+    jsonschema = pytest.importorskip("jsonschema")
+
+    for seed in range(2):
+        out = openai_client.chat.completions.create(
+            model="tiny", messages=MESSAGES, max_tokens=300, temperature=1.0, seed=seed,
+            response_format={"type": "json_schema", "json_schema": {"name": "user", "schema": SCHEMA}})
+        assert out.choices[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(out.choices[0].message.content), SCHEMA)
+    out = openai_client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=300, temperature=1.0,
+                                                seed=5, response_format={"type": "json_object"})
+    if out.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(out.choices[0].message.content), dict)
 
 
 def test_client_disconnect_through_smg_frees_the_request(cluster, openai_client):

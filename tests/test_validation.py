@@ -6,10 +6,12 @@ import grpc
 import pytest
 
 from coordinator.errors import RequestError
-from coordinator.validation import Limits, resolve_sampling
+from coordinator.validation import MAX_STRUCTURED_CHARS, Limits, resolve_sampling
 from engine.errors import ErrorKind
 from engine.request import SamplingParams as EngineSampling
+from engine.request import StructuredOutput as EngineStructured
 from pdserve import SamplingParams
+from pdserve.v1.generate_pb2 import Choices, StructuredOutput
 from worker_common.convert import sampling_from_proto
 from worker_common.errors import STATUS_FOR_KIND
 
@@ -35,12 +37,41 @@ def test_every_field_reaches_the_engine():
     sent = SamplingParams(temperature=0.7, top_p=0.9, top_k=5, min_p=0.1, seed=42, repetition_penalty=1.3,
                           presence_penalty=0.5, frequency_penalty=-0.5, max_tokens=7, min_tokens=2,
                           stop=["x"], stop_token_ids=[3, 4], ignore_eos=True, logprobs=3,
-                          include_stop_str_in_output=True)
+                          include_stop_str_in_output=True, structured_output=StructuredOutput(regex="[a-z]+"))
     got = sampling_from_proto(resolve_sampling(sent, num_prompt_tokens=10, limits=LIMITS))
     for f in dataclasses.fields(EngineSampling):
+        if f.name == "structured_output":
+            assert got.structured_output == EngineStructured("regex", "[a-z]+")
+            continue
         want = getattr(sent, f.name)
         want = tuple(want) if f.name == "stop_token_ids" else want
         assert getattr(got, f.name) == pytest.approx(want), f.name
+
+
+@pytest.mark.parametrize("constraint,engine", [
+    (StructuredOutput(json_schema='{"type": "object"}'), EngineStructured("json_schema", '{"type": "object"}')),
+    (StructuredOutput(grammar='root ::= "a"'), EngineStructured("grammar", 'root ::= "a"')),
+    (StructuredOutput(json_object=True), EngineStructured("json_object", "")),
+    (StructuredOutput(choice=Choices(choices=["a", "b c"])), EngineStructured("choice", '["a", "b c"]')),
+])
+def test_each_structured_output_kind_reaches_the_engine(constraint, engine):
+    resolved = resolve_sampling(SamplingParams(structured_output=constraint), num_prompt_tokens=10, limits=LIMITS)
+    assert sampling_from_proto(resolved).structured_output == engine
+
+
+@pytest.mark.parametrize("constraint,needle", [
+    (StructuredOutput(), "empty"),
+    (StructuredOutput(json_object=False), "json_object must be true"),
+    (StructuredOutput(json_schema='{"type": '), "json_schema is not JSON"),
+    (StructuredOutput(json_schema='[1]'), "must be a JSON object"),
+    (StructuredOutput(regex=" "), "regex is empty"),
+    (StructuredOutput(grammar="x" * (MAX_STRUCTURED_CHARS + 1)), "characters"),
+    (StructuredOutput(choice=Choices()), "choice has 0 strings"),
+])
+def test_malformed_structured_output_is_invalid_argument(constraint, needle):
+    with pytest.raises(RequestError) as e:
+        resolve_sampling(SamplingParams(structured_output=constraint), num_prompt_tokens=10, limits=LIMITS)
+    assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and needle in e.value.message, e.value.message
 
 
 @pytest.mark.parametrize("params,code,needle", [

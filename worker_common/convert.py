@@ -2,9 +2,10 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 
 from engine.outputs import SampledToken
-from engine.request import FinishReason, SamplingParams
+from engine.request import FinishReason, SamplingParams, StructuredOutput
 from pdserve.v1 import generate_pb2, worker_pb2
 
 FINISH_REASON_TO_PROTO = {FinishReason.STOP: generate_pb2.FINISH_REASON_STOP,
@@ -17,16 +18,32 @@ def sampling_from_proto(p: generate_pb2.SamplingParams) -> SamplingParams:
 
     Field by field by name, so a new sampling option needs no edit here. An unset optional field (seed,
     logprobs) takes the engine's default, None = off; repeated fields become tuples; fields the engine has no
-    use for (stop strings, handled by the coordinator) are not read.
+    use for (stop strings, handled by the coordinator) are not read. structured_output is the one message field
+    (`structured_from_proto`).
     """
     kwargs = {}
     for f in dataclasses.fields(SamplingParams):
         desc = p.DESCRIPTOR.fields_by_name[f.name]
-        if desc.is_repeated:
+        if f.name == "structured_output":
+            kwargs[f.name] = structured_from_proto(p.structured_output) if p.HasField(f.name) else None
+        elif desc.is_repeated:
             kwargs[f.name] = tuple(getattr(p, f.name))
         elif not desc.has_presence or p.HasField(f.name):
             kwargs[f.name] = getattr(p, f.name)
     return SamplingParams(**kwargs)
+
+
+def structured_from_proto(c: generate_pb2.StructuredOutput) -> StructuredOutput | None:
+    """The public constraint -> the engine's (kind, text); None when no kind is set. A choice list travels as JSON
+    text; json_object = false counts as unset (the coordinator refuses it first)."""
+    kind = c.WhichOneof("kind")
+    if kind is None or (kind == "json_object" and not c.json_object):
+        return None
+    if kind == "json_object":
+        return StructuredOutput("json_object")
+    if kind == "choice":
+        return StructuredOutput("choice", json.dumps(list(c.choice.choices)))
+    return StructuredOutput(kind, getattr(c, kind))
 
 
 def token_to_proto(t: SampledToken) -> worker_pb2.SampledToken:

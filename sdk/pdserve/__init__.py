@@ -3,6 +3,8 @@
 `pdserve.v1` holds the generated stubs (nothing else); `pdserve.client` is the SDK built on them. The servers and
 the `pdserve` command line are a separate distribution and are never imported from here.
 """
-from pdserve.client import AsyncClient, Client, Completion, GenerateChunk, SamplingParams, tls_credentials
+from pdserve.client import (AsyncClient, Choices, Client, Completion, GenerateChunk, SamplingParams, StructuredOutput,
+                            tls_credentials)
 
-__all__ = ["AsyncClient", "Client", "Completion", "GenerateChunk", "SamplingParams", "tls_credentials"]
+__all__ = ["AsyncClient", "Choices", "Client", "Completion", "GenerateChunk", "SamplingParams", "StructuredOutput",
+           "tls_credentials"]

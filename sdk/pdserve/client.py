@@ -27,6 +27,13 @@ Build it with keyword arguments, e.g. `SamplingParams(max_tokens=32, temperature
 unset (or given as None) takes the server's documented default. Semantics follow vLLM's SamplingParams.
 """
 
+StructuredOutput = generate_pb2.StructuredOutput
+"""A constraint on the output, `SamplingParams(structured_output=StructuredOutput(json_schema=json.dumps(schema)))`:
+one of json_schema, regex, grammar (GBNF or Lark), json_object=True, choice=Choices(choices=[...]) (generate.proto)."""
+
+Choices = generate_pb2.Choices
+"""The strings of `StructuredOutput(choice=...)`."""
+
 
 @dataclass
 class GenerateChunk:
