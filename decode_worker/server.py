@@ -74,9 +74,11 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
                                                         num_accepted_tokens=done.num_accepted_tokens)
                         if done.stop_token_id is not None:
                             msg.stop_token_id = done.stop_token_id
-                        yield worker_pb2.DecodeResponse(finished=msg)
+                        # Recorded before the last message: a caller that has what it needs may end the call,
+                        # and the stream is then closed at this yield (code after it never runs).
                         record_span("decode", decode_started, time.time(),
                                     {"pdserve.request_id": rid, "gen_ai.usage.output_tokens": num_tokens})
+                        yield worker_pb2.DecodeResponse(finished=msg)
                         return
         except EngineError as e:
             await abort_with(context, e)
