@@ -148,7 +148,7 @@ def _to_core_command(cmd, core: EngineCore, send: Callable[[object], None]):
         return AddRequest(Request(
             cmd.request_id, cmd.prompt_token_ids, cmd.sampling, eos_token_ids=cmd.eos_token_ids,
             prefill_only=cmd.prefill_only, remote_kv=cmd.remote_kv, arrival_time=cmd.arrival_time,
-            output_token_ids=cmd.output_token_ids,
+            output_token_ids=cmd.output_token_ids, scheduling=cmd.scheduling,
             kv_layers=_LayerProgressProxy(cmd.request_id, send) if cmd.stream_layers else None))
     if isinstance(cmd, AbortRequest):
         return Abort(cmd.request_id, notify=cmd.notify, ack=cmd.ack)

@@ -12,6 +12,7 @@ class ErrorKind(enum.Enum):
     DUPLICATE_REQUEST = "duplicate_request"  # the request id is already in use on this worker
     CAPACITY = "capacity"                    # can never fit this worker's KV pool
     ABORTED = "aborted"                      # aborted by an operator or the coordinator (Worker.Abort)
+    DEADLINE = "deadline"                    # its first token could not be started before its deadline
     KV_TIMEOUT = "kv_timeout"                # the KV did not arrive or finish arriving in time
     TRANSFER_FAILED = "transfer_failed"      # the KV transfer broke (peer died, connection lost, receiver failed)
     TRANSFER_REJECTED = "transfer_rejected"  # the receiver had no reservation for it (aborted or expired)

@@ -20,7 +20,7 @@ import msgspec
 
 from engine.config import CacheConfig, ModelConfig, SchedulerConfig
 from engine.outputs import Forgotten, RequestFailed, Reserved, SchedulerStats, TokenOutput
-from engine.request import SamplingParams
+from engine.request import SamplingParams, SchedulingParams
 
 
 # ---- commands: worker -> engine ---------------------------------------------------------------------------------
@@ -37,6 +37,7 @@ class NewRequest(msgspec.Struct, tag=True, array_like=True):
     arrival_time: float
     output_token_ids: list[int]
     stream_layers: bool
+    scheduling: SchedulingParams
 
 
 class AbortRequest(msgspec.Struct, tag=True, array_like=True):

@@ -187,7 +187,7 @@ class ProcessEngine(AsyncEngine):
         if isinstance(command, AddRequest):
             r = command.request
             msg = NewRequest(r.request_id, r.prompt_token_ids, r.sampling, tuple(r.eos_token_ids), r.prefill_only,
-                             r.remote_kv, r.arrival_time, r.output_token_ids, r.kv_layers is not None)
+                             r.remote_kv, r.arrival_time, r.output_token_ids, r.kv_layers is not None, r.scheduling)
             if r.kv_layers is not None:
                 self._layers[r.request_id] = r.kv_layers
         elif isinstance(command, Abort):

@@ -105,6 +105,33 @@ class SamplingParams:
                 and self.presence_penalty == 0.0 and self.frequency_penalty == 0.0)
 
 
+@dataclass(frozen=True)
+class SchedulingParams:
+    """How a request is scheduled beside others (`engine.policy` applies it).
+
+    Attributes:
+        priority: lower runs sooner (vLLM's convention); requests of a lower value are admitted first and may
+            preempt running requests of a higher value. Default 0.
+        tenant: whose work this is (an API key's id, or the caller's `tenant` field); the token budget is shared
+            fairly between tenants with work queued. "" is one anonymous tenant.
+        weight: the tenant's share, > 0: a tenant of weight 2 gets twice the tokens of one of weight 1 while both
+            have work queued.
+        deadline: Unix seconds (wall clock) by which the first token is due; a request still queued then, nothing
+            computed for it, is refused (DEADLINE) rather than prefilled. None = no deadline.
+    """
+
+    priority: int = 0
+    tenant: str = ""
+    weight: float = 1.0
+    deadline: float | None = None
+
+    def __post_init__(self) -> None:
+        """Raises:
+            EngineError: INVALID_REQUEST for a weight that is not positive and finite."""
+        if not (math.isfinite(self.weight) and self.weight > 0):
+            raise EngineError(ErrorKind.INVALID_REQUEST, f"scheduling.weight must be > 0 and finite, got {self.weight}")
+
+
 class RequestStatus(enum.Enum):
     WAITING_FOR_BLOCKS = "waiting_for_blocks"  # remote-KV request queued for a reservation
     WAITING_FOR_KV = "waiting_for_kv"          # blocks reserved, KV transfer pending
@@ -140,6 +167,7 @@ class Request:
         num_draft_tokens / num_accepted_tokens: speculative decoding: draft tokens verified / accepted so far.
         matcher: the constraint's `engine.structured.Matcher`, advanced with every output token (set by the
             scheduler at admission, output_token_ids replayed into it); None when unconstrained.
+        scheduling: priority, tenant and deadline (`SchedulingParams`).
     """
 
     request_id: str
@@ -161,6 +189,7 @@ class Request:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     matcher: Any = field(default=None, repr=False, compare=False)
+    scheduling: SchedulingParams = field(default_factory=SchedulingParams)
     _all_token_ids: list[int] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:

@@ -12,6 +12,7 @@ STATUS_FOR_KIND: dict[ErrorKind, grpc.StatusCode] = {
     ErrorKind.DUPLICATE_REQUEST: grpc.StatusCode.ALREADY_EXISTS,
     ErrorKind.CAPACITY: grpc.StatusCode.RESOURCE_EXHAUSTED,
     ErrorKind.ABORTED: grpc.StatusCode.ABORTED,
+    ErrorKind.DEADLINE: grpc.StatusCode.DEADLINE_EXCEEDED,
     ErrorKind.KV_TIMEOUT: grpc.StatusCode.DEADLINE_EXCEEDED,
     ErrorKind.TRANSFER_FAILED: grpc.StatusCode.UNAVAILABLE,
     ErrorKind.TRANSFER_REJECTED: grpc.StatusCode.ABORTED,
