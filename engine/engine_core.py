@@ -141,6 +141,7 @@ class EngineCore:
                 self._drain(block=not self.scheduler.has_work())
                 events.extend(self.scheduler.reserve())
                 out = self.scheduler.schedule()
+                events.extend(out.failed)
                 if not out.is_empty:
                     self._publish_stats()  # as the step starts: it may be long
                     events.extend(self.scheduler.update(out, self.runner.execute(out)))

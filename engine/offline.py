@@ -22,7 +22,8 @@ def run_until_idle(parts: EngineParts, requests: Sequence[Request] = (),
         max_steps: bound on the steps; None for no bound.
 
     Returns:
-        every event `Scheduler.update` emitted, in order (tokens, and RequestFailed for requests that failed).
+        every event the scheduler emitted, in order (tokens, and RequestFailed for requests that failed or were
+        refused for their deadline).
 
     Raises:
         ValueError: a request was refused at admission (the message gives its id and the failure).
@@ -37,6 +38,9 @@ def run_until_idle(parts: EngineParts, requests: Sequence[Request] = (),
     steps = 0
     while sched.has_work():
         out = sched.schedule()
+        events += out.failed  # refused for their deadline
+        if out.is_empty and not sched.has_work():
+            break
         if out.is_empty:
             raise RuntimeError(f"the scheduler stalled with work left after {steps} steps")
         if on_step is not None:

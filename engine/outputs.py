@@ -33,11 +33,13 @@ class ScheduledRequest:
 
 @dataclass
 class SchedulerOutput:
-    """A step: decodes (one new token each) first, then prefill chunks."""
+    """A step: decodes (one new token each) first, then prefill chunks. preempted_ids: running requests this step
+    preempted (they recompute later); failed: queued requests it refused (past their deadline), already dropped."""
 
     decodes: list[ScheduledRequest] = field(default_factory=list)
     prefills: list[ScheduledRequest] = field(default_factory=list)
     preempted_ids: list[str] = field(default_factory=list)
+    failed: list[RequestFailed] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

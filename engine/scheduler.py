@@ -1,21 +1,26 @@
 """Continuous-batching step scheduler with a token budget, chunked prefill, prefix caching, remote-KV
 reservations, preemption by recompute (the vLLM v1 scheme: count tokens, not phases) and n-gram speculative
-decoding.
+decoding. Which request goes first is the policy's (`engine.policy`: priority, fair share between tenants,
+arrival); this module applies it.
 
-Each step: running requests first (one token each for decodes, plus n-gram drafts while the batch is small; the
-next chunk for partial prefills), preempting the newest running request when blocks run out; then waiting
-requests join while budget, batch slots and blocks allow. Owned by the engine thread; not thread-safe.
+Each step: queued requests past their first-token deadline are refused; running requests go first, in policy order
+(one token each for decodes, plus n-gram drafts while the batch is small; the next chunk for partial prefills, unless
+a request of higher priority is waiting: then the chunk yields its budget), preempting the last running request
+(lowest priority, newest) when blocks run out; then waiting requests join in policy order while budget, batch slots
+and blocks allow, preempting running requests of lower priority for a slot or blocks. A preempted request frees its
+blocks and recomputes its prompt and output later: no token is lost. Owned by the engine thread; not thread-safe.
 """
 from __future__ import annotations
 
+import bisect
 import logging
 import time
-from collections import deque
 from typing import TYPE_CHECKING
 
 from engine.config import SchedulerConfig
 from engine.errors import EngineError, ErrorKind
 from engine.kv_cache_manager import KVCacheManager
+from engine.policy import RequestQueue, SchedulingPolicy
 from engine.outputs import (Reserved, RequestFailed, RunnerOutput, SampledToken, ScheduledRequest, SchedulerOutput,
                             SchedulerStats, TokenOutput)
 from engine.request import FinishReason, Request, RequestStatus
@@ -42,9 +47,10 @@ class Scheduler:
         self.kv = kv
         self.grammars = grammars
         self.requests: dict[str, Request] = {}
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
-        self.reserving: deque[Request] = deque()
+        self.policy = SchedulingPolicy()
+        self.waiting = RequestQueue(self.policy)
+        self.running: list[Request] = []  # in policy order (`SchedulingPolicy.static_key`): the last gives way first
+        self.reserving = RequestQueue(self.policy)
         self.num_preemptions = 0
         self.spec_draft_tokens = 0
         self.spec_accepted_tokens = 0
@@ -80,12 +86,13 @@ class Scheduler:
         if request.sampling.structured_output is not None and (failure := self._attach_matcher(request)):
             return failure
         self.requests[request.request_id] = request
+        self.policy.admit(request)
         if request.remote_kv:
             request.status = RequestStatus.WAITING_FOR_BLOCKS
-            self.reserving.append(request)
+            self.reserving.push(request)
         else:
             request.status = RequestStatus.WAITING
-            self.waiting.append(request)
+            self.waiting.push(request)
         return None
 
     def _attach_matcher(self, request: Request) -> RequestFailed | None:
@@ -106,7 +113,7 @@ class Scheduler:
         return None
 
     def reserve(self) -> list[Reserved]:
-        """Reserve blocks for queued remote-KV requests, in arrival order, while the pool allows.
+        """Reserve blocks for queued remote-KV requests, in policy order, while the pool allows.
 
         Requests already waiting to run come first: a reservation never takes the blocks they still need (for
         their first step: one more block after their KV arrived, everything after a preemption). Without that, a
@@ -117,13 +124,12 @@ class Scheduler:
             return out
         owed = sum(max(0, self.kv.blocks_needed(r.num_tokens) - len(self.kv.get_block_table(r.request_id)))
                    for r in self.waiting)
-        while self.reserving:
-            req = self.reserving[0]
+        while (req := self.reserving.peek()) is not None:
             cached = self.kv.get_computed_blocks(req)  # KV this worker already holds need not be sent again
             if self.kv.pool.num_free_blocks - (self.kv.blocks_needed(req.num_tokens) - len(cached)) < owed \
                     or not self.kv.allocate_slots(req.request_id, req.num_tokens, cached):
                 break
-            self.reserving.popleft()
+            self.reserving.remove(req)
             self.kv.record_prefix_query(req.num_tokens, len(cached) * self.kv.block_size)
             req.status = RequestStatus.WAITING_FOR_KV
             out.append(Reserved(req.request_id, list(self.kv.get_block_table(req.request_id)), len(cached)))
@@ -150,7 +156,7 @@ class Scheduler:
         req.append_output(first_token)
         req.first_token_time = time.time()
         req.status = RequestStatus.WAITING
-        self.waiting.append(req)
+        self.waiting.push(req)
         return None
 
     # ---- scheduling --------------------------------------------------------------------------------------------
@@ -158,14 +164,22 @@ class Scheduler:
         return bool(self.running or self.waiting)
 
     def schedule(self) -> SchedulerOutput:
+        """Decide the next step (see the module docstring). Requests refused for their deadline are in
+        `SchedulerOutput.failed`; they are gone from the scheduler."""
         out = SchedulerOutput()
+        self._expire(out)
         budget = self.config.max_num_batched_tokens
         spec = self.config.speculative
         speculate = spec.enabled and len(self.running) <= spec.disable_batch_size
+        head = self.waiting.peek()
+        kv_preempted = False
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if n > 1 and head is not None and self.policy.outranks(head, req):
+                i += 1  # a prefill chunk gives its budget to a more important waiting request (decodes still run)
+                continue
             drafts = self._propose(req, budget) if speculate and n == 1 else []
             if drafts and not self._allocate_drafts(req, len(drafts), budget):
                 drafts = []  # no blocks to spare: decode plainly (drafts never cost another request its blocks)
@@ -173,6 +187,7 @@ class Scheduler:
                 victim = self.running.pop()
                 self._preempt(victim)
                 out.preempted_ids.append(victim.request_id)
+                kv_preempted = True
                 if victim is req:
                     break
             if req.status != RequestStatus.RUNNING:
@@ -181,20 +196,28 @@ class Scheduler:
             budget -= n + len(drafts)
             i += 1
 
-        while not out.preempted_ids and self.waiting and budget > 0 \
-                and len(self.running) < self.config.max_num_seqs:
-            req = self.waiting[0]
+        # No admissions after a preemption for blocks: the pool is short, and the preempted go first next step.
+        while not kv_preempted and budget > 0 and (req := self.waiting.peek()) is not None:
+            if len(self.running) >= self.config.max_num_seqs:
+                if not self._preempt_for(req, out):
+                    break
+                budget = self.config.max_num_batched_tokens - out.num_tokens
+                continue
             computed_blocks: list[int] = []
             if req.num_computed_tokens == 0:
                 computed_blocks = self.kv.get_computed_blocks(req)
             num_computed = req.num_computed_tokens or len(computed_blocks) * self.kv.block_size
             n = min(req.num_tokens - num_computed, budget)
             if not self.kv.allocate_slots(req.request_id, num_computed + n, computed_blocks):
+                if self.running:  # a running request of lower priority gives its blocks, else wait for blocks
+                    if not self._preempt_for(req, out):
+                        break
+                    budget = self.config.max_num_batched_tokens - out.num_tokens
                 # Nothing running will free a block: free a later waiting request's instead (it recomputes).
-                if self.running or not self._preempt_waiting(req):
+                elif not self._preempt_waiting(req):
                     break
                 continue
-            self.waiting.popleft()
+            self.waiting.remove(req)
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = time.time()
                 if not req.remote_kv:
@@ -202,10 +225,35 @@ class Scheduler:
                     self.kv.record_prefix_query(req.num_tokens, num_computed)
             req.num_computed_tokens = num_computed
             req.status = RequestStatus.RUNNING
-            self.running.append(req)
+            bisect.insort(self.running, req, key=self.policy.static_key)
             self._add_scheduled(out, req, n)
             budget -= n
         return out
+
+    def _expire(self, out: SchedulerOutput) -> None:
+        """Refuse the queued requests whose first-token deadline has passed with nothing computed for them (they
+        would spend prefill on an answer nobody waits for)."""
+        now = time.time()
+        late = [r for r in self.waiting if r.scheduling.deadline is not None and r.scheduling.deadline < now
+                and r.first_scheduled_time is None and not r.remote_kv]
+        for req in late:
+            waited_ms = (now - req.arrival_time) * 1e3
+            self.abort(req.request_id)
+            out.failed.append(RequestFailed(req.request_id, ErrorKind.DEADLINE,
+                                            f"not started before its first-token deadline (queued {waited_ms:.0f} ms"
+                                            " behind other work); nothing was computed for it"))
+
+    def _preempt_for(self, head: Request, out: SchedulerOutput) -> bool:
+        """Preempt the last running request (lowest priority, newest) if `head` outranks it, taking it out of this
+        step's batch if it was scheduled. Returns whether one was preempted."""
+        if not self.running or not self.policy.outranks(head, self.running[-1]):
+            return False
+        victim = self.running.pop()
+        for batch in (out.decodes, out.prefills):
+            batch[:] = [x for x in batch if x.request is not victim]
+        self._preempt(victim)
+        out.preempted_ids.append(victim.request_id)
+        return True
 
     def _propose(self, req: Request, budget: int) -> list[int]:
         """n-gram drafts for a running decode (`engine.speculative`), as many as the step's budget, the request's
@@ -237,9 +285,10 @@ class Scheduler:
         (out.decodes if s.num_new_tokens == 1 else out.prefills).append(s)
 
     def _preempt(self, req: Request) -> None:
-        """Free a running request's blocks; it recomputes its prompt + output later (front of the queue)."""
+        """Free a running request's blocks; it recomputes its prompt + output later (queued in policy order: by
+        its arrival, ahead of later arrivals of its priority)."""
         self._release_for_recompute(req)
-        self.waiting.appendleft(req)
+        self.waiting.push(req)
 
     def _release_for_recompute(self, req: Request) -> None:
         """Free the request's blocks and count a preemption: it computes its prompt + output again when scheduled."""
@@ -249,9 +298,9 @@ class Scheduler:
         req.status = RequestStatus.PREEMPTED
 
     def _preempt_waiting(self, head: Request) -> bool:
-        """Free the blocks of the newest waiting request that holds any (not `head`): it recomputes later, from its
-        place in the queue. Returns False when no waiting request holds blocks."""
-        for req in reversed(self.waiting):
+        """Free the blocks of the last waiting request in policy order (lowest priority, newest) that holds any (not
+        `head`): it recomputes later, from its place in the queue. Returns False when no waiting request holds blocks."""
+        for req in self.waiting.worst_first():
             if req is not head and self.kv.get_block_table(req.request_id):
                 self._release_for_recompute(req)
                 return True
@@ -265,6 +314,7 @@ class Scheduler:
         events: list[TokenOutput | RequestFailed] = []
         for s in out.decodes + out.prefills:
             req = s.request
+            self.policy.charge(req, s.num_new_tokens)
             if req.request_id in result.failed:
                 error = result.failed[req.request_id]
                 self.abort(req.request_id)
@@ -289,7 +339,7 @@ class Scheduler:
             self.kv.cache_full_blocks(req)
             if ev.finish_reason is not None:
                 req.finish_reason, req.stop_token_id = ev.finish_reason, ev.stop_token_id
-                self.running.remove(req)
+                self._remove_running(req)
                 if ev.finish_reason == FinishReason.PREFILL_DONE:
                     req.status = RequestStatus.HELD
                     ev.block_ids = list(self.kv.get_block_table(req.request_id))
@@ -343,6 +393,15 @@ class Scheduler:
         req.status = RequestStatus.FINISHED
         self.kv.free(req.request_id)
         del self.requests[req.request_id]
+        self.policy.release(req)
+
+    def _remove_running(self, req: Request) -> bool:
+        """Take req out of the running batch (by identity: a dataclass's == compares every field)."""
+        for i, r in enumerate(self.running):
+            if r is req:
+                del self.running[i]
+                return True
+        return False
 
     # ---- lifecycle -----------------------------------------------------------------------------------------------
     def abort(self, request_id: str) -> bool:
@@ -350,11 +409,9 @@ class Scheduler:
         req = self.requests.get(request_id)
         if req is None:
             return False
-        for queue in (self.waiting, self.reserving):
-            if req in queue:
-                queue.remove(req)
-        if req in self.running:
-            self.running.remove(req)
+        self.waiting.remove(req)
+        self.reserving.remove(req)
+        self._remove_running(req)
         if req.finish_reason is None:
             req.finish_reason = FinishReason.ABORT
         self._finish(req)

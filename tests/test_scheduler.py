@@ -107,7 +107,7 @@ def test_kv_pressure_preempts_the_newest_and_it_resumes_with_its_tokens():
             preempted_at = i
             assert out.preempted_ids == ["new"]
             victim = s.requests["new"]
-            assert victim.status == RequestStatus.PREEMPTED and s.waiting[0] is victim
+            assert victim.status == RequestStatus.PREEMPTED and s.waiting.peek() is victim
             assert s.kv.get_block_table("new") == [] and victim.num_computed_tokens == 0
         if not s.has_work():
             break
