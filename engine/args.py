@@ -9,6 +9,10 @@ from kernels import BACKENDS as ATTENTION_BACKENDS
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 DTYPE_CHOICES = ("auto",) + DTYPE_NAMES
 QUANTIZATION_CHOICES = ("none", "int8", "int4")
+# Tokens a request's stream may hold unread before the request is paused (`engine.async_engine.RequestStream`): far
+# more than a reader that keeps up ever leaves (it takes every queued token at each read), small enough that a
+# stalled client costs little memory.
+DEFAULT_MAX_UNREAD_TOKENS = 256
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,8 @@ import asyncio
 from concurrent.futures import Future
 from typing import Any, Callable
 
-from engine.engine_core import Abort, AddRequest, Call, EngineCore, KvArrived
+from engine.args import DEFAULT_MAX_UNREAD_TOKENS
+from engine.engine_core import Abort, AddRequest, Call, EngineCore, KvArrived, Pause
 from engine.errors import EngineError, ErrorKind
 from engine.outputs import Forgotten, RequestFailed, Reserved, SchedulerStats, TokenOutput
 from engine.request import FinishReason, Request
@@ -25,6 +26,11 @@ class RequestStream:
     a prefill-done request) unless the engine already dropped it, and stops routing its events — on every exit
     path, so no caller pairs add/abort/forget by hand. `hand_over` passes the free to another owner (the KV
     receiver, while it still writes into the request's blocks).
+
+    Back-pressure: when `max_unread_tokens` tokens wait unread (the caller is blocked sending to a slow client), the
+    request is paused in the engine (`Scheduler.pause`: out of the batch, KV kept while blocks allow) and resumed
+    once the reader has taken them down to half that. Memory per stalled request stays bounded, and its batch slot
+    serves others meanwhile.
     """
 
     def __init__(self, engine: AsyncEngine, request: Request):
@@ -34,6 +40,8 @@ class RequestStream:
         self._handed_over = False
         self._queue: asyncio.Queue = asyncio.Queue()
         self._request = request
+        self._unread = 0  # TokenOutputs queued, not yet taken
+        self.paused = False
 
     def __enter__(self) -> RequestStream:
         self.engine._open(self, self._request)
@@ -70,7 +78,22 @@ class RequestStream:
         self._handed_over = True
         return lambda: self.engine.submit(Abort(self.request_id))
 
+    def _put(self, ev: Any) -> None:
+        """An event for this request (event loop thread): queue it; pause the request when too many wait unread."""
+        self._queue.put_nowait(ev)
+        if isinstance(ev, TokenOutput):
+            self._unread += 1
+            limit = self.engine.max_unread_tokens
+            if limit and not self.paused and self._unread >= limit and ev.finish_reason is None:
+                self.paused = True
+                self.engine.submit(Pause(self.request_id))
+
     def _check(self, ev: Any) -> Reserved | TokenOutput:
+        if isinstance(ev, TokenOutput):
+            self._unread -= 1
+            if self.paused and self._unread <= self.engine.max_unread_tokens // 2:
+                self.paused = False
+                self.engine.submit(Pause(self.request_id, resume=True))
         if isinstance(ev, RequestFailed):
             self.dropped = True
             raise EngineError(ev.kind, ev.message)
@@ -84,9 +107,13 @@ class AsyncEngine:
 
     Args:
         core_factory: builds the EngineCore from (emit, on_fault) callbacks that this object provides.
+        max_unread_tokens: tokens a request's stream may hold unread before the request is paused (see
+            `RequestStream`); 0 = never pause.
     """
 
-    def __init__(self, core_factory: Callable[[Callable[[list], None], Callable[[str], None]], EngineCore]):
+    def __init__(self, core_factory: Callable[[Callable[[list], None], Callable[[str], None]], EngineCore],
+                 max_unread_tokens: int = DEFAULT_MAX_UNREAD_TOKENS):
+        self.max_unread_tokens = max_unread_tokens
         self._loop: asyncio.AbstractEventLoop | None = None
         self._streams: dict[str, RequestStream] = {}
         # Ids whose owner left with an abort the engine has not acknowledged yet: their events are stale.
@@ -94,7 +121,7 @@ class AsyncEngine:
         self._fault_listeners: list[Callable[[str], None]] = []
         self.core = core_factory(self._emit, self._fault)
 
-    def submit(self, command: AddRequest | Abort | KvArrived | Call) -> None:
+    def submit(self, command: AddRequest | Abort | KvArrived | Pause | Call) -> None:
         """Queue a command for the engine's loop (any thread)."""
         self.core.submit(command)
 
@@ -174,4 +201,4 @@ class AsyncEngine:
                 continue
             stream = self._streams.get(rid)
             if stream is not None:
-                stream._queue.put_nowait(ev)
+                stream._put(ev)

@@ -25,9 +25,9 @@ from multiprocessing.connection import Connection
 import torch
 
 from engine.args import EngineArgs
-from engine.engine_core import Abort, AddRequest, Call, EngineCore, KvArrived
+from engine.engine_core import Abort, AddRequest, Call, EngineCore, KvArrived, Pause
 from engine.ipc import (AbortRequest, BuildFailed, Codec, Fault, KvArrivedMsg, LayerBegin, LayerWritten,
-                        NewRequest, Outputs, Query, QueryResult, Ready, Shutdown, StatsUpdate)
+                        NewRequest, Outputs, PauseMsg, Query, QueryResult, Ready, Shutdown, StatsUpdate)
 from engine.request import Request
 
 log = logging.getLogger(__name__)
@@ -152,6 +152,8 @@ def _to_core_command(cmd, core: EngineCore, send: Callable[[object], None]):
             kv_layers=_LayerProgressProxy(cmd.request_id, send) if cmd.stream_layers else None))
     if isinstance(cmd, AbortRequest):
         return Abort(cmd.request_id, notify=cmd.notify, ack=cmd.ack)
+    if isinstance(cmd, PauseMsg):
+        return Pause(cmd.request_id, cmd.resume)
     if isinstance(cmd, KvArrivedMsg):
         return KvArrived(cmd.request_id, cmd.first_token)
     assert isinstance(cmd, Query)

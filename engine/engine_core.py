@@ -51,6 +51,15 @@ class KvArrived:
 
 
 @dataclass
+class Pause:
+    """Hold a request out of the batch (its reader fell behind: `Scheduler.pause`), or with resume=True let it
+    back in (`Scheduler.resume`). Unknown or finished requests are ignored."""
+
+    request_id: str
+    resume: bool = False
+
+
+@dataclass
 class Call:
     """Run fn(scheduler) on the engine thread and resolve future with its result (stats, integrity checks)."""
 
@@ -92,7 +101,7 @@ class EngineCore:
         self.step_log: deque[StepRecord] = deque(maxlen=step_log_size)
         self._running: set[str] = set()
 
-    def submit(self, command: AddRequest | Abort | KvArrived | Call) -> None:
+    def submit(self, command: AddRequest | Abort | KvArrived | Pause | Call) -> None:
         """Thread-safe: queue a command for the next loop iteration."""
         self._commands.put(command)
 
@@ -207,6 +216,8 @@ class EngineCore:
         elif isinstance(cmd, KvArrived):
             if (failure := s.kv_arrived(cmd.request_id, cmd.first_token)) is not None:
                 self.emit([failure])
+        elif isinstance(cmd, Pause):
+            (s.resume if cmd.resume else s.pause)(cmd.request_id)
         elif isinstance(cmd, Call):
             if not cmd.future.set_running_or_notify_cancel():
                 return  # the caller gave up (its RPC was cancelled or timed out)

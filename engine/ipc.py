@@ -55,6 +55,13 @@ class KvArrivedMsg(msgspec.Struct, tag=True, array_like=True):
     first_token: int
 
 
+class PauseMsg(msgspec.Struct, tag=True, array_like=True):
+    """`engine_core.Pause`."""
+
+    request_id: str
+    resume: bool
+
+
 class Query(msgspec.Struct, tag=True, array_like=True):
     """A question answered on the engine thread between steps: name "snapshot" (`EngineCore.snapshot`) or
     "abortable" (`EngineCore.abortable` of request_id); answered by a `QueryResult` with the same call_id."""
@@ -68,7 +75,7 @@ class Shutdown(msgspec.Struct, tag=True, array_like=True):
     """Stop the loop and exit 0."""
 
 
-Command = Union[NewRequest, AbortRequest, KvArrivedMsg, Query, Shutdown]
+Command = Union[NewRequest, AbortRequest, KvArrivedMsg, PauseMsg, Query, Shutdown]
 
 
 # ---- outputs: engine -> worker ----------------------------------------------------------------------------------

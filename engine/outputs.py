@@ -133,6 +133,7 @@ class SchedulerStats(msgspec.Struct, frozen=True, tag=True, array_like=True):
         num_preemptions: cumulative requests preempted (their KV freed, to be recomputed).
         num_steps: engine steps run.
         spec_draft_tokens / spec_accepted_tokens: cumulative n-gram draft tokens verified / accepted.
+        num_paused: requests held out of the batch because their reader fell behind (`Scheduler.pause`).
     """
 
     num_running: int = 0
@@ -147,6 +148,7 @@ class SchedulerStats(msgspec.Struct, frozen=True, tag=True, array_like=True):
     num_steps: int = 0
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
+    num_paused: int = 0
 
     @property
     def kv_cache_usage(self) -> float:

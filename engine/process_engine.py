@@ -21,14 +21,14 @@ from collections.abc import Callable
 
 import torch
 
-from engine.args import EngineArgs
+from engine.args import DEFAULT_MAX_UNREAD_TOKENS, EngineArgs
 from engine.async_engine import AsyncEngine, RequestStream
 from engine.config import CacheConfig, ModelConfig, SchedulerConfig
 from engine.core_process import EngineProcessSpec, run_engine_process
-from engine.engine_core import Abort, AddRequest, Call, KvArrived
+from engine.engine_core import Abort, AddRequest, Call, KvArrived, Pause
 from engine.errors import EngineError, ErrorKind
 from engine.ipc import (AbortRequest, BuildFailed, Codec, Fault, KvArrivedMsg, LayerBegin, LayerWritten,
-                        NewRequest, Outputs, Query, QueryResult, Ready, Shutdown, StatsUpdate)
+                        NewRequest, Outputs, PauseMsg, Query, QueryResult, Ready, Shutdown, StatsUpdate)
 from engine.kv_stream import KvLayerProgress
 from engine.outputs import RequestFailed, SchedulerStats
 from engine.request import Request
@@ -56,10 +56,13 @@ class ProcessEngine(AsyncEngine):
         args: the engine to build there.
         threads: torch intra-op threads of the engine's loop (None: torch's default).
         log_setup: configures the engine process's logging (picklable), or None.
+        max_unread_tokens: as `AsyncEngine`'s.
     """
 
-    def __init__(self, args: EngineArgs, threads: int | None = None, log_setup: Callable[[], None] | None = None):
-        super().__init__(lambda emit, on_fault: None)  # type: ignore[arg-type,return-value]
+    def __init__(self, args: EngineArgs, threads: int | None = None, log_setup: Callable[[], None] | None = None,
+                 max_unread_tokens: int = DEFAULT_MAX_UNREAD_TOKENS):
+        super().__init__(lambda emit, on_fault: None,  # type: ignore[arg-type,return-value]
+                         max_unread_tokens=max_unread_tokens)
         self.args, self.threads, self.log_setup = args, threads, log_setup
         self.model_config: ModelConfig | None = None
         self.cache_config: CacheConfig | None = None
@@ -179,7 +182,7 @@ class ProcessEngine(AsyncEngine):
             process.join(5)
 
     # ---- commands --------------------------------------------------------------------------------------------
-    def submit(self, command: AddRequest | Abort | KvArrived | Call) -> None:
+    def submit(self, command: AddRequest | Abort | KvArrived | Pause | Call) -> None:
         """Send a command to the engine process (event loop thread). Dropped once the process is gone: its
         requests have failed already."""
         if self.died is not None or self._stopping:
@@ -194,6 +197,8 @@ class ProcessEngine(AsyncEngine):
             msg = AbortRequest(command.request_id, command.notify, command.ack)
         elif isinstance(command, KvArrived):
             msg = KvArrivedMsg(command.request_id, command.first_token)
+        elif isinstance(command, Pause):
+            msg = PauseMsg(command.request_id, command.resume)
         else:
             raise TypeError(f"{type(command).__name__} cannot cross to an engine process; use a typed query")
         self._commands.send(self._codec.encode(msg))

@@ -137,6 +137,7 @@ class RequestStatus(enum.Enum):
     WAITING_FOR_KV = "waiting_for_kv"          # blocks reserved, KV transfer pending
     WAITING = "waiting"
     RUNNING = "running"
+    PAUSED = "paused"                           # its reader fell behind: out of the batch, blocks kept while they last
     PREEMPTED = "preempted"
     HELD = "held"                               # prefill done; blocks held until the KV send completes
     FINISHED = "finished"

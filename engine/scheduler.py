@@ -51,6 +51,7 @@ class Scheduler:
         self.waiting = RequestQueue(self.policy)
         self.running: list[Request] = []  # in policy order (`SchedulingPolicy.static_key`): the last gives way first
         self.reserving = RequestQueue(self.policy)
+        self.paused: dict[str, Request] = {}  # out of the batch while their reader is behind (`pause`)
         self.num_preemptions = 0
         self.spec_draft_tokens = 0
         self.spec_accepted_tokens = 0
@@ -159,6 +160,41 @@ class Scheduler:
         self.waiting.push(req)
         return None
 
+    def pause(self, request_id: str) -> bool:
+        """Hold a request out of the batch because its reader fell behind (tokens it has not taken pile up): it
+        frees its batch slot at once and keeps its KV blocks until blocks are short (then it is the first to give
+        them up, and recomputes on `resume`). Only a request producing tokens here (running or waiting to run, not
+        prefill-only) can be paused. Returns whether it was."""
+        req = self.requests.get(request_id)
+        if req is None or req.prefill_only or req.status not in (RequestStatus.RUNNING, RequestStatus.WAITING,
+                                                                 RequestStatus.PREEMPTED):
+            return False
+        if not self._remove_running(req):
+            self.waiting.remove(req)
+        req.status = RequestStatus.PAUSED
+        self.paused[request_id] = req
+        return True
+
+    def resume(self, request_id: str) -> bool:
+        """Let a paused request back into the queue (its reader caught up), in policy order. Returns whether it
+        was paused."""
+        req = self.paused.pop(request_id, None)
+        if req is None:
+            return False
+        req.status = RequestStatus.WAITING
+        self.waiting.push(req)
+        return True
+
+    def _preempt_paused(self) -> bool:
+        """Free the blocks of a paused request that holds any (lowest priority, newest first): it recomputes when
+        resumed. Returns False when none holds blocks."""
+        for req in sorted(self.paused.values(), key=self.policy.static_key, reverse=True):
+            if self.kv.get_block_table(req.request_id):
+                self._release_for_recompute(req)
+                req.status = RequestStatus.PAUSED
+                return True
+        return False
+
     # ---- scheduling --------------------------------------------------------------------------------------------
     def has_work(self) -> bool:
         return bool(self.running or self.waiting)
@@ -184,6 +220,8 @@ class Scheduler:
             if drafts and not self._allocate_drafts(req, len(drafts), budget):
                 drafts = []  # no blocks to spare: decode plainly (drafts never cost another request its blocks)
             while not self.kv.allocate_slots(req.request_id, req.num_computed_tokens + n):
+                if self._preempt_paused():  # a paused request's blocks go before a running request's
+                    continue
                 victim = self.running.pop()
                 self._preempt(victim)
                 out.preempted_ids.append(victim.request_id)
@@ -209,6 +247,8 @@ class Scheduler:
             num_computed = req.num_computed_tokens or len(computed_blocks) * self.kv.block_size
             n = min(req.num_tokens - num_computed, budget)
             if not self.kv.allocate_slots(req.request_id, num_computed + n, computed_blocks):
+                if self._preempt_paused():
+                    continue
                 if self.running:  # a running request of lower priority gives its blocks, else wait for blocks
                     if not self._preempt_for(req, out):
                         break
@@ -411,6 +451,7 @@ class Scheduler:
             return False
         self.waiting.remove(req)
         self.reserving.remove(req)
+        self.paused.pop(request_id, None)
         self._remove_running(req)
         if req.finish_reason is None:
             req.finish_reason = FinishReason.ABORT
@@ -429,4 +470,4 @@ class Scheduler:
             num_cached_blocks=pool.num_cached_free_blocks, prefix_cache_query_tokens=self.kv.prefix_query_tokens,
             prefix_cache_hit_tokens=self.kv.prefix_hit_tokens, num_preemptions=self.num_preemptions,
             num_steps=num_steps, spec_draft_tokens=self.spec_draft_tokens,
-            spec_accepted_tokens=self.spec_accepted_tokens)
+            spec_accepted_tokens=self.spec_accepted_tokens, num_paused=len(self.paused))

@@ -27,9 +27,10 @@ def run(tiny_model_dir):
     parts = build_engine(EngineArgs(dtype="float32", model_dir=str(tiny_model_dir), block_size=8, kv_tokens=1024,
                                     max_model_len=512))
 
-    def go(scenario):
+    def go(scenario, max_unread_tokens=0):
         async def main():
-            engine = AsyncEngine(lambda emit, on_fault: EngineCore(parts.scheduler, parts.runner, emit, on_fault))
+            engine = AsyncEngine(lambda emit, on_fault: EngineCore(parts.scheduler, parts.runner, emit, on_fault),
+                                 max_unread_tokens=max_unread_tokens)
             engine.start()
             try:
                 await scenario(engine)
@@ -158,3 +159,37 @@ def test_the_engine_thread_runs_torch_on_its_own_thread_count(tiny_model_dir):
         assert torch.get_num_threads() == 1  # this thread's own count is left alone
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_stream_left_unread_pauses_its_request_and_resumes_with_every_token(run):
+    """Back-pressure (issue 31 item 4): a reader that stops taking tokens gets its request paused once 8 wait
+    unread: it decodes no more while another request runs 40 steps, and, read again, it resumes and finishes with
+    the tokens of an undisturbed run."""
+    async def undisturbed(engine):
+        with engine.request(greedy("ref", n=40)) as stream:
+            return [ev.token.token_id for ev in await read_all(stream)]
+
+    async def read_all(stream):
+        events = []
+        while not events or events[-1].finish_reason is None:
+            events += await stream.next_batch()
+        return events
+
+    async def scenario(engine):
+        expected = await undisturbed(engine)
+        with engine.request(greedy("slow", n=40)) as slow:
+            await slow.next()  # running
+            for _ in range(200):  # bounded: until the pause is applied
+                if await engine.call(lambda s: "slow" in s.paused):
+                    break
+                await asyncio.sleep(0.01)
+            else:
+                pytest.fail("the unread request was never paused")
+            unread = slow._unread
+            assert 7 <= unread < 40
+            with engine.request(greedy("other", n=40)) as other:
+                assert len(await read_all(other)) == 40
+            assert slow._unread == unread and await engine.call(lambda s: s.make_stats(0).num_paused) == 1
+            tokens = [expected[0]] + [ev.token.token_id for ev in await read_all(slow)]
+        assert tokens == expected
+    run(scenario, max_unread_tokens=8)

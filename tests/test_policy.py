@@ -238,6 +238,56 @@ def test_a_request_already_started_is_not_refused_when_its_deadline_passes():
     assert len(tokens["started"]) == 4
 
 
+# ---- slow readers ------------------------------------------------------------------------------------------------
+def test_a_paused_request_frees_its_batch_slot_keeps_its_blocks_and_resumes_with_its_tokens():
+    alone = scheduler(max_seqs=2)
+    alone.add_request(request("reader", 8, max_tokens=12))
+    expected = run(alone)["reader"]
+
+    s = scheduler(max_seqs=2)
+    s.add_request(request("reader", 8, max_tokens=12))
+    s.add_request(request("busy", 8, max_tokens=40, first=300))
+    s.add_request(request("queued", 8, max_tokens=4, first=600))
+    tokens = {"reader": [e.token.token_id for e in step(s)[1] if e.request_id == "reader"]}
+    blocks = list(s.kv.get_block_table("reader"))
+    assert s.pause("reader") and s.requests["reader"].status == RequestStatus.PAUSED
+    out, _ = step(s)
+    assert "queued" in [x.request.request_id for x in out.prefills]  # the slot went to the queue at once
+    assert s.kv.get_block_table("reader") == blocks and s.make_stats(0).num_paused == 1
+    assert not s.pause("reader") and not s.pause("unknown")
+    assert s.resume("reader") and not s.resume("reader")
+    tokens["reader"] += run(s)["reader"]
+    assert tokens["reader"] == expected
+    assert s.num_preemptions == 0  # its KV was kept: nothing recomputed
+
+
+def test_under_kv_pressure_a_paused_request_gives_up_its_blocks_before_any_running_request():
+    alone = scheduler()
+    alone.add_request(request("reader", 8, max_tokens=12))
+    expected = run(alone)["reader"]
+
+    s = scheduler(num_blocks=8, budget=64, max_seqs=4)
+    s.add_request(request("reader", 8, max_tokens=12))
+    first = [e.token.token_id for e in step(s)[1]]
+    assert s.pause("reader")
+    s.add_request(request("grower", 8, max_tokens=20, first=300))  # needs more than the 6 blocks left
+    victims = []
+    rest = run(s, on_step=lambda i, out, events: victims.extend(out.preempted_ids))
+    assert victims == [] and s.num_preemptions == 1  # the paused request was preempted, no running one was
+    assert s.kv.get_block_table("reader") == [] and s.requests["reader"].num_computed_tokens == 0
+    assert len(rest["grower"]) == 20
+    assert s.resume("reader")
+    assert first + run(s)["reader"] == expected  # recomputed: no token lost
+
+
+def test_aborting_a_paused_request_frees_its_blocks():
+    s = scheduler()
+    s.add_request(request("reader", 8))
+    step(s)
+    s.pause("reader")
+    assert s.abort("reader") and s.paused == {} and s.kv.pool.num_free_blocks == s.kv.pool.num_blocks
+
+
 # ---- with a model ------------------------------------------------------------------------------------------------
 def test_with_a_model_preempted_low_priority_requests_match_an_undisturbed_greedy_run(tiny_model_dir):
     """The same as above on a tiny random-weight model (fp32, greedy): recompute after preemption loses nothing."""

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.args import EngineArgs
+from engine.args import DEFAULT_MAX_UNREAD_TOKENS, EngineArgs
 from engine.transfer import BACKEND_NAMES
 from server_common.config import ServerArgs
 
@@ -31,6 +31,9 @@ class WorkerConfig:
             (`engine.process_engine`), else on a thread of the worker's process.
         engine_restart: when the engine process dies, restart it in place (`worker_common.supervisor`) instead of
             exiting non-zero for the orchestrator (or `serve --restart`) to restart the worker.
+        max_unread_tokens: tokens a request may have waiting unread (its client reads slower than it decodes)
+            before it is paused: out of the batch, its KV kept while blocks allow; resumed when the reader catches
+            up (`engine.async_engine.RequestStream`). 0 = never pause.
         log_level / log_format: the process's logging (the global --log-level / --log-format), which an engine
             process is given too.
     """
@@ -58,5 +61,8 @@ class WorkerConfig:
     engine_restart: bool = field(default=False, metadata={
         "help": "when the engine process dies (killed, crashed), restart it in place with a bounded backoff (else "
                 "fail what is in flight, drain and exit non-zero, for the orchestrator to restart the worker)"})
+    max_unread_tokens: int = field(default=DEFAULT_MAX_UNREAD_TOKENS, metadata={
+        "min": 0, "help": "pause a request whose client has this many tokens unread (frees its batch slot; KV kept "
+                          "while blocks allow); 0 = never"})
     log_level: str = field(default="info", metadata={"cli": False})
     log_format: str = field(default="text", metadata={"cli": False})

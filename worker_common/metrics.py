@@ -27,6 +27,8 @@ class EngineStatsCollector(Collector):
         for family, name, doc, value in (
                 (gauge, "num_requests_running", "Requests in the running batch.", s.num_running),
                 (gauge, "num_requests_waiting", "Requests queued for scheduling or a KV reservation.", s.num_waiting),
+                (gauge, "num_requests_paused", "Requests held out of the batch: their reader fell behind.",
+                 s.num_paused),
                 (gauge, "kv_cache_usage_perc", "Fraction of KV cache blocks in use (0..1).", s.kv_cache_usage),
                 (gauge, "num_kv_blocks_free", "Free KV blocks (prefix-cached ones included).", s.num_free_blocks),
                 (counter, "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",

@@ -73,7 +73,8 @@ async def start_engine(config: WorkerConfig) -> WorkerEngine:
     engine: AsyncEngine
     if config.engine_process:
         engine = ProcessEngine(args, threads=config.engine.threads,
-                               log_setup=functools.partial(configure_logging, config.log_level, config.log_format))
+                               log_setup=functools.partial(configure_logging, config.log_level, config.log_format),
+                               max_unread_tokens=config.max_unread_tokens)
         try:
             await engine.start()
         except (EngineBuildError, RuntimeError) as e:  # EngineBuildError: the build's own error, over there
@@ -87,7 +88,8 @@ async def start_engine(config: WorkerConfig) -> WorkerEngine:
         except (OSError, ValueError) as e:
             raise CommandError(str(e)) from None
         engine = AsyncEngine(lambda emit, on_fault: EngineCore(parts.scheduler, parts.runner, emit, on_fault,
-                                                               threads=config.engine.threads))
+                                                               threads=config.engine.threads),
+                             max_unread_tokens=config.max_unread_tokens)
         engine.start()
         model, cache, sched = parts.model_config, parts.cache_config, parts.scheduler_config
         kv_cache = parts.runner.kv_cache
