@@ -105,12 +105,16 @@ def resolve_sampling(p: generate_pb2.SamplingParams, num_prompt_tokens: int,
         raise invalid(f"sampling.logprobs must be in [0, {MAX_LOGPROBS}], got {logprobs}")
     if p.HasField("structured_output"):
         check_structured_output(p.structured_output)
+    n = p.n if p.HasField("n") else 1
+    if n != 1:
+        raise invalid(f"sampling.n = {n}: parallel sampling is not served yet; send n = 1")
     resolved = generate_pb2.SamplingParams()
     resolved.CopyFrom(p)
     resolved.temperature, resolved.top_p, resolved.top_k, resolved.min_p = temperature, top_p, top_k, min_p
     resolved.repetition_penalty = rep
     resolved.presence_penalty, resolved.frequency_penalty = p.presence_penalty, p.frequency_penalty
     resolved.max_tokens, resolved.min_tokens = max_tokens, min_tokens
+    resolved.n = n
     return resolved
 
 

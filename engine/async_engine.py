@@ -42,6 +42,7 @@ class RequestStream:
         self._request = request
         self._unread = 0  # TokenOutputs queued, not yet taken
         self.paused = False
+        self._samples_left = request.sampling.n  # parallel sampling: the request ends when every sample has
 
     def __enter__(self) -> RequestStream:
         self.engine._open(self, self._request)
@@ -98,7 +99,8 @@ class RequestStream:
             self.dropped = True
             raise EngineError(ev.kind, ev.message)
         if isinstance(ev, TokenOutput) and ev.finish_reason in _DROPPED:
-            self.dropped = True
+            self._samples_left -= 1
+            self.dropped = self._samples_left == 0
         return ev
 
 

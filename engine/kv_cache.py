@@ -51,6 +51,14 @@ class KVCache:
         """Bytes of one block across all layers."""
         return self.kv[0].numel() * self.kv.element_size()
 
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy whole blocks (every layer's K and V) src -> dst, for each (src, dst) pair of block ids: the
+        copy-on-write of a forked sample's partial block."""
+        if pairs:
+            src = torch.tensor([s for s, _ in pairs], dtype=torch.long, device=self.kv.device)
+            dst = torch.tensor([d for _, d in pairs], dtype=torch.long, device=self.kv.device)
+            self.kv.index_copy_(0, dst, self.kv.index_select(0, src))
+
     def block_bytes(self, block_id: int) -> torch.Tensor:
         """One block's memory as a writable 1-D uint8 tensor on the cache's device (a view: no copy), for the
         transfer connectors.

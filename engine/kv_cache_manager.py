@@ -84,6 +84,28 @@ class KVCacheManager:
             hashes.append(h)
             self.pool.cache_block(table[i], h)
 
+    def fork(self, parent_id: str, child_id: str, num_tokens: int) -> tuple[int, int] | None:
+        """Give child_id a block table for the parent's first num_tokens tokens: the full blocks shared (one more
+        reference each), the partial last block (if any) a fresh block to copy the parent's into (copy-on-write:
+        the child writes its own next token there). The caller checks that a block is free when one is needed.
+
+        Returns:
+            (src, dst) block ids to copy before the child's first step, or None when nothing needs copying.
+        """
+        table = self.block_tables.get(parent_id, [])
+        full = num_tokens // self.block_size
+        shared = table[:full]
+        self.pool.touch(shared)
+        child = list(shared)
+        copy = None
+        if num_tokens % self.block_size:
+            (dst,) = self.pool.allocate(1)
+            child.append(dst)
+            copy = (table[full], dst)
+        self.block_tables[child_id] = child
+        self._hashes[child_id] = list(self._hashes.get(parent_id, [])[:full])
+        return copy
+
     def free(self, request_id: str) -> None:
         """Release every block of the request (no-op if it holds none)."""
         self._hashes.pop(request_id, None)

@@ -81,6 +81,7 @@ class ModelRunner:
             Exception: whatever the forward pass raised (a fault of the whole step; sampling failures are per
                 request, in `RunnerOutput.failed`).
         """
+        self.kv_cache.copy_blocks(out.block_copies)  # forked samples' partial blocks, before anything writes them
         scheduled = out.decodes + out.prefills
         input_ids: list[int] = []
         positions: list[int] = []

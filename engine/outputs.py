@@ -34,12 +34,15 @@ class ScheduledRequest:
 @dataclass
 class SchedulerOutput:
     """A step: decodes (one new token each) first, then prefill chunks. preempted_ids: running requests this step
-    preempted (they recompute later); failed: queued requests it refused (past their deadline), already dropped."""
+    preempted (they recompute later); failed: queued requests it refused (past their deadline), already dropped;
+    block_copies: (src, dst) KV blocks to copy before the step's forward (copy-on-write of the partial block of a
+    forked sample, `KVCacheManager.fork`)."""
 
     decodes: list[ScheduledRequest] = field(default_factory=list)
     prefills: list[ScheduledRequest] = field(default_factory=list)
     preempted_ids: list[str] = field(default_factory=list)
     failed: list[RequestFailed] = field(default_factory=list)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -90,6 +93,7 @@ class TokenOutput(msgspec.Struct, tag=True, array_like=True):
     finish_reason PREFILL_DONE (prefill worker): the request's KV is complete and held in block_ids until
     `release`; the caller must release it after the transfer, success or not. num_draft_tokens /
     num_accepted_tokens: the request's speculative-decoding counts so far (acceptance rate = accepted / draft).
+    index: which sample (0..n-1) of a request with sampling.n > 1 the token belongs to; each finishes on its own.
     """
 
     request_id: str
@@ -102,6 +106,7 @@ class TokenOutput(msgspec.Struct, tag=True, array_like=True):
     block_ids: list[int] | None = None
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    index: int = 0
 
 
 class RequestFailed(msgspec.Struct, tag=True, array_like=True):

@@ -14,6 +14,8 @@ if TYPE_CHECKING:
     from engine.kv_stream import KvLayerProgress
 
 MAX_LOGPROBS = 20  # most alternatives per position (vLLM's default cap); coordinator.validation has the same
+MAX_SAMPLES = 64  # most parallel samples (n) of one request
+SAMPLE_ID_SEPARATOR = "\x00"  # engine-internal id of sample i > 0: f"{request_id}\x00{i}" (no external id has it)
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,8 @@ class SamplingParams:
         logprobs: None = off; k = sampled token's logprob plus the top-k alternatives.
         structured_output: None = unconstrained; else the language the output must belong to (the sampler masks
             the tokens it does not allow; `engine.structured`).
+        n: parallel samples of the same prompt (vLLM's `n`): the prompt is computed once and its KV blocks shared
+            (`Scheduler`'s fork); sample i > 0 of a seeded request draws with seed + i, as vLLM's.
     """
 
     max_tokens: int
@@ -69,6 +73,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     structured_output: StructuredOutput | None = None
+    n: int = 1
 
     def __post_init__(self) -> None:
         """The same ranges the coordinator enforces, checked again because the worker API may be called directly.
@@ -87,6 +92,7 @@ class SamplingParams:
             ("max_tokens", self.max_tokens >= 1, ">= 1"),
             ("min_tokens", 0 <= self.min_tokens <= self.max_tokens, "in [0, max_tokens]"),
             ("logprobs", self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS, f"in [0, {MAX_LOGPROBS}]"),
+            ("n", 1 <= self.n <= MAX_SAMPLES, f"in [1, {MAX_SAMPLES}]"),
         ]
         for name, ok, rule in checks:
             if not ok:
@@ -169,6 +175,11 @@ class Request:
         matcher: the constraint's `engine.structured.Matcher`, advanced with every output token (set by the
             scheduler at admission, output_token_ids replayed into it); None when unconstrained.
         scheduling: priority, tenant and deadline (`SchedulingParams`).
+        parent_id / sample_index: sample sample_index > 0 of a parallel-sampling request (sampling.n > 1) is a
+            request of its own inside the scheduler, forked from the request parent_id (sample 0); its events carry
+            the parent's id and its index.
+        fork_pending: a request with sampling.n > 1 not yet forked: it computes its prompt but the last token, then
+            forks (`Scheduler`), and every sample computes the last token on its own.
     """
 
     request_id: str
@@ -191,10 +202,19 @@ class Request:
     num_accepted_tokens: int = 0
     matcher: Any = field(default=None, repr=False, compare=False)
     scheduling: SchedulingParams = field(default_factory=SchedulingParams)
+    parent_id: str | None = None
+    sample_index: int = 0
+    fork_pending: bool = field(default=False, init=False)
     _all_token_ids: list[int] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
         self._all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)
+        self.fork_pending = self.sampling.n > 1 and self.parent_id is None
+
+    @property
+    def external_id(self) -> str:
+        """The id the request's events carry: its own, or its parent's for a forked sample."""
+        return self.parent_id if self.parent_id is not None else self.request_id
 
     @property
     def all_token_ids(self) -> list[int]:

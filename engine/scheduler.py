@@ -13,6 +13,7 @@ blocks and recomputes its prompt and output later: no token is lost. Owned by th
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import logging
 import time
 from typing import TYPE_CHECKING
@@ -23,7 +24,7 @@ from engine.kv_cache_manager import KVCacheManager
 from engine.policy import RequestQueue, SchedulingPolicy
 from engine.outputs import (Reserved, RequestFailed, RunnerOutput, SampledToken, ScheduledRequest, SchedulerOutput,
                             SchedulerStats, TokenOutput)
-from engine.request import FinishReason, Request, RequestStatus
+from engine.request import SAMPLE_ID_SEPARATOR, FinishReason, Request, RequestStatus
 from engine.speculative import propose_ngram
 
 if TYPE_CHECKING:
@@ -52,6 +53,8 @@ class Scheduler:
         self.running: list[Request] = []  # in policy order (`SchedulingPolicy.static_key`): the last gives way first
         self.reserving = RequestQueue(self.policy)
         self.paused: dict[str, Request] = {}  # out of the batch while their reader is behind (`pause`)
+        self.samples: dict[str, list[str]] = {}  # parallel sampling: parent id -> its forked samples' ids
+        self._block_copies: list[tuple[int, int]] = []  # copy-on-write owed before the next step's forward
         self.num_preemptions = 0
         self.spec_draft_tokens = 0
         self.spec_accepted_tokens = 0
@@ -64,6 +67,11 @@ class Scheduler:
                                  f"request id {request.request_id!r} is in use")
         if not request.prompt_token_ids:
             return RequestFailed(request.request_id, ErrorKind.INVALID_REQUEST, "the prompt is empty")
+        if SAMPLE_ID_SEPARATOR in request.request_id:
+            return RequestFailed(request.request_id, ErrorKind.INVALID_REQUEST,
+                                 "the request id contains a NUL character")
+        if request.sampling.n > 1 and (failure := self._check_parallel(request)):
+            return failure
         # An embedding lookup out of range would fail the whole step, not just this request: the prompt and the
         # output a migrated request brings (generated elsewhere, computed here as context) are checked alike.
         for field, ids in (("prompt", request.prompt_token_ids), ("output_token_ids", request.output_token_ids)):
@@ -80,10 +88,13 @@ class Scheduler:
             return RequestFailed(request.request_id, ErrorKind.INVALID_REQUEST,
                                  f"prompt ({request.num_prompt_tokens}) + max_tokens exceeds max_model_len "
                                  f"{self.config.max_model_len}")
-        if self.kv.blocks_needed(need) > self.kv.pool.num_blocks:
+        # n samples share the prompt's full blocks (but the last token's); each holds the rest on its own.
+        shared = (request.num_prompt_tokens - 1) // self.kv.block_size if request.sampling.n > 1 else 0
+        blocks = shared + request.sampling.n * (self.kv.blocks_needed(need) - shared)
+        if blocks > self.kv.pool.num_blocks:
             return RequestFailed(request.request_id, ErrorKind.CAPACITY,
-                                 f"request needs {self.kv.blocks_needed(need)} KV blocks, the pool has "
-                                 f"{self.kv.pool.num_blocks}; lower max_tokens or raise the KV budget")
+                                 f"request needs {blocks} KV blocks, the pool has "
+                                 f"{self.kv.pool.num_blocks}; lower max_tokens (or n) or raise the KV budget")
         if request.sampling.structured_output is not None and (failure := self._attach_matcher(request)):
             return failure
         self.requests[request.request_id] = request
@@ -95,6 +106,18 @@ class Scheduler:
             request.status = RequestStatus.WAITING
             self.waiting.push(request)
         return None
+
+    @staticmethod
+    def _check_parallel(request: Request) -> RequestFailed | None:
+        """A parallel-sampling request (n > 1) forks where it decodes, from a prompt it computed itself."""
+        why = ("a prefill-only request" if request.prefill_only else
+               "a request whose prompt KV comes from a prefill worker" if request.remote_kv else
+               "a resumed request (output_token_ids)" if request.output_token_ids else None)
+        if why is None:
+            return None
+        return RequestFailed(request.request_id, ErrorKind.INVALID_REQUEST,
+                             f"n = {request.sampling.n} (parallel sampling) cannot be {why}: the samples fork from a "
+                             "prompt computed on the worker that decodes them")
 
     def _attach_matcher(self, request: Request) -> RequestFailed | None:
         """Compile the request's constraint (cached per text) into its matcher and replay the output it brings
@@ -164,7 +187,13 @@ class Scheduler:
         """Hold a request out of the batch because its reader fell behind (tokens it has not taken pile up): it
         frees its batch slot at once and keeps its KV blocks until blocks are short (then it is the first to give
         them up, and recomputes on `resume`). Only a request producing tokens here (running or waiting to run, not
-        prefill-only) can be paused. Returns whether it was."""
+        prefill-only) can be paused; the samples forked from it (n > 1) pause with it. Returns whether any was."""
+        paused = False
+        for rid in [request_id, *self.samples.get(request_id, ())]:
+            paused |= self._pause_one(rid)
+        return paused
+
+    def _pause_one(self, request_id: str) -> bool:
         req = self.requests.get(request_id)
         if req is None or req.prefill_only or req.status not in (RequestStatus.RUNNING, RequestStatus.WAITING,
                                                                  RequestStatus.PREEMPTED):
@@ -176,14 +205,16 @@ class Scheduler:
         return True
 
     def resume(self, request_id: str) -> bool:
-        """Let a paused request back into the queue (its reader caught up), in policy order. Returns whether it
-        was paused."""
-        req = self.paused.pop(request_id, None)
-        if req is None:
-            return False
-        req.status = RequestStatus.WAITING
-        self.waiting.push(req)
-        return True
+        """Let a paused request (and its samples) back into the queue (its reader caught up), in policy order.
+        Returns whether any was paused."""
+        resumed = False
+        for rid in [request_id, *self.samples.get(request_id, ())]:
+            req = self.paused.pop(rid, None)
+            if req is not None:
+                req.status = RequestStatus.WAITING
+                self.waiting.push(req)
+                resumed = True
+        return resumed
 
     def _preempt_paused(self) -> bool:
         """Free the blocks of a paused request that holds any (lowest priority, newest first): it recomputes when
@@ -212,7 +243,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if req.fork_pending and req.num_computed_tokens >= self._target(req) and not self._fork(req):
+                i += 1  # no block for the samples' copies yet: the fork waits for one
+                continue
+            n = min(self._target(req) - req.num_computed_tokens, budget)
             if n > 1 and head is not None and self.policy.outranks(head, req):
                 i += 1  # a prefill chunk gives its budget to a more important waiting request (decodes still run)
                 continue
@@ -245,7 +279,7 @@ class Scheduler:
             if req.num_computed_tokens == 0:
                 computed_blocks = self.kv.get_computed_blocks(req)
             num_computed = req.num_computed_tokens or len(computed_blocks) * self.kv.block_size
-            n = min(req.num_tokens - num_computed, budget)
+            n = min(self._target(req) - num_computed, budget)
             if not self.kv.allocate_slots(req.request_id, num_computed + n, computed_blocks):
                 if self._preempt_paused():
                     continue
@@ -257,18 +291,62 @@ class Scheduler:
                 elif not self._preempt_waiting(req):
                     break
                 continue
-            self.waiting.remove(req)
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = time.time()
                 if not req.remote_kv:
                     req.num_cached_tokens = num_computed
                     self.kv.record_prefix_query(req.num_tokens, num_computed)
             req.num_computed_tokens = num_computed
+            if n == 0:
+                # A parallel-sampling request whose shared part is computed already (a prefix-cache hit up to its
+                # last prompt token, or a one-token prompt): fork now (full blocks only: nothing to copy), and
+                # the samples, this one first, join in policy order.
+                self._fork(req)
+                continue
+            self.waiting.remove(req)
             req.status = RequestStatus.RUNNING
             bisect.insort(self.running, req, key=self.policy.static_key)
             self._add_scheduled(out, req, n)
             budget -= n
+        if not out.is_empty:
+            out.block_copies, self._block_copies = self._block_copies, []
         return out
+
+    @staticmethod
+    def _target(req: Request) -> int:
+        """Tokens the request computes before it samples: all it has; for a parallel-sampling request not yet
+        forked, all but the last prompt token (each sample computes that one itself, into blocks of its own)."""
+        return req.num_tokens - 1 if req.fork_pending else req.num_tokens
+
+    def _fork(self, req: Request) -> bool:
+        """Fork a parallel-sampling request whose prompt but the last token is computed into its n samples: req
+        is sample 0; samples 1..n-1 are new requests sharing its full blocks, each with a copy of its partial last
+        block (`KVCacheManager.fork`), queued in policy order. Returns False, changing nothing, when the pool lacks
+        a block for each copy."""
+        num = req.num_computed_tokens
+        n = req.sampling.n
+        if num % self.kv.block_size and self.kv.pool.num_free_blocks < n - 1:
+            return False
+        for i in range(1, n):
+            seed = None if req.sampling.seed is None else req.sampling.seed + i
+            sample = Request(f"{req.request_id}{SAMPLE_ID_SEPARATOR}{i}", req.prompt_token_ids,
+                             dataclasses.replace(req.sampling, seed=seed), eos_token_ids=req.eos_token_ids,
+                             arrival_time=req.arrival_time, scheduling=req.scheduling, parent_id=req.request_id,
+                             sample_index=i)
+            if (copy := self.kv.fork(req.request_id, sample.request_id, num)) is not None:
+                self._block_copies.append(copy)
+            sample.num_computed_tokens = num
+            sample.num_cached_tokens = req.num_cached_tokens
+            sample.first_scheduled_time = req.first_scheduled_time
+            if req.matcher is not None:
+                sample.matcher = self.grammars.matcher(req.sampling.structured_output)  # compiled once, cached
+            sample.status = RequestStatus.WAITING
+            self.requests[sample.request_id] = sample
+            self.policy.admit(sample)
+            self.waiting.push(sample)
+            self.samples.setdefault(req.request_id, []).append(sample.request_id)
+        req.fork_pending = False
+        return True
 
     def _expire(self, out: SchedulerOutput) -> None:
         """Refuse the queued requests whose first-token deadline has passed with nothing computed for them (they
@@ -358,11 +436,13 @@ class Scheduler:
             if req.request_id in result.failed:
                 error = result.failed[req.request_id]
                 self.abort(req.request_id)
-                events.append(RequestFailed(req.request_id, error.kind, error.message))
+                events.append(RequestFailed(req.external_id, error.kind, error.message))
                 continue
             if not s.sample:
                 req.num_computed_tokens += s.num_new_tokens
                 self.kv.cache_full_blocks(req)
+                if req.fork_pending and req.num_computed_tokens >= self._target(req):
+                    self._fork(req)  # else the running loop retries when a block is free
                 continue
             tokens = [result.sampled[req.request_id]]
             if s.spec_token_ids:
@@ -397,8 +477,9 @@ class Scheduler:
                 # _check_stop ends the request here rather than let it go on unconstrained.
                 log.warning("request %s: token %d rejected by its structured output (%s)", req.request_id,
                             token.token_id, req.matcher.error)
-            ev = TokenOutput(req.request_id, token, num_cached_tokens=req.num_cached_tokens,
-                             num_draft_tokens=req.num_draft_tokens, num_accepted_tokens=req.num_accepted_tokens)
+            ev = TokenOutput(req.external_id, token, num_cached_tokens=req.num_cached_tokens,
+                             num_draft_tokens=req.num_draft_tokens, num_accepted_tokens=req.num_accepted_tokens,
+                             index=req.sample_index)
             if req.first_token_time is None:
                 now = time.time()
                 req.first_token_time = now
@@ -434,6 +515,13 @@ class Scheduler:
         self.kv.free(req.request_id)
         del self.requests[req.request_id]
         self.policy.release(req)
+        owner = req.external_id  # parallel sampling: forget the parent's sample list once all of them are done
+        siblings = self.samples.get(owner)
+        if siblings is not None:
+            if req.parent_id is not None:
+                siblings.remove(req.request_id)
+            if not siblings and owner not in self.requests:
+                del self.samples[owner]
 
     def _remove_running(self, req: Request) -> bool:
         """Take req out of the running batch (by identity: a dataclass's == compares every field)."""
@@ -445,7 +533,14 @@ class Scheduler:
 
     # ---- lifecycle -----------------------------------------------------------------------------------------------
     def abort(self, request_id: str) -> bool:
-        """Drop a request wherever it is and free its blocks. Returns False if unknown (idempotent)."""
+        """Drop a request wherever it is and free its blocks, with every sample forked from it (n > 1). Returns
+        False if unknown (idempotent)."""
+        found = False
+        for sample_id in list(self.samples.get(request_id, ())):
+            found |= self._abort_one(sample_id)
+        return self._abort_one(request_id) or found
+
+    def _abort_one(self, request_id: str) -> bool:
         req = self.requests.get(request_id)
         if req is None:
             return False

@@ -37,7 +37,7 @@ def test_every_field_reaches_the_engine():
     sent = SamplingParams(temperature=0.7, top_p=0.9, top_k=5, min_p=0.1, seed=42, repetition_penalty=1.3,
                           presence_penalty=0.5, frequency_penalty=-0.5, max_tokens=7, min_tokens=2,
                           stop=["x"], stop_token_ids=[3, 4], ignore_eos=True, logprobs=3,
-                          include_stop_str_in_output=True, structured_output=StructuredOutput(regex="[a-z]+"))
+                          include_stop_str_in_output=True, structured_output=StructuredOutput(regex="[a-z]+"), n=1)
     got = sampling_from_proto(resolve_sampling(sent, num_prompt_tokens=10, limits=LIMITS))
     for f in dataclasses.fields(EngineSampling):
         if f.name == "structured_output":
