@@ -1,7 +1,8 @@
 """pdserve: gRPC LLM inference with disaggregated prefill and decode.
 
 Commands: serve (a whole local cluster), coordinator / prefill / decode / colocated (one role per process, as
-compose.yaml runs them), generate (stream a completion from a running coordinator).
+compose.yaml runs them), generate (stream a completion from a running coordinator), key-id (an API key's id, as
+logs and --tenant-weights name it).
 """
 from __future__ import annotations
 
@@ -209,6 +210,13 @@ def _generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tls-ca", default=None, help="PEM CA of the coordinator's certificate: connect with TLS")
     p.add_argument("--timeout", type=bounded_type(float, {"gt": 0}), default=300.0,
                    help="give up on the request after this many seconds")
+    p.add_argument("--priority", type=bounded_type(int, {"min": -2**31, "max": 2**31 - 1}), default=0,
+                   help="scheduling priority: lower runs sooner")
+    p.add_argument("--tenant", default="", help="whose fair share the request counts against (coordinators "
+                                                "without API keys; default: this client's address)")
+    p.add_argument("--ttft-slo-ms", type=bounded_type(int, {"min": 0, "max": 2**32 - 1}), default=0,
+                   help="refuse the request (DEADLINE_EXCEEDED) unless its first token can come within this many "
+                        "ms; 0 = no objective")
 
 
 def _run_generate(args: argparse.Namespace) -> None:
@@ -220,23 +228,27 @@ def _run_generate(args: argparse.Namespace) -> None:
     credentials = tls_credentials(ca_file=args.tls_ca) if args.tls_ca else None
     try:
         _stream(args.address, args.prompt, args.max_tokens, args.temperature, chat=args.chat,
-                credentials=credentials, api_key=args.api_key, timeout_s=args.timeout)
+                credentials=credentials, api_key=args.api_key, timeout_s=args.timeout,
+                scheduling={"priority": args.priority, "tenant": args.tenant, "ttft_slo_ms": args.ttft_slo_ms})
     except grpc.RpcError as e:  # the server's status, as one line (a traceback told the user nothing more)
         hint = {grpc.StatusCode.UNAVAILABLE: f"; is a coordinator serving on {args.address} (--address)?",
                 grpc.StatusCode.DEADLINE_EXCEEDED: f" after {args.timeout:g} s (--timeout)",
                 grpc.StatusCode.UNAUTHENTICATED: " (--api-key or $PDSERVE_API_KEY)"}.get(e.code(), "")
+        if "cannot come in time" in (e.details() or ""):  # refused early for --ttft-slo-ms: --timeout is not why
+            hint = ""
         raise CommandError(f"{e.code().name}: {e.details()}{hint}") from None
 
 
 def _stream(address: str, prompt: str, max_tokens: int, temperature: float, chat: bool, credentials=None,
-            api_key: str | None = None, timeout_s: float | None = None) -> None:
+            api_key: str | None = None, timeout_s: float | None = None, scheduling: dict | None = None) -> None:
+    """Stream one completion to stdout. scheduling: `Client.generate`'s priority / tenant / ttft_slo_ms."""
     from pdserve import Client, SamplingParams
 
     with Client(address, credentials=credentials, api_key=api_key) as client:
         request = [{"role": "user", "content": prompt}] if chat else prompt
         print(f">>> {prompt}", flush=True)
         for chunk in client.generate(request, SamplingParams(max_tokens=max_tokens, temperature=temperature),
-                                     timeout=timeout_s):
+                                     timeout=timeout_s, **(scheduling or {})):
             if chunk.final is not None:
                 f = chunk.final
                 print(f"\n[{f.finish_reason}] {f.prompt_tokens} prompt + {f.completion_tokens} completion tokens; "
@@ -244,6 +256,20 @@ def _stream(address: str, prompt: str, max_tokens: int, temperature: float, chat
                       f"total {f.timings['e2e_ms']:.0f} ms", flush=True)
             else:
                 print(chunk.text, end="", flush=True)
+
+
+# ---- key-id: the name of an API key in logs and --tenant-weights -------------------------------------------------
+def _key_id_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("keys", nargs="*", help="API keys (default: read them from stdin, one per line, which keeps them "
+                                           "out of the shell's history and the process list)")
+
+
+def _run_key_id(args: argparse.Namespace) -> None:
+    from server_common.security import key_id
+
+    keys = args.keys or [line.strip() for line in sys.stdin if line.strip() and not line.lstrip().startswith("#")]
+    for key in keys:
+        print(f"key:{key_id(key)}", flush=True)
 
 
 COMMANDS: dict[str, Command] = {
@@ -255,6 +281,8 @@ COMMANDS: dict[str, Command] = {
     "decode": Command("run one decode worker", _worker_args, _run_worker("decode")),
     "colocated": Command("run one worker that does both phases", _worker_args, _run_worker("colocated")),
     "generate": Command("stream a completion from a running coordinator", _generate_args, _run_generate),
+    "key-id": Command("print the id of each API key (key:<id>), as --tenant-weights and the logs name it",
+                      _key_id_args, _run_key_id, log_level="WARNING"),
 }
 
 

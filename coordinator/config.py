@@ -19,7 +19,13 @@ class CoordinatorConfig:
         colocated: route each request to one worker that runs both phases.
         max_in_flight: requests admitted at once; more get RESOURCE_EXHAUSTED.
         max_in_flight_per_caller: the most one caller (API key, else peer address) may have in flight, so one
-            client cannot take every batch slot; 0 = no per-caller limit.
+            client cannot take every batch slot; 0 = no per-caller limit. Past it: RESOURCE_EXHAUSTED with a
+            retry hint.
+        max_queued_tokens_per_caller: the most prompt tokens one caller may have in requests still waiting for
+            their first token; past it RESOURCE_EXHAUSTED with a retry hint (a prompt longer than the limit on its
+            own: INVALID_ARGUMENT); 0 = no limit.
+        tenant_weights: file of "NAME WEIGHT" lines ('#' comments): each tenant's share of the workers' token
+            budget while tenants compete (`coordinator.scheduling.read_tenant_weights`); unnamed tenants weigh 1.
         request_timeout_s: deadline of each worker call, seconds.
         connect_timeout_s: at start, how long to wait for a live worker of every role, seconds.
         stats_interval_s: how often each worker's health and load (KV headroom, queue) are polled, seconds.
@@ -54,6 +60,14 @@ class CoordinatorConfig:
         "min": 1, "help": "requests admitted at once (more: RESOURCE_EXHAUSTED)"})
     max_in_flight_per_caller: int = field(default=0, metadata={"min": 0,
         "help": "requests one caller (API key, else peer) may have in flight; 0 = no per-caller limit"})
+    max_queued_tokens_per_caller: int = field(default=0, metadata={"min": 0,
+        "help": "prompt tokens one caller (API key, else peer) may have in requests not yet at their first token; "
+                "0 = no limit"})
+    tenant_weights: str | None = field(default=None, metadata={
+        "help": "file of 'NAME WEIGHT' lines ('#' comments; read at start): fair-share weights of tenants "
+                "(unnamed ones weigh 1). NAME is a request's tenant field, 'peer:ipv4:<ip>' for a keyless client "
+                "without one, or 'key:<id>' for an API key: `pdserve key-id` prints a key's id (the first 8 hex "
+                "digits of its SHA-256; the coordinator also logs its keys' ids at start)"})
     request_timeout_s: float = field(default=600.0, metadata={"gt": 0, "help": "deadline of each worker call, seconds"})
     connect_timeout_s: float = field(default=300.0, metadata={"gt": 0,
         "help": "at start, wait this long for a live worker of every role, seconds"})

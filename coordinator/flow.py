@@ -19,6 +19,7 @@ import grpc
 from coordinator.errors import RequestError, from_rpc_error
 from coordinator.record import RequestRecord
 from coordinator.router import Router, WorkerHandle
+from coordinator.scheduling import RequestScheduling, check_first_token_deadline, without_deadline
 from pdserve.v1 import generate_pb2, worker_pb2
 from server_common.tracing import tracer
 
@@ -69,6 +70,10 @@ class Flow:
     decode_worker: str = ""
     deadline: float = float("inf")  # time.monotonic() by which the request must end (client's or ours)
     shutting_down: bool = False  # cut by the coordinator's drain: end with UNAVAILABLE, no migration
+    # Prompt tokens waiting for their first token (the caller's queued-token limit counts them); 0 once it came.
+    # Kept on the flow, so a request that ends in any way stops counting when it leaves the cluster's flows.
+    queued_tokens: int = 0
+    scheduling: RequestScheduling | None = None  # tenant, weight, priority, TTFT objective; None = defaults
     record: RequestRecord = field(init=False)
 
     def __post_init__(self) -> None:
@@ -192,44 +197,63 @@ async def _renewing_lease(decode: WorkerHandle, request_id: str, lease_ms: int) 
                 await task
 
 
+def _check_due(worker: WorkerHandle, num_tokens: int, due: tuple[float, str] | None) -> None:
+    """Refuse (DEADLINE_EXCEEDED) before calling `worker` when its predicted first-token wait for a prompt of
+    num_tokens passes `due` (`scheduling.first_token_due`'s (monotonic time, what sets it); None: no check)."""
+    if due is not None:
+        name = f"{worker.info.role} worker {worker.address}" if worker.info is not None else worker.address
+        check_first_token_deadline(name, worker.prefill_queue.predicted_wait_s(num_tokens), *due)
+
+
 async def run_colocated(router: Router, flow: Flow, request_id: str, prompt: list[int], generated: list[int],
-                        sampling: generate_pb2.SamplingParams,
-                        timeout_s: float) -> AsyncIterator[Tokens | WorkerFinish]:
+                        sampling: generate_pb2.SamplingParams, timeout_s: float,
+                        scheduling: worker_pb2.SchedulingHints | None = None,
+                        due: tuple[float, str] | None = None) -> AsyncIterator[Tokens | WorkerFinish]:
     """One worker computes the prompt (and `generated`, the tokens a lost worker had sent) and decodes: a colocated
-    worker, or a decode worker prefilling locally (`Router.local_prefill`)."""
+    worker, or a decode worker prefilling locally (`Router.local_prefill`). scheduling: the engine's hints; due:
+    when the first token must come (refused before the call when the worker's predicted wait passes it)."""
     context = prompt + generated
-    with (router.lease(_pick_decode(router, len(prompt) + sampling.max_tokens, context), len(context)) as worker,
-          worker.prefill_queue.track(len(context)) as first_token):
-        flow.prefill_worker = flow.decode_worker = worker.address
-        call = WorkerCall(worker.decode.Decode(worker_pb2.DecodeRequest(
-            request_id=request_id, prompt_token_ids=prompt, sampling=sampling, output_token_ids=generated,
-            kv_source=worker_pb2.KV_SOURCE_LOCAL), timeout=timeout_s), worker, flow)
-        try:
-            async for item in _decode_stream(call):
-                first_token()  # the prefill is done: a rate sample (once)
-                yield item
-        finally:
-            await call.close()
+    with router.lease(_pick_decode(router, len(prompt) + sampling.max_tokens, context), len(context)) as worker:
+        _check_due(worker, len(context), due)  # before the prompt joins its queue: the wait ahead of it
+        with worker.prefill_queue.track(len(context)) as first_token:
+            flow.prefill_worker = flow.decode_worker = worker.address
+            call = WorkerCall(worker.decode.Decode(worker_pb2.DecodeRequest(
+                request_id=request_id, prompt_token_ids=prompt, sampling=sampling, output_token_ids=generated,
+                kv_source=worker_pb2.KV_SOURCE_LOCAL, scheduling=scheduling), timeout=timeout_s), worker, flow)
+            try:
+                async for item in _decode_stream(call):
+                    first_token()  # the prefill is done: a rate sample (once)
+                    yield item
+            finally:
+                await call.close()
 
 
 async def run_disaggregated(router: Router, flow: Flow, request_id: str, prompt: list[int], generated: list[int],
-                            sampling: generate_pb2.SamplingParams, arrival: float,
-                            timeout_s: float) -> AsyncIterator[Tokens | WorkerFinish]:
+                            sampling: generate_pb2.SamplingParams, arrival: float, timeout_s: float,
+                            scheduling: worker_pb2.SchedulingHints | None = None,
+                            due: tuple[float, str] | None = None) -> AsyncIterator[Tokens | WorkerFinish]:
     """Reserve on a decode worker, prefill on a prefill worker (first token streamed at once, KV pushed to the
     reservation), then stream the decode worker's tokens. A failed transfer surfaces as its own error.
-    `generated`: tokens a lost worker had sent (a migration); both workers resume after them."""
+    `generated`: tokens a lost worker had sent (a migration); both workers resume after them. scheduling: the
+    engines' hints (the decode worker's without the TTFT deadline: the prefill worker gives the first token); due:
+    when the first token must come (refused before either call when the prefill worker's predicted wait passes it).
+    """
+    context = prompt + generated  # what the prefill worker computes (and then holds in its prefix cache)
     with router.lease(_pick_decode(router, len(prompt) + sampling.max_tokens)) as decode:
+        # The prefill worker is chosen before the reservation's round trip, so the prompt is in its queue
+        # (`lease`, `prefill_queue`) from the moment it is routed: a burst of requests sees the queue it builds.
+        # Chosen before the Decode call starts, too: a request that cannot meet its deadline calls no worker.
+        prefill_choice = _pick_prefill(router, context)
+        _check_due(prefill_choice, len(context), due)
         flow.decode_worker = decode.address
+        decode_scheduling = without_deadline(scheduling) if scheduling is not None else None
         dcall = WorkerCall(decode.decode.Decode(worker_pb2.DecodeRequest(
             request_id=request_id, prompt_token_ids=prompt, sampling=sampling, output_token_ids=generated,
-            kv_source=worker_pb2.KV_SOURCE_REMOTE), timeout=timeout_s), decode, flow)
+            kv_source=worker_pb2.KV_SOURCE_REMOTE, scheduling=decode_scheduling), timeout=timeout_s), decode, flow)
         pcall: WorkerCall | None = None
         watcher: asyncio.Task | None = None
         try:
-            context = prompt + generated  # what the prefill worker computes (and then holds in its prefix cache)
-            # The prefill worker is chosen before the reservation's round trip, so the prompt is in its queue
-            # (`lease`, `prefill_queue`) from the moment it is routed: a burst of requests sees the queue it builds.
-            with (router.lease(_pick_prefill(router, context), len(context)) as prefill,  # queued until first token
+            with (router.lease(prefill_choice, len(context)) as prefill,  # queued until first token
                   prefill.prefill_queue.track(len(context)) as first_token):
                 flow.prefill_worker = prefill.address
                 reserved = await dcall.next()
@@ -239,7 +263,8 @@ async def run_disaggregated(router: Router, flow: Flow, request_id: str, prompt:
                 pcall = WorkerCall(prefill.prefill.Prefill(worker_pb2.PrefillRequest(
                     request_id=request_id, prompt_token_ids=prompt, sampling=sampling, output_token_ids=generated,
                     kv_address=decode.info.kv_address, arrival_time=arrival,
-                    kv_skip_blocks=reserved.reserved.num_cached_blocks), timeout=timeout_s), prefill, flow)
+                    kv_skip_blocks=reserved.reserved.num_cached_blocks, scheduling=scheduling), timeout=timeout_s),
+                    prefill, flow)
                 async with _renewing_lease(decode, request_id, reserved.reserved.lease_ms):
                     first = await pcall.next()
                 if first is not None and first.WhichOneof("response") == "first_token":

@@ -12,12 +12,21 @@ The model's tensors are those of Triton's vLLM backend (triton-inference-server/
   - sampling_parameters (BYTES, [1], optional): a JSON object of vLLM SamplingParams fields (`SAMPLING_FIELDS`);
     values may be JSON strings ("0.5"), as the backend converts them; null means the default. Unset max_tokens is
     vLLM's default, 16. Without the tensor, the request's own parameters are read the same way (reserved ones, such
-    as priority or sequence_id, left out), as the backend does. Structured outputs: `structured_outputs` (or
-    `guided_decoding`) as an object of vLLM's StructuredOutputsParams fields (json, regex, grammar, choice,
-    json_object), or vLLM's `guided_json` / `guided_regex` / `guided_grammar` / `guided_choice` keys; one at most.
+    as priority, see Scheduling below, or sequence_id, left out), as the backend does. Structured outputs:
+    `structured_outputs` (or `guided_decoding`) as an object of vLLM's StructuredOutputsParams fields (json,
+    regex, grammar, choice, json_object), or vLLM's `guided_json` / `guided_regex` / `guided_grammar` /
+    `guided_choice` keys; one at most.
   - exclude_input_in_output (BOOL, [1], optional): without streaming the text is the prompt + the completion unless
     this is true; streamed text never includes the prompt, and stream with this explicitly false is refused.
   - text_output (BYTES, shape [1]): the only output.
+
+Scheduling: Triton's request parameter `priority` (an unsigned integer, tritonclient's `infer(priority=...)`;
+1 is the highest level, 0 means the model's default level) is honoured. This model's default level is
+`DEFAULT_PRIORITY_LEVEL` (10), as if its config said `default_priority_level: 10`, and a level p >= 1 becomes our
+priority p - 10 (pdserve.v1's GenerateRequest.priority: lower runs sooner, 0 is the default): levels 1-9 run sooner
+than requests that give none, 10 as soon, 11 and above later; 0 or no parameter is our 0. A negative, fractional or
+non-numeric priority is INVALID_ARGUMENT. The tenant is the caller (API key, else peer); there is no TTFT objective
+parameter (the call's gRPC deadline still applies: `timeout` / client_timeout).
 
 ModelInfer answers once with the whole text. ModelStreamInfer takes any number of requests on one call and runs them
 concurrently; with stream=true each request gets one response per text delta, then a last response with empty text,
@@ -46,6 +55,7 @@ from typing import TYPE_CHECKING
 import grpc
 
 from coordinator.errors import RequestError, invalid
+from coordinator.scheduling import SchedulingAsk
 from coordinator.validation import check_prompt, check_text_length, resolve_sampling, shorten
 from pdserve.v1 import generate_pb2
 from server_common.errors import CommandError
@@ -114,6 +124,28 @@ INT32 = (-2**31, 2**31 - 1)  # our int fields' range: larger values are clamped,
 # Request parameters that belong to the protocol or to tritonclient, never sampling fields.
 RESERVED_PARAMETERS = ("sequence_id", "sequence_start", "sequence_end", "priority", "timeout", "headers",
                        "binary_data_output")
+
+
+DEFAULT_PRIORITY_LEVEL = 10  # Triton priority level that maps to our default priority, 0 (module docstring)
+
+
+def to_priority(parameters) -> int:
+    """Our priority for a request's Triton `priority` parameter (see the module docstring); 0 without one.
+
+    Raises:
+        RequestError: INVALID_ARGUMENT for a negative, fractional, boolean or text priority.
+    """
+    if "priority" not in parameters:
+        return 0
+    p = parameters["priority"]
+    kind = p.WhichOneof("parameter_choice")
+    value = getattr(p, kind) if kind else 0
+    if kind not in (None, "int64_param", "uint64_param") or value < 0:
+        raise invalid(f"parameter priority must be an unsigned integer (1 = highest level, 0 = the default, "
+                      f"{DEFAULT_PRIORITY_LEVEL}), got {shorten(str(value))}")
+    if value == 0:
+        return 0
+    return max(INT32[0], min(INT32[1], value - DEFAULT_PRIORITY_LEVEL))
 
 
 def _kinds() -> dict[str, str]:
@@ -306,6 +338,7 @@ class _Request:
         self.servicer, self.request, self.streaming_call = servicer, request, streaming_call
         self.stream = self.prepend = False
         self.prompt_text = ""
+        self.priority = 0
         self.parts: list[str] = []
 
     async def prepare(self) -> tuple[list[int], generate_pb2.SamplingParams]:
@@ -317,6 +350,7 @@ class _Request:
         """
         s, r = self.servicer, self.request
         s.check_model(r.model_name, r.model_version)
+        self.priority = to_priority(r.parameters)
         for o in r.outputs:
             if o.name != OUTPUT:
                 raise invalid(f"unknown output {shorten(o.name)}; this model's only output is {OUTPUT!r}")
@@ -342,6 +376,10 @@ class _Request:
         prompt = await asyncio.to_thread(s.tokenizer.encode, self.prompt_text)
         check_prompt(prompt, limits)
         return prompt, resolve_sampling(sampling, len(prompt), limits)
+
+    def scheduling(self) -> SchedulingAsk:
+        """The request's priority (read by `prepare`), for `GenerationServicer.serve`."""
+        return SchedulingAsk(priority=self.priority)
 
     def _sampling_fields(self, text: bytes | None) -> dict:
         """sampling_parameters' JSON object, or without it the request's parameters less the reserved ones.
@@ -490,7 +528,8 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
         async def send(msg: generate_pb2.GenerateResponse) -> None:
             req.convert(msg)
 
-        await self.generation.serve(context, request.id or uuid.uuid4().hex, req.prepare, "text_completion", send)
+        await self.generation.serve(context, request.id or uuid.uuid4().hex, req.prepare, "text_completion", send,
+                                    req.scheduling)
         return req.response(req.whole_text(), None)
 
     async def ModelStreamInfer(self, request_iterator, context):
@@ -516,7 +555,7 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
 
         try:
             await self.generation.serve(_StreamRequestContext(context), request.id or uuid.uuid4().hex,
-                                        req.prepare, "text_completion", send)
+                                        req.prepare, "text_completion", send, req.scheduling)
         except _Failed as e:
             failed = pb.ModelInferResponse(model_name=request.model_name, model_version=request.model_version,
                                            id=request.id)

@@ -4,7 +4,13 @@ Only live workers are candidates (`coordinator.membership` keeps `live` and `sta
 
 - Prefill (and colocated) choice is prefix-cache aware, with NVIDIA Dynamo's cost: the blocks the worker would
   have to compute (the prompt's blocks minus those it probably holds, `coordinator.prefix_index`) plus the prompt
-  blocks already queued there by this coordinator; the cheapest wins, then the worker's own reported queue.
+  blocks already queued there by this coordinator; the cheapest wins, then the worker's own reported queue. This
+  cost is the queue wait in blocks, with the prefix cache counted; it is not divided by each worker's measured
+  rate (`PrefillQueue.tokens_per_s`): a rate sample is a request's prompt over its time to first token, so a worker
+  that happened to serve short prompts (where fixed per-request costs dominate) looks many times slower than one
+  that served long ones, and a rate-weighted rule would starve it on that artefact. The rate serves only where
+  predictions are compared with a time: local prefill (below) and refusing a request whose deadline its worker's
+  queue cannot meet (`coordinator.scheduling`).
 - Local prefill (disaggregated mode, `Router.local_prefill`, `LocalPrefillPolicy`): a short uncached prompt, any
   prompt while no prefill worker is live, or a prompt whose first token the decode worker is predicted to give
   sooner than the prefill workers' queues would (`coordinator.prefill_queue`), is prefilled by its decode worker

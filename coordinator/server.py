@@ -7,6 +7,7 @@ import logging
 import time
 import uuid
 from collections.abc import Awaitable, Callable
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import grpc
@@ -22,6 +23,7 @@ from coordinator.membership import Cluster, Membership
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.record import RequestRecord, log_access
 from coordinator.router import LocalPrefillPolicy, Router
+from coordinator.scheduling import RequestScheduling, SchedulingAsk, read_tenant_weights, resolve_tenant
 from coordinator.text import IncrementalDetokenizer, StopMatcher
 from coordinator.tokenizer import Tokenizer
 from coordinator.validation import check_chat, check_prompt, check_text_length, resolve_sampling, shorten
@@ -86,13 +88,15 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
 
     def __init__(self, config: CoordinatorConfig, cluster: Cluster, tokenizer: Tokenizer,
                  metrics: CoordinatorMetrics, on_worker_lost: Callable[[str, str], None] = lambda address, why: None,
-                 keys_required: bool = False):
+                 keys_required: bool = False, tenant_weights: Mapping[str, float] | None = None):
         """on_worker_lost(address, why): a worker call failed as if the worker were gone
         (`Membership.report_lost`, which owns liveness). keys_required: the port authenticates API keys (`caller`
-        then trusts the presented key)."""
+        then trusts the presented key). tenant_weights: tenant -> weight (`scheduling.read_tenant_weights`);
+        tenants not in it weigh 1."""
         self.config, self.cluster, self.tokenizer, self.metrics = config, cluster, tokenizer, metrics
         self.on_worker_lost = on_worker_lost
         self.keys_required = keys_required
+        self.tenant_weights = dict(tenant_weights or {})
         self.limiter = RateLimiter(config.rate_limit_requests_per_s, config.rate_limit_tokens_per_s,
                                    config.rate_limit_burst_s)
 
@@ -100,11 +104,12 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         """Stream one completion (written with context.write, so a client that stops reading is noticed)."""
         operation = "chat" if request.WhichOneof("input") == "chat" else "text_completion"
         await self.serve(context, request.request_id or uuid.uuid4().hex, lambda: self._prepare(request), operation,
-                         lambda msg: self._write(context, msg))
+                         lambda msg: self._write(context, msg), lambda: SchedulingAsk.from_request(request))
 
     async def serve(self, context: grpc.aio.ServicerContext, rid: str,
                     prepare: Callable[[], Awaitable[tuple[list[int], generate_pb2.SamplingParams]]], operation: str,
-                    send: Callable[[generate_pb2.GenerateResponse], Awaitable[None]]) -> None:
+                    send: Callable[[generate_pb2.GenerateResponse], Awaitable[None]],
+                    scheduling: Callable[[], SchedulingAsk] | None = None) -> None:
         """The one request path behind every public door (this service's Generate, `coordinator.vllm_engine`'s):
         admission, validation, routing, migration, stop handling, metrics and the access log, and cleanup on every
         exit. A RequestError (from `prepare`, the path or `send`) ends the call with its status.
@@ -117,8 +122,11 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             operation: "chat" or "text_completion", for the trace.
             send: takes each of the request's `generate_pb2.GenerateResponse` messages (chunks, then one final) in
                 order and hands it on to the door's client.
+            scheduling: returns the door's priority, tenant field and TTFT objective, or raises RequestError
+                (INVALID_ARGUMENT); called after `prepare`. None: the defaults (priority 0, no tenant field, no
+                objective).
         """
-        arrival_wall, t0 = time.time(), flows.now_ms()
+        arrival_wall, arrival, t0 = time.time(), time.monotonic(), flows.now_ms()
         caller = self.caller(context)
         try:
             self._admit(rid, caller)
@@ -127,15 +135,24 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             await context.abort(e.code, e.message, e.trailing_metadata())
         flow = flows.Flow(rid, caller=caller)
         remaining = context.time_remaining()  # the client's deadline bounds every worker call, not only ours
-        flow.deadline = time.monotonic() + min(self.config.request_timeout_s, remaining or float("inf"))
+        flow.deadline = arrival + min(self.config.request_timeout_s, remaining or float("inf"))
+        deadline_why = ("the call's deadline" if remaining is not None and remaining < self.config.request_timeout_s
+                        else f"the request timeout ({self.config.request_timeout_s:g} s)")
         self.cluster.flows[flow.key] = flow  # the id is taken before the first await: a duplicate cannot slip in
         self.metrics.in_flight.inc()
         error: RequestError | None = None
         try:
             prompt, sampling = await prepare()
             flow.record.prompt_tokens = len(prompt)  # kept if the request fails: the access log says how big it was
+            ask = scheduling() if scheduling is not None else SchedulingAsk()
+            tenant = resolve_tenant(caller, ask.tenant, self.keys_required)
+            flow.scheduling = RequestScheduling(ask, tenant, self.tenant_weights.get(tenant, 1.0), arrival,
+                                                deadline_why)
             _trace_request(operation, sampling, self.config.model_name, rid)
+            self._check_queued_tokens(caller, len(prompt))  # before the rate limit charges: a refusal costs nothing
             self._charge(caller, len(prompt) + sampling.max_tokens)
+            # No await since the check: concurrent requests of the caller see each other's tokens.
+            flow.queued_tokens = len(prompt)
             async for msg in self._stream(flow, prompt, sampling, arrival_wall, t0):
                 await send(msg)
         except RequestError as e:
@@ -218,7 +235,31 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         if per_caller and sum(f.caller == caller for f in self.cluster.flows.values()) >= per_caller:
             raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                f"this caller has {per_caller} requests in flight, the most one caller may; "
-                               "retry when one finishes")
+                               "retry when one finishes", retry_after_s=CAPACITY_RETRY_S)
+
+    def queued_tokens(self, caller: str) -> int:
+        """Prompt tokens of `caller`'s requests in flight that have not had their first token yet. Summed over the
+        flows in flight (at most max_in_flight), so a request that ended in any way (finish, error, cancel, abort,
+        migration's failure) has stopped counting: there is no counter to leak."""
+        return sum(f.queued_tokens for f in self.cluster.flows.values() if f.caller == caller)
+
+    def _check_queued_tokens(self, caller: str, num_prompt_tokens: int) -> None:
+        """Raises RequestError unless the caller may queue num_prompt_tokens more (max_queued_tokens_per_caller):
+        RESOURCE_EXHAUSTED with a retry hint while its other requests wait for their first token, INVALID_ARGUMENT
+        for a prompt the limit can never admit."""
+        limit = self.config.max_queued_tokens_per_caller
+        if not limit:
+            return
+        if num_prompt_tokens > limit:  # retrying cannot help
+            raise invalid(f"the prompt has {num_prompt_tokens} tokens, more than the {limit} prompt tokens one caller "
+                          "may have queued (--max-queued-tokens-per-caller); shorten the prompt")
+        queued = self.queued_tokens(caller)
+        if queued + num_prompt_tokens > limit:
+            raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                               f"this caller has {queued} prompt tokens waiting for their first token; with this "
+                               f"prompt's {num_prompt_tokens} that passes the {limit} one caller may have queued; "
+                               f"retry after {CAPACITY_RETRY_S:g} s or when one of its requests starts "
+                               "streaming", retry_after_s=CAPACITY_RETRY_S)
 
     async def _prepare(self, request: generate_pb2.GenerateRequest) -> tuple[list[int], generate_pb2.SamplingParams]:
         """(prompt token ids, resolved sampling). Raises RequestError with the status to return."""
@@ -260,7 +301,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             while p.reason == generate_pb2.FINISH_REASON_UNSPECIFIED:
                 source = self._attempt(flow, prompt, sampling, arrival_wall, p)
                 try:
-                    async for msg in self._relay(source, p, detok, stops, sampling, t0):
+                    async for msg in self._relay(source, p, detok, stops, sampling, t0, flow):
                         yield msg
                 except RequestError as e:
                     self._migrate_or_raise(e, flow, p, sampling)
@@ -315,18 +356,23 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         router = self.cluster.router
         worker_rid = flow.key if not p.migrations else f"{flow.key}~{p.migrations}"
         timeout_s = max(0.001, flow.deadline - time.monotonic())
+        first_sent = p.first_ms is not None
+        sched = flow.scheduling
+        hints = sched.hints(first_sent) if sched is not None else None
+        due = sched.first_token_due(flow.deadline, first_sent) if sched is not None else None
         if self.config.colocated:
-            return flows.run_colocated(router, flow, worker_rid, prompt, p.generated, sampling, timeout_s)
+            return flows.run_colocated(router, flow, worker_rid, prompt, p.generated, sampling, timeout_s, hints, due)
         local = router.local_prefill(prompt + p.generated, self.cluster.local_prefill)
         if local is not None:
             self.metrics.local_prefills.labels(self.config.model_name, local).inc()
-            return flows.run_colocated(router, flow, worker_rid, prompt, p.generated, sampling, timeout_s)
+            return flows.run_colocated(router, flow, worker_rid, prompt, p.generated, sampling, timeout_s, hints, due)
         return flows.run_disaggregated(router, flow, worker_rid, prompt, p.generated, sampling, arrival_wall,
-                                       timeout_s)
+                                       timeout_s, hints, due)
 
     async def _relay(self, source, p: Progress, detok: IncrementalDetokenizer, stops: StopMatcher,
-                     sampling: generate_pb2.SamplingParams, t0: float):
-        """Turn one attempt's worker events into chunks; sets p.reason when the request ends."""
+                     sampling: generate_pb2.SamplingParams, t0: float, flow: flows.Flow | None = None):
+        """Turn one attempt's worker events into chunks; sets p.reason when the request ends. The first token
+        ends the flow's queued tokens (the caller's queued-token limit)."""
         async for item in source:
             if isinstance(item, flows.WorkerFinish):
                 p.reason, p.stop_token_id = item.finish_reason, item.stop_token_id
@@ -342,6 +388,8 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             now = flows.now_ms()
             if p.first_ms is None:
                 p.first_ms = now
+                if flow is not None:
+                    flow.queued_tokens = 0
                 p.gaps += [0.0] * (len(ids) - 1)  # tokens that came with the first one
             elif ids:  # a coalesced chunk: its tokens share the gap
                 p.gaps += [(now - p.last_ms) / 1e3 / len(ids)] * len(ids)
@@ -436,6 +484,7 @@ async def serve(config: CoordinatorConfig) -> None:
     Raises:
         CommandError: no live worker of a needed role within config.connect_timeout_s.
     """
+    tenant_weights = read_tenant_weights(config.tenant_weights)  # a typo fails the start, before any wait
     tracing = Tracing.from_env("pdserve-coordinator")
     cluster = Cluster(Router(), config.colocated,
                       LocalPrefillPolicy(config.local_prefill_tokens, config.local_prefill_fallback,
@@ -446,7 +495,10 @@ async def serve(config: CoordinatorConfig) -> None:
     registry = CollectorRegistry()
     api_keys = read_api_keys(config.api_keys_file)
     servicer = GenerationServicer(config, cluster, tokenizer, CoordinatorMetrics(registry, config.model_name),
-                                  on_worker_lost=membership.report_lost, keys_required=bool(api_keys))
+                                  on_worker_lost=membership.report_lost, keys_required=bool(api_keys),
+                                  tenant_weights=tenant_weights)
+    if api_keys:  # the names --tenant-weights (and the access log's refusals) know the keys by
+        log.info("API keys: %d, ids %s", len(api_keys), ", ".join(sorted({key_id(k) for k in api_keys})))
     metrics = (start_metrics_server(config.server.host, config.server.metrics_port, registry)
                if config.server.metrics_port is not None else None)
     running = await start_grpc_server(

@@ -186,6 +186,7 @@ class VllmEngineServicer(pb_grpc.VllmEngineServicer):
                 await self.generation._write(context, out)  # the same stalled-client limit as our own door
 
         # "text_completion" for the trace: the gateway rendered any chat itself, so every request is token ids here.
+        # smg's GenerateRequest has no priority or tenant: default scheduling, the caller (the gateway) as tenant.
         await self.generation.serve(context, request.request_id or uuid.uuid4().hex, prepare, "text_completion",
                                     send)
 

@@ -19,7 +19,8 @@ from server_common.addresses import advertise_host
 from server_common.security import read_secret
 from server_common.tracing import Tracing, record_span
 from worker_common.config import WorkerConfig
-from worker_common.convert import FINISH_REASON_TO_PROTO, sampling_from_proto, token_to_proto
+from worker_common.convert import (FINISH_REASON_TO_PROTO, sampling_from_proto, scheduling_from_proto,
+                                   token_to_proto)
 from worker_common.errors import abort_with
 from worker_common.worker import WorkerEngine, WorkerServicer, serve_worker, start_engine
 
@@ -39,10 +40,14 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
     async def Decode(self, request: worker_pb2.DecodeRequest, context: grpc.aio.ServicerContext):
         rid = request.request_id
         remote = request.kv_source == worker_pb2.KV_SOURCE_REMOTE
+        started = time.time()  # the TTFT deadline counts from the call's start
         try:
+            # A remote-KV request gets its first token from the prefill worker: no deadline here, the rest applies.
+            scheduling = scheduling_from_proto(request.scheduling if request.HasField("scheduling") else None,
+                                               started, with_deadline=not remote)
             req = Request(rid, list(request.prompt_token_ids), sampling_from_proto(request.sampling),
                           eos_token_ids=self.worker.model_config.eos_token_ids, remote_kv=remote,
-                          output_token_ids=list(request.output_token_ids))
+                          output_token_ids=list(request.output_token_ids), scheduling=scheduling)
             with self.worker.engine.request(req) as stream:
                 if remote:
                     reserved = await stream.next()

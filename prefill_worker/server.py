@@ -17,7 +17,8 @@ from pdserve.v1 import worker_pb2, worker_pb2_grpc
 from server_common.security import read_secret
 from server_common.tracing import Tracing, inject_context, record_span, tracer
 from worker_common.config import WorkerConfig
-from worker_common.convert import FINISH_REASON_TO_PROTO, sampling_from_proto, token_to_proto
+from worker_common.convert import (FINISH_REASON_TO_PROTO, sampling_from_proto, scheduling_from_proto,
+                                   token_to_proto)
 from worker_common.errors import abort_with
 from worker_common.worker import WorkerEngine, WorkerServicer, serve_worker, start_engine
 
@@ -45,13 +46,17 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
 
     async def Prefill(self, request: worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext):
         rid = request.request_id
+        started = time.time()  # the TTFT deadline counts from the call's start
         try:
             progress = (KvLayerProgress(self.worker.model_config.num_layers)
                         if self.layerwise and request.kv_address else None)
+            scheduling = scheduling_from_proto(request.scheduling if request.HasField("scheduling") else None,
+                                               started)
             req = Request(rid, list(request.prompt_token_ids), sampling_from_proto(request.sampling),
                           eos_token_ids=self.worker.model_config.eos_token_ids, prefill_only=True,
-                          arrival_time=request.arrival_time or time.time(),
-                          output_token_ids=list(request.output_token_ids), kv_layers=progress)
+                          arrival_time=request.arrival_time or started,
+                          output_token_ids=list(request.output_token_ids), kv_layers=progress,
+                          scheduling=scheduling)
             with self.worker.engine.request(req) as stream:
                 streamed = (asyncio.ensure_future(self._send_layers(request, progress)) if progress is not None
                             else None)

@@ -210,3 +210,16 @@ def test_the_converted_default_model_names_its_architecture(real_model_dir):
     import json
 
     assert json.loads((real_model_dir / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+
+
+def test_key_id_prints_the_name_logs_and_tenant_weights_use(capsys, monkeypatch):
+    import io
+
+    from cli.main import main
+    from server_common.security import key_id
+
+    main(["key-id", "sk-one", "sk-two"])
+    assert capsys.readouterr().out.split() == [f"key:{key_id('sk-one')}", f"key:{key_id('sk-two')}"]
+    monkeypatch.setattr("sys.stdin", io.StringIO("# keys\nsk-one\n\n"))  # keys stay out of the process list
+    main(["key-id"])
+    assert capsys.readouterr().out.split() == [f"key:{key_id('sk-one')}"]

@@ -419,3 +419,35 @@ def test_refusals_say_whether_a_retry_can_help(workers, tiny_model_dir, pki):
         c.complete([5, 6, 7], GREEDY)
     log = (Path(workers.workdir) / "refusing-coordinator.log").read_text()
     assert "refused /pdserve.v1.Generation/Generate: invalid API key (presented key id" in log
+
+
+def test_deadlines_priorities_and_tenants_pass_through_and_refuse_early(workers, tiny_model_dir, tmp_path):
+    """Issue 31's front end on real processes: priority and tenant reach the engines without error; a TTFT objective
+    the measured queue cannot meet is refused with DEADLINE_EXCEEDED before any worker sees the request; the
+    per-caller queued-token limit refuses a prompt it can never admit."""
+    weights = tmp_path / "weights"
+    weights.write_text("# tenant weight\ninteractive 2\nbatch 0.5\n")
+    address = coordinator(workers, tiny_model_dir, "scheduling-coordinator", "--tenant-weights", str(weights),
+                          "--max-queued-tokens-per-caller", "64")
+    with Client(address) as c:
+        for priority, tenant in ((-5, "interactive"), (3, "batch"), (0, "")):
+            assert c.complete([5, 6, 7], GREEDY, priority=priority, tenant=tenant).completion_tokens == 4
+
+        def looked_up() -> int:  # prompt tokens the prefill worker has scheduled, ever
+            with grpc.insecure_channel(workers.worker_addresses["prefill-0"]) as ch:
+                return worker_pb2_grpc.WorkerStub(ch).GetStats(worker_pb2.WorkerStatsRequest(), timeout=10,
+                                                               metadata=workers.worker_metadata) \
+                    .prefix_cache_query_tokens
+
+        before = looked_up()
+        # The first tokens above measured the prefill worker's rate: a 1 ms objective cannot be met.
+        with pytest.raises(grpc.RpcError) as e:
+            c.complete([5, 6, 7], GREEDY, ttft_slo_ms=1)
+        assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert "predicted to take" in e.value.details() and "ttft_slo_ms=1" in e.value.details()
+        assert looked_up() == before  # refused before any compute
+        assert c.complete([5, 6, 7], GREEDY, ttft_slo_ms=60_000, priority=-1).completion_tokens == 4
+        with pytest.raises(grpc.RpcError) as e:
+            c.complete(list(range(5, 75)), GREEDY)  # 70 prompt tokens: more than the caller may ever queue
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "--max-queued-tokens-per-caller" in e.value.details()

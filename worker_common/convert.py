@@ -5,7 +5,7 @@ import dataclasses
 import json
 
 from engine.outputs import SampledToken
-from engine.request import FinishReason, SamplingParams, StructuredOutput
+from engine.request import FinishReason, SamplingParams, SchedulingParams, StructuredOutput
 from pdserve.v1 import generate_pb2, worker_pb2
 
 FINISH_REASON_TO_PROTO = {FinishReason.STOP: generate_pb2.FINISH_REASON_STOP,
@@ -31,6 +31,31 @@ def sampling_from_proto(p: generate_pb2.SamplingParams) -> SamplingParams:
         elif not desc.has_presence or p.HasField(f.name):
             kwargs[f.name] = getattr(p, f.name)
     return SamplingParams(**kwargs)
+
+
+def scheduling_from_proto(msg: worker_pb2.SchedulingHints | None, now: float,
+                          with_deadline: bool = True) -> SchedulingParams:
+    """The coordinator's scheduling hints -> the engine's SchedulingParams.
+
+    Args:
+        msg: the request's hints; None or an unset field take the engine's defaults (priority 0, tenant "",
+            weight 1, no deadline), so a caller that sends none is scheduled as before.
+        now: the worker call's start, time.time() seconds: ttft_deadline_ms counts from it.
+        with_deadline: False for a remote-KV decode request, whose first token the prefill worker gives: its
+            ttft_deadline_ms is ignored.
+
+    Returns:
+        SchedulingParams with deadline = now + ttft_deadline_ms / 1000 (Unix seconds), None when it is 0.
+
+    Raises:
+        EngineError: INVALID_REQUEST for a weight that is set but not > 0 and finite (the worker's edge answers
+            INVALID_ARGUMENT).
+    """
+    if msg is None:
+        return SchedulingParams()
+    deadline = now + msg.ttft_deadline_ms / 1e3 if with_deadline and msg.ttft_deadline_ms else None
+    return SchedulingParams(priority=msg.priority, tenant=msg.tenant,
+                            weight=msg.weight if msg.HasField("weight") else 1.0, deadline=deadline)
 
 
 def structured_from_proto(c: generate_pb2.StructuredOutput) -> StructuredOutput | None:

@@ -66,10 +66,17 @@ class Completion:
 
 
 def build_request(prompt: str | Sequence[int] | Sequence[dict], sampling: SamplingParams | None, request_id: str,
-                  model: str) -> generate_pb2.GenerateRequest:
+                  model: str, priority: int = 0, tenant: str = "",
+                  ttft_slo_ms: int = 0) -> generate_pb2.GenerateRequest:
     """The GenerateRequest for a prompt: a str is text; a sequence of ints is token ids; a sequence of
-    {"role", "content"} dicts is chat (rendered with the model's chat template by the server)."""
-    req = generate_pb2.GenerateRequest(request_id=request_id, model=model, sampling=sampling)
+    {"role", "content"} dicts is chat (rendered with the model's chat template by the server). priority, tenant
+    and ttft_slo_ms are the scheduling fields (see `Client.generate`).
+
+    Raises:
+        ValueError: priority outside int32, or ttft_slo_ms outside [0, 2**32).
+    """
+    req = generate_pb2.GenerateRequest(request_id=request_id, model=model, sampling=sampling, priority=priority,
+                                       tenant=tenant, ttft_slo_ms=ttft_slo_ms)
     if isinstance(prompt, str):
         req.text = prompt
     elif prompt and isinstance(prompt[0], dict):
@@ -148,17 +155,28 @@ class Client:
         self.metadata = _auth_metadata(api_key)
 
     def generate(self, prompt, sampling: SamplingParams | None = None, request_id: str = "", model: str = "",
-                 timeout: float | None = None, metadata: Sequence[tuple[str, str]] = ()) -> Iterator[GenerateChunk]:
+                 timeout: float | None = None, metadata: Sequence[tuple[str, str]] = (), priority: int = 0,
+                 tenant: str = "", ttft_slo_ms: int = 0) -> Iterator[GenerateChunk]:
         """Stream chunks; the last one carries `final`. Closing the iterator early cancels the request.
 
         Args:
+            timeout: the call's deadline, seconds; a request whose first token is predicted to come later is
+                refused at once (DEADLINE_EXCEEDED).
             metadata: extra call metadata, e.g. a W3C ("traceparent", ...) that the server's trace continues.
+            priority: lower runs sooner (vLLM's convention); default 0. May preempt running requests of a higher
+                value.
+            tenant: whose fair share the request counts against, on a coordinator without API keys (with keys,
+                the key decides); "" = this client's address.
+            ttft_slo_ms: the first token is wanted within this many ms; a request that cannot make it is refused
+                with DEADLINE_EXCEEDED before any compute. 0 = no objective.
 
         Raises:
-            grpc.RpcError: the server's status (INVALID_ARGUMENT, RESOURCE_EXHAUSTED, UNAUTHENTICATED, ...).
+            grpc.RpcError: the server's status (INVALID_ARGUMENT, RESOURCE_EXHAUSTED, DEADLINE_EXCEEDED,
+                UNAUTHENTICATED, ...).
+            ValueError: priority or ttft_slo_ms out of their proto ranges (int32, uint32).
         """
-        call = self.stub.Generate(build_request(prompt, sampling, request_id, model), timeout=timeout,
-                                  metadata=(*self.metadata, *metadata))
+        call = self.stub.Generate(build_request(prompt, sampling, request_id, model, priority, tenant, ttft_slo_ms),
+                                  timeout=timeout, metadata=(*self.metadata, *metadata))
         try:
             for resp in call:
                 yield _convert(resp)
@@ -206,11 +224,12 @@ class AsyncClient:
         self.metadata = _auth_metadata(api_key)
 
     async def generate(self, prompt, sampling: SamplingParams | None = None, request_id: str = "",
-                       model: str = "", timeout: float | None = None,
-                       metadata: Sequence[tuple[str, str]] = ()) -> AsyncIterator[GenerateChunk]:
-        """Stream chunks; the last one carries `final`. Leaving the loop early cancels the request."""
-        call = self.stub.Generate(build_request(prompt, sampling, request_id, model), timeout=timeout,
-                                  metadata=(*self.metadata, *metadata))
+                       model: str = "", timeout: float | None = None, metadata: Sequence[tuple[str, str]] = (),
+                       priority: int = 0, tenant: str = "", ttft_slo_ms: int = 0) -> AsyncIterator[GenerateChunk]:
+        """Stream chunks; the last one carries `final`. Leaving the loop early cancels the request. Arguments as
+        for `Client.generate`."""
+        call = self.stub.Generate(build_request(prompt, sampling, request_id, model, priority, tenant, ttft_slo_ms),
+                                  timeout=timeout, metadata=(*self.metadata, *metadata))
         try:
             async for resp in call:
                 yield _convert(resp)

@@ -1,0 +1,213 @@
+"""A request's scheduling at the coordinator: who it is for (its tenant and that tenant's weight), its priority, and
+its deadlines, turned into the `worker_pb2.SchedulingHints` the workers' engines order their queues by
+(`engine.request.SchedulingParams`, applied by `engine.policy`).
+
+- Tenant: the caller's API key id ("key:<id>") when the port requires keys (a request's `tenant` field cannot pick
+  another's share), else the request's `tenant` field when set, else the peer ("peer:ipv4:<ip>", gRPC's peer
+  without the port). Per-caller limits and request-id scoping use `GenerationServicer.caller`, which is the key or
+  the peer: a keyless client cannot escape its limits by naming tenants.
+- Weight: the --tenant-weights file's (`read_tenant_weights`); tenants it does not name weigh 1.
+- Deadlines: the call's gRPC deadline (and our own request timeout) bounds the whole request; ttft_slo_ms bounds its
+  first token. Before a request is routed, the predicted wait of the worker it would go to is compared with the
+  time left before the first token is due (`check_first_token_deadline`): a request that cannot make it is refused
+  with DEADLINE_EXCEEDED before any worker is called. The TTFT objective also travels to the worker
+  (`hints`), whose engine refuses the request if it is still queued when that time passes.
+"""
+from __future__ import annotations
+
+import math
+import time
+import unicodedata
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+from coordinator.errors import RequestError, invalid
+from coordinator.validation import shorten
+from pdserve.v1 import generate_pb2, worker_pb2
+from server_common.errors import CommandError
+
+MAX_TENANT_CHARS = 128  # a tenant is a key in the engines' fairness counters and appears in logs
+# Weights travel as float32 (SchedulingHints.weight): a tiny one would round to 0, which the workers refuse.
+MIN_WEIGHT, MAX_WEIGHT = 1e-6, 1e6
+
+
+@dataclass(frozen=True)
+class SchedulingAsk:
+    """What a request's door asked for (before the tenant is resolved).
+
+    Attributes:
+        priority: lower runs sooner; 0 = default.
+        tenant: the request's own tenant field ("" = none).
+        ttft_slo_ms: the first token is wanted within this many ms of arrival; 0 = no objective.
+    """
+
+    priority: int = 0
+    tenant: str = ""
+    ttft_slo_ms: int = 0
+
+    @classmethod
+    def from_request(cls, request: generate_pb2.GenerateRequest) -> "SchedulingAsk":
+        """The public GenerateRequest's priority, tenant and ttft_slo_ms.
+
+        Raises:
+            RequestError: INVALID_ARGUMENT for a tenant that is too long or holds control characters.
+        """
+        check_tenant(request.tenant)
+        return cls(request.priority, request.tenant, request.ttft_slo_ms)
+
+
+@dataclass(frozen=True)
+class RequestScheduling:
+    """A request's scheduling once admitted: what it asked for, whose share it is, and when it arrived.
+
+    Attributes:
+        ask: the door's priority, tenant field and TTFT objective.
+        tenant: the resolved tenant (`resolve_tenant`); weight: its weight (> 0).
+        arrival: time.monotonic() at the coordinator, seconds.
+        deadline_why: what sets the request's own deadline (`Flow.deadline`), for messages: "the call's deadline"
+            (the client's gRPC deadline) or "the request timeout".
+    """
+
+    ask: SchedulingAsk
+    tenant: str
+    weight: float
+    arrival: float
+    deadline_why: str = "the call's deadline"
+
+    def hints(self, first_token_sent: bool, now: float | None = None) -> worker_pb2.SchedulingHints:
+        """The workers' hints for one attempt (`hints`)."""
+        return hints(self.ask, self.tenant, self.weight, self.arrival, first_token_sent, now)
+
+    def first_token_due(self, request_deadline: float, first_token_sent: bool) -> tuple[float, str]:
+        """When the next token must come, and why (`first_token_due`)."""
+        due, why = first_token_due(self.ask, self.arrival, request_deadline, first_token_sent)
+        return due, (self.deadline_why if why == "the call's deadline" else why)
+
+
+def check_tenant(tenant: str) -> None:
+    """Raises RequestError INVALID_ARGUMENT unless `tenant` has at most MAX_TENANT_CHARS characters, none of them a
+    control character (it is echoed in logs)."""
+    if len(tenant) > MAX_TENANT_CHARS:
+        raise invalid(f"tenant has {len(tenant)} characters; at most {MAX_TENANT_CHARS} are allowed")
+    if any(unicodedata.category(c).startswith("C") for c in tenant):
+        raise invalid(f"tenant {shorten(tenant)} contains control or unassigned characters; use printable text")
+
+
+def resolve_tenant(caller: str, tenant_field: str, keys_required: bool) -> str:
+    """Whose fair share a request counts against (see the module docstring).
+
+    Args:
+        caller: `GenerationServicer.caller`: "key:<id>" or "peer:<addr>".
+        tenant_field: the request's tenant field ("" = none).
+        keys_required: the port authenticates API keys (then the key decides, whatever the field says).
+    """
+    if keys_required or not tenant_field:
+        return caller
+    return tenant_field
+
+
+def read_tenant_weights(path: str | None) -> dict[str, float]:
+    """Tenant weights from a file of "NAME WEIGHT" lines (blank lines and '#' comments skipped). NAME is a request's
+    tenant field value, "key:<id>" for an API key (`pdserve key-id` prints a key's id: the first 8 hex digits of
+    its SHA-256), or "peer:ipv4:<ip>" ("peer:ipv6:[<ip>]") for a keyless client that sends no tenant. WEIGHT is a
+    number in [MIN_WEIGHT, MAX_WEIGHT]: a tenant of weight 2 gets twice the tokens of one of weight 1 while both have work queued. No
+    file: {} (every tenant weighs 1).
+
+    Raises:
+        CommandError: the file cannot be read, or a line is malformed (naming the line).
+    """
+    if not path:
+        return {}
+    try:
+        text = Path(path).read_text()
+    except OSError as e:
+        raise CommandError(f"--tenant-weights {path}: {e.strerror or e}") from None
+    weights: dict[str, float] = {}
+    for number, line in enumerate(text.splitlines(), 1):
+        line = line.split("#", 1)[0].strip()
+        if not line:
+            continue
+        parts = line.split()
+        try:
+            if len(parts) != 2:
+                raise ValueError("expected 'NAME WEIGHT'")
+            name, weight = parts[0], float(parts[1])
+            if not MIN_WEIGHT <= weight <= MAX_WEIGHT:  # NaN fails too; all positive as float32
+                raise ValueError(f"weight must be a number in [{MIN_WEIGHT:g}, {MAX_WEIGHT:g}], got {parts[1]}")
+            if name in weights:
+                raise ValueError(f"{name} is listed twice")
+            if len(name) > MAX_TENANT_CHARS:
+                raise ValueError(f"name has {len(name)} characters; at most {MAX_TENANT_CHARS}")
+        except ValueError as e:
+            raise CommandError(f"--tenant-weights {path}, line {number}: {e}") from None
+        weights[name] = weight
+    return weights
+
+
+def hints(ask: SchedulingAsk, tenant: str, weight: float, arrival: float, first_token_sent: bool,
+          now: float | None = None) -> worker_pb2.SchedulingHints:
+    """The worker's scheduling hints for one attempt.
+
+    Args:
+        ask: the door's priority and TTFT objective.
+        tenant / weight: the resolved tenant and its weight.
+        arrival: when the request arrived, time.monotonic() seconds.
+        first_token_sent: the client already has its first token (a resumed attempt): no TTFT deadline.
+        now: time.monotonic() now (tests); default the clock.
+
+    Returns:
+        SchedulingHints whose ttft_deadline_ms is what is left of ttft_slo_ms (at least 1 ms, so an objective
+        already missed still means "refuse if queued"), or 0 without an objective.
+    """
+    msg = worker_pb2.SchedulingHints(priority=ask.priority, tenant=tenant, weight=weight)
+    if ask.ttft_slo_ms and not first_token_sent:
+        elapsed_ms = ((time.monotonic() if now is None else now) - arrival) * 1e3
+        msg.ttft_deadline_ms = max(1, math.ceil(ask.ttft_slo_ms - elapsed_ms))
+    return msg
+
+
+def without_deadline(msg: worker_pb2.SchedulingHints) -> worker_pb2.SchedulingHints:
+    """The hints for a remote-KV decode request: its first token comes from the prefill worker, so no deadline."""
+    out = worker_pb2.SchedulingHints()
+    out.CopyFrom(msg)
+    out.ttft_deadline_ms = 0
+    return out
+
+
+def first_token_due(ask: SchedulingAsk, arrival: float, request_deadline: float,
+                    first_token_sent: bool) -> tuple[float, str]:
+    """When the next token must come at the latest, time.monotonic() seconds, and what sets it ("the call's
+    deadline" or "ttft_slo_ms=N"). request_deadline: when the whole request must end (the client's gRPC deadline
+    or our request timeout). After the first token only that applies."""
+    due, why = request_deadline, "the call's deadline"
+    if ask.ttft_slo_ms and not first_token_sent:
+        slo_due = arrival + ask.ttft_slo_ms / 1e3
+        if slo_due < due:
+            due, why = slo_due, f"ttft_slo_ms={ask.ttft_slo_ms}"
+    return due, why
+
+
+def check_first_token_deadline(worker: str, predicted_wait_s: float | None, due: float, why: str,
+                               now: float | None = None) -> None:
+    """Refuse a request whose first token cannot come in time, before any worker is called.
+
+    Args:
+        worker: the worker the request would be routed to, as the message names it ("prefill worker host:port").
+        predicted_wait_s: that worker's predicted wait for the request's first token
+            (`PrefillQueue.predicted_wait_s`); None = no prediction yet, never refused.
+        due / why: `first_token_due`'s answer.
+        now: time.monotonic() now (tests); default the clock.
+
+    Raises:
+        RequestError: DEADLINE_EXCEEDED giving the predicted wait and the time left.
+    """
+    if predicted_wait_s is None or not math.isfinite(due):
+        return
+    left = due - (time.monotonic() if now is None else now)
+    if predicted_wait_s > left:
+        raise RequestError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                           f"the first token cannot come in time: {worker} is predicted to take "
+                           f"{predicted_wait_s:.3f} s to reach it, and {max(left, 0.0):.3f} s are left before "
+                           f"{why}; refused before any compute (retry with a later deadline or when less loaded)")
