@@ -28,23 +28,25 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Tokens:
-    """Sampled tokens from a worker (worker_pb2.SampledToken list); num_cached_tokens is the prefix-cache hit,
-    reported with the first tokens."""
+    """Sampled tokens from a worker (worker_pb2.SampledToken list), all of one sample (`index`, 0 unless
+    sampling.n > 1); num_cached_tokens is the prefix-cache hit, reported with the first tokens."""
 
     tokens: list
     num_cached_tokens: int = 0
+    index: int = 0
 
 
 @dataclass
 class WorkerFinish:
-    """The worker stopped the request: finish_reason is a generate_pb2.FinishReason (STOP or LENGTH);
-    stop_token_id is the stop token when one matched; num_draft_tokens / num_accepted_tokens count the decode
-    worker's speculative decoding."""
+    """The worker stopped the request (with sampling.n > 1: its sample `index`; the stream goes on until every
+    sample stopped): finish_reason is a generate_pb2.FinishReason (STOP or LENGTH); stop_token_id is the stop token
+    when one matched; num_draft_tokens / num_accepted_tokens count the decode worker's speculative decoding."""
 
     finish_reason: int
     stop_token_id: int | None
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    index: int = 0
 
 
 @dataclass
@@ -141,7 +143,10 @@ class WorkerCall:
                 await aclose()
 
 
-async def _decode_stream(call: WorkerCall) -> AsyncIterator[Tokens | WorkerFinish]:
+async def _decode_stream(call: WorkerCall, num_samples: int = 1) -> AsyncIterator[Tokens | WorkerFinish]:
+    """A Decode call's events until every one of its num_samples samples has finished: a DecodeTokens message
+    becomes one Tokens per sample it carries (in the order they first appear)."""
+    left = num_samples
     while True:
         msg = await call.next()
         if msg is None:
@@ -149,12 +154,18 @@ async def _decode_stream(call: WorkerCall) -> AsyncIterator[Tokens | WorkerFinis
                                                             "early", worker=call.worker.address)
         kind = msg.WhichOneof("response")
         if kind == "tokens":
-            yield Tokens(list(msg.tokens.tokens), msg.tokens.num_cached_tokens)
+            by_sample: dict[int, list] = {}
+            for t in msg.tokens.tokens:
+                by_sample.setdefault(t.index, []).append(t)
+            for index, tokens in by_sample.items():
+                yield Tokens(tokens, msg.tokens.num_cached_tokens, index)
         elif kind == "finished":
             f = msg.finished
             yield WorkerFinish(f.finish_reason, f.stop_token_id if f.HasField("stop_token_id") else None,
-                               f.num_draft_tokens, f.num_accepted_tokens)
-            return
+                               f.num_draft_tokens, f.num_accepted_tokens, f.index)
+            left -= 1
+            if left == 0:
+                return
 
 
 def _pick_decode(router: Router, num_tokens: int, prompt: list[int] | None = None) -> WorkerHandle:
@@ -221,7 +232,7 @@ async def run_colocated(router: Router, flow: Flow, request_id: str, prompt: lis
                 request_id=request_id, prompt_token_ids=prompt, sampling=sampling, output_token_ids=generated,
                 kv_source=worker_pb2.KV_SOURCE_LOCAL, scheduling=scheduling), timeout=timeout_s), worker, flow)
             try:
-                async for item in _decode_stream(call):
+                async for item in _decode_stream(call, sampling.n or 1):
                     first_token()  # the prefill is done: a rate sample (once)
                     yield item
             finally:

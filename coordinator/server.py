@@ -69,6 +69,17 @@ class Progress:
     spec_accepted: int = 0
 
 
+def _merged(samples: list[Progress]) -> Progress:
+    """The samples of a parallel-sampling request as one Progress for its record (metrics, access log): every
+    token, the first token's time, every gap; sample 0's finish reason."""
+    firsts = [p.first_ms for p in samples if p.first_ms is not None]
+    return Progress(generated=[t for p in samples for t in p.generated], cached=max(p.cached for p in samples),
+                    first_ms=min(firsts) if firsts else None, last_ms=max(p.last_ms for p in samples),
+                    gaps=[g for p in samples for g in p.gaps], reason=samples[0].reason,
+                    spec_draft=sum(p.spec_draft for p in samples),
+                    spec_accepted=sum(p.spec_accepted for p in samples))
+
+
 def _trace_request(operation: str, sampling: generate_pb2.SamplingParams, model: str, rid: str) -> None:
     """The request's OpenTelemetry GenAI attributes on the current (Generate server) span; operation is "chat" or
     "text_completion"."""
@@ -294,6 +305,10 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         (UNAVAILABLE from a worker call), the request resumes on other workers with the tokens already sent
         (migration, at most config.max_migrations times): the client's stream goes on, no token repeated or lost.
         """
+        if sampling.n > 1:
+            async for msg in self._stream_samples(flow, prompt, sampling, arrival_wall, t0):
+                yield msg
+            return
         detok = IncrementalDetokenizer(self.tokenizer, prompt)
         stops = StopMatcher(list(sampling.stop), sampling.include_stop_str_in_output)
         p = Progress()
@@ -315,23 +330,75 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         except BaseException:
             flow.record = self._record(flow, len(prompt), p, t0)
             raise
-        if p.stop_string is None and (tail := stops.flush()):  # text held back for a stop string that never came
-            yield generate_pb2.GenerateResponse(chunk=generate_pb2.Chunk(text=tail))
         end = flows.now_ms()
+        flow.record = self._record(flow, len(prompt), p, t0, end)
+        for msg in self._ending(flow, len(prompt), p, stops, t0, end):
+            yield msg
+
+    async def _stream_samples(self, flow: flows.Flow, prompt: list[int], sampling: generate_pb2.SamplingParams,
+                              arrival_wall: float, t0: float):
+        """sampling.n > 1: each sample's chunks as they come (Chunk.index), and each sample's final message as it
+        ends; the stream ends with the last. One attempt, on a worker that prefills the prompt once and forks the
+        samples: a lost worker ends the request with UNAVAILABLE (the samples have sent different tokens, so there
+        is no one resumption). A sample that matches a stop string ends there; the worker's further tokens for it
+        are dropped (it stops at its own EOS or max_tokens)."""
+        samples = [(Progress(), IncrementalDetokenizer(self.tokenizer, prompt),
+                    StopMatcher(list(sampling.stop), sampling.include_stop_str_in_output)) for _ in range(sampling.n)]
+        source = self._attempt(flow, prompt, sampling, arrival_wall, Progress())
+        ended = 0
+        try:
+            async for item in source:
+                p, detok, stops = samples[item.index]
+                if p.reason != generate_pb2.FINISH_REASON_UNSPECIFIED:
+                    continue  # ended by a stop string here
+                if isinstance(item, flows.WorkerFinish):
+                    self._finish_sample(p, item)
+                else:
+                    yield self._chunk(item, p, detok, stops, sampling, flow)
+                    if p.reason == generate_pb2.FINISH_REASON_UNSPECIFIED:
+                        continue
+                ended += 1
+                for msg in self._ending(flow, len(prompt), p, stops, t0, flows.now_ms(), item.index):
+                    yield msg
+                if ended == sampling.n:
+                    break
+            else:
+                raise RequestError(grpc.StatusCode.INTERNAL, "the worker stream ended without a finish")  # a bug
+        except RequestError as e:
+            if e.code == grpc.StatusCode.UNAVAILABLE and e.worker:
+                self.on_worker_lost(e.worker, e.message)
+            raise
+        except asyncio.CancelledError:
+            if not flow.aborted:
+                raise
+            for index, (p, _, stops) in enumerate(samples):  # Abort RPC: the samples still going end with ABORT
+                if p.reason == generate_pb2.FINISH_REASON_UNSPECIFIED:
+                    p.reason = generate_pb2.FINISH_REASON_ABORT
+                    for msg in self._ending(flow, len(prompt), p, stops, t0, flows.now_ms(), index):
+                        yield msg
+        finally:
+            await source.aclose()
+            flow.record = self._record(flow, len(prompt), _merged([p for p, _, _ in samples]), t0)
+
+    def _ending(self, flow: flows.Flow, num_prompt_tokens: int, p: Progress, stops: StopMatcher, t0: float,
+                end: float, index: int = 0) -> list[generate_pb2.GenerateResponse]:
+        """A sample's last messages: the text a stop string held back (if none matched), then its Final."""
+        out = []
+        if p.stop_string is None and (tail := stops.flush()):  # text held back for a stop string that never came
+            out.append(generate_pb2.GenerateResponse(chunk=generate_pb2.Chunk(text=tail, index=index)))
         t = flow.timings
         ttft = (p.first_ms - t0) if p.first_ms is not None else 0.0
-        num_out = len(p.generated)
-        flow.record = self._record(flow, len(prompt), p, t0, end)
         matched = (p.stop_string if p.stop_string is not None
                    else "" if p.stop_token_id is None else str(p.stop_token_id))
-        yield generate_pb2.GenerateResponse(final=generate_pb2.Final(
-            finish_reason=p.reason, matched_stop=matched, request_id=flow.request_id,
-            usage=generate_pb2.Usage(prompt_tokens=len(prompt), completion_tokens=num_out,
+        out.append(generate_pb2.GenerateResponse(final=generate_pb2.Final(
+            finish_reason=p.reason, matched_stop=matched, request_id=flow.request_id, index=index,
+            usage=generate_pb2.Usage(prompt_tokens=num_prompt_tokens, completion_tokens=len(p.generated),
                                      cached_prompt_tokens=p.cached, spec_draft_tokens=p.spec_draft,
                                      spec_accepted_tokens=p.spec_accepted),
             timings=generate_pb2.Timings(queue_ms=t.queue_ms, prefill_ms=t.prefill_ms, transfer_ms=t.transfer_ms,
                                          ttft_ms=ttft, decode_ms=(end - p.first_ms) if p.first_ms else 0.0,
-                                         e2e_ms=end - t0)))
+                                         e2e_ms=end - t0))))
+        return out
 
     @staticmethod
     def _record(flow: flows.Flow, num_prompt_tokens: int, p: Progress, t0: float,
@@ -360,7 +427,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         sched = flow.scheduling
         hints = sched.hints(first_sent) if sched is not None else None
         due = sched.first_token_due(flow.deadline, first_sent) if sched is not None else None
-        if self.config.colocated:
+        if self.config.colocated or sampling.n > 1:  # samples fork from a prompt computed where they decode
             return flows.run_colocated(router, flow, worker_rid, prompt, p.generated, sampling, timeout_s, hints, due)
         local = router.local_prefill(prompt + p.generated, self.cluster.local_prefill)
         if local is not None:
@@ -375,30 +442,42 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         ends the flow's queued tokens (the caller's queued-token limit)."""
         async for item in source:
             if isinstance(item, flows.WorkerFinish):
-                p.reason, p.stop_token_id = item.finish_reason, item.stop_token_id
-                p.spec_draft, p.spec_accepted = item.num_draft_tokens, item.num_accepted_tokens
+                self._finish_sample(p, item)
                 return
-            p.cached = item.num_cached_tokens or p.cached
-            ids = [t.token_id for t in item.tokens]
-            p.generated += ids
-            text, p.stop_string = stops.feed(detok.add(ids))
-            chunk = generate_pb2.Chunk(token_ids=ids, text=text)
-            if sampling.HasField("logprobs"):
-                chunk.logprobs.extend(self._logprobs(item.tokens))
-            now = flows.now_ms()
-            if p.first_ms is None:
-                p.first_ms = now
-                if flow is not None:
-                    flow.queued_tokens = 0
-                p.gaps += [0.0] * (len(ids) - 1)  # tokens that came with the first one
-            elif ids:  # a coalesced chunk: its tokens share the gap
-                p.gaps += [(now - p.last_ms) / 1e3 / len(ids)] * len(ids)
-            p.last_ms = now
-            yield generate_pb2.GenerateResponse(chunk=chunk)
-            if p.stop_string is not None:
-                p.reason = generate_pb2.FINISH_REASON_STOP
+            yield self._chunk(item, p, detok, stops, sampling, flow)
+            if p.reason != generate_pb2.FINISH_REASON_UNSPECIFIED:  # a stop string matched
                 return
         raise RequestError(grpc.StatusCode.INTERNAL, "the worker stream ended without a finish")  # a bug
+
+    @staticmethod
+    def _finish_sample(p: Progress, item: flows.WorkerFinish) -> None:
+        p.reason, p.stop_token_id = item.finish_reason, item.stop_token_id
+        p.spec_draft, p.spec_accepted = item.num_draft_tokens, item.num_accepted_tokens
+
+    def _chunk(self, item: flows.Tokens, p: Progress, detok: IncrementalDetokenizer, stops: StopMatcher,
+               sampling: generate_pb2.SamplingParams, flow: flows.Flow | None) -> generate_pb2.GenerateResponse:
+        """One worker Tokens event as a chunk of its sample; records it in p (sets p.reason to STOP when a stop
+        string matched). The request's first token ends the flow's queued tokens (the caller's queued-token
+        limit)."""
+        p.cached = item.num_cached_tokens or p.cached
+        ids = [t.token_id for t in item.tokens]
+        p.generated += ids
+        text, p.stop_string = stops.feed(detok.add(ids))
+        chunk = generate_pb2.Chunk(token_ids=ids, text=text, index=item.index)
+        if sampling.HasField("logprobs"):
+            chunk.logprobs.extend(self._logprobs(item.tokens))
+        now = flows.now_ms()
+        if p.first_ms is None:
+            p.first_ms = now
+            if flow is not None:
+                flow.queued_tokens = 0
+            p.gaps += [0.0] * (len(ids) - 1)  # tokens that came with the first one
+        elif ids:  # a coalesced chunk: its tokens share the gap
+            p.gaps += [(now - p.last_ms) / 1e3 / len(ids)] * len(ids)
+        p.last_ms = now
+        if p.stop_string is not None:
+            p.reason = generate_pb2.FINISH_REASON_STOP
+        return generate_pb2.GenerateResponse(chunk=chunk)
 
     def _migrate_or_raise(self, error: RequestError, flow: flows.Flow, p: Progress,
                           sampling: generate_pb2.SamplingParams) -> None:

@@ -15,7 +15,8 @@ import grpc
 from coordinator.errors import RequestError, invalid
 from pdserve.v1 import generate_pb2
 
-MAX_LOGPROBS = 20
+MAX_LOGPROBS = 20  # engine.request has the same bounds (tests/test_validation.py holds them together)
+MAX_SAMPLES = 64  # sampling.n
 # Stop conditions a request may carry. Stop strings are matched against every chunk on the coordinator's event loop
 # (shared by every stream): 10^6 of them froze other streams for ~10 s. OpenAI's API takes 4 stop strings; these
 # bounds leave room for any real use and keep matching to microseconds a token.
@@ -106,8 +107,8 @@ def resolve_sampling(p: generate_pb2.SamplingParams, num_prompt_tokens: int,
     if p.HasField("structured_output"):
         check_structured_output(p.structured_output)
     n = p.n if p.HasField("n") else 1
-    if n != 1:
-        raise invalid(f"sampling.n = {n}: parallel sampling is not served yet; send n = 1")
+    if not 1 <= n <= MAX_SAMPLES:
+        raise invalid(f"sampling.n must be in [1, {MAX_SAMPLES}], got {n}")
     resolved = generate_pb2.SamplingParams()
     resolved.CopyFrom(p)
     resolved.temperature, resolved.top_p, resolved.top_k, resolved.min_p = temperature, top_p, top_k, min_p

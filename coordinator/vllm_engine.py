@@ -5,7 +5,8 @@ tokenizes, applies the chat template, cuts stop strings and detokenizes itself, 
 door maps its requests onto the coordinator's one request path (`GenerationServicer.serve`: admission, validation,
 routing, migration, stop handling, error statuses), so a request behaves the same through either door. What the
 path cannot do yet is refused with INVALID_ARGUMENT (the gateway answers HTTP 400), never silently ignored:
-structural tags, n > 1, logit_bias, prompt logprobs, multimodal input, external KV transfer parameters. Structured
+structural tags, logit_bias, prompt logprobs, multimodal input, external KV transfer parameters. `n` > 1 runs as
+our parallel sampling (the prompt's KV shared by the samples): chunks and completes carry each sample's `index`. Structured
 outputs (json_schema, regex, grammar, json_object, choice) map onto `SamplingParams.structured_output`; a
 constraint the workers cannot compile is INVALID_ARGUMENT too. `grammar_from_first_token` needs nothing: our
 constraint always starts at the first generated token (no reasoning parser holds it back).
@@ -55,15 +56,13 @@ def to_sampling(p: pb.SamplingParams) -> generate_pb2.SamplingParams:
     Detokenization options (skip_special_tokens, ...) are the gateway's business and ignored here.
 
     Raises:
-        RequestError: INVALID_ARGUMENT for what this server cannot do yet (structural tags, n > 1, logit_bias,
-            prompt logprobs).
+        RequestError: INVALID_ARGUMENT for what this server cannot do yet (structural tags, logit_bias, prompt
+            logprobs).
     """
     constraint = p.WhichOneof("constraint")
     if constraint == "structural_tag":
         raise invalid("sampling_params.structural_tag is not supported; use json_schema, regex, grammar, "
                       "json_object or choice")
-    if p.n > 1:
-        raise invalid(f"n = {p.n}: parallel sampling is not supported yet; send n = 1")
     if p.logit_bias:
         raise invalid("sampling_params.logit_bias is not supported")
     if p.HasField("prompt_logprobs"):
@@ -72,6 +71,8 @@ def to_sampling(p: pb.SamplingParams) -> generate_pb2.SamplingParams:
         stop=list(p.stop), stop_token_ids=list(p.stop_token_ids), ignore_eos=p.ignore_eos,
         include_stop_str_in_output=p.include_stop_str_in_output,
         presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty)
+    if p.n:  # 0: left out, one sample
+        out.n = p.n
     if p.HasField("temperature"):
         out.temperature = p.temperature
     if p.top_p:
@@ -112,13 +113,13 @@ def _output_logprobs(positions) -> pb.OutputLogProbs:
 
 class _Reply:
     """One Generate call's translation of our response messages into vLLM's: deltas as chunks when streaming,
-    else everything gathered into the one GenerateComplete."""
+    else everything of a sample gathered into its GenerateComplete (one per sample, each with its index)."""
 
     def __init__(self, stream: bool, sampling: pb.SamplingParams):
         self.stream, self.stops, self.stop_token_ids = stream, set(sampling.stop), set(sampling.stop_token_ids)
         self.prompt_tokens = 0
-        self.ids: list[int] = []
-        self.logprobs: list = []
+        self.ids: dict[int, list[int]] = {}  # by sample index
+        self.logprobs: dict[int, list] = {}
 
     def convert(self, msg: generate_pb2.GenerateResponse) -> pb.GenerateResponse | None:
         """The vLLM message for one of ours, or None when there is nothing to send yet."""
@@ -127,22 +128,24 @@ class _Reply:
             if not c.token_ids:  # text released at the end (the gateway detokenizes for itself)
                 return None
             if not self.stream:
-                self.ids += c.token_ids
-                self.logprobs += c.logprobs
+                self.ids.setdefault(c.index, []).extend(c.token_ids)
+                self.logprobs.setdefault(c.index, []).extend(c.logprobs)
                 return None
             chunk = pb.GenerateStreamChunk(token_ids=c.token_ids, prompt_tokens=self.prompt_tokens,
-                                           completion_tokens=len(c.token_ids))  # a delta count, as vLLM's
+                                           completion_tokens=len(c.token_ids),  # a delta count, as vLLM's
+                                           index=c.index)
             if c.logprobs:
                 chunk.output_logprobs.CopyFrom(_output_logprobs(c.logprobs))
             return pb.GenerateResponse(chunk=chunk)
         f = msg.final
         done = pb.GenerateComplete(
-            output_ids=self.ids, finish_reason=FINISH_REASON.get(f.finish_reason, "stop"),
+            output_ids=self.ids.get(f.index, []), finish_reason=FINISH_REASON.get(f.finish_reason, "stop"),
+            index=f.index,
             prompt_tokens=f.usage.prompt_tokens, completion_tokens=f.usage.completion_tokens,
             cached_tokens=f.usage.cached_prompt_tokens, spec_draft_tokens=f.usage.spec_draft_tokens,
             spec_accepted_tokens=f.usage.spec_accepted_tokens)
-        if self.logprobs:
-            done.output_logprobs.CopyFrom(_output_logprobs(self.logprobs))
+        if self.logprobs.get(f.index):
+            done.output_logprobs.CopyFrom(_output_logprobs(self.logprobs[f.index]))
         if f.finish_reason == generate_pb2.FINISH_REASON_STOP and f.matched_stop:
             # Final.matched_stop is a stop string, or a stop token id in decimal. As vLLM, report a token only when
             # it is one the request listed (end-of-sequence is no "matched stop").

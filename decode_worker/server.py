@@ -66,25 +66,29 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
                 else:
                     yield worker_pb2.DecodeResponse(reserved=worker_pb2.DecodeReserved())
                 decode_started, num_tokens = time.time(), 0
+                samples_left = req.sampling.n  # parallel sampling: one DecodeFinished per sample, the last ends it
                 while True:
                     batch = await stream.next_batch()
                     num_tokens += len(batch)
                     yield worker_pb2.DecodeResponse(tokens=worker_pb2.DecodeTokens(
-                        tokens=[token_to_proto(ev.token) for ev in batch],
+                        tokens=[token_to_proto(ev.token, ev.index) for ev in batch],
                         num_cached_tokens=max(ev.num_cached_tokens for ev in batch)))
-                    done = batch[-1]
-                    if done.finish_reason is not None:
+                    for done in (ev for ev in batch if ev.finish_reason is not None):
+                        samples_left -= 1
                         msg = worker_pb2.DecodeFinished(finish_reason=FINISH_REASON_TO_PROTO[done.finish_reason],
                                                         num_draft_tokens=done.num_draft_tokens,
-                                                        num_accepted_tokens=done.num_accepted_tokens)
+                                                        num_accepted_tokens=done.num_accepted_tokens,
+                                                        index=done.index)
                         if done.stop_token_id is not None:
                             msg.stop_token_id = done.stop_token_id
-                        # Recorded before the last message: a caller that has what it needs may end the call,
-                        # and the stream is then closed at this yield (code after it never runs).
-                        record_span("decode", decode_started, time.time(),
-                                    {"pdserve.request_id": rid, "gen_ai.usage.output_tokens": num_tokens})
+                        if samples_left == 0:
+                            # Recorded before the last message: a caller that has what it needs may end the call,
+                            # and the stream is then closed at this yield (code after it never runs).
+                            record_span("decode", decode_started, time.time(),
+                                        {"pdserve.request_id": rid, "gen_ai.usage.output_tokens": num_tokens})
                         yield worker_pb2.DecodeResponse(finished=msg)
-                        return
+                        if samples_left == 0:
+                            return
         except EngineError as e:
             await abort_with(context, e)
 

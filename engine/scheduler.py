@@ -380,6 +380,8 @@ class Scheduler:
         spec = self.config.speculative
         if req.prefill_only or not req.argmax_next or req.matcher is not None:  # a draft would skip the mask
             return []
+        if req.fork_pending:  # its one token is the last before the fork, not a decode: nothing to verify
+            return []
         room = min(spec.num_tokens, budget - 1, req.sampling.max_tokens - len(req.output_token_ids) - 1,
                    self.config.max_model_len - req.num_tokens - 1)
         return propose_ngram(req.all_token_ids, room, spec.lookup_min, spec.lookup_max)

@@ -127,6 +127,23 @@ def test_short_request_overtakes_long_one(cluster):
     assert_idle(cluster)
 
 
+def test_parallel_sampling_forks_one_prefill_into_n_samples(cluster, tokenizer, real_model_dir):
+    """n=4 through the disaggregated cluster (the samples fork where they decode): greedy samples all equal HF's
+    greedy output; seeded samples at temperature 1 differ, and each sample's final message counts its own tokens."""
+    prompt = PROMPTS[0]
+    expected = hf_greedy(real_model_dir, tokenizer(prompt)["input_ids"], 16)
+    with Client(cluster.address) as c:
+        outs = c.complete_samples(prompt, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, n=4))
+        assert [o.index for o in outs] == [0, 1, 2, 3]
+        assert all(o.token_ids == expected and o.completion_tokens == 16 for o in outs)
+        sampled = c.complete_samples(prompt, SamplingParams(max_tokens=16, temperature=1.0, seed=7, n=4,
+                                                            ignore_eos=True))
+        assert len({tuple(o.token_ids) for o in sampled}) > 1
+        with pytest.raises(ValueError, match="complete_samples"):
+            c.complete(prompt, SamplingParams(max_tokens=4, n=2))
+    assert_idle(cluster)
+
+
 @pytest.mark.parametrize("prompt,sampling,needle", [
     ("", greedy(4), "prompt is empty"),
     ([], greedy(4), "prompt is empty"),
@@ -138,11 +155,12 @@ def test_short_request_overtakes_long_one(cluster):
     ("hi", SamplingParams(max_tokens=4, top_p=1.5), "top_p"),
     ([1, 2, 10 ** 6], greedy(4), "outside the vocabulary"),
     ([{"role": "wizard", "content": "hi"}], greedy(4), "role"),
+    ("hi", SamplingParams(max_tokens=4, n=65), "sampling.n must be in [1, 64]"),
 ])
 def test_bad_input_is_invalid_argument(cluster, prompt, sampling, needle):
     with Client(cluster.address) as c:
         with pytest.raises(grpc.RpcError) as e:
-            c.complete(prompt, sampling)
+            list(c.generate(prompt, sampling))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert needle in e.value.details()
 

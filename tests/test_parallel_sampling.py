@@ -93,6 +93,17 @@ def test_the_prompt_blocks_are_held_once_and_shared_by_every_sample(engine_args)
     assert sched.kv.pool.num_free_blocks == sched.kv.pool.num_blocks and events
 
 
+def test_speculative_decoding_leaves_the_samples_unchanged(tiny_model_dir, engine_args):
+    """With n-gram drafts on, the step before the fork (one token left of the shared part) is no decode: it must
+    not get drafts; the samples' own decodes may."""
+    import dataclasses
+    parts = build_engine(dataclasses.replace(engine_args, speculative_ngram_tokens=3, max_num_batched_tokens=19))
+    prompt = [5, 6, 7, 8] * 5 + [5]  # repetitive: drafts are proposed; budget 19: the 20th token is a step alone
+    outputs = by_sample(run_until_idle(parts, [sampled("r", prompt, n=2, max_tokens=16)]))
+    expected = hf_greedy(tiny_model_dir, prompt, 16)
+    assert outputs == {("r", 0): expected, ("r", 1): expected}
+
+
 def test_a_prefix_cache_hit_up_to_the_last_token_forks_without_computing(engine_args):
     parts = build_engine(engine_args)
     prompt = [(5 * j) % 3000 + 3 for j in range(17)]  # 16 cacheable tokens: two full blocks

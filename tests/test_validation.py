@@ -19,6 +19,12 @@ LIMITS = Limits(context_length=100, kv_capacity_tokens=80, vocab_size=1000)
 COORDINATOR_ONLY = {"stop", "include_stop_str_in_output"}  # stop strings act on text, at the coordinator
 
 
+def test_the_coordinator_and_the_engine_bound_logprobs_and_n_alike():
+    from coordinator import validation
+    from engine import request
+    assert (validation.MAX_LOGPROBS, validation.MAX_SAMPLES) == (request.MAX_LOGPROBS, request.MAX_SAMPLES)
+
+
 def test_engine_and_public_sampling_name_the_same_fields():
     public = {f.name for f in SamplingParams.DESCRIPTOR.fields}
     engine = {f.name for f in dataclasses.fields(EngineSampling)}

@@ -71,9 +71,10 @@ def structured_from_proto(c: generate_pb2.StructuredOutput) -> StructuredOutput 
     return StructuredOutput(kind, getattr(c, kind))
 
 
-def token_to_proto(t: SampledToken) -> worker_pb2.SampledToken:
-    """An engine SampledToken -> the worker proto's, with logprobs (text filled in later by the coordinator)."""
-    msg = worker_pb2.SampledToken(token_id=t.token_id)
+def token_to_proto(t: SampledToken, index: int = 0) -> worker_pb2.SampledToken:
+    """An engine SampledToken -> the worker proto's, with logprobs (text filled in later by the coordinator);
+    index: its sample of a parallel-sampling request (`TokenOutput.index`)."""
+    msg = worker_pb2.SampledToken(token_id=t.token_id, index=index)
     if t.logprob is not None:
         msg.logprobs.CopyFrom(generate_pb2.PositionLogprobs(
             sampled=generate_pb2.TokenLogprob(token_id=t.token_id, logprob=t.logprob),

@@ -37,12 +37,14 @@ Choices = generate_pb2.Choices
 
 @dataclass
 class GenerateChunk:
-    """One streamed piece: new token ids and their text; `final` is set on the last item only."""
+    """One streamed piece: new token ids and their text; `final` is set on the last item only (with sampling.n > 1:
+    on the last item of each sample). index: the sample (0 .. n-1) the piece belongs to."""
 
     token_ids: list[int]
     text: str
     logprobs: list = field(default_factory=list)
     final: Completion | None = None
+    index: int = 0
 
 
 @dataclass
@@ -63,6 +65,7 @@ class Completion:
     spec_accepted_tokens: int = 0
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
+    index: int = 0
 
 
 def build_request(prompt: str | Sequence[int] | Sequence[dict], sampling: SamplingParams | None, request_id: str,
@@ -91,10 +94,10 @@ def build_request(prompt: str | Sequence[int] | Sequence[dict], sampling: Sampli
 def _convert(resp: generate_pb2.GenerateResponse) -> GenerateChunk:
     if resp.WhichOneof("response") == "chunk":
         c = resp.chunk
-        return GenerateChunk(list(c.token_ids), c.text, list(c.logprobs))
+        return GenerateChunk(list(c.token_ids), c.text, list(c.logprobs), index=c.index)
     f = resp.final
     t = f.timings
-    return GenerateChunk([], "", final=Completion(
+    return GenerateChunk([], "", index=f.index, final=Completion(index=f.index,
         request_id=f.request_id, finish_reason=FINISH_REASONS.get(f.finish_reason, "unspecified"),
         matched_stop=f.matched_stop, prompt_tokens=f.usage.prompt_tokens,
         completion_tokens=f.usage.completion_tokens, cached_prompt_tokens=f.usage.cached_prompt_tokens,
@@ -104,19 +107,32 @@ def _convert(resp: generate_pb2.GenerateResponse) -> GenerateChunk:
 
 
 class _CompletionBuilder:
-    """Accumulates streamed chunks; `add` returns the Completion (with the whole text and ids) at the final one."""
+    """Accumulates streamed chunks of `n` samples; `add` returns every sample's Completion (with its whole text
+    and ids), by index, once the last final message came."""
 
-    def __init__(self):
-        self.text: list[str] = []
-        self.ids: list[int] = []
+    def __init__(self, n: int = 1):
+        self.text: list[list[str]] = [[] for _ in range(n)]
+        self.ids: list[list[int]] = [[] for _ in range(n)]
+        self.done: list[Completion | None] = [None] * n
 
-    def add(self, chunk: GenerateChunk) -> Completion | None:
+    def add(self, chunk: GenerateChunk) -> list[Completion] | None:
+        i = chunk.index
         if chunk.final is None:
-            self.text.append(chunk.text)
-            self.ids.extend(chunk.token_ids)
+            self.text[i].append(chunk.text)
+            self.ids[i].extend(chunk.token_ids)
             return None
-        chunk.final.text, chunk.final.token_ids = "".join(self.text), self.ids
-        return chunk.final
+        chunk.final.text, chunk.final.token_ids = "".join(self.text[i]), self.ids[i]
+        self.done[i] = chunk.final
+        return None if any(c is None for c in self.done) else self.done  # type: ignore[return-value]
+
+
+def _num_samples(sampling: SamplingParams | None) -> int:
+    return sampling.n if sampling is not None and sampling.HasField("n") and sampling.n > 1 else 1
+
+
+def _single(sampling: SamplingParams | None) -> None:
+    if _num_samples(sampling) > 1:
+        raise ValueError("complete() returns one completion: use complete_samples() for sampling.n > 1")
 
 
 _NO_FINAL = "stream ended without a final message"
@@ -187,9 +203,19 @@ class Client:
         """Run to the end and return the Completion with the whole text and token ids.
 
         Raises:
-            grpc.RpcError: the server's status; RuntimeError: the stream ended without a final message.
+            grpc.RpcError: the server's status; RuntimeError: the stream ended without a final message;
+            ValueError: sampling.n > 1 (`complete_samples`).
         """
-        builder = _CompletionBuilder()
+        _single(sampling)
+        return self.complete_samples(prompt, sampling, **kw)[0]
+
+    def complete_samples(self, prompt, sampling: SamplingParams | None = None, **kw) -> list[Completion]:
+        """Run to the end and return one Completion per sample (sampling.n of them, by index).
+
+        Raises:
+            grpc.RpcError: the server's status; RuntimeError: the stream ended before every final message.
+        """
+        builder = _CompletionBuilder(_num_samples(sampling))
         for chunk in self.generate(prompt, sampling, **kw):
             if (done := builder.add(chunk)) is not None:
                 return done
@@ -238,7 +264,12 @@ class AsyncClient:
 
     async def complete(self, prompt, sampling: SamplingParams | None = None, **kw) -> Completion:
         """The asyncio twin of `Client.complete`."""
-        builder = _CompletionBuilder()
+        _single(sampling)
+        return (await self.complete_samples(prompt, sampling, **kw))[0]
+
+    async def complete_samples(self, prompt, sampling: SamplingParams | None = None, **kw) -> list[Completion]:
+        """The asyncio twin of `Client.complete_samples`."""
+        builder = _CompletionBuilder(_num_samples(sampling))
         async for chunk in self.generate(prompt, sampling, **kw):
             if (done := builder.add(chunk)) is not None:
                 return done
