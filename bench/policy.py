@@ -21,6 +21,7 @@ import os
 import random
 import sys
 import time
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -117,6 +118,19 @@ async def capacity(client, requests: list[tuple[str, BenchRequest]], concurrency
     return sum(r.ok for r in results) / (time.perf_counter() - t0), pct(tpot, 50)
 
 
+def preemptions(system) -> int:
+    """Requests preempted so far, summed over the workers (their pdserve:num_preemptions counters)."""
+    total = 0
+    for name, url in system.metrics_urls.items():
+        if name == "coordinator":
+            continue
+        with urllib.request.urlopen(url, timeout=10) as r:  # a local worker's /metrics
+            for line in r.read().decode().splitlines():
+                if line.startswith("pdserve:num_preemptions_total"):
+                    total += int(float(line.rsplit(" ", 1)[1]))
+    return total
+
+
 async def run_mode(client, schedule: list[Arrival], mode: str, drain_timeout_s: float) -> list[tuple[str, RequestResult]]:
     """Send the schedule open-loop (each request at its time, whatever is in flight) and wait for all of it."""
     t0 = time.perf_counter()
@@ -177,9 +191,10 @@ async def main_async(args, system, tokenizer) -> dict:
               f"{num} requests, {sum(a.kind == 'interactive' for a in schedule)} interactive", flush=True)
         modes, raw = {}, {}
         for mode in MODES:
-            t0 = time.perf_counter()
+            t0, before = time.perf_counter(), preemptions(system)
             results = await run_mode(client, schedule, mode, args.drain_timeout_s)
             modes[mode] = summarize(results, float(times[-1]), args)
+            modes[mode]["preemptions"] = preemptions(system) - before
             raw[mode] = [{"kind": k, "ok": r.ok, "error": r.error[:200], "output_tokens": r.output_tokens,
                           "ttft_ms": (r.chunk_times[0] - r.start) * 1e3 if r.ok else None,
                           "e2e_ms": (r.end - r.start) * 1e3} for k, r in results]
@@ -195,6 +210,7 @@ def render(results: dict, args, info: dict) -> str:
             ("interactive TPOT p50 ms", "interactive_tpot_p50_ms"), ("batch TTFT p50 ms", "batch_ttft_p50_ms"),
             ("batch TPOT p50 ms", "batch_tpot_p50_ms"),
             ("interactive goodput req/s", "interactive_goodput_req_s"), ("goodput req/s (both classes)", "goodput_req_s"),
+            ("preemptions (recompute)", "preemptions"),
             ("interactive completed / failed", None), ("batch completed / failed", None)]
     lines = [f"capacity {results['capacity_req_s']:.2f} req/s (TPOT p50 {results['capacity_tpot_p50_ms']:.0f} ms), offered {results['offered_req_s']:.2f} req/s "
              f"({args.load:g}x) for {args.duration_s:g} s, {results['num_requests']} requests; SLOs: interactive TTFT "
@@ -224,7 +240,7 @@ def main(argv=None) -> int:
                                                                                          time.gmtime()))
     out_dir.mkdir(parents=True, exist_ok=True)
     system = start_pdserve(f"pdserve-{args.topology}", model_dir, args.topology == "colocated", args.threads,
-                           str(out_dir), args.worker_args.split())
+                           str(out_dir), [*args.worker_args.split(), "--metrics-port", "0"])
     try:
         results = asyncio.run(main_async(args, system, tokenizer))
     finally:

@@ -35,6 +35,7 @@ class RunningSystem:
     name: str
     make_backend: Callable[[], object]
     stop: Callable[[], None] = field(default=lambda: None)
+    metrics_urls: dict[str, str] = field(default_factory=dict)  # process -> /metrics (started with --metrics-port)
 
 
 def start_pdserve(name: str, model_dir: str, colocated: bool, threads: int, log_dir: str | None,
@@ -59,7 +60,7 @@ def start_pdserve(name: str, model_dir: str, colocated: bool, threads: int, log_
                             coordinator_args=["--log-level", "WARNING", *coordinator_args,
                                               *(["--metrics-port", "0"] if observed else [])])
     if not observed:
-        return RunningSystem(name, lambda: PdserveBackend(cluster.address), cluster.stop)
+        return RunningSystem(name, lambda: PdserveBackend(cluster.address), cluster.stop, cluster.metrics_urls)
     scraper = Scraper(list(cluster.metrics_urls.values()))
 
     def stop() -> None:
