@@ -91,6 +91,10 @@ class Flow:
         for call in self.calls:
             call.cancel()
 
+    def first_token(self) -> None:
+        """The request's first token reached its client: its prompt stops counting as queued."""
+        self.queued_tokens = 0
+
     def shut_down(self) -> None:
         """The coordinator's drain ran out of time: end the request with UNAVAILABLE (retry elsewhere)."""
         self.shutting_down = True

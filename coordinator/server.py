@@ -8,7 +8,6 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 
 import grpc
 from opentelemetry import trace
@@ -23,8 +22,8 @@ from coordinator.membership import Cluster, Membership
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.record import RequestRecord, log_access
 from coordinator.router import LocalPrefillPolicy, Router
+from coordinator.stream import Progress, SampleStream, merged, request_record
 from coordinator.scheduling import RequestScheduling, SchedulingAsk, read_tenant_weights, resolve_tenant
-from coordinator.text import IncrementalDetokenizer, StopMatcher
 from coordinator.tokenizer import Tokenizer
 from coordinator.validation import check_chat, check_prompt, check_text_length, resolve_sampling, shorten
 from coordinator.vllm_engine import SERVICE_NAME as VLLM_ENGINE_SERVICE, VllmEngineServicer
@@ -43,41 +42,6 @@ CAPACITY_RETRY_S = 1.0  # RetryInfo of "server at capacity": about one short req
 # The client's deadline timer starts before ours (ours counts from the call's arrival), so its cancellation at its
 # deadline reaches us with a little of our own left: a cancellation this close to the deadline is the deadline.
 CLIENT_DEADLINE_SLACK_S = 0.1
-
-
-@dataclass
-class Progress:
-    """What a request has sent its client so far, kept across migrations.
-
-    Attributes:
-        generated: output token ids sent; a resumed attempt starts after them.
-        first_ms / last_ms: when the first and the latest token were sent (coordinator clock, ms).
-        gaps: inter-token latencies, seconds. reason: a generate_pb2.FinishReason once it ended.
-        spec_draft / spec_accepted: speculative-decoding counts of the attempt that finished.
-    """
-
-    generated: list[int] = field(default_factory=list)
-    cached: int = 0
-    first_ms: float | None = None
-    last_ms: float = 0.0
-    gaps: list[float] = field(default_factory=list)
-    reason: int = generate_pb2.FINISH_REASON_UNSPECIFIED
-    stop_string: str | None = None
-    stop_token_id: int | None = None
-    migrations: int = 0
-    spec_draft: int = 0
-    spec_accepted: int = 0
-
-
-def _merged(samples: list[Progress]) -> Progress:
-    """The samples of a parallel-sampling request as one Progress for its record (metrics, access log): every
-    token, the first token's time, every gap; sample 0's finish reason."""
-    firsts = [p.first_ms for p in samples if p.first_ms is not None]
-    return Progress(generated=[t for p in samples for t in p.generated], cached=max(p.cached for p in samples),
-                    first_ms=min(firsts) if firsts else None, last_ms=max(p.last_ms for p in samples),
-                    gaps=[g for p in samples for g in p.gaps], reason=samples[0].reason,
-                    spec_draft=sum(p.spec_draft for p in samples),
-                    spec_accepted=sum(p.spec_accepted for p in samples))
 
 
 def _trace_request(operation: str, sampling: generate_pb2.SamplingParams, model: str, rid: str) -> None:
@@ -309,14 +273,13 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             async for msg in self._stream_samples(flow, prompt, sampling, arrival_wall, t0):
                 yield msg
             return
-        detok = IncrementalDetokenizer(self.tokenizer, prompt)
-        stops = StopMatcher(list(sampling.stop), sampling.include_stop_str_in_output)
-        p = Progress()
+        sample = SampleStream(self.tokenizer, prompt, sampling)
+        p = sample.progress
         try:
-            while p.reason == generate_pb2.FINISH_REASON_UNSPECIFIED:
+            while not p.ended:
                 source = self._attempt(flow, prompt, sampling, arrival_wall, p)
                 try:
-                    async for msg in self._relay(source, p, detok, stops, sampling, t0, flow):
+                    async for msg in self._relay(source, sample, flow):
                         yield msg
                 except RequestError as e:
                     self._migrate_or_raise(e, flow, p, sampling)
@@ -324,15 +287,15 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                     await source.aclose()
         except asyncio.CancelledError:
             if not flow.aborted:
-                flow.record = self._record(flow, len(prompt), p, t0)  # what was streamed before the cancel
+                flow.record = request_record(flow, len(prompt), p, t0)  # what was streamed before the cancel
                 raise
             p.reason = generate_pb2.FINISH_REASON_ABORT
         except BaseException:
-            flow.record = self._record(flow, len(prompt), p, t0)
+            flow.record = request_record(flow, len(prompt), p, t0)
             raise
         end = flows.now_ms()
-        flow.record = self._record(flow, len(prompt), p, t0, end)
-        for msg in self._ending(flow, len(prompt), p, stops, t0, end):
+        flow.record = request_record(flow, len(prompt), p, t0, end)
+        for msg in sample.ending(flow, len(prompt), t0, end):
             yield msg
 
     async def _stream_samples(self, flow: flows.Flow, prompt: list[int], sampling: generate_pb2.SamplingParams,
@@ -342,23 +305,22 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         samples: a lost worker ends the request with UNAVAILABLE (the samples have sent different tokens, so there
         is no one resumption). A sample that matches a stop string ends there; the worker's further tokens for it
         are dropped (it stops at its own EOS or max_tokens)."""
-        samples = [(Progress(), IncrementalDetokenizer(self.tokenizer, prompt),
-                    StopMatcher(list(sampling.stop), sampling.include_stop_str_in_output)) for _ in range(sampling.n)]
+        samples = [SampleStream(self.tokenizer, prompt, sampling, i) for i in range(sampling.n)]
         source = self._attempt(flow, prompt, sampling, arrival_wall, Progress())
         ended = 0
         try:
             async for item in source:
-                p, detok, stops = samples[item.index]
-                if p.reason != generate_pb2.FINISH_REASON_UNSPECIFIED:
+                sample = samples[item.index]
+                if sample.progress.ended:
                     continue  # ended by a stop string here
                 if isinstance(item, flows.WorkerFinish):
-                    self._finish_sample(p, item)
+                    sample.finish(item)
                 else:
-                    yield self._chunk(item, p, detok, stops, sampling, flow)
-                    if p.reason == generate_pb2.FINISH_REASON_UNSPECIFIED:
+                    yield sample.chunk(item, flow.first_token)
+                    if not sample.progress.ended:
                         continue
                 ended += 1
-                for msg in self._ending(flow, len(prompt), p, stops, t0, flows.now_ms(), item.index):
+                for msg in sample.ending(flow, len(prompt), t0, flows.now_ms()):
                     yield msg
                 if ended == sampling.n:
                     break
@@ -371,50 +333,14 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         except asyncio.CancelledError:
             if not flow.aborted:
                 raise
-            for index, (p, _, stops) in enumerate(samples):  # Abort RPC: the samples still going end with ABORT
-                if p.reason == generate_pb2.FINISH_REASON_UNSPECIFIED:
-                    p.reason = generate_pb2.FINISH_REASON_ABORT
-                    for msg in self._ending(flow, len(prompt), p, stops, t0, flows.now_ms(), index):
+            for sample in samples:  # Abort RPC: the samples still going end with ABORT
+                if not sample.progress.ended:
+                    sample.progress.reason = generate_pb2.FINISH_REASON_ABORT
+                    for msg in sample.ending(flow, len(prompt), t0, flows.now_ms()):
                         yield msg
         finally:
             await source.aclose()
-            flow.record = self._record(flow, len(prompt), _merged([p for p, _, _ in samples]), t0)
-
-    def _ending(self, flow: flows.Flow, num_prompt_tokens: int, p: Progress, stops: StopMatcher, t0: float,
-                end: float, index: int = 0) -> list[generate_pb2.GenerateResponse]:
-        """A sample's last messages: the text a stop string held back (if none matched), then its Final."""
-        out = []
-        if p.stop_string is None and (tail := stops.flush()):  # text held back for a stop string that never came
-            out.append(generate_pb2.GenerateResponse(chunk=generate_pb2.Chunk(text=tail, index=index)))
-        t = flow.timings
-        ttft = (p.first_ms - t0) if p.first_ms is not None else 0.0
-        matched = (p.stop_string if p.stop_string is not None
-                   else "" if p.stop_token_id is None else str(p.stop_token_id))
-        out.append(generate_pb2.GenerateResponse(final=generate_pb2.Final(
-            finish_reason=p.reason, matched_stop=matched, request_id=flow.request_id, index=index,
-            usage=generate_pb2.Usage(prompt_tokens=num_prompt_tokens, completion_tokens=len(p.generated),
-                                     cached_prompt_tokens=p.cached, spec_draft_tokens=p.spec_draft,
-                                     spec_accepted_tokens=p.spec_accepted),
-            timings=generate_pb2.Timings(queue_ms=t.queue_ms, prefill_ms=t.prefill_ms, transfer_ms=t.transfer_ms,
-                                         ttft_ms=ttft, decode_ms=(end - p.first_ms) if p.first_ms else 0.0,
-                                         e2e_ms=end - t0))))
-        return out
-
-    @staticmethod
-    def _record(flow: flows.Flow, num_prompt_tokens: int, p: Progress, t0: float,
-                end: float | None = None) -> RequestRecord:
-        """The request's record from what it sent so far (also when it fails or is cancelled midway: the access
-        log and metrics count the tokens that were streamed). end: the finish time (ms, `flows.now_ms`) the final
-        message reports, so both say the same e2e; default now."""
-        t = flow.timings
-        reason = (generate_pb2.FinishReason.Name(p.reason).removeprefix("FINISH_REASON_").lower()
-                  if p.reason != generate_pb2.FINISH_REASON_UNSPECIFIED else "")
-        return RequestRecord(
-            flow.request_id, prompt_tokens=num_prompt_tokens, output_tokens=len(p.generated), cached_tokens=p.cached,
-            ttft_s=(p.first_ms - t0) / 1e3 if p.first_ms is not None else 0.0, e2e_s=((end if end is not None else flows.now_ms()) - t0) / 1e3,
-            queue_s=t.queue_ms / 1e3, prefill_s=t.prefill_ms / 1e3, transfer_s=t.transfer_ms / 1e3,
-            token_gaps=tuple(p.gaps), finish_reason=reason, prefill_worker=flow.prefill_worker,
-            decode_worker=flow.decode_worker, migrations=p.migrations)
+            flow.record = request_record(flow, len(prompt), merged([s.progress for s in samples]), t0)
 
     def _attempt(self, flow: flows.Flow, prompt: list[int], sampling: generate_pb2.SamplingParams,
                  arrival_wall: float, p: Progress):
@@ -436,48 +362,18 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         return flows.run_disaggregated(router, flow, worker_rid, prompt, p.generated, sampling, arrival_wall,
                                        timeout_s, hints, due)
 
-    async def _relay(self, source, p: Progress, detok: IncrementalDetokenizer, stops: StopMatcher,
-                     sampling: generate_pb2.SamplingParams, t0: float, flow: flows.Flow | None = None):
-        """Turn one attempt's worker events into chunks; sets p.reason when the request ends. The first token
-        ends the flow's queued tokens (the caller's queued-token limit)."""
+    @staticmethod
+    async def _relay(source, sample: SampleStream, flow: flows.Flow):
+        """Turn one attempt's worker events into the sample's chunks, until the worker finishes it or a stop
+        string matches (sample.progress.reason is then set)."""
         async for item in source:
             if isinstance(item, flows.WorkerFinish):
-                self._finish_sample(p, item)
+                sample.finish(item)
                 return
-            yield self._chunk(item, p, detok, stops, sampling, flow)
-            if p.reason != generate_pb2.FINISH_REASON_UNSPECIFIED:  # a stop string matched
+            yield sample.chunk(item, flow.first_token)
+            if sample.progress.ended:  # a stop string matched
                 return
         raise RequestError(grpc.StatusCode.INTERNAL, "the worker stream ended without a finish")  # a bug
-
-    @staticmethod
-    def _finish_sample(p: Progress, item: flows.WorkerFinish) -> None:
-        p.reason, p.stop_token_id = item.finish_reason, item.stop_token_id
-        p.spec_draft, p.spec_accepted = item.num_draft_tokens, item.num_accepted_tokens
-
-    def _chunk(self, item: flows.Tokens, p: Progress, detok: IncrementalDetokenizer, stops: StopMatcher,
-               sampling: generate_pb2.SamplingParams, flow: flows.Flow | None) -> generate_pb2.GenerateResponse:
-        """One worker Tokens event as a chunk of its sample; records it in p (sets p.reason to STOP when a stop
-        string matched). The request's first token ends the flow's queued tokens (the caller's queued-token
-        limit)."""
-        p.cached = item.num_cached_tokens or p.cached
-        ids = [t.token_id for t in item.tokens]
-        p.generated += ids
-        text, p.stop_string = stops.feed(detok.add(ids))
-        chunk = generate_pb2.Chunk(token_ids=ids, text=text, index=item.index)
-        if sampling.HasField("logprobs"):
-            chunk.logprobs.extend(self._logprobs(item.tokens))
-        now = flows.now_ms()
-        if p.first_ms is None:
-            p.first_ms = now
-            if flow is not None:
-                flow.queued_tokens = 0
-            p.gaps += [0.0] * (len(ids) - 1)  # tokens that came with the first one
-        elif ids:  # a coalesced chunk: its tokens share the gap
-            p.gaps += [(now - p.last_ms) / 1e3 / len(ids)] * len(ids)
-        p.last_ms = now
-        if p.stop_string is not None:
-            p.reason = generate_pb2.FINISH_REASON_STOP
-        return generate_pb2.GenerateResponse(chunk=chunk)
 
     def _migrate_or_raise(self, error: RequestError, flow: flows.Flow, p: Progress,
                           sampling: generate_pb2.SamplingParams) -> None:
@@ -495,17 +391,6 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         p.migrations += 1
         log.warning("request %s: %s; resuming on other workers after %d token(s) (migration %d of at most %d)",
                     flow.request_id, error.message, len(p.generated), p.migrations, self.config.max_migrations)
-
-    def _logprobs(self, tokens) -> list[generate_pb2.PositionLogprobs]:
-        out = []
-        for t in tokens:
-            lp = generate_pb2.PositionLogprobs()
-            lp.CopyFrom(t.logprobs)
-            lp.sampled.text = self.tokenizer.token_text(lp.sampled.token_id)
-            for alt in lp.top:
-                alt.text = self.tokenizer.token_text(alt.token_id)
-            out.append(lp)
-        return out
 
     async def Abort(self, request, context):
         return generate_pb2.AbortResponse(found=self.abort(self.caller(context), request.request_id))
