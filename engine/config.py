@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from engine.args import DTYPE_NAMES
-from engine.models.registry import arch_flags
+from engine.models.registry import Llama3RopeScaling, arch_flags
 from engine.speculative import SpeculativeConfig
 
 DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in DTYPE_NAMES}
@@ -18,10 +18,13 @@ DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in DTYPE_N
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Architecture of a Llama-family decoder (Llama, Mistral, Qwen2), read from an HF `config.json`.
+    """Architecture of a Llama-family decoder (Llama, Mistral, Qwen2, Qwen3), read from an HF `config.json`.
 
-    Attributes are in the field's usual units: sizes in elements, `rope_theta` the RoPE base. `qkv_bias` / `o_bias`:
-    the fused q/k/v projection / o_proj carry a bias (set per `model_type` by `engine.models.registry`).
+    Attributes are in the field's usual units: sizes in elements, `rope_theta` the RoPE base; `head_dim` is the
+    config's own when it has one (Qwen3's differs from hidden_size / num_heads). The rest are
+    `engine.models.registry.ArchFlags`, set per `model_type` and config: `qkv_bias` / `o_bias` (the fused q/k/v
+    projection / o_proj carry a bias), `qk_norm` (per-head RMSNorm on q and k before RoPE) and `rope_llama3`
+    (Llama-3 RoPE frequency scaling, None for plain RoPE).
     """
 
     name: str
@@ -41,6 +44,8 @@ class ModelConfig:
     dtype: str = "float32"
     qkv_bias: bool = False
     o_bias: bool = False
+    qk_norm: bool = False
+    rope_llama3: Llama3RopeScaling | None = None
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -51,13 +56,10 @@ class ModelConfig:
         """Build from a `transformers.PretrainedConfig` of a Llama-family model (`engine.models.registry`).
 
         Raises:
-            ValueError: the model_type, a feature it asks for (the field is named) or its RoPE scaling is not
+            ValueError: the model_type, a feature it asks for (the field is named) or its RoPE type (named) is not
                 supported, or dtype is unknown.
         """
-        flags = arch_flags(hf_config)
-        rope_scaling = getattr(hf_config, "rope_scaling", None)
-        if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type")) not in (None, "default"):
-            raise ValueError(f"unsupported rope_scaling {rope_scaling}")
+        flags = arch_flags(hf_config)  # refuses what the decoder cannot serve, RoPE types included
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
         eos = hf_config.eos_token_id
@@ -84,6 +86,8 @@ class ModelConfig:
             dtype=dtype,
             qkv_bias=flags.qkv_bias,
             o_bias=flags.o_bias,
+            qk_norm=flags.qk_norm,
+            rope_llama3=flags.rope_llama3,
         )
 
 

@@ -1,6 +1,7 @@
 """Model registry and strict weight loading: greedy parity with HF transformers for architectures with projection
-biases (Qwen2; Llama with attention_bias), loud failures on missing / unused / misshapen tensors, and the
-registry's refusal of configs we cannot serve correctly."""
+biases (Qwen2; Llama with attention_bias), per-head q/k norm and head_dim != hidden / heads (Qwen3) and Llama-3
+RoPE scaling, loud failures on missing / unused / misshapen tensors, and the registry's refusal of configs we cannot
+serve correctly."""
 import dataclasses
 import random
 import re
@@ -27,13 +28,16 @@ TINY = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_
 
 
 def _save_random(model, out) -> str:
-    """Non-zero biases (HF initialises them to zero, which a bias-dropping loader would pass) and a sharper LM
-    head so greedy choices are far from ties; saved in HF format (the engine needs no tokenizer)."""
+    """Non-zero biases (HF initialises them to zero, which a bias-dropping loader would pass), q/k norm weights
+    away from HF's initial ones (which a norm-dropping or weight-dropping decoder would match more often) and a
+    sharper LM head so greedy choices are far from ties; saved in HF format (the engine needs no tokenizer)."""
     torch.manual_seed(1)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith(".bias"):
                 p.normal_(0.0, 0.5)
+            elif name.endswith(("q_norm.weight", "k_norm.weight")):
+                p.normal_(1.0, 0.5)
         model.lm_head.weight.mul_(8.0)
     model.save_pretrained(str(out))
     return str(out)
@@ -57,6 +61,45 @@ def llama_bias_dir(tmp_path_factory) -> str:
     model = LlamaForCausalLM(LlamaConfig(**TINY, rms_norm_eps=1e-5, attention_bias=True))
     assert model.model.layers[0].self_attn.o_proj.bias is not None
     return _save_random(model, tmp_path_factory.mktemp("tiny-llama-bias"))
+
+
+@pytest.fixture(scope="module")
+def qwen3_dir(tmp_path_factory) -> str:
+    """Qwen3 with head_dim 32 != hidden_size / heads = 16 (q/k/v project to 128 / 64 / 64 wide, o_proj back to 64)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(Qwen3Config(**TINY, head_dim=32, rms_norm_eps=1e-6))
+    attn = model.model.layers[0].self_attn
+    assert attn.q_proj.bias is None and attn.q_norm.weight.shape == (32,)
+    return _save_random(model, tmp_path_factory.mktemp("tiny-qwen3"))
+
+
+@pytest.fixture(scope="module")
+def mistral_dir(tmp_path_factory) -> str:
+    """Mistral without a sliding window: Llama's numerics under another model_type."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    model = MistralForCausalLM(MistralConfig(**TINY, rms_norm_eps=1e-5, sliding_window=None))
+    return _save_random(model, tmp_path_factory.mktemp("tiny-mistral"))
+
+
+# Llama-3 scaling for head_dim 16, theta 1e4: the wavelengths 2*pi/inv_freq are 6.3, 19.9, 62.8, 199, ... so with
+# original_max_position_embeddings 64 (thresholds 64 / 4 = 16 and 64 / 1 = 64) the first frequency is kept, the next
+# two are smoothed and the other five divided by 8: all three branches of the formula are taken.
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+
+
+@pytest.fixture(scope="module")
+def llama3_rope_dir(tmp_path_factory) -> str:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**TINY, rms_norm_eps=1e-5, rope_parameters=dict(LLAMA3_ROPE)))
+    assert model.config.rope_parameters["rope_type"] == "llama3"
+    return _save_random(model, tmp_path_factory.mktemp("tiny-llama3-rope"))
 
 
 def run_greedy(model_dir: str, prompts: list[list[int]], max_tokens: list[int]):
@@ -86,6 +129,49 @@ def test_greedy_matches_hf_with_projection_biases(request, model_fixture, qkv_bi
     assert (parts.model_config.qkv_bias, parts.model_config.o_bias) == (qkv_bias, o_bias)
     assert chunked, "the test meant to exercise chunked prefill"
     for req, p, n in zip(reqs, prompts, max_tokens):
+        assert req.output_token_ids == hf_greedy(model_dir, p, n), req.request_id
+
+
+def test_llama3_rope_frequencies_are_hfs_and_scaled(llama3_rope_dir):
+    """The engine's inverse frequencies equal HF's bit for bit (`_compute_llama3_parameters`, and the loaded HF
+    model's buffer), and differ from plain RoPE's in all three regimes, so the parity test below is not vacuous."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.modeling_rope_utils import _compute_llama3_parameters
+
+    from engine.models.llama import RotaryEmbedding, default_inv_freq
+
+    hf_cfg = AutoConfig.from_pretrained(llama3_rope_dir)
+    cfg = _from_hf(hf_cfg)
+    assert cfg.rope_llama3 is not None and cfg.rope_llama3.original_max_position_embeddings == 64
+    ours = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_llama3).inv_freq
+    assert torch.equal(ours, _compute_llama3_parameters(hf_cfg)[0])
+    hf_model = AutoModelForCausalLM.from_pretrained(llama3_rope_dir, dtype=torch.float32)
+    assert torch.equal(ours, hf_model.model.rotary_emb.inv_freq)
+    plain = default_inv_freq(cfg.head_dim, cfg.rope_theta)
+    assert ours[0] == plain[0]  # high frequency: kept
+    assert torch.all((ours[1:3] < plain[1:3]) & (ours[1:3] > plain[1:3] / 8))  # medium: smoothed
+    assert torch.allclose(ours[3:], plain[3:] / 8)  # low: divided by the factor
+
+
+@pytest.mark.parametrize("model_fixture,flags", [
+    ("qwen3_dir", (False, False, True, False)),
+    ("llama3_rope_dir", (False, False, False, True)),
+    ("mistral_dir", (False, False, False, False)),
+])
+def test_greedy_matches_hf_long(request, model_fixture, flags):
+    """Qwen3, Llama with Llama-3 RoPE scaling and Mistral: 24+ greedy tokens from prompts of 1..40 tokens under a
+    16-token budget (chunked prefill); positions reach 65, past the llama3 fixture's
+    original_max_position_embeddings of 64."""
+    model_dir = request.getfixturevalue(model_fixture)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, VOCAB) for _ in range(n)] for n in (1, 6, 19, 40)]
+    max_tokens = [24, 30, 26, 25]
+    parts, reqs, chunked = run_greedy(model_dir, prompts, max_tokens)
+    c = parts.model_config
+    assert (c.qkv_bias, c.o_bias, c.qk_norm, c.rope_llama3 is not None) == flags
+    assert chunked, "the test meant to exercise chunked prefill"
+    for req, p, n in zip(reqs, prompts, max_tokens):
+        assert len(req.output_token_ids) == n
         assert req.output_token_ids == hf_greedy(model_dir, p, n), req.request_id
 
 
@@ -120,9 +206,11 @@ def test_load_accepts_hf_names_and_known_leftovers(tiny_llama):
     assert torch.equal(tied.lm_head.weight, state["model.embed_tokens.weight"])
 
 
-@pytest.mark.parametrize("extra", ["model.layers.0.self_attn.q_proj.bias", "model.extra_norm.weight"])
+@pytest.mark.parametrize("extra", ["model.layers.0.self_attn.q_proj.bias", "model.layers.1.self_attn.k_norm.weight",
+                                   "model.extra_norm.weight"])
 def test_load_rejects_unused_tensor(tiny_llama, extra):
-    """The first case is a Qwen2-style bias offered to a bias-free config: it must not be dropped silently."""
+    """The first two cases are a Qwen2-style bias and a Qwen3-style k norm offered to a config without them: they
+    must not be dropped silently."""
     cfg, state = tiny_llama
     model = new_model(cfg)
     before = model.embed_tokens.weight.detach().clone()
@@ -150,6 +238,8 @@ def test_load_rejects_missing_tensor(tiny_llama):
         new_model(cfg).load_weights({k: v for k, v in state.items() if k != "lm_head.weight"})
     with pytest.raises((KeyError, ValueError), match=re.escape("layers.0.self_attn.q_proj.bias")):
         new_model(dataclasses.replace(cfg, qkv_bias=True)).load_weights(state)  # bias-free checkpoint as Qwen2
+    with pytest.raises((KeyError, ValueError), match=re.escape("layers.0.self_attn.q_norm.weight")):
+        new_model(dataclasses.replace(cfg, qk_norm=True)).load_weights(state)  # norm-free checkpoint as Qwen3
 
 
 def test_load_rejects_wrong_shape(tiny_llama):
@@ -163,26 +253,63 @@ def _from_hf(hf_config) -> ModelConfig:
 
 
 def test_registry_flags_per_model_type():
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+    from engine.models.registry import Llama3RopeScaling
 
     def flags(c):
-        return c.qkv_bias, c.o_bias
+        return c.qkv_bias, c.o_bias, c.qk_norm
 
-    assert flags(_from_hf(LlamaConfig())) == (False, False)
-    assert flags(_from_hf(LlamaConfig(attention_bias=True))) == (True, True)
-    assert flags(_from_hf(Qwen2Config())) == (True, False)
-    assert flags(_from_hf(MistralConfig(sliding_window=None))) == (False, False)
-    assert flags(_from_hf(MistralConfig(sliding_window=4096, max_position_embeddings=4096))) == (False, False)
+    assert flags(_from_hf(LlamaConfig())) == (False, False, False)
+    assert flags(_from_hf(LlamaConfig(attention_bias=True))) == (True, True, False)
+    assert flags(_from_hf(Qwen2Config())) == (True, False, False)
+    assert flags(_from_hf(Qwen3Config())) == (False, False, True)
+    assert flags(_from_hf(Qwen3Config(attention_bias=True))) == (True, True, True)  # HF: q, k, v and o alike
+    assert _from_hf(Qwen3Config(head_dim=32, hidden_size=64, num_attention_heads=4)).head_dim == 32
+    assert flags(_from_hf(MistralConfig(sliding_window=None))) == (False, False, False)
+    assert flags(_from_hf(MistralConfig(sliding_window=4096, max_position_embeddings=4096))) == (False, False, False)
+    assert _from_hf(LlamaConfig()).rope_llama3 is None
+    # Llama 3.1's own values, given the transformers 4 way (rope_scaling with rope_theta beside it)
+    llama31 = LlamaConfig(rope_theta=500000.0, max_position_embeddings=131072, rope_scaling={
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192})
+    assert _from_hf(llama31).rope_llama3 == Llama3RopeScaling(8.0, 1.0, 4.0, 8192)
+    assert _from_hf(llama31).rope_theta == 500000.0
 
 
 def test_registry_rejects_what_it_cannot_serve():
-    from transformers import GPT2Config, LlamaConfig, MistralConfig, Qwen2Config
+    from transformers import GPT2Config, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     with pytest.raises(ValueError, match="mlp_bias"):
         _from_hf(LlamaConfig(mlp_bias=True))
-    with pytest.raises(ValueError, match="'gpt2'.*llama, mistral, qwen2"):
+    with pytest.raises(ValueError, match="'gpt2'.*llama, mistral, qwen2, qwen3"):
         _from_hf(GPT2Config())
     with pytest.raises(ValueError, match="sliding_window=128"):
         _from_hf(MistralConfig(sliding_window=128, max_position_embeddings=512))
     with pytest.raises(ValueError, match="use_sliding_window"):
         _from_hf(Qwen2Config(use_sliding_window=True))
+    with pytest.raises(ValueError, match="qwen3: use_sliding_window"):
+        _from_hf(Qwen3Config(use_sliding_window=True))
+    with pytest.raises(ValueError, match="hidden_act='gelu'"):
+        _from_hf(LlamaConfig(hidden_act="gelu"))
+    with pytest.raises(ValueError, match="partial_rotary_factor=0.5"):
+        _from_hf(LlamaConfig(partial_rotary_factor=0.5))
+
+
+@pytest.mark.parametrize("model_type,rope", [
+    ("llama", {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128}),
+    ("llama", {"type": "dynamic", "factor": 2.0}),  # the legacy key
+    ("llama", {"rope_type": "linear", "factor": 2.0}),
+    ("qwen3", {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128}),
+    ("qwen2", {"rope_type": "dynamic", "factor": 2.0}),
+])
+def test_registry_refuses_unsupported_rope_type_by_name(model_type, rope):
+    """Any RoPE type but 'default' and 'llama3' is refused at load, the message naming it, where a decoder that
+    ignored it would serve plain RoPE's frequencies."""
+    from transformers import AutoConfig
+
+    rope_type = rope.get("rope_type", rope.get("type"))
+    hf_cfg = AutoConfig.for_model(model_type, max_position_embeddings=512, rope_scaling=dict(rope))
+    assert hf_cfg.rope_parameters["rope_type"] == rope_type  # HF kept it: the refusal is ours
+    with pytest.raises(ValueError, match=f"{model_type}: rope_type '{rope_type}' is not supported"):
+        _from_hf(hf_cfg)

@@ -1,13 +1,15 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2) that reads and writes a paged KV cache.
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) that reads and writes a paged KV cache.
 
 Matches HF transformers' LlamaForCausalLM numerics (RMSNorm in fp32, rotate-half RoPE, SiLU-gated MLP; the ops
 themselves are the worker's `AttentionOps`, whose torch reference is `kernels.reference`) so that
-greedy output equals `generate()` on the same weights. The architectures differ only in projection biases, switched
-by `ModelConfig.qkv_bias` / `o_bias` (Qwen2 = Llama + q/k/v bias). q/k/v and gate/up projections are fused at load
-time (one matmul instead of three / two).
+greedy output equals `generate()` on the same weights. The architectures differ only in the `ModelConfig` switches
+from `engine.models.registry.ArchFlags`: projection biases (`qkv_bias` / `o_bias`; Qwen2 = Llama + q/k/v bias),
+per-head q/k RMSNorm (`qk_norm`, Qwen3) and Llama-3 RoPE scaling (`rope_llama3`). q/k/v and gate/up projections are
+fused at load time (one matmul instead of three / two).
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -15,6 +17,7 @@ from torch import nn
 
 from engine.attention import AttentionMetadata
 from engine.config import ModelConfig
+from engine.models.registry import Llama3RopeScaling
 from kernels import AttentionOps
 
 
@@ -28,13 +31,49 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
 
+def default_inv_freq(head_dim: int, theta: float) -> torch.Tensor:
+    """Plain RoPE inverse frequencies theta^(-2i/head_dim), i = 0 .. head_dim/2 - 1: [head_dim // 2] float32, the
+    same ops as transformers' `_compute_default_rope_parameters` (so the same bits)."""
+    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+
+
+def llama3_inv_freq(inv_freq: torch.Tensor, scaling: Llama3RopeScaling) -> torch.Tensor:
+    """Llama-3 scaling of RoPE inverse frequencies, op for op as transformers' `_compute_llama3_parameters` (so the
+    same float32 bits): wavelengths 2*pi/f shorter than original_max_position_embeddings / high_freq_factor keep f,
+    those longer than original_max_position_embeddings / low_freq_factor get f / factor, and those in between
+    (1 - s) * f / factor + s * f with s = (original_max_position_embeddings / wavelength - low_freq_factor) /
+    (high_freq_factor - low_freq_factor). Its attention factor is 1, so cos/sin are not rescaled.
+
+    Args:
+        inv_freq: [head_dim // 2] float32, `default_inv_freq`'s.
+        scaling: the config's parameters.
+
+    Returns:
+        [head_dim // 2] float32, a new tensor.
+    """
+    factor, old_context_len = scaling.factor, scaling.original_max_position_embeddings
+    low_freq_factor, high_freq_factor = scaling.low_freq_factor, scaling.high_freq_factor
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    inv_freq_llama = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth_factor = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed_inv_freq = (1 - smooth_factor) * inv_freq_llama / factor + smooth_factor * inv_freq_llama
+    is_medium_freq = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium_freq, smoothed_inv_freq, inv_freq_llama)
+
+
 class RotaryEmbedding(nn.Module):
     """Rotate-half RoPE (Su et al. 2021, HF Llama convention) with a precomputed cos/sin table; the rotation itself
-    is part of `AttentionOps.rotary_and_write_kv`."""
+    is part of `AttentionOps.rotary_and_write_kv`. `llama3` scales the frequencies (`llama3_inv_freq`); None is
+    plain RoPE. `inv_freq` ([head_dim // 2] float32) is kept for inspection."""
 
-    def __init__(self, head_dim: int, max_positions: int, theta: float):
+    def __init__(self, head_dim: int, max_positions: int, theta: float, llama3: Llama3RopeScaling | None = None):
         super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        inv_freq = default_inv_freq(head_dim, theta)
+        if llama3 is not None:
+            inv_freq = llama3_inv_freq(inv_freq, llama3)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", emb.cos(), persistent=False)  # [max_positions, head_dim]
@@ -50,6 +89,8 @@ class Attention(nn.Module):
     """GQA self-attention over the paged KV cache through the worker's `AttentionOps` (Triton, C or torch).
 
     Biases (HF semantics): `cfg.qkv_bias` on the fused q/k/v projection, before RoPE; `cfg.o_bias` on o_proj.
+    `cfg.qk_norm` (Qwen3): each q and k head is RMS-normalised over head_dim (`q_norm` / `k_norm` weights) after
+    the projection (and its bias) and before RoPE, as HF's Qwen3Attention does.
     """
 
     def __init__(self, cfg: ModelConfig, ops: AttentionOps):
@@ -60,6 +101,8 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
         self.scale = cfg.head_dim ** -0.5
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
                 k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
@@ -71,6 +114,8 @@ class Attention(nn.Module):
         takes the attention op's output as is."""
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x).view(num_tokens, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            self._qk_norm(qkv)
         q = self.ops.rotary_and_write_kv(qkv, *rope, k_cache, v_cache, meta.slot_mapping)
         nd = meta.num_decodes
         decode = prefill = None
@@ -83,6 +128,16 @@ class Attention(nn.Module):
                                                  max_query_len=meta.prefill_max_query_len)
         out = decode if prefill is None else prefill if decode is None else torch.cat((decode, prefill))
         return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+    def _qk_norm(self, qkv: torch.Tensor) -> None:
+        """Qwen3's q_norm / k_norm (HF Qwen3RMSNorm: fp32, rounded to the input dtype, then the weight) on qkv's q
+        and k heads, in place. qkv: [T, heads + 2 * kv_heads, hd] contiguous. Done here rather than in the kernels:
+        `AttentionOps.rms_norm` takes rows of head_dim, so every backend's fused rotary + KV-write op is unchanged
+        (at the cost of two copies per layer)."""
+        h, kv = self.num_heads, self.num_kv_heads
+        for norm, heads in ((self.q_norm, slice(0, h)), (self.k_norm, slice(h, h + kv))):
+            rows = qkv[:, heads].reshape(-1, self.head_dim)  # [T * n, hd]: the op normalises rows
+            qkv[:, heads] = self.ops.rms_norm(rows, norm.weight, norm.eps).view(qkv.shape[0], -1, self.head_dim)
 
 
 class MLP(nn.Module):
@@ -110,7 +165,8 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    """The decoder stack plus LM head, for every model_type in `engine.models.registry` (Llama, Mistral, Qwen2).
+    """The decoder stack plus LM head, for every model_type in `engine.models.registry` (Llama, Mistral, Qwen2,
+    Qwen3).
 
     forward() takes one packed step (tokens of many sequences concatenated) and the per-layer paged KV cache
     views; it writes the step's K/V into the cache and returns hidden states. Use `load_weights` to fill it from
@@ -125,7 +181,7 @@ class DecoderModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, ops) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.rope = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta)
+        self.rope = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_llama3)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
@@ -161,10 +217,10 @@ class DecoderModel(nn.Module):
     def load_weights(self, state: dict[str, torch.Tensor]) -> None:
         """Copy an HF state dict (q/k/v and gate/up separate; names with or without the `model.` prefix) into the
         fused modules, strictly: every parameter must be supplied and every tensor consumed, so a checkpoint whose
-        architecture differs from `cfg` (e.g. Qwen2 q/k/v biases on a bias-free config) fails instead of loading
-        into wrong numerics. Tolerated leftovers: `*.rotary_emb.inv_freq` buffers (RoPE is recomputed) and
-        `lm_head.weight` when `cfg.tie_word_embeddings` (the head is the embedding). Nothing is copied unless the
-        whole state dict checks out.
+        architecture differs from `cfg` (e.g. Qwen2 q/k/v biases on a bias-free config, Qwen3 q_norm / k_norm
+        weights on a config without `qk_norm`) fails instead of loading into wrong numerics. Tolerated leftovers:
+        `*.rotary_emb.inv_freq` buffers (RoPE is recomputed) and `lm_head.weight` when `cfg.tie_word_embeddings` (the
+        head is the embedding). Nothing is copied unless the whole state dict checks out.
 
         Raises:
             KeyError: a required tensor is missing (the message names it).
@@ -200,6 +256,9 @@ class DecoderModel(nn.Module):
             if cfg.qkv_bias:
                 params[attn + "qkv_proj.bias"] = fused([attn + f"{n}_proj.bias" for n in "qkv"])
             params[attn + "o_proj.weight"] = take(attn + "o_proj.weight")
+            if cfg.qk_norm:
+                params[attn + "q_norm.weight"] = take(attn + "q_norm.weight")
+                params[attn + "k_norm.weight"] = take(attn + "k_norm.weight")
             if cfg.o_bias:
                 params[attn + "o_proj.bias"] = take(attn + "o_proj.bias")
             params[mlp + "gate_up_proj.weight"] = fused([mlp + "gate_proj.weight", mlp + "up_proj.weight"])
