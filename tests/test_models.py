@@ -76,6 +76,22 @@ def qwen3_dir(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
+def phi3_dir(tmp_path_factory) -> str:
+    """Phi-3: q/k/v and gate/up stored fused in the checkpoint (the loader must take them as they are)."""
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    torch.manual_seed(0)
+    model = Phi3ForCausalLM(Phi3Config(**TINY, rms_norm_eps=1e-5, pad_token_id=0, sliding_window=None))
+    out = _save_random(model, tmp_path_factory.mktemp("tiny-phi3"))
+    from safetensors import safe_open
+    with safe_open(f"{out}/model.safetensors", "pt") as f:
+        names = set(f.keys())
+    assert "model.layers.0.self_attn.qkv_proj.weight" in names and "model.layers.0.mlp.gate_up_proj.weight" in names
+    assert "model.layers.0.self_attn.q_proj.weight" not in names
+    return out
+
+
+@pytest.fixture(scope="module")
 def mistral_dir(tmp_path_factory) -> str:
     """Mistral without a sliding window: Llama's numerics under another model_type."""
     from transformers import MistralConfig, MistralForCausalLM
@@ -157,6 +173,7 @@ def test_llama3_rope_frequencies_are_hfs_and_scaled(llama3_rope_dir):
     ("qwen3_dir", (False, False, True, False)),
     ("llama3_rope_dir", (False, False, False, True)),
     ("mistral_dir", (False, False, False, False)),
+    ("phi3_dir", (False, False, False, False)),
 ])
 def test_greedy_matches_hf_long(request, model_fixture, flags):
     """Qwen3, Llama with Llama-3 RoPE scaling and Mistral: 24+ greedy tokens from prompts of 1..40 tokens under a
@@ -282,10 +299,13 @@ def test_registry_rejects_what_it_cannot_serve():
 
     with pytest.raises(ValueError, match="mlp_bias"):
         _from_hf(LlamaConfig(mlp_bias=True))
-    with pytest.raises(ValueError, match="'gpt2'.*llama, mistral, qwen2, qwen3"):
+    with pytest.raises(ValueError, match="'gpt2'.*llama, mistral, phi3, qwen2, qwen3"):
         _from_hf(GPT2Config())
     with pytest.raises(ValueError, match="sliding_window=128"):
         _from_hf(MistralConfig(sliding_window=128, max_position_embeddings=512))
+    from transformers import Phi3Config
+    with pytest.raises(ValueError, match="phi3: sliding_window=2047"):
+        _from_hf(Phi3Config(sliding_window=2047, max_position_embeddings=4096))
     with pytest.raises(ValueError, match="use_sliding_window"):
         _from_hf(Qwen2Config(use_sliding_window=True))
     with pytest.raises(ValueError, match="qwen3: use_sliding_window"):

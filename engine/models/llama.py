@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) that reads and writes a paged KV cache.
+"""Llama-family decoder (Llama, Mistral, Phi-3, Qwen2, Qwen3) that reads and writes a paged KV cache.
 
 Matches HF transformers' LlamaForCausalLM numerics (RMSNorm in fp32, rotate-half RoPE, SiLU-gated MLP; the ops
 themselves are the worker's `AttentionOps`, whose torch reference is `kernels.reference`) so that
@@ -235,7 +235,11 @@ class DecoderModel(nn.Module):
                     return state[key]
             raise KeyError(f"missing tensor {name!r} (nor 'model.{name}') in the state dict")
 
-        def fused(names: list[str]) -> torch.Tensor:
+        def fused(names: list[str], whole: str) -> torch.Tensor:
+            """The checkpoint's own fused tensor `whole` when it has one (Phi-3 stores q/k/v and gate/up fused, in
+            our order), else `names` concatenated along dim 0."""
+            if whole in state or "model." + whole in state:
+                return take(whole)
             return torch.cat([take(n) for n in names], dim=0)
 
         cfg = self.cfg
@@ -252,16 +256,17 @@ class DecoderModel(nn.Module):
         for i in range(cfg.num_layers):
             p = f"layers.{i}."
             attn, mlp = p + "self_attn.", p + "mlp."
-            params[attn + "qkv_proj.weight"] = fused([attn + f"{n}_proj.weight" for n in "qkv"])
-            if cfg.qkv_bias:
-                params[attn + "qkv_proj.bias"] = fused([attn + f"{n}_proj.bias" for n in "qkv"])
+            for kind in ("weight", "bias") if cfg.qkv_bias else ("weight",):
+                params[f"{attn}qkv_proj.{kind}"] = fused([f"{attn}{n}_proj.{kind}" for n in "qkv"],
+                                                         f"{attn}qkv_proj.{kind}")
             params[attn + "o_proj.weight"] = take(attn + "o_proj.weight")
             if cfg.qk_norm:
                 params[attn + "q_norm.weight"] = take(attn + "q_norm.weight")
                 params[attn + "k_norm.weight"] = take(attn + "k_norm.weight")
             if cfg.o_bias:
                 params[attn + "o_proj.bias"] = take(attn + "o_proj.bias")
-            params[mlp + "gate_up_proj.weight"] = fused([mlp + "gate_proj.weight", mlp + "up_proj.weight"])
+            params[mlp + "gate_up_proj.weight"] = fused([mlp + "gate_proj.weight", mlp + "up_proj.weight"],
+                                                        mlp + "gate_up_proj.weight")
             params[mlp + "down_proj.weight"] = take(mlp + "down_proj.weight")
             params[p + "input_layernorm.weight"] = take(p + "input_layernorm.weight")
             params[p + "post_attention_layernorm.weight"] = take(p + "post_attention_layernorm.weight")

@@ -91,12 +91,17 @@ def _llama(hf_config: Any) -> ArchFlags:
     return ArchFlags(qkv_bias=bias, o_bias=bias)
 
 
-def _mistral(hf_config: Any) -> ArchFlags:
-    # A window at least as long as the context never masks anything, so only a shorter one changes numerics.
+def _refuse_short_window(model_type: str, hf_config: Any) -> None:
+    """A sliding window at least as long as the context never masks anything, so only a shorter one changes
+    numerics: refuse it (ValueError naming the field); the decoder attends to the whole context."""
     window = getattr(hf_config, "sliding_window", None)
     if window is not None and window < hf_config.max_position_embeddings:
-        raise ValueError(f"mistral: sliding_window={window} < max_position_embeddings="
+        raise ValueError(f"{model_type}: sliding_window={window} < max_position_embeddings="
                          f"{hf_config.max_position_embeddings} is not supported (no sliding-window attention)")
+
+
+def _mistral(hf_config: Any) -> ArchFlags:
+    _refuse_short_window("mistral", hf_config)
     return ArchFlags()
 
 
@@ -114,9 +119,16 @@ def _qwen3(hf_config: Any) -> ArchFlags:
     return ArchFlags(qkv_bias=bias, o_bias=bias, qk_norm=True)
 
 
+def _phi3(hf_config: Any) -> ArchFlags:
+    # HF Phi3: Llama's numerics with q/k/v and gate/up stored fused (the loader takes either layout), no biases.
+    _refuse_short_window("phi3", hf_config)  # Phi-3-mini-4k has 2047 against 4096
+    return ArchFlags()
+
+
 _ADAPTERS: Mapping[str, Callable[[Any], ArchFlags]] = MappingProxyType({
     "llama": _llama,
     "mistral": _mistral,
+    "phi3": _phi3,
     "qwen2": _qwen2,
     "qwen3": _qwen3,
 })
