@@ -10,7 +10,8 @@ from typing import Any
 import torch
 
 from engine.args import DTYPE_NAMES
-from engine.models.registry import Llama3RopeScaling, arch_flags
+from engine.models.interface import Llama3RopeScaling, MoEConfig
+from engine.models.registry import arch_flags
 from engine.speculative import SpeculativeConfig
 
 DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in DTYPE_NAMES}
@@ -18,17 +19,20 @@ DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in DTYPE_N
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Architecture of a Llama-family decoder (Llama, Mistral, Qwen2, Qwen3), read from an HF `config.json`.
+    """Architecture of a decoder served by `engine.models` (the registry lists the model types), read from an HF
+    `config.json`.
 
     Attributes are in the field's usual units: sizes in elements, `rope_theta` the RoPE base; `head_dim` is the
-    config's own when it has one (Qwen3's differs from hidden_size / num_heads). The rest are
-    `engine.models.registry.ArchFlags`, set per `model_type` and config: `qkv_bias` / `o_bias` (the fused q/k/v
-    projection / o_proj carry a bias), `qk_norm` (per-head RMSNorm on q and k before RoPE) and `rope_llama3`
-    (Llama-3 RoPE frequency scaling, None for plain RoPE).
+    config's own when it has one (Qwen3's differs from hidden_size / num_heads); `architecture` is the HF
+    `model_type` (it picks the module, `engine.models.registry.architecture`). The rest are
+    `engine.models.interface.ArchFlags`, set per `model_type` and config: `qkv_bias` / `o_bias` (the fused q/k/v
+    projection / o_proj carry a bias), `qk_norm` (per-head RMSNorm on q and k before RoPE), `rope_llama3`
+    (Llama-3 RoPE frequency scaling, None for plain RoPE) and `moe` (the routed experts of an MoE model).
     """
 
     name: str
     path: str
+    architecture: str
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -46,6 +50,7 @@ class ModelConfig:
     o_bias: bool = False
     qk_norm: bool = False
     rope_llama3: Llama3RopeScaling | None = None
+    moe: MoEConfig | None = None
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -53,7 +58,7 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, hf_config: Any, name: str, path: str, dtype: str = "float32") -> "ModelConfig":
-        """Build from a `transformers.PretrainedConfig` of a Llama-family model (`engine.models.registry`).
+        """Build from a `transformers.PretrainedConfig` of a registered model type (`engine.models.registry`).
 
         Raises:
             ValueError: the model_type, a feature it asks for (the field is named) or its RoPE type (named) is not
@@ -71,6 +76,7 @@ class ModelConfig:
         return cls(
             name=name,
             path=path,
+            architecture=hf_config.model_type,
             vocab_size=hf_config.vocab_size,
             hidden_size=hf_config.hidden_size,
             intermediate_size=hf_config.intermediate_size,
@@ -88,6 +94,7 @@ class ModelConfig:
             o_bias=flags.o_bias,
             qk_norm=flags.qk_norm,
             rope_llama3=flags.rope_llama3,
+            moe=flags.moe,
         )
 
 

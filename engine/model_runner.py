@@ -10,7 +10,7 @@ from engine.attention import AttentionMetadata, fill_block_tables
 from engine.config import CacheConfig, ModelConfig
 from engine.cuda_graphs import DecodeGraphs
 from engine.kv_cache import KVCache
-from engine.models.llama import DecoderModel
+from engine.models.registry import architecture
 from engine.outputs import RunnerOutput, SampledToken, ScheduledRequest, SchedulerOutput
 from engine.packing import pack_linears
 from engine.quantization import quantize_weight_only
@@ -39,7 +39,7 @@ class ModelRunner:
 
     Raises:
         ValueError: an unknown or unusable attention backend (`kernels.select_ops`), quantization of a float32
-            model or of shapes int4 cannot pack, or graph sizes without max_model_len.
+            model, of shapes int4 cannot pack or of a mixture-of-experts model, or graph sizes without max_model_len.
     """
 
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig,
@@ -50,7 +50,11 @@ class ModelRunner:
         self.model_config = model_config
         self.device = torch.device(device)
         self.attention_ops = select_ops(attention_backend, self.device)
-        self.model = DecoderModel(model_config, self.attention_ops).to(device=self.device,
+        if quantization != "none" and model_config.moe is not None:
+            raise ValueError(f"--quantization {quantization} is not implemented for mixture-of-experts models (the "
+                             f"experts would stay unquantized and the router would be)")
+        model_class = architecture(model_config.architecture).Model
+        self.model = model_class(model_config, self.attention_ops).to(device=self.device,
                                                                       dtype=model_config.torch_dtype)
         if state_dict is not None:
             self.model.load_weights(state_dict)
@@ -63,7 +67,9 @@ class ModelRunner:
         self.block_size = cache_config.block_size
         self.sampler = Sampler(model_config.vocab_size, seed)
         self.decode_graphs = None
-        if cuda_graph_sizes and not self.attention_ops.capturable:
+        if cuda_graph_sizes and model_config.moe is not None:
+            log.warning("mixture-of-experts layers group tokens on the host; every step runs eagerly")
+        elif cuda_graph_sizes and not self.attention_ops.capturable:
             log.warning("attention backend %r cannot be captured in a CUDA graph; every step runs eagerly",
                         self.attention_ops.name)
         elif cuda_graph_sizes:

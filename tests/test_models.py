@@ -13,7 +13,7 @@ from conftest import hf_greedy
 from engine.args import EngineArgs
 from engine.builder import build_engine
 from engine.config import ModelConfig
-from engine.models.llama import DecoderModel
+from engine.models.decoder import DecoderModel
 from engine.offline import run_until_idle
 from engine.request import Request, SamplingParams
 from kernels import select_ops
@@ -154,7 +154,7 @@ def test_llama3_rope_frequencies_are_hfs_and_scaled(llama3_rope_dir):
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.modeling_rope_utils import _compute_llama3_parameters
 
-    from engine.models.llama import RotaryEmbedding, default_inv_freq
+    from engine.models.layers import RotaryEmbedding, default_inv_freq
 
     hf_cfg = AutoConfig.from_pretrained(llama3_rope_dir)
     cfg = _from_hf(hf_cfg)
@@ -272,7 +272,7 @@ def _from_hf(hf_config) -> ModelConfig:
 def test_registry_flags_per_model_type():
     from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
-    from engine.models.registry import Llama3RopeScaling
+    from engine.models.interface import Llama3RopeScaling
 
     def flags(c):
         return c.qkv_bias, c.o_bias, c.qk_norm
@@ -299,7 +299,7 @@ def test_registry_rejects_what_it_cannot_serve():
 
     with pytest.raises(ValueError, match="mlp_bias"):
         _from_hf(LlamaConfig(mlp_bias=True))
-    with pytest.raises(ValueError, match="'gpt2'.*llama, mistral, phi3, qwen2, qwen3"):
+    with pytest.raises(ValueError, match="'gpt2'.*llama, mistral, mixtral, phi3, qwen2, qwen3, qwen3_moe"):
         _from_hf(GPT2Config())
     with pytest.raises(ValueError, match="sliding_window=128"):
         _from_hf(MistralConfig(sliding_window=128, max_position_embeddings=512))

@@ -1,0 +1,177 @@
+"""Mixture-of-experts models (Qwen3-MoE, Mixtral): greedy parity with HF transformers on tiny random-weight models,
+experts run grouped (one GEMM per active expert, not per token), both checkpoint layouts of the experts, and the
+config reading of which layers are sparse."""
+import dataclasses
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import hf_greedy
+from engine.config import ModelConfig
+from engine.models.decoder import DecoderModel
+from engine.models.interface import MoEConfig
+from engine.models.moe import SparseMoE
+from kernels import select_ops
+from test_models import TINY, VOCAB, _save_random, run_greedy
+
+MOE = dict(TINY, num_experts_per_tok=2)
+
+
+def _sharpen_router(model) -> None:
+    """Router weights large enough that each token's top-2 experts are clear winners (no near-ties for summation
+    order to flip) and different tokens pick different experts; experts three times HF's initial scale, so that
+    their output moves the greedy tokens (at HF's scale a wrong routing weight went unnoticed in Qwen3-MoE)."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                p.normal_(0.0, 1.0)
+            elif ".experts." in name:
+                p.mul_(3.0)
+
+
+@pytest.fixture(scope="module")
+def qwen3_moe_dir(tmp_path_factory) -> str:
+    """Three layers: 0 and 1 sparse, 2 dense (`mlp_only_layers`), 8 experts of width 32, top-2, unnormalised."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen3MoeConfig(**{**MOE, "num_hidden_layers": 3}, head_dim=16, rms_norm_eps=1e-6, num_experts=8,
+                         moe_intermediate_size=32, mlp_only_layers=[2], norm_topk_prob=False)
+    model = Qwen3MoeForCausalLM(cfg)
+    _sharpen_router(model)
+    return _save_random(model, tmp_path_factory.mktemp("tiny-qwen3-moe"))
+
+
+@pytest.fixture(scope="module")
+def mixtral_dir(tmp_path_factory) -> str:
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(0)
+    cfg = MixtralConfig(**{**MOE, "intermediate_size": 32}, rms_norm_eps=1e-5, num_local_experts=8,
+                        sliding_window=None)
+    model = MixtralForCausalLM(cfg)
+    _sharpen_router(model)
+    return _save_random(model, tmp_path_factory.mktemp("tiny-mixtral"))
+
+
+@pytest.mark.parametrize("model_fixture,sparse_layers,normalised", [
+    ("qwen3_moe_dir", (0, 1), False),
+    ("mixtral_dir", (0, 1), True),
+])
+def test_greedy_matches_hf(request, model_fixture, sparse_layers, normalised):
+    """24+ greedy tokens from prompts of 1..40 tokens under a 16-token budget (chunked prefill, mixed decode and
+    prefill steps): every step routes a different set of tokens through the experts."""
+    model_dir = request.getfixturevalue(model_fixture)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, VOCAB) for _ in range(n)] for n in (1, 6, 19, 40)]
+    max_tokens = [24, 30, 26, 25]
+    parts, reqs, chunked = run_greedy(model_dir, prompts, max_tokens)
+    moe = parts.model_config.moe
+    assert moe is not None and (moe.num_experts, moe.top_k) == (8, 2)
+    assert (moe.sparse_layers, moe.norm_topk_prob) == (sparse_layers, normalised)
+    assert chunked, "the test meant to exercise chunked prefill"
+    for req, p, n in zip(reqs, prompts, max_tokens):
+        assert len(req.output_token_ids) == n
+        assert req.output_token_ids == hf_greedy(model_dir, p, n), req.request_id
+
+
+def _moe_block(norm: bool) -> SparseMoE:
+    torch.manual_seed(0)
+    block = SparseMoE(32, MoEConfig(num_experts=8, top_k=2, intermediate_size=16, norm_topk_prob=norm,
+                                    sparse_layers=(0,)), select_ops("torch", "cpu"))
+    with torch.no_grad():
+        block.gate.weight.normal_(0.0, 1.0)
+    return block
+
+
+@pytest.mark.parametrize("norm", [False, True])
+def test_experts_run_grouped_and_match_a_per_token_loop(norm):
+    """40 tokens x top-2 = 80 assignments, but one gate/up GEMM (one silu_and_mul) per expert that received any,
+    and the sum equals the obvious per-token, per-expert loop."""
+    block = _moe_block(norm)
+    calls = []
+    silu_and_mul = block.ops.silu_and_mul
+    block.ops = dataclasses.replace(block.ops, silu_and_mul=lambda x: calls.append(x.shape[0]) or silu_and_mul(x))
+    x = torch.randn(40, 32)
+    with torch.no_grad():
+        out = block(x)
+        weights, experts = block.route(x)
+        expected = torch.zeros_like(x)
+        for t in range(x.shape[0]):
+            for w, e in zip(weights[t], experts[t]):
+                gate, up = torch.nn.functional.linear(x[t], block.experts.gate_up_proj[e]).chunk(2)
+                expected[t] += w * torch.nn.functional.linear(torch.nn.functional.silu(gate) * up,
+                                                              block.experts.down_proj[e])
+    active = experts.unique().numel()
+    assert len(calls) == active and sum(calls) == 80 and active > 2  # grouped, and routing is not degenerate
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+    if norm:
+        torch.testing.assert_close(weights.sum(dim=-1), torch.ones(40))
+    else:
+        assert (weights.sum(dim=-1) < 1).all()
+
+
+def test_experts_load_from_either_layout(qwen3_moe_dir):
+    """The checkpoint's per-expert tensors and HF >= 5's in-memory stacked ones (`experts.gate_up_proj`) load to
+    the same parameters; a missing expert is named."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from engine.loader import load_state_dict
+
+    cfg = ModelConfig.from_hf(AutoConfig.from_pretrained(qwen3_moe_dir), name="m", path="")
+    ops = select_ops("torch", "cpu")
+    per_expert = load_state_dict(Path(qwen3_moe_dir))
+    assert "model.layers.0.mlp.experts.7.down_proj.weight" in per_expert
+    stacked = AutoModelForCausalLM.from_pretrained(qwen3_moe_dir, dtype=torch.float32).state_dict()
+    assert stacked["model.layers.0.mlp.experts.gate_up_proj"].shape == (8, 64, 64)
+    a, b = DecoderModel(cfg, ops), DecoderModel(cfg, ops)
+    a.load_weights(per_expert)
+    b.load_weights(stacked)
+    for (name, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters()):
+        assert torch.equal(pa, pb), name
+    missing = {k: v for k, v in per_expert.items() if k != "model.layers.1.mlp.experts.3.up_proj.weight"}
+    with pytest.raises(KeyError, match="layers.1.mlp.experts.3.up_proj.weight"):
+        DecoderModel(cfg, ops).load_weights(missing)
+
+
+def test_dense_checkpoint_refused_by_moe_config(qwen3_moe_dir):
+    """A dense layer's tensors where the config says experts: the router is missing, named."""
+    from transformers import AutoConfig
+
+    from engine.loader import load_state_dict
+
+    cfg = ModelConfig.from_hf(AutoConfig.from_pretrained(qwen3_moe_dir), name="m", path="")
+    state = load_state_dict(Path(qwen3_moe_dir))
+    dense = {k: v for k, v in state.items() if ".mlp." not in k or not k.startswith("model.layers.0.")}
+    dense["model.layers.0.mlp.gate_proj.weight"] = torch.zeros(128, 64)
+    with pytest.raises(KeyError, match="layers.0.mlp.gate.weight"):
+        DecoderModel(cfg, select_ops("torch", "cpu")).load_weights(dense)
+
+
+def test_sparse_layers_follow_hf():
+    """HF Qwen3MoeDecoderLayer: layer i is sparse iff i not in mlp_only_layers and (i + 1) % decoder_sparse_step
+    == 0; no experts at all gives a dense model; Mixtral is sparse everywhere."""
+    from transformers import MixtralConfig, Qwen3MoeConfig
+
+    def sparse(c):
+        moe = ModelConfig.from_hf(c, name="m", path="").moe
+        return None if moe is None else moe.sparse_layers
+
+    assert sparse(Qwen3MoeConfig(num_hidden_layers=6, decoder_sparse_step=2, mlp_only_layers=[3])) == (1, 5)
+    assert sparse(Qwen3MoeConfig(num_hidden_layers=3, num_experts=0)) is None
+    assert sparse(MixtralConfig(num_hidden_layers=4)) == (0, 1, 2, 3)
+    with pytest.raises(ValueError, match="qwen3_moe: use_sliding_window"):
+        ModelConfig.from_hf(Qwen3MoeConfig(use_sliding_window=True), name="m", path="")
+    with pytest.raises(ValueError, match="mixtral: sliding_window=128"):
+        ModelConfig.from_hf(MixtralConfig(sliding_window=128, max_position_embeddings=512), name="m", path="")
+
+
+def test_quantization_of_moe_is_refused(qwen3_moe_dir):
+    from engine.args import EngineArgs
+    from engine.builder import build_engine
+
+    with pytest.raises(ValueError, match="int8 is not implemented for mixture-of-experts"):
+        build_engine(EngineArgs(dtype="bfloat16", model_dir=qwen3_moe_dir, kv_tokens=256, quantization="int8",
+                                attention_backend="torch"))
