@@ -11,6 +11,10 @@ Layout shared by all ops (see `engine.kv_cache`):
     k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], one layer's view (may be strided in dim 0)
     block_tables:     [num_seqs, max_blocks_per_seq] int32, physical block ids, padded with 0
     slot_mapping:     [num_tokens] int64, block_id * block_size + offset for each new token
+
+Both attention ops take `sliding_window` (an int per call, so per layer: Gemma alternates local and global layers;
+0 or None: full causal attention): with W >= 1 the query at position q sees keys k <= q with q - k < W, HF
+transformers' sliding-window mask (`kernels.reference`). Every backend starts reading K/V at the window.
 """
 from __future__ import annotations
 

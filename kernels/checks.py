@@ -1,5 +1,6 @@
 """Argument checks shared by the Triton wrappers: a bad shape, stride, dtype or device is a `ValueError` naming the
-offending tensor and its shape, raised on the host before any launch (a wrong launch would read out of bounds)."""
+offending tensor and its shape, raised on the host before any launch (a wrong launch would read out of bounds).
+`window_size` reads the attention ops' `sliding_window` for every backend."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -34,6 +35,20 @@ def check_tensor(name: str, t: torch.Tensor, ndim: int, dtypes: tuple[torch.dtyp
     if inner_contiguous:
         check(t.stride(-1) == 1, lambda: f"{name} must be contiguous in its last dim, got strides {t.stride()}"
                                  f" for shape {tuple(t.shape)}")
+
+
+def window_size(sliding_window: int | None) -> int:
+    """An attention op's `sliding_window` argument (None or 0: no window; W >= 1: the query's token and the W - 1
+    before it, `kernels.reference`) as an int >= 0, 0 meaning no window.
+
+    Raises:
+        ValueError: a negative window.
+    """
+    if not sliding_window:
+        return 0
+    if sliding_window < 0:
+        raise ValueError(f"sliding_window must be >= 0 (0 or None: no window), got {sliding_window}")
+    return int(sliding_window)
 
 
 def dense_block_strides(num_kv_heads: int, head_dim: int) -> tuple[int, int, int]:

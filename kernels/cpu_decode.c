@@ -80,7 +80,8 @@ static inline void prefetch_row(const void *k_cache, const void *v_cache, int64_
 }
 
 /* The work item this thread runs next (table == NULL: none). The prefetch runs on into it past this item's last
- * block, so that a short context's first blocks are not all cold misses (an item of 72 tokens has 5 blocks). */
+ * block, so that a short context's first blocks are not all cold misses (an item of 72 tokens has 5 blocks). With a
+ * sliding window the item starts at its window's first block: table and ctx are then counted from that block. */
 typedef struct {
     const int32_t *table;
     int ctx;
@@ -99,16 +100,23 @@ static inline int64_t ahead_base(const int32_t *table, int t0, int ctx, int bloc
     return -1;
 }
 
-/* One work item: sequence s, kv head kvh, all `group` query heads that share it. Always inlined into the callers
- * below with head_dim a compile-time constant (64, 128) where it can be, so that the loops over head_dim unroll
- * and the accumulators stay in registers; the generic call keeps it a runtime value. */
+/* First key of sequence s that its query sees: ctx - window with a sliding window shorter than the context, else 0
+ * (HF's sliding-window mask: key k is seen iff k <= q and q - k < window, the query at q = ctx - 1). */
+static inline int window_start(int ctx, int sliding_window) {
+    return sliding_window > 0 && ctx > sliding_window ? ctx - sliding_window : 0;
+}
+
+/* One work item: sequence s, kv head kvh, all `group` query heads that share it, over keys [window_start, ctx): the
+ * blocks before the window's are never read. Always inlined into the callers below with head_dim a compile-time
+ * constant (64, 128) where it can be, so that the loops over head_dim unroll and the accumulators stay in registers;
+ * the generic call keeps it a runtime value. */
 static inline __attribute__((always_inline)) void attend_item(
         const void *query, const void *k_cache, const void *v_cache, const int32_t *block_tables,
         const int32_t *context_lens, void *out, int s, int kvh, int group, int num_q_heads, int head_dim,
         int block_size, int max_blocks, int64_t block_stride, int64_t token_stride, int64_t q_stride, float scale,
-        int is_bf16, NextItem next) {
+        int sliding_window, int is_bf16, NextItem next) {
     const size_t elem = is_bf16 ? 2 : 4;
-    const int ctx = context_lens[s];
+    const int ctx = context_lens[s], lo = window_start(ctx, sliding_window);
     float q[MAX_GROUP][MAX_HEAD_DIM], acc[MAX_GROUP][MAX_HEAD_DIM], m[MAX_GROUP], l[MAX_GROUP];
     float kb[MAX_BLOCK][MAX_HEAD_DIM], vb[MAX_BLOCK][MAX_HEAD_DIM];
     for (int g = 0; g < group; g++) {
@@ -120,19 +128,20 @@ static inline __attribute__((always_inline)) void attend_item(
     }
     const int32_t *table = block_tables + (size_t)s * max_blocks;
     const size_t row_bytes = (size_t)head_dim * elem;
-    for (int t0 = 0; t0 < ctx; t0 += block_size) {
+    for (int t0 = lo - lo % block_size; t0 < ctx; t0 += block_size) {
         const int n = ctx - t0 < block_size ? ctx - t0 : block_size;  /* tokens of this block in context */
+        const int j0 = t0 < lo ? lo - t0 : 0;  /* the window's first block: its tokens before lo are not seen */
         const int64_t base = (int64_t)table[t0 / block_size] * block_stride + (int64_t)kvh * head_dim;
         const int64_t ahead = ahead_base(table, t0, ctx, block_size, block_stride, (int64_t)kvh * head_dim, next);
-        for (int j = 0; j < n; j++) {  /* widen the block's rows once for all heads of the group */
+        for (int j = j0; j < n; j++) {  /* widen the block's rows once for all heads of the group */
             if (ahead >= 0) prefetch_row(k_cache, v_cache, ahead + j * token_stride, row_bytes, elem);
             load_row(kb[j], (const char *)k_cache + (base + j * token_stride) * elem, head_dim, is_bf16);
         }
-        for (int j = 0; j < n; j++)
+        for (int j = j0; j < n; j++)
             load_row(vb[j], (const char *)v_cache + (base + j * token_stride) * elem, head_dim, is_bf16);
         for (int g = 0; g < group; g++) {
             float sc[MAX_BLOCK], bmax = -FLT_MAX;
-            for (int j = 0; j < n; j++) {
+            for (int j = j0; j < n; j++) {
                 float dot = 0.0f;
                 #pragma omp simd reduction(+:dot)
                 for (int d = 0; d < head_dim; d++) dot += q[g][d] * kb[j][d];
@@ -147,12 +156,12 @@ static inline __attribute__((always_inline)) void attend_item(
                 m[g] = bmax;
             }
             float psum = 0.0f;
-            for (int j = 0; j < n; j++) {  /* a loop of its own so that expf vectorizes over the block */
+            for (int j = j0; j < n; j++) {  /* a loop of its own so that expf vectorizes over the block */
                 sc[j] = expf(sc[j] - m[g]);
                 psum += sc[j];
             }
             l[g] += psum;
-            for (int j = 0; j < n; j++)
+            for (int j = j0; j < n; j++)
                 for (int d = 0; d < head_dim; d++) acc[g][d] += sc[j] * vb[j][d];
         }
     }
@@ -196,16 +205,17 @@ static inline __m512 hsum16(const __m512 *v) {
 
 /* Same contract as attend_item, for head_dim HD in {64, 128} (a compile-time constant at each call). Tokens go 16
  * at a time (a block of 32 or 64 in chunks of 16; a smaller block, or the context's tail, as a partial chunk whose
- * missing lanes are masked: rows past the context are never read). */
+ * missing lanes are masked: rows past the context are never read). The window's first block starts its chunks at
+ * the window's first token. */
 static inline __attribute__((always_inline)) void attend_item_avx512(
         const void *query, const void *k_cache, const void *v_cache, const int32_t *block_tables,
         const int32_t *context_lens, void *out, int s, int kvh, int group, int num_q_heads, const int HD,
         int block_size, int max_blocks, int64_t block_stride, int64_t token_stride, int64_t q_stride, float scale,
-        int is_bf16, NextItem next) {
+        int sliding_window, int is_bf16, NextItem next) {
     enum { NC_MAX = MAX_HEAD_DIM / 16 };
     const int NC = HD / 16;
     const size_t elem = is_bf16 ? 2 : 4;
-    const int ctx = context_lens[s];
+    const int ctx = context_lens[s], lo = window_start(ctx, sliding_window);
     float acc[MAX_GROUP][MAX_HEAD_DIM] __attribute__((aligned(64))), m[MAX_GROUP], l[MAX_GROUP];
     float vb[16][MAX_HEAD_DIM] __attribute__((aligned(64)));
     __m512 qf[MAX_GROUP][NC_MAX];
@@ -227,11 +237,11 @@ static inline __attribute__((always_inline)) void attend_item_avx512(
     }
     const int32_t *table = block_tables + (size_t)s * max_blocks;
     const __m512 vscale = _mm512_set1_ps(scale), vlow = _mm512_set1_ps(-FLT_MAX);
-    for (int t0 = 0; t0 < ctx; t0 += block_size) {
+    for (int t0 = lo - lo % block_size; t0 < ctx; t0 += block_size) {
         const int in_block = ctx - t0 < block_size ? ctx - t0 : block_size;
         const int64_t base = (int64_t)table[t0 / block_size] * block_stride + (int64_t)kvh * HD;
         const int64_t ahead = ahead_base(table, t0, ctx, block_size, block_stride, (int64_t)kvh * HD, next);
-        for (int c0 = 0; c0 < in_block; c0 += 16) {
+        for (int c0 = t0 < lo ? lo - t0 : 0; c0 < in_block; c0 += 16) {
             const int n = in_block - c0 < 16 ? in_block - c0 : 16;
             const __mmask16 live = (__mmask16)((1u << n) - 1u);
             const char *krow[16];
@@ -294,8 +304,9 @@ static inline __attribute__((always_inline)) void attend_item_avx512(
 }
 #endif
 
-/* out[s, h, :] = softmax(scale * q[s, h, :] . K[s, :ctx, h / group, :]) . V[s, :ctx, h / group, :]
+/* out[s, h, :] = softmax(scale * q[s, h, :] . K[s, lo:ctx, h / group, :]) . V[s, lo:ctx, h / group, :]
  *
+ * lo = max(0, ctx - sliding_window) with sliding_window >= 1, else 0 (window_start): HF's sliding-window mask.
  * query: [num_seqs, num_q_heads, head_dim], fp32 or bf16 (is_bf16), heads dense within a sequence, sequences
  *     q_stride elements apart (the model's q is a view of its fused qkv rows: no copy to make it contiguous).
  * out: [num_seqs, num_q_heads, head_dim], contiguous, the query's dtype.
@@ -305,17 +316,18 @@ static inline __attribute__((always_inline)) void attend_item_avx512(
  * Work items are (sequence, kv head) pairs, split statically over `num_threads` OpenMP threads.
  * A sequence with context_len <= 0 gets zeros (the caller never sends one; defined rather than NaN).
  * Returns the first sequence whose context needs more than max_blocks blocks or whose table names a block outside
- * [0, num_blocks), having computed nothing, or -1. Checked here rather than by the caller: a pass over the tables
- * is free next to the attention, and the wrapper's host-side max of context_lens cost a microsecond per layer. */
+ * [0, num_blocks) among those its window reads, having computed nothing, or -1. Checked here rather than by the
+ * caller: a pass over the tables is free next to the attention, and the wrapper's host-side max of context_lens cost
+ * a microsecond per layer. */
 int paged_decode_attention(const void *query, const void *k_cache, const void *v_cache,
                            const int32_t *block_tables, const int32_t *context_lens, void *out,
                            int num_seqs, int num_q_heads, int num_kv_heads, int head_dim, int block_size,
-                           int max_blocks, int64_t block_stride, int64_t q_stride, float scale, int is_bf16,
-                           int num_threads, int64_t num_blocks) {
+                           int max_blocks, int64_t block_stride, int64_t q_stride, float scale, int sliding_window,
+                           int is_bf16, int num_threads, int64_t num_blocks) {
     for (int s = 0; s < num_seqs; s++) {
         const int ctx = context_lens[s];
         if (ctx > (int64_t)max_blocks * block_size) return s;
-        for (int b = 0; b < (ctx + block_size - 1) / block_size; b++) {
+        for (int b = window_start(ctx, sliding_window) / block_size; b < (ctx + block_size - 1) / block_size; b++) {
             const int32_t block = block_tables[(size_t)s * max_blocks + b];
             if (block < 0 || block >= num_blocks) return s;
         }
@@ -327,17 +339,19 @@ int paged_decode_attention(const void *query, const void *k_cache, const void *v
         const int s = item / num_kv_heads, kvh = item % num_kv_heads;
         NextItem next = {NULL, 0, 0};
         if (item + 1 < num_seqs * num_kv_heads) {
-            const int s2 = (item + 1) / num_kv_heads;
-            next = (NextItem){block_tables + (size_t)s2 * max_blocks, context_lens[s2],
+            const int s2 = (item + 1) / num_kv_heads, ctx2 = context_lens[s2];
+            const int first = window_start(ctx2, sliding_window) / block_size;
+            next = (NextItem){block_tables + (size_t)s2 * max_blocks + first, ctx2 - first * block_size,
                               (int64_t)((item + 1) % num_kv_heads) * head_dim};
         }
 #define ATTEND(HD, BF16) attend_item(query, k_cache, v_cache, block_tables, context_lens, out, s, kvh, group, \
                                      num_q_heads, HD, block_size, max_blocks, block_stride, token_stride, q_stride, \
-                                     scale, BF16, next)
+                                     scale, sliding_window, BF16, next)
 /* head_dim 64 and 128 as compile-time constants: the AVX-512 path where the build has it, else the plain loops */
 #ifdef HAVE_AVX512
 #define ATTEND_FIXED(HD, BF16) attend_item_avx512(query, k_cache, v_cache, block_tables, context_lens, out, s, kvh, \
-        group, num_q_heads, HD, block_size, max_blocks, block_stride, token_stride, q_stride, scale, BF16, next)
+        group, num_q_heads, HD, block_size, max_blocks, block_stride, token_stride, q_stride, scale, sliding_window, \
+        BF16, next)
 #else
 #define ATTEND_FIXED ATTEND
 #endif

@@ -22,8 +22,8 @@
     int PDSERVE_ISA_NAME(paged_decode_attention, isa)(                                                               \
         const void *query, const void *k_cache, const void *v_cache, const int32_t *block_tables,                    \
         const int32_t *context_lens, void *out, int num_seqs, int num_q_heads, int num_kv_heads, int head_dim,       \
-        int block_size, int max_blocks, int64_t block_stride, int64_t q_stride, float scale, int is_bf16,            \
-        int num_threads, int64_t num_blocks);                                                                        \
+        int block_size, int max_blocks, int64_t block_stride, int64_t q_stride, float scale, int sliding_window,      \
+        int is_bf16, int num_threads, int64_t num_blocks);                                                           \
     void PDSERVE_ISA_NAME(rms_norm, isa)(const void *x, void *residual, const void *weight, void *out, int rows,     \
                                          int dim, int64_t x_stride, float eps, int is_bf16, int num_threads);        \
     void PDSERVE_ISA_NAME(silu_and_mul, isa)(const void *gate_up, void *out, int rows, int inter, int is_bf16,       \

@@ -133,7 +133,8 @@ std::string row_text(const at::Tensor &table, int64_t row) {  // as Python print
 }
 
 at::Tensor paged_decode_attention(const at::Tensor &query, const at::Tensor &k_cache, const at::Tensor &v_cache,
-                                  const at::Tensor &block_tables, const at::Tensor &context_lens, double scale) {
+                                  const at::Tensor &block_tables, const at::Tensor &context_lens, double scale,
+                                  int64_t sliding_window) {
     check_cpu(query, "query");
     check_float(query, "query");
     TORCH_CHECK_VALUE(query.dim() == 3 && query.stride(2) == 1, "query must be [num_seqs, num_q_heads, head_dim] "
@@ -159,6 +160,8 @@ at::Tensor paged_decode_attention(const at::Tensor &query, const at::Tensor &k_c
     TORCH_CHECK_VALUE(context_lens.scalar_type() == at::kInt && context_lens.dim() == 1 &&
                       context_lens.size(0) == num_seqs, "context_lens must be [num_seqs=", num_seqs,
                       "] int32, got ", context_lens.scalar_type(), " of shape ", context_lens.sizes());
+    TORCH_CHECK_VALUE(sliding_window >= 0 && sliding_window <= INT32_MAX, "sliding_window must be in [0, 2^31) (0: no "
+                      "window), got ", sliding_window);
     // The kernel takes any sequence stride of the query (a view of the fused q/k/v rows) but heads dense, and dense
     // tables: anything else is copied (never on the engine's path).
     const at::Tensor q = query.stride(1) == head_dim ? query : query.contiguous();
@@ -168,7 +171,8 @@ at::Tensor paged_decode_attention(const at::Tensor &query, const at::Tensor &k_c
     const int bad = kernels().paged_decode_attention(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr<int32_t>(), lens.data_ptr<int32_t>(),
         out.data_ptr(), num_seqs, num_q_heads, num_kv_heads, head_dim, block_size, tables.size(1), k_cache.stride(0),
-        q.stride(0), static_cast<float>(scale), is_bf16(q), at::get_num_threads(), num_blocks);
+        q.stride(0), static_cast<float>(scale), static_cast<int>(sliding_window), is_bf16(q), at::get_num_threads(),
+        num_blocks);
     TORCH_CHECK_VALUE(bad < 0, "sequence ", bad, ": a context of ", lens.data_ptr<int32_t>()[bad],  // on failure only
                       " tokens over block table row ", row_text(tables, bad),
                       " needs more blocks than the row has or names a block outside the cache (", num_blocks,
@@ -287,7 +291,7 @@ std::string torch_version() { return PDSERVE_STR(PDSERVE_TORCH_VERSION); }  // s
 
 TORCH_LIBRARY(pdserve, m) {
     m.def("paged_decode_attention(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-          "Tensor context_lens, float scale) -> Tensor");
+          "Tensor context_lens, float scale, int sliding_window=0) -> Tensor");
     m.def("rms_norm(Tensor x, Tensor weight, float eps, Tensor(a!)? residual=None) -> Tensor");
     m.def("silu_and_mul(Tensor gate_up) -> Tensor");
     m.def("rotary_and_write_kv(Tensor(a!) qkv, Tensor cos, Tensor sin, Tensor(b!) k_cache, Tensor(c!) v_cache, "

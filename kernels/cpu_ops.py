@@ -25,6 +25,9 @@ from kernels.reference import silu_and_mul as reference_silu_and_mul
 
 MAX_GROUP, MAX_HEAD_DIM, MAX_BLOCK = 16, 256, 64  # the C kernel's stack arrays (cpu_kernels.h)
 _C_DTYPES = (torch.float32, torch.bfloat16)  # what the C code reads; fp16 goes to the reference
+# A bf16 score for keys left of a sliding window, before the C softmax (`CpuKernels.causal_softmax`): -2^100 scaled
+# by any softmax scale up to 2^27 stays finite in fp32, and exp of it minus a real score's max is 0.
+_HIDDEN = -2.0 ** 100
 ISA_ENV = "PDSERVE_CPU_ISA"
 # The ISA levels setup.py builds (ISA_LEVELS), best first.
 ALL_ISAS = (("avx512_bf16", "avx512", "avx2", "base") if platform.machine().lower() in ("x86_64", "amd64")
@@ -80,7 +83,7 @@ def _register_fakes() -> None:
     torch.library.opcheck)."""
 
     @torch.library.register_fake("pdserve::paged_decode_attention")
-    def _(query, k_cache, v_cache, block_tables, context_lens, scale):
+    def _(query, k_cache, v_cache, block_tables, context_lens, scale, sliding_window=0):
         return query.new_empty(query.shape)
 
     @torch.library.register_fake("pdserve::rms_norm")
@@ -144,25 +147,30 @@ class CpuKernels:
         return cls()
 
     def paged_decode_attention(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                               block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                               block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                               sliding_window: int | None = 0) -> torch.Tensor:
         """Same contract as `kernels.reference.paged_decode_attention`: query [num_seqs, num_q_heads, head_dim],
         caches [num_blocks, block_size, num_kv_heads, head_dim] of its dtype (dim 0 may be strided), block_tables
-        [num_seqs, max_blocks] int32, context_lens [num_seqs] int32, all CPU tensors; returns [num_seqs,
+        [num_seqs, max_blocks] int32, context_lens [num_seqs] int32, all CPU tensors; sliding_window W >= 1 attends
+        over positions [max(0, context_len - W), context_len) only (HF's sliding-window mask; the C kernel reads
+        none of the blocks before the window's), 0 or None over the whole context; returns [num_seqs,
         num_q_heads, head_dim] in the query's dtype, with fp32 accumulation. fp32 and bf16 run in C; fp16, GQA
         groups over 16, head_dim over 256 or blocks over 64 tokens use the reference.
 
         Raises:
-            ValueError: a bad shape, dtype, stride or device, a non-CPU tensor, a context longer than its row of
-                block_tables, or a block id outside the cache (nothing is computed then).
+            ValueError: a bad shape, dtype, stride or device, a non-CPU tensor, a negative sliding_window, a context
+                longer than its row of block_tables, or a block id outside the cache among the blocks the window
+                reads (nothing is computed then).
         """
         q_shape, k_shape = query.shape, k_cache.shape
         # One expression (each shape read once): called once per layer per step.
         if (query.dtype in _C_DTYPES and len(q_shape) == 3 and len(k_shape) == 4 and q_shape[2] <= MAX_HEAD_DIM
                 and k_shape[1] <= MAX_BLOCK and q_shape[1] <= MAX_GROUP * k_shape[2]):
-            return self._decode(query, k_cache, v_cache, block_tables, context_lens, scale)  # checks its inputs
+            # checks its inputs; None is the op's 0 (no window)
+            return self._decode(query, k_cache, v_cache, block_tables, context_lens, scale, sliding_window or 0)
         check_attention(query, k_cache, v_cache, block_tables, context_lens, query.shape[0] if query.dim() else 0)
         check(query.device.type == "cpu", lambda: f"the cpu attention kernel needs CPU tensors, got {query.device}")
-        return reference_decode_attention(query, k_cache, v_cache, block_tables, context_lens, scale)
+        return reference_decode_attention(query, k_cache, v_cache, block_tables, context_lens, scale, sliding_window)
 
     # The small per-token ops (cpu_layer_ops.c). Each keeps the contract of its torch reference in kernels.reference;
     # they are called once or twice per layer per step, so the dtype is the one test here: fp16 goes to the
@@ -190,20 +198,31 @@ class CpuKernels:
             return self._silu_and_mul(gate_up)
         return reference_silu_and_mul(gate_up)
 
-    def causal_softmax(self, scores: torch.Tensor, rows: int, scale: float) -> torch.Tensor:
+    def causal_softmax(self, scores: torch.Tensor, rows: int, scale: float,
+                       window_start: int | None = None) -> torch.Tensor:
         """As `kernels.cpu_prefill.causal_softmax`, writing the probabilities into `scores` and returning it;
-        fp16 or non-contiguous scores take the torch version."""
+        fp16 or non-contiguous scores take the torch version.
+
+        The C softmax masks the causal diagonal only. With `window_start`, the keys left of each row's window are
+        first overwritten with `_HIDDEN`, a finite score (the C code is built with -ffast-math, which assumes no
+        infinities) so far below any real one that its probability underflows to exactly 0: every row sees its own
+        key, so the row's max is a real score.
+        """
         if scores.dtype != torch.bfloat16 or not scores.is_contiguous():
-            return cpu_prefill.causal_softmax(scores, rows, scale)
+            return cpu_prefill.causal_softmax(scores, rows, scale, window_start)
+        if window_start is not None:
+            hidden = cpu_prefill.left_of_window(rows, scores.shape[-1], window_start, scores.device)
+            scores.view(-1, rows, scores.shape[-1])[..., :hidden.shape[1]].masked_fill_(hidden, _HIDDEN)
         self._causal_softmax(scores, rows, scale)
         return scores
 
     def prefill_attention(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, block_tables: torch.Tensor,
-                          scale: float, max_query_len: int | None = None) -> torch.Tensor:
+                          scale: float, max_query_len: int | None = None,
+                          sliding_window: int | None = 0) -> torch.Tensor:
         """`kernels.cpu_prefill.prefill_attention` with the softmax in C."""
         return cpu_prefill.prefill_attention(query, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables,
-                                             scale, max_query_len, softmax=self.causal_softmax,
+                                             scale, max_query_len, sliding_window, softmax=self.causal_softmax,
                                              block_m=cpu_prefill.C_BLOCK_M)
 
     def rotary_and_write_kv(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,

@@ -3,6 +3,12 @@
 
 The attention ops read K/V through block tables straight from the paged cache: no per-request contiguous KV is kept
 between steps; a step gathers the blocks it attends over and drops the gather afterwards.
+
+Sliding window (Mistral, Gemma 2/3's local layers): both attention ops take `sliding_window` W, an int per call (0 or
+None: full causal attention). With W >= 1 a query at absolute position q sees key position k iff k <= q and
+q - k < W: its own token and the W - 1 before it. That is HF transformers' mask (transformers 5.24,
+`masking_utils.sliding_window_causal_mask_function`: `causal_mask_function`, kv_idx <= q_idx, and
+`sliding_window_overlay`, kv_idx > q_idx - sliding_window, with W the config's `sliding_window` as is).
 """
 from __future__ import annotations
 
@@ -10,6 +16,8 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+
+from kernels.checks import window_size
 
 
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -40,7 +48,8 @@ def _gather(cache: torch.Tensor, block_table: torch.Tensor, num_blocks: int) -> 
 
 
 def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                           sliding_window: int | None = 0) -> torch.Tensor:
     """Attention for one query token per sequence over its paged context (GQA aware).
 
     Args:
@@ -49,9 +58,15 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         block_tables: [num_seqs, max_blocks] int32.
         context_lens: [num_seqs] int32, tokens to attend over (including the query's own token, already written).
         scale: softmax scale, usually head_dim ** -0.5.
+        sliding_window: W >= 1 attends over the last W tokens only, positions [max(0, context_len - W),
+            context_len) (the query sits at context_len - 1; HF's sliding-window mask, see the module docstring);
+            0 or None: the whole context.
 
     Returns:
         [num_seqs, num_q_heads, head_dim] in the query's dtype; softmax and both products accumulate in fp32.
+
+    Raises:
+        ValueError: a negative sliding_window.
 
     fp32 goes through torch's scaled_dot_product_attention (GQA by `enable_gqa`, padding masked): with `_gather`'s
     index_select, 1.9x faster than the earlier advanced-index gather + einsum + softmax on CPU (64 seqs x 272
@@ -66,7 +81,11 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     k = _gather(k_cache, block_tables, num_blocks)  # [B, S, kvh, hd]
     v = _gather(v_cache, block_tables, num_blocks)
     pos = torch.arange(k.shape[1], device=query.device)
-    attend = pos[None, :] < context_lens[:, None].to(pos.device)  # [B, S], False = padding
+    lens = context_lens[:, None].to(pos.device)
+    attend = pos[None, :] < lens  # [B, S], False = padding
+    window = window_size(sliding_window)
+    if window:
+        attend &= pos[None, :] >= lens - window
     if query.dtype == torch.float32:
         out = F.scaled_dot_product_attention(query[:, :, None, :], k.transpose(1, 2), v.transpose(1, 2),
                                              attn_mask=attend[:, None, None, :], scale=scale, enable_gqa=True)
@@ -82,7 +101,8 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
 
 def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, block_tables: torch.Tensor,
-                      scale: float, max_query_len: int | None = None) -> torch.Tensor:
+                      scale: float, max_query_len: int | None = None,
+                      sliding_window: int | None = 0) -> torch.Tensor:
     """Causal attention for packed variable-length query chunks over cached prefix + new tokens.
 
     Sequence i owns query rows cu_seqlens_q[i]:cu_seqlens_q[i+1] (its newest q_len tokens) and attends over the
@@ -97,10 +117,16 @@ def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         block_tables: [num_seqs, max_blocks] int32.
         scale: softmax scale.
         max_query_len: longest chunk (a launch-size hint for the Triton kernel; unused here).
+        sliding_window: W >= 1: the row at absolute position p sees keys [max(0, p - W + 1), p] only (HF's
+            sliding-window mask, see the module docstring); 0 or None: all keys up to p.
 
     Returns:
         [num_tokens, num_q_heads, head_dim] in the query's dtype.
+
+    Raises:
+        ValueError: a negative sliding_window.
     """
+    window = window_size(sliding_window)
     out = torch.empty_like(query)
     block_size = k_cache.shape[1]
     starts = cu_seqlens_q.tolist()
@@ -112,7 +138,10 @@ def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         k = _gather(k_cache, block_tables[i:i + 1], nb)[0, :ctx]  # [ctx, kvh, hd]
         v = _gather(v_cache, block_tables[i:i + 1], nb)[0, :ctx]
         q_pos = torch.arange(ctx - q_len, ctx, device=query.device)
-        mask = torch.arange(ctx, device=query.device)[None, :] <= q_pos[:, None]  # [q_len, ctx]
+        k_pos = torch.arange(ctx, device=query.device)[None, :]
+        mask = k_pos <= q_pos[:, None]  # [q_len, ctx]
+        if window:
+            mask &= k_pos > q_pos[:, None] - window
         o = F.scaled_dot_product_attention(
             query[s:e].transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
             attn_mask=mask, scale=scale, enable_gqa=True)

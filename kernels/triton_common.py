@@ -44,8 +44,10 @@ def attend_paged_tile(q, m_i, l_i, acc, k_ptr, v_ptr, bt_row_ptr, pos, n_mask, v
     ([R, N] or [1, N]) masks scores. n_mask and visible None: every position is valid and visible to every row
     (no masking work). m_i, l_i [R] (running max and sum, log2 units) and acc [R, HEAD_PAD] are fp32.
     Probabilities are rounded to the cache dtype before the PV product (as FlashAttention does). A token's heads
-    are one dense row of NUM_KV_HEADS * HEAD_DIM elements inside a block. The caller guarantees every row sees at
-    least one position by its first tile, so the running max is finite. Returns the updated (m_i, l_i, acc).
+    are one dense row of NUM_KV_HEADS * HEAD_DIM elements inside a block. The running max must stay finite: either
+    every row sees a position of its first tile, or m_i starts at a finite floor (-FLT_MAX) so that a row that sees
+    none (a sliding window narrower than the prefill block) keeps alpha 1 and p 0 instead of NaN. Returns the
+    updated (m_i, l_i, acc).
     """
     if n_mask is None:
         block = tl.load(bt_row_ptr + pos // BLOCK_SIZE).to(tl.int64)

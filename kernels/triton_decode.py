@@ -9,6 +9,10 @@ With one split the program normalises and writes the output; with several, it wr
     out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s,   M = max_s m_s.
 Splitting lets a batch of few long sequences still fill the GPU; it is chosen on the host without a device sync
 (the block table's width bounds the longest context).
+A sliding window W (`kernels.reference`) is a plain int argument, not a constexpr, so layers of different windows
+(Gemma alternates them) share the compiled kernel, and a CUDA graph captures each layer's launch with its W like
+any other scalar, with no host sync. The splits then cover the window [max(0, ctx - W), ctx) only: a long context
+costs what the window does.
 """
 from __future__ import annotations
 
@@ -18,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.checks import check, check_attention
+from kernels.checks import check, check_attention, window_size
 from kernels.triton_common import attend_paged_tile, dot_mode
 
 _LOG2E = 1.4426950408889634
@@ -29,7 +33,7 @@ _MAX_SPLITS = 64
 
 @triton.jit
 def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
-                   qk_scale,
+                   qk_scale, window,
                    stride_q_seq, stride_q_head, stride_k_block, stride_v_block, stride_bt_seq,
                    stride_o_seq, stride_o_head,
                    BLOCK_SIZE: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
@@ -40,9 +44,11 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, out_ptr, part_acc_ptr, 
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     ctx = tl.load(ctx_ptr + seq)
+    # The keys this query sees: [lo, ctx), the last `window` of them with a window (window 0: all).
+    lo = tl.where(window > 0, tl.maximum(ctx - window, 0), 0)
     # Split lengths are whole tiles so that only the sequence's last tile is ragged.
-    split_len = tl.cdiv(tl.cdiv(ctx, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    start = split * split_len
+    split_len = tl.cdiv(tl.cdiv(ctx - lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = lo + split * split_len
     end = tl.minimum(start + split_len, ctx)
 
     offs_g = tl.arange(0, GROUP_PAD)
@@ -114,8 +120,8 @@ def _num_sms(device: torch.device) -> int:
 
 
 def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float, *,
-                           num_splits: int | None = None) -> torch.Tensor:
+                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                           sliding_window: int | None = 0, *, num_splits: int | None = None) -> torch.Tensor:
     """Attention for one query token per sequence over its paged context (same contract as `kernels.reference`).
 
     Args:
@@ -125,21 +131,26 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         block_tables: [num_seqs, max_blocks] int32; max_blocks * block_size must cover every context.
         context_lens: [num_seqs] int32, each >= 1 (the query's own token is already in the cache).
         scale: softmax scale, usually head_dim ** -0.5.
-        num_splits: split-K factor; None picks one from the batch shape (`choose_num_splits`).
+        sliding_window: W >= 1 attends over positions [max(0, context_len - W), context_len) only (HF's
+            sliding-window mask: k <= q and q - k < W, `kernels.reference`); 0 or None: the whole context.
+        num_splits: split-K factor; None picks one from the batch shape and the window (`choose_num_splits`).
 
     Returns:
         [num_seqs, num_q_heads, head_dim] in the query's dtype; scores, softmax and accumulation in fp32
         (fp32 inputs use IEEE fp32 dots, not TF32).
 
     Raises:
-        ValueError: a shape, stride, dtype or device mismatch, or num_splits < 1.
+        ValueError: a shape, stride, dtype or device mismatch, a negative sliding_window, or num_splits < 1.
     """
     check_attention(query, k_cache, v_cache, block_tables, context_lens, num_seqs=query.shape[0])
+    window = window_size(sliding_window)
     device = query.device
     num_seqs, num_q_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     if num_splits is None:
-        num_splits = choose_num_splits(num_seqs, num_kv_heads, block_tables.shape[1] * block_size, _num_sms(device))
+        longest = block_tables.shape[1] * block_size
+        num_splits = choose_num_splits(num_seqs, num_kv_heads, min(longest, window) if window else longest,
+                                       _num_sms(device))
     check(num_splits >= 1, lambda: f"num_splits must be >= 1, got {num_splits}")
 
     out = torch.empty_like(query)
@@ -155,7 +166,7 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         part_ml = torch.empty(num_seqs, num_q_heads, num_splits, 2, dtype=torch.float32, device=device)
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         query, k_cache, v_cache, block_tables, context_lens.contiguous(), out, part_acc, part_ml,
-        scale * _LOG2E,
+        scale * _LOG2E, window,
         query.stride(0), query.stride(1), k_cache.stride(0), v_cache.stride(0), block_tables.stride(0),
         out.stride(0), out.stride(1),
         BLOCK_SIZE=block_size, NUM_KV_HEADS=num_kv_heads, GROUP=group,

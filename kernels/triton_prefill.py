@@ -7,6 +7,10 @@ online softmax (Dao 2023) in fp32, log2 domain. Query row j of a chunk of q_len 
 context_len - q_len + j and sees keys at positions <= its own (causal); tiles past the last row's position are
 never loaded, and whole tiles at or before the first row's position are walked without the mask (SPLIT_MASK).
 Programs past a chunk's end do no work (ragged chunks share one launch).
+
+A sliding window W (`kernels.reference`: the row at position p sees keys [p - W + 1, p]) is a plain int argument,
+as in the decode kernel. The key loop starts at the block's first row's window start, so a block loads at most
+W + BLOCK_M - 1 keys however long the context; whole tiles that every row's window holds still skip the mask.
 """
 from __future__ import annotations
 
@@ -16,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.checks import check, check_attention, check_tensor
+from kernels.checks import check, check_attention, check_tensor, window_size
 from kernels.triton_common import attend_paged_tile, dot_mode
 
 _LOG2E = 1.4426950408889634
@@ -48,7 +52,24 @@ def prefill_config(head_pad: int, dtype: torch.dtype) -> PrefillConfig:
 
 
 @triton.jit
-def _prefill_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, cu_ptr, ctx_ptr, out_ptr, qk_scale,
+def _attend_masked(q, m_i, l_i, acc, start, end, q_pos, q_lo, k_ptr, v_ptr, bt_row_ptr, kv_head,
+                   stride_k_block, stride_v_block, qk_scale, offs_n, offs_d, d_mask,
+                   BLOCK_SIZE: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                   BLOCK_N: tl.constexpr, UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Tiles of keys [start, end), row r seeing keys q_lo[r] <= pos <= q_pos[r] (causal, and its window)."""
+    for tile in range(start, end, BLOCK_N):
+        pos = tile + offs_n
+        n_mask = pos < end
+        visible = n_mask[None, :] & (pos[None, :] <= q_pos[:, None]) & (pos[None, :] >= q_lo[:, None])
+        m_i, l_i, acc = attend_paged_tile(
+            q, m_i, l_i, acc, k_ptr, v_ptr, bt_row_ptr, pos, n_mask, visible, kv_head,
+            stride_k_block, stride_v_block, qk_scale, offs_d, d_mask,
+            BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, UPCAST_DOT, DOT_PRECISION)
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _prefill_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, cu_ptr, ctx_ptr, out_ptr, qk_scale, window,
                     stride_q_tok, stride_q_head, stride_k_block, stride_v_block, stride_bt_seq,
                     stride_o_tok, stride_o_head,
                     BLOCK_SIZE: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
@@ -75,30 +96,39 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, cu_ptr, ctx_ptr, out_ptr, qk_sc
                 mask=m_mask[:, None] & d_mask[None, :], other=0.0)
 
     # Keys this block can see: up to its last row's position; none when the block lies past the chunk.
-    hi = tl.minimum(ctx, prefix + (m_block + 1) * BLOCK_M)
+    first_row = prefix + m_block * BLOCK_M
+    hi = tl.minimum(ctx, first_row + BLOCK_M)
     hi = tl.where(m_block * BLOCK_M < q_len, hi, 0)
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    # With a window, from the first row's window start on (window 0: from key 0); row r from q_lo[r] on.
+    lo = tl.where(window > 0, tl.maximum(first_row - window + 1, 0), 0)
+    q_lo = tl.where(window > 0, q_pos - window + 1, 0)
+    # The running max starts finite, not -inf: a window narrower than the block leaves rows that see no key of a
+    # tile (all scores -inf), and -inf - -inf would make them NaN. exp2(-FLT_MAX - m) is 0 as exp2(-inf - m) is.
+    m_i = tl.full([BLOCK_M], -3.4028234663852886e38, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
-    start = 0
+    bt_row_ptr = bt_ptr + seq * stride_bt_seq
+    start = lo
     if SPLIT_MASK:
-        # Whole tiles at positions <= the block's first row are seen by every row: no causal mask, no ragged end.
-        full = tl.minimum(prefix + m_block * BLOCK_M + 1, hi) // BLOCK_N * BLOCK_N
-        for tile in range(0, full, BLOCK_N):
+        # Whole tiles that every row sees skip the mask: at positions <= the block's first row, and with a window
+        # >= its last row's window start (hi - window). Masked tiles before them cover [lo, that start).
+        full_lo = tl.where(window > 0, tl.maximum(hi - window, 0), 0)
+        num_full = tl.maximum(tl.minimum(first_row + 1, hi) - full_lo, 0) // BLOCK_N
+        head_end = tl.where(num_full > 0, full_lo, lo)
+        m_i, l_i, acc = _attend_masked(
+            q, m_i, l_i, acc, lo, head_end, q_pos, q_lo, k_ptr, v_ptr, bt_row_ptr, kv_head,
+            stride_k_block, stride_v_block, qk_scale, offs_n, offs_d, d_mask,
+            BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, BLOCK_N, UPCAST_DOT, DOT_PRECISION)
+        start = head_end + num_full * BLOCK_N
+        for tile in range(head_end, start, BLOCK_N):
             m_i, l_i, acc = attend_paged_tile(
-                q, m_i, l_i, acc, k_ptr, v_ptr, bt_ptr + seq * stride_bt_seq, tile + offs_n, None, None, kv_head,
+                q, m_i, l_i, acc, k_ptr, v_ptr, bt_row_ptr, tile + offs_n, None, None, kv_head,
                 stride_k_block, stride_v_block, qk_scale, offs_d, d_mask,
                 BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, UPCAST_DOT, DOT_PRECISION)
-        start = full
-    for tile in range(start, hi, BLOCK_N):
-        pos = tile + offs_n
-        n_mask = pos < hi
-        # Tile 0 holds position 0, which every row sees, so each row's running max is finite from then on.
-        visible = n_mask[None, :] & (pos[None, :] <= q_pos[:, None])
-        m_i, l_i, acc = attend_paged_tile(
-            q, m_i, l_i, acc, k_ptr, v_ptr, bt_ptr + seq * stride_bt_seq, pos, n_mask, visible, kv_head,
-            stride_k_block, stride_v_block, qk_scale, offs_d, d_mask,
-            BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, UPCAST_DOT, DOT_PRECISION)
+    m_i, l_i, acc = _attend_masked(
+        q, m_i, l_i, acc, start, hi, q_pos, q_lo, k_ptr, v_ptr, bt_row_ptr, kv_head,
+        stride_k_block, stride_v_block, qk_scale, offs_n, offs_d, d_mask,
+        BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, BLOCK_N, UPCAST_DOT, DOT_PRECISION)
 
     l_i = tl.where(l_i == 0.0, 1.0, l_i)  # rows past the chunk: never stored, keep them finite
     out = acc / l_i[:, None]
@@ -108,7 +138,7 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, cu_ptr, ctx_ptr, out_ptr, qk_sc
 
 def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, block_tables: torch.Tensor,
-                      scale: float, max_query_len: int | None = None,
+                      scale: float, max_query_len: int | None = None, sliding_window: int | None = 0,
                       config: PrefillConfig | None = None) -> torch.Tensor:
     """Causal attention for packed query chunks over cached prefix + new tokens (contract of `kernels.reference`).
 
@@ -122,14 +152,17 @@ def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         scale: softmax scale.
         max_query_len: longest chunk in tokens, if the caller knows it; None reads it from cu_seqlens_q (one
             device sync).
+        sliding_window: W >= 1: the row at absolute position p sees keys [max(0, p - W + 1), p] only (HF's
+            sliding-window mask: k <= q and q - k < W, `kernels.reference`); 0 or None: all keys up to p.
         config: launch shape; None takes `prefill_config`'s default for the head size and dtype.
 
     Returns:
         [num_tokens, num_q_heads, head_dim] in the query's dtype; fp32 softmax and accumulation.
 
     Raises:
-        ValueError: a shape, stride, dtype or device mismatch.
+        ValueError: a shape, stride, dtype or device mismatch, or a negative sliding_window.
     """
+    window = window_size(sliding_window)
     check_tensor("cu_seqlens_q", cu_seqlens_q, 1, (torch.int32,), query.device)
     num_seqs = cu_seqlens_q.shape[0] - 1
     check(num_seqs >= 0, "cu_seqlens_q must have num_seqs + 1 entries, got shape (0,)")
@@ -148,7 +181,7 @@ def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     upcast, precision = dot_mode(query.dtype)
     _prefill_kernel[grid](
         query, k_cache, v_cache, block_tables, cu_seqlens_q.contiguous(), context_lens.contiguous(), out,
-        scale * _LOG2E,
+        scale * _LOG2E, window,
         query.stride(0), query.stride(1), k_cache.stride(0), v_cache.stride(0), block_tables.stride(0),
         out.stride(0), out.stride(1),
         BLOCK_SIZE=block_size, NUM_KV_HEADS=num_kv_heads, GROUP=num_q_heads // num_kv_heads, HEAD_DIM=head_dim,

@@ -57,6 +57,99 @@ def test_decode_matches_reference(kernels, dtype, block_size, hq, hkv, d, thread
     torch.testing.assert_close(out, ref, **tol)
 
 
+def _poison_before(k_cache, v_cache, table, starts, block_size):
+    """NaN into sequence i's K and V at every position before starts[i] (keys outside all its rows' windows): a
+    kernel that read them rather than starting at the window would return NaN (a probability 0 times NaN)."""
+    for i, start in enumerate(starts):
+        pos = torch.arange(start)
+        blocks = table[i].long()[pos // block_size]
+        k_cache[blocks, pos % block_size] = float("nan")
+        v_cache[blocks, pos % block_size] = float("nan")
+
+
+# Sliding windows: 1 (the query's token only), starting inside a block (5, 37: no multiple of the block sizes here),
+# exactly one block (16), and wider than every context (1000: full attention).
+WINDOWS = [1, 5, 16, 37, 1000]
+
+
+@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_size,hq,hkv,d", [(16, 9, 3, 64), (8, 8, 1, 128), (4, 4, 4, 16)])
+def test_decode_with_sliding_window_matches_reference(kernels, dtype, block_size, hq, hkv, d, window):
+    """Against the reference with the same window, on 2 threads. Keys before each window are NaN: the kernel must
+    not read their blocks. Where the window is shorter than the context, full attention is far off (so a kernel
+    that ignored the window could not pass)."""
+    lengths = [1, 3, block_size, block_size + 1, 5 * block_size - 1, 70]
+    k_cache, v_cache, table, lens = _paged(lengths, block_size, hkv, d, dtype, seed=window)
+    q = torch.randn(len(lengths), hq + 2 * hkv, d, generator=torch.Generator().manual_seed(d)).to(dtype)[:, :hq]
+    ref = reference.paged_decode_attention(q, k_cache, v_cache, table, lens, d ** -0.5, sliding_window=window)
+    full = reference.paged_decode_attention(q, k_cache, v_cache, table, lens, d ** -0.5)
+    _poison_before(k_cache, v_cache, table, [max(0, n - window) for n in lengths], block_size)
+    old = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        out = kernels.paged_decode_attention(q, k_cache, v_cache, table, lens, d ** -0.5, sliding_window=window)
+    finally:
+        torch.set_num_threads(old)
+    assert out.dtype == dtype and out.shape == q.shape
+    tol = dict(rtol=1e-5, atol=2e-6) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(out, ref, **tol)
+    for i, n in enumerate(lengths):
+        if window < n:
+            assert (full[i].float() - ref[i].float()).abs().max() > 0.1, (n, window)
+
+
+def test_decode_with_a_window_reads_and_checks_only_the_windows_blocks(kernels):
+    """Blocks before the window are neither read nor checked (an engine may leave their table entries stale);
+    the window's own blocks still are."""
+    k_cache, v_cache, table, lens = _paged([5, 20], 8, 1, 16, torch.float32)
+    q = torch.randn(2, 4, 16, generator=torch.Generator().manual_seed(0))
+    expected = reference.paged_decode_attention(q, k_cache, v_cache, table, lens, 0.25, sliding_window=6)
+    stale = table.clone()
+    stale[1, 0] = -1  # sequence 1's positions 0-7; a window of 6 over its 20 tokens starts at 14
+    torch.testing.assert_close(kernels.paged_decode_attention(q, k_cache, v_cache, stale, lens, 0.25,
+                                                              sliding_window=6), expected, rtol=1e-5, atol=2e-6)
+    with pytest.raises(ValueError, match="sequence 1: .* outside the cache"):  # a window of 13 starts at 7
+        kernels.paged_decode_attention(q, k_cache, v_cache, stale, lens, 0.25, sliding_window=13)
+    with pytest.raises(ValueError, match="sliding_window must be"):
+        kernels.paged_decode_attention(q, k_cache, v_cache, table, lens, 0.25, sliding_window=-2)
+
+
+@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize("softmax", ["torch", "c"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_blocked_prefill_with_sliding_window_matches_reference(kernels, softmax, dtype, window):
+    """kernels.cpu_prefill with a window, its torch softmax and the C one, against the reference: query blocks wider
+    and narrower than the window, chunks whose windows reach back into the cached prefix, with the 16-bit path's
+    bound of test_blocked_prefill_matches_reference. 16-bit: keys before the chunk's first window are NaN, so the
+    blocks before it must not enter the products (fp32 is the reference itself, whose SDPA reads every key)."""
+    from kernels.cpu_prefill import prefill_attention
+
+    block_size, hq, hkv, d = 16, 9, 3, 64
+    seqs = [(1, 1), (17, 17), (200, 3), (333 + 70, 70), (130, 130), (64 + 200, 200)]  # (ctx, chunk)
+    k_cache, v_cache, table, lens = _paged([c for c, _ in seqs], block_size, hkv, d, dtype, seed=window)
+    q_lens = [q for _, q in seqs]
+    cu = torch.tensor([0] + q_lens).cumsum(0).to(torch.int32)
+    q = torch.randn(sum(q_lens), hq, d, generator=torch.Generator().manual_seed(d)).to(dtype)
+    ref = reference.prefill_attention(q, k_cache, v_cache, cu, lens, table, d ** -0.5, sliding_window=window)
+    full = reference.prefill_attention(q, k_cache, v_cache, cu, lens, table, d ** -0.5)
+    if dtype != torch.float32:
+        _poison_before(k_cache, v_cache, table, [max(0, c - n - window + 1) for c, n in seqs], block_size)
+    if softmax == "c":
+        out = kernels.prefill_attention(q, k_cache, v_cache, cu, lens, table, d ** -0.5, sliding_window=window)
+    else:
+        out = prefill_attention(q, k_cache, v_cache, cu, lens, table, d ** -0.5, sliding_window=window)
+    assert out.dtype == dtype and out.shape == q.shape
+    for i, (s, e) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):  # every sequence, not just the sum
+        if dtype == torch.float32:
+            assert torch.equal(out[s:e], ref[s:e])
+        else:
+            err = float((out[s:e].double() - ref[s:e].double()).norm() / ref[s:e].double().norm())
+            assert err < (1e-2 if dtype == torch.bfloat16 else 2e-3), (i, seqs[i], err)
+        if window < seqs[i][0]:  # the chunk's last row loses keys to the window
+            assert (full[e - 1].float() - ref[e - 1].float()).abs().max() > 0.1, (seqs[i], window)
+
+
 def test_large_scores_do_not_overflow(kernels):
     """The online softmax subtracts the running max: scores of +-1e4 stay finite and match the reference.
 
@@ -249,3 +342,24 @@ def test_c_causal_softmax_matches_torch(kernels, rows, end):
     hidden = torch.ones(rows, end, dtype=torch.bool).triu_(end - rows + 1)
     assert (out[:, hidden] == 0).all() and (out[:, ~hidden] > 0).any()
     torch.testing.assert_close(out.float().sum(-1), torch.ones(3, rows), atol=2e-2, rtol=0)
+
+
+@pytest.mark.parametrize("rows,end,window_start", [(1, 9, 0), (5, 5, 0), (5, 12, -2), (64, 300, 0), (128, 200, -70)])
+def test_c_causal_softmax_with_a_window_matches_torch(kernels, rows, end, window_start):
+    """With a sliding window's `window_start` (row r sees columns window_start + r to end - rows + r): the C
+    softmax (keys left of the windows pre-filled with a finite floor) against the torch one, exact zeros outside
+    each row's window, probabilities inside it, rows summing to 1."""
+    from kernels.cpu_prefill import causal_softmax
+
+    g = torch.Generator().manual_seed(rows * end)
+    scores = (torch.randn(3, rows, end, generator=g) * 30).to(torch.bfloat16)
+    expected = causal_softmax(scores.clone(), rows, 0.125, window_start)
+    out = kernels.causal_softmax(scores, rows, 0.125, window_start)
+    assert out.data_ptr() == scores.data_ptr()  # in place
+    torch.testing.assert_close(out.float(), expected.float(), rtol=8e-3, atol=1e-6)
+    col, row = torch.arange(end)[None, :], torch.arange(rows)[:, None]
+    hidden = (col > end - rows + row) | (col < window_start + row)
+    assert (out[:, hidden] == 0).all() and (out[:, ~hidden] > 0).any()
+    assert (expected[:, hidden] == 0).all()
+    torch.testing.assert_close(out.float().sum(-1), torch.ones(3, rows), atol=2e-2, rtol=0)
+

@@ -116,6 +116,7 @@ def test_the_ops_are_torch_custom_ops_with_fake_implementations():
     x, weight = torch.randn(3, 64, generator=g).to(bf16), torch.randn(64, generator=g).to(bf16)
     qkv, cos, sin = (torch.randn(2, 15, 64, generator=g).to(bf16) for _ in range(3))
     cases = [(ops.paged_decode_attention.default, (query, k_cache, v_cache, tables, lens, 0.125)),
+             (ops.paged_decode_attention.default, (query, k_cache, v_cache, tables, lens, 0.125, 5)),  # a window
              (ops.rms_norm.default, (x, weight, 1e-5, torch.randn(3, 64, generator=g).to(bf16))),
              (ops.silu_and_mul.default, (torch.randn(3, 64, generator=g).to(bf16),)),
              (ops.rotary_and_write_kv.default, (qkv, cos[:, 0], sin[:, 0], k_cache, v_cache, torch.tensor([3, 17]))),
@@ -143,6 +144,8 @@ def test_the_ops_check_what_the_c_code_relies_on():
                                    lens, 1.0)
     with pytest.raises(ValueError, match="block_tables must be .* int32"):
         ops.paged_decode_attention(torch.zeros(2, 4, 16), k_cache, v_cache, tables.long(), lens, 1.0)
+    with pytest.raises(ValueError, match=r"sliding_window must be in \[0, 2\^31\) \(0: no window\), got -1"):
+        ops.paged_decode_attention(torch.zeros(2, 4, 16), k_cache, v_cache, tables, lens, 1.0, -1)
     with pytest.raises(ValueError, match="weight must be"):
         ops.rms_norm(torch.zeros(3, 64), torch.ones(32), 1e-5)
     with pytest.raises(ValueError, match="residual must be contiguous"):

@@ -87,6 +87,76 @@ def test_paged_decode_matches_reference(block_size, head_dim, num_q_heads, num_k
     assert _rel_err(out, expected) < TOL[dtype]
 
 
+def _poison_before(k_cache, v_cache, tables, starts, block_size):
+    """NaN into sequence i's cached K and V at every position before starts[i]: keys outside all its rows' windows.
+    A kernel that loaded them at all (rather than starting at the window) would return NaN: masked scores drop NaN
+    keys, but their probability 0 times a NaN value is NaN."""
+    for i, start in enumerate(starts):
+        pos = torch.arange(start)
+        blocks = tables[i].cpu().long()[pos // block_size]
+        k_cache[blocks.to(DEVICE), (pos % block_size).to(DEVICE)] = float("nan")
+        v_cache[blocks.to(DEVICE), (pos % block_size).to(DEVICE)] = float("nan")
+
+
+# Sliding windows: W = 1 (the query's token only), inside a block (5, 37: not multiples of the block size), a whole
+# block (16), and wider than every context (1000: full attention). Tiny heads: the interpreter is slow.
+WINDOWS = [1, 5, 16, 37, 1000]
+
+
+@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("num_splits", [None, 1, 3])
+def test_paged_decode_with_sliding_window_matches_reference(window, dtype, num_splits):
+    """Against the reference with the same window; keys before each window are NaN, so reading them fails; and
+    where the window is shorter than the context the output is far from full attention's (a kernel that ignored
+    the window could not pass)."""
+    g = _rng("decode-window", window, dtype, num_splits)
+    block_size = 8
+    lengths = [1, 13, 40, 150]
+    k_cache, v_cache, tables, ctx = _paged_kv(lengths, block_size, 2, 16, dtype, g)
+    query = torch.randn(len(lengths), 6, 16, generator=g).to(dtype).to(DEVICE)
+    expected = ref.paged_decode_attention(query, k_cache, v_cache, tables, ctx, 0.25, sliding_window=window)
+    full = ref.paged_decode_attention(query, k_cache, v_cache, tables, ctx, 0.25)
+    _poison_before(k_cache, v_cache, tables, [max(0, n - window) for n in lengths], block_size)
+    out = _ops().paged_decode_attention(query, k_cache, v_cache, tables, ctx, 0.25, sliding_window=window,
+                                        num_splits=num_splits)
+    assert out.shape == expected.shape and out.dtype == dtype
+    assert _rel_err(out, expected) < TOL[dtype]
+    for i, n in enumerate(lengths):
+        if window < n:
+            assert _rel_err(full[i], expected[i]) > 10 * TOL[dtype], (n, window)
+
+
+@pytest.mark.parametrize("config", [None, PrefillConfig(16, 16, split_mask=True),
+                                    PrefillConfig(32, 16, split_mask=False)],
+                         ids=lambda c: "default" if c is None else f"m{c.block_m}n{c.block_n}split{int(c.split_mask)}")
+@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_prefill_with_sliding_window_matches_reference(window, dtype, config):
+    """As the decode test, for chunks (whole prompts, a token after a prefix, chunks whose windows reach back into
+    the prefix) and launch shapes whose query blocks are wider and narrower than the window: rows of one block
+    that share no key, blocks with and without whole unmasked tiles inside every row's window."""
+    g = _rng("prefill-window", window, dtype, config)
+    block_size = 8
+    seqs = [(1, 1), (13, 13), (40, 1), (70, 45), (150, 100)]  # (context, chunk)
+    k_cache, v_cache, tables, ctx = _paged_kv([c for c, _ in seqs], block_size, 1, 16, dtype, g)
+    q_lens = [q for _, q in seqs]
+    cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE)
+    query = torch.randn(sum(q_lens), 2, 16, generator=g).to(dtype).to(DEVICE)
+    expected = ref.prefill_attention(query, k_cache, v_cache, cu, ctx, tables, 0.25, sliding_window=window)
+    full = ref.prefill_attention(query, k_cache, v_cache, cu, ctx, tables, 0.25)
+    _poison_before(k_cache, v_cache, tables, [max(0, c - q - window + 1) for c, q in seqs], block_size)
+    from kernels.triton_prefill import prefill_attention
+    out = prefill_attention(query, k_cache, v_cache, cu, ctx, tables, 0.25, max(q_lens), sliding_window=window,
+                            config=config)
+    assert out.shape == expected.shape and out.dtype == dtype
+    assert _rel_err(out, expected) < TOL[dtype]
+    for i, (c, _) in enumerate(seqs):
+        last = int(cu[i + 1]) - 1  # the chunk's last row sees the most keys
+        if window < c:
+            assert _rel_err(full[last], expected[last]) > 10 * TOL[dtype], (c, window)
+
+
 def test_split_count_fills_the_gpu_but_keeps_splits_long():
     from kernels.triton_decode import choose_num_splits
 
