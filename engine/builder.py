@@ -13,6 +13,7 @@ from engine.hardware import resolve_dtype
 from engine.kv_cache_manager import KVCacheManager
 from engine.loader import load_state_dict
 from engine.model_runner import ModelRunner
+from engine.parallel import SINGLE, TensorParallel
 from engine.scheduler import Scheduler
 from engine.speculative import SpeculativeConfig
 from engine.structured import GrammarCompiler
@@ -27,13 +28,13 @@ class EngineParts:
     runner: ModelRunner
 
 
-def build_engine(args: EngineArgs) -> EngineParts:
-    """Load config + weights (or random weights when `args.random_weights`) and build the scheduler and runner.
+def resolve_configs(args: EngineArgs) -> tuple[ModelConfig, CacheConfig, SchedulerConfig]:
+    """The engine's configuration from its arguments and the model directory's config.json.
 
     Raises:
-        FileNotFoundError / ValueError: from model loading and config validation (ValueError too for int8 / int4
-            quantization of a float32 model or of shapes int4 cannot pack, and for inconsistent speculative-decoding
-            flags).
+        FileNotFoundError / ValueError: from reading and validating the model config (unsupported architecture or
+            feature, named), a KV budget under one block, inconsistent speculative-decoding flags, or tensor
+            parallelism on a device it is not built for.
     """
     from transformers import AutoConfig
 
@@ -41,9 +42,13 @@ def build_engine(args: EngineArgs) -> EngineParts:
     hf_config = AutoConfig.from_pretrained(str(path))
     model_config = ModelConfig.from_hf(hf_config, name=path.name, path=str(path),
                                        dtype=resolve_dtype(args.dtype, args.device))
+    tp = args.tensor_parallel_size
+    if tp > 1 and torch.device(args.device).type != "cpu":
+        raise ValueError(f"--tensor-parallel-size {tp} runs on CPU only for now (device {args.device}): on GPUs the "
+                         "ranks' KV shards would live on separate devices, which the KV connectors do not move yet")
     num_blocks = num_blocks_for_budget(model_config, args.block_size, args.kv_bytes,
                                        None if args.kv_bytes is not None else args.kv_tokens)
-    cache_config = CacheConfig(block_size=args.block_size, num_blocks=num_blocks)
+    cache_config = CacheConfig(block_size=args.block_size, num_blocks=num_blocks, tensor_parallel_size=tp)
     max_len = args.max_model_len or model_config.max_position_embeddings
     scheduler_config = SchedulerConfig(
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
@@ -51,13 +56,41 @@ def build_engine(args: EngineArgs) -> EngineParts:
         enable_prefix_caching=args.enable_prefix_caching, vocab_size=model_config.vocab_size,
         speculative=SpeculativeConfig(args.speculative_ngram_tokens, args.speculative_ngram_max,
                                       args.speculative_ngram_min, args.speculative_disable_batch_size))
-    state = None if args.random_weights else load_state_dict(path)
+    return model_config, cache_config, scheduler_config
+
+
+def build_runner(args: EngineArgs, model_config: ModelConfig, cache_config: CacheConfig, max_model_len: int,
+                 tp: TensorParallel = SINGLE, kv: torch.Tensor | None = None) -> ModelRunner:
+    """Load the weights (this rank's share under tensor parallelism) and build the model runner around the KV
+    cache tensor `kv` (None: a new one).
+
+    Raises:
+        FileNotFoundError / ValueError: from weight loading and `ModelRunner`.
+    """
+    state = None if args.random_weights else load_state_dict(Path(args.model_dir))
     graphs = torch.device(args.device).type == "cuda" and not args.enforce_eager
-    runner = ModelRunner(model_config, cache_config, state, device=args.device, seed=args.seed,
-                         attention_backend=args.attention_backend, quantization=args.quantization,
-                         packed_weights=args.packed_weights,
-                         cuda_graph_sizes=capture_sizes(args.max_num_seqs) if graphs else None,
-                         max_model_len=scheduler_config.max_model_len)
-    kv = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching)
-    grammars = GrammarCompiler(path / "tokenizer.json", model_config.vocab_size, model_config.eos_token_ids)
-    return EngineParts(model_config, cache_config, scheduler_config, Scheduler(scheduler_config, kv, grammars), runner)
+    return ModelRunner(model_config, cache_config, state, device=args.device, seed=args.seed,
+                       attention_backend=args.attention_backend, quantization=args.quantization,
+                       packed_weights=args.packed_weights,
+                       cuda_graph_sizes=capture_sizes(args.max_num_seqs) if graphs else None,
+                       max_model_len=max_model_len, tp=tp, kv=kv)
+
+
+def build_engine(args: EngineArgs, tp: TensorParallel = SINGLE, kv: torch.Tensor | None = None,
+                 configs: tuple[ModelConfig, CacheConfig, SchedulerConfig] | None = None) -> EngineParts:
+    """Load config + weights (or random weights when `args.random_weights`) and build the scheduler and runner.
+    Under tensor parallelism this is rank 0 (`engine.tp_ranks` builds the others), given its group, the shared KV
+    tensor and the configs it resolved first.
+
+    Raises:
+        FileNotFoundError / ValueError: from model loading and config validation (ValueError too for int8 / int4
+            quantization of a float32 model or of shapes int4 cannot pack, and for inconsistent speculative-decoding
+            flags).
+    """
+    model_config, cache_config, scheduler_config = configs or resolve_configs(args)
+    runner = build_runner(args, model_config, cache_config, scheduler_config.max_model_len, tp, kv)
+    kv_manager = KVCacheManager(cache_config.num_blocks, args.block_size, args.enable_prefix_caching)
+    grammars = GrammarCompiler(Path(args.model_dir) / "tokenizer.json", model_config.vocab_size,
+                               model_config.eos_token_ids)
+    return EngineParts(model_config, cache_config, scheduler_config,
+                       Scheduler(scheduler_config, kv_manager, grammars), runner)

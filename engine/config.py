@@ -105,14 +105,16 @@ class CacheConfig:
     Attributes:
         block_size: tokens per KV block.
         num_blocks: blocks in the pool (the KV budget). Derive it with `num_blocks_for_budget`.
+        tensor_parallel_size: ranks the KV heads of every block are split across (`engine.kv_cache` layout).
     """
 
     block_size: int
     num_blocks: int
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
-        if self.block_size <= 0 or self.num_blocks <= 0:
-            raise ValueError(f"block_size and num_blocks must be positive, got {self}")
+        if self.block_size <= 0 or self.num_blocks <= 0 or self.tensor_parallel_size <= 0:
+            raise ValueError(f"block_size, num_blocks and tensor_parallel_size must be positive, got {self}")
 
 
 def kv_bytes_per_block(model: ModelConfig, block_size: int) -> int:
@@ -159,11 +161,13 @@ class SchedulerConfig:
 def compat_hash(model: ModelConfig, cache: CacheConfig) -> str:
     """Hash that two workers must share to exchange KV blocks: model shapes, dtype, block size and layout.
 
-    The layout tag names the KV tensor layout in `engine.kv_cache` ([num_blocks, layers, 2, block_size,
-    kv_heads, head_dim], block-major); change it whenever that layout changes.
+    The layout tag names the KV tensor layout in `engine.kv_cache` ([num_blocks, tp, layers, 2, block_size,
+    kv_heads / tp, head_dim], block-major); change it whenever that layout changes. Two workers of different tensor
+    parallel sizes hash differently: a block's bytes are split by rank (no resharding on transfer).
     """
     fields = asdict(model)
     fields.pop("path")
     fields["block_size"] = cache.block_size
-    fields["layout"] = "block-major-v1"
+    fields["tensor_parallel_size"] = cache.tensor_parallel_size
+    fields["layout"] = "block-major-tp-v2"
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]

@@ -11,7 +11,6 @@ whole process group; the worker decides how its engine stops) and exits 0 on `Sh
 """
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import signal
@@ -21,6 +20,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -28,12 +28,14 @@ from engine.args import EngineArgs
 from engine.engine_core import Abort, AddRequest, Call, EngineCore, KvArrived, Pause
 from engine.ipc import (AbortRequest, BuildFailed, Codec, Fault, KvArrivedMsg, LayerBegin, LayerWritten,
                         NewRequest, Outputs, PauseMsg, Query, QueryResult, Ready, Shutdown, StatsUpdate)
+from engine.lifetime import die_with_parent
 from engine.request import Request
+from engine.tp_ranks import RankProcesses, rank_threads
+
+if TYPE_CHECKING:
+    from engine.builder import EngineParts
 
 log = logging.getLogger(__name__)
-
-_PR_SET_PDEATHSIG = 1  # linux/prctl.h
-
 
 @dataclass(frozen=True)
 class EngineProcessSpec:
@@ -74,7 +76,7 @@ class _LayerProgressProxy:
 def run_engine_process(spec: EngineProcessSpec, handshake: Connection) -> None:
     """The process's entry point (multiprocessing, spawn). Exits 0 after `Shutdown`, 1 if the build failed (the
     error is sent on `handshake` as `BuildFailed` first)."""
-    _die_with_parent()
+    die_with_parent()
     if os.getppid() != spec.parent_pid:  # died before the prctl took effect
         sys.exit(1)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -82,12 +84,10 @@ def run_engine_process(spec: EngineProcessSpec, handshake: Connection) -> None:
         spec.log_setup()
     import zmq
 
-    from engine.builder import build_engine
-
     try:
-        parts = build_engine(spec.args)
+        parts, ranks = _build(spec)
         kv = parts.runner.kv_cache.kv
-        if kv.device.type == "cpu":
+        if kv.device.type == "cpu" and not kv.is_shared():
             try:
                 kv.share_memory_()  # moves the storage; the runner's per-layer views follow it
             except RuntimeError as e:
@@ -110,8 +110,9 @@ def run_engine_process(spec: EngineProcessSpec, handshake: Connection) -> None:
     def send(msg) -> None:  # the loop's thread only
         out_sock.send(codec.encode(msg), copy=False)
 
+    threads = spec.threads if ranks is None else rank_threads(spec.threads, ranks.size)
     core = EngineCore(parts.scheduler, parts.runner, emit=lambda events: send(Outputs(events)),
-                      on_fault=lambda message: send(Fault(message)), threads=spec.threads,
+                      on_fault=lambda message: send(Fault(message)), threads=threads,
                       on_stats=lambda stats: send(StatsUpdate(stats)))
     handshake.send(Ready(parts.model_config, parts.cache_config, parts.scheduler_config, kv, core.stats))
     handshake.close()
@@ -120,6 +121,9 @@ def run_engine_process(spec: EngineProcessSpec, handshake: Connection) -> None:
     reader.start()
     log.info("engine core running (pid %d)", os.getpid())
     core.run()
+    parts.runner.close()  # the other tensor-parallel ranks leave their loop
+    if ranks is not None:
+        ranks.stop()
     reader.join(5)  # it closes its socket as it returns, after `Shutdown`
     out_sock.close(linger=1000)  # outputs already queued still go out
     if not reader.is_alive():  # else term() would wait for the reader's socket forever
@@ -174,10 +178,34 @@ def _answer(query: Query, future: Future) -> QueryResult:
     return QueryResult(query.call_id, flag=result)
 
 
-def _die_with_parent() -> None:
-    """Linux: SIGKILL this process when its parent dies (kill -9 of the worker leaves no engine behind)."""
-    if sys.platform.startswith("linux"):
-        try:
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-        except OSError:
-            log.warning("could not ask to die with the parent process (prctl); an orphaned engine may outlive it")
+def _build(spec: EngineProcessSpec) -> tuple[EngineParts, RankProcesses | None]:
+    """Build the engine; under tensor parallelism, with its other ranks: the KV cache tensor is allocated here in
+    shared memory first (every rank computes in its shard of it, the worker's connectors move whole blocks of it),
+    the ranks are spawned and joined, and this process builds rank 0.
+
+    Raises:
+        whatever building raised (the caller reports it as `BuildFailed`).
+    """
+    from engine.builder import build_engine, resolve_configs
+    from engine.kv_cache import kv_shape
+
+    args = spec.args
+    if args.tensor_parallel_size == 1:
+        return build_engine(args), None
+    configs = resolve_configs(args)
+    model_config, cache_config, _ = configs
+    kv = torch.zeros(kv_shape(model_config, cache_config), dtype=model_config.torch_dtype).share_memory_()
+    ranks = RankProcesses(args, *configs, kv, rank_threads(spec.threads, args.tensor_parallel_size),
+                          spec.log_setup)
+    tp = ranks.start(on_death=_rank_died)
+    parts = build_engine(args, tp=tp, kv=kv, configs=configs)
+    ranks.wait_built()
+    return parts, ranks
+
+
+def _rank_died(why: str) -> None:
+    """A tensor-parallel rank is gone: the others would block in their next collective, so this process ends at
+    once; its worker sees the engine die and fails the requests in flight (UNAVAILABLE), and the remaining ranks
+    die with it."""
+    log.error("%s; the engine process stops", why)
+    os._exit(1)

@@ -1,12 +1,15 @@
 """The paged KV cache memory of one worker.
 
-Layout (block-major): kv[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]. One block's K and V for
-every layer are a single contiguous region, so the transfer connectors send and receive whole blocks straight
-from/into the cache (no staging copies, one message per block). The attention ops see per-layer views
-k_cache/v_cache of shape [num_blocks, block_size, num_kv_heads, head_dim] (strided in dim 0).
-Layer-wise streaming needs one layer of many blocks: kv[block, layer] (K then V) is the layer-th of num_layers
-equal contiguous slices of the block's bytes, which `engine/transfer/layer_gather.py` gathers into one message per
-layer and group of blocks (a copy: a message per slice cost more than the copy).
+Layout (block-major): kv[num_blocks, tp, num_layers, 2, block_size, num_kv_heads / tp, head_dim], tp the tensor
+parallel size (`CacheConfig.tensor_parallel_size`, 1 without tensor parallelism). One block's K and V for every
+layer and every rank are a single contiguous region, so the transfer connectors send and receive whole blocks
+straight from/into the cache (no staging copies, one message per block), whatever the TP size: a block carries each
+rank's shard, rank-major. Rank r computes on kv[:, r] (its heads). The attention ops see per-layer views
+k_cache/v_cache of shape [num_blocks, block_size, num_kv_heads / tp, head_dim] (strided in dim 0).
+Layer-wise streaming needs one layer of many blocks: with tp 1, kv[block, 0, layer] (K then V) is the layer-th of
+num_layers equal contiguous slices of the block's bytes, which `engine/transfer/layer_gather.py` gathers into one
+message per layer and group of blocks (a copy: a message per slice cost more than the copy); with tp > 1 a layer is
+tp slices, so those workers send whole blocks.
 """
 from __future__ import annotations
 
@@ -15,36 +18,48 @@ import torch
 from engine.config import CacheConfig, ModelConfig
 
 
+def kv_shape(model: ModelConfig, cache: CacheConfig) -> tuple[int, ...]:
+    """The KV tensor's shape: [num_blocks + 1, tp, num_layers, 2, block_size, num_kv_heads / tp, head_dim]. The
+    extra block is outside the pool (no request owns it): the padded rows of a captured decode step write there
+    (`engine.cuda_graphs`)."""
+    tp = cache.tensor_parallel_size
+    return (cache.num_blocks + 1, tp, model.num_layers, 2, cache.block_size, model.num_kv_heads // tp,
+            model.head_dim)
+
+
 class KVCache:
-    """Owns the KV tensor and exposes per-layer views and per-block byte views.
+    """Owns (or wraps) the KV tensor and exposes one rank's per-layer views and per-block byte views.
 
     Attributes:
+        kv: the whole tensor (`kv_shape`), every rank's shard.
+        layers: rank `rank`'s (k_cache, v_cache) of each layer, for the attention ops.
         scratch_slot: a KV slot in a block past the pool's, written only by padding (`engine.cuda_graphs`).
 
     Args:
         model: shapes and dtype.
-        cache: block size and count.
+        cache: block size, count and TP size.
         device: where the cache lives.
-        kv: an existing cache tensor of this geometry to wrap (one an engine process shares) instead of a new one.
+        kv: an existing cache tensor of this geometry to wrap (the one an engine process shares with its worker and
+            its other TP ranks) instead of a new one.
+        rank: the tensor-parallel rank whose layer views `layers` holds.
 
     Raises:
         ValueError: `kv` does not have the geometry and dtype of `model` and `cache`.
     """
 
     def __init__(self, model: ModelConfig, cache: CacheConfig, device: torch.device | str = "cpu",
-                 kv: torch.Tensor | None = None):
+                 kv: torch.Tensor | None = None, rank: int = 0):
         self.block_size = cache.block_size
         self.num_blocks = cache.num_blocks
-        # kv: [num_blocks + 1, num_layers, 2, block_size, num_kv_heads, head_dim]. The extra block is outside the
-        # pool (no request owns it): the padded rows of a captured decode step write there (engine.cuda_graphs).
-        shape = (cache.num_blocks + 1, model.num_layers, 2, cache.block_size, model.num_kv_heads, model.head_dim)
+        shape = kv_shape(model, cache)
         if kv is None:
             kv = torch.zeros(shape, dtype=model.torch_dtype, device=device)
         elif tuple(kv.shape) != shape or kv.dtype != model.torch_dtype:
             raise ValueError(f"KV cache tensor {tuple(kv.shape)} {kv.dtype} is not {shape} {model.torch_dtype}")
         self.kv = kv
         self.scratch_slot = cache.num_blocks * cache.block_size
-        self.layers = [(self.kv[:, i, 0], self.kv[:, i, 1]) for i in range(model.num_layers)]
+        shard = self.kv[:, rank]
+        self.layers = [(shard[:, i, 0], shard[:, i, 1]) for i in range(model.num_layers)]
 
     @property
     def block_nbytes(self) -> int:

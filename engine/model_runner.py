@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -13,12 +15,38 @@ from engine.kv_cache import KVCache
 from engine.models.registry import architecture
 from engine.outputs import RunnerOutput, SampledToken, ScheduledRequest, SchedulerOutput
 from engine.packing import pack_linears
+from engine.parallel import SINGLE, TensorParallel
 from engine.quantization import quantize_weight_only
 from engine.sampler import Sampler
 from engine.speculative import accept_greedy
 from kernels import select_ops
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class StepInputs:
+    """One step's model inputs on the host: what every tensor-parallel rank needs to run the same forward (rank 0
+    builds it from the `SchedulerOutput` and broadcasts it). Decode rows come first, then prefill chunks.
+
+    Attributes:
+        block_copies: (src, dst) block ids to copy before the forward (forked samples' copy-on-write).
+        input_ids, positions, slots: per token of the step (slots = block_id * block_size + offset).
+        decode_block_tables, decode_context_lens: per decode (context including the new token).
+        prefill_query_lens, prefill_context_lens, prefill_block_tables: per prefill chunk.
+        logit_rows: token rows whose logits are needed, in order; None = every row; [] = none.
+    """
+
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
+    input_ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)
+    decode_block_tables: list[list[int]] = field(default_factory=list)
+    decode_context_lens: list[int] = field(default_factory=list)
+    prefill_query_lens: list[int] = field(default_factory=list)
+    prefill_context_lens: list[int] = field(default_factory=list)
+    prefill_block_tables: list[list[int]] = field(default_factory=list)
+    logit_rows: list[int] | None = None
 
 
 class ModelRunner:
@@ -36,6 +64,9 @@ class ModelRunner:
         cuda_graph_sizes: batch sizes of all-decode steps to capture as CUDA graphs (`engine.cuda_graphs`);
             None = every step eager; ignored, with a warning, for an attention backend that cannot be captured.
         max_model_len: longest context in tokens; sizes the captured block tables (needed with graphs).
+        tp: this rank's place in its tensor-parallel group (`engine.parallel`); the model holds the rank's share.
+        kv: the KV cache tensor to compute in (`engine.kv_cache.kv_shape`; every TP rank shares one), or None to
+            allocate one.
 
     Raises:
         ValueError: an unknown or unusable attention backend (`kernels.select_ops`), quantization of a float32
@@ -45,17 +76,18 @@ class ModelRunner:
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig,
                  state_dict: dict[str, torch.Tensor] | None, device: str = "cpu", seed: int = 0,
                  attention_backend: str = "auto", quantization: str = "none", packed_weights: bool = True,
-                 cuda_graph_sizes: list[int] | None = None, max_model_len: int = 0):
+                 cuda_graph_sizes: list[int] | None = None, max_model_len: int = 0, tp: TensorParallel = SINGLE,
+                 kv: torch.Tensor | None = None):
         torch.manual_seed(seed)
-        self.model_config = model_config
+        self.model_config, self.tp = model_config, tp
         self.device = torch.device(device)
         self.attention_ops = select_ops(attention_backend, self.device)
         if quantization != "none" and model_config.moe is not None:
             raise ValueError(f"--quantization {quantization} is not implemented for mixture-of-experts models (the "
                              f"experts would stay unquantized and the router would be)")
         model_class = architecture(model_config.architecture).Model
-        self.model = model_class(model_config, self.attention_ops).to(device=self.device,
-                                                                      dtype=model_config.torch_dtype)
+        self.model = model_class(model_config, self.attention_ops, tp).to(device=self.device,
+                                                                          dtype=model_config.torch_dtype)
         if state_dict is not None:
             self.model.load_weights(state_dict)
         self.model.eval()
@@ -63,11 +95,13 @@ class ModelRunner:
             quantize_weight_only(self.model, quantization)
         elif packed_weights:
             pack_linears(self.model)
-        self.kv_cache = KVCache(model_config, cache_config, self.device)
+        self.kv_cache = KVCache(model_config, cache_config, self.device, kv=kv, rank=tp.rank)
         self.block_size = cache_config.block_size
         self.sampler = Sampler(model_config.vocab_size, seed)
         self.decode_graphs = None
-        if cuda_graph_sizes and model_config.moe is not None:
+        if cuda_graph_sizes and tp.size > 1:
+            log.warning("tensor-parallel steps broadcast their inputs from the host; every step runs eagerly")
+        elif cuda_graph_sizes and model_config.moe is not None:
             log.warning("mixture-of-experts layers group tokens on the host; every step runs eagerly")
         elif cuda_graph_sizes and not self.attention_ops.capturable:
             log.warning("attention backend %r cannot be captured in a CUDA graph; every step runs eagerly",
@@ -81,81 +115,113 @@ class ModelRunner:
 
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         """Compute the step's tokens and sample for every request whose chunk reaches its last token; verify the
-        n-gram drafts of a request that carries them (`engine.speculative`).
+        n-gram drafts of a request that carries them (`engine.speculative`). Under tensor parallelism this is
+        rank 0's call: the step's inputs go to the other ranks first (`follow`).
 
         Raises:
             Exception: whatever the forward pass raised (a fault of the whole step; sampling failures are per
                 request, in `RunnerOutput.failed`).
         """
-        self.kv_cache.copy_blocks(out.block_copies)  # forked samples' partial blocks, before anything writes them
         scheduled = out.decodes + out.prefills
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
+        step = StepInputs(block_copies=out.block_copies,
+                          decode_block_tables=[s.block_ids for s in out.decodes],
+                          decode_context_lens=[s.request.num_computed_tokens + 1 for s in out.decodes],
+                          prefill_query_lens=[s.num_new_tokens for s in out.prefills],
+                          prefill_context_lens=[s.request.num_computed_tokens + s.num_new_tokens
+                                                for s in out.prefills],
+                          prefill_block_tables=[s.block_ids for s in out.prefills])
         sample_rows: list[int] = []
         verify: list[tuple[ScheduledRequest, int]] = []  # a request with drafts, and the row of its last known token
         for s in scheduled:
             start = s.request.num_computed_tokens
             known = s.num_new_tokens - len(s.spec_token_ids)
-            input_ids.extend(s.request.all_token_ids[start:start + known])
-            input_ids.extend(s.spec_token_ids)
+            step.input_ids.extend(s.request.all_token_ids[start:start + known])
+            step.input_ids.extend(s.spec_token_ids)
             for p in range(start, start + s.num_new_tokens):
-                positions.append(p)
-                slots.append(s.block_ids[p // self.block_size] * self.block_size + p % self.block_size)
+                step.positions.append(p)
+                step.slots.append(s.block_ids[p // self.block_size] * self.block_size + p % self.block_size)
             if s.spec_token_ids:
-                verify.append((s, len(input_ids) - 1 - len(s.spec_token_ids)))
+                verify.append((s, len(step.input_ids) - 1 - len(s.spec_token_ids)))
             elif s.sample:
-                sample_rows.append(len(input_ids) - 1)
+                sample_rows.append(len(step.input_ids) - 1)
+        verify_rows = [row for s, last in verify for row in range(last, last + len(s.spec_token_ids) + 1)]
+        # Every row sampled (an all-decode step without drafts; sample_rows ascend): the hidden states as they are.
+        every_row = not verify_rows and len(sample_rows) == len(step.input_ids)
+        step.logit_rows = None if every_row else sample_rows + verify_rows
         # Layer-wise KV streaming: a prefill-only request's last chunk tells its sender as each layer is written.
         # The scheduler files a one-token chunk under decodes (a prefix-cache hit up to the last token).
         streaming = [s for s in scheduled if s.sample and s.request.kv_layers is not None]
-        decode_context_lens = [s.request.num_computed_tokens + 1 for s in out.decodes]
         graphs = self.decode_graphs
         if graphs is not None and out.decodes and not out.prefills and not streaming:
-            size = graphs.size_for(len(out.decodes), max(len(s.block_ids) for s in out.decodes))
+            self.kv_cache.copy_blocks(step.block_copies)
+            size = graphs.size_for(len(out.decodes), max(len(t) for t in step.decode_block_tables))
             if size is not None:
-                logits = graphs.run(size, input_ids, positions, slots, [s.block_ids for s in out.decodes],
-                                    decode_context_lens)
+                logits = graphs.run(size, step.input_ids, step.positions, step.slots, step.decode_block_tables,
+                                    step.decode_context_lens)
                 return self.sampler(logits[sample_rows], [s.request for s in scheduled if s.sample])
+            step.block_copies = []  # done
         dev = self.device
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            num_decodes=len(out.decodes),
-            decode_block_tables=self._block_tables(out.decodes),
-            decode_context_lens=torch.tensor(decode_context_lens, dtype=torch.int32, device=dev),
-            prefill_cu_seqlens=torch.tensor(_cumsum([s.num_new_tokens for s in out.prefills]), dtype=torch.int32,
-                                            device=dev),
-            prefill_context_lens=torch.tensor(
-                [s.request.num_computed_tokens + s.num_new_tokens for s in out.prefills], dtype=torch.int32,
-                device=dev),
-            prefill_block_tables=self._block_tables(out.prefills),
-            prefill_max_query_len=max((s.num_new_tokens for s in out.prefills), default=0),
-        )
         for s in streaming:
             s.request.kv_layers.begin(s.block_ids, s.request.num_computed_tokens + s.num_new_tokens)
 
         def on_layer(layer: int) -> None:
             for s in streaming:
                 s.request.kv_layers.layer_written(layer, dev)
-        hidden = self.model(torch.tensor(input_ids, dtype=torch.long, device=dev),
-                            torch.tensor(positions, dtype=torch.long, device=dev), meta, self.kv_cache.layers,
-                            on_layer_written=on_layer if streaming else None)
-        verify_rows = [row for s, last in verify for row in range(last, last + len(s.spec_token_ids) + 1)]
-        if not sample_rows and not verify_rows:
+        if self.tp.size > 1:
+            torch.distributed.broadcast_object_list([step], src=0, group=self.tp.group)
+        logits = self._forward(step, on_layer if streaming else None)
+        if logits is None:
             return RunnerOutput()
-        # Every row sampled (an all-decode step without drafts; sample_rows ascend): the hidden states as they are.
-        every_row = not verify_rows and len(sample_rows) == hidden.shape[0]
-        logits = self.model.compute_logits(hidden if every_row else hidden[sample_rows + verify_rows])  # on device
         result = self.sampler(logits[:len(sample_rows)], [s.request for s in scheduled
                                                            if s.sample and not s.spec_token_ids])
         if verify:
             _verify_drafts(verify, logits[len(sample_rows):], result)
         return result
 
-    def _block_tables(self, group: list[ScheduledRequest]) -> torch.Tensor:
-        """[len(group), max_blocks] int32, zero-padded (`fill_block_tables`), on the runner's device."""
-        host = np.empty((len(group), max(1, max((len(s.block_ids) for s in group), default=0))), dtype=np.int32)
-        fill_block_tables(host, [s.block_ids for s in group])
+    def follow(self) -> None:
+        """Ranks > 0 of a tensor-parallel group: run every step rank 0's `execute` broadcasts, until `close`.
+
+        Raises:
+            RuntimeError: from torch.distributed when rank 0 is gone (the rank process then exits).
+        """
+        while True:
+            box: list[StepInputs | None] = [None]
+            torch.distributed.broadcast_object_list(box, src=0, group=self.tp.group)
+            if box[0] is None:
+                return
+            self._forward(box[0], None)
+
+    def close(self) -> None:
+        """Rank 0 of a tensor-parallel group: tell the other ranks to leave `follow`. A no-op without TP."""
+        if self.tp.size > 1:
+            torch.distributed.broadcast_object_list([None], src=0, group=self.tp.group)
+
+    def _forward(self, step: StepInputs, on_layer: Callable[[int], None] | None) -> torch.Tensor | None:
+        """The model on `step` (every TP rank runs it alike): logits [len(logit_rows) or T, vocab] on the device,
+        or None when no row needs them."""
+        self.kv_cache.copy_blocks(step.block_copies)  # forked samples' partial blocks, before anything writes them
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(step.slots, dtype=torch.long, device=dev),
+            num_decodes=len(step.decode_context_lens),
+            decode_block_tables=self._block_tables(step.decode_block_tables),
+            decode_context_lens=torch.tensor(step.decode_context_lens, dtype=torch.int32, device=dev),
+            prefill_cu_seqlens=torch.tensor(_cumsum(step.prefill_query_lens), dtype=torch.int32, device=dev),
+            prefill_context_lens=torch.tensor(step.prefill_context_lens, dtype=torch.int32, device=dev),
+            prefill_block_tables=self._block_tables(step.prefill_block_tables),
+            prefill_max_query_len=max(step.prefill_query_lens, default=0),
+        )
+        hidden = self.model(torch.tensor(step.input_ids, dtype=torch.long, device=dev),
+                            torch.tensor(step.positions, dtype=torch.long, device=dev), meta, self.kv_cache.layers,
+                            on_layer_written=on_layer)
+        if step.logit_rows is not None and not step.logit_rows:
+            return None
+        return self.model.compute_logits(hidden if step.logit_rows is None else hidden[step.logit_rows])
+
+    def _block_tables(self, tables: list[list[int]]) -> torch.Tensor:
+        """[len(tables), max_blocks] int32, zero-padded (`fill_block_tables`), on the runner's device."""
+        host = np.empty((len(tables), max(1, max((len(t) for t in tables), default=0))), dtype=np.int32)
+        fill_block_tables(host, tables)
         return torch.from_numpy(host).to(self.device)
 
 

@@ -5,7 +5,7 @@ KV cache memory. Commands and outputs cross as typed messages (`engine.ipc`).
 Supervision: the engine process is watched through its sentinel. If it dies (kill -9, a segfault in a kernel),
 every request in flight fails at once with ENGINE_DIED (gRPC UNAVAILABLE: the coordinator retries or migrates it)
 and the fault listeners hear why, as after a faulted step (the worker then stops taking traffic). `stop` ends it
-cleanly; a worker killed outright takes it along (`core_process._die_with_parent`).
+cleanly; a worker killed outright takes it along (`engine.lifetime.die_with_parent`).
 """
 from __future__ import annotations
 
@@ -115,12 +115,14 @@ class ProcessEngine(AsyncEngine):
         try:
             answer = await asyncio.to_thread(_receive_answer, parent_end, self._process)
         except BaseException:
-            self._kill()
+            self._release()
             raise
         finally:
             parent_end.close()
         if isinstance(answer, BuildFailed):
-            self._kill()
+            # Sockets and contexts too: a ZMQ context left to the garbage collector blocks in term() on its open
+            # sockets, wherever the collection happens to run.
+            self._release()
             raise EngineBuildError(answer.error_type, answer.message)
         assert isinstance(answer, Ready)
         self.model_config, self.cache_config = answer.model_config, answer.cache_config

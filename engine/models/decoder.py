@@ -14,6 +14,8 @@ from engine.config import ModelConfig
 from engine.models.interface import CheckpointNames
 from engine.models.layers import Attention, GatedMLP, RMSNorm, RotaryEmbedding
 from engine.models.moe import SparseMoE
+from engine.models.sharding import shard, vocab_per_rank
+from engine.parallel import SINGLE, TensorParallel
 from kernels import AttentionOps
 
 
@@ -21,14 +23,14 @@ class DecoderLayer(nn.Module):
     """Pre-norm attention + MLP block; `DecoderModel.forward` applies it (the residual adds live there). The MLP is
     the routed `SparseMoE` on the layers `cfg.moe.sparse_layers` names, else a dense `GatedMLP`."""
 
-    def __init__(self, cfg: ModelConfig, ops: AttentionOps, index: int):
+    def __init__(self, cfg: ModelConfig, ops: AttentionOps, index: int, tp: TensorParallel):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, ops)
+        self.self_attn = Attention(cfg, ops, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp: nn.Module = (SparseMoE(cfg.hidden_size, cfg.moe, ops)
+        self.mlp: nn.Module = (SparseMoE(cfg.hidden_size, cfg.moe, ops, tp)
                                if cfg.moe is not None and index in cfg.moe.sparse_layers
-                               else GatedMLP(cfg.hidden_size, cfg.intermediate_size, ops))
+                               else GatedMLP(cfg.hidden_size, cfg.intermediate_size, ops, tp))
 
 
 class StrictWeights:
@@ -69,18 +71,25 @@ class DecoderModel(nn.Module):
     views; it writes the step's K/V into the cache and returns hidden states. Use `load_weights` to fill it from
     an HF state dict. `ops` are the paged attention ops (`kernels.select_ops`). `CHECKPOINT` says how the
     checkpoint names the MLP tensors; an architecture with other names subclasses this and sets it.
+
+    With tensor parallelism (`tp.size` > 1) this is one rank's share (`engine.models.sharding` says which
+    parameters split how): every rank runs forward on the same inputs, and the collectives inside leave every rank
+    with the same hidden states and, from `compute_logits`, the same full logits.
+
+    Raises (constructor):
+        ValueError: tp.size does not divide the heads, kv heads or intermediate sizes (the message names which).
     """
 
     CHECKPOINT: ClassVar[CheckpointNames] = CheckpointNames()
 
-    def __init__(self, cfg: ModelConfig, ops: AttentionOps):
+    def __init__(self, cfg: ModelConfig, ops: AttentionOps, tp: TensorParallel = SINGLE):
         super().__init__()
-        self.cfg = cfg
-        self.ops = ops
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, ops, i) for i in range(cfg.num_layers))
+        self.cfg, self.ops, self.tp = cfg, ops, tp
+        self.vocab_rows = vocab_per_rank(cfg.vocab_size, tp.size)  # this rank's slice of the vocabulary
+        self.embed_tokens = nn.Embedding(self.vocab_rows, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, ops, i, tp) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = nn.Linear(cfg.hidden_size, self.vocab_rows, bias=False)
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_llama3)
 
     @torch.inference_mode()
@@ -92,7 +101,7 @@ class DecoderModel(nn.Module):
         for layer-wise KV streaming."""
         # h is the residual stream; each norm adds the previous sublayer's output into it in place first (vLLM's
         # fused_add_rms_norm), the same sums as h = h + sublayer(norm(h)) in fewer ops.
-        h = self.embed_tokens(input_ids)
+        h = self._embed(input_ids)
         rope = self.rope.tables(positions, h.dtype)
         rms_norm = self.ops.rms_norm
         norms = [layer.input_layernorm for layer in self.layers] + [self.norm]  # norms[i + 1] follows layer i
@@ -106,13 +115,27 @@ class DecoderModel(nn.Module):
             x = rms_norm(x, norms[i + 1].weight, norms[i + 1].eps, h)
         return x
 
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """[T] int64 -> [T, hidden]. Vocab-parallel under TP: a rank looks up the ids in its slice, zeros the others,
+        and the all-reduce sums the one non-zero row per token."""
+        if self.tp.size == 1:
+            return self.embed_tokens(input_ids)
+        local = input_ids - self.tp.rank * self.vocab_rows
+        outside = (local < 0) | (local >= self.vocab_rows)
+        h = self.embed_tokens(local.masked_fill(outside, 0))
+        return self.tp.all_reduce(h.masked_fill_(outside.unsqueeze(1), 0))
+
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, hidden] -> logits [N, vocab] in the model's dtype. Not widened to fp32 here: the greedy argmax
         reads bf16 as it is (widening is exact, so the argmax is the same), and only the rows that need fp32
         (penalties, temperature, logprobs) are widened, by the sampler. At 64 rows x 49152 the widening of every row
-        was 1.2 ms of a 41 ms bf16 decode step (Intel Xeon VM, 2 threads)."""
-        return self.lm_head(hidden)
+        was 1.2 ms of a 41 ms bf16 decode step (Intel Xeon VM, 2 threads). Under TP every rank must call it (the
+        vocab-parallel logits are all-gathered, the padding columns cut off)."""
+        logits = self.lm_head(hidden)
+        if self.tp.size == 1:
+            return logits
+        return self.tp.all_gather_last(logits)[:, :self.cfg.vocab_size]
 
     def load_weights(self, state: dict[str, torch.Tensor]) -> None:
         """Copy an HF state dict (q/k/v and gate/up separate or fused; names with or without the `model.` prefix)
@@ -122,7 +145,8 @@ class DecoderModel(nn.Module):
         into wrong numerics. Tolerated leftovers: `*.rotary_emb.inv_freq` buffers (RoPE is recomputed) and
         `lm_head.weight` when `cfg.tie_word_embeddings` (the head is the embedding). Experts are read per expert
         (`mlp.experts.E.gate_proj.weight`, as checkpoints store them) or stacked (`mlp.experts.gate_up_proj`, as HF
-        >= 5 holds them in memory). Nothing is copied unless the whole state dict checks out.
+        >= 5 holds them in memory). Under TP each full tensor is cut to this rank's share
+        (`engine.models.sharding.shard`). Nothing is copied unless the whole state dict checks out.
 
         Raises:
             KeyError: a required tensor is missing (the message names it).
@@ -158,6 +182,7 @@ class DecoderModel(nn.Module):
             more = f" and {len(unused) - 10} more" if len(unused) > 10 else ""
             raise ValueError(f"{len(unused)} unused tensor(s) in the state dict (architecture mismatch with "
                              f"{cfg.name!r}?): {', '.join(unused[:10])}{more}")
+        params = {name: shard(name, tensor, cfg, self.tp) for name, tensor in params.items()}
         own = dict(self.named_parameters())
         if own.keys() != params.keys():  # the loader and the module tree disagree: a bug here, not in the checkpoint
             raise RuntimeError(f"loader/module mismatch: {sorted(own.keys() ^ params.keys())}")

@@ -16,6 +16,7 @@ from torch import nn
 from engine.attention import AttentionMetadata
 from engine.config import ModelConfig
 from engine.models.interface import Llama3RopeScaling
+from engine.parallel import SINGLE, TensorParallel
 from kernels import AttentionOps
 
 
@@ -91,11 +92,14 @@ class Attention(nn.Module):
     the projection (and its bias) and before RoPE, as HF's Qwen3Attention does.
     """
 
-    def __init__(self, cfg: ModelConfig, ops: AttentionOps):
+    def __init__(self, cfg: ModelConfig, ops: AttentionOps, tp: TensorParallel = SINGLE):
         super().__init__()
-        self.ops = ops
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_size, self.kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.ops, self.tp = ops, tp
+        # Tensor parallelism: this rank's heads (q and their kv heads); qkv_proj column-, o_proj row-parallel.
+        self.num_heads = tp.split(cfg.num_heads, "num_attention_heads")
+        self.num_kv_heads = tp.split(cfg.num_kv_heads, "num_key_value_heads")
+        self.head_dim = cfg.head_dim
+        self.q_size, self.kv_size = self.num_heads * cfg.head_dim, self.num_kv_heads * cfg.head_dim
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
         self.scale = cfg.head_dim ** -0.5
@@ -125,7 +129,7 @@ class Attention(nn.Module):
                                                  meta.prefill_context_lens, meta.prefill_block_tables, self.scale,
                                                  max_query_len=meta.prefill_max_query_len)
         out = decode if prefill is None else prefill if decode is None else torch.cat((decode, prefill))
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        return self.tp.all_reduce(self.o_proj(out.reshape(num_tokens, self.q_size)))
 
     def _qk_norm(self, qkv: torch.Tensor) -> None:
         """Qwen3's q_norm / k_norm (HF Qwen3RMSNorm: fp32, rounded to the input dtype, then the weight) on qkv's q
@@ -140,13 +144,17 @@ class Attention(nn.Module):
 
 class GatedMLP(nn.Module):
     """SiLU-gated MLP (Shazeer 2020, "GLU variants") with fused gate/up projection, no bias: down(silu(gate(x)) *
-    up(x)). x: [T, hidden] -> [T, hidden]; `intermediate_size` is its hidden width."""
+    up(x)). x: [T, hidden] -> [T, hidden]; `intermediate_size` is its hidden width (a rank holds 1/tp.size of it).
 
-    def __init__(self, hidden_size: int, intermediate_size: int, ops: AttentionOps):
+    Raises:
+        ValueError: tp.size does not divide intermediate_size."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, ops: AttentionOps, tp: TensorParallel = SINGLE):
         super().__init__()
-        self.ops = ops
-        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.ops, self.tp = ops, tp
+        local = tp.split(intermediate_size, "intermediate_size")  # gate_up column-, down row-parallel
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * local, bias=False)
+        self.down_proj = nn.Linear(local, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
+        return self.tp.all_reduce(self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x))))

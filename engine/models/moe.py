@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.models.interface import MoEConfig
+from engine.parallel import SINGLE, TensorParallel
 from kernels import AttentionOps
 
 
@@ -32,17 +33,22 @@ class Experts(nn.Module):
 class SparseMoE(nn.Module):
     """Router (`gate`: hidden -> num_experts, no bias) plus `experts`. x: [T, hidden] -> [T, hidden].
 
+    Raises (constructor): ValueError when tp.size does not divide the experts' intermediate size.
+
     The grouping reads the per-expert token counts on the host (one sync a layer): cheap on a CPU, a stall on a
     GPU, where a fused MoE kernel (vLLM's `fused_moe`) would take over; decode steps of an MoE model are therefore
     not captured in CUDA graphs (`engine.model_runner`).
     """
 
-    def __init__(self, hidden_size: int, moe: MoEConfig, ops: AttentionOps):
+    def __init__(self, hidden_size: int, moe: MoEConfig, ops: AttentionOps, tp: TensorParallel = SINGLE):
         super().__init__()
-        self.ops = ops
+        self.ops, self.tp = ops, tp
         self.num_experts, self.top_k, self.norm_topk_prob = moe.num_experts, moe.top_k, moe.norm_topk_prob
-        self.gate = nn.Linear(hidden_size, moe.num_experts, bias=False)
-        self.experts = Experts(moe.num_experts, hidden_size, moe.intermediate_size)
+        self.gate = nn.Linear(hidden_size, moe.num_experts, bias=False)  # replicated: every rank routes alike
+        # Tensor parallelism splits every expert's intermediate features (each rank runs every expert on its
+        # share, then one all-reduce), not the experts themselves: the load stays even however tokens route.
+        local = tp.split(moe.intermediate_size, "moe_intermediate_size")
+        self.experts = Experts(moe.num_experts, hidden_size, local)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [T, hidden] -> (weights [T, top_k] in x's dtype, experts [T, top_k] int64), HF's router: softmax of the
@@ -71,4 +77,4 @@ class SparseMoE(nn.Module):
         out_rows *= weights.flatten()[order].unsqueeze(1)
         # One index_add over expert-sorted rows: each token's contributions are summed in ascending expert order,
         # as HF's per-expert loop does.
-        return torch.zeros_like(x).index_add_(0, tokens, out_rows)
+        return self.tp.all_reduce(torch.zeros_like(x).index_add_(0, tokens, out_rows))

@@ -1,0 +1,164 @@
+"""The tensor-parallel ranks 1..N-1 of an engine process (rank 0 is the engine process itself, `engine.core_process`):
+one process each, spawned by the engine process, holding their share of the model and computing in their shard of
+the one KV cache tensor all ranks and the worker share (`engine.kv_cache` layout). They run whatever step rank 0
+broadcasts (`ModelRunner.follow`) until rank 0 tells them to stop.
+
+Lifetimes: a rank dies with the engine process (PR_SET_PDEATHSIG), and the engine process stops the moment a rank
+dies (`RankProcesses.start`'s watcher: the other ranks would block in their next collective), so its worker sees its engine
+die and fails the requests in flight with UNAVAILABLE. Scheduling, sampling and the KV connectors stay with rank 0
+and the worker; a rank only runs forwards.
+"""
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from multiprocessing.connection import wait
+
+import torch
+
+from engine.args import EngineArgs
+from engine.config import CacheConfig, ModelConfig, SchedulerConfig
+from engine.hardware import set_threads
+from engine.lifetime import die_with_parent
+from engine.parallel import TensorParallel, init_group
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    """What a rank process starts with (pickled across the spawn; `kv` travels as a shared-memory handle).
+
+    Attributes:
+        args: the engine's arguments (model, dtype, backend).
+        model_config, cache_config, max_model_len: resolved by rank 0, so every rank builds the same shapes.
+        kv: the KV cache tensor in shared memory (`engine.kv_cache.kv_shape`).
+        rank, size: this rank and the group size.
+        init_method: the `file://` rendezvous of the group.
+        threads: torch intra-op threads of this rank.
+        log_setup: configures logging like the worker's (picklable), or None.
+    """
+
+    args: EngineArgs
+    model_config: ModelConfig
+    cache_config: CacheConfig
+    max_model_len: int
+    kv: torch.Tensor
+    rank: int
+    size: int
+    init_method: str
+    threads: int
+    log_setup: Callable[[], None] | None = None
+
+
+def run_rank(spec: RankSpec) -> None:
+    """A rank process's entry point: join the group, build this rank's runner, meet the others at a barrier (rank 0
+    passes it once every rank is built), then follow rank 0's steps. Exits 0 when told to stop, 1 on any error
+    (logged; rank 0's watcher then stops the engine)."""
+    die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if spec.log_setup is not None:
+        spec.log_setup()
+    set_threads(spec.threads)
+    from engine.builder import build_runner
+
+    try:
+        tp = init_group(spec.rank, spec.size, spec.init_method)
+        runner = build_runner(spec.args, spec.model_config, spec.cache_config, spec.max_model_len, tp, spec.kv)
+        torch.distributed.barrier(group=tp.group)
+        runner.follow()
+    except Exception:  # noqa: BLE001 - logged here; the engine process sees this process exit
+        log.exception("tensor-parallel rank %d failed", spec.rank)
+        sys.exit(1)
+    log.info("tensor-parallel rank %d stopped", spec.rank)
+
+
+class RankProcesses:
+    """Ranks 1..size-1 of an engine process, and rank 0's membership of their group.
+
+    `start` spawns them and returns rank 0's `TensorParallel` once every rank has joined the group; the engine
+    process then builds its own share (`engine.builder.build_engine` with that group) and calls `wait_built`.
+
+    Args:
+        args, model_config, cache_config, scheduler_config: the engine being built.
+        kv: the shared KV cache tensor.
+        threads: torch intra-op threads of each rank (rank 0's included).
+        log_setup: as `RankSpec.log_setup`.
+    """
+
+    def __init__(self, args: EngineArgs, model_config: ModelConfig, cache_config: CacheConfig,
+                 scheduler_config: SchedulerConfig, kv: torch.Tensor, threads: int,
+                 log_setup: Callable[[], None] | None):
+        self.size = args.tensor_parallel_size
+        self._dir = tempfile.mkdtemp(prefix="pdserve-tp-")
+        self._init_method = f"file://{self._dir}/rendezvous"
+        self._specs = [RankSpec(args, model_config, cache_config, scheduler_config.max_model_len, kv, rank,
+                                self.size, self._init_method, threads, log_setup) for rank in range(1, self.size)]
+        self._processes: list[multiprocessing.process.BaseProcess] = []
+        self._stopping = threading.Event()
+        self.tp: TensorParallel | None = None
+
+    def start(self, on_death: Callable[[str], None]) -> TensorParallel:
+        """Spawn the ranks, watch them (`on_death(why)` runs, on a thread of its own, if one exits before `stop`;
+        it must end this process, since the remaining ranks would block in their next collective), and join their
+        group as rank 0 (blocks until all have joined).
+
+        Raises:
+            RuntimeError: the rendezvous failed (torch.distributed's message).
+        """
+        # The engine process is daemonic (multiprocessing ends it with the worker), and multiprocessing refuses
+        # children to daemonic processes lest they be orphaned; these cannot be: they die with this process
+        # (PR_SET_PDEATHSIG) and it with them (`watch`).
+        multiprocessing.current_process().daemon = False
+        ctx = multiprocessing.get_context("spawn")
+        for spec in self._specs:
+            p = ctx.Process(target=run_rank, args=(spec,), name=f"pdserve-tp-rank-{spec.rank}", daemon=True)
+            p.start()
+            self._processes.append(p)
+        self._watch(on_death)
+        self.tp = init_group(0, self.size, self._init_method)
+        return self.tp
+
+    def wait_built(self) -> None:
+        """Rank 0 is built: wait at the barrier until every rank is (a rank that fails exits, and `watch` ends this
+        process)."""
+        torch.distributed.barrier(group=self.tp.group)
+        shutil.rmtree(self._dir, ignore_errors=True)  # the file store is only read at rendezvous
+
+    def _watch(self, on_death: Callable[[str], None]) -> None:
+        def run() -> None:
+            sentinels = {p.sentinel: p for p in self._processes}
+            ready = wait(list(sentinels))
+            if not self._stopping.is_set():
+                p = sentinels[ready[0]]
+                p.join(0)
+                on_death(f"tensor-parallel rank process {p.name} (pid {p.pid}) exited with code {p.exitcode}")
+
+        threading.Thread(target=run, name="tp-rank-watch", daemon=True).start()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """After rank 0's `ModelRunner.close`: wait for the ranks to exit, kill those that do not."""
+        self._stopping.set()
+        for p in self._processes:
+            p.join(timeout_s)
+            if p.is_alive():
+                log.warning("tensor-parallel rank %s did not stop; killing it", p.name)
+                p.kill()
+                p.join(1)
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+
+def rank_threads(total: int | None, size: int) -> int:
+    """Torch intra-op threads per rank: the worker's `total` (None or 0 = every CPU this process may use) split
+    evenly among `size` ranks, at least 1."""
+    if not total:
+        total = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, total // size)

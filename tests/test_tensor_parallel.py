@@ -1,0 +1,165 @@
+"""Tensor parallelism inside a worker (`engine.parallel`, `engine.tp_ranks`): two gloo ranks of one thread each give
+the same greedy tokens as one rank, for a dense model and a mixture-of-experts model; the weights are cut as
+`engine.models.sharding` says; a rank's death ends its engine process at once, leaving no rank behind."""
+import asyncio
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from engine.args import EngineArgs
+from engine.config import ModelConfig
+from engine.errors import EngineError, ErrorKind
+from engine.models.sharding import shard, vocab_per_rank
+from engine.outputs import TokenOutput
+from engine.parallel import TensorParallel
+from engine.process_engine import ProcessEngine
+from engine.request import Request, SamplingParams
+
+
+def engine_args(model_dir, tp: int, **kw) -> EngineArgs:
+    return EngineArgs(dtype="float32", model_dir=str(model_dir), block_size=8, kv_tokens=2048, max_model_len=512,
+                      max_num_batched_tokens=32, tensor_parallel_size=tp, **kw)
+
+
+PROMPTS = [list(range(5, 45)), list(range(100, 117)), [7] * 30, list(range(300, 309))]
+
+
+async def generate(engine, rid: str, prompt: list[int], n: int) -> list[int]:
+    out = []
+    request = Request(rid, list(prompt), SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+    with engine.request(request) as stream:
+        while True:
+            ev = await stream.next()
+            assert isinstance(ev, TokenOutput)
+            out.append(ev.token.token_id)
+            if ev.finish_reason is not None:
+                return out
+
+
+def run_engine(args: EngineArgs, scenario):
+    async def main():
+        engine = ProcessEngine(args, threads=2)
+        await engine.start()
+        try:
+            return await scenario(engine)
+        finally:
+            engine.stop()
+    return asyncio.run(main())
+
+
+def greedy_outputs(args: EngineArgs, prompts, n: int) -> list[list[int]]:
+    async def scenario(engine):
+        return await asyncio.gather(*(generate(engine, f"r{i}", p, n) for i, p in enumerate(prompts)))
+    return run_engine(args, scenario)
+
+
+def test_tp2_greedy_equals_tp1_dense(tiny_model_dir):
+    """64 greedy tokens for four prompts batched together (chunked prefill under a 32-token budget, then decode)."""
+    one = greedy_outputs(engine_args(tiny_model_dir, 1), PROMPTS, 64)
+    two = greedy_outputs(engine_args(tiny_model_dir, 2), PROMPTS, 64)
+    assert all(len(o) == 64 for o in one)
+    assert two == one
+
+
+def test_tp2_greedy_equals_tp1_moe(tmp_path):
+    """A tiny Qwen3-MoE (8 experts, top-2; layers 0-1 sparse, layer 2 dense): each rank runs every expert on half
+    its intermediate features, and the dense layer's MLP on half of its own."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(0)
+    model = Qwen3MoeForCausalLM(Qwen3MoeConfig(
+        vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=512, tie_word_embeddings=False,
+        bos_token_id=None, eos_token_id=None, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+        mlp_only_layers=[2], initializer_range=0.1))
+    with torch.no_grad():  # decisive routing and sharp logits: greedy choices far from ties
+        for name, p in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                p.normal_(0.0, 1.0)
+        model.lm_head.weight.mul_(8.0)
+    model.save_pretrained(str(tmp_path))
+    model_dir = tmp_path
+    prompts = [[t % 1000 + 3 for t in p] for p in PROMPTS]
+    one = greedy_outputs(engine_args(model_dir, 1, attention_backend="torch"), prompts, 64)
+    two = greedy_outputs(engine_args(model_dir, 2, attention_backend="torch"), prompts, 64)
+    assert two == one
+
+
+def _cfg(**kw) -> ModelConfig:
+    base = dict(name="m", path="", architecture="llama", vocab_size=10, hidden_size=4, intermediate_size=6,
+                num_layers=1, num_heads=4, num_kv_heads=2, head_dim=2, rms_norm_eps=1e-5, rope_theta=1e4,
+                max_position_embeddings=64, tie_word_embeddings=False, eos_token_ids=())
+    return ModelConfig(**{**base, **kw})
+
+
+def test_sharding_table():
+    """q, k and v segments split separately (rank 1 gets q heads 2-3 and kv head 1); gate and up likewise; o_proj
+    and down_proj by input columns; o_proj's bias on rank 0 only; the vocabulary padded to 2 x 5 rows."""
+    cfg = _cfg()
+    r0, r1 = TensorParallel(0, 2), TensorParallel(1, 2)
+    qkv = torch.arange(16.0)[:, None].expand(16, 4)  # rows: q 0-7 (4 heads x 2), k 8-11, v 12-15
+    assert shard("layers.0.self_attn.qkv_proj.weight", qkv, cfg, r1)[:, 0].tolist() == [4, 5, 6, 7, 10, 11, 14, 15]
+    gate_up = torch.arange(12.0)[:, None].expand(12, 4)
+    assert shard("layers.0.mlp.gate_up_proj.weight", gate_up, cfg, r0)[:, 0].tolist() == [0, 1, 2, 6, 7, 8]
+    down = torch.arange(6.0)[None, :].expand(4, 6)
+    assert shard("layers.0.mlp.down_proj.weight", down, cfg, r1)[0].tolist() == [3, 4, 5]
+    bias = torch.ones(4)
+    assert shard("layers.0.self_attn.o_proj.bias", bias, cfg, r0).tolist() == [1] * 4
+    assert shard("layers.0.self_attn.o_proj.bias", bias, cfg, r1).tolist() == [0] * 4
+    experts = torch.arange(12.0)[None, :, None].expand(3, 12, 4)  # [E, 2I, hidden]
+    assert shard("layers.0.mlp.experts.gate_up_proj", experts, cfg, r1)[0, :, 0].tolist() == [3, 4, 5, 9, 10, 11]
+    vocab = torch.arange(9.0)[:, None].expand(9, 4)  # 9 rows over 2 ranks: 5 each, rank 1's last one padding
+    assert vocab_per_rank(9, 2) == 5
+    assert shard("lm_head.weight", vocab, cfg, r1)[:, 0].tolist() == [5, 6, 7, 8, 0]
+    norm = torch.ones(4)
+    assert shard("layers.0.input_layernorm.weight", norm, cfg, r1) is norm  # replicated
+    with pytest.raises(ValueError, match="--tensor-parallel-size 2 must divide num_key_value_heads \\(3\\)"):
+        shard("layers.0.self_attn.qkv_proj.weight", torch.zeros(20, 4), _cfg(num_kv_heads=3), r0)
+
+
+def test_indivisible_heads_refused_at_start(tiny_model_dir):
+    """The tiny Llama's 2 kv heads do not split over 4 ranks: the engine refuses to start and says why."""
+    from engine.process_engine import EngineBuildError
+
+    with pytest.raises(EngineBuildError, match="--tensor-parallel-size 4 must divide num_key_value_heads"):
+        run_engine(engine_args(tiny_model_dir, 4), lambda engine: asyncio.sleep(0))
+
+
+def _children(pid: int) -> list[int]:
+    pids = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+            pids.extend(int(p) for p in f.read().split())
+    return pids
+
+
+def _gone(pid: int) -> bool:
+    """Exited (reaped, or a zombie awaiting its parent)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def test_killing_a_rank_fails_requests_and_leaves_no_process(tiny_model_dir):
+    """kill -9 of rank 1 under 4 streams: every stream fails with ENGINE_DIED (UNAVAILABLE at the worker), and the
+    engine process and every rank are gone (no hang in a collective, no orphan)."""
+    async def scenario(engine):
+        tasks = [asyncio.ensure_future(generate(engine, f"k{i}", p, 400)) for i, p in enumerate(PROMPTS)]
+        while engine.stats.num_steps < 3:  # decoding
+            await asyncio.sleep(0.05)
+        ranks = _children(engine.pid)
+        assert len(ranks) == 1  # rank 1 (rank 0 is the engine process)
+        os.kill(ranks[0], signal.SIGKILL)
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+        return results, engine.pid, ranks[0]
+    results, engine_pid, rank_pid = run_engine(engine_args(tiny_model_dir, 2), scenario)
+    assert all(isinstance(r, EngineError) and r.kind == ErrorKind.ENGINE_DIED for r in results), results
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and not (_gone(engine_pid) and _gone(rank_pid)):
+        time.sleep(0.1)
+    assert _gone(engine_pid) and _gone(rank_pid)
