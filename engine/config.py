@@ -27,7 +27,9 @@ class ModelConfig:
     `model_type` (it picks the module, `engine.models.registry.architecture`). The rest are
     `engine.models.interface.ArchFlags`, set per `model_type` and config: `qkv_bias` / `o_bias` (the fused q/k/v
     projection / o_proj carry a bias), `qk_norm` (per-head RMSNorm on q and k before RoPE), `rope_llama3`
-    (Llama-3 RoPE frequency scaling, None for plain RoPE) and `moe` (the routed experts of an MoE model).
+    (Llama-3 RoPE frequency scaling, None for plain RoPE), `moe` (the routed experts of an MoE model),
+    `layer_windows` (each layer's sliding window, 0 = full attention; None: no layer slides), and Gemma 3's
+    `attention_scale`, `final_logit_softcapping`, `rope_local_theta` and `rope_linear_factor` (see ArchFlags).
     """
 
     name: str
@@ -51,6 +53,11 @@ class ModelConfig:
     qk_norm: bool = False
     rope_llama3: Llama3RopeScaling | None = None
     moe: MoEConfig | None = None
+    layer_windows: tuple[int, ...] | None = None
+    attention_scale: float | None = None
+    final_logit_softcapping: float | None = None
+    rope_local_theta: float | None = None
+    rope_linear_factor: float | None = None
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -71,7 +78,9 @@ class ModelConfig:
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
         num_heads = hf_config.num_attention_heads
         rope_theta = getattr(hf_config, "rope_theta", None)
-        if rope_theta is None:  # transformers >= 5 keeps it in rope_parameters
+        if flags.rope_theta is not None:  # read by the module (per-layer-type rope_parameters)
+            rope_theta = flags.rope_theta
+        elif rope_theta is None:  # transformers >= 5 keeps it in rope_parameters
             rope_theta = (getattr(hf_config, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
         return cls(
             name=name,
@@ -95,6 +104,11 @@ class ModelConfig:
             qk_norm=flags.qk_norm,
             rope_llama3=flags.rope_llama3,
             moe=flags.moe,
+            layer_windows=flags.layer_windows,
+            attention_scale=flags.attention_scale,
+            final_logit_softcapping=flags.final_logit_softcapping,
+            rope_local_theta=flags.rope_local_theta,
+            rope_linear_factor=flags.rope_linear_factor,
         )
 
 

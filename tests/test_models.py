@@ -1,7 +1,7 @@
 """Model registry and strict weight loading: greedy parity with HF transformers for architectures with projection
-biases (Qwen2; Llama with attention_bias), per-head q/k norm and head_dim != hidden / heads (Qwen3) and Llama-3
-RoPE scaling, loud failures on missing / unused / misshapen tensors, and the registry's refusal of configs we cannot
-serve correctly."""
+biases (Qwen2; Llama with attention_bias), per-head q/k norm and head_dim != hidden / heads (Qwen3), Llama-3
+RoPE scaling and sliding-window attention (Mistral, Phi-3, Qwen2 with some layers sliding), loud failures on
+missing / unused / misshapen tensors, and the registry's refusal of configs we cannot serve correctly."""
 import dataclasses
 import random
 import re
@@ -101,6 +101,41 @@ def mistral_dir(tmp_path_factory) -> str:
     return _save_random(model, tmp_path_factory.mktemp("tiny-mistral"))
 
 
+# Sliding windows far shorter than the 40-token prompts plus 24+ generated tokens: HF's mask hides most of the
+# context from most queries, so a decoder that attended fully would generate other tokens (checked by breaking it).
+@pytest.fixture(scope="module")
+def mistral_window_dir(tmp_path_factory) -> str:
+    """Mistral with sliding_window 8 on both layers."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    model = MistralForCausalLM(MistralConfig(**TINY, rms_norm_eps=1e-5, sliding_window=8))
+    return _save_random(model, tmp_path_factory.mktemp("tiny-mistral-window"))
+
+
+@pytest.fixture(scope="module")
+def phi3_window_dir(tmp_path_factory) -> str:
+    """Phi-3 with sliding_window 12 on both layers (HF uses the value as is, as Mistral does)."""
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    torch.manual_seed(0)
+    model = Phi3ForCausalLM(Phi3Config(**TINY, rms_norm_eps=1e-5, pad_token_id=0, sliding_window=12))
+    return _save_random(model, tmp_path_factory.mktemp("tiny-phi3-window"))
+
+
+@pytest.fixture(scope="module")
+def qwen2_window_dir(tmp_path_factory) -> str:
+    """Qwen2 with use_sliding_window, window 8 and max_window_layers 1 over three layers: HF's layer_types makes
+    layer 0 full attention and layers 1 and 2 sliding."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen2Config(**{**TINY, "num_hidden_layers": 3}, rms_norm_eps=1e-6, use_sliding_window=True,
+                      sliding_window=8, max_window_layers=1)
+    assert cfg.layer_types == ["full_attention", "sliding_attention", "sliding_attention"]
+    return _save_random(Qwen2ForCausalLM(cfg), tmp_path_factory.mktemp("tiny-qwen2-window"))
+
+
 # Llama-3 scaling for head_dim 16, theta 1e4: the wavelengths 2*pi/inv_freq are 6.3, 19.9, 62.8, 199, ... so with
 # original_max_position_embeddings 64 (thresholds 64 / 4 = 16 and 64 / 1 = 64) the first frequency is kept, the next
 # two are smoothed and the other five divided by 8: all three branches of the formula are taken.
@@ -118,12 +153,13 @@ def llama3_rope_dir(tmp_path_factory) -> str:
     return _save_random(model, tmp_path_factory.mktemp("tiny-llama3-rope"))
 
 
-def run_greedy(model_dir: str, prompts: list[list[int]], max_tokens: list[int]):
-    """Run all prompts in one engine with a 16-token step budget. Returns (engine parts, requests, chunked) where
-    chunked says some prefill was split (a later chunk then attends over K/V already in cached blocks)."""
+def run_greedy(model_dir: str, prompts: list[list[int]], max_tokens: list[int], backend: str = "torch"):
+    """Run all prompts in one engine with a 16-token step budget on attention backend `backend`. Returns (engine
+    parts, requests, chunked) where chunked says some prefill was split (a later chunk then attends over K/V
+    already in cached blocks)."""
     parts = build_engine(EngineArgs(dtype="float32", model_dir=model_dir, block_size=8, kv_tokens=2048,
                                     max_num_batched_tokens=16,
-                                    max_model_len=512, attention_backend="torch"))
+                                    max_model_len=512, attention_backend=backend))
     reqs = [Request(f"r{i}", p, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
             for i, (p, n) in enumerate(zip(prompts, max_tokens))]
     chunks = []  # per step: a prefill chunk that stops short of the prompt's end
@@ -186,6 +222,28 @@ def test_greedy_matches_hf_long(request, model_fixture, flags):
     parts, reqs, chunked = run_greedy(model_dir, prompts, max_tokens)
     c = parts.model_config
     assert (c.qkv_bias, c.o_bias, c.qk_norm, c.rope_llama3 is not None) == flags
+    assert chunked, "the test meant to exercise chunked prefill"
+    for req, p, n in zip(reqs, prompts, max_tokens):
+        assert len(req.output_token_ids) == n
+        assert req.output_token_ids == hf_greedy(model_dir, p, n), req.request_id
+
+
+@pytest.mark.parametrize("model_fixture,windows,backend", [
+    ("mistral_window_dir", (8, 8), "torch"),
+    ("mistral_window_dir", (8, 8), "cpu"),  # the C decode kernel's window
+    ("phi3_window_dir", (12, 12), "torch"),
+    ("qwen2_window_dir", (0, 8, 8), "torch"),
+])
+def test_greedy_matches_hf_sliding_window(request, model_fixture, windows, backend):
+    """24+ greedy tokens from prompts of 1..40 tokens under a 16-token budget, with windows of 8 or 12: chunked
+    prefill attends across chunk boundaries and decodes reach position 65, so both attention ops read from the
+    middle of the context (blocks wholly before the window, windows starting mid-block)."""
+    model_dir = request.getfixturevalue(model_fixture)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, VOCAB) for _ in range(n)] for n in (1, 6, 19, 40)]
+    max_tokens = [24, 30, 26, 25]
+    parts, reqs, chunked = run_greedy(model_dir, prompts, max_tokens, backend)
+    assert parts.model_config.layer_windows == windows
     assert chunked, "the test meant to exercise chunked prefill"
     for req, p, n in zip(reqs, prompts, max_tokens):
         assert len(req.output_token_ids) == n
@@ -285,6 +343,7 @@ def test_registry_flags_per_model_type():
     assert _from_hf(Qwen3Config(head_dim=32, hidden_size=64, num_attention_heads=4)).head_dim == 32
     assert flags(_from_hf(MistralConfig(sliding_window=None))) == (False, False, False)
     assert flags(_from_hf(MistralConfig(sliding_window=4096, max_position_embeddings=4096))) == (False, False, False)
+    assert _from_hf(LlamaConfig()).layer_windows is None
     assert _from_hf(LlamaConfig()).rope_llama3 is None
     # Llama 3.1's own values, given the transformers 4 way (rope_scaling with rope_theta beside it)
     llama31 = LlamaConfig(rope_theta=500000.0, max_position_embeddings=131072, rope_scaling={
@@ -294,22 +353,46 @@ def test_registry_flags_per_model_type():
     assert _from_hf(llama31).rope_theta == 500000.0
 
 
+def test_registry_reads_sliding_windows_as_hf():
+    """Which layers slide, over what window, as HF's modeling code decides it (transformers 5.24): Mistral,
+    Mixtral and Phi-3 every layer when `sliding_window` is set (the value as is); Qwen2 / Qwen3 the layers
+    `layer_types` marks, by default those from `max_window_layers` on, and only with `use_sliding_window`;
+    Qwen3-MoE every layer with `use_sliding_window`. No sliding layer: None."""
+    from transformers import MistralConfig, MixtralConfig, Phi3Config, Qwen2Config, Qwen3Config, Qwen3MoeConfig
+
+    def windows(c):
+        return _from_hf(c).layer_windows
+
+    small = dict(num_hidden_layers=3, max_position_embeddings=512)
+    assert windows(MistralConfig(**small, sliding_window=128)) == (128, 128, 128)
+    assert windows(MistralConfig(**small, sliding_window=None)) is None
+    assert windows(MixtralConfig(**small, sliding_window=64)) == (64, 64, 64)
+    assert windows(Phi3Config(**small, sliding_window=2047)) == (2047, 2047, 2047)  # Phi-3-mini-4k's, not 2046
+    assert windows(Qwen2Config(**small)) is None
+    assert windows(Qwen2Config(**small, sliding_window=64, max_window_layers=1)) is None  # use_sliding_window off
+    on = dict(small, use_sliding_window=True, sliding_window=64)
+    assert windows(Qwen2Config(**on, max_window_layers=1)) == (0, 64, 64)
+    assert windows(Qwen2Config(**on, max_window_layers=3)) is None
+    explicit = ["sliding_attention", "full_attention", "sliding_attention"]
+    assert windows(Qwen3Config(**on, layer_types=explicit)) == (64, 0, 64)
+    assert windows(Qwen3MoeConfig(**small, use_sliding_window=True, sliding_window=16)) == (16, 16, 16)
+    assert windows(Qwen3MoeConfig(**small, sliding_window=16)) is None
+
+
 def test_registry_rejects_what_it_cannot_serve():
-    from transformers import GPT2Config, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import GPT2Config, LlamaConfig, MistralConfig, Qwen2Config
 
     with pytest.raises(ValueError, match="mlp_bias"):
         _from_hf(LlamaConfig(mlp_bias=True))
     with pytest.raises(ValueError, match="'gpt2'.*llama, mistral, mixtral, phi3, qwen2, qwen3, qwen3_moe"):
         _from_hf(GPT2Config())
-    with pytest.raises(ValueError, match="sliding_window=128"):
-        _from_hf(MistralConfig(sliding_window=128, max_position_embeddings=512))
-    from transformers import Phi3Config
-    with pytest.raises(ValueError, match="phi3: sliding_window=2047"):
-        _from_hf(Phi3Config(sliding_window=2047, max_position_embeddings=4096))
-    with pytest.raises(ValueError, match="use_sliding_window"):
-        _from_hf(Qwen2Config(use_sliding_window=True))
-    with pytest.raises(ValueError, match="qwen3: use_sliding_window"):
-        _from_hf(Qwen3Config(use_sliding_window=True))
+    with pytest.raises(ValueError, match="mistral: sliding_window=0 is not supported"):
+        _from_hf(MistralConfig(sliding_window=0))
+    with pytest.raises(ValueError, match=re.escape("qwen2: layer_types[1]='chunked_attention' is not supported")):
+        _from_hf(Qwen2Config(num_hidden_layers=2, use_sliding_window=True, sliding_window=8,
+                             layer_types=["full_attention", "chunked_attention"]))
+    with pytest.raises(ValueError, match=re.escape("qwen2: layer_types[0]='sliding_attention' needs a sliding_window")):
+        _from_hf(Qwen2Config(num_hidden_layers=1, layer_types=["sliding_attention"]))  # use_sliding_window off
     with pytest.raises(ValueError, match="hidden_act='gelu'"):
         _from_hf(LlamaConfig(hidden_act="gelu"))
     with pytest.raises(ValueError, match="partial_rotary_factor=0.5"):

@@ -1,6 +1,6 @@
-"""Mixture-of-experts models (Qwen3-MoE, Mixtral): greedy parity with HF transformers on tiny random-weight models,
-experts run grouped (one GEMM per active expert, not per token), both checkpoint layouts of the experts, and the
-config reading of which layers are sparse."""
+"""Mixture-of-experts models (Qwen3-MoE, Mixtral): greedy parity with HF transformers on tiny random-weight models
+(with and without a sliding window), experts run grouped (one GEMM per active expert, not per token), both
+checkpoint layouts of the experts, and the config reading of which layers are sparse."""
 import dataclasses
 import random
 from pathlib import Path
@@ -56,6 +56,33 @@ def mixtral_dir(tmp_path_factory) -> str:
     return _save_random(model, tmp_path_factory.mktemp("tiny-mixtral"))
 
 
+@pytest.fixture(scope="module")
+def qwen3_moe_window_dir(tmp_path_factory) -> str:
+    """Two sparse layers, both sliding over 8 tokens: HF Qwen3-MoE slides every layer with use_sliding_window (it
+    has no max_window_layers / layer_types, unlike Qwen2 and Qwen3)."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen3MoeConfig(**MOE, head_dim=16, rms_norm_eps=1e-6, num_experts=8, moe_intermediate_size=32,
+                         norm_topk_prob=False, use_sliding_window=True, sliding_window=8)
+    model = Qwen3MoeForCausalLM(cfg)
+    _sharpen_router(model)
+    return _save_random(model, tmp_path_factory.mktemp("tiny-qwen3-moe-window"))
+
+
+@pytest.fixture(scope="module")
+def mixtral_window_dir(tmp_path_factory) -> str:
+    """Mixtral with sliding_window 12 on both layers."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(0)
+    cfg = MixtralConfig(**{**MOE, "intermediate_size": 32}, rms_norm_eps=1e-5, num_local_experts=8,
+                        sliding_window=12)
+    model = MixtralForCausalLM(cfg)
+    _sharpen_router(model)
+    return _save_random(model, tmp_path_factory.mktemp("tiny-mixtral-window"))
+
+
 @pytest.mark.parametrize("model_fixture,sparse_layers,normalised", [
     ("qwen3_moe_dir", (0, 1), False),
     ("mixtral_dir", (0, 1), True),
@@ -74,6 +101,23 @@ def test_greedy_matches_hf(request, model_fixture, sparse_layers, normalised):
     assert chunked, "the test meant to exercise chunked prefill"
     for req, p, n in zip(reqs, prompts, max_tokens):
         assert len(req.output_token_ids) == n
+        assert req.output_token_ids == hf_greedy(model_dir, p, n), req.request_id
+
+
+@pytest.mark.parametrize("model_fixture,windows", [
+    ("qwen3_moe_window_dir", (8, 8)),
+    ("mixtral_window_dir", (12, 12)),
+])
+def test_greedy_matches_hf_sliding_window(request, model_fixture, windows):
+    """As above with windows far shorter than the 40-token prompts plus 24+ generated tokens."""
+    model_dir = request.getfixturevalue(model_fixture)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, VOCAB) for _ in range(n)] for n in (1, 6, 19, 40)]
+    max_tokens = [24, 30, 26, 25]
+    parts, reqs, chunked = run_greedy(model_dir, prompts, max_tokens)
+    assert parts.model_config.layer_windows == windows
+    assert chunked, "the test meant to exercise chunked prefill"
+    for req, p, n in zip(reqs, prompts, max_tokens):
         assert req.output_token_ids == hf_greedy(model_dir, p, n), req.request_id
 
 
@@ -162,10 +206,6 @@ def test_sparse_layers_follow_hf():
     assert sparse(Qwen3MoeConfig(num_hidden_layers=6, decoder_sparse_step=2, mlp_only_layers=[3])) == (1, 5)
     assert sparse(Qwen3MoeConfig(num_hidden_layers=3, num_experts=0)) is None
     assert sparse(MixtralConfig(num_hidden_layers=4)) == (0, 1, 2, 3)
-    with pytest.raises(ValueError, match="qwen3_moe: use_sliding_window"):
-        ModelConfig.from_hf(Qwen3MoeConfig(use_sliding_window=True), name="m", path="")
-    with pytest.raises(ValueError, match="mixtral: sliding_window=128"):
-        ModelConfig.from_hf(MixtralConfig(sliding_window=128, max_position_embeddings=512), name="m", path="")
 
 
 def test_quantization_of_moe_is_refused(qwen3_moe_dir):

@@ -21,12 +21,14 @@ from kernels import AttentionOps
 
 class DecoderLayer(nn.Module):
     """Pre-norm attention + MLP block; `DecoderModel.forward` applies it (the residual adds live there). The MLP is
-    the routed `SparseMoE` on the layers `cfg.moe.sparse_layers` names, else a dense `GatedMLP`."""
+    the routed `SparseMoE` on the layers `cfg.moe.sparse_layers` names, else a dense `GatedMLP`; the attention
+    slides over the window `cfg.layer_windows[index]` (0 or no `layer_windows`: full attention)."""
 
     def __init__(self, cfg: ModelConfig, ops: AttentionOps, index: int, tp: TensorParallel):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, ops, tp)
+        window = cfg.layer_windows[index] if cfg.layer_windows is not None else 0
+        self.self_attn = Attention(cfg, ops, tp, sliding_window=window)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp: nn.Module = (SparseMoE(cfg.hidden_size, cfg.moe, ops, tp)
                                if cfg.moe is not None and index in cfg.moe.sparse_layers

@@ -92,6 +92,16 @@ class ArchFlags:
         rope_llama3: Llama-3 scaling of the RoPE inverse frequencies; None for plain RoPE (rope_type "default").
             Set by the registry's shared RoPE check, not by `config_flags`.
         moe: the sparse MLP of a mixture-of-experts model; None for a dense one.
+        layer_windows: each layer's sliding window W (its query sees its own token and the W - 1 before it, HF's
+            sliding-window mask; 0: full causal attention), one int per layer; None: every layer attends fully.
+        attention_scale: the softmax scale; None: head_dim ** -0.5 (Gemma 3: query_pre_attn_scalar ** -0.5).
+        final_logit_softcapping: cap c of tanh(logits / c) * c on the LM head's output (Gemma); None: no capping.
+        rope_theta: the RoPE base, when the module reads it from per-layer-type `rope_parameters` (Gemma 3's
+            full-attention layers); None: the config's `rope_theta`.
+        rope_local_theta: the RoPE base of the sliding-window layers (Gemma 3's `rope_local_base_freq`); None: the
+            same as the others.
+        rope_linear_factor: HF rope_type "linear" on the full-attention layers (inverse frequencies divided by it;
+            Gemma 3 4B+ use 8); None: unscaled.
     """
 
     qkv_bias: bool = False
@@ -99,6 +109,12 @@ class ArchFlags:
     qk_norm: bool = False
     rope_llama3: Llama3RopeScaling | None = None
     moe: MoEConfig | None = None
+    layer_windows: tuple[int, ...] | None = None
+    attention_scale: float | None = None
+    final_logit_softcapping: float | None = None
+    rope_theta: float | None = None
+    rope_local_theta: float | None = None
+    rope_linear_factor: float | None = None
 
 
 @dataclass(frozen=True)

@@ -90,11 +90,15 @@ class Attention(nn.Module):
     Biases (HF semantics): `cfg.qkv_bias` on the fused q/k/v projection, before RoPE; `cfg.o_bias` on o_proj.
     `cfg.qk_norm` (Qwen3): each q and k head is RMS-normalised over head_dim (`q_norm` / `k_norm` weights) after
     the projection (and its bias) and before RoPE, as HF's Qwen3Attention does.
+
+    `sliding_window` W >= 1 makes it a sliding-window layer: a query sees its own token and the W - 1 before it (HF's
+    `sliding_window_causal_mask_function`, as the ops implement it); 0 is full causal attention.
     """
 
-    def __init__(self, cfg: ModelConfig, ops: AttentionOps, tp: TensorParallel = SINGLE):
+    def __init__(self, cfg: ModelConfig, ops: AttentionOps, tp: TensorParallel = SINGLE, sliding_window: int = 0):
         super().__init__()
         self.ops, self.tp = ops, tp
+        self.sliding_window = sliding_window
         # Tensor parallelism: this rank's heads (q and their kv heads); qkv_proj column-, o_proj row-parallel.
         self.num_heads = tp.split(cfg.num_heads, "num_attention_heads")
         self.num_kv_heads = tp.split(cfg.num_kv_heads, "num_key_value_heads")
@@ -123,11 +127,13 @@ class Attention(nn.Module):
         decode = prefill = None
         if nd:
             decode = self.ops.paged_decode_attention(q[:nd], k_cache, v_cache, meta.decode_block_tables,
-                                                     meta.decode_context_lens, self.scale)
+                                                     meta.decode_context_lens, self.scale,
+                                                     sliding_window=self.sliding_window)
         if meta.num_prefills:
             prefill = self.ops.prefill_attention(q[nd:], k_cache, v_cache, meta.prefill_cu_seqlens,
                                                  meta.prefill_context_lens, meta.prefill_block_tables, self.scale,
-                                                 max_query_len=meta.prefill_max_query_len)
+                                                 max_query_len=meta.prefill_max_query_len,
+                                                 sliding_window=self.sliding_window)
         out = decode if prefill is None else prefill if decode is None else torch.cat((decode, prefill))
         return self.tp.all_reduce(self.o_proj(out.reshape(num_tokens, self.q_size)))
 

@@ -1,14 +1,15 @@
-"""Mistral: Llama's numerics under another model_type; its sliding window is refused when shorter than the context."""
+"""Mistral: Llama's numerics under another model_type, with `sliding_window` (when set) on every layer."""
 from __future__ import annotations
 
 from typing import Any
 
-from engine.models.config_checks import refuse_short_window
+from engine.models.config_checks import uniform_windows
 from engine.models.decoder import DecoderModel as Model  # noqa: F401  (the architecture's network)
 from engine.models.interface import ArchFlags
 
 
 def config_flags(hf_config: Any) -> ArchFlags:
-    """Raises: ValueError for a sliding window shorter than max_position_embeddings."""
-    refuse_short_window("mistral", hf_config)
-    return ArchFlags()
+    """Every layer slides over `sliding_window` when it is set (HF MistralModel; Mistral 7B v0.1 has 4096).
+
+    Raises: ValueError for a sliding_window that is not an int >= 1."""
+    return ArchFlags(layer_windows=uniform_windows("mistral", hf_config))

@@ -4,18 +4,19 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.models.config_checks import refuse_short_window
+from engine.models.config_checks import uniform_windows
 from engine.models.decoder import DecoderModel
 from engine.models.interface import ArchFlags, CheckpointNames, MoEConfig
 
 
 def config_flags(hf_config: Any) -> ArchFlags:
-    """Raises: ValueError for a sliding window shorter than the context."""
-    refuse_short_window("mixtral", hf_config)
+    """Every layer slides over `sliding_window` when it is set (HF MixtralModel, as Mistral).
+
+    Raises: ValueError for a sliding_window that is not an int >= 1."""
     moe = MoEConfig(num_experts=int(hf_config.num_local_experts), top_k=int(hf_config.num_experts_per_tok),
                     intermediate_size=int(hf_config.intermediate_size), norm_topk_prob=True,
                     sparse_layers=tuple(range(hf_config.num_hidden_layers)))
-    return ArchFlags(moe=moe)
+    return ArchFlags(moe=moe, layer_windows=uniform_windows("mixtral", hf_config))
 
 
 class Model(DecoderModel):

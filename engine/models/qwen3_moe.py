@@ -1,10 +1,12 @@
 """Qwen3-MoE: Qwen3's attention (q/k norm, `attention_bias` on q, k, v and o) with a routed mixture-of-experts MLP
-(no shared expert) on the layers `decoder_sparse_step` and `mlp_only_layers` select, a dense MLP on the others."""
+(no shared expert) on the layers `decoder_sparse_step` and `mlp_only_layers` select, a dense MLP on the others.
+With `use_sliding_window` every layer slides (HF Qwen3MoeModel reads neither `max_window_layers` nor
+`layer_types`, unlike Qwen2 / Qwen3)."""
 from __future__ import annotations
 
 from typing import Any
 
-from engine.models.config_checks import attention_bias, refuse_use_sliding_window
+from engine.models.config_checks import attention_bias, uniform_windows
 from engine.models.decoder import DecoderModel as Model  # noqa: F401  (the architecture's network)
 from engine.models.interface import ArchFlags, MoEConfig
 
@@ -14,9 +16,8 @@ def config_flags(hf_config: Any) -> ArchFlags:
     num_experts > 0 and (i + 1) % decoder_sparse_step == 0.
 
     Raises:
-        ValueError: `use_sliding_window=True`.
+        ValueError: a sliding_window that is not an int >= 1 (with `use_sliding_window`).
     """
-    refuse_use_sliding_window("qwen3_moe", hf_config)
     bias = attention_bias(hf_config)
     num_experts = int(getattr(hf_config, "num_experts", 0) or 0)
     step = int(getattr(hf_config, "decoder_sparse_step", 1) or 1)
@@ -27,4 +28,6 @@ def config_flags(hf_config: Any) -> ArchFlags:
                     intermediate_size=int(hf_config.moe_intermediate_size),
                     norm_topk_prob=bool(getattr(hf_config, "norm_topk_prob", False)),
                     sparse_layers=sparse) if sparse else None
-    return ArchFlags(qkv_bias=bias, o_bias=bias, qk_norm=True, moe=moe)
+    # HF Qwen3MoeConfig.__post_init__ drops sliding_window unless use_sliding_window; a plain attribute object may not
+    windows = uniform_windows("qwen3_moe", hf_config) if getattr(hf_config, "use_sliding_window", False) else None
+    return ArchFlags(qkv_bias=bias, o_bias=bias, qk_norm=True, moe=moe, layer_windows=windows)

@@ -14,6 +14,7 @@ from engine.models.config_checks import rope_scaling
 from engine.models.interface import ArchFlags
 
 _MODULES: Mapping[str, str] = MappingProxyType({
+    "gemma3_text": "engine.models.gemma3",
     "llama": "engine.models.llama",
     "mistral": "engine.models.mistral",
     "mixtral": "engine.models.mixtral",
