@@ -198,6 +198,10 @@ class Membership:
         if reference is None:
             self.cluster.reference = w.info
             return None
+        tp, want_tp = w.info.tensor_parallel_size or 1, reference.tensor_parallel_size or 1
+        if tp != want_tp:
+            return (f"has --tensor-parallel-size {tp}, the cluster uses {want_tp} (each KV block is split across the "
+                    "ranks; resharding between sizes is not implemented: start every worker with the same size)")
         if w.info.compat_hash != reference.compat_hash:
             return (f"has KV layout {w.info.compat_hash}, the cluster uses {reference.compat_hash} "
                     "(same model, dtype and block size?)")

@@ -83,6 +83,8 @@ async def start_engine(config: WorkerConfig) -> WorkerEngine:
         model, cache, sched = engine.model_config, engine.cache_config, engine.scheduler_config
         kv_cache = KVCache(model, cache, kv=engine.kv)
     else:
+        if args.tensor_parallel_size > 1:  # the ranks are the engine process's children (`engine.tp_ranks`)
+            raise CommandError("--tensor-parallel-size > 1 needs the engine process (drop --no-engine-process)")
         try:
             parts = build_engine(args)
         except (OSError, ValueError) as e:
@@ -114,7 +116,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             num_blocks=c.num_blocks, context_length=s.max_model_len, vocab_size=m.vocab_size,
             eos_token_id=m.eos_token_ids[0] if m.eos_token_ids else 0, kv_address=self.kv_address,
             kv_connector=self.kv_connector, max_request_tokens=min(s.max_model_len, c.num_blocks * c.block_size),
-            instance_id=self.instance_id)
+            instance_id=self.instance_id, tensor_parallel_size=c.tensor_parallel_size)
 
     async def GetInfo(self, request, context):
         return self.info()
