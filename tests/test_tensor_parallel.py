@@ -17,6 +17,7 @@ from engine.outputs import TokenOutput
 from engine.parallel import TensorParallel
 from engine.process_engine import ProcessEngine
 from engine.request import Request, SamplingParams
+from test_engine_process import children_of, gone
 
 
 def engine_args(model_dir, tp: int, **kw) -> EngineArgs:
@@ -128,23 +129,6 @@ def test_indivisible_heads_refused_at_start(tiny_model_dir):
         run_engine(engine_args(tiny_model_dir, 4), lambda engine: asyncio.sleep(0))
 
 
-def _children(pid: int) -> list[int]:
-    pids = []
-    for task in os.listdir(f"/proc/{pid}/task"):
-        with open(f"/proc/{pid}/task/{task}/children") as f:
-            pids.extend(int(p) for p in f.read().split())
-    return pids
-
-
-def _gone(pid: int) -> bool:
-    """Exited (reaped, or a zombie awaiting its parent)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except FileNotFoundError:
-        return True
-
-
 def test_killing_a_rank_fails_requests_and_leaves_no_process(tiny_model_dir):
     """kill -9 of rank 1 under 4 streams: every stream fails with ENGINE_DIED (UNAVAILABLE at the worker), and the
     engine process and every rank are gone (no hang in a collective, no orphan)."""
@@ -152,7 +136,7 @@ def test_killing_a_rank_fails_requests_and_leaves_no_process(tiny_model_dir):
         tasks = [asyncio.ensure_future(generate(engine, f"k{i}", p, 400)) for i, p in enumerate(PROMPTS)]
         while engine.stats.num_steps < 3:  # decoding
             await asyncio.sleep(0.05)
-        ranks = _children(engine.pid)
+        ranks = sorted(children_of(engine.pid))
         assert len(ranks) == 1  # rank 1 (rank 0 is the engine process)
         os.kill(ranks[0], signal.SIGKILL)
         results = await asyncio.gather(*tasks, return_exceptions=True)
@@ -160,9 +144,9 @@ def test_killing_a_rank_fails_requests_and_leaves_no_process(tiny_model_dir):
     results, engine_pid, rank_pid = run_engine(engine_args(tiny_model_dir, 2), scenario)
     assert all(isinstance(r, EngineError) and r.kind == ErrorKind.ENGINE_DIED for r in results), results
     deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and not (_gone(engine_pid) and _gone(rank_pid)):
+    while time.monotonic() < deadline and not (gone(engine_pid) and gone(rank_pid)):
         time.sleep(0.1)
-    assert _gone(engine_pid) and _gone(rank_pid)
+    assert gone(engine_pid) and gone(rank_pid)
 
 
 def _cluster_outputs(model_dir, name: str, tp: int, prompts: list[str], n: int, log_dir) -> tuple[list, list]:

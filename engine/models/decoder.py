@@ -65,6 +65,31 @@ class StrictWeights:
         """Tensors nobody took, sorted; `*.rotary_emb.inv_freq` buffers are tolerated (RoPE is recomputed)."""
         return sorted(k for k in self.state if k not in self.consumed and not k.endswith("rotary_emb.inv_freq"))
 
+    def copy_into(self, module: nn.Module, params: dict[str, torch.Tensor], model_name: str) -> None:
+        """The end of a strict load: `params` (our parameter names -> tensors taken from here, already cut to the
+        rank's share) are checked against the checkpoint (nothing left unused) and against `module`'s parameters
+        (the same names and shapes), then copied in, cast to each parameter's dtype; nothing is copied unless all
+        of it checks out.
+
+        Raises:
+            ValueError: checkpoint tensors were not consumed (listed, sorted), or a tensor has the wrong shape.
+            RuntimeError: `params` and the module's parameters name different sets (a loader bug).
+        """
+        unused = self.unused()
+        if unused:
+            more = f" and {len(unused) - 10} more" if len(unused) > 10 else ""
+            raise ValueError(f"{len(unused)} unused tensor(s) in the state dict (architecture mismatch with "
+                             f"{model_name!r}?): {', '.join(unused[:10])}{more}")
+        own = dict(module.named_parameters())
+        if own.keys() != params.keys():  # the loader and the module tree disagree: a bug here, not in the checkpoint
+            raise RuntimeError(f"loader/module mismatch: {sorted(own.keys() ^ params.keys())}")
+        for name, tensor in params.items():
+            if own[name].shape != tensor.shape:
+                raise ValueError(f"{name}: expected shape {tuple(own[name].shape)}, got {tuple(tensor.shape)}")
+        with torch.no_grad():
+            for name, tensor in params.items():
+                own[name].copy_(tensor.to(own[name].dtype))
+
 
 class DecoderModel(nn.Module):
     """The decoder stack plus LM head (see `engine.models.interface.CausalLM` for the contract).
@@ -179,21 +204,7 @@ class DecoderModel(nn.Module):
             params[p + "input_layernorm.weight"] = w.take(p + "input_layernorm.weight")
             params[p + "post_attention_layernorm.weight"] = w.take(p + "post_attention_layernorm.weight")
 
-        unused = w.unused()
-        if unused:
-            more = f" and {len(unused) - 10} more" if len(unused) > 10 else ""
-            raise ValueError(f"{len(unused)} unused tensor(s) in the state dict (architecture mismatch with "
-                             f"{cfg.name!r}?): {', '.join(unused[:10])}{more}")
-        params = {name: shard(name, tensor, cfg, self.tp) for name, tensor in params.items()}
-        own = dict(self.named_parameters())
-        if own.keys() != params.keys():  # the loader and the module tree disagree: a bug here, not in the checkpoint
-            raise RuntimeError(f"loader/module mismatch: {sorted(own.keys() ^ params.keys())}")
-        for name, tensor in params.items():
-            if own[name].shape != tensor.shape:
-                raise ValueError(f"{name}: expected shape {tuple(own[name].shape)}, got {tuple(tensor.shape)}")
-        with torch.no_grad():
-            for name, tensor in params.items():
-                own[name].copy_(tensor.to(own[name].dtype))
+        w.copy_into(self, {name: shard(name, tensor, cfg, self.tp) for name, tensor in params.items()}, cfg.name)
 
     def _attention_weights(self, w: StrictWeights, p: str) -> dict[str, torch.Tensor]:
         """Layer prefix `p`'s attention parameters (our names) from the checkpoint."""

@@ -250,17 +250,4 @@ class Model(nn.Module):
             params[mlp + "down_proj.weight"] = w.take(mlp + "down_proj.weight")
             for norm in _NORMS:
                 params[f"{p}{norm}.weight"] = w.take(f"{p}{norm}.weight")
-        unused = w.unused()
-        if unused:
-            more = f" and {len(unused) - 10} more" if len(unused) > 10 else ""
-            raise ValueError(f"{len(unused)} unused tensor(s) in the state dict (architecture mismatch with "
-                             f"{cfg.name!r}?): {', '.join(unused[:10])}{more}")
-        own = dict(self.named_parameters())
-        if own.keys() != params.keys():  # the loader and the module tree disagree: a bug here, not in the checkpoint
-            raise RuntimeError(f"loader/module mismatch: {sorted(own.keys() ^ params.keys())}")
-        for name, tensor in params.items():
-            if own[name].shape != tensor.shape:
-                raise ValueError(f"{name}: expected shape {tuple(own[name].shape)}, got {tuple(tensor.shape)}")
-        with torch.no_grad():
-            for name, tensor in params.items():
-                own[name].copy_(tensor.to(own[name].dtype))
+        w.copy_into(self, params, cfg.name)
