@@ -29,6 +29,8 @@ from engine.config import CacheConfig, ModelConfig, SchedulerConfig
 from engine.hardware import set_threads
 from engine.lifetime import die_with_parent
 from engine.parallel import TensorParallel, init_group
+from engine.shm_allreduce import ShmAllReduce
+from engine.shm_allreduce import usable as shm_usable
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +45,7 @@ class RankSpec:
         kv: the KV cache tensor in shared memory (`engine.kv_cache.kv_shape`).
         rank, size: this rank and the group size.
         init_method: the `file://` rendezvous of the group.
+        shm_buffers: the group's shared-memory all-reduce buffers (`ShmAllReduce.allocate`), or None for gloo.
         threads: torch intra-op threads of this rank.
         log_setup: configures logging like the worker's (picklable), or None.
     """
@@ -56,6 +59,7 @@ class RankSpec:
     size: int
     init_method: str
     threads: int
+    shm_buffers: tuple[torch.Tensor, torch.Tensor] | None
     log_setup: Callable[[], None] | None = None
 
 
@@ -71,7 +75,7 @@ def run_rank(spec: RankSpec) -> None:
     from engine.builder import build_runner
 
     try:
-        tp = init_group(spec.rank, spec.size, spec.init_method)
+        tp = init_group(spec.rank, spec.size, spec.init_method, spec.shm_buffers)
         runner = build_runner(spec.args, spec.model_config, spec.cache_config, spec.max_model_len, tp, spec.kv)
         torch.distributed.barrier(group=tp.group)
         runner.follow()
@@ -100,8 +104,12 @@ class RankProcesses:
         self.size = args.tensor_parallel_size
         self._dir = tempfile.mkdtemp(prefix="pdserve-tp-")
         self._init_method = f"file://{self._dir}/rendezvous"
+        # The largest all-reduce is a full step's hidden states: [max_num_batched_tokens, hidden] in the model dtype.
+        largest = scheduler_config.max_num_batched_tokens * model_config.hidden_size * kv.element_size()
+        self._shm = ShmAllReduce.allocate(self.size, largest) if shm_usable() else None
         self._specs = [RankSpec(args, model_config, cache_config, scheduler_config.max_model_len, kv, rank,
-                                self.size, self._init_method, threads, log_setup) for rank in range(1, self.size)]
+                                self.size, self._init_method, threads, self._shm, log_setup)
+                       for rank in range(1, self.size)]
         self._processes: list[multiprocessing.process.BaseProcess] = []
         self._stopping = threading.Event()
         self.tp: TensorParallel | None = None
@@ -124,7 +132,7 @@ class RankProcesses:
             p.start()
             self._processes.append(p)
         self._watch(on_death)
-        self.tp = init_group(0, self.size, self._init_method)
+        self.tp = init_group(0, self.size, self._init_method, self._shm)
         return self.tp
 
     def wait_built(self) -> None:

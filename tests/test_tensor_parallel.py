@@ -121,6 +121,53 @@ def test_sharding_table():
         shard("layers.0.self_attn.qkv_proj.weight", torch.zeros(20, 4), _cfg(num_kv_heads=3), r0)
 
 
+def _shm_rank(rank: int, size: int, buffers, flags, rounds: int, results) -> None:
+    """One rank of `test_shm_all_reduce_sums_in_rank_order`: every round a tensor made from (rank, round), summed;
+    checks every result against the sum of all ranks' tensors in rank order."""
+    from engine.shm_allreduce import ShmAllReduce
+
+    torch.set_num_threads(1)
+    shm = ShmAllReduce(buffers, flags, rank)
+    shapes = [(1, 64), (7, 33), (16, 64)]  # the last: 4 KiB in fp32, over the 3 KiB buffers: refused
+    failures = []
+    for i in range(rounds):
+        shape, dtype = shapes[i % 3], (torch.float32, torch.bfloat16)[i % 2]
+
+        def data(r: int) -> torch.Tensor:
+            return torch.randn(shape, generator=torch.Generator().manual_seed(1000 * i + r)).to(dtype)
+        x = data(rank)
+        done = shm.all_reduce(x)
+        if shape == (16, 64) and dtype == torch.float32:
+            failures += [] if not done else [f"round {i}: accepted {x.nbytes} bytes"]
+            continue
+        expected = data(0)
+        for r in range(1, size):
+            expected += data(r)
+        if not done or not torch.equal(x, expected):
+            failures.append(f"round {i}: {shape} {dtype} done={done}")
+    results.put((rank, failures))
+
+
+def test_shm_all_reduce_sums_in_rank_order():
+    """Three processes, 300 all-reduces of alternating shapes and dtypes: every result is exactly the rank-order
+    sum (so every rank holds the same bits) through both alternating buffers, and a tensor over the buffer size is
+    refused (the caller then uses gloo)."""
+    import multiprocessing
+
+    from engine.shm_allreduce import ShmAllReduce
+
+    ctx = multiprocessing.get_context("spawn")
+    buffers, flags = ShmAllReduce.allocate(3, 3 * 1024)
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_shm_rank, args=(r, 3, buffers, flags, 300, results)) for r in range(3)]
+    for p in procs:
+        p.start()
+    outcome = dict(results.get(timeout=300) for _ in procs)
+    for p in procs:
+        p.join(30)
+    assert outcome == {0: [], 1: [], 2: []}
+
+
 def test_indivisible_heads_refused_at_start(tiny_model_dir):
     """The tiny Llama's 2 kv heads do not split over 4 ranks: the engine refuses to start and says why."""
     from engine.process_engine import EngineBuildError
