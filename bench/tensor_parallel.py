@@ -9,8 +9,9 @@ ignore_eos, so the weights' values do not matter for timing):
   - MoE TP 1:    a Qwen3-MoE of the same attention and the same active MLP size (8 experts of 768, top 2 = 1536
     active features per token, as the dense MLP), so per-token FLOPs match and 4x the MLP weights exist.
 Workloads: decode at batch 1 (32-token prompt, 128 out: TPOT), decode at batch 16 (16 x 64 out: output tokens/s),
-prefill (4 x 512-token prompts, 1 out: prompt tokens/s). Also the latency of one gloo all-reduce of a decode
-step's hidden state between two processes (TP pays two per layer), to explain TP's cost here.
+prefill (4 x 512-token prompts, 1 out: prompt tokens/s). Also the latency of one all-reduce of a decode step's
+hidden state between two processes, gloo's and the shared-memory one TP uses (`engine.shm_allreduce`; TP pays two
+per layer).
 
     .venv/bin/python bench/tensor_parallel.py          # about 4 minutes on 2 cores
 """
@@ -49,31 +50,43 @@ def write_models(root: Path, tokenizer_dir: Path) -> dict[str, Path]:
     return dirs
 
 
-def _allreduce_rank(rank: int, init: str, rounds: int, out) -> None:
+def _allreduce_rank(rank: int, init: str, rounds: int, shm_buffers, out) -> None:
     import torch
     import torch.distributed as dist
 
+    from engine.shm_allreduce import ShmAllReduce
+
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    shm = ShmAllReduce(*shm_buffers, rank)
     x = torch.ones(1, DENSE["hidden_size"])
-    for _ in range(50):
-        dist.all_reduce(x)
-    start = time.perf_counter()
-    for _ in range(rounds):
-        dist.all_reduce(x)
+    times = {}
+    for kind, reduce in (("gloo", dist.all_reduce), ("shm", shm.all_reduce)):
+        for _ in range(50):
+            reduce(x)
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(rounds):
+            reduce(x)
+        times[kind] = (time.perf_counter() - start) / rounds * 1e6
     if rank == 0:
-        out.put((time.perf_counter() - start) / rounds * 1e6)
+        out.put(times)
     dist.destroy_process_group()
 
 
-def allreduce_us(rounds: int = 2000) -> float:
-    """Mean microseconds of one gloo all-reduce of [1, hidden] fp32 between two single-thread processes."""
+def allreduce_us(rounds: int = 2000) -> dict[str, float]:
+    """Mean microseconds of one all-reduce of [1, hidden] fp32 between two single-thread processes: gloo's and
+    `engine.shm_allreduce`'s."""
     import multiprocessing
+
+    from engine.shm_allreduce import ShmAllReduce
 
     ctx = multiprocessing.get_context("spawn")
     out = ctx.Queue()
+    buffers = ShmAllReduce.allocate(2, DENSE["hidden_size"] * 4)
     with tempfile.TemporaryDirectory() as d:
-        procs = [ctx.Process(target=_allreduce_rank, args=(r, f"file://{d}/store", rounds, out)) for r in (0, 1)]
+        procs = [ctx.Process(target=_allreduce_rank, args=(r, f"file://{d}/store", rounds, buffers, out))
+                 for r in (0, 1)]
         for p in procs:
             p.start()
         result = out.get(timeout=300)
@@ -148,9 +161,9 @@ def main() -> None:
               f"{r['prefill_tok_s']:>14.1f} {r['prefill_tok_s'] / base['prefill_tok_s']:>6.2f}")
     print("ratios: speed relative to dense TP 1 (> 1 = faster)")
     layers = DENSE["num_hidden_layers"]
-    print(f"gloo all-reduce of one token's hidden state ({DENSE['hidden_size']} fp32), 2 processes: {reduce_us:.0f} us; "
-          f"a TP 2 decode step makes {2 * layers + 1} of them plus an all-gather and a broadcast: "
-          f"~{(2 * layers + 1) * reduce_us / 1e3:.1f} ms")
+    print(f"all-reduce of one token's hidden state ({DENSE['hidden_size']} fp32), 2 processes: gloo "
+          f"{reduce_us['gloo']:.0f} us, shared memory {reduce_us['shm']:.1f} us; a TP 2 decode step makes "
+          f"{2 * layers + 1} of them (plus a gloo all-gather and broadcast)")
     if opts.json:
         Path(opts.json).write_text(json.dumps({"machine": machine(), "commit": commit(), "threads": opts.threads,
                                                "allreduce_us": reduce_us, "results": results}, indent=2))
