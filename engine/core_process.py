@@ -121,9 +121,8 @@ def run_engine_process(spec: EngineProcessSpec, handshake: Connection) -> None:
     reader.start()
     log.info("engine core running (pid %d)", os.getpid())
     core.run()
-    parts.runner.close()  # the other tensor-parallel ranks leave their loop
     if ranks is not None:
-        ranks.stop()
+        ranks.stop(parts.runner.close)  # the other tensor-parallel ranks leave their loop and exit
     reader.join(5)  # it closes its socket as it returns, after `Shutdown`
     out_sock.close(linger=1000)  # outputs already queued still go out
     if not reader.is_alive():  # else term() would wait for the reader's socket forever

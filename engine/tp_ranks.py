@@ -152,9 +152,11 @@ class RankProcesses:
 
         threading.Thread(target=run, name="tp-rank-watch", daemon=True).start()
 
-    def stop(self, timeout_s: float = 10.0) -> None:
-        """After rank 0's `ModelRunner.close`: wait for the ranks to exit, kill those that do not."""
+    def stop(self, close: Callable[[], None], timeout_s: float = 10.0) -> None:
+        """Stop the ranks: `close` (rank 0's `ModelRunner.close`) tells them to leave their loop, after the watcher
+        knows to expect their exit; wait for them, kill those that do not exit."""
         self._stopping.set()
+        close()
         for p in self._processes:
             p.join(timeout_s)
             if p.is_alive():

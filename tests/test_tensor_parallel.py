@@ -179,6 +179,21 @@ def test_indivisible_heads_refused_at_start(tiny_model_dir):
         run_engine(engine_args(tiny_model_dir, 4), lambda engine: asyncio.sleep(0))
 
 
+def test_clean_stop_exits_zero_and_leaves_no_rank(tiny_model_dir):
+    """Stopping a TP 2 engine: rank 1 leaves its loop when told, and the engine process exits 0 (its rank watcher
+    must not take that exit for a death)."""
+    async def scenario(engine):
+        await generate(engine, "s", PROMPTS[0], 4)
+        (rank,) = children_of(engine.pid)
+        return engine, rank
+    engine, rank = run_engine(engine_args(tiny_model_dir, 2), scenario)
+    assert engine._process.exitcode == 0
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and not gone(rank):
+        time.sleep(0.1)
+    assert gone(rank)
+
+
 def test_killing_a_rank_fails_requests_and_leaves_no_process(tiny_model_dir):
     """kill -9 of rank 1 under 4 streams: every stream fails with ENGINE_DIED (UNAVAILABLE at the worker), and the
     engine process and every rank are gone (no hang in a collective, no orphan)."""
