@@ -13,31 +13,14 @@ from engine.args import EngineArgs
 from engine.config import ModelConfig
 from engine.errors import EngineError, ErrorKind
 from engine.models.sharding import shard, vocab_per_rank
-from engine.outputs import TokenOutput
 from engine.parallel import TensorParallel
 from engine.process_engine import ProcessEngine
-from engine.request import Request, SamplingParams
-from test_engine_process import children_of, gone
+from test_engine_process import PROMPTS, children_of, generate, gone, greedy
 
 
 def engine_args(model_dir, tp: int, **kw) -> EngineArgs:
     return EngineArgs(dtype="float32", model_dir=str(model_dir), block_size=8, kv_tokens=2048, max_model_len=512,
                       max_num_batched_tokens=32, tensor_parallel_size=tp, **kw)
-
-
-PROMPTS = [list(range(5, 45)), list(range(100, 117)), [7] * 30, list(range(300, 309))]
-
-
-async def generate(engine, rid: str, prompt: list[int], n: int) -> list[int]:
-    out = []
-    request = Request(rid, list(prompt), SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
-    with engine.request(request) as stream:
-        while True:
-            ev = await stream.next()
-            assert isinstance(ev, TokenOutput)
-            out.append(ev.token.token_id)
-            if ev.finish_reason is not None:
-                return out
 
 
 def run_engine(args: EngineArgs, scenario):
@@ -53,7 +36,7 @@ def run_engine(args: EngineArgs, scenario):
 
 def greedy_outputs(args: EngineArgs, prompts, n: int) -> list[list[int]]:
     async def scenario(engine):
-        return await asyncio.gather(*(generate(engine, f"r{i}", p, n) for i, p in enumerate(prompts)))
+        return await asyncio.gather(*(generate(engine, greedy(f"r{i}", p, n)) for i, p in enumerate(prompts)))
     return run_engine(args, scenario)
 
 
@@ -183,7 +166,7 @@ def test_clean_stop_exits_zero_and_leaves_no_rank(tiny_model_dir):
     """Stopping a TP 2 engine: rank 1 leaves its loop when told, and the engine process exits 0 (its rank watcher
     must not take that exit for a death)."""
     async def scenario(engine):
-        await generate(engine, "s", PROMPTS[0], 4)
+        await generate(engine, greedy("s", PROMPTS[0], 4))
         (rank,) = children_of(engine.pid)
         return engine, rank
     engine, rank = run_engine(engine_args(tiny_model_dir, 2), scenario)
@@ -198,7 +181,7 @@ def test_killing_a_rank_fails_requests_and_leaves_no_process(tiny_model_dir):
     """kill -9 of rank 1 under 4 streams: every stream fails with ENGINE_DIED (UNAVAILABLE at the worker), and the
     engine process and every rank are gone (no hang in a collective, no orphan)."""
     async def scenario(engine):
-        tasks = [asyncio.ensure_future(generate(engine, f"k{i}", p, 400)) for i, p in enumerate(PROMPTS)]
+        tasks = [asyncio.ensure_future(generate(engine, greedy(f"k{i}", p, 400))) for i, p in enumerate(PROMPTS)]
         while engine.stats.num_steps < 3:  # decoding
             await asyncio.sleep(0.05)
         ranks = sorted(children_of(engine.pid))
