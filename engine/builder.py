@@ -13,7 +13,7 @@ from engine.hardware import resolve_dtype
 from engine.kv_cache_manager import KVCacheManager
 from engine.loader import load_state_dict
 from engine.model_runner import ModelRunner
-from engine.parallel import SINGLE, TensorParallel
+from engine.parallel import SINGLE, TensorParallel, head_split
 from engine.scheduler import Scheduler
 from engine.speculative import SpeculativeConfig
 from engine.structured import GrammarCompiler
@@ -46,8 +46,9 @@ def resolve_configs(args: EngineArgs) -> tuple[ModelConfig, CacheConfig, Schedul
     if tp > 1 and torch.device(args.device).type != "cpu":
         raise ValueError(f"--tensor-parallel-size {tp} runs on CPU only for now (device {args.device}): on GPUs the "
                          "ranks' KV shards would live on separate devices, which the KV connectors do not move yet")
+    head_split(model_config.num_heads, model_config.num_kv_heads, tp, 0)  # heads that do not split: refused now
     num_blocks = num_blocks_for_budget(model_config, args.block_size, args.kv_bytes,
-                                       None if args.kv_bytes is not None else args.kv_tokens)
+                                       None if args.kv_bytes is not None else args.kv_tokens, tp)
     cache_config = CacheConfig(block_size=args.block_size, num_blocks=num_blocks, tensor_parallel_size=tp)
     max_len = args.max_model_len or model_config.max_position_embeddings
     scheduler_config = SchedulerConfig(

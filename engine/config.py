@@ -12,6 +12,7 @@ import torch
 from engine.args import DTYPE_NAMES
 from engine.models.interface import Llama3RopeScaling, MoEConfig
 from engine.models.registry import arch_flags
+from engine.parallel import kv_heads_per_rank
 from engine.speculative import SpeculativeConfig
 
 DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in DTYPE_NAMES}
@@ -131,21 +132,28 @@ class CacheConfig:
             raise ValueError(f"block_size, num_blocks and tensor_parallel_size must be positive, got {self}")
 
 
-def kv_bytes_per_block(model: ModelConfig, block_size: int) -> int:
-    """Bytes one KV block takes across all layers: layers x {K,V} x block_size x kv_heads x head_dim x itemsize."""
+def kv_bytes_per_block(model: ModelConfig, block_size: int, tensor_parallel_size: int = 1) -> int:
+    """Bytes one KV block takes across all layers and ranks: layers x {K,V} x block_size x kv heads stored x
+    head_dim x itemsize, where the kv heads stored are tp x `kv_heads_per_rank` (num_kv_heads, more when tensor
+    parallelism pads or replicates them)."""
     itemsize = torch.empty((), dtype=model.torch_dtype).element_size()
-    return model.num_layers * 2 * block_size * model.num_kv_heads * model.head_dim * itemsize
+    tp = tensor_parallel_size
+    heads = tp * kv_heads_per_rank(model.num_kv_heads, tp)
+    return model.num_layers * 2 * block_size * heads * model.head_dim * itemsize
 
 
-def num_blocks_for_budget(model: ModelConfig, block_size: int, kv_bytes: int | None, kv_tokens: int | None) -> int:
-    """Number of KV blocks for a budget given in bytes or in tokens (exactly one of them).
+def num_blocks_for_budget(model: ModelConfig, block_size: int, kv_bytes: int | None, kv_tokens: int | None,
+                          tensor_parallel_size: int = 1) -> int:
+    """Number of KV blocks for a budget given in bytes or in tokens (exactly one of them), with the KV layout of
+    `tensor_parallel_size` ranks.
 
     Raises:
         ValueError: neither or both budgets given, or the budget holds less than one block.
     """
     if (kv_bytes is None) == (kv_tokens is None):
         raise ValueError("give exactly one of kv_bytes / kv_tokens")
-    n = kv_bytes // kv_bytes_per_block(model, block_size) if kv_bytes is not None else kv_tokens // block_size
+    n = (kv_bytes // kv_bytes_per_block(model, block_size, tensor_parallel_size) if kv_bytes is not None
+         else kv_tokens // block_size)
     if n < 1:
         raise ValueError(f"KV budget too small for one block of {block_size} tokens")
     return int(n)
@@ -176,7 +184,7 @@ def compat_hash(model: ModelConfig, cache: CacheConfig) -> str:
     """Hash that two workers must share to exchange KV blocks: model shapes, dtype, block size and layout.
 
     The layout tag names the KV tensor layout in `engine.kv_cache` ([num_blocks, tp, layers, 2, block_size,
-    kv_heads / tp, head_dim], block-major); change it whenever that layout changes. Two workers of different tensor
+    kv_heads_per_rank, head_dim], block-major); change it whenever that layout changes. Two workers of different tensor
     parallel sizes hash differently: a block's bytes are split by rank (no resharding on transfer).
     """
     fields = asdict(model)

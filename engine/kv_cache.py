@@ -1,11 +1,12 @@
 """The paged KV cache memory of one worker.
 
-Layout (block-major): kv[num_blocks, tp, num_layers, 2, block_size, num_kv_heads / tp, head_dim], tp the tensor
-parallel size (`CacheConfig.tensor_parallel_size`, 1 without tensor parallelism). One block's K and V for every
+Layout (block-major): kv[num_blocks, tp, num_layers, 2, block_size, kv_heads, head_dim], tp the tensor parallel
+size (`CacheConfig.tensor_parallel_size`, 1 without tensor parallelism) and kv_heads those a rank stores,
+ceil(num_kv_heads / tp) (`engine.parallel.head_split`: num_kv_heads / tp when it divides). One block's K and V for every
 layer and every rank are a single contiguous region, so the transfer connectors send and receive whole blocks
 straight from/into the cache (no staging copies, one message per block), whatever the TP size: a block carries each
 rank's shard, rank-major. Rank r computes on kv[:, r] (its heads). The attention ops see per-layer views
-k_cache/v_cache of shape [num_blocks, block_size, num_kv_heads / tp, head_dim] (strided in dim 0).
+k_cache/v_cache of shape [num_blocks, block_size, kv_heads, head_dim] (strided in dim 0).
 Layer-wise streaming needs one layer of many blocks: with tp 1, kv[block, 0, layer] (K then V) is the layer-th of
 num_layers equal contiguous slices of the block's bytes, which `engine/transfer/layer_gather.py` gathers into one
 message per layer and group of blocks (a copy: a message per slice cost more than the copy); with tp > 1 a layer is
@@ -16,15 +17,16 @@ from __future__ import annotations
 import torch
 
 from engine.config import CacheConfig, ModelConfig
+from engine.parallel import kv_heads_per_rank
 
 
 def kv_shape(model: ModelConfig, cache: CacheConfig) -> tuple[int, ...]:
-    """The KV tensor's shape: [num_blocks + 1, tp, num_layers, 2, block_size, num_kv_heads / tp, head_dim]. The
+    """The KV tensor's shape: [num_blocks + 1, tp, num_layers, 2, block_size, kv_heads_per_rank, head_dim]. The
     extra block is outside the pool (no request owns it): the padded rows of a captured decode step write there
     (`engine.cuda_graphs`)."""
     tp = cache.tensor_parallel_size
-    return (cache.num_blocks + 1, tp, model.num_layers, 2, cache.block_size, model.num_kv_heads // tp,
-            model.head_dim)
+    return (cache.num_blocks + 1, tp, model.num_layers, 2, cache.block_size,
+            kv_heads_per_rank(model.num_kv_heads, tp), model.head_dim)
 
 
 class KVCache:

@@ -49,6 +49,10 @@ class TensorParallel:
         torch.distributed.all_gather(parts, x.contiguous(), group=self.group)
         return torch.cat(parts, dim=-1)
 
+    def heads(self, num_heads: int, num_kv_heads: int) -> "HeadSplit":
+        """This rank's attention heads (`head_split`). Raises ValueError where `head_split` does."""
+        return head_split(num_heads, num_kv_heads, self.size, self.rank)
+
     def split(self, total: int, what: str) -> int:
         """This rank's share of `total` equal parts (heads, features).
 
@@ -61,6 +65,58 @@ class TensorParallel:
 
 
 SINGLE = TensorParallel()
+
+
+@dataclass(frozen=True)
+class HeadSplit:
+    """The attention heads one tensor-parallel rank computes, as global head indices in the order the rank holds
+    them; None marks a padding head (all-zero weights, so it contributes exactly nothing). Every rank of a group
+    holds the same number of each, so the paged KV cache keeps one shape per rank (`engine.kv_cache`).
+
+    Attributes:
+        q_heads: the query heads; each uses the kv head its GQA group names (q // (num_heads / num_kv_heads)).
+        kv_heads: the key/value heads, which the rank stores in its shard of the KV cache.
+    """
+
+    q_heads: tuple[int | None, ...]
+    kv_heads: tuple[int | None, ...]
+
+
+def head_split(num_heads: int, num_kv_heads: int, size: int, rank: int) -> HeadSplit:
+    """Rank `rank`'s heads out of `size`:
+
+    - kv heads >= ranks: each rank takes ceil(num_kv_heads / size) consecutive kv heads with every query head of
+      their GQA groups; when `size` does not divide the kv heads the last ranks are padded with whole zero groups
+      (SGLang pads heads the same way for its vision encoders' `num_dummy_heads`). Padding costs the padded ranks
+      arithmetic but no wall time: rank 0, which holds only real heads, is as busy.
+    - kv heads < ranks: each kv head is replicated on size / num_kv_heads ranks, which split its query heads
+      (vLLM's rule for GQA under large TP).
+
+    Raises:
+        ValueError: num_kv_heads does not divide num_heads (not GQA), or kv heads are fewer than ranks and either
+            the ranks are not a multiple of them or a group's query heads do not split evenly across its ranks;
+            the message names the quantities and the flag.
+    """
+    if num_kv_heads <= 0 or num_heads % num_kv_heads:
+        raise ValueError(f"num_key_value_heads ({num_kv_heads}) must divide num_attention_heads ({num_heads})")
+    group = num_heads // num_kv_heads
+    if num_kv_heads >= size:
+        per = -(-num_kv_heads // size)
+        kv = tuple(h if h < num_kv_heads else None for h in range(rank * per, (rank + 1) * per))
+        return HeadSplit(tuple(None if k is None else k * group + j for k in kv for j in range(group)), kv)
+    if size % num_kv_heads or group % (size // num_kv_heads):
+        raise ValueError(f"--tensor-parallel-size {size} is larger than num_key_value_heads ({num_kv_heads}), so "
+                         f"each kv head is replicated on size / kv heads ranks: that must be a whole number that "
+                         f"divides the {group} query heads of each kv head")
+    replicas = size // num_kv_heads
+    per = group // replicas
+    return HeadSplit(tuple(range(rank * per, (rank + 1) * per)), (rank // replicas,))
+
+
+def kv_heads_per_rank(num_kv_heads: int, size: int) -> int:
+    """KV heads each rank stores, padding or replicas included (`head_split`): ceil(num_kv_heads / size), the
+    [..., kv_heads_per_rank, head_dim] of its shard of every block."""
+    return -(-num_kv_heads // size)
 
 
 def init_group(rank: int, size: int, init_method: str,

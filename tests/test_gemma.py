@@ -14,7 +14,6 @@ from engine.config import ModelConfig
 from engine.loader import load_state_dict
 from engine.models.gemma3 import Model
 from engine.offline import run_until_idle
-from engine.parallel import TensorParallel
 from engine.request import Request, SamplingParams
 from kernels import select_ops
 from test_models import VOCAB, run_greedy
@@ -31,12 +30,12 @@ GEMMA = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden
              initializer_range=0.1)
 
 
-def _save_random_gemma(model, out) -> str:
+def randomize_norms(model) -> None:
     """Every RMSNorm weight drawn around 0 (HF initialises them to 0, a scale of 1 + 0, where a decoder that
     multiplied by w instead would go unnoticed on some norms), the post-sublayer and final norms' three times wider:
     the sublayers' outputs then outweigh the scaled embedding in the residual stream, or the tied head would mostly
     predict the input token again (greedy output stuck on one token), and the logits spread enough for the
-    soft-capping to bend them and for greedy choices to be far from ties. Saved in HF format."""
+    soft-capping to bend them and for greedy choices to be far from ties."""
     torch.manual_seed(1)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -45,6 +44,11 @@ def _save_random_gemma(model, out) -> str:
                 p.normal_(0.0, 3.0)
             elif name.endswith("norm.weight"):
                 p.normal_(0.0, 1.0)
+
+
+def _save_random_gemma(model, out) -> str:
+    """`randomize_norms`, then saved in HF format."""
+    randomize_norms(model)
     model.save_pretrained(str(out))
     return str(out)
 
@@ -134,8 +138,6 @@ def test_load_is_strict(gemma_state):
     missing = "model.layers.3.pre_feedforward_layernorm.weight"
     with pytest.raises(KeyError, match=re.escape("layers.3.pre_feedforward_layernorm.weight")):
         Model(cfg, ops).load_weights({k: v for k, v in state.items() if k != missing})
-    with pytest.raises(ValueError, match="tensor parallelism is not implemented for gemma3_text yet"):
-        Model(cfg, ops, TensorParallel(rank=0, size=2))
 
 
 @pytest.mark.parametrize("overrides,message", [

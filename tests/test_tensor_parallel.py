@@ -81,7 +81,8 @@ def _cfg(**kw) -> ModelConfig:
 
 def test_sharding_table():
     """q, k and v segments split separately (rank 1 gets q heads 2-3 and kv head 1); gate and up likewise; o_proj
-    and down_proj by input columns; o_proj's bias on rank 0 only; the vocabulary padded to 2 x 5 rows."""
+    and down_proj by input columns; o_proj's bias on rank 0 only; the vocabulary padded to 2 x 5 rows; kv heads that
+    do not split padded with zero heads (`tests/test_tp_heads.py` covers the placements)."""
     cfg = _cfg()
     r0, r1 = TensorParallel(0, 2), TensorParallel(1, 2)
     qkv = torch.arange(16.0)[:, None].expand(16, 4)  # rows: q 0-7 (4 heads x 2), k 8-11, v 12-15
@@ -100,8 +101,13 @@ def test_sharding_table():
     assert shard("lm_head.weight", vocab, cfg, r1)[:, 0].tolist() == [5, 6, 7, 8, 0]
     norm = torch.ones(4)
     assert shard("layers.0.input_layernorm.weight", norm, cfg, r1) is norm  # replicated
-    with pytest.raises(ValueError, match="--tensor-parallel-size 2 must divide num_key_value_heads \\(3\\)"):
-        shard("layers.0.self_attn.qkv_proj.weight", torch.zeros(20, 4), _cfg(num_kv_heads=3), r0)
+    # 6 query / 3 kv heads on 2 ranks: rank 1 holds kv head 2 and a padding head, q heads 4-5 and two padding heads
+    qkv = torch.arange(1.0, 25.0)[:, None].expand(24, 4)  # rows: q 1-12 (6 heads x 2), k 13-18, v 19-24
+    assert shard("layers.0.self_attn.qkv_proj.weight", qkv, _cfg(num_heads=6, num_kv_heads=3), r1)[:, 0].tolist() == [
+        9, 10, 11, 12, 0, 0, 0, 0, 17, 18, 0, 0, 23, 24, 0, 0]
+    o_proj = torch.arange(1.0, 13.0)[None, :].expand(4, 12)  # columns: q heads 0-5
+    assert shard("layers.0.self_attn.o_proj.weight", o_proj, _cfg(num_heads=6, num_kv_heads=3), r1)[0].tolist() == [
+        9, 10, 11, 12, 0, 0, 0, 0]
 
 
 def _shm_data(i: int, r: int) -> torch.Tensor:
@@ -155,11 +161,12 @@ def test_shm_all_reduce_matches_on_every_rank():
 
 
 def test_indivisible_heads_refused_at_start(tiny_model_dir):
-    """The tiny Llama's 2 kv heads do not split over 4 ranks: the engine refuses to start and says why."""
+    """The tiny Llama's 2 kv heads cannot be replicated evenly over 3 ranks: the engine refuses to start and says
+    why."""
     from engine.process_engine import EngineBuildError
 
-    with pytest.raises(EngineBuildError, match="--tensor-parallel-size 4 must divide num_key_value_heads"):
-        run_engine(engine_args(tiny_model_dir, 4), lambda engine: asyncio.sleep(0))
+    with pytest.raises(EngineBuildError, match=r"--tensor-parallel-size 3 is larger than num_key_value_heads \(2\)"):
+        run_engine(engine_args(tiny_model_dir, 3), lambda engine: asyncio.sleep(0))
 
 
 def test_clean_stop_exits_zero_and_leaves_no_rank(tiny_model_dir):
@@ -239,14 +246,15 @@ def test_disaggregated_tp2_cluster_equals_tp1(tiny_model_dir, tmp_path):
 
 
 @pytest.mark.e2e
-def test_packaged_model_tp3_cluster_matches_hf(real_model_dir, tokenizer, tmp_path):
-    """SmolLM2-135M's 9 query / 3 KV heads split over 3 ranks (not 2: heads split evenly or not at all, as in
-    vLLM): a disaggregated TP 3 cluster's greedy tokens equal HF transformers' (which TP 1's do, test_e2e)."""
+def test_packaged_model_tp2_cluster_matches_hf(real_model_dir, tokenizer, tmp_path):
+    """SmolLM2-135M's 9 query / 3 KV heads on 2 ranks: rank 1 holds one KV group of zero padding heads
+    (`engine.parallel.head_split`), and the padded KV shards cross between the workers. A disaggregated TP 2
+    cluster's greedy tokens equal HF transformers' (which TP 1's do, test_e2e)."""
     from conftest import hf_greedy
 
-    outs, infos = _cluster_outputs(real_model_dir, "SmolLM2-135M-Instruct", 3, CLUSTER_PROMPTS[:2], 24,
-                                   tmp_path / "tp3")
-    assert {i.tensor_parallel_size for i in infos} == {3}
+    outs, infos = _cluster_outputs(real_model_dir, "SmolLM2-135M-Instruct", 2, CLUSTER_PROMPTS[:2], 24,
+                                   tmp_path / "tp2")
+    assert {i.tensor_parallel_size for i in infos} == {2}
     for prompt, out in zip(CLUSTER_PROMPTS[:2], outs):
         assert out.token_ids == hf_greedy(real_model_dir, tokenizer(prompt)["input_ids"], 24), prompt
 

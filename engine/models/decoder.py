@@ -14,7 +14,7 @@ from engine.config import ModelConfig
 from engine.models.interface import CheckpointNames
 from engine.models.layers import Attention, GatedMLP, RMSNorm, RotaryEmbedding
 from engine.models.moe import SparseMoE
-from engine.models.sharding import shard, vocab_per_rank
+from engine.models.sharding import shard, vocab_parallel_embed, vocab_parallel_logits, vocab_per_rank
 from engine.parallel import SINGLE, TensorParallel
 from kernels import AttentionOps
 
@@ -112,11 +112,11 @@ class DecoderModel(nn.Module):
     def __init__(self, cfg: ModelConfig, ops: AttentionOps, tp: TensorParallel = SINGLE):
         super().__init__()
         self.cfg, self.ops, self.tp = cfg, ops, tp
-        self.vocab_rows = vocab_per_rank(cfg.vocab_size, tp.size)  # this rank's slice of the vocabulary
-        self.embed_tokens = nn.Embedding(self.vocab_rows, cfg.hidden_size)
+        rows = vocab_per_rank(cfg.vocab_size, tp.size)  # this rank's slice of the vocabulary
+        self.embed_tokens = nn.Embedding(rows, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, ops, i, tp) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, self.vocab_rows, bias=False)
+        self.lm_head = nn.Linear(cfg.hidden_size, rows, bias=False)
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_llama3)
 
     @torch.inference_mode()
@@ -128,7 +128,7 @@ class DecoderModel(nn.Module):
         for layer-wise KV streaming."""
         # h is the residual stream; each norm adds the previous sublayer's output into it in place first (vLLM's
         # fused_add_rms_norm), the same sums as h = h + sublayer(norm(h)) in fewer ops.
-        h = self._embed(input_ids)
+        h = vocab_parallel_embed(self.embed_tokens, input_ids, self.tp)
         rope = self.rope.tables(positions, h.dtype)
         rms_norm = self.ops.rms_norm
         norms = [layer.input_layernorm for layer in self.layers] + [self.norm]  # norms[i + 1] follows layer i
@@ -142,16 +142,6 @@ class DecoderModel(nn.Module):
             x = rms_norm(x, norms[i + 1].weight, norms[i + 1].eps, h)
         return x
 
-    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """[T] int64 -> [T, hidden]. Vocab-parallel under TP: a rank looks up the ids in its slice, zeros the others,
-        and the all-reduce sums the one non-zero row per token."""
-        if self.tp.size == 1:
-            return self.embed_tokens(input_ids)
-        local = input_ids - self.tp.rank * self.vocab_rows
-        outside = (local < 0) | (local >= self.vocab_rows)
-        h = self.embed_tokens(local.masked_fill(outside, 0))
-        return self.tp.all_reduce(h.masked_fill_(outside.unsqueeze(1), 0))
-
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, hidden] -> logits [N, vocab] in the model's dtype. Not widened to fp32 here: the greedy argmax
@@ -159,10 +149,7 @@ class DecoderModel(nn.Module):
         (penalties, temperature, logprobs) are widened, by the sampler. At 64 rows x 49152 the widening of every row
         was 1.2 ms of a 41 ms bf16 decode step (Intel Xeon VM, 2 threads). Under TP every rank must call it (the
         vocab-parallel logits are all-gathered, the padding columns cut off)."""
-        logits = self.lm_head(hidden)
-        if self.tp.size == 1:
-            return logits
-        return self.tp.all_gather_last(logits)[:, :self.cfg.vocab_size]
+        return vocab_parallel_logits(self.lm_head, hidden, self.cfg.vocab_size, self.tp)
 
     def load_weights(self, state: dict[str, torch.Tensor]) -> None:
         """Copy an HF state dict (q/k/v and gate/up separate or fused; names with or without the `model.` prefix)

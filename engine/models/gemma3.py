@@ -13,9 +13,11 @@ differs:
 - the logits are soft-capped, tanh(logits / c) * c, when `final_logit_softcapping` is set (`Gemma3ForCausalLM`);
 - the LM head is the embedding (tied).
 
+Under tensor parallelism it splits as the shared decoder does (`engine.models.sharding`): heads, the MLP's features
+and the vocabulary; the soft-cap applies to the gathered logits.
+
 Not implemented, refused by name when the config is read: `attn_logit_softcapping` (the attention kernels do not
-cap scores), `use_bidirectional_attention`, other activations, RoPE and layer types; and tensor parallelism, when
-`Model` is built.
+cap scores), `use_bidirectional_attention`, other activations, RoPE and layer types.
 """
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ from engine.models.config_checks import attention_bias, is_per_layer_type, windo
 from engine.models.decoder import StrictWeights
 from engine.models.interface import ArchFlags, CheckpointNames
 from engine.models.layers import Attention, GatedMLP, RMSNorm, RotaryEmbedding
+from engine.models.sharding import shard, vocab_parallel_embed, vocab_parallel_logits, vocab_per_rank
 from engine.parallel import SINGLE, TensorParallel
 from kernels import AttentionOps
 
@@ -114,8 +117,8 @@ class GemmaAttention(Attention):
     """The shared paged GQA attention with Gemma's softmax scale (query_pre_attn_scalar ** -0.5) and Gemma's q/k
     norm (`gemma_rms_norm` per head, after the projection and before RoPE, as `Gemma3Attention` does)."""
 
-    def __init__(self, cfg: ModelConfig, ops: AttentionOps, sliding_window: int):
-        super().__init__(cfg, ops, SINGLE, sliding_window=sliding_window)
+    def __init__(self, cfg: ModelConfig, ops: AttentionOps, tp: TensorParallel, sliding_window: int):
+        super().__init__(cfg, ops, tp, sliding_window=sliding_window)
         self.scale = cfg.attention_scale
 
     def _qk_norm(self, qkv: torch.Tensor) -> None:
@@ -127,25 +130,25 @@ class GemmaAttention(Attention):
 
 class GemmaMLP(GatedMLP):
     """GeGLU: down(gelu_tanh(gate(x)) * up(x)) (HF `Gemma3MLP` with "gelu_pytorch_tanh", i.e. torch's gelu with
-    approximate="tanh"), gate/up fused. Computed in torch: the ops have only SiLU's `silu_and_mul`.
-    x: [T, hidden] -> [T, hidden]."""
+    approximate="tanh"), gate/up fused, column- then row-parallel as `GatedMLP`. Computed in torch: the ops have only
+    SiLU's `silu_and_mul`. x: [T, hidden] -> [T, hidden]."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.gelu(gate, approximate="tanh") * up)
+        return self.tp.all_reduce(self.down_proj(F.gelu(gate, approximate="tanh") * up))
 
 
 class GemmaLayer(nn.Module):
     """One `Gemma3DecoderLayer`'s modules: attention and MLP, each between a pre- and a post-norm
     (`Model.forward` applies them)."""
 
-    def __init__(self, cfg: ModelConfig, ops: AttentionOps, sliding_window: int):
+    def __init__(self, cfg: ModelConfig, ops: AttentionOps, tp: TensorParallel, sliding_window: int):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = GemmaAttention(cfg, ops, sliding_window)
+        self.self_attn = GemmaAttention(cfg, ops, tp, sliding_window)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = GemmaMLP(cfg.hidden_size, cfg.intermediate_size, ops)
+        self.mlp = GemmaMLP(cfg.hidden_size, cfg.intermediate_size, ops, tp)
         self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
@@ -153,27 +156,27 @@ _NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layern
 
 
 class Model(nn.Module):
-    """Gemma 3's decoder and LM head (`engine.models.interface.CausalLM`), matching HF `Gemma3ForCausalLM`.
+    """Gemma 3's decoder and LM head (`engine.models.interface.CausalLM`), matching HF `Gemma3ForCausalLM`; under
+    TP one rank's share, as `engine.models.decoder.DecoderModel`.
 
     Raises (constructor):
-        ValueError: tp.size > 1 (not implemented for Gemma 3).
+        ValueError: tp.size does not divide the heads (`engine.parallel.head_split`) or intermediate size.
     """
 
     CHECKPOINT: ClassVar[CheckpointNames] = CheckpointNames()
 
     def __init__(self, cfg: ModelConfig, ops: AttentionOps, tp: TensorParallel = SINGLE):
         super().__init__()
-        if tp.size > 1:
-            raise ValueError(f"tensor parallelism is not implemented for {_NAME} yet")
-        self.cfg, self.ops = cfg, ops
+        self.cfg, self.ops, self.tp = cfg, ops, tp
         windows = cfg.layer_windows or (0,) * cfg.num_layers
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        rows = vocab_per_rank(cfg.vocab_size, tp.size)  # this rank's slice of the vocabulary
+        self.embed_tokens = nn.Embedding(rows, cfg.hidden_size)
         # HF keeps sqrt(hidden) as an fp32 tensor and casts it to the weights' dtype before multiplying (bf16 rounds
         # sqrt(3072) = 55.43 to 55.5); a buffer is cast with the module, so `forward` multiplies by the same value.
         self.register_buffer("embed_scale", torch.tensor(cfg.hidden_size ** 0.5), persistent=False)
-        self.layers = nn.ModuleList(GemmaLayer(cfg, ops, w) for w in windows)
+        self.layers = nn.ModuleList(GemmaLayer(cfg, ops, tp, w) for w in windows)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = nn.Linear(cfg.hidden_size, rows, bias=False)
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta)
         if cfg.rope_linear_factor is not None:
             self._scale_linearly(self.rope, cfg.rope_linear_factor)
@@ -196,7 +199,7 @@ class Model(nn.Module):
                 on_layer_written: Callable[[int], None] | None = None) -> torch.Tensor:
         """input_ids, positions: [T] int64; kv_layers[l] = layer l's (k_cache, v_cache). Returns the final-normed
         hidden states [T, hidden] in the model dtype (`Gemma3TextModel.forward`)."""
-        h = self.embed_tokens(input_ids)
+        h = vocab_parallel_embed(self.embed_tokens, input_ids, self.tp)
         h = h * self.embed_scale.to(h.dtype)
         full = self.rope.tables(positions, h.dtype)
         local = self.rope_local.tables(positions, h.dtype)
@@ -213,8 +216,8 @@ class Model(nn.Module):
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, hidden] -> logits [N, vocab] in the model dtype, soft-capped as `Gemma3ForCausalLM.forward`
-        does when `final_logit_softcapping` is set."""
-        logits = self.lm_head(hidden)
+        does when `final_logit_softcapping` is set. Under TP every rank must call it (`vocab_parallel_logits`)."""
+        logits = vocab_parallel_logits(self.lm_head, hidden, self.cfg.vocab_size, self.tp)
         cap = self.cfg.final_logit_softcapping
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
@@ -223,7 +226,8 @@ class Model(nn.Module):
     def load_weights(self, state: dict[str, torch.Tensor]) -> None:
         """Copy an HF Gemma 3 state dict in (names with or without `model.`; q/k/v and gate/up fused here),
         strictly, as `DecoderModel.load_weights`: every parameter supplied, every tensor consumed (a saved
-        `lm_head.weight` is tolerated when the head is tied), shapes checked, nothing copied unless all check out.
+        `lm_head.weight` is tolerated when the head is tied), cut to this rank's share under TP
+        (`engine.models.sharding.shard`), shapes checked, nothing copied unless all check out.
 
         Raises:
             KeyError: a required tensor is missing (named).
@@ -250,4 +254,4 @@ class Model(nn.Module):
             params[mlp + "down_proj.weight"] = w.take(mlp + "down_proj.weight")
             for norm in _NORMS:
                 params[f"{p}{norm}.weight"] = w.take(f"{p}{norm}.weight")
-        w.copy_into(self, params, cfg.name)
+        w.copy_into(self, {name: shard(name, tensor, cfg, self.tp) for name, tensor in params.items()}, cfg.name)

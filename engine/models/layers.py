@@ -99,9 +99,10 @@ class Attention(nn.Module):
         super().__init__()
         self.ops, self.tp = ops, tp
         self.sliding_window = sliding_window
-        # Tensor parallelism: this rank's heads (q and their kv heads); qkv_proj column-, o_proj row-parallel.
-        self.num_heads = tp.split(cfg.num_heads, "num_attention_heads")
-        self.num_kv_heads = tp.split(cfg.num_kv_heads, "num_key_value_heads")
+        # Tensor parallelism: this rank's heads (q and their kv heads, padded or replicated as `head_split` says);
+        # qkv_proj column-, o_proj row-parallel.
+        heads = tp.heads(cfg.num_heads, cfg.num_kv_heads)
+        self.num_heads, self.num_kv_heads = len(heads.q_heads), len(heads.kv_heads)
         self.head_dim = cfg.head_dim
         self.q_size, self.kv_size = self.num_heads * cfg.head_dim, self.num_kv_heads * cfg.head_dim
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
