@@ -7,10 +7,10 @@ layer and every rank are a single contiguous region, so the transfer connectors 
 straight from/into the cache (no staging copies, one message per block), whatever the TP size: a block carries each
 rank's shard, rank-major. Rank r computes on kv[:, r] (its heads). The attention ops see per-layer views
 k_cache/v_cache of shape [num_blocks, block_size, kv_heads, head_dim] (strided in dim 0).
-Layer-wise streaming needs one layer of many blocks: with tp 1, kv[block, 0, layer] (K then V) is the layer-th of
-num_layers equal contiguous slices of the block's bytes, which `engine/transfer/layer_gather.py` gathers into one
-message per layer and group of blocks (a copy: a message per slice cost more than the copy); with tp > 1 a layer is
-tp slices, so those workers send whole blocks.
+Layer-wise streaming needs one layer of many blocks: kv[block, r, layer] (K then V) is slice r * num_layers + layer
+of the block's tp * num_layers equal contiguous slices, and `engine/transfer/layer_gather.py` gathers a layer's tp
+slices of many blocks into one message per layer and group of blocks (a copy: a message per slice cost more than
+the copy).
 """
 from __future__ import annotations
 

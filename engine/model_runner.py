@@ -149,6 +149,8 @@ class ModelRunner:
         every_row = not verify_rows and len(sample_rows) == len(step.input_ids)
         step.logit_rows = None if every_row else sample_rows + verify_rows
         # Layer-wise KV streaming: a prefill-only request's last chunk tells its sender as each layer is written.
+        # Under TP only rank 0 tells, once its layer's attention has returned: that ends in an all-reduce which no
+        # rank joins before writing its own shard of the layer's K/V, so every shard is in the cache by then.
         # The scheduler files a one-token chunk under decodes (a prefix-cache hit up to the last token).
         streaming = [s for s in scheduled if s.sample and s.request.kv_layers is not None]
         graphs = self.decode_graphs

@@ -141,14 +141,9 @@ async def serve(config: WorkerConfig) -> None:
     secret = read_secret(config.server.cluster_secret_file)
     tracing = Tracing.from_env("pdserve-prefill")
     worker = await start_engine(config)
-    sender = KvSender(worker.compat_hash, worker.block_bytes,
-                      timeout_s=config.transfer_timeout_s, secret=secret)
-    layerwise = config.kv_layerwise
-    if layerwise and worker.cache_config.tensor_parallel_size > 1:
-        # A layer of a block is one slice per rank there, not one contiguous slice (`engine.kv_cache`).
-        log.warning("--kv-layerwise is not implemented with --tensor-parallel-size > 1; sending whole blocks")
-        layerwise = False
-    prefill = PrefillServicer(worker, sender, layerwise=layerwise)
+    sender = KvSender(worker.compat_hash, worker.block_bytes, timeout_s=config.transfer_timeout_s, secret=secret,
+                      num_ranks=worker.cache_config.tensor_parallel_size)
+    prefill = PrefillServicer(worker, sender, layerwise=config.kv_layerwise)
     try:
         await serve_worker(config, worker, WorkerServicer("prefill", worker),
                            lambda server: worker_pb2_grpc.add_PrefillServicer_to_server(prefill, server),

@@ -204,16 +204,20 @@ def test_killing_a_rank_fails_requests_and_leaves_no_process(tiny_model_dir):
     assert gone(engine_pid) and gone(rank_pid)
 
 
-def _cluster_outputs(model_dir, name: str, tp: int, prompts: list[str], n: int, log_dir) -> tuple[list, list]:
+def _cluster_outputs(model_dir, name: str, tp: int, prompts: list[str], n: int, log_dir,
+                     layerwise: bool = False) -> tuple[list, list, float]:
     """Greedy completions from a disaggregated cluster (one prefill, one decode worker) whose workers run `tp`
-    ranks each, and the workers' GetInfo answers."""
+    ranks each, the workers' GetInfo answers, and the KV bytes the prefill worker sent layer by layer (with
+    `layerwise`: --kv-layerwise; else 0)."""
     from cli.launcher import ServeConfig, start_cluster
     from pdserve import AsyncClient, SamplingParams
     from pdserve.v1 import worker_pb2, worker_pb2_grpc
+    from test_observability import scrape, total
     import grpc
 
     cluster = start_cluster(str(model_dir), name, ServeConfig(log_dir=str(log_dir)), worker_args=[
-        "--dtype", "float32", "--kv-tokens", "2048", "--max-model-len", "512", "--tensor-parallel-size", str(tp)])
+        "--dtype", "float32", "--kv-tokens", "2048", "--max-model-len", "512", "--tensor-parallel-size", str(tp),
+        *(["--kv-layerwise", "--metrics-port", "0"] if layerwise else [])])
     try:
         async def main():
             async with AsyncClient(cluster.address) as c:
@@ -225,7 +229,9 @@ def _cluster_outputs(model_dir, name: str, tp: int, prompts: list[str], n: int, 
             with grpc.insecure_channel(address) as ch:
                 infos.append(worker_pb2_grpc.WorkerStub(ch).GetInfo(worker_pb2.WorkerInfoRequest(), timeout=10,
                                                                      metadata=cluster.worker_metadata))
-        return outs, infos
+        layer_bytes = (total(scrape(cluster.metrics_urls["prefill-0"]), "pdserve:kv_transfer_bytes_sum",
+                             mode="layers") if layerwise else 0.0)
+        return outs, infos, layer_bytes
     finally:
         cluster.stop()
 
@@ -237,9 +243,9 @@ CLUSTER_PROMPTS = ["The capital of France is", "def fibonacci(n):", "List three 
 def test_disaggregated_tp2_cluster_equals_tp1(tiny_model_dir, tmp_path):
     """TP 2 prefill worker -> KV of both ranks' shards over the connector -> TP 2 decode worker: 64 greedy tokens per
     prompt, four at once, identical to a TP 1 cluster's."""
-    two, infos = _cluster_outputs(tiny_model_dir, "tiny", 2, CLUSTER_PROMPTS, 64, tmp_path / "tp2")
+    two, infos, _ = _cluster_outputs(tiny_model_dir, "tiny", 2, CLUSTER_PROMPTS, 64, tmp_path / "tp2")
     assert sorted(i.role for i in infos) == ["decode", "prefill"] and {i.tensor_parallel_size for i in infos} == {2}
-    one, _ = _cluster_outputs(tiny_model_dir, "tiny", 1, CLUSTER_PROMPTS, 64, tmp_path / "tp1")
+    one, _, _ = _cluster_outputs(tiny_model_dir, "tiny", 1, CLUSTER_PROMPTS, 64, tmp_path / "tp1")
     assert all(o.timings["transfer_ms"] > 0 for o in two)  # the KV crossed between the workers
     assert [o.token_ids for o in two] == [o.token_ids for o in one]
     assert all(len(o.token_ids) == 64 for o in two)
@@ -248,13 +254,15 @@ def test_disaggregated_tp2_cluster_equals_tp1(tiny_model_dir, tmp_path):
 @pytest.mark.e2e
 def test_packaged_model_tp2_cluster_matches_hf(real_model_dir, tokenizer, tmp_path):
     """SmolLM2-135M's 9 query / 3 KV heads on 2 ranks: rank 1 holds one KV group of zero padding heads
-    (`engine.parallel.head_split`), and the padded KV shards cross between the workers. A disaggregated TP 2
-    cluster's greedy tokens equal HF transformers' (which TP 1's do, test_e2e)."""
+    (`engine.parallel.head_split`), and the padded KV shards cross between the workers layer by layer
+    (--kv-layerwise: each layer's slice of both ranks' shards). A disaggregated TP 2 cluster's greedy tokens equal
+    HF transformers' (which TP 1's do, test_e2e)."""
     from conftest import hf_greedy
 
-    outs, infos = _cluster_outputs(real_model_dir, "SmolLM2-135M-Instruct", 2, CLUSTER_PROMPTS[:2], 24,
-                                   tmp_path / "tp2")
+    outs, infos, layer_bytes = _cluster_outputs(real_model_dir, "SmolLM2-135M-Instruct", 2, CLUSTER_PROMPTS[:2], 24,
+                                                tmp_path / "tp2", layerwise=True)
     assert {i.tensor_parallel_size for i in infos} == {2}
+    assert layer_bytes > 0
     for prompt, out in zip(CLUSTER_PROMPTS[:2], outs):
         assert out.token_ids == hf_greedy(real_model_dir, tokenizer(prompt)["input_ids"], 24), prompt
 

@@ -281,11 +281,13 @@ LAYERS = 4
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_layerwise_stream_sends_each_layer_once_written(backend, monkeypatch):
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_layerwise_stream_sends_each_layer_once_written(backend, ranks, monkeypatch):
     """Layer-wise streaming: layer l of every block is read only after its signal (the source's layers are filled
     just before each signal, so an early read would send zeros), the receiver does not finish before the first
     token, and the bytes land intact past the decode side's cached blocks. Groups of 2 blocks per message make
-    the 3 blocks two messages per layer."""
+    the 3 blocks two messages per layer. With 2 tensor-parallel ranks a block is rank-major (`engine.kv_cache`):
+    layer l is two slices, one in each rank's half."""
     monkeypatch.setattr(layer_gather, "LAYER_GROUP_BLOCKS", 2)
 
     async def main():
@@ -293,19 +295,20 @@ def test_layerwise_stream_sends_each_layer_once_written(backend, monkeypatch):
         for b in src.blocks:
             b.zero_()
         receiver, address = await _pair(backend, sink, dst)
-        sender = KvSender("abc", src.view, timeout_s=10)
+        sender = KvSender("abc", src.view, timeout_s=10, num_ranks=ranks)
         progress = KvLayerProgress(LAYERS)
         try:
             sink.reserved["r"] = [6, 0, 3]  # the request's table is [1, 2, 5, 7]; the receiver caches block 0
             task = asyncio.create_task(sender.send_layers(address, "r", progress, first_block=1))
             progress.begin([1, 2, 5, 7], 60)
-            per = BLOCK // LAYERS
+            per = BLOCK // (LAYERS * ranks)
             gen = torch.Generator().manual_seed(3)
             for layer in range(LAYERS):
                 await asyncio.sleep(0.02)
                 for b in src.blocks:
-                    b[layer * per:(layer + 1) * per] = torch.randint(0, 256, (per,), dtype=torch.uint8,
-                                                                      generator=gen)
+                    for r in range(ranks):
+                        start = (r * LAYERS + layer) * per
+                        b[start:start + per] = torch.randint(0, 256, (per,), dtype=torch.uint8, generator=gen)
                 progress.layer_written(layer, torch.device("cpu"))
             await asyncio.sleep(0.05)
             assert "r" not in sink.ended  # every layer is there, but not the first token

@@ -18,14 +18,19 @@ class LayerGather:
     device. On CUDA it is ordered on the current stream and waited for (a CUDA event, off the event loop) before a
     transport reads the buffer or the next group overwrites it. Unverified on GPU.
 
+    Under tensor parallelism a block holds every rank's shard, rank-major (`engine/kv_cache.py`), so a layer of a
+    block is `num_ranks` slices, one per shard; they travel together, rank order.
+
     Args:
         views: each block's bytes (1-D uint8, `KVCache.block_bytes`), in transfer order.
-        num_layers: equal slices per block, layer-major within the block (`engine/kv_cache.py`).
+        num_layers: the model's layers; each rank's shard of a block is num_layers equal slices, layer-major.
+        num_ranks: tensor-parallel shards per block (1 without TP).
     """
 
-    def __init__(self, views: list[torch.Tensor], num_layers: int):
-        self.views = views
-        self.per = views[0].numel() // num_layers if views else 0
+    def __init__(self, views: list[torch.Tensor], num_layers: int, num_ranks: int = 1):
+        self.views, self.num_layers, self.num_ranks = views, num_layers, num_ranks
+        self.slice = views[0].numel() // (num_layers * num_ranks) if views else 0  # bytes of one (rank, layer)
+        self.per = self.slice * num_ranks  # bytes of one layer of one block
         size = min(len(views), LAYER_GROUP_BLOCKS) * self.per
         self._buffer = torch.empty(size, dtype=torch.uint8, device=views[0].device if views else "cpu")
 
@@ -36,20 +41,25 @@ class LayerGather:
     def buffer(self, group: range) -> torch.Tensor:
         return self._buffer[:len(group) * self.per]
 
-    def _slice(self, block: int, layer: int) -> torch.Tensor:
-        return self.views[block][layer * self.per:(layer + 1) * self.per]
+    def _slices(self, block: int, layer: int) -> list[torch.Tensor]:
+        """Block `block`'s bytes of `layer`, one slice per rank."""
+        view, n = self.views[block], self.slice
+        return [view[(r * self.num_layers + layer) * n:(r * self.num_layers + layer + 1) * n]
+                for r in range(self.num_ranks)]
 
     async def gather(self, layer: int, group: range) -> torch.Tensor:
-        """The group's blocks' slices of `layer`, contiguous, ready to send."""
+        """The group's blocks' slices of `layer`, contiguous (block-major, then rank), ready to send."""
         out = self.buffer(group)
-        torch.cat([self._slice(b, layer) for b in group], out=out)
+        torch.cat([s for b in group for s in self._slices(b, layer)], out=out)
         await _device_done(out)
         return out
 
     async def scatter(self, layer: int, group: range, landed: torch.Tensor) -> None:
         """Copy a received group's slices of `layer` into its blocks; done when this returns."""
+        n = self.slice
         for i, b in enumerate(group):
-            self._slice(b, layer).copy_(landed[i * self.per:(i + 1) * self.per])
+            for r, s in enumerate(self._slices(b, layer)):
+                s.copy_(landed[(i * self.num_ranks + r) * n:(i * self.num_ranks + r + 1) * n])
         await _device_done(landed)
 
 

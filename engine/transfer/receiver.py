@@ -119,10 +119,10 @@ class KvReceiver:
                 self.sink.end_receive(rid, 0, "block size mismatch")
                 raise LookupError(f"block of {offer.block_nbytes} bytes, expected "
                                   f"{self.block_view(block_ids[0]).nbytes}")
-            if offer.num_layers and offer.block_nbytes % offer.num_layers:
+            if offer.num_layers and offer.block_nbytes % (offer.num_layers * offer.num_ranks):
                 self.sink.end_receive(rid, 0, "layer size mismatch")
                 raise LookupError(f"a block of {offer.block_nbytes} bytes does not split into {offer.num_layers} "
-                                  "layers")
+                                  f"layers of {offer.num_ranks} rank(s)")
         except LookupError as e:
             await ch.send_msg(encode({"type": "accept", "ok": False, "error": str(e)}))
             return True
@@ -131,7 +131,7 @@ class KvReceiver:
             async with asyncio.timeout(self.timeout_s):
                 views = [self.block_view(b) for b in block_ids]
                 if offer.num_layers:
-                    end = await self._receive_layers(ch, views, offer.num_layers)
+                    end = await self._receive_layers(ch, views, offer.num_layers, offer.num_ranks)
                 else:
                     await ch.recv_into_all(views)
                     end = decode(await ch.recv_msg())
@@ -144,10 +144,10 @@ class KvReceiver:
         return True
 
     @staticmethod
-    async def _receive_layers(ch: Channel, views: list[torch.Tensor], num_layers: int) -> dict:
+    async def _receive_layers(ch: Channel, views: list[torch.Tensor], num_layers: int, num_ranks: int) -> dict:
         """Receive a layer-wise offer's layers into the blocks; returns the end message (which may come early: the
         sender gave up on the request). Raises ValueError on a message out of order."""
-        gather = LayerGather(views, num_layers)
+        gather = LayerGather(views, num_layers, num_ranks)
         for layer in range(num_layers):
             msg = decode(await ch.recv_msg())
             if msg.get("type") == "end":

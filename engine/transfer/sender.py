@@ -76,12 +76,15 @@ class KvSender:
         timeout_s: bound on waiting for a channel + connecting + the whole transfer, seconds.
         secret: the cluster secret, proven at each handshake (`handshake_mac`); None = none configured.
         max_channels_per_peer: channels (and so concurrent transfers) per decode worker; more transfers queue.
+        num_ranks: tensor-parallel shards in each block (`engine.kv_cache`); a layer-wise send moves each layer's
+            slice of every shard.
     """
 
     def __init__(self, compat_hash: str, block_view: BlockView, timeout_s: float = 30.0, secret: str | None = None,
-                 max_channels_per_peer: int = MAX_CHANNELS_PER_PEER):
+                 max_channels_per_peer: int = MAX_CHANNELS_PER_PEER, num_ranks: int = 1):
         self.compat_hash = compat_hash
         self.block_view = block_view
+        self.num_ranks = num_ranks
         self.timeout_s = timeout_s
         self.secret = secret
         self.max_channels_per_peer = max_channels_per_peer
@@ -104,7 +107,7 @@ class KvSender:
                 then), and the decode worker drops the KV when its own request is gone.
         """
         offer = {"request_id": request_id, "first_block": first_block, "num_blocks": len(block_ids),
-                 "num_tokens": num_tokens, "num_layers": 0,
+                 "num_tokens": num_tokens, "num_layers": 0, "num_ranks": self.num_ranks,
                  "trace_context": trace_context or {}}
 
         async def body(ch: Channel) -> None:
@@ -129,13 +132,13 @@ class KvSender:
         blocks = [self.block_view(b) for b in blocks_to_send(block_ids, first_block)]
         layers = progress.num_layers
         offer = {"request_id": request_id, "first_block": first_block, "num_blocks": len(blocks),
-                 "num_tokens": num_tokens, "num_layers": layers,
+                 "num_tokens": num_tokens, "num_layers": layers, "num_ranks": self.num_ranks,
                  "trace_context": trace_context or {}}
 
         async def body(ch: Channel) -> None:
             ended = None
             try:
-                gather = LayerGather(blocks, layers)
+                gather = LayerGather(blocks, layers, self.num_ranks)
                 for layer in range(layers):
                     await progress.written(layer)
                     await ch.send_msg(encode({"type": "layer", "layer": layer}))

@@ -66,8 +66,10 @@ class Offer:
     """One request's KV, announced by the sender (validated: a malformed offer drops the channel).
 
     num_layers: 0 = whole blocks follow. > 0 = layer-wise: the blocks come layer by layer, each layer after a
-    header (each block's bytes are num_layers equal slices, `kv_cache.KVCache`'s layout). Either way an end
-    message follows with the prefill's first token (a layer-wise offer goes out before it is sampled).
+    header (each block's bytes are num_ranks x num_layers equal slices, `kv_cache.KVCache`'s layout; a layer is
+    one slice per rank, `layer_gather.LayerGather`). Either way an end message follows with the prefill's first
+    token (a layer-wise offer goes out before it is sampled).
+    num_ranks: tensor-parallel shards in each block (1 without TP).
     trace_context: the sender's W3C trace headers ({"traceparent": ...}; empty when not tracing), so the receive
     is recorded in the same trace.
     """
@@ -78,6 +80,7 @@ class Offer:
     block_nbytes: int
     num_tokens: int
     num_layers: int = 0
+    num_ranks: int = 1
     trace_context: dict = field(default_factory=dict)
 
     @classmethod
@@ -91,7 +94,7 @@ class Offer:
         if not isinstance(offer.request_id, str) or not all(
                 isinstance(v, int) and not isinstance(v, bool) and v >= 0
                 for v in (offer.first_block, offer.num_blocks, offer.block_nbytes, offer.num_tokens,
-                          offer.num_layers)):
+                          offer.num_layers, offer.num_ranks)) or offer.num_ranks < 1:
             raise ValueError(f"malformed offer {msg}")
         if not isinstance(offer.trace_context, dict) or not all(
                 isinstance(k, str) and isinstance(v, str) for k, v in offer.trace_context.items()):
