@@ -10,7 +10,7 @@ ignore_eos, so the weights' values do not matter for timing):
     active features per token, as the dense MLP), so per-token FLOPs match and 4x the MLP weights exist.
 Workloads: decode at batch 1 (32-token prompt, 128 out: TPOT), decode at batch 16 (16 x 64 out: output tokens/s),
 prefill (4 x 512-token prompts, 1 out: prompt tokens/s). Also the latency of one all-reduce of a decode step's
-hidden state between two processes, gloo's and the shared-memory one TP uses (`engine.shm_allreduce`; TP pays two
+hidden state between two processes, gloo's and the shared-memory one TP uses (`engine.shm_collectives`; TP pays two
 per layer).
 
     .venv/bin/python bench/tensor_parallel.py          # about 4 minutes on 2 cores
@@ -54,11 +54,11 @@ def _allreduce_rank(rank: int, init: str, rounds: int, shm_buffers, out) -> None
     import torch
     import torch.distributed as dist
 
-    from engine.shm_allreduce import ShmAllReduce
+    from engine.shm_collectives import ShmCollectives
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
-    shm = ShmAllReduce(*shm_buffers, rank)
+    shm = ShmCollectives(*shm_buffers, rank)
     x = torch.ones(1, DENSE["hidden_size"])
     times = {}
     for kind, reduce in (("gloo", dist.all_reduce), ("shm", shm.all_reduce)):
@@ -76,14 +76,14 @@ def _allreduce_rank(rank: int, init: str, rounds: int, shm_buffers, out) -> None
 
 def allreduce_us(rounds: int = 2000) -> dict[str, float]:
     """Mean microseconds of one all-reduce of [1, hidden] fp32 between two single-thread processes: gloo's and
-    `engine.shm_allreduce`'s."""
+    `engine.shm_collectives`'s."""
     import multiprocessing
 
-    from engine.shm_allreduce import ShmAllReduce
+    from engine.shm_collectives import ShmCollectives
 
     ctx = multiprocessing.get_context("spawn")
     out = ctx.Queue()
-    buffers = ShmAllReduce.allocate(2, DENSE["hidden_size"] * 4)
+    buffers = ShmCollectives.allocate(2, DENSE["hidden_size"] * 4)
     with tempfile.TemporaryDirectory() as d:
         procs = [ctx.Process(target=_allreduce_rank, args=(r, f"file://{d}/store", rounds, buffers, out))
                  for r in (0, 1)]
@@ -163,7 +163,7 @@ def main() -> None:
     layers = DENSE["num_hidden_layers"]
     print(f"all-reduce of one token's hidden state ({DENSE['hidden_size']} fp32), 2 processes: gloo "
           f"{reduce_us['gloo']:.0f} us, shared memory {reduce_us['shm']:.1f} us; a TP 2 decode step makes "
-          f"{2 * layers + 1} of them (plus a gloo all-gather and broadcast)")
+          f"{2 * layers + 1} of them (plus the step broadcast and the logits all-gather, also through shared memory)")
     if opts.json:
         Path(opts.json).write_text(json.dumps({"machine": machine(), "commit": commit(), "threads": opts.threads,
                                                "allreduce_us": reduce_us, "results": results}, indent=2))

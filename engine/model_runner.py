@@ -5,6 +5,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import msgspec
 import numpy as np
 import torch
 
@@ -47,6 +48,11 @@ class StepInputs:
     prefill_context_lens: list[int] = field(default_factory=list)
     prefill_block_tables: list[list[int]] = field(default_factory=list)
     logit_rows: list[int] | None = None
+
+
+# A step's inputs cross to the other TP ranks as msgpack (a StepInputs is never empty: `close` sends b"").
+_STEP_ENCODER = msgspec.msgpack.Encoder()
+_STEP_DECODER = msgspec.msgpack.Decoder(StepInputs)
 
 
 class ModelRunner:
@@ -170,7 +176,7 @@ class ModelRunner:
             for s in streaming:
                 s.request.kv_layers.layer_written(layer, dev)
         if self.tp.size > 1:
-            torch.distributed.broadcast_object_list([step], src=0, group=self.tp.group)
+            self.tp.broadcast_bytes(_STEP_ENCODER.encode(step))
         logits = self._forward(step, on_layer if streaming else None)
         if logits is None:
             return RunnerOutput()
@@ -184,19 +190,20 @@ class ModelRunner:
         """Ranks > 0 of a tensor-parallel group: run every step rank 0's `execute` broadcasts, until `close`.
 
         Raises:
-            RuntimeError: from torch.distributed when rank 0 is gone (the rank process then exits).
+            RuntimeError: from torch.distributed when rank 0 is gone (the rank process then exits; it also dies
+                with rank 0, its parent).
         """
         while True:
-            box: list[StepInputs | None] = [None]
-            torch.distributed.broadcast_object_list(box, src=0, group=self.tp.group)
-            if box[0] is None:
+            data = self.tp.broadcast_bytes()
+            if not data:  # `close`
                 return
-            self._forward(box[0], None)
+            self._forward(_STEP_DECODER.decode(data), None)
 
     def close(self) -> None:
-        """Rank 0 of a tensor-parallel group: tell the other ranks to leave `follow`. A no-op without TP."""
+        """Rank 0 of a tensor-parallel group: tell the other ranks to leave `follow` (empty bytes). A no-op without
+        TP."""
         if self.tp.size > 1:
-            torch.distributed.broadcast_object_list([None], src=0, group=self.tp.group)
+            self.tp.broadcast_bytes(b"")
 
     def _forward(self, step: StepInputs, on_layer: Callable[[int], None] | None) -> torch.Tensor | None:
         """The model on `step` (every TP rank runs it alike): logits [len(logit_rows) or T, vocab] on the device,

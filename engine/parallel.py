@@ -1,8 +1,8 @@
 """Tensor parallelism inside a worker (Megatron-LM, Shoeybi et al. 2019): N ranks, one process each, every one
 holding 1/N of the attention heads, of the MLP's (and each expert's) intermediate features and of the vocabulary;
 an all-reduce after each row-parallel projection (o_proj, down_proj) and after the vocab-parallel embedding, an
-all-gather of the vocab-parallel logits. torch.distributed carries the collectives (gloo on CPU), except the
-all-reduces, which go through shared memory where they fit (`engine.shm_allreduce`).
+all-gather of the vocab-parallel logits, and rank 0's broadcast of each step's inputs. They go through shared memory
+where they fit (`engine.shm_collectives`), else torch.distributed (gloo on CPU).
 
 `TensorParallel` is what the model sees; `engine.models.sharding` cuts the checkpoint's tensors to a rank's share;
 `engine.tp_ranks` runs the ranks other than 0 and feeds them each step.
@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from engine.shm_allreduce import ShmAllReduce
+from engine.shm_collectives import ShmCollectives
 
 
 @dataclass(frozen=True)
@@ -25,13 +25,13 @@ class TensorParallel:
         rank: 0 .. size - 1; rank 0 is the engine process (it schedules and samples).
         size: ranks in the group (1 = no tensor parallelism: every collective is the identity).
         group: the torch.distributed process group (None when size is 1).
-        shm: the group's shared-memory all-reduce (`engine.shm_allreduce`), or None to all-reduce with gloo.
+        shm: the group's shared-memory collectives (`engine.shm_collectives`), or None for gloo only.
     """
 
     rank: int = 0
     size: int = 1
     group: Any = None
-    shm: ShmAllReduce | None = None
+    shm: ShmCollectives | None = None
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum `x` over the ranks, in place; returns it. Through shared memory when the group has it and `x` fits
@@ -42,12 +42,34 @@ class TensorParallel:
 
     def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
         """Concatenate every rank's `x` ([..., n], the same shape on all) along the last dim, rank order:
-        [..., size * n]."""
+        [..., size * n]. Through shared memory when the group has it and `x` fits (every rank decides alike), else
+        gloo."""
         if self.size == 1:
             return x
+        if self.shm is not None:
+            out = self.shm.all_gather_last(x)
+            if out is not None:
+                return out
         parts = [torch.empty_like(x) for _ in range(self.size)]
         torch.distributed.all_gather(parts, x.contiguous(), group=self.group)
         return torch.cat(parts, dim=-1)
+
+    def broadcast_bytes(self, data: bytes = b"") -> bytes:
+        """Rank 0 sends `data` to every other rank; returns it on every rank (the other ranks' `data` is ignored).
+        Through shared memory when it fits (the others wait for it without holding a core while rank 0 is idle),
+        else gloo. A collective: every rank calls it at the same point."""
+        if self.size == 1:
+            return data
+        if self.rank == 0:
+            if self.shm is None or not self.shm.send_bytes(data):
+                torch.distributed.broadcast_object_list([data], src=0, group=self.group)
+            return data
+        got = self.shm.recv_bytes() if self.shm is not None else None
+        if got is None:
+            box: list[Any] = [None]
+            torch.distributed.broadcast_object_list(box, src=0, group=self.group)
+            got = box[0]
+        return got
 
     def heads(self, num_heads: int, num_kv_heads: int) -> "HeadSplit":
         """This rank's attention heads (`head_split`). Raises ValueError where `head_split` does."""
@@ -122,7 +144,7 @@ def kv_heads_per_rank(num_kv_heads: int, size: int) -> int:
 def init_group(rank: int, size: int, init_method: str,
                shm_buffers: tuple[torch.Tensor, torch.Tensor] | None = None) -> TensorParallel:
     """Join (or form) the gloo group of `size` ranks at `init_method` (a `file://` path all ranks share) and return
-    this rank's `TensorParallel`, all-reducing through `shm_buffers` (`ShmAllReduce.allocate`, the same in every
+    this rank's `TensorParallel`, with collectives through `shm_buffers` (`ShmCollectives.allocate`, the same in every
     rank) when given. Blocks until every rank has joined.
 
     Raises:
@@ -132,5 +154,5 @@ def init_group(rank: int, size: int, init_method: str,
 
     torch.distributed.init_process_group("gloo", init_method=init_method, rank=rank, world_size=size,
                                          timeout=datetime.timedelta(minutes=5))
-    shm = ShmAllReduce(*shm_buffers, rank) if shm_buffers is not None else None
+    shm = ShmCollectives(*shm_buffers, rank) if shm_buffers is not None else None
     return TensorParallel(rank, size, torch.distributed.group.WORLD, shm)

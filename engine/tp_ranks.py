@@ -28,9 +28,10 @@ from engine.args import EngineArgs
 from engine.config import CacheConfig, ModelConfig, SchedulerConfig
 from engine.hardware import set_threads
 from engine.lifetime import die_with_parent
+from engine.models.sharding import vocab_per_rank
 from engine.parallel import TensorParallel, init_group
-from engine.shm_allreduce import ShmAllReduce
-from engine.shm_allreduce import usable as shm_usable
+from engine.shm_collectives import ShmCollectives
+from engine.shm_collectives import usable as shm_usable
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +46,7 @@ class RankSpec:
         kv: the KV cache tensor in shared memory (`engine.kv_cache.kv_shape`).
         rank, size: this rank and the group size.
         init_method: the `file://` rendezvous of the group.
-        shm_buffers: the group's shared-memory all-reduce buffers (`ShmAllReduce.allocate`), or None for gloo.
+        shm_buffers: the group's shared-memory collectives' buffers (`ShmCollectives.allocate`), or None for gloo.
         threads: torch intra-op threads of this rank.
         log_setup: configures logging like the worker's (picklable), or None.
     """
@@ -104,9 +105,9 @@ class RankProcesses:
         self.size = args.tensor_parallel_size
         self._dir = tempfile.mkdtemp(prefix="pdserve-tp-")
         self._init_method = f"file://{self._dir}/rendezvous"
-        # The largest all-reduce is a full step's hidden states: [max_num_batched_tokens, hidden] in the model dtype.
-        largest = scheduler_config.max_num_batched_tokens * model_config.hidden_size * kv.element_size()
-        self._shm = ShmAllReduce.allocate(self.size, largest) if shm_usable() else None
+        self._shm = (ShmCollectives.allocate(self.size, shm_slot_bytes(model_config, scheduler_config, self.size,
+                                                                        kv.element_size()))
+                     if shm_usable() else None)
         self._specs = [RankSpec(args, model_config, cache_config, scheduler_config.max_model_len, kv, rank,
                                 self.size, self._init_method, threads, self._shm, log_setup)
                        for rank in range(1, self.size)]
@@ -164,6 +165,19 @@ class RankProcesses:
                 p.kill()
                 p.join(1)
         shutil.rmtree(self._dir, ignore_errors=True)
+
+
+SHM_SLOT_MAX_BYTES = 32 << 20  # per rank and buffer; a larger collective (huge vocabularies) goes through gloo
+
+
+def shm_slot_bytes(model: ModelConfig, scheduler: SchedulerConfig, size: int, itemsize: int) -> int:
+    """Bytes of each rank's shared-memory slot: the larger of a full step's hidden states ([max_num_batched_tokens,
+    hidden], the largest all-reduce) and a decode step's vocab-parallel logits ([max_num_seqs, vocab / size], the
+    all-gather), in the model dtype's `itemsize`, at most SHM_SLOT_MAX_BYTES. A step's inputs (msgpack, a few
+    bytes a token and a block) fit in it too; what does not fit goes through gloo."""
+    hidden = scheduler.max_num_batched_tokens * model.hidden_size
+    logits = scheduler.max_num_seqs * vocab_per_rank(model.vocab_size, size)
+    return min(max(hidden, logits) * itemsize, SHM_SLOT_MAX_BYTES)
 
 
 def rank_threads(total: int | None, size: int) -> int:

@@ -111,36 +111,51 @@ def test_sharding_table():
 
 
 def _shm_data(i: int, r: int) -> torch.Tensor:
-    """Round i's tensor of rank r in `test_shm_all_reduce_matches_on_every_rank` (shape and dtype alternate)."""
-    shape, dtype = [(1, 64), (7, 33), (16, 64)][i % 3], (torch.float32, torch.bfloat16)[i % 2]
+    """Round i's tensor of rank r in `test_shm_collectives_match_on_every_rank` (shape and dtype vary)."""
+    shape, dtype = [(1, 64), (7, 33), (16, 64), (2, 5)][i % 4], (torch.float32, torch.bfloat16)[i % 2]
     return torch.randn(shape, generator=torch.Generator().manual_seed(1000 * i + r)).to(dtype)
 
 
+def _shm_op(i: int) -> str:
+    return ("all_reduce", "all_gather_last", "bytes")[i % 3]
+
+
 def _shm_rank(rank: int, buffers, flags, rounds: int, results) -> None:
-    """One rank: all-reduce each round's tensor; report the results (None where the op refused the tensor)."""
-    from engine.shm_allreduce import ShmAllReduce
+    """One rank: round i all-reduces, all-gathers or broadcasts (rank 0's bytes) round i's data; reports each
+    result as bytes (a tensor crosses a queue as a shared-memory handle, gone once this process exits), None where
+    the op refused it."""
+    from engine.shm_collectives import ShmCollectives
 
     torch.set_num_threads(1)
-    shm = ShmAllReduce(buffers, flags, rank)
+    shm = ShmCollectives(buffers, flags, rank)
     out = []
     for i in range(rounds):
         x = _shm_data(i, rank)
-        # bytes, not tensors: a tensor crosses a queue as a shared-memory handle, gone once this process exits
-        out.append(x.view(-1).view(torch.uint8).numpy().tobytes() if shm.all_reduce(x) else None)
+        raw = lambda t: t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()  # noqa: E731
+        if _shm_op(i) == "all_reduce":
+            out.append(raw(x) if shm.all_reduce(x) else None)
+        elif _shm_op(i) == "all_gather_last":
+            got = shm.all_gather_last(x)
+            out.append(None if got is None else raw(got))
+        elif rank == 0:
+            out.append(raw(x) if shm.send_bytes(raw(x)) else None)
+        else:
+            out.append(shm.recv_bytes())
     results.put((rank, out))
 
 
-def test_shm_all_reduce_matches_on_every_rank():
-    """Three processes, 300 all-reduces of alternating shapes and dtypes through both alternating buffers: every
-    rank holds the same bits, equal to the sum of the three tensors (to the dtype's rounding), and a tensor over the
-    buffer size (16 x 64 fp32 = 4 KiB > 3 KiB) is refused on every rank alike (the caller then uses gloo)."""
+def test_shm_collectives_match_on_every_rank():
+    """Three processes, 300 rounds of all-reduce, all-gather and broadcast of bytes, interleaved, of varying shapes
+    and dtypes through both alternating buffers: every rank gets the same bits (sums to the dtype's rounding,
+    every rank's tensor in rank order, rank 0's bytes), and what does not fit the buffer (16 x 64 fp32 = 4 KiB >
+    3 KiB) is refused on every rank alike (the caller then uses gloo)."""
     import multiprocessing
 
-    from engine.shm_allreduce import ShmAllReduce
+    from engine.shm_collectives import ShmCollectives
 
     rounds = 300
     ctx = multiprocessing.get_context("spawn")
-    buffers, flags = ShmAllReduce.allocate(3, 3 * 1024)
+    buffers, flags = ShmCollectives.allocate(3, 3 * 1024)
     results = ctx.Queue()
     procs = [ctx.Process(target=_shm_rank, args=(r, buffers, flags, rounds, results)) for r in range(3)]
     for p in procs:
@@ -150,14 +165,23 @@ def test_shm_all_reduce_matches_on_every_rank():
         p.join(30)
     for i in range(rounds):
         like = _shm_data(i, 0)
-        if like.nbytes > 3 * 1024:
+        fits = like.nbytes + (8 if _shm_op(i) == "bytes" else 0) <= 3 * 1024
+        if not fits:
             assert all(outs[r][i] is None for r in range(3)), i
             continue
         assert outs[0][i] is not None and outs[1][i] == outs[0][i] and outs[2][i] == outs[0][i], i
-        first = torch.frombuffer(bytearray(outs[0][i]), dtype=like.dtype).view(like.shape)
-        expected = sum(_shm_data(i, r).float() for r in range(3))
-        torch.testing.assert_close(first.float(), expected, rtol=1e-2 if first.dtype == torch.bfloat16 else 1e-6,
-                                   atol=1e-2 if first.dtype == torch.bfloat16 else 1e-6)
+        if _shm_op(i) == "bytes":
+            assert outs[1][i] == like.view(-1).view(torch.uint8).numpy().tobytes(), i
+            continue
+        parts = [_shm_data(i, r) for r in range(3)]
+        if _shm_op(i) == "all_gather_last":
+            expected = torch.cat(parts, dim=-1)
+            shape = (*like.shape[:-1], 3 * like.shape[-1])
+        else:
+            expected, shape = sum(p.float() for p in parts), like.shape
+        first = torch.frombuffer(bytearray(outs[0][i]), dtype=like.dtype).view(shape)
+        tol = 1e-2 if first.dtype == torch.bfloat16 else 1e-6
+        torch.testing.assert_close(first.float(), expected.float(), rtol=tol, atol=tol)
 
 
 def test_indivisible_heads_refused_at_start(tiny_model_dir):
