@@ -222,6 +222,73 @@ def test_pooled_channel_to_a_restarted_receiver_is_replaced_once(backend, layerw
     run(main)
 
 
+def _receiver_process(backend: str, port: int, events) -> None:
+    """A KV receiver in a process of its own on a fixed port (a decode worker's --kv-port): reports ("ready",
+    address) or ("bind failed", message), then serves until killed."""
+    async def main():
+        dst, sink = FakeCache(2, 2), Sink()
+        sink.reserved["r"] = [0]
+        receiver = KvReceiver(get_backend(backend), "abc", dst.view, sink, timeout_s=5.0)
+        try:
+            events.put(("ready", await receiver.start("127.0.0.1", port)))
+        except Exception as e:  # noqa: BLE001 (reported to the test)
+            events.put(("bind failed", f"{type(e).__name__}: {e}"))
+            return
+        await asyncio.sleep(600)
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_receiver_killed_with_channels_open_rebinds_its_port(backend):
+    """Issue 28: a decode worker killed (-9) while a prefill worker's channel to its fixed KV port is open leaves that
+    connection in TIME-WAIT on the port; the restarted worker must bind it again at once (over ucx this needs
+    UCX_CM_REUSEADDR, which `engine.transfer.ucx` sets), while a second live listener on it is still refused."""
+    import multiprocessing
+    import queue
+    import socket
+
+    ctx = multiprocessing.get_context("spawn")  # UCX must not be initialised before a fork
+    events = ctx.Queue()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+
+    def start():
+        p = ctx.Process(target=_receiver_process, args=(backend, port, events), daemon=True)
+        p.start()
+        try:
+            return p, events.get(timeout=120)
+        except queue.Empty:
+            p.kill()
+            raise
+
+    procs = []
+
+    async def main():
+        first, (state, address) = await asyncio.to_thread(start)
+        procs.append(first)
+        assert state == "ready", address
+        sender = KvSender("abc", FakeCache(2, 1).view, timeout_s=30)
+        try:
+            await sender.send(address, "r", 1, [0], num_tokens=1)  # its channel stays open in the sender's pool
+            busy, (state, message) = await asyncio.to_thread(start)  # the port is in use: refused
+            procs.append(busy)
+            assert state == "bind failed", message
+            first.kill()  # the receiver's side of the open channel closes first: TIME-WAIT on the port
+            await asyncio.to_thread(first.join, 30)
+            again, (state, message) = await asyncio.to_thread(start)
+            procs.append(again)
+            assert state == "ready" and message == address, message
+        finally:
+            sender.close()
+    try:
+        run(main)
+    finally:
+        for p in procs:
+            p.kill()
+            p.join(30)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_fresh_channel_failing_before_the_accept_is_not_retried(backend):
     """Only a channel that sat idle in the pool is suspected stale: a freshly opened one that fails (here the

@@ -30,6 +30,10 @@ log = logging.getLogger(__name__)
 def _ucxx():
     os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
     os.environ.setdefault("UCXPY_ENABLE_PYTHON_FUTURE", "1")
+    # SO_REUSEADDR on the listener: a decode worker killed with KV channels open leaves their sockets in TIME-WAIT
+    # on its --kv-port, and without it the restarted worker could not bind that port for a minute. It does not let
+    # two live listeners share a port (that would be SO_REUSEPORT): a busy port is still refused.
+    os.environ.setdefault("UCX_CM_REUSEADDR", "y")
     import ucxx  # noqa: PLC0415 (lazy by design)
 
     return ucxx
