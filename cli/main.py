@@ -121,7 +121,7 @@ def _coordinator_args(p: argparse.ArgumentParser) -> None:
 
 def _run_coordinator(args: argparse.Namespace) -> None:
     from coordinator.config import CoordinatorConfig
-    from coordinator.server import serve
+    from coordinator.app import serve
 
     model_dir, name = _resolved(args)
     _run_server(serve(dataclass_from_args(CoordinatorConfig, args, model_dir=model_dir, model_name=name)))

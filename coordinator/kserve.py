@@ -50,18 +50,16 @@ import sys
 import types
 import uuid
 from importlib import metadata
-from typing import TYPE_CHECKING
 
 import grpc
 
 from coordinator.errors import RequestError, invalid
 from coordinator.scheduling import SchedulingAsk
+from coordinator.server import GenerationServicer
 from coordinator.validation import check_prompt, check_text_length, resolve_sampling, shorten
 from pdserve.v1 import generate_pb2
 from server_common.errors import CommandError
 
-if TYPE_CHECKING:  # coordinator.server registers this service: no import back at run time
-    from coordinator.server import GenerationServicer
 
 
 def _import_protos() -> tuple[types.ModuleType, types.ModuleType, types.ModuleType]:

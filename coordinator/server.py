@@ -1,8 +1,8 @@
-"""The public Generation service and the coordinator process."""
+"""The public Generation service, and the one request path every public door uses (`GenerationServicer.serve`).
+The coordinator process that serves it beside the other doors is `coordinator.app`."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 import uuid
@@ -11,29 +11,20 @@ from collections.abc import Mapping
 
 import grpc
 from opentelemetry import trace
-from prometheus_client import CollectorRegistry
 
 from coordinator import flow as flows
-from coordinator import kserve
 from coordinator.config import CoordinatorConfig
 from coordinator.errors import RequestError, invalid
 from coordinator.ratelimit import RateLimiter
 from coordinator.membership import Cluster, Membership
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.record import RequestRecord, log_access
-from coordinator.router import LocalPrefillPolicy, Router
 from coordinator.stream import Progress, SampleStream, merged, request_record
 from coordinator.scheduling import RequestScheduling, SchedulingAsk, read_tenant_weights, resolve_tenant
 from coordinator.tokenizer import Tokenizer
 from coordinator.validation import check_chat, check_prompt, check_text_length, resolve_sampling, shorten
-from coordinator.vllm_engine import SERVICE_NAME as VLLM_ENGINE_SERVICE, VllmEngineServicer
-from smg_grpc_proto.generated import vllm_engine_pb2_grpc
 from pdserve.v1 import generate_pb2, generate_pb2_grpc
-from server_common.addresses import advertise_host
-from server_common.grpc_server import start_grpc_server, write_ready_file
-from server_common.metrics import metrics_url, start_metrics_server
-from server_common.security import key_id, presented_token, read_api_keys
-from server_common.tracing import Tracing
+from server_common.security import key_id, presented_token
 
 log = logging.getLogger(__name__)
 
@@ -426,77 +417,3 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             topology="colocated" if self.config.colocated else "disaggregated",
             num_prefill_workers=len(c.router.live("prefill")), num_decode_workers=len(c.router.live("decode")),
             kv_connector=c.connector)
-
-
-def _add_servicers(server: grpc.aio.Server, servicer: GenerationServicer) -> None:
-    """Our public API, and over the same request path vLLM's engine service (for the smg gateway) and KServe v2's
-    (for tritonclient and other Triton clients)."""
-    generate_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
-    vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(VllmEngineServicer(servicer), server)
-    kserve.add_to_server(kserve.KServeServicer(servicer), server)
-
-
-async def serve(config: CoordinatorConfig) -> None:
-    """Find live workers, then serve the public API until cancelled (SIGTERM drains).
-
-    Serves pdserve.v1.Generation and, on the same port, vllm.grpc.engine.VllmEngine (`coordinator.vllm_engine`) and
-    inference.GRPCInferenceService (KServe v2, `coordinator.kserve`).
-    Health tells the truth: readiness ("" and both services) is SERVING only while requests can be served
-    (`Cluster.ready`: decode workers that may prefill locally keep it SERVING without a prefill worker), and
-    follows membership changes; liveness stays SERVING while the process runs.
-
-    Raises:
-        CommandError: no live worker of a needed role within config.connect_timeout_s.
-    """
-    tenant_weights = read_tenant_weights(config.tenant_weights)  # a typo fails the start, before any wait
-    tracing = Tracing.from_env("pdserve-coordinator")
-    cluster = Cluster(Router(), config.colocated,
-                      LocalPrefillPolicy(config.local_prefill_tokens, config.local_prefill_fallback,
-                                         config.local_prefill_queue))
-    membership = Membership(config, cluster, interceptors=tracing.client_interceptors())
-    await membership.wait_ready(config.connect_timeout_s)
-    tokenizer = await asyncio.to_thread(Tokenizer, config.model_dir)
-    registry = CollectorRegistry()
-    api_keys = read_api_keys(config.api_keys_file)
-    servicer = GenerationServicer(config, cluster, tokenizer, CoordinatorMetrics(registry, config.model_name),
-                                  on_worker_lost=membership.report_lost, keys_required=bool(api_keys),
-                                  tenant_weights=tenant_weights)
-    if api_keys:  # the names --tenant-weights (and the access log's refusals) know the keys by
-        log.info("API keys: %d, ids %s", len(api_keys), ", ".join(sorted({key_id(k) for k in api_keys})))
-    metrics = (start_metrics_server(config.server.host, config.server.metrics_port, registry)
-               if config.server.metrics_port is not None else None)
-    running = await start_grpc_server(
-        config.server, lambda server: _add_servicers(server, servicer),
-        ["pdserve.v1.Generation", VLLM_ENGINE_SERVICE, kserve.SERVICE_NAME], tokens=api_keys, what="API key",
-        interceptors=tracing.server_interceptors())
-    pending: set[asyncio.Task] = set()
-
-    def follow_membership() -> None:
-        if not cluster.ready:
-            log.warning("no live %s worker: reporting NOT_SERVING", " or ".join(cluster.missing_roles()))
-        elif not cluster.complete:
-            log.warning("no live prefill worker: decode workers prefill locally until one is back")
-        task = asyncio.get_running_loop().create_task(running.set_serving(cluster.ready))
-        pending.add(task)
-        task.add_done_callback(pending.discard)
-
-    membership.on_change = follow_membership
-    servicer.metrics.track_workers(cluster.router.live)
-    address = f"{advertise_host(config.server.host, config.server.advertise_host)}:{running.port}"
-    log.info("coordinator serving %s on %s (%s, %d prefill / %d decode workers live, connector %s)",
-             config.model_name, address, "colocated" if config.colocated else "disaggregated",
-             len(cluster.router.live("prefill")), len(cluster.router.live("decode")), cluster.connector or "-")
-    write_ready_file(config.server.ready_file, address, tls=config.server.tls,
-                     **metrics_url(config.server, metrics))
-    poller = asyncio.create_task(membership.run())
-    try:
-        await running.serve_until_cancelled(config.server.drain_timeout_s, in_flight=lambda: len(cluster.flows),
-                                            cut=lambda: [f.shut_down() for f in list(cluster.flows.values())])
-    finally:
-        poller.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await poller
-        await membership.close()
-        if metrics is not None:
-            metrics.close()
-        tracing.shutdown()

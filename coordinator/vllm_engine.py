@@ -27,17 +27,15 @@ import zipfile
 from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import grpc
 from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2 as pb, vllm_engine_pb2_grpc as pb_grpc
 
 from coordinator.errors import RequestError, invalid
+from coordinator.server import GenerationServicer
 from coordinator.validation import check_prompt, check_text_length, resolve_sampling
 from pdserve.v1 import generate_pb2
 
-if TYPE_CHECKING:  # coordinator.server registers this service: no import back at run time
-    from coordinator.server import GenerationServicer
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["VllmEngine"].full_name  # "vllm.grpc.engine.VllmEngine"
 FINISH_REASON = {generate_pb2.FINISH_REASON_STOP: "stop", generate_pb2.FINISH_REASON_LENGTH: "length",

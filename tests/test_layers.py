@@ -17,15 +17,15 @@ def loaded_after(code: str) -> set[str]:
     return set(json.loads(out.stdout.splitlines()[-1]))
 
 
-def test_coordinator_server_loads_no_torch_and_no_engine():
-    loaded = loaded_after("import coordinator.server")
+def test_coordinator_process_loads_no_torch_and_no_engine():
+    loaded = loaded_after("import coordinator.app")
     assert not loaded & {*HEAVY, "engine", "kernels", "worker_common", "prefill_worker", "decode_worker"}
 
 
 def test_coordinator_command_loads_no_torch_and_no_engine():
-    """`pdserve coordinator` parses its flags and reaches its server module without the engine."""
+    """`pdserve coordinator` parses its flags and reaches its process module without the engine."""
     loaded = loaded_after("from cli.main import build_parser\nbuild_parser('coordinator').parse_args([])\n"
-                          "import coordinator.server")
+                          "import coordinator.app")
     assert not loaded & {*HEAVY, "engine", "kernels", "worker_common", "prefill_worker", "decode_worker"}
 
 
