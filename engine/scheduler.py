@@ -189,9 +189,13 @@ class Scheduler:
         them up, and recomputes on `resume`). Only a request producing tokens here (running or waiting to run, not
         prefill-only) can be paused; the samples forked from it (n > 1) pause with it. Returns whether any was."""
         paused = False
-        for rid in [request_id, *self.samples.get(request_id, ())]:
+        for rid in self._family(request_id):
             paused |= self._pause_one(rid)
         return paused
+
+    def _family(self, request_id: str) -> list[str]:
+        """The request and the samples forked from it (n > 1), parent first; a new list (callers may remove them)."""
+        return [request_id, *self.samples.get(request_id, ())]
 
     def _pause_one(self, request_id: str) -> bool:
         req = self.requests.get(request_id)
@@ -208,7 +212,7 @@ class Scheduler:
         """Let a paused request (and its samples) back into the queue (its reader caught up), in policy order.
         Returns whether any was paused."""
         resumed = False
-        for rid in [request_id, *self.samples.get(request_id, ())]:
+        for rid in self._family(request_id):
             req = self.paused.pop(rid, None)
             if req is not None:
                 req.status = RequestStatus.WAITING
@@ -538,9 +542,9 @@ class Scheduler:
         """Drop a request wherever it is and free its blocks, with every sample forked from it (n > 1). Returns
         False if unknown (idempotent)."""
         found = False
-        for sample_id in list(self.samples.get(request_id, ())):
-            found |= self._abort_one(sample_id)
-        return self._abort_one(request_id) or found
+        for rid in reversed(self._family(request_id)):  # the samples before the request they were forked from
+            found |= self._abort_one(rid)
+        return found
 
     def _abort_one(self, request_id: str) -> bool:
         req = self.requests.get(request_id)
