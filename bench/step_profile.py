@@ -79,11 +79,19 @@ def _time(fn, min_s: float = 0.3) -> float:
 
 def config_linear_shapes(mc) -> list[tuple[int, int]]:
     """(in_features, out_features) of every matmul in one token's forward, from a `ModelConfig` alone (pdserve's
-    fused layout: q/k/v and gate/up are one matmul each), LM head included."""
-    q, kv = mc.num_heads * mc.head_dim, mc.num_kv_heads * mc.head_dim
-    layer = [(mc.hidden_size, q + 2 * kv), (q, mc.hidden_size), (mc.hidden_size, 2 * mc.intermediate_size),
-             (mc.intermediate_size, mc.hidden_size)]
-    return layer * mc.num_layers + [(mc.hidden_size, mc.vocab_size)]
+    fused layout: q/k/v and gate/up are one matmul each), LM head included. A mixture-of-experts layer
+    (`mc.moe.sparse_layers`) counts its router and the top_k experts one token runs; a batch of several tokens
+    reads more experts' weights than that."""
+    h, q, kv = mc.hidden_size, mc.num_heads * mc.head_dim, mc.num_kv_heads * mc.head_dim
+    shapes = []
+    for i in range(mc.num_layers):
+        shapes += [(h, q + 2 * kv), (q, h)]
+        moe = mc.moe
+        if moe is not None and i in moe.sparse_layers:
+            shapes += [(h, moe.num_experts)] + [(h, 2 * moe.intermediate_size), (moe.intermediate_size, h)] * moe.top_k
+        else:
+            shapes += [(h, 2 * mc.intermediate_size), (mc.intermediate_size, h)]
+    return shapes + [(h, mc.vocab_size)]
 
 
 def gemm_rate(shapes: list[tuple[int, int]], rows: int, dtype: torch.dtype) -> float:

@@ -168,6 +168,25 @@ def test_sweep_weight_bytes_per_token(tiny_model_dir, real_model_dir):
     assert weight_bytes_per_token("llamacpp", [], pdserve=False) == gguf_2d > 90e6  # Q4_1 layers, Q8_0 head
 
 
+def test_linear_shapes_of_a_mixture_of_experts_count_the_router_and_top_k_experts():
+    """bench/step_profile.py's per-token matmul shapes for a Qwen3-MoE whose layer 1 is dense (`mlp_only_layers`):
+    the sparse layer has the router and top_k = 2 experts' gate/up and down, not the dense MLP's."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    from step_profile import config_linear_shapes
+    from transformers import Qwen3MoeConfig
+
+    from engine.config import ModelConfig
+
+    hf = Qwen3MoeConfig(vocab_size=100, hidden_size=16, intermediate_size=48, num_hidden_layers=2,
+                        num_attention_heads=2, num_key_value_heads=1, head_dim=8, num_experts=4,
+                        num_experts_per_tok=2, moe_intermediate_size=12, mlp_only_layers=[1])
+    attn = [(16, 16 + 2 * 8), (16, 16)]
+    assert config_linear_shapes(ModelConfig.from_hf(hf, name="m", path="")) == [
+        *attn, (16, 4), (16, 24), (12, 16), (16, 24), (12, 16),  # layer 0: router, then 2 experts
+        *attn, (16, 96), (48, 16),  # layer 1: dense
+        (16, 100)]
+
+
 def test_sweep_refuses_a_malformed_peer_before_running_anything(tmp_path):
     proc = subprocess.run([sys.executable, "bench/sweep.py", "--systems", "", "--peer", "bogus",
                            "--out-dir", str(tmp_path / "out")], cwd=ROOT, capture_output=True, text=True, timeout=300)
