@@ -76,7 +76,7 @@ class TensorParallel:
         return head_split(num_heads, num_kv_heads, self.size, self.rank)
 
     def split(self, total: int, what: str) -> int:
-        """This rank's share of `total` equal parts (heads, features).
+        """This rank's share of `total` equal parts (MLP and expert features; heads follow `head_split`).
 
         Raises:
             ValueError: `total` is not divisible by the group size (the message names `what`).
