@@ -538,7 +538,7 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
 
         async def write(response: pb.ModelStreamInferResponse) -> None:
             async with lock:
-                await self.generation._write(context, response)
+                await self.generation.write(context, response)
 
         async with asyncio.TaskGroup() as tasks:
             async for request in request_iterator:

@@ -8,6 +8,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable
 from collections.abc import Mapping
+from typing import Any
 
 import grpc
 from opentelemetry import trace
@@ -70,7 +71,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         """Stream one completion (written with context.write, so a client that stops reading is noticed)."""
         operation = "chat" if request.WhichOneof("input") == "chat" else "text_completion"
         await self.serve(context, request.request_id or uuid.uuid4().hex, lambda: self._prepare(request), operation,
-                         lambda msg: self._write(context, msg), lambda: SchedulingAsk.from_request(request))
+                         lambda msg: self.write(context, msg), lambda: SchedulingAsk.from_request(request))
 
     async def serve(self, context: grpc.aio.ServicerContext, rid: str,
                     prepare: Callable[[], Awaitable[tuple[list[int], generate_pb2.SamplingParams]]], operation: str,
@@ -144,9 +145,10 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             record.e2e_s = record.e2e_s or (flows.now_ms() - t0) / 1e3
             self._finished(record, error.message if error else "")
 
-    async def _write(self, context: grpc.aio.ServicerContext, msg: generate_pb2.GenerateResponse) -> None:
-        """Send one message; a client that has not taken it within stall_timeout_s (flow control held it) is
-        given up on, so it cannot keep a batch slot and KV blocks on the workers.
+    async def write(self, context: grpc.aio.ServicerContext, msg: Any) -> None:
+        """Send one message of a server-streaming call (any door's response type); a client that has not taken it
+        within stall_timeout_s (flow control held it) is given up on, so it cannot keep a batch slot and KV blocks
+        on the workers. Every door writes through this, so the limit is the same everywhere.
 
         Raises:
             RequestError: DEADLINE_EXCEEDED for a stalled client.

@@ -184,7 +184,7 @@ class VllmEngineServicer(pb_grpc.VllmEngineServicer):
 
         async def send(msg: generate_pb2.GenerateResponse) -> None:
             if (out := reply.convert(msg)) is not None:
-                await self.generation._write(context, out)  # the same stalled-client limit as our own door
+                await self.generation.write(context, out)  # the same stalled-client limit as our own door
 
         # "text_completion" for the trace: the gateway rendered any chat itself, so every request is token ids here.
         # smg's GenerateRequest has no priority or tenant: default scheduling, the caller (the gateway) as tenant.

@@ -114,7 +114,7 @@ def test_a_client_that_stops_reading_is_dropped():
     servicer = GenerationServicer.__new__(GenerationServicer)
     servicer.config = CoordinatorConfig(model_dir="m", model_name="n", stall_timeout_s=0.2)
     with pytest.raises(RequestError) as e:
-        asyncio.run(servicer._write(NeverReads(), SamplingParams()))
+        asyncio.run(servicer.write(NeverReads(), SamplingParams()))
     assert e.value.code == grpc.StatusCode.DEADLINE_EXCEEDED and "read nothing" in e.value.message
 
 
