@@ -9,7 +9,8 @@ config.model_name, version "1" ("" picks it); any other name or version is NOT_F
 The model's tensors are those of Triton's vLLM backend (triton-inference-server/vllm_backend, src/utils/request.py):
   - text_input (BYTES, shape [1]): the prompt, tokenized by the coordinator's tokenizer as pdserve.v1's `text`.
   - stream (BOOL, [1], optional, default false): stream text deltas; only over ModelStreamInfer.
-  - sampling_parameters (BYTES, [1], optional): a JSON object of vLLM SamplingParams fields (`SAMPLING_FIELDS`);
+  - sampling_parameters (BYTES, [1], optional): a JSON object of vLLM SamplingParams fields (read by
+    `coordinator.kserve_sampling`, whose `SAMPLING_FIELDS` lists them);
     values may be JSON strings ("0.5"), as the backend converts them; null means the default. Unset max_tokens is
     vLLM's default, 16. Without the tensor, the request's own parameters are read the same way (reserved ones, such
     as priority, see Scheduling below, or sequence_id, left out), as the backend does. Structured outputs:
@@ -22,11 +23,11 @@ The model's tensors are those of Triton's vLLM backend (triton-inference-server/
 
 Scheduling: Triton's request parameter `priority` (an unsigned integer, tritonclient's `infer(priority=...)`;
 1 is the highest level, 0 means the model's default level) is honoured. This model's default level is
-`DEFAULT_PRIORITY_LEVEL` (10), as if its config said `default_priority_level: 10`, and a level p >= 1 becomes our
-priority p - 10 (pdserve.v1's GenerateRequest.priority: lower runs sooner, 0 is the default): levels 1-9 run sooner
-than requests that give none, 10 as soon, 11 and above later; 0 or no parameter is our 0. A negative, fractional or
-non-numeric priority is INVALID_ARGUMENT. The tenant is the caller (API key, else peer); there is no TTFT objective
-parameter (the call's gRPC deadline still applies: `timeout` / client_timeout).
+`kserve_sampling.DEFAULT_PRIORITY_LEVEL` (10), as if its config said `default_priority_level: 10`, and a level
+p >= 1 becomes our priority p - 10 (pdserve.v1's GenerateRequest.priority: lower runs sooner, 0 is the default):
+levels 1-9 run sooner than requests that give none, 10 as soon, 11 and above later; 0 or no parameter is our 0. A
+negative, fractional or non-numeric priority is INVALID_ARGUMENT. The tenant is the caller (API key, else peer);
+there is no TTFT objective parameter (the call's gRPC deadline still applies: `timeout` / client_timeout).
 
 ModelInfer answers once with the whole text. ModelStreamInfer takes any number of requests on one call and runs them
 concurrently; with stream=true each request gets one response per text delta, then a last response with empty text,
@@ -44,7 +45,6 @@ import asyncio
 import importlib
 import importlib.util
 import json
-import math
 import struct
 import sys
 import types
@@ -54,6 +54,7 @@ from importlib import metadata
 import grpc
 
 from coordinator.errors import RequestError, invalid
+from coordinator.kserve_sampling import to_priority, to_sampling
 from coordinator.scheduling import SchedulingAsk
 from coordinator.server import GenerationServicer
 from coordinator.validation import check_prompt, check_text_length, resolve_sampling, shorten
@@ -103,171 +104,9 @@ INPUTS = {"text_input": ("BYTES", True), "stream": ("BOOL", False), "sampling_pa
           "exclude_input_in_output": ("BOOL", False)}
 OUTPUT = "text_output"
 FINAL = "triton_final_response"
-VLLM_DEFAULT_MAX_TOKENS = 16  # vLLM's SamplingParams default, which the backend's callers rely on
-# sampling_parameters fields taken, by their vLLM type; the others of vLLM's SamplingParams are refused by name.
-SAMPLING_FIELDS = {
-    "float": ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"),
-    "int": ("max_tokens", "min_tokens", "top_k", "seed", "n", "best_of"),
-    "bool": ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens",
-             "use_beam_search"),
-    "list": ("stop", "stop_token_ids")}
-UNSUPPORTED = ("logprobs", "prompt_logprobs", "logit_bias", "allowed_token_ids", "bad_words", "lora_name",
-               "truncate_prompt_tokens")
-# Structured outputs, as vLLM takes them: an object of StructuredOutputsParams' fields (`structured_outputs`, or
-# `guided_decoding` as older vLLM and Triton's vLLM backend call it), or vLLM's OpenAI-server `guided_*` keys.
-STRUCTURED_OBJECTS = ("structured_outputs", "guided_decoding")
-GUIDED_KEYS = {"guided_json": "json", "guided_regex": "regex", "guided_grammar": "grammar",
-               "guided_choice": "choice", "guided_json_object": "json_object"}
-INT32 = (-2**31, 2**31 - 1)  # our int fields' range: larger values are clamped, and validation names the limit
 # Request parameters that belong to the protocol or to tritonclient, never sampling fields.
 RESERVED_PARAMETERS = ("sequence_id", "sequence_start", "sequence_end", "priority", "timeout", "headers",
                        "binary_data_output")
-
-
-DEFAULT_PRIORITY_LEVEL = 10  # Triton priority level that maps to our default priority, 0 (module docstring)
-
-
-def to_priority(parameters) -> int:
-    """Our priority for a request's Triton `priority` parameter (see the module docstring); 0 without one.
-
-    Raises:
-        RequestError: INVALID_ARGUMENT for a negative, fractional, boolean or text priority.
-    """
-    if "priority" not in parameters:
-        return 0
-    p = parameters["priority"]
-    kind = p.WhichOneof("parameter_choice")
-    value = getattr(p, kind) if kind else 0
-    if kind not in (None, "int64_param", "uint64_param") or value < 0:
-        raise invalid(f"parameter priority must be an unsigned integer (1 = highest level, 0 = the default, "
-                      f"{DEFAULT_PRIORITY_LEVEL}), got {shorten(str(value))}")
-    if value == 0:
-        return 0
-    return max(INT32[0], min(INT32[1], value - DEFAULT_PRIORITY_LEVEL))
-
-
-def _kinds() -> dict[str, str]:
-    return {name: kind for kind, names in SAMPLING_FIELDS.items() for name in names}
-
-
-def to_sampling(fields: dict) -> generate_pb2.SamplingParams:
-    """sampling_parameters' fields (vLLM's names; values as the backend converts them: "0.5" is 0.5) as our public
-    SamplingParams, unresolved. null means the default; max_tokens defaults to 16 (vLLM's); top_k -1 is off.
-
-    Raises:
-        RequestError: INVALID_ARGUMENT naming the field, for unknown or unsupported fields and values of the wrong
-            type (n or best_of > 1, skip_special_tokens false: not supported).
-    """
-    kinds, out = _kinds(), generate_pb2.SamplingParams(max_tokens=VLLM_DEFAULT_MAX_TOKENS)
-    for key, value in fields.items():
-        if value is None:
-            continue
-        if key in UNSUPPORTED:
-            raise invalid(f"sampling_parameters.{key} is not supported by this server")
-        if key in STRUCTURED_OBJECTS or key in GUIDED_KEYS:
-            _structured(key, value, out)
-            continue
-        kind = kinds.get(key)
-        if kind is None:
-            raise invalid(f"sampling_parameters has an unknown field {shorten(key)}; known: {', '.join(kinds)}")
-        v = _convert(key, kind, value)
-        if key in ("n", "best_of"):
-            if v != 1:
-                raise invalid(f"sampling_parameters.{key} = {v}: parallel sampling is not supported; send 1")
-        elif key == "skip_special_tokens":
-            if not v:
-                raise invalid("sampling_parameters.skip_special_tokens = false is not supported: text never "
-                              "includes special tokens")
-        elif key == "use_beam_search":
-            if v:
-                raise invalid("sampling_parameters.use_beam_search = true is not supported")
-        elif key == "spaces_between_special_tokens":
-            pass  # only about special tokens, which text never includes
-        elif key == "top_k":
-            # vLLM's -1 (or 0) is off, as our 0; other negatives fail validation
-            out.top_k = 0 if v == -1 else min(max(v, INT32[0]), INT32[1])
-        elif key == "seed":
-            out.seed = v % 2**64  # vLLM takes any int; ours is uint64
-        elif kind == "int":
-            setattr(out, key, min(max(v, INT32[0]), INT32[1]))
-        elif key == "stop":
-            out.stop.extend(v)
-        elif key == "stop_token_ids":
-            out.stop_token_ids.extend(v)
-        else:
-            setattr(out, key, v)
-    return out
-
-
-def _structured(key: str, value, out: generate_pb2.SamplingParams) -> None:
-    """One structured-output field of sampling_parameters into out.structured_output (vLLM's names: json (an object
-    or its JSON text), regex, grammar, choice (a list of strings), json_object (true)).
-
-    Raises:
-        RequestError: INVALID_ARGUMENT when a second constraint is given, or for a value of the wrong type.
-    """
-    if key in STRUCTURED_OBJECTS:
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except ValueError:
-                value = None
-        if not isinstance(value, dict):
-            raise invalid(f"sampling_parameters.{key} must be an object with one of json, regex, grammar, choice, "
-                          "json_object")
-        items = [(f"{key}.{k}", k, v) for k, v in value.items() if v is not None and v is not False]
-    else:
-        items = [(key, GUIDED_KEYS[key], value)]
-    for name, field, v in items:
-        if out.HasField("structured_output"):
-            raise invalid(f"sampling_parameters.{name}: only one structured-output constraint may be given")
-        target = out.structured_output
-        if field == "json" and isinstance(v, (dict, bool)):
-            target.json_schema = json.dumps(v)
-        elif field == "json" and isinstance(v, str):
-            target.json_schema = v
-        elif field in ("regex", "grammar") and isinstance(v, str):
-            setattr(target, field, v)
-        elif field == "choice" and isinstance(v, list) and all(isinstance(c, str) for c in v):
-            target.choice.choices.extend(v)
-        elif field == "json_object" and v is True:
-            target.json_object = True
-        else:
-            out.ClearField("structured_output")
-            raise invalid(f"sampling_parameters.{name} is not a structured-output field of the expected type (json: "
-                          f"object or string; regex, grammar: string; choice: list of strings; json_object: true), "
-                          f"got {shorten(json.dumps(v))}")
-
-
-def _convert(key: str, kind: str, value):
-    """One field's value as its vLLM type. Raises RequestError INVALID_ARGUMENT naming the field and the type."""
-    try:
-        if kind == "float" and not isinstance(value, bool):
-            v = float(value)
-            if math.isfinite(v):
-                return v
-        elif kind == "int" and not isinstance(value, bool):
-            v = float(value) if isinstance(value, float) else int(value)
-            if v == int(v) and abs(v) < 2**63:
-                return int(v)
-        elif kind == "bool":
-            if isinstance(value, bool) or value in (0, 1):
-                return bool(value)
-            if isinstance(value, str) and value.lower() in ("true", "false"):
-                return value.lower() == "true"
-        elif key == "stop" and isinstance(value, str):
-            return [value]
-        elif key == "stop" and isinstance(value, list) and all(isinstance(s, str) for s in value):
-            return value
-        elif key == "stop_token_ids" and isinstance(value, list):
-            ids = [_convert(key, "int", t) for t in value]
-            if all(0 <= t < 2**31 for t in ids):
-                return ids
-    except (TypeError, ValueError, OverflowError, RequestError):
-        pass
-    expected = {"float": "a finite number", "int": "an integer", "bool": "true or false"}.get(kind) or (
-        "a string or a list of strings" if key == "stop" else "a list of token ids (integers >= 0)")
-    raise invalid(f"sampling_parameters.{key} must be {expected}, got {shorten(json.dumps(value))}")
 
 
 def _parameter_value(p):

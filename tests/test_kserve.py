@@ -127,7 +127,7 @@ def test_infer_equals_our_greedy_text(cluster, triton, ours):
     whole = triton.infer("tiny", inputs(), request_id="k-1", client_timeout=CALL_TIMEOUT_S)
     assert text(whole) == PROMPT + ours.text  # the prompt comes first unless excluded, as Triton's vLLM backend
     assert whole.get_response().id == "k-1" and whole.get_response().model_version == "1"
-    # Triton's priority 1 (the highest level) becomes our priority -9 (`kserve.to_priority`): same greedy text.
+    # Triton's priority 1 (the highest level) becomes our priority -9 (`kserve_sampling.to_priority`): same greedy text.
     completion = triton.infer("tiny", inputs(exclude=True, stream=False), model_version="1", priority=1,
                               client_timeout=CALL_TIMEOUT_S)
     assert text(completion) == ours.text

@@ -466,7 +466,8 @@ def test_a_bad_tenant_through_the_public_door_is_invalid_argument():
 
 # ---- KServe: Triton's priority parameter ---------------------------------------------------------------------------
 def test_triton_priority_maps_to_ours():
-    from coordinator.kserve import DEFAULT_PRIORITY_LEVEL, pb, to_priority
+    from coordinator.kserve import pb
+    from coordinator.kserve_sampling import DEFAULT_PRIORITY_LEVEL, to_priority
 
     def params(**kw):
         r = pb.ModelInferRequest()
