@@ -262,7 +262,12 @@ def test_a_worker_lost_under_load_turns_readiness_off_at_once(tiny_model_dir, tm
             watch = health_pb2_grpc.HealthStub(ch).Watch(health_pb2.HealthCheckRequest(), timeout=50)
             assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
             stream = c.generate([5, 6, 7], SamplingParams(max_tokens=200, temperature=0, ignore_eos=True))
-            next(stream)  # the first token came: the request is decoding on the worker
+            # The first token comes from the prefill worker, before its KV transfer ends; the later ones from the
+            # decode worker, so the request is decoding there and the transfer is over. (Killed mid-transfer, the
+            # prefill worker's transfer failure is what the coordinator sees first, and it takes the prefill worker
+            # out of routing instead: a misattribution noted for issue 28, not what this test is about.)
+            for _ in range(4):
+                next(stream)
             p.kill("decode")
             with pytest.raises(grpc.RpcError) as e:
                 list(stream)
