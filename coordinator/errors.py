@@ -8,6 +8,8 @@ from google.protobuf import any_pb2, duration_pb2
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
+from pdserve.v1 import worker_pb2
+
 
 class RequestError(Exception):
     """A request-level error with the gRPC status it maps to.
@@ -43,10 +45,36 @@ def invalid(message: str) -> RequestError:
     return RequestError(grpc.StatusCode.INVALID_ARGUMENT, message)
 
 
-def from_rpc_error(e: grpc.aio.AioRpcError, role: str, address: str) -> RequestError:
-    """A worker's status, passed on with the worker named; connection loss (and a worker's own fault) becomes
-    UNAVAILABLE, which the coordinator answers by migrating the request."""
+def worker_reason(e: grpc.aio.AioRpcError) -> int:
+    """The failure a worker reported in its status: worker.proto's WorkerErrorReason, carried as a
+    google.rpc.ErrorInfo's reason (`worker_common.errors.kind_details`); WORKER_ERROR_REASON_UNSPECIFIED when the
+    status carries none (a lost connection, a deadline, a status gRPC made up rather than the worker)."""
+    unspecified = worker_pb2.WORKER_ERROR_REASON_UNSPECIFIED
+    try:
+        status = rpc_status.from_call(e)
+    except ValueError:  # details that disagree with the status: not the worker's
+        return unspecified
+    for detail in status.details if status is not None else ():
+        info = error_details_pb2.ErrorInfo()
+        if detail.Unpack(info) and info.domain == worker_pb2.DESCRIPTOR.package:
+            try:
+                return worker_pb2.WorkerErrorReason.Value(info.reason)
+            except ValueError:  # a newer worker's reason: treat as none
+                return unspecified
+    return unspecified
+
+
+def from_rpc_error(e: grpc.aio.AioRpcError, role: str, address: str, peer: str | None = None) -> RequestError:
+    """A worker's status, passed on with the worker at fault named (`RequestError.worker`); connection loss (and a
+    worker's own fault) becomes UNAVAILABLE, which the coordinator answers by migrating the request.
+
+    peer: the worker at the other end of this call's KV transfer. A TRANSFER_FAILED status that the worker itself
+    reported proves the worker alive and points at its peer (a decode worker killed mid-transfer broke the prefill
+    worker's send): the peer is named, so membership takes the lost worker out of routing, not the healthy one."""
     code = e.code()
     if code in (grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL, grpc.StatusCode.CANCELLED):
         code = grpc.StatusCode.UNAVAILABLE
-    return RequestError(code, f"{role} worker {address}: {e.details()}", worker=address)
+    message = f"{role} worker {address}: {e.details()}"
+    if peer is not None and worker_reason(e) == worker_pb2.WORKER_ERROR_REASON_TRANSFER_FAILED:
+        return RequestError(code, f"{message} (its KV transfer peer {peer} is suspected)", worker=peer)
+    return RequestError(code, message, worker=address)

@@ -109,10 +109,11 @@ def scoped_id(caller: str, request_id: str) -> str:
 
 class WorkerCall:
     """One streaming call to a worker, read message by message through async iteration (so client interceptors,
-    tracing's among them, see the stream end), with its errors turned into RequestErrors naming the worker."""
+    tracing's among them, see the stream end), with its errors turned into RequestErrors naming the worker at fault:
+    this one, or `peer` (the other end of the call's KV transfer) when this one reports that the transfer broke."""
 
-    def __init__(self, call, worker: WorkerHandle, flow: Flow):
-        self.call, self.worker, self.flow = call, worker, flow
+    def __init__(self, call, worker: WorkerHandle, flow: Flow, peer: str | None = None):
+        self.call, self.worker, self.flow, self.peer = call, worker, flow, peer
         self._responses = call.__aiter__()
         flow.calls.append(call)
 
@@ -136,7 +137,7 @@ class WorkerCall:
                 raise
             if self.flow.aborted:
                 raise asyncio.CancelledError from e
-            raise from_rpc_error(e, self.worker.info.role, self.worker.address) from e
+            raise from_rpc_error(e, self.worker.info.role, self.worker.address, self.peer) from e
 
     async def close(self) -> None:
         """Cancel the call (the worker frees what it holds) and close the response stream."""
@@ -264,7 +265,8 @@ async def run_disaggregated(router: Router, flow: Flow, request_id: str, prompt:
         decode_scheduling = without_deadline(scheduling) if scheduling is not None else None
         dcall = WorkerCall(decode.decode.Decode(worker_pb2.DecodeRequest(
             request_id=request_id, prompt_token_ids=prompt, sampling=sampling, output_token_ids=generated,
-            kv_source=worker_pb2.KV_SOURCE_REMOTE, scheduling=decode_scheduling), timeout=timeout_s), decode, flow)
+            kv_source=worker_pb2.KV_SOURCE_REMOTE, scheduling=decode_scheduling), timeout=timeout_s), decode, flow,
+            peer=prefill_choice.address)
         pcall: WorkerCall | None = None
         watcher: asyncio.Task | None = None
         try:
@@ -279,7 +281,7 @@ async def run_disaggregated(router: Router, flow: Flow, request_id: str, prompt:
                     request_id=request_id, prompt_token_ids=prompt, sampling=sampling, output_token_ids=generated,
                     kv_address=decode.info.kv_address, arrival_time=arrival,
                     kv_skip_blocks=reserved.reserved.num_cached_blocks, scheduling=scheduling), timeout=timeout_s),
-                    prefill, flow)
+                    prefill, flow, peer=decode.address)
                 async with _renewing_lease(decode, request_id, reserved.reserved.lease_ms):
                     first = await pcall.next()
                 if first is not None and first.WhichOneof("response") == "first_token":

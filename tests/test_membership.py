@@ -263,9 +263,8 @@ def test_a_worker_lost_under_load_turns_readiness_off_at_once(tiny_model_dir, tm
             assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
             stream = c.generate([5, 6, 7], SamplingParams(max_tokens=200, temperature=0, ignore_eos=True))
             # The first token comes from the prefill worker, before its KV transfer ends; the later ones from the
-            # decode worker, so the request is decoding there and the transfer is over. (Killed mid-transfer, the
-            # prefill worker's transfer failure is what the coordinator sees first, and it takes the prefill worker
-            # out of routing instead: a misattribution noted for issue 28, not what this test is about.)
+            # decode worker, so the request is decoding there. (Killed mid-transfer, the prefill worker's report
+            # blames its peer: test_migration's mid-transfer case.)
             for _ in range(4):
                 next(stream)
             p.kill("decode")

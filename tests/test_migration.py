@@ -1,6 +1,8 @@
 """Request migration (NVIDIA Dynamo's): a worker lost mid-request and the client's stream goes on, on other workers,
 with no error and no token repeated or lost; greedy output equals the run without a loss. Bounded by
 --max-migrations, then a clean UNAVAILABLE."""
+import os
+import signal
 import threading
 import time
 
@@ -10,7 +12,7 @@ import pytest
 from conftest import hf_greedy
 from pdserve import Client, SamplingParams
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
-from test_membership import WORKER, Processes
+from test_membership import WORKER, Processes, wait_for
 
 pytestmark = pytest.mark.e2e
 PROMPT = [11, 22, 33, 44, 55, 66, 77, 88, 99, 111]
@@ -102,5 +104,54 @@ def test_migration_budget_spent_is_a_clean_unavailable(tiny_model_dir, tmp_path)
         with pytest.raises(grpc.RpcError) as e:
             stream_with_a_kill(coordinator, 230, lambda: kill_the_one_serving(p, ["d0"], decode))
         assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "most allowed" in e.value.details()
+    finally:
+        p.stop()
+
+
+def test_a_decode_worker_lost_mid_transfer_is_blamed_not_the_prefill_worker(tiny_model_dir, tmp_path):
+    """The decode worker holding the reservation is killed while the prefill worker's KV transfer to it is in flight:
+    both the prefill worker's TRANSFER_FAILED and the lost Decode stream must blame the decode worker. The prefill
+    worker's report used to win and name the prefill worker, so membership took the healthy prefill worker out of
+    routing while the dead decode worker stayed in it. The order is forced with SIGSTOP: the prefill worker is
+    frozen before the request comes, the decode worker once it holds the reservation, then the prefill worker runs
+    (first token, then a transfer that cannot finish) and the decode worker is killed."""
+    p = Processes(tiny_model_dir, tmp_path)
+    try:
+        prefill = p.start("p0", "prefill", *WORKER)
+        decode = {n: p.start(n, "decode", *WORKER) for n in ("d0", "d1")}
+        coordinator = p.start("coordinator", "coordinator", "--stats-interval-s", "60", f"--prefill={prefill}",
+                              "--no-local-prefill-queue", *(f"--decode={a}" for a in decode.values()))
+        prompt, n = list(range(1000, 1100)), 24
+        first, result = threading.Event(), {}
+
+        def read():
+            try:
+                with Client(coordinator) as c:
+                    chunks = []
+                    for chunk in c.generate(prompt, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True),
+                                            timeout=120):
+                        chunks.append(chunk)
+                        first.set()
+                    result["chunks"] = chunks
+            except grpc.RpcError as e:
+                result["error"] = e
+                first.set()
+
+        os.kill(p.procs["p0"].pid, signal.SIGSTOP)
+        reader = threading.Thread(target=read)
+        reader.start()
+        held = wait_for(lambda: next((name for name in decode if requests_on(p, decode[name])), None), 60,
+                        "a decode worker reserved the request")
+        os.kill(p.procs[held].pid, signal.SIGSTOP)
+        os.kill(p.procs["p0"].pid, signal.SIGCONT)
+        assert first.wait(60), "the prefill worker's first token reached the client"
+        p.kill(held)
+        reader.join(120)
+        assert "error" not in result, result.get("error")
+        ids = [t for ch in result["chunks"] for t in ch.token_ids]
+        assert ids == hf_greedy(tiny_model_dir, prompt, n)  # migrated to the other decode worker
+        log = (tmp_path / "coordinator.log").read_text()
+        assert f"worker {decode[held]} left the routing set" in log
+        assert f"worker {prefill} left the routing set" not in log
     finally:
         p.stop()

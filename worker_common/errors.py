@@ -4,8 +4,12 @@ from __future__ import annotations
 from typing import NoReturn
 
 import grpc
+from google.protobuf import any_pb2
+from google.rpc import code_pb2, error_details_pb2, status_pb2
+from grpc_status import rpc_status
 
 from engine.errors import EngineError, ErrorKind
+from pdserve.v1 import worker_pb2
 
 STATUS_FOR_KIND: dict[ErrorKind, grpc.StatusCode] = {
     ErrorKind.INVALID_REQUEST: grpc.StatusCode.INVALID_ARGUMENT,
@@ -21,8 +25,22 @@ STATUS_FOR_KIND: dict[ErrorKind, grpc.StatusCode] = {
     ErrorKind.ENGINE_DIED: grpc.StatusCode.UNAVAILABLE,
 }
 
+def kind_details(code: grpc.StatusCode, message: str, kind: ErrorKind) -> tuple:
+    """Trailing metadata carrying the rich status (google.rpc.Status, AIP-193) of a failure: its code and message
+    again, and a google.rpc.ErrorInfo whose reason names the kind (worker.proto's WorkerErrorReason, e.g.
+    "WORKER_ERROR_REASON_TRANSFER_FAILED"; domain "pdserve.v1"), so the coordinator can tell a worker's own report
+    from a lost connection (`coordinator.errors.from_rpc_error`)."""
+    reason = f"WORKER_ERROR_REASON_{kind.name}"
+    worker_pb2.WorkerErrorReason.Value(reason)  # ValueError if engine.errors and worker.proto drift apart
+    detail = any_pb2.Any()
+    detail.Pack(error_details_pb2.ErrorInfo(reason=reason, domain=worker_pb2.DESCRIPTOR.package))
+    status = status_pb2.Status(code=getattr(code_pb2, code.name), message=message, details=[detail])
+    return tuple(rpc_status.to_status(status).trailing_metadata)
+
 
 async def abort_with(context: grpc.aio.ServicerContext, error: EngineError) -> NoReturn:
-    """End the RPC with the status for `error.kind` and its message (raises, as `context.abort` does)."""
-    await context.abort(STATUS_FOR_KIND[error.kind], error.message)
+    """End the RPC with the status for `error.kind`, its message and the kind as an ErrorInfo (`kind_details`);
+    raises, as `context.abort` does."""
+    code = STATUS_FOR_KIND[error.kind]
+    await context.abort(code, error.message, kind_details(code, error.message, error.kind))
     raise AssertionError("unreachable: context.abort raises")
