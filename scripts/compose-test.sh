@@ -15,6 +15,9 @@ if ! docker info >/dev/null 2>&1; then
   (dockerd >/tmp/pdserve-dockerd.log 2>&1 &)
   for _ in $(seq 60); do docker info >/dev/null 2>&1 && break; sleep 1; done
 fi
+if ! docker compose version >/dev/null 2>&1 && ! command -v docker-compose >/dev/null; then
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -q docker-compose  # a docker engine without compose
+fi
 if docker compose version >/dev/null 2>&1; then COMPOSE=(docker compose); else COMPOSE=(docker-compose); fi
 echo "compose: $("${COMPOSE[@]}" version | head -1)"
 
@@ -25,8 +28,10 @@ BUILD_ARGS=()
 for dir in ${PIP_FIND_LINKS:-} /opt/wheels; do  # a local CPU torch wheel, when this machine has one
   [ -d "$dir" ] && cp -n "$dir"/torch-*+cpu-*.whl deploy/wheels/ 2>/dev/null || true
 done
-ls deploy/wheels/torch-*.whl >/dev/null 2>&1 && BUILD_ARGS+=(--build-arg TORCH_CPU_INDEX=)  # no index needed
 [ -n "${PIP_CERT:-}" ] && cp "$PIP_CERT" deploy/certs/ca.pem  # pip behind a TLS-inspecting proxy
+for var in PIP_INDEX_URL PIP_EXTRA_INDEX_URL TORCH_CPU_INDEX; do  # this machine's indexes, when set, for the build
+  [ -n "${!var:-}" ] && BUILD_ARGS+=(--build-arg "$var=${!var}")
+done
 trap 'rm -f deploy/wheels/*.whl deploy/certs/ca.pem; "${COMPOSE[@]}" -p $PROJECT down -v --remove-orphans >/dev/null 2>&1 || true' EXIT
 [ -n "${NO_CACHE:-}" ] && BUILD_ARGS+=(--no-cache)  # NO_CACHE=1: time a cold build
 docker build --network host -q "${BUILD_ARGS[@]}" -f deploy/Dockerfile -t pdserve:cpu . >/dev/null
