@@ -148,6 +148,11 @@ def test_ucx_kv_port_refuses_a_huge_announced_size_before_allocating_it():
     from engine.transfer.channel import ChannelClosed
     from engine.transfer.ucx import UcxChannel
 
+    def rss_bytes() -> int:
+        """This process's resident set now (the receiver runs in it)."""
+        status = Path("/proc/self/status").read_text()
+        return int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmRSS:"))) * 1024
+
     async def main():
         sink = Sink({})
         receiver = KvReceiver(get_backend("ucx"), "h", lambda b: None, sink, timeout_s=30, secret="s3cret")
@@ -157,9 +162,11 @@ def test_ucx_kv_port_refuses_a_huge_announced_size_before_allocating_it():
             ep = await ucxx.create_endpoint("127.0.0.1", port)
             stranger = UcxChannel(ep)
             await asyncio.wait_for(stranger.recv_msg(), 30)  # the challenge
+            before = rss_bytes()
             await ep.send(array.array("Q", [1 << 30]))  # "a 1 GiB hello follows"
             with pytest.raises(ChannelClosed):  # the receiver hangs up instead of allocating and waiting for it
                 await asyncio.wait_for(stranger.recv_msg(), 30)
+            assert rss_bytes() - before < 128 << 20  # the announced GiB was never allocated
             stranger.close()
             await assert_still_serving(address, secret="s3cret")
         finally:

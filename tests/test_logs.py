@@ -1,0 +1,35 @@
+"""Log lines an operator reads: a failed request's access line is a warning (a client's cancel is not), and a line
+logged inside a traced request names its trace in text and JSON output (issue 28 item 11)."""
+import json
+import logging
+
+import pytest
+
+from coordinator.record import RequestRecord, log_access
+
+
+@pytest.mark.parametrize("error_code, level", [("", logging.INFO), ("CANCELLED", logging.INFO),
+                                               ("UNAVAILABLE", logging.WARNING), ("INTERNAL", logging.WARNING)])
+def test_a_failed_request_is_a_warning_in_the_access_log(caplog, error_code, level):
+    caplog.set_level(logging.INFO, logger="pdserve.access")
+    log_access(RequestRecord("r1", prompt_tokens=3, output_tokens=2, error_code=error_code),
+               "boom" if error_code else "")
+    (line,) = caplog.records
+    assert line.levelno == level and line.access["error_code"] == error_code
+
+
+def test_a_line_logged_inside_a_span_names_its_trace_in_text_and_json():
+    from opentelemetry.sdk.trace import TracerProvider
+    from pythonjsonlogger.json import JsonFormatter
+
+    from server_common.tracing import TraceContextFilter, TraceFormatter
+
+    inside = logging.LogRecord("x", logging.WARNING, __file__, 1, "hello", None, None)
+    outside = logging.LogRecord("x", logging.WARNING, __file__, 1, "hello", None, None)
+    with TracerProvider().get_tracer("t").start_as_current_span("request") as span:
+        TraceContextFilter().filter(inside)
+    TraceContextFilter().filter(outside)
+    trace_id = format(span.get_span_context().trace_id, "032x")
+    assert TraceFormatter("%(message)s").format(inside) == f"hello [trace {trace_id}]"
+    assert TraceFormatter("%(message)s").format(outside) == "hello"
+    assert json.loads(JsonFormatter("%(message)s").format(inside))["trace_id"] == trace_id
