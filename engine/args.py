@@ -29,6 +29,7 @@ class EngineArgs:
         kv_tokens: KV budget in tokens; ignored when kv_bytes is set.
         kv_bytes: KV budget in bytes (overrides kv_tokens); None = use kv_tokens.
         max_num_batched_tokens: token budget per engine step (prefill chunks + one token per decode).
+        itl_target_ms: the prefill cap while requests decode (`SchedulerConfig.itl_target_ms`), ms; 0 = none.
         max_num_seqs: most requests in the running batch.
         max_model_len: most prompt + output tokens per request; 0 = the model's max_position_embeddings.
         enable_prefix_caching: reuse cached full KV blocks with the same chained token hash.
@@ -67,6 +68,9 @@ class EngineArgs:
         "min": 1, "help": "KV budget in bytes (overrides --kv-tokens)"})
     max_num_batched_tokens: int = field(default=512, metadata={"min": 1, "help": "token budget per engine step"})
     max_num_seqs: int = field(default=64, metadata={"min": 1, "help": "most requests in the running batch"})
+    itl_target_ms: float = field(default=0.0, metadata={"min": 0,
+        "help": "while requests decode, cap a step's prefill chunk so the step is predicted to take at most this "
+                "long, ms (stall-free batching from measured step costs; at least a block a step); 0 = no cap"})
     max_model_len: int = field(default=0, metadata={"min": 0,
         "help": "most prompt + output tokens per request (0 = the model's context length)"})
     enable_prefix_caching: bool = field(default=True, metadata={"help": "reuse cached prefix KV blocks"})

@@ -56,7 +56,8 @@ def resolve_configs(args: EngineArgs) -> tuple[ModelConfig, CacheConfig, Schedul
         max_model_len=min(max_len, model_config.max_position_embeddings),
         enable_prefix_caching=args.enable_prefix_caching, vocab_size=model_config.vocab_size,
         speculative=SpeculativeConfig(args.speculative_ngram_tokens, args.speculative_ngram_max,
-                                      args.speculative_ngram_min, args.speculative_disable_batch_size))
+                                      args.speculative_ngram_min, args.speculative_disable_batch_size),
+        itl_target_ms=args.itl_target_ms)
     return model_config, cache_config, scheduler_config
 
 

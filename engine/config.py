@@ -170,6 +170,9 @@ class SchedulerConfig:
         enable_prefix_caching: reuse full KV blocks whose chained token hash matches.
         vocab_size: token ids a request may carry are [0, vocab_size).
         speculative: n-gram speculative decoding (off by default).
+        itl_target_ms: while requests are decoding, cap each step's prefill tokens so the step is predicted to
+            take at most this long, ms (`engine.step_cost`; at least a block of prefill a step); 0 = no cap beyond
+            max_num_batched_tokens.
     """
 
     max_num_batched_tokens: int
@@ -178,6 +181,7 @@ class SchedulerConfig:
     enable_prefix_caching: bool
     vocab_size: int
     speculative: SpeculativeConfig = SpeculativeConfig()
+    itl_target_ms: float = 0.0
 
 
 def compat_hash(model: ModelConfig, cache: CacheConfig) -> str:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -153,7 +154,9 @@ class EngineCore:
                 events.extend(out.failed)
                 if not out.is_empty:
                     self._publish_stats()  # as the step starts: it may be long
+                    start = time.perf_counter()
                     events.extend(self.scheduler.update(out, self.runner.execute(out)))
+                    self.scheduler.observe_step(out, (time.perf_counter() - start) * 1e3)
                     self._record_step(out)
             except Exception as e:  # noqa: BLE001 - a fault must fail loudly, not wedge the loop
                 events.extend(self._fail_step(out, e))

@@ -49,6 +49,11 @@ class SchedulerOutput:
         return len(self.decodes) + sum(s.num_new_tokens for s in self.prefills)
 
     @property
+    def num_prefill_tokens(self) -> int:
+        """Prompt (or recomputed) tokens in chunks: the step's tokens other than decodes and their drafts."""
+        return sum(s.num_new_tokens for s in self.prefills if not s.spec_token_ids)
+
+    @property
     def is_empty(self) -> bool:
         return not self.decodes and not self.prefills
 

@@ -8,7 +8,8 @@ Each step: queued requests past their first-token deadline are refused; running 
 a request of higher priority is waiting: then the chunk yields its budget), preempting the last running request
 (lowest priority, newest) when blocks run out; then waiting requests join in policy order while budget, batch slots
 and blocks allow, preempting running requests of lower priority for a slot or blocks. A preempted request frees its
-blocks and recomputes its prompt and output later: no token is lost. Owned by the engine thread; not thread-safe.
+blocks and recomputes its prompt and output later: no token is lost. With an ITL target, a step that decodes takes
+only the prefill tokens its measured costs allow (`engine.step_cost`). Owned by the engine thread; not thread-safe.
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from engine.outputs import (Reserved, RequestFailed, RunnerOutput, SampledToken,
                             SchedulerStats, TokenOutput)
 from engine.request import SAMPLE_ID_SEPARATOR, FinishReason, Request, RequestStatus
 from engine.speculative import propose_ngram
+from engine.step_cost import StepCost
 
 if TYPE_CHECKING:
     from engine.structured import GrammarCompiler
@@ -55,6 +57,7 @@ class Scheduler:
         self.paused: dict[str, Request] = {}  # out of the batch while their reader is behind (`pause`)
         self.samples: dict[str, list[str]] = {}  # parallel sampling: parent id -> its forked samples' ids
         self._block_copies: list[tuple[int, int]] = []  # copy-on-write owed before the next step's forward
+        self.step_cost = StepCost()  # fed by the engine loop (`observe_step`), read by the prefill cap
         self.num_preemptions = 0
         self.spec_draft_tokens = 0
         self.spec_accepted_tokens = 0
@@ -243,6 +246,7 @@ class Scheduler:
         spec = self.config.speculative
         speculate = spec.enabled and len(self.running) <= spec.disable_batch_size
         head = self.waiting.peek()
+        prefill_left = self._prefill_cap()
         kv_preempted = False
         i = 0
         while i < len(self.running) and budget > 0:
@@ -254,6 +258,12 @@ class Scheduler:
             if n > 1 and head is not None and self.policy.outranks(head, req):
                 i += 1  # a prefill chunk gives its budget to a more important waiting request (decodes still run)
                 continue
+            if n > 1 and prefill_left is not None:
+                n = min(n, prefill_left)
+                if n < 2:  # the decodes' latency target is spent: the chunk waits for the next step
+                    i += 1
+                    continue
+                prefill_left -= n
             drafts = self._propose(req, budget) if speculate and n == 1 else []
             if drafts and not self._allocate_drafts(req, len(drafts), budget):
                 drafts = []  # no blocks to spare: decode plainly (drafts never cost another request its blocks)
@@ -284,6 +294,10 @@ class Scheduler:
                 computed_blocks = self.kv.get_computed_blocks(req)
             num_computed = req.num_computed_tokens or len(computed_blocks) * self.kv.block_size
             n = min(self._target(req) - num_computed, budget)
+            if n > 1 and prefill_left is not None:
+                n = min(n, prefill_left)
+                if n < 2:  # the decodes' latency target is spent: admissions wait for the next step
+                    break
             if not self.kv.allocate_slots(req.request_id, num_computed + n, computed_blocks):
                 if self._preempt_paused():
                     continue
@@ -312,9 +326,26 @@ class Scheduler:
             bisect.insort(self.running, req, key=self.policy.static_key)
             self._add_scheduled(out, req, n)
             budget -= n
+            if n > 1 and prefill_left is not None:
+                prefill_left -= n
         if not out.is_empty:
             out.block_copies, self._block_copies = self._block_copies, []
         return out
+
+    def _prefill_cap(self) -> int | None:
+        """Prefill tokens this step may take (`SchedulerConfig.itl_target_ms`, `StepCost.prefill_budget`, at least
+        a block), or None for no cap: no target, no request decoding (nobody waits between tokens), or the costs
+        not measured yet."""
+        target = self.config.itl_target_ms
+        if target <= 0 or not any(self._target(r) - r.num_computed_tokens == 1 for r in self.running):
+            return None
+        return self.step_cost.prefill_budget(target, floor=self.kv.block_size)
+
+    def observe_step(self, out: SchedulerOutput, step_ms: float) -> None:
+        """The engine loop reports how long a step (`out`, forward and sampling) took, ms: the prefill cap's
+        cost model learns from it."""
+        num_prefill = out.num_prefill_tokens
+        self.step_cost.observe(out.num_tokens - num_prefill, num_prefill, step_ms)
 
     @staticmethod
     def _target(req: Request) -> int:

@@ -8,13 +8,14 @@ from engine.kv_cache_manager import KVCacheManager
 from engine.outputs import RunnerOutput, SampledToken, SchedulerOutput
 from engine.request import FinishReason, Request, RequestStatus, SamplingParams
 from engine.scheduler import Scheduler
+from engine.step_cost import StepCost
 
 BLOCK = 4
 
 
-def scheduler(num_blocks=32, budget=16, max_seqs=8, prefix_caching=True) -> Scheduler:
+def scheduler(num_blocks=32, budget=16, max_seqs=8, prefix_caching=True, itl_target_ms=0.0) -> Scheduler:
     config = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs, max_model_len=256,
-                             enable_prefix_caching=prefix_caching, vocab_size=1000)
+                             enable_prefix_caching=prefix_caching, vocab_size=1000, itl_target_ms=itl_target_ms)
     return Scheduler(config, KVCacheManager(num_blocks, BLOCK, prefix_caching))
 
 
@@ -172,3 +173,76 @@ def test_abort_frees_a_request_in_any_state():
         assert s.abort(rid)
     assert not s.abort("running")  # idempotent
     assert s.requests == {} and s.kv.pool.num_free_blocks == s.kv.pool.num_blocks
+
+
+# ---- stall-free batching: the prefill cap from an ITL target and measured step costs ------------------------------
+def timed_step(s: Scheduler, decode_ms: float = 20.0, ms_per_prefill_token: float = 1.0):
+    """`step`, then report a made-up duration: decode_ms for the decodes plus ms_per_prefill_token per prefill
+    token (what a real forward's cost looks like to `StepCost`)."""
+    out, events = step(s)
+    s.observe_step(out, (decode_ms if out.decodes else 0.0) + ms_per_prefill_token * out.num_prefill_tokens)
+    return out, events
+
+
+def test_step_cost_learns_the_decode_step_and_the_prefill_token():
+    cost = StepCost()
+    assert cost.prefill_budget(100.0, floor=4) is None  # nothing measured: no cap
+    cost.observe(num_decode_tokens=3, num_prefill_tokens=0, step_ms=20.0)
+    cost.observe(num_decode_tokens=0, num_prefill_tokens=10, step_ms=500.0)  # too few tokens to learn from
+    assert cost.ms_per_prefill_token is None
+    cost.observe(num_decode_tokens=3, num_prefill_tokens=64, step_ms=20.0 + 64 * 1.5)
+    assert cost.decode_ms == 20.0 and cost.ms_per_prefill_token == pytest.approx(1.5)
+    assert cost.prefill_budget(80.0, floor=4) == 40  # (80 - 20) / 1.5
+    assert cost.prefill_budget(10.0, floor=4) == 4  # the decodes alone are over the target: a block still goes
+    for _ in range(30):  # the costs drift (a longer context): the means follow
+        cost.observe(num_decode_tokens=3, num_prefill_tokens=0, step_ms=40.0)
+    assert cost.decode_ms == pytest.approx(40.0, abs=0.1)
+
+
+def test_an_itl_target_caps_the_prefill_chunk_while_requests_decode():
+    s = scheduler(num_blocks=128, budget=128, itl_target_ms=60.0)
+    s.add_request(request("a", 40, max_tokens=30))
+    out, _ = timed_step(s)
+    assert shape(out) == ([], [("a", 40)])  # nobody decodes yet: the whole budget, and a first prefill sample
+    timed_step(s)  # a decodes alone: the decode step's cost
+    s.add_request(request("long", 200, first=300))
+    # 20 ms of decode leaves 40 ms: 40 prefill tokens a step at 1 ms each, instead of the 127 the budget allows
+    shapes = [shape(timed_step(s)[0]) for _ in range(6)]
+    assert shapes == [(["a"], [("long", 40)])] * 5 + [(["a", "long"], [])]
+    assert_accounting(s)
+
+
+def test_without_decodes_or_target_the_budget_alone_decides():
+    s = scheduler(num_blocks=128, budget=128, itl_target_ms=60.0)
+    s.add_request(request("a", 40, max_tokens=30))
+    timed_step(s)
+    timed_step(s)
+    s.add_request(request("b", 200, first=300))
+    out, _ = timed_step(s)
+    assert shape(out) == (["a"], [("b", 40)])  # a decodes: b's chunk is capped
+    s.abort("a")
+    out, _ = timed_step(s)
+    assert shape(out) == ([], [("b", 128)])  # nobody decodes: nobody waits between tokens
+    off = scheduler(num_blocks=128, budget=128)
+    off.add_request(request("a", 40, max_tokens=30))
+    timed_step(off)
+    timed_step(off)
+    off.add_request(request("b", 200, first=300))
+    assert shape(timed_step(off)[0]) == (["a"], [("b", 127)])
+
+
+def test_the_cap_never_stops_a_prompt_from_progressing():
+    s = scheduler(num_blocks=128, budget=128, itl_target_ms=10.0)  # the decodes alone take 20 ms: over the target already
+    s.add_request(request("a", 40, max_tokens=60))
+    timed_step(s)
+    timed_step(s)
+    s.add_request(request("b", 30, first=300, max_tokens=2))
+    s.add_request(request("c", 30, first=500, max_tokens=2))
+    out, _ = timed_step(s)
+    assert shape(out) == (["a"], [("b", BLOCK)])  # one block a step, shared by the prompts in policy order
+    steps = 1
+    while "c" in s.requests and steps < 100:
+        timed_step(s)
+        steps += 1
+    assert "c" not in s.requests and steps < 100  # both prompts prefilled and finished, a block a step
+    assert_accounting(s)
