@@ -110,6 +110,7 @@ def test_external_abort_leaves_blocks_under_a_kv_send_alone(run):
         with engine.request(greedy("p", prefill_only=True)) as stream:
             ev = await stream.next()
             assert ev.finish_reason == FinishReason.PREFILL_DONE
+            assert await engine.abortable("p") is False  # what Worker.Abort answers as `found`
             engine.abort("p")
             assert await idle(engine) == (1, len(ev.block_ids), [])  # still held, intact
         assert (await idle(engine))[:2] == (0, 0)  # the owner freed them on leaving
