@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,6 +19,8 @@ from server_common.security import CLUSTER_SECRET_ENV
 # Set in every process the launcher starts: the pid of the launcher. The child shuts down cleanly when that process
 # is gone (cli.main._run_server), so a `pdserve serve` or test run killed with SIGKILL leaves no server behind.
 PARENT_PID_ENV = "PDSERVE_PARENT_PID"
+RESTART_RESET_S = 30.0  # a process that ran this long before dying is restarted at once (its backoff resets)
+RESTART_BACKOFF_MAX_S = 30.0  # the longest wait before restarting a process that keeps dying at start
 
 
 @dataclass(frozen=True)
@@ -65,32 +68,54 @@ class Cluster:
     _commands: dict[str, list[str]] = field(default_factory=dict)  # name -> the flags it was started with
     _env: dict = field(default_factory=dict)
     _log_dir: Path | None = None
+    _stopping: threading.Event = field(default_factory=threading.Event)
+    _spawning: threading.Lock = field(default_factory=threading.Lock)  # no restart starts once `stop` began
 
     def supervise(self, restart: bool, poll_s: float = 0.5) -> None:
-        """Watch the processes until interrupted: report each that exits and, with restart, start it again on
-        the gRPC port it had (a worker comes back with a new KV port, which the coordinator re-reads). Without
-        restart, returns once the coordinator has exited: the cluster has no public endpoint left, and the caller
-        should stop it (and exit non-zero, for a process manager to act on). A lost worker is only reported: the
-        coordinator routes around it."""
-        while True:
+        """Watch the processes until `stop` (or an interrupt): report each that exits and, with restart, start it
+        again on the gRPC port it had (a worker comes back with a new KV port, which the coordinator re-reads; a
+        worker whose engine faulted exits non-zero for exactly this). A process that dies within
+        RESTART_RESET_S of its start waits before the next start, doubling up to RESTART_BACKOFF_MAX_S (a crash
+        loop, e.g. a port taken, does not spin). Without restart, returns once the coordinator has exited: the
+        cluster has no public endpoint left, and the caller should stop it (and exit non-zero, for a process
+        manager to act on). A lost worker is only reported: the coordinator routes around it."""
+        started = {name: time.monotonic() for name in self.processes}
+        backoff: dict[str, float] = {}
+        due: dict[str, float] = {}  # name -> when its restart may start (it has exited)
+        while not self._stopping.is_set():
             for name, proc in list(self.processes.items()):
-                if proc.poll() is None:
+                if proc.poll() is None or self._stopping.is_set():
                     continue
-                print(f"pdserve: {name} exited with code {proc.returncode}"
-                      + (f" (log: {self.log_files[name]})" if self.log_files.get(name) else ""), flush=True)
-                if not restart:
-                    del self.processes[name]
-                    if name == "coordinator":
-                        return
+                now = time.monotonic()
+                if name not in due:
+                    print(f"pdserve: {name} exited with code {proc.returncode}"
+                          + (f" (log: {self.log_files[name]})" if self.log_files.get(name) else ""), flush=True)
+                    if not restart:
+                        del self.processes[name]
+                        if name == "coordinator":
+                            return
+                        continue
+                    quick = now - started[name] < RESTART_RESET_S
+                    backoff[name] = min(2 * (backoff.get(name) or 0.5), RESTART_BACKOFF_MAX_S) if quick else 0.0
+                    due[name] = now + backoff[name]
+                if now < due[name]:
                     continue
+                del due[name]
                 address = self.address if name == "coordinator" else self.worker_addresses[name]
                 args = [*self._commands[name], "--port", address.rsplit(":", 1)[1]]
-                self.processes[name], ready, _ = _spawn(args, name, Path(self.workdir), self._log_dir, self._env)
+                with self._spawning:
+                    if self._stopping.is_set():
+                        return
+                    self.processes[name], _, _ = _spawn(args, name, Path(self.workdir), self._log_dir, self._env)
+                started[name] = time.monotonic()
                 print(f"pdserve: restarted {name} on {address}", flush=True)
-            time.sleep(poll_s)
+            self._stopping.wait(poll_s)
 
     def stop(self, timeout_s: float = 20.0) -> None:
-        """SIGTERM every process, SIGKILL what has not exited within timeout_s, remove the working directory."""
+        """End `supervise` (no process is restarted from now on), SIGTERM every process, SIGKILL what has not
+        exited within timeout_s, remove the working directory. Safe from another thread than `supervise`'s."""
+        with self._spawning:
+            self._stopping.set()
         for p in self.processes.values():
             if p.poll() is None:
                 p.terminate()

@@ -223,3 +223,39 @@ def test_key_id_prints_the_name_logs_and_tenant_weights_use(capsys, monkeypatch)
     monkeypatch.setattr("sys.stdin", io.StringIO("# keys\nsk-one\n\n"))  # keys stay out of the process list
     main(["key-id"])
     assert capsys.readouterr().out.split() == [f"key:{key_id('sk-one')}"]
+
+
+def test_serve_restart_backs_off_a_process_that_keeps_dying_at_start(monkeypatch, capsys):
+    """`Cluster.supervise(restart=True)` on a worker that dies as soon as it starts (a taken port, a missing
+    model): the waits between its starts double (1, 2, 4, 8 s, at most RESTART_BACKOFF_MAX_S), on a fake clock."""
+    from cli import launcher
+
+    class Dead:
+        returncode = 1
+
+        def poll(self):
+            return 1
+
+    clock = [0.0]
+
+    def monotonic() -> float:
+        clock[0] += 0.25  # each look at the clock is a quarter second later
+        return clock[0]
+
+    starts: list[float] = []
+    cluster = launcher.Cluster("127.0.0.1:1", processes={"decode-0": Dead()}, workdir="/nonexistent",
+                               worker_addresses={"decode-0": "127.0.0.1:2"}, _commands={"decode-0": ["decode"]})
+
+    def spawn(args, name, workdir, log_dir, env):
+        starts.append(clock[0])
+        assert args[-2:] == ["--port", "2"]  # on its old port
+        if len(starts) == 6:
+            cluster._stopping.set()
+        return Dead(), None, ""
+
+    monkeypatch.setattr(launcher.time, "monotonic", monotonic)
+    monkeypatch.setattr(launcher, "_spawn", spawn)
+    cluster.supervise(restart=True, poll_s=0)
+    waits = [b - a for a, b in zip(starts, starts[1:])]
+    assert [round(w) for w in waits] == [2, 4, 8, 16, 30]  # after the first (1 s): doubling, capped; clock looks add a little
+    assert capsys.readouterr().out.count("exited with code 1") == 6

@@ -5,6 +5,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -12,7 +13,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from cli.launcher import _spawn, wait_ready
+from cli.launcher import ServeConfig, _spawn, start_cluster, wait_ready
 from pdserve import Client, SamplingParams
 
 pytestmark = pytest.mark.e2e
@@ -106,6 +107,34 @@ def test_dead_restarted_and_new_decode_workers(tiny_model_dir, tmp_path):
         assert all("joined=" in log for log in logs.values())  # each decoded at least one request
     finally:
         p.stop()
+
+
+def test_serve_restart_brings_a_dead_worker_back_and_stop_ends_it(tiny_model_dir, tmp_path, capsys):
+    """`pdserve serve --restart` (`Cluster.supervise`): a worker that exits, killed here (a worker whose engine
+    faulted exits non-zero the same way: test_worker_health), is started again on its gRPC port and the cluster
+    serves through it; `stop`, from another thread, ends the supervision and leaves no process behind."""
+    cluster = start_cluster(str(tiny_model_dir), "tiny", ServeConfig(log_dir=str(tmp_path)), worker_args=WORKER)
+    supervisor = threading.Thread(target=cluster.supervise, args=(True, 0.1))
+    try:
+        supervisor.start()
+        old = cluster.processes["decode-0"]
+        old.kill()
+        wait_for(lambda: cluster.processes["decode-0"] is not old, 60, "decode-0 started again")
+
+        def served() -> bool:
+            try:
+                with Client(cluster.address) as c:
+                    return c.complete([5, 6, 7], GREEDY, timeout=30).completion_tokens == 4
+            except grpc.RpcError:
+                return False
+        wait_for(served, 180, "a request served through the restarted decode worker")
+    finally:
+        cluster.stop()
+        supervisor.join(60)
+    assert not supervisor.is_alive()
+    assert all(p.poll() is not None for p in cluster.processes.values())
+    out = capsys.readouterr().out
+    assert "pdserve: decode-0 exited with code -9" in out and "pdserve: restarted decode-0 on" in out
 
 
 def children_of(pid: int) -> list[int]:
