@@ -257,5 +257,5 @@ def test_serve_restart_backs_off_a_process_that_keeps_dying_at_start(monkeypatch
     monkeypatch.setattr(launcher, "_spawn", spawn)
     cluster.supervise(restart=True, poll_s=0)
     waits = [b - a for a, b in zip(starts, starts[1:])]
-    assert [round(w) for w in waits] == [2, 4, 8, 16, 30]  # after the first (1 s): doubling, capped; clock looks add a little
+    assert [round(w) for w in waits] == [2, 4, 8, 16, 30]  # after the first (1 s): doubling, capped
     assert capsys.readouterr().out.count("exited with code 1") == 6
