@@ -232,7 +232,8 @@ def test_without_decodes_or_target_the_budget_alone_decides():
 
 
 def test_the_cap_never_stops_a_prompt_from_progressing():
-    s = scheduler(num_blocks=128, budget=128, itl_target_ms=10.0)  # the decodes alone take 20 ms: over the target already
+    # The decodes alone take 20 ms: over the 10 ms target already.
+    s = scheduler(num_blocks=128, budget=128, itl_target_ms=10.0)
     s.add_request(request("a", 40, max_tokens=60))
     timed_step(s)
     timed_step(s)
