@@ -81,3 +81,24 @@ def test_container_healthcheck_uses_the_grpc_health_protocol():
     from cli.healthcheck import main
     assert main(["--ready-file", "/nonexistent/ready"]) == 1  # not serving yet: unhealthy, no traceback
     assert "\nUSER pdserve\n" in dockerfile  # runs as a non-root user
+
+
+@pytest.mark.parametrize("where,argv", commands(), ids=[w for w, _ in commands()])
+def test_every_deployed_process_exports_metrics_and_logs_json(where, argv):
+    """An operator's signals are on wherever pdserve is deployed: Prometheus metrics on a fixed port and JSON log
+    lines for a log shipper (tracing waits for an OTLP endpoint, which only the operator knows)."""
+    args = build_parser(argv[0]).parse_args(argv[1:])
+    assert args.metrics_port and args.log_format == "json", where
+
+
+def test_kubernetes_roles_have_probes_that_speak_grpc_health():
+    """Every Deployment has a startup probe (a cold start loads a model: liveness must not kill it meanwhile), and
+    liveness and readiness probes on the gRPC health protocol, liveness on `pdserve.liveness`."""
+    deployments = [d for d in k8s_documents() if d["kind"] == "Deployment"]
+    assert len(deployments) == 3
+    for doc in deployments:
+        (container,) = doc["spec"]["template"]["spec"]["containers"]
+        name = doc["metadata"]["name"]
+        assert container["startupProbe"]["grpc"]["service"] == "pdserve.liveness", name
+        assert container["livenessProbe"]["grpc"]["service"] == "pdserve.liveness", name
+        assert "grpc" in container["readinessProbe"], name
