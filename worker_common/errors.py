@@ -25,6 +25,7 @@ STATUS_FOR_KIND: dict[ErrorKind, grpc.StatusCode] = {
     ErrorKind.ENGINE_DIED: grpc.StatusCode.UNAVAILABLE,
 }
 
+
 def kind_details(code: grpc.StatusCode, message: str, kind: ErrorKind) -> tuple:
     """Trailing metadata carrying the rich status (google.rpc.Status, AIP-193) of a failure: its code and message
     again, and a google.rpc.ErrorInfo whose reason names the kind (worker.proto's WorkerErrorReason, e.g.
