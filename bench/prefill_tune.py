@@ -9,6 +9,10 @@ chunk over a cached prefix. Achieved rate counts causal FLOPs (4 * head_dim per 
 printed as a fraction of the bf16 matmul rate measured in the same run. Every config is first checked on ragged
 chunks with cached prefixes (relative Frobenius error against `kernels.reference`, bound 2e-2 as in
 tests/test_kernels_triton.py); a config that fails to compile or to match is reported and not timed.
+`F.scaled_dot_product_attention` (FlashAttention on Hopper) runs the whole-prompt cases on the same data laid out
+contiguously, causal, as the class this kernel is measured against. `--configs` limits the run to some launch
+shapes (block_m x block_n x warps x stages, unmasked whole tiles), e.g. `64x64x4x3,128x128x8x3`; `--tag` labels
+the run in the JSON (an A/B of two kernel versions on one machine runs this script once per version).
 Prints a table last; writes every row to --out as JSON.
 """
 from __future__ import annotations
@@ -20,6 +24,7 @@ import sys
 from pathlib import Path
 
 import torch
+import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -74,6 +79,28 @@ def time_case(cfg: PrefillConfig, shape: tuple[int, int, int], case: tuple[int, 
                                            config=cfg))
 
 
+def sdpa_case(shape: tuple[int, int, int], case: tuple[int, int, int]) -> float | None:
+    """Median ms of causal SDPA over the whole-prompt case on contiguous [batch, heads, len, head_dim] bf16 (GQA
+    by `enable_gqa`); None for a chunk over a cached prefix (SDPA's causal mask is top-left aligned)."""
+    import torch.nn.functional as F
+
+    (q_heads, kv_heads, head_dim), (batch, q_len, prefix) = shape, case
+    if prefix:
+        return None
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(batch, q_heads, q_len, head_dim, generator=g).to(DEV, torch.bfloat16)
+    k = torch.randn(batch, kv_heads, q_len, head_dim, generator=g).to(DEV, torch.bfloat16)
+    v = torch.randn_like(k)
+    return bench(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))
+
+
+def parse_configs(text: str) -> list[PrefillConfig]:
+    """"64x64x4x3,128x128x8x3" -> launch shapes with unmasked whole tiles; "" -> every shape in CONFIGS."""
+    if not text:
+        return CONFIGS
+    return [PrefillConfig(*map(int, item.split("x")), split_mask=True) for item in text.split(",")]
+
+
 def matmul_rate() -> float:
     """bf16 TFLOP/s of an 8192^3 matmul on random data (`kernels_gpu.bench`)."""
     a = torch.randn(8192, 8192, device=DEV, dtype=torch.bfloat16)
@@ -83,15 +110,26 @@ def matmul_rate() -> float:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "prefill_tune.json"))
+    p.add_argument("--configs", default="", help="launch shapes MxNxWARPSxSTAGES, comma-separated; default all")
+    p.add_argument("--tag", default="", help="label for this run in the JSON")
     args = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA device")
+    configs = parse_configs(args.configs)
     matmul_tflops = matmul_rate()
     rows = []
     for name, shape in SHAPES.items():
         head_pad = max(16, 1 << (shape[2] - 1).bit_length())
         default = prefill_config(head_pad, torch.bfloat16)
-        for cfg in CONFIGS:
+        sdpa = dict(shape=name, kernel="sdpa")
+        for batch, q_len, prefix in CASES:
+            ms = sdpa_case(shape, (batch, q_len, prefix))
+            if ms is not None:
+                tflops = 4 * shape[2] * q_len * (q_len + 1) / 2 * shape[0] * batch / ms / 1e9
+                sdpa[f"{batch}x{q_len}+{prefix}"] = dict(ms=ms, tflops=tflops, frac_matmul=tflops / matmul_tflops)
+        rows.append(sdpa)
+        print(json.dumps(sdpa), flush=True)
+        for cfg in configs:
             row = dict(shape=name, **cfg.__dict__, default=cfg == default)
             try:
                 row["rel_err"] = max_error(cfg, *shape)
@@ -107,9 +145,14 @@ def main() -> None:
             rows.append(row)
             print(json.dumps(row), flush=True)
     with open(args.out, "w") as f:
-        json.dump(dict(gpu=torch.cuda.get_device_name(), matmul_tflops=matmul_tflops, rows=rows), f, indent=1)
-    print(f"bf16 matmul {matmul_tflops:.0f} TFLOP/s; TFLOP/s per case")
+        json.dump(dict(gpu=torch.cuda.get_device_name(), tag=args.tag, triton=triton.__version__,
+                       matmul_tflops=matmul_tflops, rows=rows), f, indent=1)
+    print(f"{args.tag}: bf16 matmul {matmul_tflops:.0f} TFLOP/s; TFLOP/s per case")
     for r in rows:
+        if r.get("kernel") == "sdpa":
+            print(f"{r['shape']:<13} SDPA (contiguous, causal)             " + "  ".join(
+                f"{r[f'{b}x{q}+{pf}']['tflops']:6.1f}" if f"{b}x{q}+{pf}" in r else "     -" for b, q, pf in CASES))
+            continue
         cells = "  ".join(f"{r[f'{b}x{q}+{pf}']['tflops']:6.1f}" if f"{b}x{q}+{pf}" in r else "     -"
                           for b, q, pf in CASES)
         print(f"{r['shape']:<13} m{r['block_m']:<4} n{r['block_n']:<4} w{r['num_warps']} s{r['num_stages']} "
