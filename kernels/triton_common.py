@@ -25,12 +25,12 @@ def dot_mode(dtype: torch.dtype) -> tuple[bool, str]:
 
 
 @triton.jit
-def mma(a, b, UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """a [M, K] @ b [K, N] -> [M, N] fp32."""
+def mma(a, b, UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, acc=None):
+    """a [M, K] @ b [K, N] (+ acc [M, N] fp32, accumulated in place by the MMA) -> [M, N] fp32."""
     if UPCAST_DOT:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision=DOT_PRECISION)
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision=DOT_PRECISION)
     else:
-        return tl.dot(a, b, input_precision=DOT_PRECISION)
+        return tl.dot(a, b, acc, input_precision=DOT_PRECISION)
 
 
 @triton.jit
@@ -57,13 +57,13 @@ def attend_paged_tile(q, m_i, l_i, acc, k_ptr, v_ptr, bt_row_ptr, pos, n_mask, v
         kv_mask = n_mask[:, None] & d_mask[None, :]
     inner = (pos % BLOCK_SIZE) * (NUM_KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM
     k = tl.load(k_ptr + block[:, None] * stride_k_block + inner[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-    s = mma(q, tl.trans(k), UPCAST_DOT, DOT_PRECISION) * qk_scale
+    s = mma(q, tl.trans(k), UPCAST_DOT, DOT_PRECISION)  # unscaled: the scale folds into one FMA below
     if visible is not None:
         s = tl.where(visible, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)  # qk_scale > 0, so max(s) * scale = max(s * scale)
     alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
+    p = tl.exp2(s * qk_scale - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     v = tl.load(v_ptr + block[:, None] * stride_v_block + inner[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-    acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, UPCAST_DOT, DOT_PRECISION)
+    acc = mma(p.to(v.dtype), v, UPCAST_DOT, DOT_PRECISION, acc * alpha[:, None])
     return m_new, l_i, acc

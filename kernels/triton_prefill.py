@@ -76,7 +76,9 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, cu_ptr, ctx_ptr, out_ptr, qk_sc
                     HEAD_DIM: tl.constexpr,
                     HEAD_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT_MASK: tl.constexpr):
-    m_block = tl.program_id(0)
+    # Heaviest query blocks first (the last rows see the most keys under the causal mask): the grid's tail is then
+    # made of short programs, as FlashAttention-2 schedules them.
+    m_block = tl.num_programs(0) - 1 - tl.program_id(0)
     seq = tl.program_id(1)
     head = tl.program_id(2)
     kv_head = head // GROUP
