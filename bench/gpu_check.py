@@ -152,7 +152,8 @@ def cluster_parity(model_dir: Path, prompts_: list[list[int]], expected: list[li
     out = {}
     for mode in modes:
         connector, _, layerwise = mode.partition("+")
-        args = ["--device", device, "--kv-tokens", "65536", "--max-model-len", "2048",
+        # fp32 named: the workers' default is --dtype auto (bf16 on a GPU), and the expected tokens are HF fp32's.
+        args = ["--device", device, "--dtype", "float32", "--kv-tokens", "65536", "--max-model-len", "2048",
                 "--connector", "tcp" if mode == "colocated" else connector, *(["--kv-layerwise"] if layerwise else [])]
         start = time.perf_counter()
         try:
