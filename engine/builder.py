@@ -91,7 +91,10 @@ def build_engine(args: EngineArgs, tp: TensorParallel = SINGLE, kv: torch.Tensor
     """
     model_config, cache_config, scheduler_config = configs or resolve_configs(args)
     runner = build_runner(args, model_config, cache_config, scheduler_config.max_model_len, tp, kv)
-    kv_manager = KVCacheManager(cache_config.num_blocks, args.block_size, args.enable_prefix_caching)
+    windows = model_config.layer_windows
+    # Blocks leave a request's table once out of every layer's window: only when no layer attends to all keys.
+    kv_window = max(windows) if windows and min(windows) > 0 else 0
+    kv_manager = KVCacheManager(cache_config.num_blocks, args.block_size, args.enable_prefix_caching, kv_window)
     grammars = GrammarCompiler(Path(args.model_dir) / "tokenizer.json", model_config.vocab_size,
                                model_config.eos_token_ids)
     return EngineParts(model_config, cache_config, scheduler_config,

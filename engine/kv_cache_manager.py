@@ -8,20 +8,45 @@ from engine.request import Request
 class KVCacheManager:
     """Maps request ids to their block tables. Owned by the engine thread.
 
+    Sliding window: when every layer of the model attends over at most `sliding_window` W keys (Mistral, Phi-3,
+    Mixtral with a window), a block whose last position is older than the next token's window can never be read
+    again. `release_out_of_window` gives such blocks back to the pool and puts the null block in their place in the
+    table, as vLLM's sliding-window KV manager does, so a long request holds about W / block_size + 1 blocks
+    instead of its whole context. The table keeps its length (slot mapping and block counts stay positional); the
+    attention kernels never read positions outside the window (`kernels.reference`), so the null block's contents
+    do not matter; a KV transfer copies it like any block and the receiver's copy is never read either. The null
+    block is taken from the pool at construction and never freed: every table entry that names it holds one
+    reference, so `free` and `fork` treat it as any shared block.
+
     Args:
         num_blocks: pool size.
         block_size: tokens per block.
         enable_prefix_caching: look up and register full blocks by chained hash.
+        sliding_window: W >= 1 when every layer slides over at most W keys; 0 keeps every block to the end.
+
+    Raises:
+        ValueError: num_blocks < 2 with a sliding window (one block is the null block).
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool, sliding_window: int = 0):
+        if sliding_window and num_blocks < 2:
+            raise ValueError(f"a sliding-window KV cache needs at least 2 blocks (one is the null block), "
+                             f"got {num_blocks}")
         self.pool = BlockPool(num_blocks)
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.sliding_window = sliding_window
+        self.null_block = self.pool.allocate(1)[0] if sliding_window else None
         self.block_tables: dict[str, list[int]] = {}
         self._hashes: dict[str, list[bytes]] = {}  # chained hashes of each request's registered full blocks
+        self._released: dict[str, int] = {}  # leading table entries already swapped for the null block
         self.prefix_hit_tokens = 0
         self.prefix_query_tokens = 0
+
+    @property
+    def num_usable_blocks(self) -> int:
+        """Blocks requests can hold: the pool less the null block, if any."""
+        return self.pool.num_blocks - (self.null_block is not None)
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -82,7 +107,31 @@ class KVCacheManager:
             parent = hashes[-1] if hashes else None
             h = hash_block_tokens(parent, tokens[i * self.block_size:(i + 1) * self.block_size])
             hashes.append(h)
-            self.pool.cache_block(table[i], h)
+            if table[i] != self.null_block:  # a prefix-cache hit must never return the null block
+                self.pool.cache_block(table[i], h)
+
+    def release_out_of_window(self, request_id: str, num_computed_tokens: int) -> int:
+        """Give back the request's leading blocks that no later token can attend to (see the class docstring).
+
+        The next token sits at position num_computed_tokens and sees keys from num_computed_tokens - W + 1 on, and
+        every later token sees less of the past, so blocks ending before that key are never read again. A new
+        table list replaces the old one (a step already built from the old one keeps its ids). Returns how many
+        blocks went back to the pool (0 without a sliding window). Registered prefix-cache blocks stay cached
+        while free, as any freed block does.
+        """
+        table = self.block_tables.get(request_id)
+        if not self.sliding_window or not table:
+            return 0
+        start = self._released.get(request_id, 0)
+        end = min(max(0, num_computed_tokens - self.sliding_window + 1) // self.block_size, len(table))
+        if end <= start:
+            return 0
+        dropped = table[start:end]
+        self.pool.touch([self.null_block] * (end - start))  # before the free: the null block never reaches 0
+        self.block_tables[request_id] = table[:start] + [self.null_block] * (end - start) + table[end:]
+        self.pool.free(dropped)
+        self._released[request_id] = end
+        return end - start
 
     def fork(self, parent_id: str, child_id: str, num_tokens: int) -> tuple[int, int] | None:
         """Give child_id a block table for the parent's first num_tokens tokens: the full blocks shared (one more
@@ -104,11 +153,13 @@ class KVCacheManager:
             copy = (table[full], dst)
         self.block_tables[child_id] = child
         self._hashes[child_id] = list(self._hashes.get(parent_id, [])[:full])
+        self._released[child_id] = min(self._released.get(parent_id, 0), full)
         return copy
 
     def free(self, request_id: str) -> None:
         """Release every block of the request (no-op if it holds none)."""
         self._hashes.pop(request_id, None)
+        self._released.pop(request_id, None)
         table = self.block_tables.pop(request_id, None)
         if table:
             self.pool.free(table)

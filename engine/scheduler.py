@@ -94,10 +94,10 @@ class Scheduler:
         # n samples share the prompt's full blocks (but the last token's); each holds the rest on its own.
         shared = (request.num_prompt_tokens - 1) // self.kv.block_size if request.sampling.n > 1 else 0
         blocks = shared + request.sampling.n * (self.kv.blocks_needed(need) - shared)
-        if blocks > self.kv.pool.num_blocks:
+        if blocks > self.kv.num_usable_blocks:
             return RequestFailed(request.request_id, ErrorKind.CAPACITY,
                                  f"request needs {blocks} KV blocks, the pool has "
-                                 f"{self.kv.pool.num_blocks}; lower max_tokens (or n) or raise the KV budget")
+                                 f"{self.kv.num_usable_blocks}; lower max_tokens (or n) or raise the KV budget")
         if request.sampling.structured_output is not None and (failure := self._attach_matcher(request)):
             return failure
         self.requests[request.request_id] = request
@@ -180,6 +180,9 @@ class Scheduler:
                                  f"first token {first_token} from the prefill worker is outside the structured "
                                  "output's language")
         req.num_computed_tokens = req.num_tokens
+        # Before anything registers them in the prefix cache: the blocks out of the window came with the prefill
+        # worker's null block in them (it gave those back the same way), so they leave the table unhashed.
+        self.kv.release_out_of_window(request_id, req.num_computed_tokens)
         req.append_output(first_token)
         req.first_token_time = time.time()
         req.status = RequestStatus.WAITING
@@ -477,7 +480,7 @@ class Scheduler:
                 continue
             if not s.sample:
                 req.num_computed_tokens += s.num_new_tokens
-                self.kv.cache_full_blocks(req)
+                self._computed(req)
                 if req.fork_pending and req.num_computed_tokens >= self._target(req):
                     self._fork(req)  # else the running loop retries when a block is free
                 continue
@@ -493,7 +496,7 @@ class Scheduler:
             # The step's KV is valid for the known tokens and for each draft that an emitted token confirmed; the
             # slots of rejected drafts are rewritten by later steps.
             req.num_computed_tokens += s.num_new_tokens - len(s.spec_token_ids) + len(tokens) - 1
-            self.kv.cache_full_blocks(req)
+            self._computed(req)
             if ev.finish_reason is not None:
                 req.finish_reason, req.stop_token_id = ev.finish_reason, ev.stop_token_id
                 self._remove_running(req)
@@ -503,6 +506,12 @@ class Scheduler:
                 else:
                     self._finish(req)
         return events
+
+    def _computed(self, req: Request) -> None:
+        """After a step advanced req's computed tokens: register its new full blocks in the prefix cache, then give
+        back the blocks its window has left behind (sliding-window models only)."""
+        self.kv.cache_full_blocks(req)
+        self.kv.release_out_of_window(req.request_id, req.num_computed_tokens)
 
     def _emit(self, req: Request, tokens: list[SampledToken], events: list) -> TokenOutput:
         """Append tokens to the request, one TokenOutput each, up to the first that finishes it; drops the tokens
@@ -598,7 +607,8 @@ class Scheduler:
         pool = self.kv.pool
         return SchedulerStats(
             num_running=len(self.running), num_waiting=len(self.waiting) + len(self.reserving),
-            num_requests=len(self.requests), num_total_blocks=pool.num_blocks, num_free_blocks=pool.num_free_blocks,
+            num_requests=len(self.requests), num_total_blocks=self.kv.num_usable_blocks,
+            num_free_blocks=pool.num_free_blocks,
             num_cached_blocks=pool.num_cached_free_blocks, prefix_cache_query_tokens=self.kv.prefix_query_tokens,
             prefix_cache_hit_tokens=self.kv.prefix_hit_tokens, num_preemptions=self.num_preemptions,
             num_steps=num_steps, spec_draft_tokens=self.spec_draft_tokens,

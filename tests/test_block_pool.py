@@ -73,3 +73,79 @@ def test_eviction_drops_hash_entry():
     kv.allocate_slots("x", 4)  # takes both blocks, evicting the cached one
     assert kv.get_computed_blocks(_req("b", [1, 2, 3])) == []
     assert kv.pool.integrity_errors() == []
+
+
+def _windowed(num_blocks=16, prefix_caching=True) -> KVCacheManager:
+    return KVCacheManager(num_blocks=num_blocks, block_size=4, enable_prefix_caching=prefix_caching, sliding_window=6)
+
+
+def test_blocks_behind_the_window_go_back_and_the_null_block_stands_in():
+    """Window 6, blocks of 4: after 12 computed tokens the next token (position 12) sees keys 7..12, so block 0
+    (keys 0-3) is behind every later window and block 1 (4-7) is not."""
+    kv = _windowed()
+    null = kv.null_block
+    assert kv.num_usable_blocks == 15 and kv.pool.num_free_blocks == 15
+    assert kv.allocate_slots("a", 13)
+    table = kv.get_block_table("a")
+    assert kv.release_out_of_window("a", 5) == 0  # position 5 sees keys 0..5: nothing behind it yet
+    assert kv.release_out_of_window("a", 12) == 1
+    assert kv.get_block_table("a") == [null] + table[1:]
+    assert table[0] in kv.pool._free and kv.pool.num_free_blocks == 15 - 4 + 1
+    assert kv.release_out_of_window("a", 12) == 0  # idempotent
+    assert kv.release_out_of_window("a", 17) == 2  # position 17 sees 12..17: blocks 1 and 2 (keys 4-11) go
+    assert kv.get_block_table("a")[:3] == [null] * 3 and kv.pool.ref_counts[null] == 1 + 3
+    assert kv.pool.integrity_errors() == []
+    kv.free("a")
+    assert kv.pool.num_free_blocks == kv.num_usable_blocks and kv.pool.ref_counts[null] == 1
+    assert kv.pool.integrity_errors() == []
+
+
+def test_no_window_keeps_every_block_and_every_usable_block():
+    kv = KVCacheManager(num_blocks=4, block_size=4, enable_prefix_caching=False)
+    assert kv.null_block is None and kv.num_usable_blocks == 4
+    assert kv.allocate_slots("a", 16)
+    assert kv.release_out_of_window("a", 16) == 0 and len(set(kv.get_block_table("a"))) == 4
+
+
+def test_released_blocks_stay_prefix_cached_and_the_null_block_never_is():
+    """A block given back keeps its hash while free (a request with the same prefix revives it with its real
+    content); a table entry that is the null block is never registered, so no hit can return it."""
+    kv = _windowed()
+    a = _req("a", list(range(20)))
+    assert kv.allocate_slots("a", 20)
+    first = kv.get_block_table("a")[0]
+    a.num_computed_tokens = 20
+    kv.cache_full_blocks(a)
+    assert kv.release_out_of_window("a", 20) == 3
+    assert kv.pool.block_hashes[first] is not None and kv.pool.block_hashes[kv.null_block] is None
+    b = _req("b", list(range(20)))
+    hits = kv.get_computed_blocks(b)
+    assert hits[0] == first and kv.null_block not in hits
+
+    # Hashes registered after the release (a receiver's table) skip the null block but keep the chain going.
+    c = _req("c", list(range(100, 120)))
+    assert kv.allocate_slots("c", 20)
+    assert kv.release_out_of_window("c", 20) == 3
+    c.num_computed_tokens = 20
+    kv.cache_full_blocks(c)
+    assert kv.pool.block_hashes[kv.null_block] is None
+    assert kv.get_computed_blocks(_req("d", list(range(100, 120)))) == []  # the chain's first blocks are gone
+    assert kv.pool.integrity_errors() == []
+
+
+def test_fork_shares_null_entries_and_both_tables_free_cleanly():
+    kv = _windowed()
+    assert kv.allocate_slots("p", 18)
+    assert kv.release_out_of_window("p", 18) == 3
+    copy = kv.fork("p", "c", 18)  # 4 full blocks shared (3 of them the null block), the partial one copied
+    assert copy is not None and kv.get_block_table("c")[:3] == [kv.null_block] * 3
+    assert kv.release_out_of_window("c", 18) == 0  # the child knows what the parent gave back
+    assert kv.release_out_of_window("c", 22) == 1
+    kv.free("p")
+    kv.free("c")
+    assert kv.pool.num_free_blocks == kv.num_usable_blocks and kv.pool.integrity_errors() == []
+
+
+def test_a_window_needs_room_for_the_null_block():
+    with pytest.raises(ValueError, match="null block"):
+        KVCacheManager(num_blocks=1, block_size=4, enable_prefix_caching=False, sliding_window=8)

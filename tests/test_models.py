@@ -250,6 +250,38 @@ def test_greedy_matches_hf_sliding_window(request, model_fixture, windows, backe
         assert req.output_token_ids == hf_greedy(model_dir, p, n), req.request_id
 
 
+@pytest.mark.parametrize("model_fixture,window", [("mistral_window_dir", 8), ("phi3_window_dir", 12),
+                                                  ("qwen2_window_dir", 0)])
+def test_blocks_behind_every_layers_window_go_back_during_the_run(request, model_fixture, window):
+    """Every layer sliding (Mistral, Phi-3): a request holds at most the blocks its window and one step's tokens
+    span, the null block stands in for the rest, and the output is still HF's; one full-attention layer (the
+    Qwen2 config): every block is kept. The pool is whole and consistent after."""
+    model_dir = request.getfixturevalue(model_fixture)
+    parts = build_engine(EngineArgs(dtype="float32", model_dir=model_dir, block_size=8, kv_tokens=2048,
+                                    max_num_batched_tokens=16, max_model_len=512, attention_backend="torch"))
+    kv = parts.scheduler.kv
+    assert kv.sliding_window == window
+    rng = random.Random(1)
+    prompt = [rng.randrange(3, VOCAB) for _ in range(45)]
+    req = Request("long", prompt, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
+    held, nulls = [], []
+
+    def watch(out):
+        for s in out.prefills + out.decodes:
+            held.append(sum(b != kv.null_block for b in s.block_ids))
+            nulls.append(s.block_ids.count(kv.null_block) if window else 0)
+
+    run_until_idle(parts, [req], on_step=watch)
+    assert req.output_token_ids == hf_greedy(model_dir, prompt, 40)
+    if window:
+        # Keys the step can see (window - 1 back from its first token) plus its own tokens (at most 16), in blocks.
+        assert max(held) <= (window + 16) // 8 + 2, held
+        assert max(nulls) >= (45 + 40 - window) // 8 - 1, nulls
+    else:
+        assert kv.null_block is None and max(held) == -(-(45 + 40 - 1) // 8)
+    assert kv.pool.num_free_blocks == kv.num_usable_blocks and kv.pool.integrity_errors() == []
+
+
 @pytest.fixture(scope="module")
 def tiny_llama():
     """(ModelConfig, HF state dict) of a bias-free tiny Llama, in memory."""

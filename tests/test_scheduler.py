@@ -141,6 +141,25 @@ def test_remote_kv_reserves_blocks_then_joins_the_batch_as_a_decode():
     assert_accounting(s)
 
 
+def test_received_kv_behind_the_window_leaves_unhashed_before_the_first_step():
+    """Sliding window 6 (every layer), blocks of 4: the prefill worker sent its null block for the blocks behind
+    the window, so the decode worker gives those back as the KV lands, before its first step registers hashes:
+    a later request sharing the prompt gets no prefix-cache hit on their (zero) contents."""
+    config = SchedulerConfig(max_num_batched_tokens=16, max_num_seqs=8, max_model_len=256,
+                             enable_prefix_caching=True, vocab_size=1000)
+    s = Scheduler(config, KVCacheManager(32, BLOCK, True, sliding_window=6))
+    s.add_request(request("remote", 20, remote_kv=True))
+    (reserved,) = s.reserve()
+    assert len(reserved.block_ids) == 5 and s.kv.null_block not in reserved.block_ids
+    assert s.kv_arrived("remote", 42) is None
+    table = s.kv.get_block_table("remote")
+    assert table[:3] == [s.kv.null_block] * 3 and table[3:] == reserved.block_ids[3:]  # position 20 sees 15..20
+    assert all(s.kv.pool.block_hashes[b] is None for b in reserved.block_ids[:3])
+    step(s)
+    assert s.kv.get_computed_blocks(request("same", 20)) == []  # the chain starts with a block given back
+    assert not s.kv.pool.integrity_errors()
+
+
 def test_reservations_never_take_the_blocks_a_waiting_request_needs():
     """A request whose KV arrived waits for its first step needing one block more than it holds; a later
     reservation must leave that block (else a burst of reservations stalled the worker until leases lapsed)."""

@@ -1,0 +1,72 @@
+"""A sliding-window model through a disaggregated cluster: blocks behind the window leave both workers' tables
+(the prefill worker's before the transfer, the decode worker's as the KV lands) and greedy output is still HF's."""
+import asyncio
+import shutil
+
+import pytest
+
+from conftest import hf_greedy
+from test_e2e import assert_idle, greedy, worker_stats
+
+WINDOW = 8  # one 8-token block: prompts of 38+ tokens leave several blocks behind it before the transfer
+
+
+@pytest.fixture(scope="module")
+def mistral_window_dir(tmp_path_factory, real_model_dir):
+    """A 2-layer random-weight Mistral, sliding window 8 on both layers, SmolLM2's tokenizer."""
+    import torch
+    from transformers import MistralConfig, MistralForCausalLM
+
+    out = tmp_path_factory.mktemp("tiny-mistral-window")
+    cfg = MistralConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+                        rms_norm_eps=1e-5, tie_word_embeddings=False, sliding_window=WINDOW, eos_token_id=2,
+                        bos_token_id=1, pad_token_id=2)
+    torch.manual_seed(0)
+    model = MistralForCausalLM(cfg)
+    with torch.no_grad():  # sharper random logits so greedy choices are far from ties
+        model.lm_head.weight.mul_(8.0)
+    model.save_pretrained(str(out))
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (real_model_dir / name).exists():
+            shutil.copy(real_model_dir / name, out / name)
+    return out
+
+
+@pytest.mark.e2e
+def test_disaggregated_sliding_window_matches_hf_and_frees_old_blocks(mistral_window_dir, tokenizer, tmp_path):
+    """Three prompts of 38+ tokens, the first sent twice more (a prefix-cache hit on the prefill worker, whose
+    given-back blocks stay cached with their real contents) and once cut in half (a hit on part of a prompt whose
+    window reaches into blocks the first request gave back): 40 greedy tokens each, every one equal to HF's."""
+    from cli.launcher import ServeConfig, start_cluster
+    from pdserve import AsyncClient
+
+    base = ["The history of the printing press begins in the fifteenth century, when movable type changed how "
+            "books were made, sold and read across Europe, and within fifty years presses ran in most large cities.",
+            "def merge_sort(items):\n    if len(items) <= 1:\n        return items\n    middle = len(items) // 2\n"
+            "    left = merge_sort(items[:middle])\n    right = merge_sort(items[middle:])\n    return merge(left, right)\n",
+            "Rivers carry water from high ground to the sea; along the way they cut valleys, move sand and stones, "
+            "feed lakes and wetlands, and give towns their water, their trade routes and sometimes their floods."]
+    ids = [tokenizer(p)["input_ids"] for p in base]
+    assert min(map(len, ids)) >= 3 * WINDOW
+    half = tokenizer.decode(ids[0][:len(ids[0]) // 2])
+    prompts = base + [base[0], half]
+    cluster = start_cluster(str(mistral_window_dir), "tiny-mistral", ServeConfig(log_dir=str(tmp_path / "logs")),
+                            worker_args=["--dtype", "float32", "--kv-tokens", "4096", "--max-model-len", "512",
+                                         "--block-size", "8"],
+                            coordinator_args=["--no-local-prefill-queue"])  # every prompt through the transfer
+    try:
+        async def send(batch):
+            async with AsyncClient(cluster.address) as c:
+                return await asyncio.gather(*(c.complete(p, greedy(40, ignore_eos=True)) for p in batch))
+
+        outs = asyncio.run(send(prompts[:3])) + asyncio.run(send(prompts[3:]))
+        for prompt, out in zip(prompts, outs):
+            assert out.timings["transfer_ms"] > 0  # the KV crossed between the workers
+            assert out.token_ids == hf_greedy(mistral_window_dir, tokenizer(prompt)["input_ids"], 40), prompt
+        assert outs[3].cached_prompt_tokens > 0  # the repeat hit the prefill worker's prefix cache
+        assert_idle(cluster)
+        assert all(worker_stats(cluster, name).num_total_blocks == 4096 // 8 - 1  # the null block held back
+                   for name in cluster.worker_addresses)
+    finally:
+        cluster.stop()
