@@ -4,11 +4,12 @@ from __future__ import annotations
 import math
 
 import grpc
-from google.protobuf import any_pb2, duration_pb2
-from google.rpc import code_pb2, error_details_pb2, status_pb2
+from google.protobuf import duration_pb2
+from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
 from pdserve.v1 import worker_pb2
+from server_common.rich_status import rich_status
 
 
 class RequestError(Exception):
@@ -35,10 +36,7 @@ class RequestError(Exception):
             return ()
         delay = duration_pb2.Duration()
         delay.FromNanoseconds(int(self.retry_after_s * 1e9))
-        detail = any_pb2.Any()
-        detail.Pack(error_details_pb2.RetryInfo(retry_delay=delay))
-        status = status_pb2.Status(code=getattr(code_pb2, self.code.name), message=self.message, details=[detail])
-        return tuple(rpc_status.to_status(status).trailing_metadata)
+        return rich_status(self.code, self.message, error_details_pb2.RetryInfo(retry_delay=delay))
 
 
 def invalid(message: str) -> RequestError:

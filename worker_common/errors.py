@@ -4,12 +4,11 @@ from __future__ import annotations
 from typing import NoReturn
 
 import grpc
-from google.protobuf import any_pb2
-from google.rpc import code_pb2, error_details_pb2, status_pb2
-from grpc_status import rpc_status
+from google.rpc import error_details_pb2
 
 from engine.errors import EngineError, ErrorKind
 from pdserve.v1 import worker_pb2
+from server_common.rich_status import rich_status
 
 STATUS_FOR_KIND: dict[ErrorKind, grpc.StatusCode] = {
     ErrorKind.INVALID_REQUEST: grpc.StatusCode.INVALID_ARGUMENT,
@@ -33,10 +32,7 @@ def kind_details(code: grpc.StatusCode, message: str, kind: ErrorKind) -> tuple:
     from a lost connection (`coordinator.errors.from_rpc_error`)."""
     reason = f"WORKER_ERROR_REASON_{kind.name}"
     worker_pb2.WorkerErrorReason.Value(reason)  # ValueError if engine.errors and worker.proto drift apart
-    detail = any_pb2.Any()
-    detail.Pack(error_details_pb2.ErrorInfo(reason=reason, domain=worker_pb2.DESCRIPTOR.package))
-    status = status_pb2.Status(code=getattr(code_pb2, code.name), message=message, details=[detail])
-    return tuple(rpc_status.to_status(status).trailing_metadata)
+    return rich_status(code, message, error_details_pb2.ErrorInfo(reason=reason, domain=worker_pb2.DESCRIPTOR.package))
 
 
 async def abort_with(context: grpc.aio.ServicerContext, error: EngineError) -> NoReturn:
