@@ -76,7 +76,7 @@ class ModelRunner:
 
     Raises:
         ValueError: an unknown or unusable attention backend (`kernels.select_ops`), quantization of a float32
-            model, of shapes int4 cannot pack or of a mixture-of-experts model, or graph sizes without max_model_len.
+            model or of shapes int4 cannot pack, or graph sizes without max_model_len.
     """
 
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig,
@@ -88,9 +88,6 @@ class ModelRunner:
         self.model_config, self.tp = model_config, tp
         self.device = torch.device(device)
         self.attention_ops = select_ops(attention_backend, self.device)
-        if quantization != "none" and model_config.moe is not None:
-            raise ValueError(f"--quantization {quantization} is not implemented for mixture-of-experts models (the "
-                             f"experts would stay unquantized and the router would be)")
         model_class = architecture(model_config.architecture).Model
         self.model = model_class(model_config, self.attention_ops, tp).to(device=self.device,
                                                                           dtype=model_config.torch_dtype)

@@ -19,6 +19,8 @@ measured in bench/step_profile.py.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -162,8 +164,10 @@ class Int4WeightOnlyLinear(_WeightOnlyLinear):
 
 def quantize_weight_only(model: nn.Module, method: str, group_size: int = 32) -> int:
     """Replace every `nn.Linear` under `model` (projections and LM head) by its weight-only quantized form, in place:
-    `method` "int8" (`Int8WeightOnlyLinear`) or "int4" (`Int4WeightOnlyLinear` with `group_size`). Returns how many
-    were replaced. Embeddings and norms stay as they are.
+    `method` "int8" (`Int8WeightOnlyLinear`) or "int4" (`Int4WeightOnlyLinear` with `group_size`). A module that
+    holds its weights otherwise (the stacked experts of `engine.models.moe.SparseMoE`) has a
+    `quantize_weight_only(make)` method and quantizes what it chooses with `make` (nn.Linear -> quantized module).
+    Returns how many linears were made. Embeddings and norms stay as they are.
 
     Raises:
         ValueError: an unknown method, or as the layer classes (a model not in bf16 / fp16, shapes int4 cannot
@@ -171,12 +175,20 @@ def quantize_weight_only(model: nn.Module, method: str, group_size: int = 32) ->
     """
     if method not in ("int8", "int4"):
         raise ValueError(f"unknown weight-only quantization {method!r}; expected 'int8' or 'int4'")
+    def make(linear: nn.Linear) -> nn.Module:
+        return Int8WeightOnlyLinear(linear) if method == "int8" else Int4WeightOnlyLinear(linear, group_size)
+
+    return _quantize(model, make)
+
+
+def _quantize(module: nn.Module, make: Callable[[nn.Linear], nn.Module]) -> int:
+    if hasattr(module, "quantize_weight_only"):  # it holds its weights otherwise: it chooses what to quantize
+        return module.quantize_weight_only(make)
     count = 0
-    for name, child in list(model.named_children()):
+    for name, child in list(module.named_children()):
         if isinstance(child, nn.Linear):
-            setattr(model, name, Int8WeightOnlyLinear(child) if method == "int8"
-                    else Int4WeightOnlyLinear(child, group_size))
+            setattr(module, name, make(child))
             count += 1
         else:
-            count += quantize_weight_only(child, method, group_size)
+            count += _quantize(child, make)
     return count

@@ -208,10 +208,85 @@ def test_sparse_layers_follow_hf():
     assert sparse(MixtralConfig(num_hidden_layers=4)) == (0, 1, 2, 3)
 
 
-def test_quantization_of_moe_is_refused(qwen3_moe_dir):
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_quantized_experts_compute_their_dequantized_weights_and_the_router_stays(method):
+    """Weight-only int8 / int4 of an MoE block: one quantized linear per expert and projection (the stacked
+    tensors gone), the router left in bf16, and the block's output the one its dequantized weights give, within
+    bf16's rounding of the op's output and of the activations between the projections."""
+    from torch import nn
+
+    from engine.quantization import (Int4WeightOnlyLinear, Int8WeightOnlyLinear, dequantize_int4, quantize_int4,
+                                     quantize_weight_only)
+
+    torch.manual_seed(0)
+    block = SparseMoE(64, MoEConfig(num_experts=8, top_k=2, intermediate_size=32, norm_topk_prob=True,
+                                    sparse_layers=(0,)), select_ops("torch", "cpu")).to(torch.bfloat16)
+    with torch.no_grad():
+        block.gate.weight.normal_(0.0, 1.0)
+        for p in (block.experts.gate_up_proj, block.experts.down_proj):
+            p.normal_(0.0, 0.2)
+    reference = SparseMoE(64, MoEConfig(num_experts=8, top_k=2, intermediate_size=32, norm_topk_prob=True,
+                                        sparse_layers=(0,)), select_ops("torch", "cpu"))
+    with torch.no_grad():  # fp32, with the weights the quantized codes stand for
+        reference.gate.weight.copy_(block.gate.weight.float())
+        for name in ("gate_up_proj", "down_proj"):
+            for e, w in enumerate(getattr(block.experts, name)):
+                if method == "int4":
+                    dq = dequantize_int4(*quantize_int4(w, 32), 32)
+                else:
+                    dq = Int8WeightOnlyLinear(_linear(w))._dense_weight(torch.float32)
+                getattr(reference.experts, name)[e].copy_(dq)
+    assert quantize_weight_only(block, method) == 16
+    kind = Int8WeightOnlyLinear if method == "int8" else Int4WeightOnlyLinear
+    assert all(isinstance(m, kind) for pair in block.experts.quantized for m in pair)
+    assert not hasattr(block.experts, "gate_up_proj") and type(block.gate) is nn.Linear
+    x = torch.randn(40, 64).to(torch.bfloat16)
+    with torch.no_grad():
+        out = block(x)
+        expected = reference(x.float())
+    assert block.route(x)[1].unique().numel() > 2  # routing is not degenerate
+    assert float((out.float() - expected).norm() / expected.norm()) < 2e-2
+
+
+def _linear(weight: torch.Tensor):
+    from torch import nn
+
+    layer = nn.Linear(weight.shape[1], weight.shape[0], bias=False, dtype=weight.dtype)
+    with torch.no_grad():
+        layer.weight.copy_(weight)
+    return layer
+
+
+def test_int4_moe_engine_computes_its_dequantized_model(qwen3_moe_dir):
+    """The Qwen3-MoE checkpoint served with --quantization int4 (experts, attention and LM head quantized; the
+    router not) generates what the bf16 engine generates with those weights replaced by their dequantized codes,
+    as the dense model's test (tests/test_dtype.py) holds it: most tokens agree (bf16 rounding of the reference's
+    weights parts some on random weights), a wrong layout would leave next to none."""
+    from torch import nn
+
     from engine.args import EngineArgs
     from engine.builder import build_engine
+    from engine.offline import generate
+    from engine.quantization import dequantize_int4, quantize_int4
+    from engine.request import SamplingParams
+    from test_dtype import agreement
 
-    with pytest.raises(ValueError, match="int8 is not implemented for mixture-of-experts"):
-        build_engine(EngineArgs(dtype="bfloat16", model_dir=qwen3_moe_dir, kv_tokens=256, quantization="int8",
-                                attention_backend="torch"))
+    prompts = [[5 + i, 17, 100 + 7 * i] * (i + 1) for i in range(6)]
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+
+    def engine(**kw):
+        return build_engine(EngineArgs(model_dir=qwen3_moe_dir, dtype="bfloat16", kv_tokens=2048, max_model_len=256,
+                                       attention_backend="torch", packed_weights=False, **kw))
+
+    reference = engine()
+    with torch.no_grad():
+        for name, module in reference.runner.model.named_modules():
+            if isinstance(module, nn.Linear) and not name.endswith("mlp.gate"):
+                module.weight.copy_(dequantize_int4(*quantize_int4(module.weight, 32), 32))
+            elif name.endswith("mlp.experts"):
+                for p in (module.gate_up_proj, module.down_proj):
+                    for w in p:
+                        w.copy_(dequantize_int4(*quantize_int4(w, 32), 32))
+    expected = generate(reference, [prompts], params)
+    got = generate(engine(quantization="int4"), [prompts], params)
+    assert agreement(got, expected) >= 0.6, (got, expected)

@@ -5,8 +5,14 @@ of its tokens, not one per token.
 Numerics follow HF transformers' `MixtralSparseMoeBlock` / `Qwen3MoeSparseMoeBlock` (softmax in fp32, top-k, optional
 renormalisation, each expert's output scaled by its weight and summed per token in ascending expert order), so greedy
 output equals HF's in fp32.
+
+Weight-only int8 / int4 (`engine.quantization`): each expert's two projections become quantized linears of their
+own (`Experts.quantize`); the router stays in the model dtype (its choices are discrete, a rounding can flip them;
+vLLM leaves the gate unquantized as well).
 """
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -20,7 +26,8 @@ from kernels import AttentionOps
 class Experts(nn.Module):
     """The experts' weights, stacked as HF >= 5 keeps them in memory (so they can be split across ranks along the
     expert or the intermediate dimension): gate_up_proj [E, 2 * I, hidden] (gate rows first, then up) and
-    down_proj [E, hidden, I], in the model dtype."""
+    down_proj [E, hidden, I], in the model dtype; after `quantize`, one quantized linear per expert and projection
+    instead. `gate_up` and `down` apply expert e either way."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
         super().__init__()
@@ -28,6 +35,33 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
         for p in (self.gate_up_proj, self.down_proj):
             nn.init.normal_(p, std=0.02)  # random-weight engines (tests) need finite values
+        self.quantized: nn.ModuleList | None = None  # [E] of ModuleList([gate_up, down]) after `quantize`
+
+    def gate_up(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        """x [n, hidden] -> [n, 2 * I] (gate, then up), expert e; x's dtype."""
+        return self.quantized[e][0](x) if self.quantized is not None else F.linear(x, self.gate_up_proj[e])
+
+    def down(self, e: int, h: torch.Tensor) -> torch.Tensor:
+        """h [n, I] -> [n, hidden], expert e; h's dtype."""
+        return self.quantized[e][1](h) if self.quantized is not None else F.linear(h, self.down_proj[e])
+
+    def quantize(self, make: Callable[[nn.Linear], nn.Module]) -> int:
+        """Replace the stacked weights by `make(linear)` of each expert's gate_up and down projection (weight-only
+        int8 / int4 from `engine.quantization`); the stacked tensors are dropped. Returns the linears made (2 E).
+
+        Raises:
+            ValueError: from `make` (a float32 model, shapes int4 cannot pack).
+        """
+        def linear(weight: torch.Tensor) -> nn.Linear:
+            out_features, in_features = weight.shape
+            layer = nn.Linear(in_features, out_features, bias=False, device="meta")
+            layer.weight = nn.Parameter(weight.detach(), requires_grad=False)
+            return layer
+
+        self.quantized = nn.ModuleList(nn.ModuleList([make(linear(gu)), make(linear(d))])
+                                       for gu, d in zip(self.gate_up_proj, self.down_proj))
+        del self.gate_up_proj, self.down_proj
+        return 2 * len(self.quantized)
 
 
 class SparseMoE(nn.Module):
@@ -50,6 +84,11 @@ class SparseMoE(nn.Module):
         local = tp.split(moe.intermediate_size, "moe_intermediate_size")
         self.experts = Experts(moe.num_experts, hidden_size, local)
 
+    def quantize_weight_only(self, make: Callable[[nn.Linear], nn.Module]) -> int:
+        """`engine.quantization.quantize_weight_only`'s hook: the experts are quantized, the router is not (see
+        the module docstring). Returns the linears made."""
+        return self.experts.quantize(make)
+
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [T, hidden] -> (weights [T, top_k] in x's dtype, experts [T, top_k] int64), HF's router: softmax of the
         router logits in fp32, the top_k, renormalised to sum 1 when `norm_topk_prob`."""
@@ -67,12 +106,11 @@ class SparseMoE(nn.Module):
         tokens = order // self.top_k
         rows = x[tokens]  # [T * top_k, hidden]: each token once per expert it was routed to
         out_rows = torch.empty_like(rows)
-        gate_up, down = self.experts.gate_up_proj, self.experts.down_proj
         start = 0
         for e, n in enumerate(counts):
             if n:
-                h = self.ops.silu_and_mul(F.linear(rows[start:start + n], gate_up[e]))
-                out_rows[start:start + n] = F.linear(h, down[e])
+                h = self.ops.silu_and_mul(self.experts.gate_up(e, rows[start:start + n]))
+                out_rows[start:start + n] = self.experts.down(e, h)
             start += n
         out_rows *= weights.flatten()[order].unsqueeze(1)
         # One index_add over expert-sorted rows: each token's contributions are summed in ascending expert order,
