@@ -90,6 +90,16 @@ def test_speculative_smoke(tiny_model_dir, tmp_path):
     assert rows[0]["draft"] == 0
 
 
+def test_sliding_window_smoke(tmp_path):
+    """Four requests of 7 blocks each in a 16-block budget: two at a time unless blocks behind the 16-token window
+    go back; the run that gives them back batches more and generates the same tokens."""
+    out = _run(["bench/sliding_window.py", "--requests", "4", "--prompt", "96", "--out-tokens", "8", "--window", "16",
+                "--kv-tokens", "256", "--threads", "1"], tmp_path)
+    base, released, summary = (json.loads(line) for line in out.strip().splitlines()[-3:])
+    assert base["keep_every_block"] and not released["keep_every_block"]
+    assert summary["same_output"] and released["mean_batch"] > base["mean_batch"]
+
+
 def test_gpu_check_smoke(tiny_model_dir, tmp_path):
     """bench/gpu_check.py, the GPU acceptance run, dry-run on CPU (`--device cpu`) so it cannot rot between the
     sessions that get a GPU: random weights from a config, engine parity, one cluster, the throughput table."""
