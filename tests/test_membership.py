@@ -308,6 +308,44 @@ def test_a_worker_lost_under_load_turns_readiness_off_at_once(tiny_model_dir, tm
         p.stop()
 
 
+def test_a_slow_poll_keeps_a_worker_and_a_long_dead_one_rejoins_soon_after_it_serves(tiny_model_dir, tmp_path):
+    """Polls every 0.5 s. A decode worker frozen (SIGSTOP) for 4 s answers its polls late but stays in routing:
+    with the old 1 s poll deadline, any 4 s without an answer fails two polls in a row (a poll every 1.5 s: 1 s
+    deadline, 0.5 s interval) and idle workers on a busy host flapped out; the deadline is 5 s now. Then the worker is killed and left dead for 20 s, long enough for gRPC's default reconnect backoff
+    to grow past 10 s, and started again: it is back in routing within a few polls of serving, not the 26-65 s
+    it took with the default backoff (the channels' backoff is held near the poll interval)."""
+    p = Processes(tiny_model_dir, tmp_path)
+    try:
+        prefill = p.start("prefill", "prefill", *WORKER)
+        decode = p.start("decode", "decode", *WORKER)
+        coordinator = p.start("coordinator", "coordinator", "--prefill", prefill, "--decode", decode,
+                              "--stats-interval-s", "0.5", "--no-local-prefill-fallback")
+        with Client(coordinator) as c:
+            assert c.complete([5, 6, 7], GREEDY).completion_tokens == 4
+            pid = p.procs["decode"].pid
+            os.kill(pid, signal.SIGSTOP)
+            try:
+                time.sleep(4.0)
+            finally:
+                os.kill(pid, signal.SIGCONT)
+            time.sleep(1.0)  # the late answers land
+            assert c.model_info().num_decode_workers == 1
+            assert c.complete([5, 6, 7], GREEDY).completion_tokens == 4
+        assert f"worker {decode} left the routing set" not in (tmp_path / "coordinator.log").read_text()
+
+        p.kill("decode")
+        wait_for(lambda: readiness(coordinator) == health_pb2.HealthCheckResponse.NOT_SERVING, 30, "NOT_SERVING")
+        time.sleep(20.0)
+        p.start("decode", "decode", *WORKER, "--port", decode.rsplit(":", 1)[1])
+        restarted = time.monotonic()
+        wait_for(lambda: readiness(coordinator) == health_pb2.HealthCheckResponse.SERVING, 8, "rejoined")
+        print(f"rejoined {time.monotonic() - restarted:.2f}s after the restarted worker served")
+        with Client(coordinator) as c:
+            assert c.complete([5, 6, 7], GREEDY).completion_tokens == 4
+    finally:
+        p.stop()
+
+
 @pytest.mark.parametrize("drain_s", [120.0, 2.5])
 def test_sigterm_drains_the_coordinator(tiny_model_dir, tmp_path, drain_s):
     """SIGTERM: readiness off, then in-flight streams get --drain-timeout-s to finish. They used to be cut when the
