@@ -10,7 +10,7 @@ from engine.args import EngineArgs
 from engine.config import CacheConfig, ModelConfig, SchedulerConfig, num_blocks_for_budget
 from engine.cuda_graphs import capture_sizes
 from engine.hardware import resolve_dtype
-from engine.kv_cache_manager import KVCacheManager
+from engine.kv_cache_manager import KVCacheManager, sliding_kv_window
 from engine.loader import load_state_dict
 from engine.model_runner import ModelRunner
 from engine.parallel import SINGLE, TensorParallel, head_split
@@ -91,10 +91,8 @@ def build_engine(args: EngineArgs, tp: TensorParallel = SINGLE, kv: torch.Tensor
     """
     model_config, cache_config, scheduler_config = configs or resolve_configs(args)
     runner = build_runner(args, model_config, cache_config, scheduler_config.max_model_len, tp, kv)
-    windows = model_config.layer_windows
-    # Blocks leave a request's table once out of every layer's window: only when no layer attends to all keys.
-    kv_window = max(windows) if windows and min(windows) > 0 else 0
-    kv_manager = KVCacheManager(cache_config.num_blocks, args.block_size, args.enable_prefix_caching, kv_window)
+    kv_manager = KVCacheManager(cache_config.num_blocks, args.block_size, args.enable_prefix_caching,
+                                sliding_kv_window(model_config.layer_windows))
     grammars = GrammarCompiler(Path(args.model_dir) / "tokenizer.json", model_config.vocab_size,
                                model_config.eos_token_ids)
     return EngineParts(model_config, cache_config, scheduler_config,

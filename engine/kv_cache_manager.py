@@ -5,6 +5,18 @@ from engine.block_pool import BlockPool, hash_block_tokens
 from engine.request import Request
 
 
+def sliding_kv_window(layer_windows: tuple[int, ...] | None) -> int:
+    """The window W behind which a request's blocks can be given back: the widest layer window when every layer
+    slides (`ModelConfig.layer_windows`), else 0 (a layer that attends to every key needs every block)."""
+    return max(layer_windows) if layer_windows and min(layer_windows) > 0 else 0
+
+
+def usable_blocks(num_blocks: int, sliding_window: int) -> int:
+    """Blocks requests can hold in a pool of num_blocks: all but the null block when blocks are given back behind
+    a window (`KVCacheManager`). What a worker advertises as its capacity."""
+    return num_blocks - (1 if sliding_window else 0)
+
+
 class KVCacheManager:
     """Maps request ids to their block tables. Owned by the engine thread.
 
@@ -45,8 +57,8 @@ class KVCacheManager:
 
     @property
     def num_usable_blocks(self) -> int:
-        """Blocks requests can hold: the pool less the null block, if any."""
-        return self.pool.num_blocks - (self.null_block is not None)
+        """Blocks requests can hold: the pool less the null block, if any (`usable_blocks`)."""
+        return usable_blocks(self.pool.num_blocks, self.sliding_window)
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)

@@ -3,9 +3,11 @@
 import asyncio
 import shutil
 
+import grpc
 import pytest
 
 from conftest import hf_greedy
+from pdserve.v1 import worker_pb2, worker_pb2_grpc
 from test_e2e import assert_idle, greedy, worker_stats
 
 WINDOW = 8  # one 8-token block: prompts of 38+ tokens leave several blocks behind it before the transfer
@@ -68,5 +70,10 @@ def test_disaggregated_sliding_window_matches_hf_and_frees_old_blocks(mistral_wi
         assert_idle(cluster)
         assert all(worker_stats(cluster, name).num_total_blocks == 4096 // 8 - 1  # the null block held back
                    for name in cluster.worker_addresses)
+        for address in cluster.worker_addresses.values():  # the capacity the coordinator is told: what requests hold
+            with grpc.insecure_channel(address) as ch:
+                info = worker_pb2_grpc.WorkerStub(ch).GetInfo(worker_pb2.WorkerInfoRequest(), timeout=10,
+                                                              metadata=cluster.worker_metadata)
+            assert info.num_blocks == 4096 // 8 - 1
     finally:
         cluster.stop()
