@@ -105,6 +105,10 @@ class KVCacheManager:
         self.prefix_query_tokens += num_tokens
         self.prefix_hit_tokens += num_hit_tokens
 
+    def num_released(self, request_id: str) -> int:
+        """Leading table entries of the request given back behind the window (the null block in their place)."""
+        return self._released.get(request_id, 0)
+
     def cache_full_blocks(self, request: Request) -> None:
         """Register the request's newly completed full blocks in the prefix cache."""
         if not self.enable_prefix_caching:

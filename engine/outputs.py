@@ -83,8 +83,9 @@ class RunnerOutput:
 class Reserved(msgspec.Struct, tag=True, array_like=True):
     """Blocks are reserved for a remote-KV request: the prefill worker may send (decode worker).
 
-    block_ids: the request's whole block table for its KV; the first num_cached_blocks of them are this worker's
-    prefix-cache hits, already holding that KV, so only the rest need to be sent.
+    block_ids: the request's whole block table for its KV; the first num_cached_blocks of them need nothing sent:
+    this worker's prefix-cache hits, already holding that KV, and under a sliding window every layer shares, the
+    blocks behind the window, already given back (`KVCacheManager.release_out_of_window`; the null block stands in).
     """
 
     request_id: str

@@ -159,7 +159,11 @@ class Scheduler:
             self.reserving.remove(req)
             self.kv.record_prefix_query(req.num_tokens, len(cached) * self.kv.block_size)
             req.status = RequestStatus.WAITING_FOR_KV
-            out.append(Reserved(req.request_id, list(self.kv.get_block_table(req.request_id)), len(cached)))
+            # Blocks behind a sliding window go back now, unhashed and unsent: the prefill worker gives back the
+            # same ones (same tokens, window and block size: the cluster's layout hash) and sends only the rest.
+            self.kv.release_out_of_window(req.request_id, req.num_tokens)
+            skip = max(len(cached), self.kv.num_released(req.request_id))
+            out.append(Reserved(req.request_id, list(self.kv.get_block_table(req.request_id)), skip))
         return out
 
     def kv_arrived(self, request_id: str, first_token: int) -> RequestFailed | None:
@@ -180,9 +184,6 @@ class Scheduler:
                                  f"first token {first_token} from the prefill worker is outside the structured "
                                  "output's language")
         req.num_computed_tokens = req.num_tokens
-        # Before anything registers them in the prefix cache: the blocks out of the window came with the prefill
-        # worker's null block in them (it gave those back the same way), so they leave the table unhashed.
-        self.kv.release_out_of_window(request_id, req.num_computed_tokens)
         req.append_output(first_token)
         req.first_token_time = time.time()
         req.status = RequestStatus.WAITING

@@ -141,22 +141,37 @@ def test_remote_kv_reserves_blocks_then_joins_the_batch_as_a_decode():
     assert_accounting(s)
 
 
-def test_received_kv_behind_the_window_leaves_unhashed_before_the_first_step():
-    """Sliding window 6 (every layer), blocks of 4: the prefill worker sent its null block for the blocks behind
-    the window, so the decode worker gives those back as the KV lands, before its first step registers hashes:
-    a later request sharing the prompt gets no prefix-cache hit on their (zero) contents."""
+def test_reserved_blocks_behind_the_window_are_given_back_unsent_and_unhashed():
+    """Sliding window 6 (every layer), blocks of 4, a 20-token prompt: position 20 sees keys 15..20, so blocks 0-2
+    go back as the reservation is made, the prefill worker is told to skip them (it gives back the same ones), and
+    they never enter the prefix cache: a later request with the same prompt gets no hit on contents that never
+    arrived. Then a request whose first two blocks are this worker's prefix-cache hits: the skip is the larger of
+    the two counts."""
     config = SchedulerConfig(max_num_batched_tokens=16, max_num_seqs=8, max_model_len=256,
                              enable_prefix_caching=True, vocab_size=1000)
     s = Scheduler(config, KVCacheManager(32, BLOCK, True, sliding_window=6))
     s.add_request(request("remote", 20, remote_kv=True))
     (reserved,) = s.reserve()
-    assert len(reserved.block_ids) == 5 and s.kv.null_block not in reserved.block_ids
+    null = s.kv.null_block
+    assert reserved.block_ids[:3] == [null] * 3 and null not in reserved.block_ids[3:]
+    assert reserved.num_cached_blocks == 3 and len(reserved.block_ids) == 5
+    assert s.kv.pool.num_free_blocks == s.kv.num_usable_blocks - 2
     assert s.kv_arrived("remote", 42) is None
-    table = s.kv.get_block_table("remote")
-    assert table[:3] == [s.kv.null_block] * 3 and table[3:] == reserved.block_ids[3:]  # position 20 sees 15..20
-    assert all(s.kv.pool.block_hashes[b] is None for b in reserved.block_ids[:3])
     step(s)
     assert s.kv.get_computed_blocks(request("same", 20)) == []  # the chain starts with a block given back
+    assert not s.kv.pool.integrity_errors()
+
+    # A local request computes a 40-token prompt and registers its blocks. A remote request of its first 12
+    # tokens hits 2 blocks (the last token is always computed) with 1 behind its window: 2 skipped. One of 20
+    # tokens sharing the first 8 hits the same 2 with 3 behind its window ((20 - 6 + 1) // 4): 3 skipped.
+    s.add_request(request("local", 40, max_tokens=1, first=500))
+    while "local" in s.requests:
+        step(s)
+    s.add_request(request("hits", 12, first=500, remote_kv=True))
+    s.add_request(Request("window", list(range(500, 508)) + [9] * 12, SamplingParams(max_tokens=4), remote_kv=True))
+    hits, window = s.reserve()
+    assert (hits.num_cached_blocks, window.num_cached_blocks) == (2, 3)
+    assert hits.block_ids[0] == null and window.block_ids[:3] == [null] * 3
     assert not s.kv.pool.integrity_errors()
 
 
