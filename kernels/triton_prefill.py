@@ -42,15 +42,14 @@ def prefill_config(head_pad: int, dtype: torch.dtype) -> PrefillConfig:
     """The default launch shape for a padded head size and cache dtype.
 
     Chosen on an H100 (bench/prefill_tune.py, docs/benchmarks.md): unmasked whole tiles paid 12-30% in every launch
-    shape tried (2026-11-24). For head size 128 in 16-bit dtypes, tiles of 128 x 128 keys on 8 warps beat 64 x 64
-    on 4 warps by 7-10% on 4096-token prompts and on 512-token chunks after a 2048-token prefix (the engine's
-    chunked prefill), and lost 2-3% on 1024-token prompts, in three runs of 2026-11-26 (+8% / -3% on 2026-11-24).
-    Head size 64 loses with them (up to -30%), and fp32 tiles that large do not fit the shared memory.
+    shape tried (2026-11-24). For head size 128 in bf16, tiles of 128 x 128 keys on 8 warps measured 7-10% faster on
+    4096-token prompts and on 512-token chunks after a 2048-token prefix, 2-3% slower on 1024-token prompts (three
+    runs, 2026-11-26, Triton 3.6), but they spill registers to local memory when Triton 3.9 compiles them for sm_90
+    (255 registers, 24 bytes of stack: tests/test_kernels_compile.py), so 64 x 64 stays the default until a
+    spill-free 128-row variant is measured.
     """
     if head_pad > 128:
         return PrefillConfig(32, 32, split_mask=True)
-    if head_pad == 128 and dtype in (torch.bfloat16, torch.float16):
-        return PrefillConfig(128, 128, num_warps=8, split_mask=True)
     return PrefillConfig(64, 64, split_mask=True)
 
 
