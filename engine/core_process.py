@@ -3,8 +3,8 @@ main thread, fed by a thread that reads commands off a ZMQ socket. Outputs go ou
 the loop's thread (ZMQ sockets are not thread-safe; the reader thread only calls `EngineCore.submit`).
 
 The KV cache is allocated here and moved into shared memory before `Ready` is sent: the worker's KV connectors
-read and write its blocks in place (on CPU; on CUDA the tensor crosses as a CUDA IPC handle, checked on an H100 on 2026-11-26: clusters on tcp,
-tcp + layer-wise and colocated returned HF fp32's tokens).
+read and write its blocks in place (on CPU; on CUDA the tensor crosses as a CUDA IPC handle, checked on an H100 on
+2026-11-26: clusters on tcp, tcp + layer-wise and colocated returned HF fp32's tokens).
 So the data path of a transfer never takes this process's GIL, and the step loop never takes the worker's.
 
 The process dies with its parent (PR_SET_PDEATHSIG on Linux), ignores SIGINT (a terminal's Ctrl-C reaches the

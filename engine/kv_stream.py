@@ -27,7 +27,8 @@ class KvLayerProgress:
 
     Device memory: on CUDA the forward is asynchronous, so `layer_written` records a CUDA event on the engine
     thread's current stream and `written` waits for it before the sender reads the layer (ucx reads device memory
-    outside torch's stream order). Checked on an H100 (2026-11-22, layer-wise clusters on tcp and ucx). On CPU the write is complete when the call is made.
+    outside torch's stream order). Checked on an H100 (2026-11-22, layer-wise clusters on tcp and ucx). On CPU
+    the write is complete when the call is made.
 
     Args:
         num_layers: the model's decoder layers.

@@ -32,8 +32,15 @@ def tiny_model_dir(tmp_path_factory, real_model_dir) -> Path:
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                       rms_norm_eps=1e-5, tie_word_embeddings=False, eos_token_id=2, bos_token_id=1, pad_token_id=2)
     torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg)
-    with torch.no_grad():  # sharper random logits so greedy choices are far from ties
+    return save_with_tokenizer(LlamaForCausalLM(cfg), out, real_model_dir)
+
+
+def save_with_tokenizer(model, out: Path, real_model_dir: Path) -> Path:
+    """Save a random-weight HF model in `out` with its LM head x8 (sharper logits: greedy choices far from ties) and
+    the packaged model's tokenizer files, so a cluster can serve it; returns `out`."""
+    import torch
+
+    with torch.no_grad():
         model.lm_head.weight.mul_(8.0)
     model.save_pretrained(str(out))
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):

@@ -311,9 +311,10 @@ def test_a_worker_lost_under_load_turns_readiness_off_at_once(tiny_model_dir, tm
 def test_a_slow_poll_keeps_a_worker_and_a_long_dead_one_rejoins_soon_after_it_serves(tiny_model_dir, tmp_path):
     """Polls every 0.5 s. A decode worker frozen (SIGSTOP) for 4 s answers its polls late but stays in routing:
     with the old 1 s poll deadline, any 4 s without an answer fails two polls in a row (a poll every 1.5 s: 1 s
-    deadline, 0.5 s interval) and idle workers on a busy host flapped out; the deadline is 5 s now. Then the worker is killed and left dead for 20 s, long enough for gRPC's default reconnect backoff
-    to grow past 10 s, and started again: it is back in routing within a few polls of serving, not the 26-65 s
-    it took with the default backoff (the channels' backoff is held near the poll interval)."""
+    deadline, 0.5 s interval) and idle workers on a busy host flapped out; the deadline is 5 s now. Then the worker
+    is killed and left dead for 20 s, long enough for gRPC's default reconnect backoff to grow past 10 s, and
+    started again: it is back in routing within a few polls of serving, not the 26-65 s it took with the default
+    backoff (the channels' backoff is held near the poll interval)."""
     p = Processes(tiny_model_dir, tmp_path)
     try:
         prefill = p.start("prefill", "prefill", *WORKER)

@@ -1,12 +1,12 @@
 """A sliding-window model through a disaggregated cluster: blocks behind the window leave both workers' tables
-(the prefill worker's before the transfer, the decode worker's as the KV lands) and greedy output is still HF's."""
+(the decode worker's as it reserves, so they are not sent; the prefill worker's after its last step) and greedy
+output is still HF's."""
 import asyncio
-import shutil
 
 import grpc
 import pytest
 
-from conftest import hf_greedy
+from conftest import hf_greedy, save_with_tokenizer
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 from test_e2e import assert_idle, greedy, worker_stats
 
@@ -25,14 +25,7 @@ def mistral_window_dir(tmp_path_factory, real_model_dir):
                         rms_norm_eps=1e-5, tie_word_embeddings=False, sliding_window=WINDOW, eos_token_id=2,
                         bos_token_id=1, pad_token_id=2)
     torch.manual_seed(0)
-    model = MistralForCausalLM(cfg)
-    with torch.no_grad():  # sharper random logits so greedy choices are far from ties
-        model.lm_head.weight.mul_(8.0)
-    model.save_pretrained(str(out))
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        if (real_model_dir / name).exists():
-            shutil.copy(real_model_dir / name, out / name)
-    return out
+    return save_with_tokenizer(MistralForCausalLM(cfg), out, real_model_dir)
 
 
 @pytest.mark.e2e
@@ -46,7 +39,8 @@ def test_disaggregated_sliding_window_matches_hf_and_frees_old_blocks(mistral_wi
     base = ["The history of the printing press begins in the fifteenth century, when movable type changed how "
             "books were made, sold and read across Europe, and within fifty years presses ran in most large cities.",
             "def merge_sort(items):\n    if len(items) <= 1:\n        return items\n    middle = len(items) // 2\n"
-            "    left = merge_sort(items[:middle])\n    right = merge_sort(items[middle:])\n    return merge(left, right)\n",
+            "    left = merge_sort(items[:middle])\n    right = merge_sort(items[middle:])\n"
+            "    return merge(left, right)\n",
             "Rivers carry water from high ground to the sea; along the way they cut valleys, move sand and stones, "
             "feed lakes and wetlands, and give towns their water, their trade routes and sometimes their floods."]
     ids = [tokenizer(p)["input_ids"] for p in base]
