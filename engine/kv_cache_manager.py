@@ -26,9 +26,9 @@ class KVCacheManager:
     table, as vLLM's sliding-window KV manager does, so a long request holds about W / block_size + 1 blocks
     instead of its whole context. The table keeps its length (slot mapping and block counts stay positional); the
     attention kernels never read positions outside the window (`kernels.reference`), so the null block's contents
-    do not matter; a KV transfer copies it like any block and the receiver's copy is never read either. The null
-    block is taken from the pool at construction and never freed: every table entry that names it holds one
-    reference, so `free` and `fork` treat it as any shared block.
+    do not matter. In disaggregation the decode worker gives the same blocks back as it reserves and the prefill
+    worker skips them (`Scheduler.reserve`). The null block is taken from the pool at construction and never
+    freed: every table entry that names it holds one reference, so `free` and `fork` treat it as any shared block.
 
     Args:
         num_blocks: pool size.
@@ -130,16 +130,17 @@ class KVCacheManager:
         """Give back the request's leading blocks that no later token can attend to (see the class docstring).
 
         The next token sits at position num_computed_tokens and sees keys from num_computed_tokens - W + 1 on, and
-        every later token sees less of the past, so blocks ending before that key are never read again. A new
-        table list replaces the old one (a step already built from the old one keeps its ids). Returns how many
-        blocks went back to the pool (0 without a sliding window). Registered prefix-cache blocks stay cached
-        while free, as any freed block does.
+        every later token sees less of the past, so blocks ending before that key are never read again. The last
+        block of the table is always kept (only a 1-token window could leave it behind; a KV transfer then still
+        has a block to send). A new table list replaces the old one (a step already built from the old one keeps
+        its ids). Returns how many blocks went back to the pool (0 without a sliding window). Registered
+        prefix-cache blocks stay cached while free, as any freed block does.
         """
         table = self.block_tables.get(request_id)
         if not self.sliding_window or not table:
             return 0
         start = self._released.get(request_id, 0)
-        end = min(max(0, num_computed_tokens - self.sliding_window + 1) // self.block_size, len(table))
+        end = min(max(0, num_computed_tokens - self.sliding_window + 1) // self.block_size, len(table) - 1)
         if end <= start:
             return 0
         dropped = table[start:end]

@@ -146,6 +146,14 @@ def test_fork_shares_null_entries_and_both_tables_free_cleanly():
     assert kv.pool.num_free_blocks == kv.num_usable_blocks and kv.pool.integrity_errors() == []
 
 
+def test_a_one_token_window_keeps_the_last_block():
+    """Window 1: position 8 sees only itself, but the table's last block (keys 4-7) stays, so a KV transfer of the
+    request has a block to send."""
+    kv = KVCacheManager(num_blocks=8, block_size=4, enable_prefix_caching=False, sliding_window=1)
+    assert kv.allocate_slots("a", 8)
+    assert kv.release_out_of_window("a", 8) == 1 and kv.get_block_table("a")[1] != kv.null_block
+
+
 def test_a_window_needs_room_for_the_null_block():
     with pytest.raises(ValueError, match="null block"):
         KVCacheManager(num_blocks=1, block_size=4, enable_prefix_caching=False, sliding_window=8)
