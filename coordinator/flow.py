@@ -311,7 +311,7 @@ async def run_disaggregated(router: Router, flow: Flow, request_id: str, prompt:
                 recorded = False
                 async for item in _decode_stream(dcall):
                     if not recorded:  # the KV arrived and joined the batch: its blocks enter that prefix cache
-                        router.record_prefix(decode, context)
+                        router.record_prefix(decode, context, received=True)
                         recorded = True
                     yield item
             except (RequestError, asyncio.CancelledError):

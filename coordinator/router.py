@@ -167,9 +167,13 @@ class Router:
         self.prefixes.record(worker.address, hashes, worker.info.num_blocks)
         return worker
 
-    def record_prefix(self, worker: WorkerHandle, token_ids: list[int]) -> None:
-        """The worker will hold these tokens' full blocks in its prefix cache (it computes them, or receives their
-        KV)."""
+    def record_prefix(self, worker: WorkerHandle, token_ids: list[int], received: bool = False) -> None:
+        """The worker will hold these tokens' full blocks in its prefix cache: it computes them, or (`received`) it
+        receives their KV. A worker that gives back blocks behind a sliding window (`WorkerInfo.kv_sliding_window`)
+        caches none of a received prompt that a lookup could reach (the blocks behind the window never enter its
+        cache, and lookups start at the first block), so nothing is recorded for it."""
+        if received and worker.info.kv_sliding_window:
+            return
         self.prefixes.record(worker.address, block_hashes(token_ids, worker.info.block_size), worker.info.num_blocks)
 
     def local_prefill(self, context: list[int], policy: LocalPrefillPolicy) -> str | None:

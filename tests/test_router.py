@@ -126,6 +126,12 @@ def test_local_prefill_for_short_uncached_prompts_and_when_no_prefill_worker_is_
     router.record_prefix(router.prefill[0], list(range(100, 140)))  # a prefill worker's cache does not count
     assert router.local_prefill(list(range(100, 140)), short) is None
 
+    router.decode[0].info.kv_sliding_window = 16  # its window gives back the leading blocks of KV it receives:
+    router.record_prefix(router.decode[0], list(range(200, 240)), received=True)  # nothing it could hit
+    assert router.local_prefill(list(range(200, 240)), short) is None
+    router.record_prefix(router.decode[0], list(range(200, 240)))  # computed there: every full block is cached
+    assert router.local_prefill(list(range(200, 240)), short) == "short"
+
     for w in router.prefill:
         w.live = False
     assert router.local_prefill(prompt + [1], LocalPrefillPolicy()) == "no_prefill_worker"

@@ -68,6 +68,6 @@ def test_disaggregated_sliding_window_matches_hf_and_frees_old_blocks(mistral_wi
             with grpc.insecure_channel(address) as ch:
                 info = worker_pb2_grpc.WorkerStub(ch).GetInfo(worker_pb2.WorkerInfoRequest(), timeout=10,
                                                               metadata=cluster.worker_metadata)
-            assert info.num_blocks == 4096 // 8 - 1
+            assert info.num_blocks == 4096 // 8 - 1 and info.kv_sliding_window == WINDOW
     finally:
         cluster.stop()

@@ -112,13 +112,14 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     def info(self) -> worker_pb2.WorkerInfo:
         m, c, s = self.worker.model_config, self.worker.cache_config, self.worker.scheduler_config
-        blocks = usable_blocks(c.num_blocks, sliding_kv_window(m.layer_windows))  # what requests can hold
+        window = sliding_kv_window(m.layer_windows)
+        blocks = usable_blocks(c.num_blocks, window)  # what requests can hold
         return worker_pb2.WorkerInfo(
             role=self.role, model=m.name, compat_hash=self.worker.compat_hash, block_size=c.block_size,
             num_blocks=blocks, context_length=s.max_model_len, vocab_size=m.vocab_size,
             eos_token_id=m.eos_token_ids[0] if m.eos_token_ids else 0, kv_address=self.kv_address,
             kv_connector=self.kv_connector, max_request_tokens=min(s.max_model_len, blocks * c.block_size),
-            instance_id=self.instance_id, tensor_parallel_size=c.tensor_parallel_size)
+            instance_id=self.instance_id, tensor_parallel_size=c.tensor_parallel_size, kv_sliding_window=window)
 
     async def GetInfo(self, request, context):
         return self.info()
