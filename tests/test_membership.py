@@ -326,10 +326,9 @@ def test_a_slow_poll_keeps_a_worker_and_a_long_dead_one_rejoins_soon_after_it_se
             pid = p.procs["decode"].pid
             os.kill(pid, signal.SIGSTOP)
             try:
-                time.sleep(4.0)
+                time.sleep(4.0)  # the freeze itself (under the old deadline both failed polls end inside it)
             finally:
                 os.kill(pid, signal.SIGCONT)
-            time.sleep(1.0)  # the late answers land
             assert c.model_info().num_decode_workers == 1
             assert c.complete([5, 6, 7], GREEDY).completion_tokens == 4
         assert f"worker {decode} left the routing set" not in (tmp_path / "coordinator.log").read_text()
