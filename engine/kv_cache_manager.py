@@ -136,8 +136,10 @@ class KVCacheManager:
         its ids). Returns how many blocks went back to the pool (0 without a sliding window). Registered
         prefix-cache blocks stay cached while free, as any freed block does.
         """
+        if not self.sliding_window:  # called for every scheduled request each step: the common case costs nothing
+            return 0
         table = self.block_tables.get(request_id)
-        if not self.sliding_window or not table:
+        if not table:
             return 0
         start = self._released.get(request_id, 0)
         end = min(max(0, num_computed_tokens - self.sliding_window + 1) // self.block_size, len(table) - 1)

@@ -175,6 +175,7 @@ def quantize_weight_only(model: nn.Module, method: str, group_size: int = 32) ->
     """
     if method not in ("int8", "int4"):
         raise ValueError(f"unknown weight-only quantization {method!r}; expected 'int8' or 'int4'")
+
     def make(linear: nn.Linear) -> nn.Module:
         return Int8WeightOnlyLinear(linear) if method == "int8" else Int4WeightOnlyLinear(linear, group_size)
 
