@@ -17,6 +17,32 @@ def usable_blocks(num_blocks: int, sliding_window: int) -> int:
     return num_blocks - (1 if sliding_window else 0)
 
 
+def window_peak_blocks(block_size: int, sliding_window: int, max_chunk: int) -> int:
+    """Most blocks a request holds at once under a sliding window W when each step computes at most max_chunk of
+    its tokens: the window behind the step's first token, the step's tokens, and up to block_size - 1 positions of
+    misalignment at each end, so blocks_needed(W + max_chunk + block_size - 2); and, when the window is narrower
+    than a block (the last block is always kept), the step's blocks plus that one. Blocks behind the window go
+    back after every step (`KVCacheManager.release_out_of_window`) and a first allocation takes none of them."""
+    cover = -(-(sliding_window + max_chunk + block_size - 2) // block_size)
+    return max(cover, -(-max_chunk // block_size) + 1)
+
+
+def window_chunk_cap(num_usable: int, block_size: int, sliding_window: int) -> int:
+    """The largest step chunk (tokens) with which one request of any length fits a pool of num_usable blocks under
+    a sliding window W (`window_peak_blocks` <= num_usable); <= 0 when even one token a step does not fit."""
+    return min(num_usable * block_size - sliding_window - block_size + 2, (num_usable - 1) * block_size)
+
+
+def max_request_tokens(num_blocks: int, block_size: int, sliding_window: int, max_model_len: int) -> int:
+    """Most tokens (prompt + output) one request may hold on a worker: its context, when blocks behind a sliding
+    window go back and a window plus a token fits the pool (prefill chunks are capped to fit:
+    `Scheduler`); else what the pool holds. What a worker advertises (`WorkerInfo.max_request_tokens`)."""
+    usable = usable_blocks(num_blocks, sliding_window)
+    if sliding_window and window_chunk_cap(usable, block_size, sliding_window) >= 1:
+        return max_model_len
+    return min(max_model_len, usable * block_size)
+
+
 class KVCacheManager:
     """Maps request ids to their block tables. Owned by the engine thread.
 
@@ -63,6 +89,39 @@ class KVCacheManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    @property
+    def max_chunk(self) -> int | None:
+        """Most tokens one step may compute for a request so that a request of any length fits the pool under the
+        sliding window (`window_chunk_cap`, at least 1); None without a window (no cap)."""
+        if not self.sliding_window:
+            return None
+        return max(1, window_chunk_cap(self.num_usable_blocks, self.block_size, self.sliding_window))
+
+    def peak_blocks(self, num_tokens: int, max_chunk: int) -> int:
+        """Most blocks a request of num_tokens tokens (prompt + output) holds at once when its steps compute at most
+        max_chunk tokens: all of its blocks, or under a sliding window the window's (`window_peak_blocks`)."""
+        need = self.blocks_needed(num_tokens)
+        if not self.sliding_window:
+            return need
+        return min(need, window_peak_blocks(self.block_size, self.sliding_window, max_chunk))
+
+    def _behind_window(self, request_id: str, num_total_tokens: int, next_position: int | None) -> int:
+        """Leading entries of a first allocation that the token at next_position (and every later one) cannot
+        attend to: they start as the null block and never take a block (`release_out_of_window`'s rule)."""
+        if not self.sliding_window or next_position is None or request_id in self.block_tables:
+            return 0
+        return min(max(0, next_position - self.sliding_window + 1) // self.block_size,
+                   self.blocks_needed(num_total_tokens) - 1)
+
+    def num_blocks_to_allocate(self, request_id: str, num_total_tokens: int,
+                               computed_blocks: list[int] | None = None, next_position: int | None = None) -> int:
+        """Free blocks `allocate_slots` with these arguments would take (new ones and revived cached ones)."""
+        table = self.block_tables.get(request_id, [])
+        lead = self._behind_window(request_id, num_total_tokens, next_position)
+        shared = (computed_blocks or [])[lead:]
+        need = self.blocks_needed(num_total_tokens) - len(table) - lead - len(shared)
+        return max(need, 0) + sum(1 for b in shared if self.pool.ref_counts[b] == 0)
+
     def get_computed_blocks(self, request: Request) -> list[int]:
         """Longest run of cached full blocks matching the request's tokens (at least one token is left to compute,
         so the step still produces logits). Does not take references; see `allocate_slots`."""
@@ -79,22 +138,31 @@ class KVCacheManager:
             hits.append(block)
         return hits
 
-    def allocate_slots(self, request_id: str, num_total_tokens: int, computed_blocks: list[int] | None = None) -> bool:
+    def allocate_slots(self, request_id: str, num_total_tokens: int, computed_blocks: list[int] | None = None,
+                       next_position: int | None = None) -> bool:
         """Make the request's block table cover its first num_total_tokens tokens.
 
         computed_blocks (from `get_computed_blocks`, first allocation only) are shared, not allocated.
+        next_position (first allocation only): the position of the first token the request computes next (its
+        computed prefix hits, or its whole prompt when the KV arrives from a prefill worker); under a sliding window
+        the entries wholly behind that token's window are the null block from the start, so a request whose context
+        exceeds the pool never holds all of it, not even for a moment.
         Returns False, changing nothing, when the pool lacks free blocks.
         """
-        table = self.block_tables.get(request_id, [])
-        computed_blocks = computed_blocks or []
-        need = self.blocks_needed(num_total_tokens) - len(table) - len(computed_blocks)
-        # Reviving a cached free block removes it from the free queue too.
-        revived = sum(1 for b in computed_blocks if self.pool.ref_counts[b] == 0)
-        if max(need, 0) + revived > self.pool.num_free_blocks:
+        if self.num_blocks_to_allocate(request_id, num_total_tokens, computed_blocks, next_position) \
+                > self.pool.num_free_blocks:
             return False
-        if computed_blocks:
-            self.pool.touch(computed_blocks)
-            table = table + computed_blocks
+        table = self.block_tables.get(request_id, [])
+        lead = self._behind_window(request_id, num_total_tokens, next_position)
+        shared = (computed_blocks or [])[lead:]
+        need = self.blocks_needed(num_total_tokens) - len(table) - lead - len(shared)
+        if lead:
+            self.pool.touch([self.null_block] * lead)
+            self._released[request_id] = lead
+            table = [self.null_block] * lead
+        if shared:
+            self.pool.touch(shared)  # reviving a cached free block takes it off the free queue too
+            table = table + shared
         if need > 0:
             table = table + self.pool.allocate(need)
         self.block_tables[request_id] = table

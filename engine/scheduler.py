@@ -91,9 +91,12 @@ class Scheduler:
             return RequestFailed(request.request_id, ErrorKind.INVALID_REQUEST,
                                  f"prompt ({request.num_prompt_tokens}) + max_tokens exceeds max_model_len "
                                  f"{self.config.max_model_len}")
-        # n samples share the prompt's full blocks (but the last token's); each holds the rest on its own.
-        shared = (request.num_prompt_tokens - 1) // self.kv.block_size if request.sampling.n > 1 else 0
-        blocks = shared + request.sampling.n * (self.kv.blocks_needed(need) - shared)
+        # n samples share the prompt's full blocks (but the last token's); each holds the rest on its own. Under a
+        # sliding window each holds at most its window's blocks, however long it grows.
+        n = request.sampling.n
+        shared = (request.num_prompt_tokens - 1) // self.kv.block_size if n > 1 else 0
+        blocks = min(shared + n * (self.kv.blocks_needed(need) - shared),
+                     n * self.kv.peak_blocks(need, self._max_chunk()))
         if blocks > self.kv.num_usable_blocks:
             return RequestFailed(request.request_id, ErrorKind.CAPACITY,
                                  f"request needs {blocks} KV blocks, the pool has "
@@ -149,19 +152,22 @@ class Scheduler:
         out: list[Reserved] = []
         if not self.reserving:  # called every engine loop: skip the queue scan when nothing waits to reserve
             return out
-        owed = sum(max(0, self.kv.blocks_needed(r.num_tokens) - len(self.kv.get_block_table(r.request_id)))
+        chunk = self._max_chunk()
+        owed = sum(max(0, min(self.kv.blocks_needed(r.num_tokens) - len(self.kv.get_block_table(r.request_id)),
+                              self.kv.peak_blocks(r.num_tokens, chunk)))
                    for r in self.waiting)
         while (req := self.reserving.peek()) is not None:
             cached = self.kv.get_computed_blocks(req)  # KV this worker already holds need not be sent again
-            if self.kv.pool.num_free_blocks - (self.kv.blocks_needed(req.num_tokens) - len(cached)) < owed \
-                    or not self.kv.allocate_slots(req.request_id, req.num_tokens, cached):
+            # Under a sliding window the blocks behind the window of the first token decoded here take none of the
+            # pool: null from the start, never hashed, never sent (the prefill worker gives back the same ones:
+            # same tokens, window and block size, the cluster's layout hash, and sends only the rest).
+            take = self.kv.num_blocks_to_allocate(req.request_id, req.num_tokens, cached, req.num_tokens)
+            if self.kv.pool.num_free_blocks - take < owed \
+                    or not self.kv.allocate_slots(req.request_id, req.num_tokens, cached, req.num_tokens):
                 break
             self.reserving.remove(req)
             self.kv.record_prefix_query(req.num_tokens, len(cached) * self.kv.block_size)
             req.status = RequestStatus.WAITING_FOR_KV
-            # Blocks behind a sliding window go back now, unhashed and unsent: the prefill worker gives back the
-            # same ones (same tokens, window and block size: the cluster's layout hash) and sends only the rest.
-            self.kv.release_out_of_window(req.request_id, req.num_tokens)
             skip = max(len(cached), self.kv.num_released(req.request_id))
             out.append(Reserved(req.request_id, list(self.kv.get_block_table(req.request_id)), skip))
         return out
@@ -251,6 +257,7 @@ class Scheduler:
         speculate = spec.enabled and len(self.running) <= spec.disable_batch_size
         head = self.waiting.peek()
         prefill_left = self._prefill_cap()
+        chunk = self._max_chunk()
         kv_preempted = False
         i = 0
         while i < len(self.running) and budget > 0:
@@ -258,7 +265,7 @@ class Scheduler:
             if req.fork_pending and req.num_computed_tokens >= self._target(req) and not self._fork(req):
                 i += 1  # no block for the samples' copies yet: the fork waits for one
                 continue
-            n = min(self._target(req) - req.num_computed_tokens, budget)
+            n = min(self._target(req) - req.num_computed_tokens, budget, chunk)
             if n > 1 and head is not None and self.policy.outranks(head, req):
                 i += 1  # a prefill chunk gives its budget to a more important waiting request (decodes still run)
                 continue
@@ -297,12 +304,12 @@ class Scheduler:
             if req.num_computed_tokens == 0:
                 computed_blocks = self.kv.get_computed_blocks(req)
             num_computed = req.num_computed_tokens or len(computed_blocks) * self.kv.block_size
-            n = min(self._target(req) - num_computed, budget)
+            n = min(self._target(req) - num_computed, budget, chunk)
             if n > 1 and prefill_left is not None:
                 n = min(n, prefill_left)
                 if n < 2:  # the decodes' latency target is spent: admissions wait for the next step
                     break
-            if not self.kv.allocate_slots(req.request_id, num_computed + n, computed_blocks):
+            if not self.kv.allocate_slots(req.request_id, num_computed + n, computed_blocks, num_computed):
                 if self._preempt_paused():
                     continue
                 if self.running:  # a running request of lower priority gives its blocks, else wait for blocks
@@ -335,6 +342,14 @@ class Scheduler:
         if not out.is_empty:
             out.block_copies, self._block_copies = self._block_copies, []
         return out
+
+    def _max_chunk(self) -> int:
+        """Most tokens one step computes for one request: the step's budget, less under a sliding window on a pool
+        too small for the window plus a full budget (`KVCacheManager.max_chunk`), so that a request of any length
+        still fits alone."""
+        cap = self.kv.max_chunk
+        budget = self.config.max_num_batched_tokens
+        return budget if cap is None else min(budget, cap)
 
     def _prefill_cap(self) -> int | None:
         """Prefill tokens this step may take (`SchedulerConfig.itl_target_ms`, `StepCost.prefill_budget`, at least

@@ -1,7 +1,7 @@
 import pytest
 
 from engine.block_pool import BlockPool, hash_block_tokens
-from engine.kv_cache_manager import KVCacheManager
+from engine.kv_cache_manager import KVCacheManager, window_chunk_cap, window_peak_blocks
 from engine.request import Request, SamplingParams
 
 
@@ -157,3 +157,64 @@ def test_a_one_token_window_keeps_the_last_block():
 def test_a_window_needs_room_for_the_null_block():
     with pytest.raises(ValueError, match="null block"):
         KVCacheManager(num_blocks=1, block_size=4, enable_prefix_caching=False, sliding_window=8)
+
+
+def test_a_first_allocation_takes_no_block_behind_the_window():
+    """Window 6, blocks of 4. A request whose KV arrives whole (next position 20: keys 15..20) starts with blocks
+    0-2 as the null block and takes only blocks 3-4; one with 16 prompt tokens in the prefix cache (next position
+    16: keys 11..16) shares hits 2 and 3 and leaves hits 0 and 1 free in the cache."""
+    kv = _windowed()
+    null = kv.null_block
+    assert kv.num_blocks_to_allocate("a", 20, None, 20) == 2
+    assert kv.allocate_slots("a", 20, next_position=20)
+    table = kv.get_block_table("a")
+    assert table[:3] == [null] * 3 and null not in table[3:] and len(table) == 5
+    assert kv.num_released("a") == 3 and kv.release_out_of_window("a", 20) == 0
+    assert kv.pool.num_free_blocks == kv.num_usable_blocks - 2
+
+    p = _req("p", list(range(100, 120)))
+    assert kv.allocate_slots("p", 20)
+    p.num_computed_tokens = 20
+    kv.cache_full_blocks(p)
+    kv.free("p")
+    hits = kv.get_computed_blocks(_req("b", list(range(100, 120))))
+    assert len(hits) == 4
+    free_before = kv.pool.num_free_blocks
+    assert kv.num_blocks_to_allocate("b", 20, hits, 16) == 3  # hits 2 and 3 revived, one new block
+    assert kv.allocate_slots("b", 20, hits, next_position=16)
+    assert kv.get_block_table("b")[:4] == [null, null, hits[2], hits[3]]
+    assert kv.pool.num_free_blocks == free_before - 3
+    assert kv.pool.ref_counts[hits[0]] == 0 and kv.pool.block_hashes[hits[0]] is not None  # still a cached block
+    kv.free("a")
+    kv.free("b")
+    assert kv.pool.num_free_blocks == kv.num_usable_blocks and kv.pool.integrity_errors() == []
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 8])
+def test_window_peak_blocks_bounds_every_step_of_a_long_request(block_size):
+    """A 150-token request in chunks of C, each allocation followed by the per-step release, never holds more than
+    `window_peak_blocks` (and reaches it for some window and chunk: the bound is not loose), from a cold start or
+    from a prefix hit; and `window_chunk_cap` is the largest chunk whose peak fits the pool."""
+    reached = 0
+    for window in (1, 3, 6, 8, 13):
+        for chunk in (1, 2, 5, 8, 16):
+            bound = window_peak_blocks(block_size, window, chunk)
+            for start in (0, 2 * block_size, 5 * block_size):
+                kv = KVCacheManager(num_blocks=512, block_size=block_size, enable_prefix_caching=False,
+                                    sliding_window=window)
+                held, pos = 0, start
+                while pos < 150:
+                    n = min(chunk, 150 - pos)
+                    assert kv.allocate_slots("r", pos + n, next_position=pos)
+                    held = max(held, sum(b != kv.null_block for b in kv.get_block_table("r")))
+                    pos += n
+                    kv.release_out_of_window("r", pos)
+                assert held <= bound, (window, chunk, start)
+                reached += held == bound
+    assert reached > 0
+    for window in (1, 6, 13):
+        for usable in range(2, 12):
+            cap = window_chunk_cap(usable, block_size, window)
+            if cap >= 1:
+                assert window_peak_blocks(block_size, window, cap) <= usable
+                assert window_peak_blocks(block_size, window, cap + 1) > usable

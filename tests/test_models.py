@@ -282,6 +282,30 @@ def test_blocks_behind_every_layers_window_go_back_during_the_run(request, model
     assert kv.pool.num_free_blocks == kv.num_usable_blocks and kv.pool.integrity_errors() == []
 
 
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_a_request_longer_than_the_kv_pool_runs_under_a_sliding_window(mistral_window_dir, mistral_dir, backend):
+    """Window 8 on a pool of 4 usable 8-token blocks (32 tokens): a 100-token prompt with 60 outputs (20 blocks'
+    worth) is admitted, computed in chunks that fit beside the window, and equals HF's greedy output; the same
+    request on the same pool without a window (the windowless Mistral) is refused at admission."""
+    def engine(model_dir):
+        return build_engine(EngineArgs(dtype="float32", model_dir=model_dir, block_size=8, kv_tokens=40,
+                                       max_num_batched_tokens=16, max_model_len=512, attention_backend=backend))
+
+    rng = random.Random(2)
+    prompt = [rng.randrange(3, VOCAB) for _ in range(100)]
+    params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+    with pytest.raises(ValueError, match="CAPACITY"):
+        run_until_idle(engine(mistral_dir), [Request("plain", prompt, params)])
+    parts = engine(mistral_window_dir)
+    kv = parts.scheduler.kv
+    assert kv.num_usable_blocks == 4
+    req = Request("long", prompt, params)
+    run_until_idle(parts, [req], max_steps=200)
+    assert req.output_token_ids == hf_greedy(mistral_window_dir, prompt, 60)
+    assert parts.scheduler.num_preemptions == 0
+    assert kv.pool.num_free_blocks == kv.num_usable_blocks and kv.pool.integrity_errors() == []
+
+
 @pytest.fixture(scope="module")
 def tiny_llama():
     """(ModelConfig, HF state dict) of a bias-free tiny Llama, in memory."""

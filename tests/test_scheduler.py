@@ -281,3 +281,41 @@ def test_the_cap_never_stops_a_prompt_from_progressing():
         steps += 1
     assert "c" not in s.requests and steps < 100  # both prompts prefilled and finished, a block a step
     assert_accounting(s)
+
+
+@pytest.mark.parametrize("num_blocks, chunks", [(8, [16, 16, 16, 12]), (5, [8] * 7 + [4])])
+def test_a_windowed_request_longer_than_the_pool_runs_within_its_window(num_blocks, chunks):
+    """Window 6, blocks of 4, a 60-token prompt and 20 outputs (20 blocks) on a pool of 7 or 4 usable blocks:
+    refused without the window; with it admitted, prefilled in chunks small enough that the window and a chunk fit
+    (16 = the budget on 7 blocks; 8 on 4), decoded to the end without a preemption, never holding more blocks than
+    the pool, and every block back after. A remote-KV request of the same size reserves only its window's blocks."""
+    config = SchedulerConfig(max_num_batched_tokens=16, max_num_seqs=8, max_model_len=256,
+                             enable_prefix_caching=True, vocab_size=1000)
+    plain = Scheduler(config, KVCacheManager(num_blocks, BLOCK, True))
+    failure = plain.add_request(request("long", 60, max_tokens=20))
+    assert failure is not None and "KV blocks" in failure.message
+
+    s = Scheduler(config, KVCacheManager(num_blocks, BLOCK, True, sliding_window=6))
+    assert s.add_request(request("long", 60, max_tokens=20)) is None
+    prefills, outputs, peak = [], 0, 0
+    for _ in range(100):  # 8 prefill steps and 19 decodes at most; a request that never fits would loop here
+        if "long" not in s.requests:
+            break
+        out, events = step(s)
+        prefills += [n for _, n in shape(out)[1]]
+        outputs += len(events)
+        peak = max(peak, s.kv.num_usable_blocks - s.kv.pool.num_free_blocks)
+    assert "long" not in s.requests and prefills == chunks and outputs == 20 and s.num_preemptions == 0
+    assert peak <= s.kv.num_usable_blocks
+    assert s.kv.pool.num_free_blocks == s.kv.num_usable_blocks and not s.kv.pool.integrity_errors()
+
+    assert s.add_request(request("remote", 60, max_tokens=20, remote_kv=True)) is None
+    (reserved,) = s.reserve()
+    held = [b for b in reserved.block_ids if b != s.kv.null_block]
+    assert len(reserved.block_ids) == 15 and len(held) == 2 and reserved.num_cached_blocks == 13
+    assert s.kv_arrived("remote", 42) is None
+    for _ in range(100):
+        if "remote" not in s.requests:
+            break
+        step(s)
+    assert "remote" not in s.requests and s.kv.pool.num_free_blocks == s.kv.num_usable_blocks and not s.kv.pool.integrity_errors()

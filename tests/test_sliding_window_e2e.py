@@ -71,3 +71,42 @@ def test_disaggregated_sliding_window_matches_hf_and_frees_old_blocks(mistral_wi
             assert info.num_blocks == 4096 // 8 - 1 and info.kv_sliding_window == WINDOW
     finally:
         cluster.stop()
+
+
+@pytest.mark.e2e
+def test_requests_longer_than_the_kv_pool_pass_through_a_disaggregated_cluster(mistral_window_dir, tokenizer,
+                                                                                 tmp_path):
+    """Pools of 7 usable 8-token blocks (56 tokens) on both workers and prompts of about 60 and 150 tokens with 40
+    outputs each: the workers advertise their whole context (512 tokens) to the coordinator, the prefill worker
+    computes each prompt in chunks that fit beside the window, the decode worker reserves only the window's blocks,
+    and both streams equal HF's greedy output; every block is back after."""
+    from cli.launcher import ServeConfig, start_cluster
+    from pdserve import AsyncClient
+
+    text = ("Rivers carry water from high ground to the sea; along the way they cut valleys, move sand and stones, "
+            "feed lakes and wetlands, and give towns their water, their trade routes and sometimes their floods. ")
+    long_ids = tokenizer(text * 5)["input_ids"][:150]
+    prompts = [tokenizer.decode(tokenizer(text)["input_ids"][:60]), tokenizer.decode(long_ids)]
+    cluster = start_cluster(str(mistral_window_dir), "tiny-mistral", ServeConfig(log_dir=str(tmp_path / "logs")),
+                            worker_args=["--dtype", "float32", "--kv-tokens", "64", "--max-model-len", "512",
+                                         "--block-size", "8"],
+                            coordinator_args=["--no-local-prefill-queue"])  # every prompt through the transfer
+    try:
+        for address in cluster.worker_addresses.values():
+            with grpc.insecure_channel(address) as ch:
+                info = worker_pb2_grpc.WorkerStub(ch).GetInfo(worker_pb2.WorkerInfoRequest(), timeout=10,
+                                                              metadata=cluster.worker_metadata)
+            assert info.num_blocks == 7 and info.max_request_tokens == 512
+
+        async def send():
+            async with AsyncClient(cluster.address) as c:
+                return await asyncio.gather(*(c.complete(p, greedy(40, ignore_eos=True)) for p in prompts))
+
+        outs = asyncio.run(send())
+        for prompt, out in zip(prompts, outs):
+            ids = tokenizer(prompt)["input_ids"]
+            assert len(ids) + 40 > 56 and out.timings["transfer_ms"] > 0
+            assert out.token_ids == hf_greedy(mistral_window_dir, ids, 40), prompt
+        assert_idle(cluster)
+    finally:
+        cluster.stop()

@@ -18,7 +18,7 @@ from engine.engine_core import EngineCore
 from engine.errors import EngineError
 from engine.hardware import set_threads
 from engine.kv_cache import KVCache
-from engine.kv_cache_manager import sliding_kv_window, usable_blocks
+from engine.kv_cache_manager import max_request_tokens, sliding_kv_window, usable_blocks
 from engine.process_engine import EngineBuildError, ProcessEngine
 from pdserve.v1 import generate_pb2, worker_pb2, worker_pb2_grpc
 from server_common.addresses import advertise_host
@@ -118,7 +118,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             role=self.role, model=m.name, compat_hash=self.worker.compat_hash, block_size=c.block_size,
             num_blocks=blocks, context_length=s.max_model_len, vocab_size=m.vocab_size,
             eos_token_id=m.eos_token_ids[0] if m.eos_token_ids else 0, kv_address=self.kv_address,
-            kv_connector=self.kv_connector, max_request_tokens=min(s.max_model_len, blocks * c.block_size),
+            kv_connector=self.kv_connector,
+            max_request_tokens=max_request_tokens(c.num_blocks, c.block_size, window, s.max_model_len),
             instance_id=self.instance_id, tensor_parallel_size=c.tensor_parallel_size, kv_sliding_window=window)
 
     async def GetInfo(self, request, context):
