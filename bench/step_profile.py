@@ -62,7 +62,7 @@ from hostinfo import FLAGS_SHOWN, commit, machine  # noqa: E402
 
 GEMM_OPS = {"aten::mm", "aten::addmm", "aten::mkldnn_linear", "mkldnn::_linear_pointwise", "aten::_mkl_linear",
             "mkl::_mkl_linear", "aten::_weight_int8pack_mm",
-            "aten::_weight_int4pack_mm_for_cpu"}
+            "aten::_weight_int4pack_mm_for_cpu", "pdserve::linear_small_m"}
 
 
 def _time(fn, min_s: float = 0.3) -> float:

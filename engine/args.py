@@ -35,7 +35,8 @@ class EngineArgs:
         enable_prefix_caching: reuse cached full KV blocks with the same chained token hash.
         device: torch device of weights and KV cache.
         seed: sampler seed for unseeded requests (and random weights).
-        packed_weights: bf16 on CPU, prepack the linear layers' weights for oneDNN (`engine.packing`).
+        packed_weights: the linears' CPU forms (`engine.packing`): bf16 prepacked for oneDNN, fp32 decode batches
+            through the cpu backend's small-batch kernel.
         attention_backend: "auto" (Triton kernels on CUDA, the C decode kernel on CPU), "triton", "cpu" or "torch".
         speculative_ngram_tokens: n-gram (prompt-lookup) draft tokens per decode step; 0 = off
             (`engine.speculative`).
@@ -59,8 +60,8 @@ class EngineArgs:
         "help": "int8 / int4 = weight-only int8 / int4 (groups of 32) linears (bf16/fp16 dtypes): faster "
                 "small-batch decode on CPU, slower at large batches"})
     packed_weights: bool = field(default=True, metadata={
-        "help": "bf16 on CPU: reorder linear weights once at load into oneDNN's blocked layout (engine.packing); "
-                "no effect elsewhere"})
+        "help": "CPU linears (engine.packing): bf16 weights reordered once at load into oneDNN's blocked layout, fp32 "
+                "decode batches through the cpu backend's small-batch kernel; no effect elsewhere"})
     block_size: int = field(default=16, metadata={"min": 1, "help": "tokens per KV block"})
     kv_tokens: int = field(default=16384, metadata={
         "min": 1, "help": "KV budget in tokens (ignored when --kv-bytes is set)"})

@@ -66,7 +66,8 @@ class ModelRunner:
         seed: seed for unseeded sampling and random init.
         attention_backend: "auto" (Triton on CUDA, the C decode kernel on CPU), "triton", "cpu" or "torch".
         quantization: "none", "int8" or "int4" (weight-only linears, `engine.quantization`; int4 in groups of 32).
-        packed_weights: prepack bf16 linears on CPU (`engine.packing`; quantized layers are packed by their own op).
+        packed_weights: CPU forms of the linears (`engine.packing`): bf16 prepacked for oneDNN, fp32 small batches
+            through the cpu backend's kernel (quantized layers are packed by their own op).
         cuda_graph_sizes: batch sizes of all-decode steps to capture as CUDA graphs (`engine.cuda_graphs`);
             None = every step eager; ignored, with a warning, for an attention backend that cannot be captured.
         max_model_len: longest context in tokens; sizes the captured block tables (needed with graphs).
@@ -97,7 +98,7 @@ class ModelRunner:
         if quantization != "none":
             quantize_weight_only(self.model, quantization)
         elif packed_weights:
-            pack_linears(self.model)
+            pack_linears(self.model, self.attention_ops.small_batch_linear)
         self.kv_cache = KVCache(model_config, cache_config, self.device, kv=kv, rank=tp.rank)
         self.block_size = cache_config.block_size
         self.sampler = Sampler(model_config.vocab_size, seed)

@@ -46,6 +46,9 @@ class AttentionOps:
     # No host sync or host-side data dependence in the decode path, so a CUDA graph can capture it (the torch
     # reference reads context_lens.max() on the host).
     capturable: bool = False
+    # fp32 y = x W^T (+ b) for the few rows of a decode step, (x [M, K], weight [N, K], bias [N] | None) -> [M, N]
+    # (the cpu backend's `kernels/cpu_linear.c`; `engine.packing.SmallBatchLinear` decides when), or None.
+    small_batch_linear: Callable[..., torch.Tensor] | None = None
 
 
 def triton_usable(device: torch.device | str) -> bool:
@@ -104,8 +107,8 @@ def select_ops(backend: str, device: torch.device | str) -> AttentionOps:
 
 
 def _cpu_ops() -> AttentionOps:
-    """The "cpu" backend: the C decode kernel, KV write and per-token ops (`kernels.cpu_ops`), and blocked-GEMM
-    prefill attention for 16-bit caches (`kernels.cpu_prefill`, its softmax in C; fp32 takes the reference's).
+    """The "cpu" backend: the C decode kernel, KV write, per-token ops and small-batch fp32 linear
+    (`kernels.cpu_ops`), and blocked-GEMM prefill attention for 16-bit caches (`kernels.cpu_prefill`, its softmax in C; fp32 takes the reference's).
 
     Raises:
         KernelLoadError: the compiled kernels are missing or do not load.
@@ -114,4 +117,4 @@ def _cpu_ops() -> AttentionOps:
 
     c = CpuKernels.load()
     return AttentionOps("cpu", c.rotary_and_write_kv, c.paged_decode_attention, c.prefill_attention, c.rms_norm,
-                        c.silu_and_mul)
+                        c.silu_and_mul, small_batch_linear=c.linear_small_m)

@@ -1,4 +1,4 @@
-/* The C kernels' entry points (cpu_decode.c, cpu_layer_ops.c), as the torch ops of cpu_ops.cpp call them.
+/* The C kernels' entry points (cpu_decode.c, cpu_layer_ops.c, cpu_linear.c), as the torch ops of cpu_ops.cpp call them.
  *
  * setup.py compiles the C sources once per ISA level (base, avx2, avx512, avx512_bf16 on x86; base elsewhere), each
  * with that level's -m flags and -DPDSERVE_ISA=<level>, and links every build into the one extension kernels/_C;
@@ -33,7 +33,9 @@
         int tokens, int num_heads, int num_kv_heads, int head_dim, int64_t token_stride, int block_size,             \
         int64_t block_stride, int64_t num_blocks, int is_bf16, int num_threads);                                     \
     void PDSERVE_ISA_NAME(causal_softmax_bf16, isa)(uint16_t *scores, int64_t num_rows, int rows, int end,           \
-                                                    float scale, int num_threads);
+                                                    float scale, int num_threads);                                   \
+    void PDSERVE_ISA_NAME(linear_small_m, isa)(const float *x, const float *w, const float *bias, float *y, int M,   \
+                                               int N, int K, int64_t x_stride, int num_threads);
 
 /* The stack arrays of cpu_decode.c bound what it takes; cpu_ops.py sends larger shapes to the torch reference. */
 #define PDSERVE_MAX_GROUP 16    /* query heads per kv head */
@@ -47,6 +49,7 @@ PDSERVE_DECLARE_KERNELS(PDSERVE_ISA)
 #define silu_and_mul PDSERVE_ISA_NAME(silu_and_mul, PDSERVE_ISA)
 #define rotary_and_write_kv PDSERVE_ISA_NAME(rotary_and_write_kv, PDSERVE_ISA)
 #define causal_softmax_bf16 PDSERVE_ISA_NAME(causal_softmax_bf16, PDSERVE_ISA)
+#define linear_small_m PDSERVE_ISA_NAME(linear_small_m, PDSERVE_ISA)
 #endif
 
 #endif

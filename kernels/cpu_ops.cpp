@@ -1,4 +1,4 @@
-// The cpu backend's C kernels (cpu_decode.c, cpu_layer_ops.c) as torch custom ops, pdserve::*, with run-time
+// The cpu backend's C kernels (cpu_decode.c, cpu_layer_ops.c, cpu_linear.c) as torch custom ops, pdserve::*, with run-time
 // dispatch over the ISA builds that setup.py links into this library (cpu_kernels.h).
 //
 // Why torch ops rather than ctypes: a call passes tensors, not a dozen host pointers and sizes marshalled one by one
@@ -46,11 +46,12 @@ struct Build {
     decltype(&silu_and_mul_base) silu_and_mul;
     decltype(&rotary_and_write_kv_base) rotary_and_write_kv;
     decltype(&causal_softmax_bf16_base) causal_softmax_bf16;
+    decltype(&linear_small_m_base) linear_small_m;
 };
 
 #define PDSERVE_BUILD(isa, runs_here)                                                                            \
     Build { #isa, runs_here, paged_decode_attention_##isa, rms_norm_##isa, silu_and_mul_##isa,                   \
-            rotary_and_write_kv_##isa, causal_softmax_bf16_##isa }
+            rotary_and_write_kv_##isa, causal_softmax_bf16_##isa, linear_small_m_##isa }
 
 bool always() { return true; }
 
@@ -262,6 +263,34 @@ void causal_softmax_(const at::Tensor &scores, int64_t rows, double scale) {
                                   static_cast<float>(scale), at::get_num_threads());
 }
 
+at::Tensor linear_small_m(const at::Tensor &x, const at::Tensor &weight, const std::optional<at::Tensor> &bias) {
+    check_cpu(x, "x");
+    check_cpu(weight, "weight");
+    TORCH_CHECK_VALUE(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat,
+                      "linear_small_m takes float32 x and weight, got ", x.scalar_type(), " and ", weight.scalar_type());
+    TORCH_CHECK_VALUE(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1), "linear_small_m takes x [M, K] "
+                      "and weight [N, K], got shapes ", x.sizes(), " and ", weight.sizes());
+    const int64_t rows = x.size(0), out_features = weight.size(0), in_features = weight.size(1);
+    TORCH_CHECK_VALUE(rows <= INT32_MAX && out_features <= INT32_MAX && in_features <= INT32_MAX,
+                      "linear_small_m: dimensions past 2^31 (", rows, ", ", out_features, ", ", in_features, ")");
+    at::Tensor b;
+    if (bias) {
+        check_cpu(*bias, "bias");
+        check_same_dtype(*bias, "bias", x, "x");
+        TORCH_CHECK_VALUE(bias->dim() == 1 && bias->size(0) == out_features, "bias must be [out_features=",
+                          out_features, "], got shape ", bias->sizes());
+        b = bias->contiguous();
+    }
+    // Rows may be strided (a view of wider rows); the weight is nn.Linear's own dense tensor (never copied on the
+    // engine's path).
+    const at::Tensor xs = x.stride(1) == 1 ? x : x.contiguous(), w = weight.contiguous();
+    at::Tensor out = at::empty({rows, out_features}, x.options());
+    if (rows == 0 || out_features == 0) return out;
+    kernels().linear_small_m(xs.data_ptr<float>(), w.data_ptr<float>(), bias ? b.data_ptr<float>() : nullptr,
+                             out.data_ptr<float>(), rows, out_features, in_features, xs.stride(0),
+                             at::get_num_threads());
+    return out;
+}
 std::string cpu_isa() { return kernels().isa; }
 
 std::vector<std::string> cpu_isas() {
@@ -297,6 +326,7 @@ TORCH_LIBRARY(pdserve, m) {
     m.def("rotary_and_write_kv(Tensor(a!) qkv, Tensor cos, Tensor sin, Tensor(b!) k_cache, Tensor(c!) v_cache, "
           "Tensor slot_mapping) -> ()");
     m.def("causal_softmax_(Tensor(a!) scores, int rows, float scale) -> ()");
+    m.def("linear_small_m(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor");
     // The ISA builds, and the torch this library was compiled against (kernels/cpu_ops.py checks it at load).
     m.def("cpu_isa() -> str", &cpu_isa);
     m.def("cpu_isas() -> str[]", &cpu_isas);
@@ -310,4 +340,5 @@ TORCH_LIBRARY_IMPL(pdserve, CPU, m) {
     m.impl("silu_and_mul", &silu_and_mul);
     m.impl("rotary_and_write_kv", &rotary_and_write_kv);
     m.impl("causal_softmax_", &causal_softmax_);
+    m.impl("linear_small_m", &linear_small_m);
 }

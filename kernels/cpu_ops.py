@@ -1,5 +1,6 @@
-"""The "cpu" backend: paged decode attention in C (`kernels/cpu_decode.c`), reading K/V in place, and a decoder
-layer's small per-token ops and the KV-cache write in C (`kernels/cpu_layer_ops.c`), called as torch ops.
+"""The "cpu" backend: paged decode attention in C (`kernels/cpu_decode.c`), reading K/V in place, a decoder
+layer's small per-token ops and the KV-cache write in C (`kernels/cpu_layer_ops.c`), and the fp32 linear layers'
+small-batch GEMM (`kernels/cpu_linear.c`), called as torch ops.
 
 The C sources are compiled when pdserve is installed (setup.py), once per ISA level (base, avx2, avx512,
 avx512_bf16 on x86), into one extension, `kernels/_C`, whose torch ops (`pdserve::*`, `kernels/cpu_ops.cpp`) run
@@ -102,6 +103,10 @@ def _register_fakes() -> None:
     def _(scores, rows, scale):
         return None
 
+    @torch.library.register_fake("pdserve::linear_small_m")
+    def _(x, weight, bias=None):
+        return x.new_empty((x.shape[0], weight.shape[0]))
+
 
 def cpu_isa() -> str:
     """The ISA level whose build the ops run now ("avx512_bf16", "avx512", "avx2" or "base"). Raises
@@ -139,6 +144,9 @@ class CpuKernels:
         self._silu_and_mul = ops.silu_and_mul.default
         self._rotary_and_write_kv = ops.rotary_and_write_kv.default
         self._causal_softmax = ops.causal_softmax_.default
+        # fp32 (x [M, K], weight [N, K], bias [N] or None) -> x W^T + b [M, N] (`kernels/cpu_linear.c`); raises
+        # ValueError on another dtype or mismatched shapes. Fast for small M only: `engine.packing.SmallBatchLinear`.
+        self.linear_small_m = ops.linear_small_m.default
 
     @classmethod
     def load(cls) -> CpuKernels:

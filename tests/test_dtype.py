@@ -190,6 +190,48 @@ def test_packed_linear_computes_the_same_linear_and_packs_only_bf16():
         PackedLinear(nn.Linear(4, 4))
 
 
+def test_small_batch_linear_sends_decode_batches_to_the_kernel_and_prefill_to_torch():
+    """SmallBatchLinear: up to SMALL_BATCH_ROWS rows through its kernel, more through F.linear, both on the layer's
+    own weight (no copy), 3-D input reshaped; pack_linears swaps in fp32 CPU linears only when given a kernel."""
+    from engine.packing import SMALL_BATCH_ROWS, SmallBatchLinear, pack_linears
+
+    calls = []
+
+    def kernel(x, weight, bias):
+        calls.append(x.shape[0])
+        return F.linear(x, weight, bias)
+
+    torch.manual_seed(0)
+    lin = nn.Linear(64, 96, bias=True)
+    small = SmallBatchLinear(lin, kernel)
+    assert small.weight.data_ptr() == lin.weight.data_ptr()
+    for rows in (1, SMALL_BATCH_ROWS, SMALL_BATCH_ROWS + 1):
+        x = torch.randn(rows, 64)
+        torch.testing.assert_close(small(x), lin(x))
+    assert calls == [1, SMALL_BATCH_ROWS]
+    x = torch.randn(2, 3, 64)
+    assert small(x).shape == (2, 3, 96) and calls[-1] == 6
+
+    model = nn.Sequential(nn.Linear(8, 8), nn.Sequential(nn.Linear(8, 8)))
+    assert pack_linears(model) == 0 and type(model[0]) is nn.Linear  # no kernel: fp32 stays
+    assert pack_linears(model, kernel) == 2
+    assert isinstance(model[0], SmallBatchLinear) and isinstance(model[1][0], SmallBatchLinear)
+
+
+def test_an_fp32_engine_on_the_cpu_backend_runs_the_small_batch_kernel(tiny_model_dir):
+    """The cpu backend's fp32 engine swaps its linears (LM head included) for SmallBatchLinear over the compiled
+    kernel, and gives the greedy tokens of the plain nn.Linear engine (decode batches of 1-6 rows through the kernel,
+    the prompts through torch's GEMM)."""
+    from engine.packing import SmallBatchLinear
+
+    parts = build_engine(EngineArgs(model_dir=str(tiny_model_dir), dtype="float32", attention_backend="cpu"))
+    assert isinstance(parts.runner.model.lm_head, SmallBatchLinear)
+    prompts = [[5 + i, 17, 300 + 7 * i] * (i + 1) for i in range(6)]
+    kernel = _engine_greedy(tiny_model_dir, "float32", prompts, 8, solo=False)
+    plain = _engine_greedy(tiny_model_dir, "float32", prompts, 8, solo=False, packed_weights=False)
+    assert kernel == plain
+
+
 def test_tiny_model_packed_and_plain_bf16_give_the_same_greedy_tokens(tiny_model_dir):
     prompts = [[5 + i, 17, 300 + 7 * i] * (i + 1) for i in range(6)]
     packed = _engine_greedy(tiny_model_dir, "bfloat16", prompts, 8, solo=False)

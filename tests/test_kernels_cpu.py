@@ -363,3 +363,27 @@ def test_c_causal_softmax_with_a_window_matches_torch(kernels, rows, end, window
     assert (expected[:, hidden] == 0).all()
     torch.testing.assert_close(out.float().sum(-1), torch.ones(3, rows), atol=2e-2, rtol=0)
 
+
+
+@pytest.mark.parametrize("rows,out_features,in_features", [(1, 7, 3), (2, 1536, 576), (3, 576, 1536), (5, 13, 100),
+                                                            (32, 64, 8), (0, 4, 8)])
+def test_small_batch_linear_matches_torch(kernels, rows, out_features, in_features):
+    """fp32 x W^T (+ b) against F.linear: odd sizes take every tail of the 4-feature x 2-row tiles and of the vector
+    loop over K; x as a strided view (the rows of a wider tensor) is read in place."""
+    g = torch.Generator().manual_seed(rows * 1000 + in_features)
+    w, bias = torch.randn(out_features, in_features, generator=g), torch.randn(out_features, generator=g)
+    wide = torch.randn(rows, in_features + 5, generator=g)
+    for x in (wide[:, :in_features].contiguous(), wide[:, :in_features]):
+        for b in (None, bias):
+            ours = kernels.linear_small_m(x, w, b)
+            assert ours.shape == (rows, out_features) and ours.dtype == torch.float32
+            torch.testing.assert_close(ours, torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-4)
+
+
+def test_small_batch_linear_refuses_what_it_does_not_compute(kernels):
+    with pytest.raises(ValueError, match="float32 x and weight, got BFloat16"):
+        kernels.linear_small_m(torch.zeros(2, 8).bfloat16(), torch.zeros(4, 8).bfloat16(), None)
+    with pytest.raises(ValueError, match=r"x \[M, K\] and weight \[N, K\]"):
+        kernels.linear_small_m(torch.zeros(2, 8), torch.zeros(4, 9), None)
+    with pytest.raises(ValueError, match="bias must be"):
+        kernels.linear_small_m(torch.zeros(2, 8), torch.zeros(4, 8), torch.zeros(3))

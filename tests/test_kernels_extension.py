@@ -120,7 +120,9 @@ def test_the_ops_are_torch_custom_ops_with_fake_implementations():
              (ops.rms_norm.default, (x, weight, 1e-5, torch.randn(3, 64, generator=g).to(bf16))),
              (ops.silu_and_mul.default, (torch.randn(3, 64, generator=g).to(bf16),)),
              (ops.rotary_and_write_kv.default, (qkv, cos[:, 0], sin[:, 0], k_cache, v_cache, torch.tensor([3, 17]))),
-             (ops.causal_softmax_.default, (torch.randn(2, 4, 10, generator=g).to(bf16), 4, 0.5))]
+             (ops.causal_softmax_.default, (torch.randn(2, 4, 10, generator=g).to(bf16), 4, 0.5)),
+             (ops.linear_small_m.default, (torch.randn(3, 64, generator=g), torch.randn(5, 64, generator=g),
+                                           torch.randn(5, generator=g)))]  # fp32: the op's one dtype
     for op, args in cases:
         assert all(v == "SUCCESS" for v in torch.library.opcheck(op, args).values()), op
     with torch.device("meta"):  # the fakes give shapes without running C

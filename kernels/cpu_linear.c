@@ -1,0 +1,90 @@
+/* y = x W^T (+ b) in fp32 for the few rows of a decode step: the linear layers' small-M GEMM on CPU.
+ *
+ * Why ours: torch's fp32 linear on CPU (MKL/oneDNN sgemm) runs small M poorly. At M = 1 it takes a GEMV path at
+ * about 8 GB/s of weights where the machine reads 22; from M = 2 on it runs its GEMM path, which copies each call's
+ * weight panels into a packed layout first, so M = 2-16 took longer than M = 1 (2-core AMD EPYC VM, AVX2, 60 distinct
+ * 1536 x 576 weights streamed from DRAM: 24 / 42 / 41 / 55 ms at M = 1 / 2 / 4 / 16, this kernel 14 / 15 / 16 / 32).
+ * A decode step is that regime: every weight is read once per step for a handful of rows.
+ *
+ * Form: W stays in nn.Linear's [N, K] layout (no copy, no repacking: the same tensor serves torch's GEMM for large M,
+ * kernels/cpu_ops.py). Each thread takes blocks of 4 output features (4 weight rows, adjacent in memory: one
+ * sequential stream); for each pair of x rows it keeps 2 x 4 vector accumulators over K (8 independent FMA chains,
+ * enough to hide the FMA latency on two FMA ports) and reduces them at the end. The 4 weight rows are re-read for each
+ * pair of x rows from L1/L2, so DRAM sees each weight once per call. Vectors are GCC's vector extensions at the width
+ * of the level being compiled (setup.py builds this file per ISA level), so one source serves SSE2, AVX2 and AVX-512.
+ * fp32 sums are reassociated against torch's (per-lane partial sums): results differ in the last bits.
+ */
+#include <stdint.h>
+
+#include "cpu_kernels.h"
+
+#if defined(__AVX512F__)
+#define VW 16
+#elif defined(__AVX__)
+#define VW 8
+#else
+#define VW 4
+#endif
+#define NB 4  /* weight rows (output features) per block */
+#define MB 2  /* x rows per pass over a block */
+
+typedef float vf __attribute__((vector_size(VW * sizeof(float)), aligned(4), may_alias));  /* unaligned loads */
+
+static inline vf vload(const float *p) { return *(const vf *)p; }
+
+static inline float hsum(vf v) {
+    float s = 0.0f;
+    for (int i = 0; i < VW; i++) s += v[i];
+    return s;
+}
+
+/* out[i][j] = dot(x row i, w row j) for i < mb, j < nb; x rows x_stride apart, w rows K apart. mb and nb are
+ * constants at each call site (always inlined), so the loops over them unroll and the accumulators stay in
+ * registers. */
+static inline __attribute__((always_inline)) void dot_tile(const float *x, int64_t x_stride, const float *w, int K,
+                                                            float out[MB][NB], const int mb, const int nb) {
+    vf acc[MB][NB];
+    for (int i = 0; i < MB; i++)
+        for (int j = 0; j < NB; j++) acc[i][j] = (vf){0};
+    int k = 0;
+    for (; k + VW <= K; k += VW) {
+        vf wv[NB];
+        for (int j = 0; j < nb; j++) wv[j] = vload(w + (int64_t)j * K + k);
+        for (int i = 0; i < mb; i++) {
+            const vf xv = vload(x + i * x_stride + k);
+            for (int j = 0; j < nb; j++) acc[i][j] += xv * wv[j];
+        }
+    }
+    for (int i = 0; i < mb; i++) {
+        for (int j = 0; j < nb; j++) {
+            float s = hsum(acc[i][j]);
+            for (int t = k; t < K; t++) s += x[i * x_stride + t] * w[(int64_t)j * K + t];
+            out[i][j] = s;
+        }
+    }
+}
+
+/* y[m, n] = sum_k x[m, k] * w[n, k] + (bias ? bias[n] : 0) for m < M, n < N.
+ * x: [M, K] fp32, rows x_stride apart (dense within a row); w: [N, K] fp32 dense; bias: [N] or NULL; y: [M, N]
+ * dense. Threads split the output features. */
+void linear_small_m(const float *x, const float *w, const float *bias, float *y, int M, int N, int K,
+                    int64_t x_stride, int num_threads) {
+    const int blocks = (N + NB - 1) / NB;
+    #pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int b = 0; b < blocks; b++) {
+        const int n0 = b * NB, nb = N - n0 < NB ? N - n0 : NB;
+        const float *wb = w + (int64_t)n0 * K;
+        for (int m0 = 0; m0 < M; m0 += MB) {
+            const int mb = M - m0 < MB ? M - m0 : MB;
+            const float *xm = x + m0 * x_stride;
+            float out[MB][NB];
+            if (nb == NB && mb == MB) dot_tile(xm, x_stride, wb, K, out, MB, NB);
+            else if (nb == NB) dot_tile(xm, x_stride, wb, K, out, 1, NB);
+            else if (mb == MB) dot_tile(xm, x_stride, wb, K, out, MB, nb);
+            else dot_tile(xm, x_stride, wb, K, out, 1, nb);
+            for (int i = 0; i < mb; i++)
+                for (int j = 0; j < nb; j++)
+                    y[(int64_t)(m0 + i) * N + n0 + j] = out[i][j] + (bias ? bias[n0 + j] : 0.0f);
+        }
+    }
+}
