@@ -11,9 +11,10 @@ GEMM baseline): bf16 F.linear reaches 5.9 / 22.8 / 96 / 189 GFLOP/s at M = 1 / 4
 10.5-11 / 41-46 / 150-165 / 290-440 (fp32 F.linear: 9.1 / 19.3 / 42 / 75; a packed fp32 weight did not pay).
 
 fp32 (`SmallBatchLinear`): torch's fp32 linear runs a decode step's few rows poorly (a GEMV at about a third of
-the machine's read bandwidth at M = 1, and from M = 2 a GEMM that repacks the weight on every call), so up to
-`SMALL_BATCH_ROWS` rows go through the cpu backend's own kernel (`kernels/cpu_linear.c`) over the same weight
-tensor, and larger batches (prefill chunks) through torch's GEMM. The crossover was measured on the 2-core AMD EPYC
+the machine's read bandwidth at M = 1, and from M = 2 a GEMM slower than that GEMV: by its timing it packs the
+weight on every call), so up to `SMALL_BATCH_ROWS` rows go through the cpu backend's own kernel
+(`kernels/cpu_linear.c`) over the same weight tensor, and larger batches (prefill chunks) through torch's GEMM. The
+crossover was measured on the 2-core AMD EPYC
 VM (AVX2, 2 threads, 60 distinct weights streamed from DRAM): the kernel was 1.5-3.0x faster from M = 1 to 32 on
 both the 1536 x 576 and the 576 x 1536 shapes, and at M = 64 faster on one and slower on the other.
 

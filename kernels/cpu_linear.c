@@ -1,9 +1,9 @@
 /* y = x W^T (+ b) in fp32 for the few rows of a decode step: the linear layers' small-M GEMM on CPU.
  *
  * Why ours: torch's fp32 linear on CPU (MKL/oneDNN sgemm) runs small M poorly. At M = 1 it takes a GEMV path at
- * about 8 GB/s of weights where the machine reads 22; from M = 2 on it runs its GEMM path, which copies each call's
- * weight panels into a packed layout first, so M = 2-16 took longer than M = 1 (2-core AMD EPYC VM, AVX2, 60 distinct
- * 1536 x 576 weights streamed from DRAM: 24 / 42 / 41 / 55 ms at M = 1 / 2 / 4 / 16, this kernel 14 / 15 / 16 / 32).
+ * about 8 GB/s of weights where the machine reads 22; from M = 2 on its GEMM path took longer than M = 1 (by its
+ * timing it packs the weight on every call; not profiled inside). 2-core AMD EPYC VM, AVX2, 60 distinct 1536 x 576
+ * weights streamed from DRAM: 24 / 42 / 41 / 55 ms at M = 1 / 2 / 4 / 16, this kernel 14 / 15 / 16 / 32.
  * A decode step is that regime: every weight is read once per step for a handful of rows.
  *
  * Form: W stays in nn.Linear's [N, K] layout (no copy, no repacking: the same tensor serves torch's GEMM for large M,
