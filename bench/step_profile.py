@@ -262,7 +262,8 @@ def main(argv=None) -> int:
             point = measure(args, b, a.context, a.steps)
             torch_dtype = getattr(torch, dt)  # the GEMM baseline stays the dense one: what int8 must beat
             point["dtype"], point["attention_backend"] = name, point.pop("backend")
-            point["packed_weights"] = packing == "on" and dt == "bfloat16" and quant in ("", "none")
+            # bf16: oneDNN-prepacked weights; fp32: the cpu backend's small-batch kernel (engine.packing)
+            point["packed_weights"] = packing == "on" and dt in ("bfloat16", "float32") and quant in ("", "none")
             point["gemm_flop_s"] = gemm_rate(point.pop("shapes"), b, torch_dtype)
             point["fraction"] = point["model_flop_s"] / point["gemm_flop_s"]
             point["bandwidth_fraction"] = point["weight_bytes_s"] / report["copy_bytes_s"]

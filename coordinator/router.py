@@ -138,8 +138,8 @@ class Router:
         Raises:
             RequestError: UNAVAILABLE when there is no decode worker.
         """
-        def blocks(w: WorkerHandle) -> int:
-            return -(-num_tokens // w.info.block_size)
+        def blocks(w: WorkerHandle) -> int:  # a windowed worker's requests hold at most their window's blocks
+            return min(-(-num_tokens // w.info.block_size), w.info.max_request_blocks or num_tokens)
 
         candidates = self._rotated("decode", self.decode)
         if prompt_token_ids is None:

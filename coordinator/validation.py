@@ -36,7 +36,9 @@ class Limits:
 
     Attributes:
         context_length: most prompt + output tokens (model / max_model_len).
-        kv_capacity_tokens: most tokens one request can hold in the smallest worker KV pool.
+        kv_capacity_tokens: most tokens (prompt + output) one request may hold on every live worker: the smallest
+            `WorkerInfo.max_request_tokens` (a KV pool's size, or the context length on a worker whose blocks go
+            back behind a sliding window).
         vocab_size: valid token ids are [0, vocab_size).
     """
 

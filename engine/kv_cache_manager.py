@@ -22,7 +22,9 @@ def window_peak_blocks(block_size: int, sliding_window: int, max_chunk: int) -> 
     its tokens: the window behind the step's first token, the step's tokens, and up to block_size - 1 positions of
     misalignment at each end, so blocks_needed(W + max_chunk + block_size - 2); and, when the window is narrower
     than a block (the last block is always kept), the step's blocks plus that one. Blocks behind the window go
-    back after every step (`KVCacheManager.release_out_of_window`) and a first allocation takes none of them."""
+    back after every step (`KVCacheManager.release_out_of_window`) and a first allocation takes none of them.
+    n-gram drafts may take a decode a few blocks past this, and only from blocks no other request needs that step
+    (`Scheduler._allocate_drafts`)."""
     cover = -(-(sliding_window + max_chunk + block_size - 2) // block_size)
     return max(cover, -(-max_chunk // block_size) + 1)
 
@@ -43,6 +45,17 @@ def max_request_tokens(num_blocks: int, block_size: int, sliding_window: int, ma
     return min(max_model_len, usable * block_size)
 
 
+def max_request_blocks(num_blocks: int, block_size: int, sliding_window: int, max_chunk: int) -> int:
+    """Most blocks one request holds at once on a worker whose steps compute at most max_chunk of a request's
+    tokens: the window's peak (`window_peak_blocks`, the chunk capped as the scheduler caps a request longer than
+    the pool) when blocks go back behind a sliding window, else 0 (a block per block_size tokens of its context).
+    What a worker advertises (`WorkerInfo.max_request_blocks`)."""
+    if not sliding_window:
+        return 0
+    cap = window_chunk_cap(usable_blocks(num_blocks, sliding_window), block_size, sliding_window)
+    return window_peak_blocks(block_size, sliding_window, min(max_chunk, cap) if cap >= 1 else max_chunk)
+
+
 class KVCacheManager:
     """Maps request ids to their block tables. Owned by the engine thread.
 
@@ -52,8 +65,8 @@ class KVCacheManager:
     table, as vLLM's sliding-window KV manager does, so a long request holds about W / block_size + 1 blocks
     instead of its whole context. The table keeps its length (slot mapping and block counts stay positional); the
     attention kernels never read positions outside the window (`kernels.reference`), so the null block's contents
-    do not matter. In disaggregation the decode worker gives the same blocks back as it reserves and the prefill
-    worker skips them (`Scheduler.reserve`). The null block is taken from the pool at construction and never
+    do not matter. In disaggregation the decode worker never takes those blocks (its reservation starts them as the
+    null block: `allocate_slots`' next_position) and the prefill worker skips them (`Scheduler.reserve`). The null block is taken from the pool at construction and never
     freed: every table entry that names it holds one reference, so `free` and `fork` treat it as any shared block.
 
     Args:
@@ -91,11 +104,13 @@ class KVCacheManager:
 
     @property
     def max_chunk(self) -> int | None:
-        """Most tokens one step may compute for a request so that a request of any length fits the pool under the
-        sliding window (`window_chunk_cap`, at least 1); None without a window (no cap)."""
+        """Most tokens one step may compute for a request longer than the pool so that it fits under the sliding
+        window (`window_chunk_cap`); None without a window, or when not even the window and one token fit (such a
+        request is refused at admission, and one that fits whole needs no cap)."""
         if not self.sliding_window:
             return None
-        return max(1, window_chunk_cap(self.num_usable_blocks, self.block_size, self.sliding_window))
+        cap = window_chunk_cap(self.num_usable_blocks, self.block_size, self.sliding_window)
+        return cap if cap >= 1 else None
 
     def peak_blocks(self, num_tokens: int, max_chunk: int) -> int:
         """Most blocks a request of num_tokens tokens (prompt + output) holds at once when its steps compute at most

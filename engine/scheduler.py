@@ -83,10 +83,7 @@ class Scheduler:
                 return RequestFailed(request.request_id, ErrorKind.INVALID_REQUEST,
                                      f"token id {bad} in {field} is outside the vocabulary "
                                      f"[0, {self.config.vocab_size})")
-        # Tokens it may hold: a prefill-only request computes what it has (prompt, and output a lost worker had
-        # generated) plus one; a decode request its prompt plus max_tokens outputs, however many it brings.
-        need = (request.num_tokens + 1 if request.prefill_only
-                else request.num_prompt_tokens + request.sampling.max_tokens)
+        need = self._max_context(request)
         if need > self.config.max_model_len:
             return RequestFailed(request.request_id, ErrorKind.INVALID_REQUEST,
                                  f"prompt ({request.num_prompt_tokens}) + max_tokens exceeds max_model_len "
@@ -96,7 +93,7 @@ class Scheduler:
         n = request.sampling.n
         shared = (request.num_prompt_tokens - 1) // self.kv.block_size if n > 1 else 0
         blocks = min(shared + n * (self.kv.blocks_needed(need) - shared),
-                     n * self.kv.peak_blocks(need, self._max_chunk()))
+                     n * self.kv.peak_blocks(need, self._chunk_limit(request)))
         if blocks > self.kv.num_usable_blocks:
             return RequestFailed(request.request_id, ErrorKind.CAPACITY,
                                  f"request needs {blocks} KV blocks, the pool has "
@@ -152,10 +149,12 @@ class Scheduler:
         out: list[Reserved] = []
         if not self.reserving:  # called every engine loop: skip the queue scan when nothing waits to reserve
             return out
-        chunk = self._max_chunk()
         owed = sum(max(0, min(self.kv.blocks_needed(r.num_tokens) - len(self.kv.get_block_table(r.request_id)),
-                              self.kv.peak_blocks(r.num_tokens, chunk)))
+                              self.kv.peak_blocks(r.num_tokens, self._chunk_limit(r))))
                    for r in self.waiting)
+        # A request longer than the pool (under a sliding window) needs up to its whole window's peak as it runs: a
+        # reservation that took those blocks would have it preempt itself and recompute from its first token.
+        owed += sum(self._window_growth(r) for r in self.running)
         while (req := self.reserving.peek()) is not None:
             cached = self.kv.get_computed_blocks(req)  # KV this worker already holds need not be sent again
             # Under a sliding window the blocks behind the window of the first token decoded here take none of the
@@ -257,7 +256,6 @@ class Scheduler:
         speculate = spec.enabled and len(self.running) <= spec.disable_batch_size
         head = self.waiting.peek()
         prefill_left = self._prefill_cap()
-        chunk = self._max_chunk()
         kv_preempted = False
         i = 0
         while i < len(self.running) and budget > 0:
@@ -265,7 +263,7 @@ class Scheduler:
             if req.fork_pending and req.num_computed_tokens >= self._target(req) and not self._fork(req):
                 i += 1  # no block for the samples' copies yet: the fork waits for one
                 continue
-            n = min(self._target(req) - req.num_computed_tokens, budget, chunk)
+            n = min(self._target(req) - req.num_computed_tokens, budget, self._chunk_limit(req))
             if n > 1 and head is not None and self.policy.outranks(head, req):
                 i += 1  # a prefill chunk gives its budget to a more important waiting request (decodes still run)
                 continue
@@ -275,7 +273,8 @@ class Scheduler:
                     i += 1
                     continue
                 prefill_left -= n
-            drafts = self._propose(req, budget) if speculate and n == 1 else []
+            decoding = self._target(req) - req.num_computed_tokens == 1  # not a prefill capped to one token
+            drafts = self._propose(req, budget) if speculate and decoding else []
             if drafts and not self._allocate_drafts(req, len(drafts), budget):
                 drafts = []  # no blocks to spare: decode plainly (drafts never cost another request its blocks)
             while not self.kv.allocate_slots(req.request_id, req.num_computed_tokens + n):
@@ -304,7 +303,7 @@ class Scheduler:
             if req.num_computed_tokens == 0:
                 computed_blocks = self.kv.get_computed_blocks(req)
             num_computed = req.num_computed_tokens or len(computed_blocks) * self.kv.block_size
-            n = min(self._target(req) - num_computed, budget, chunk)
+            n = min(self._target(req) - num_computed, budget, self._chunk_limit(req))
             if n > 1 and prefill_left is not None:
                 n = min(n, prefill_left)
                 if n < 2:  # the decodes' latency target is spent: admissions wait for the next step
@@ -343,13 +342,31 @@ class Scheduler:
             out.block_copies, self._block_copies = self._block_copies, []
         return out
 
-    def _max_chunk(self) -> int:
-        """Most tokens one step computes for one request: the step's budget, less under a sliding window on a pool
-        too small for the window plus a full budget (`KVCacheManager.max_chunk`), so that a request of any length
-        still fits alone."""
-        cap = self.kv.max_chunk
+    @staticmethod
+    def _max_context(req: Request) -> int:
+        """Tokens the request may hold: a prefill-only request computes what it has (prompt, and output a lost
+        worker had generated) plus one; a decode request its prompt plus max_tokens outputs, however many it
+        brings."""
+        return req.num_tokens + 1 if req.prefill_only else req.num_prompt_tokens + req.sampling.max_tokens
+
+    def _chunk_limit(self, req: Request) -> int:
+        """Most tokens one step computes for req: the step's budget, less for a request longer than the pool under
+        a sliding window (`KVCacheManager.max_chunk`), so that its window and one chunk fit the pool alone. A
+        request that fits whole is never capped."""
         budget = self.config.max_num_batched_tokens
-        return budget if cap is None else min(budget, cap)
+        cap = self.kv.max_chunk
+        if cap is None or self.kv.blocks_needed(self._max_context(req)) <= self.kv.num_usable_blocks:
+            return budget
+        return min(budget, cap)
+
+    def _window_growth(self, req: Request) -> int:
+        """Blocks a running request longer than the pool may still take before its window's peak (0 for any other
+        request: those give blocks back by preemption, as before)."""
+        need = self._max_context(req)
+        if self.kv.blocks_needed(need) <= self.kv.num_usable_blocks:
+            return 0
+        held = len(self.kv.get_block_table(req.request_id)) - self.kv.num_released(req.request_id)
+        return max(0, self.kv.peak_blocks(need, self._chunk_limit(req)) - held)
 
     def _prefill_cap(self) -> int | None:
         """Prefill tokens this step may take (`SchedulerConfig.itl_target_ms`, `StepCost.prefill_budget`, at least

@@ -51,8 +51,8 @@ def load_library() -> None:
 
     Raises:
         KernelLoadError: no compiled extension beside this file, one that does not load (built for another torch,
-            a missing shared library), one built against another torch version, or a `$PDSERVE_CPU_ISA` this
-            library has no build of or this CPU cannot run.
+            a missing shared library), one built against another torch version or from older sources (an op
+            missing), or a `$PDSERVE_CPU_ISA` this library has no build of or this CPU cannot run.
     """
     global _loaded, _fakes_registered
     if not _loaded:
@@ -74,7 +74,11 @@ def load_library() -> None:
             except ValueError as e:
                 raise KernelLoadError(f"${ISA_ENV}={isa}: {e}") from e
         if not _fakes_registered:
-            _register_fakes()
+            try:
+                _register_fakes()
+            except RuntimeError as e:  # a library built from older sources (an editable install not rebuilt)
+                raise KernelLoadError(f"the compiled cpu kernels {spec.origin} lack an op this pdserve calls ({e}); "
+                                      f"{_FIX}") from e
             _fakes_registered = True
         _loaded = True
 

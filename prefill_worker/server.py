@@ -33,10 +33,11 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
 
     Layer-wise streaming (`layerwise`): the transfer starts as the last prefill chunk's step starts and sends each
     layer as the forward writes it (`KvSender.send_layers`); the first token then only closes it. The handler
-    still leaves the request's stream only after the transfer task ended, so no block is freed while it is read,
-    with one exception that reads nothing anyone uses: under a sliding window every layer shares, blocks behind the
-    window go back to the pool when the step ends (`KVCacheManager.release_out_of_window`) and may be overwritten
-    while the layers are still being sent; the decode worker gives those same blocks back unread as the KV lands.
+    still leaves the request's stream only after the transfer task ended, so no block is freed while it is read.
+    Under a sliding window every layer shares, blocks behind the window go back to the pool when the step ends
+    (`KVCacheManager.release_out_of_window`), but none of them is sent: the decode worker reserved them as the null
+    block and asked for the blocks after them only (`kv_skip_blocks`, at least as many: same tokens, window and
+    block size).
 
     Args:
         worker: the engine and its metrics.

@@ -75,7 +75,7 @@ def test_a_fresh_process_runs_the_best_build(tmp_path):
     assert chosen == best
 
 
-@pytest.mark.parametrize("broken", ["missing", "load fails", "other torch"])
+@pytest.mark.parametrize("broken", ["missing", "load fails", "other torch", "older sources"])
 def test_a_missing_or_broken_build_fails_the_cpu_backend_with_a_clear_error(monkeypatch, broken):
     """No silent fallback to the slower reference: "auto" on CPU and "cpu" both refuse, naming the cause and the
     fixes; "torch", chosen explicitly, still works."""
@@ -90,6 +90,12 @@ def test_a_missing_or_broken_build_fails_the_cpu_backend_with_a_clear_error(monk
             raise OSError(f"{path}: undefined symbol: _ZN3c104impl")
         monkeypatch.setattr(torch.ops, "load_library", load_library)
         cause = r"the compiled cpu kernels .*_C.* failed to load \(.*undefined symbol"
+    elif broken == "older sources":  # an editable install whose library predates an op: registering its fake fails
+        def register_fakes():
+            raise RuntimeError("operator pdserve::linear_small_m does not exist")
+        monkeypatch.setattr(cpu_ops, "_fakes_registered", False)
+        monkeypatch.setattr(cpu_ops, "_register_fakes", register_fakes)
+        cause = r"the compiled cpu kernels .*_C.* lack an op this pdserve calls \(operator pdserve::linear_small_m"
     else:
         monkeypatch.setattr(torch, "__version__", "2.0.0")
         cause = r"the compiled cpu kernels .*_C.* were built against torch " + re.escape(

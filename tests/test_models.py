@@ -171,13 +171,14 @@ def run_greedy(model_dir: str, prompts: list[list[int]], max_tokens: list[int], 
     ("qwen2_dir", True, False),
     ("llama_bias_dir", True, True),
 ])
-def test_greedy_matches_hf_with_projection_biases(request, model_fixture, qkv_bias, o_bias):
+@pytest.mark.parametrize("backend", ["torch", "cpu"])  # cpu: the linears (their biases too) in our small-M kernel
+def test_greedy_matches_hf_with_projection_biases(request, model_fixture, qkv_bias, o_bias, backend):
     """Prompts of 1..40 tokens (40 spans five 8-token KV blocks) batched together under a 16-token budget."""
     model_dir = request.getfixturevalue(model_fixture)
     rng = random.Random(0)
     prompts = [[rng.randrange(3, VOCAB) for _ in range(n)] for n in (1, 6, 19, 40)]
     max_tokens = [5, 8, 6, 7]
-    parts, reqs, chunked = run_greedy(model_dir, prompts, max_tokens)
+    parts, reqs, chunked = run_greedy(model_dir, prompts, max_tokens, backend)
     assert (parts.model_config.qkv_bias, parts.model_config.o_bias) == (qkv_bias, o_bias)
     assert chunked, "the test meant to exercise chunked prefill"
     for req, p, n in zip(reqs, prompts, max_tokens):

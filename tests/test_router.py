@@ -208,3 +208,16 @@ def test_limits_before_any_worker_was_seen_are_unavailable():
     with pytest.raises(RequestError) as e:
         cluster.limits
     assert e.value.code == grpc.StatusCode.UNAVAILABLE
+
+
+def test_a_windowed_workers_requests_count_only_their_windows_blocks_against_headroom():
+    """A decode worker whose blocks go back behind a sliding window advertises the most blocks a request holds at
+    once (WorkerInfo.max_request_blocks): a 2000-token request counts 10 blocks there, not 125, so it neither looks
+    too big for the worker nor uses up its headroom until the next poll."""
+    router = two_by_two()
+    d0, d1 = router.decode
+    d0.info.max_request_blocks = 10
+    d0.stats, d1.stats = stats(free=50), stats(free=40)
+    assert router.pick_decode(2000).address == "d0"
+    assert d0.blocks_routed == 10
+    assert router.pick_decode(2000).address == "d0"  # 40 left estimated: still room for 10, d1 has none for 125

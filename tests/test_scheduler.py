@@ -8,6 +8,7 @@ from engine.kv_cache_manager import KVCacheManager
 from engine.outputs import RunnerOutput, SampledToken, SchedulerOutput
 from engine.request import FinishReason, Request, RequestStatus, SamplingParams
 from engine.scheduler import Scheduler
+from engine.speculative import SpeculativeConfig
 from engine.step_cost import StepCost
 
 BLOCK = 4
@@ -319,3 +320,61 @@ def test_a_windowed_request_longer_than_the_pool_runs_within_its_window(num_bloc
             break
         step(s)
     assert "remote" not in s.requests and s.kv.pool.num_free_blocks == s.kv.num_usable_blocks and not s.kv.pool.integrity_errors()
+
+
+def test_only_requests_longer_than_the_pool_have_their_chunks_capped():
+    """Window 6 on 7 usable blocks of 4 (the cap: 20 tokens): a 24-token prompt that fits whole is prefilled in one
+    step of the 32-token budget; with window 16 not even the window and a token fit 4 usable blocks (no cap, and
+    requests longer than the pool are refused), and a 12-token prompt is still one step, not 12."""
+    config = SchedulerConfig(max_num_batched_tokens=32, max_num_seqs=8, max_model_len=256,
+                             enable_prefix_caching=True, vocab_size=1000)
+    s = Scheduler(config, KVCacheManager(8, BLOCK, True, sliding_window=6))
+    assert s.kv.max_chunk == 20
+    s.add_request(request("fits", 24, max_tokens=4))
+    assert shape(step(s)[0]) == ([], [("fits", 24)])
+
+    s = Scheduler(config, KVCacheManager(5, BLOCK, True, sliding_window=16))
+    assert s.kv.max_chunk is None
+    assert s.add_request(request("long", 60, max_tokens=4)) is not None
+    s.add_request(request("short", 12, max_tokens=4))
+    assert shape(step(s)[0]) == ([], [("short", 12)])
+
+
+def test_drafts_never_ride_on_a_prefill_chunk_capped_to_one_token():
+    """n-gram drafts belong to decodes: a prompt whose chunks the window's cap keeps to one token (window 17 on 5
+    usable blocks of 4) computes its real tokens, never drafts in their place (they would be written as its KV at
+    the prompt's positions and counted as computed)."""
+    config = SchedulerConfig(max_num_batched_tokens=16, max_num_seqs=8, max_model_len=256,
+                             enable_prefix_caching=False, vocab_size=1000,
+                             speculative=SpeculativeConfig(num_tokens=1))  # one draft fits the chunk's block
+    s = Scheduler(config, KVCacheManager(6, BLOCK, False, sliding_window=17))
+    assert s.kv.max_chunk == 1
+    req = Request("long", [1, 2, 3, 4] * 8, SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))
+    assert s.add_request(req) is None
+    chunks = 0
+    for _ in range(200):
+        if "long" not in s.requests:
+            break
+        out, _ = step(s, token=1)
+        for x in out.decodes + out.prefills:
+            if not x.sample:  # a chunk of the prompt: its real tokens only
+                assert not x.spec_token_ids and x.num_new_tokens == 1
+                chunks += 1
+    assert "long" not in s.requests and chunks == 31
+
+
+def test_reservations_leave_a_long_windowed_request_the_blocks_its_window_needs():
+    """A request longer than the pool (window 6, 60 + 20 tokens on 4 usable blocks) runs while a request whose KV
+    comes from a prefill worker arrives every step: the reservations wait for it rather than take blocks its peak
+    still needs (it would preempt itself and recompute from its first token, its block 0 long evicted)."""
+    config = SchedulerConfig(max_num_batched_tokens=16, max_num_seqs=8, max_model_len=256,
+                             enable_prefix_caching=True, vocab_size=1000)
+    s = Scheduler(config, KVCacheManager(5, BLOCK, True, sliding_window=6))
+    assert s.add_request(request("long", 60, max_tokens=20)) is None
+    for i in range(100):
+        if "long" not in s.requests:
+            break
+        s.add_request(request(f"remote{i}", 4, max_tokens=2, first=700 + 10 * i, remote_kv=True))
+        step(s)
+    assert "long" not in s.requests and s.num_preemptions == 0
+    assert not s.kv.pool.integrity_errors()

@@ -96,7 +96,8 @@ def test_requests_longer_than_the_kv_pool_pass_through_a_disaggregated_cluster(m
             with grpc.insecure_channel(address) as ch:
                 info = worker_pb2_grpc.WorkerStub(ch).GetInfo(worker_pb2.WorkerInfoRequest(), timeout=10,
                                                               metadata=cluster.worker_metadata)
-            assert info.num_blocks == 7 and info.max_request_tokens == 512
+            # a request holds at most its window (8) and a chunk capped to 42 tokens: 7 blocks of 8
+            assert info.num_blocks == 7 and info.max_request_tokens == 512 and info.max_request_blocks == 7
 
         async def send():
             async with AsyncClient(cluster.address) as c:

@@ -18,7 +18,7 @@ from engine.engine_core import EngineCore
 from engine.errors import EngineError
 from engine.hardware import set_threads
 from engine.kv_cache import KVCache
-from engine.kv_cache_manager import max_request_tokens, sliding_kv_window, usable_blocks
+from engine.kv_cache_manager import max_request_blocks, max_request_tokens, sliding_kv_window, usable_blocks
 from engine.process_engine import EngineBuildError, ProcessEngine
 from pdserve.v1 import generate_pb2, worker_pb2, worker_pb2_grpc
 from server_common.addresses import advertise_host
@@ -120,7 +120,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             eos_token_id=m.eos_token_ids[0] if m.eos_token_ids else 0, kv_address=self.kv_address,
             kv_connector=self.kv_connector,
             max_request_tokens=max_request_tokens(c.num_blocks, c.block_size, window, s.max_model_len),
-            instance_id=self.instance_id, tensor_parallel_size=c.tensor_parallel_size, kv_sliding_window=window)
+            instance_id=self.instance_id, tensor_parallel_size=c.tensor_parallel_size, kv_sliding_window=window,
+            max_request_blocks=max_request_blocks(c.num_blocks, c.block_size, window, s.max_num_batched_tokens))
 
     async def GetInfo(self, request, context):
         return self.info()
