@@ -19,6 +19,7 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
+from engine.admission import max_context, refusal
 from engine.config import SchedulerConfig
 from engine.errors import EngineError, ErrorKind
 from engine.kv_cache_manager import KVCacheManager
@@ -68,36 +69,8 @@ class Scheduler:
         if request.request_id in self.requests:
             return RequestFailed(request.request_id, ErrorKind.DUPLICATE_REQUEST,
                                  f"request id {request.request_id!r} is in use")
-        if not request.prompt_token_ids:
-            return RequestFailed(request.request_id, ErrorKind.INVALID_REQUEST, "the prompt is empty")
-        if SAMPLE_ID_SEPARATOR in request.request_id:
-            return RequestFailed(request.request_id, ErrorKind.INVALID_REQUEST,
-                                 "the request id contains a NUL character")
-        if request.sampling.n > 1 and (failure := self._check_parallel(request)):
+        if failure := refusal(request, self.config, self.kv, self._chunk_limit(request)):
             return failure
-        # An embedding lookup out of range would fail the whole step, not just this request: the prompt and the
-        # output a migrated request brings (generated elsewhere, computed here as context) are checked alike.
-        for field, ids in (("prompt", request.prompt_token_ids), ("output_token_ids", request.output_token_ids)):
-            bad = next((t for t in ids if not 0 <= t < self.config.vocab_size), None)
-            if bad is not None:
-                return RequestFailed(request.request_id, ErrorKind.INVALID_REQUEST,
-                                     f"token id {bad} in {field} is outside the vocabulary "
-                                     f"[0, {self.config.vocab_size})")
-        need = self._max_context(request)
-        if need > self.config.max_model_len:
-            return RequestFailed(request.request_id, ErrorKind.INVALID_REQUEST,
-                                 f"prompt ({request.num_prompt_tokens}) + max_tokens exceeds max_model_len "
-                                 f"{self.config.max_model_len}")
-        # n samples share the prompt's full blocks (but the last token's); each holds the rest on its own. Under a
-        # sliding window each holds at most its window's blocks, however long it grows.
-        n = request.sampling.n
-        shared = (request.num_prompt_tokens - 1) // self.kv.block_size if n > 1 else 0
-        blocks = min(shared + n * (self.kv.blocks_needed(need) - shared),
-                     n * self.kv.peak_blocks(need, self._chunk_limit(request)))
-        if blocks > self.kv.num_usable_blocks:
-            return RequestFailed(request.request_id, ErrorKind.CAPACITY,
-                                 f"request needs {blocks} KV blocks, the pool has "
-                                 f"{self.kv.num_usable_blocks}; lower max_tokens (or n) or raise the KV budget")
         if request.sampling.structured_output is not None and (failure := self._attach_matcher(request)):
             return failure
         self.requests[request.request_id] = request
@@ -109,18 +82,6 @@ class Scheduler:
             request.status = RequestStatus.WAITING
             self.waiting.push(request)
         return None
-
-    @staticmethod
-    def _check_parallel(request: Request) -> RequestFailed | None:
-        """A parallel-sampling request (n > 1) forks where it decodes, from a prompt it computed itself."""
-        why = ("a prefill-only request" if request.prefill_only else
-               "a request whose prompt KV comes from a prefill worker" if request.remote_kv else
-               "a resumed request (output_token_ids)" if request.output_token_ids else None)
-        if why is None:
-            return None
-        return RequestFailed(request.request_id, ErrorKind.INVALID_REQUEST,
-                             f"n = {request.sampling.n} (parallel sampling) cannot be {why}: the samples fork from a "
-                             "prompt computed on the worker that decodes them")
 
     def _attach_matcher(self, request: Request) -> RequestFailed | None:
         """Compile the request's constraint (cached per text) into its matcher and replay the output it brings
@@ -342,27 +303,20 @@ class Scheduler:
             out.block_copies, self._block_copies = self._block_copies, []
         return out
 
-    @staticmethod
-    def _max_context(req: Request) -> int:
-        """Tokens the request may hold: a prefill-only request computes what it has (prompt, and output a lost
-        worker had generated) plus one; a decode request its prompt plus max_tokens outputs, however many it
-        brings."""
-        return req.num_tokens + 1 if req.prefill_only else req.num_prompt_tokens + req.sampling.max_tokens
-
     def _chunk_limit(self, req: Request) -> int:
         """Most tokens one step computes for req: the step's budget, less for a request longer than the pool under
         a sliding window (`KVCacheManager.max_chunk`), so that its window and one chunk fit the pool alone. A
         request that fits whole is never capped."""
         budget = self.config.max_num_batched_tokens
         cap = self.kv.max_chunk
-        if cap is None or self.kv.blocks_needed(self._max_context(req)) <= self.kv.num_usable_blocks:
+        if cap is None or self.kv.blocks_needed(max_context(req)) <= self.kv.num_usable_blocks:
             return budget
         return min(budget, cap)
 
     def _window_growth(self, req: Request) -> int:
         """Blocks a running request longer than the pool may still take before its window's peak (0 for any other
         request: those give blocks back by preemption, as before)."""
-        need = self._max_context(req)
+        need = max_context(req)
         if self.kv.blocks_needed(need) <= self.kv.num_usable_blocks:
             return 0
         held = len(self.kv.get_block_table(req.request_id)) - self.kv.num_released(req.request_id)
