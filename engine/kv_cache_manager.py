@@ -29,10 +29,11 @@ def window_peak_blocks(block_size: int, sliding_window: int, max_chunk: int) -> 
     return max(cover, -(-max_chunk // block_size) + 1)
 
 
-def window_chunk_cap(num_usable: int, block_size: int, sliding_window: int) -> int:
+def window_chunk_cap(num_usable: int, block_size: int, sliding_window: int) -> int | None:
     """The largest step chunk (tokens) with which one request of any length fits a pool of num_usable blocks under
-    a sliding window W (`window_peak_blocks` <= num_usable); <= 0 when even one token a step does not fit."""
-    return min(num_usable * block_size - sliding_window - block_size + 2, (num_usable - 1) * block_size)
+    a sliding window W (`window_peak_blocks` <= num_usable); None when even one token a step does not fit."""
+    cap = min(num_usable * block_size - sliding_window - block_size + 2, (num_usable - 1) * block_size)
+    return cap if cap >= 1 else None
 
 
 def max_request_tokens(num_blocks: int, block_size: int, sliding_window: int, max_model_len: int) -> int:
@@ -40,7 +41,7 @@ def max_request_tokens(num_blocks: int, block_size: int, sliding_window: int, ma
     window go back and a window plus a token fits the pool (prefill chunks are capped to fit:
     `Scheduler`); else what the pool holds. What a worker advertises (`WorkerInfo.max_request_tokens`)."""
     usable = usable_blocks(num_blocks, sliding_window)
-    if sliding_window and window_chunk_cap(usable, block_size, sliding_window) >= 1:
+    if sliding_window and window_chunk_cap(usable, block_size, sliding_window) is not None:
         return max_model_len
     return min(max_model_len, usable * block_size)
 
@@ -53,7 +54,7 @@ def max_request_blocks(num_blocks: int, block_size: int, sliding_window: int, ma
     if not sliding_window:
         return 0
     cap = window_chunk_cap(usable_blocks(num_blocks, sliding_window), block_size, sliding_window)
-    return window_peak_blocks(block_size, sliding_window, min(max_chunk, cap) if cap >= 1 else max_chunk)
+    return window_peak_blocks(block_size, sliding_window, max_chunk if cap is None else min(max_chunk, cap))
 
 
 class KVCacheManager:
@@ -66,8 +67,8 @@ class KVCacheManager:
     instead of its whole context. The table keeps its length (slot mapping and block counts stay positional); the
     attention kernels never read positions outside the window (`kernels.reference`), so the null block's contents
     do not matter. In disaggregation the decode worker never takes those blocks (its reservation starts them as the
-    null block: `allocate_slots`' next_position) and the prefill worker skips them (`Scheduler.reserve`). The null block is taken from the pool at construction and never
-    freed: every table entry that names it holds one reference, so `free` and `fork` treat it as any shared block.
+    null block: `allocate_slots`' next_position) and the prefill worker skips them (`Scheduler.reserve`). The null
+    block is taken from the pool at construction and never freed: every table entry that names it holds one reference, so `free` and `fork` treat it as any shared block.
 
     Args:
         num_blocks: pool size.
@@ -109,8 +110,7 @@ class KVCacheManager:
         request is refused at admission, and one that fits whole needs no cap)."""
         if not self.sliding_window:
             return None
-        cap = window_chunk_cap(self.num_usable_blocks, self.block_size, self.sliding_window)
-        return cap if cap >= 1 else None
+        return window_chunk_cap(self.num_usable_blocks, self.block_size, self.sliding_window)
 
     def peak_blocks(self, num_tokens: int, max_chunk: int) -> int:
         """Most blocks a request of num_tokens tokens (prompt + output) holds at once when its steps compute at most
@@ -128,13 +128,18 @@ class KVCacheManager:
         return min(max(0, next_position - self.sliding_window + 1) // self.block_size,
                    self.blocks_needed(num_total_tokens) - 1)
 
+    def _plan(self, request_id: str, num_total_tokens: int, computed_blocks: list[int] | None,
+              next_position: int | None) -> tuple[int, list[int], int]:
+        """What `allocate_slots` appends: (leading null entries, prefix-cache hits shared, new blocks)."""
+        lead = self._behind_window(request_id, num_total_tokens, next_position)
+        shared = (computed_blocks or [])[lead:]
+        need = self.blocks_needed(num_total_tokens) - len(self.block_tables.get(request_id, [])) - lead - len(shared)
+        return lead, shared, need
+
     def num_blocks_to_allocate(self, request_id: str, num_total_tokens: int,
                                computed_blocks: list[int] | None = None, next_position: int | None = None) -> int:
         """Free blocks `allocate_slots` with these arguments would take (new ones and revived cached ones)."""
-        table = self.block_tables.get(request_id, [])
-        lead = self._behind_window(request_id, num_total_tokens, next_position)
-        shared = (computed_blocks or [])[lead:]
-        need = self.blocks_needed(num_total_tokens) - len(table) - lead - len(shared)
+        _, shared, need = self._plan(request_id, num_total_tokens, computed_blocks, next_position)
         return max(need, 0) + sum(1 for b in shared if self.pool.ref_counts[b] == 0)
 
     def get_computed_blocks(self, request: Request) -> list[int]:
@@ -168,9 +173,7 @@ class KVCacheManager:
                 > self.pool.num_free_blocks:
             return False
         table = self.block_tables.get(request_id, [])
-        lead = self._behind_window(request_id, num_total_tokens, next_position)
-        shared = (computed_blocks or [])[lead:]
-        need = self.blocks_needed(num_total_tokens) - len(table) - lead - len(shared)
+        lead, shared, need = self._plan(request_id, num_total_tokens, computed_blocks, next_position)
         if lead:
             self.pool.touch([self.null_block] * lead)
             self._released[request_id] = lead

@@ -14,9 +14,9 @@ fp32 (`SmallBatchLinear`): torch's fp32 linear runs a decode step's few rows poo
 the machine's read bandwidth at M = 1, and from M = 2 a GEMM slower than that GEMV: by its timing it packs the
 weight on every call), so up to `SMALL_BATCH_ROWS` rows go through the cpu backend's own kernel
 (`kernels/cpu_linear.c`) over the same weight tensor, and larger batches (prefill chunks) through torch's GEMM. The
-crossover was measured on the 2-core AMD EPYC
-VM (AVX2, 2 threads, 60 distinct weights streamed from DRAM): the kernel was 1.5-3.1x faster from M = 1 to 32 on
-both the 1536 x 576 and the 576 x 1536 shapes, and at M = 64 faster on one and slower on the other.
+crossover was measured on the 2-core AMD EPYC VM (AVX2, 2 threads, 60 distinct weights streamed from DRAM): the
+kernel was 1.5-3.1x faster from M = 1 to 32 on both the 1536 x 576 and the 576 x 1536 shapes, and at M = 64 faster
+on one and slower on the other.
 
 CPU only; anything else keeps `nn.Linear`. Unverified on GPU by construction: never applied there.
 """
