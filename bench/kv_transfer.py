@@ -65,7 +65,7 @@ def _receiver_main(backend: str, block_nbytes: int, num_blocks: int, conn) -> No
             pass
 
     async def main():
-        receiver = KvReceiver(get_backend(backend), "bench", lambda b: cache[b], Sink(), timeout_s=120)
+        receiver = KvReceiver(get_backend(backend), "bench", lambda b: [cache[b]], Sink(), timeout_s=120)
         conn.send(await receiver.start("127.0.0.1"))
         await asyncio.get_running_loop().run_in_executor(None, conn.recv)  # wait for "stop"
         receiver.close()
@@ -129,7 +129,7 @@ def connector(backend: str, block_nbytes: int, num_blocks: int, repeats: int, la
     src = torch.randint(0, 256, (num_blocks, block_nbytes), dtype=torch.uint8, generator=gen)
 
     async def main():
-        sender = KvSender("bench", lambda b: src[b], timeout_s=120)
+        sender = KvSender("bench", lambda b: [src[b]], timeout_s=120)
         times = []
         for i in range(repeats + 1):  # the first send also connects: left out
             if layers:

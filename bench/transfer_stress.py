@@ -74,7 +74,7 @@ def _receiver_main(backend_name: str, num_blocks: int, block_nbytes: int, conn) 
     async def main() -> None:
         blocks = [torch.zeros(block_nbytes, dtype=torch.uint8) for _ in range(num_blocks)]
         sink = _Sink(blocks)
-        receiver = KvReceiver(get_backend(backend_name), COMPAT, blocks.__getitem__, sink, timeout_s=10)
+        receiver = KvReceiver(get_backend(backend_name), COMPAT, lambda b: [blocks[b]], sink, timeout_s=10)
         conn.send(await receiver.start("127.0.0.1"))
         loop = asyncio.get_running_loop()
         while True:
@@ -99,7 +99,7 @@ async def _sender(backend_name: str, address: str, transfers: int, concurrency: 
 
     rng = random.Random(seed)
     source = [torch.full((block_nbytes,), _block_value(k), dtype=torch.uint8) for k in range(SOURCE_BLOCKS)]
-    sender = KvSender(COMPAT, source.__getitem__, timeout_s=15)
+    sender = KvSender(COMPAT, lambda b: [source[b]], timeout_s=15)
     outcomes: dict[str, int] = {}
     gate = asyncio.Semaphore(concurrency)
 

@@ -16,6 +16,7 @@ from engine.transfer import release_transports
 from engine.transfer.receiver import KvReceiver
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 from server_common.addresses import advertise_host
+from server_common.errors import CommandError
 from server_common.security import read_secret
 from server_common.tracing import Tracing, record_span
 from worker_common.config import WorkerConfig
@@ -125,6 +126,11 @@ async def serve(config: WorkerConfig) -> None:
     """Run a decode worker (role 'decode') or a colocated worker (role 'colocated') until cancelled."""
     secret = read_secret(config.server.cluster_secret_file)
     tracing = Tracing.from_env(f"pdserve-{config.role}")
+    tp = config.engine.tensor_parallel_size
+    if config.role == "decode" and config.connector == "nccl" and tp > 1 and config.engine.device.startswith("cuda"):
+        # Its process group moves one device's memory; this worker's KV shards are on one GPU per rank.
+        raise CommandError(f"--connector nccl moves KV on one GPU per worker; --tensor-parallel-size {tp} puts a KV "
+                           "shard on each of its GPUs: use --connector ucx or tcp")
     worker = await start_engine(config)
     reservations = Reservations()
     receiver = None
@@ -132,7 +138,7 @@ async def serve(config: WorkerConfig) -> None:
     if config.role == "decode":
         backend = await choose_backend(config.connector, worker.compat_hash, config.server.host,
                                        config.engine.device)
-        receiver = KvReceiver(backend, worker.compat_hash, worker.block_bytes, reservations,
+        receiver = KvReceiver(backend, worker.compat_hash, worker.block_regions, reservations,
                               timeout_s=config.transfer_timeout_s, secret=secret)
         kv_address = await receiver.start(config.server.host, config.kv_port,
                                           advertise=advertise_host(config.server.host, config.server.advertise_host))

@@ -44,7 +44,8 @@ class EngineArgs:
         speculative_disable_batch_size: no drafts while more requests than this are running.
         threads: torch intra-op threads for the process; 0 = one per CPU the process may run on
             (`engine.hardware.set_threads`). `pdserve serve` splits its host's CPUs among its workers instead.
-        tensor_parallel_size: ranks, one process each, that split the model (`engine.parallel`); 1 = none.
+        tensor_parallel_size: ranks, one process each, that split the model (`engine.parallel`); 1 = none. On CUDA
+            rank r runs on the device's index + r (`engine.parallel.rank_device`).
         random_weights: build the model from its config with random weights (tests, GPU-less benchmarks).
         enforce_eager: on CUDA, run every step eagerly instead of replaying captured graphs of all-decode steps
             (`engine.cuda_graphs`; vLLM's flag of the same name). No effect on CPU.
@@ -93,7 +94,8 @@ class EngineArgs:
                 "its workers)"})
     tensor_parallel_size: int = field(default=1, metadata={"min": 1,
         "help": "ranks (processes) this worker splits the model across: attention heads, MLP and vocabulary, "
-                "all-reduced with gloo on CPU (engine.parallel); the worker's threads are split among them"})
+                "all-reduced with gloo on CPU (the worker's threads are split among them) or NCCL on GPUs (rank r "
+                "on cuda:k+r for --device cuda:k)"})
     random_weights: bool = field(default=False, metadata={"help": "random weights from the model's config"})
     enforce_eager: bool = field(default=False, metadata={
         "help": "CUDA: no CUDA graphs (all-decode steps are captured per padded batch size and replayed by "

@@ -13,7 +13,7 @@ from engine.hardware import resolve_dtype
 from engine.kv_cache_manager import KVCacheManager, sliding_kv_window
 from engine.loader import load_state_dict
 from engine.model_runner import ModelRunner
-from engine.parallel import SINGLE, TensorParallel, head_split
+from engine.parallel import SINGLE, TensorParallel, check_devices, head_split, rank_device
 from engine.scheduler import Scheduler
 from engine.speculative import SpeculativeConfig
 from engine.structured import GrammarCompiler
@@ -33,8 +33,8 @@ def resolve_configs(args: EngineArgs) -> tuple[ModelConfig, CacheConfig, Schedul
 
     Raises:
         FileNotFoundError / ValueError: from reading and validating the model config (unsupported architecture or
-            feature, named), a KV budget under one block, inconsistent speculative-decoding flags, or tensor
-            parallelism on a device it is not built for.
+            feature, named), a KV budget under one block, inconsistent speculative-decoding flags, or more
+            tensor-parallel ranks than GPUs (`engine.parallel.check_devices`).
     """
     from transformers import AutoConfig
 
@@ -43,9 +43,7 @@ def resolve_configs(args: EngineArgs) -> tuple[ModelConfig, CacheConfig, Schedul
     model_config = ModelConfig.from_hf(hf_config, name=path.name, path=str(path),
                                        dtype=resolve_dtype(args.dtype, args.device))
     tp = args.tensor_parallel_size
-    if tp > 1 and torch.device(args.device).type != "cpu":
-        raise ValueError(f"--tensor-parallel-size {tp} runs on CPU only for now (device {args.device}): on GPUs the "
-                         "ranks' KV shards would live on separate devices, which the KV connectors do not move yet")
+    check_devices(args.device, tp)
     head_split(model_config.num_heads, model_config.num_kv_heads, tp, 0)  # heads that do not split: refused now
     num_blocks = num_blocks_for_budget(model_config, args.block_size, args.kv_bytes,
                                        None if args.kv_bytes is not None else args.kv_tokens, tp)
@@ -62,27 +60,27 @@ def resolve_configs(args: EngineArgs) -> tuple[ModelConfig, CacheConfig, Schedul
 
 
 def build_runner(args: EngineArgs, model_config: ModelConfig, cache_config: CacheConfig, max_model_len: int,
-                 tp: TensorParallel = SINGLE, kv: torch.Tensor | None = None) -> ModelRunner:
-    """Load the weights (this rank's share under tensor parallelism) and build the model runner around the KV
-    cache tensor `kv` (None: a new one).
+                 tp: TensorParallel = SINGLE) -> ModelRunner:
+    """Load the weights (this rank's share under tensor parallelism) and build the model runner, with this rank's
+    shard of the KV cache on this rank's device (`engine.parallel.rank_device`).
 
     Raises:
         FileNotFoundError / ValueError: from weight loading and `ModelRunner`.
     """
     state = None if args.random_weights else load_state_dict(Path(args.model_dir))
     graphs = torch.device(args.device).type == "cuda" and not args.enforce_eager
-    return ModelRunner(model_config, cache_config, state, device=args.device, seed=args.seed,
+    return ModelRunner(model_config, cache_config, state, device=rank_device(args.device, tp.rank), seed=args.seed,
                        attention_backend=args.attention_backend, quantization=args.quantization,
                        packed_weights=args.packed_weights,
                        cuda_graph_sizes=capture_sizes(args.max_num_seqs) if graphs else None,
-                       max_model_len=max_model_len, tp=tp, kv=kv)
+                       max_model_len=max_model_len, tp=tp)
 
 
-def build_engine(args: EngineArgs, tp: TensorParallel = SINGLE, kv: torch.Tensor | None = None,
+def build_engine(args: EngineArgs, tp: TensorParallel = SINGLE,
                  configs: tuple[ModelConfig, CacheConfig, SchedulerConfig] | None = None) -> EngineParts:
     """Load config + weights (or random weights when `args.random_weights`) and build the scheduler and runner.
-    Under tensor parallelism this is rank 0 (`engine.tp_ranks` builds the others), given its group, the shared KV
-    tensor and the configs it resolved first.
+    Under tensor parallelism this is rank 0 (`engine.tp_ranks` builds the others), given its group and the configs
+    it resolved first.
 
     Raises:
         FileNotFoundError / ValueError: from model loading and config validation (ValueError too for int8 / int4
@@ -90,7 +88,7 @@ def build_engine(args: EngineArgs, tp: TensorParallel = SINGLE, kv: torch.Tensor
             flags).
     """
     model_config, cache_config, scheduler_config = configs or resolve_configs(args)
-    runner = build_runner(args, model_config, cache_config, scheduler_config.max_model_len, tp, kv)
+    runner = build_runner(args, model_config, cache_config, scheduler_config.max_model_len, tp)
     kv_manager = KVCacheManager(cache_config.num_blocks, args.block_size, args.enable_prefix_caching,
                                 sliding_kv_window(model_config.layer_windows))
     grammars = GrammarCompiler(Path(args.model_dir) / "tokenizer.json", model_config.vocab_size,

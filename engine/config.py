@@ -187,13 +187,14 @@ class SchedulerConfig:
 def compat_hash(model: ModelConfig, cache: CacheConfig) -> str:
     """Hash that two workers must share to exchange KV blocks: model shapes, dtype, block size and layout.
 
-    The layout tag names the KV tensor layout in `engine.kv_cache` ([num_blocks, tp, layers, 2, block_size,
-    kv_heads_per_rank, head_dim], block-major); change it whenever that layout changes. Two workers of different tensor
-    parallel sizes hash differently: a block's bytes are split by rank (no resharding on transfer).
+    The layout tag names the KV layout in `engine.kv_cache` (a shard per rank, [num_blocks, layers, 2, block_size,
+    kv_heads_per_rank, head_dim], block-major; a block travels as each rank's region); change it whenever that
+    layout changes. Two workers of different tensor parallel sizes hash differently: a block's bytes are split by
+    rank (no resharding on transfer).
     """
     fields = asdict(model)
     fields.pop("path")
     fields["block_size"] = cache.block_size
     fields["tensor_parallel_size"] = cache.tensor_parallel_size
-    fields["layout"] = "block-major-tp-v2"
+    fields["layout"] = "block-major-shards-v3"
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]

@@ -2,9 +2,10 @@
 main thread, fed by a thread that reads commands off a ZMQ socket. Outputs go out on another socket, all sent from
 the loop's thread (ZMQ sockets are not thread-safe; the reader thread only calls `EngineCore.submit`).
 
-The KV cache is allocated here and moved into shared memory before `Ready` is sent: the worker's KV connectors
-read and write its blocks in place (on CPU; on CUDA the tensor crosses as a CUDA IPC handle, checked on an H100 on
-2026-11-26: clusters on tcp, tcp + layer-wise and colocated returned HF fp32's tokens).
+The KV cache is allocated here (under tensor parallelism, each rank's shard by its rank, on its device) and shared
+before `Ready` is sent: the worker's KV connectors read and write its blocks in place (CPU shared memory; on CUDA
+the tensor crosses as a CUDA IPC handle, checked on an H100 on 2026-11-26 without tensor parallelism: clusters on
+tcp, tcp + layer-wise and colocated returned HF fp32's tokens; ranks on several GPUs are unverified).
 So the data path of a transfer never takes this process's GIL, and the step loop never takes the worker's.
 
 The process dies with its parent (PR_SET_PDEATHSIG on Linux), ignores SIGINT (a terminal's Ctrl-C reaches the
@@ -29,6 +30,7 @@ from engine.args import EngineArgs
 from engine.engine_core import Abort, AddRequest, Call, EngineCore, KvArrived, Pause
 from engine.ipc import (AbortRequest, BuildFailed, Codec, Fault, KvArrivedMsg, LayerBegin, LayerWritten,
                         NewRequest, Outputs, PauseMsg, Query, QueryResult, Ready, Shutdown, StatsUpdate)
+from engine.kv_cache import export_shard, share
 from engine.lifetime import die_with_parent
 from engine.request import Request
 from engine.tp_ranks import RankProcesses, rank_threads
@@ -86,15 +88,7 @@ def run_engine_process(spec: EngineProcessSpec, handshake: Connection) -> None:
     import zmq
 
     try:
-        parts, ranks = _build(spec)
-        kv = parts.runner.kv_cache.kv
-        if kv.device.type == "cpu" and not kv.is_shared():
-            try:
-                kv.share_memory_()  # moves the storage; the runner's per-layer views follow it
-            except RuntimeError as e:
-                raise RuntimeError(f"{e}; the KV cache ({kv.nbytes / 2**20:.0f} MiB) is shared memory between the "
-                                   "worker and its engine process: enlarge /dev/shm (docker --shm-size, compose "
-                                   "shm_size) or lower --kv-tokens") from e
+        parts, ranks, shards = _build(spec)
     except Exception as e:  # noqa: BLE001 - reported to the worker, which turns it into its own one-line error
         handshake.send(BuildFailed(type(e).__name__, str(e)))
         handshake.close()
@@ -115,7 +109,7 @@ def run_engine_process(spec: EngineProcessSpec, handshake: Connection) -> None:
     core = EngineCore(parts.scheduler, parts.runner, emit=lambda events: send(Outputs(events)),
                       on_fault=lambda message: send(Fault(message)), threads=threads,
                       on_stats=lambda stats: send(StatsUpdate(stats)))
-    handshake.send(Ready(parts.model_config, parts.cache_config, parts.scheduler_config, kv, core.stats))
+    handshake.send(Ready(parts.model_config, parts.cache_config, parts.scheduler_config, shards, core.stats))
     handshake.close()
     reader = threading.Thread(target=_read_commands, args=(cmd_sock, codec, core, send), name="engine-commands",
                               daemon=True)
@@ -178,29 +172,28 @@ def _answer(query: Query, future: Future) -> QueryResult:
     return QueryResult(query.call_id, flag=result)
 
 
-def _build(spec: EngineProcessSpec) -> tuple[EngineParts, RankProcesses | None]:
-    """Build the engine; under tensor parallelism, with its other ranks: the KV cache tensor is allocated here in
-    shared memory first (every rank computes in its shard of it, the worker's connectors move whole blocks of it),
-    the ranks are spawned and joined, and this process builds rank 0.
+def _build(spec: EngineProcessSpec) -> tuple[EngineParts, RankProcesses | None, list[bytes]]:
+    """Build the engine; under tensor parallelism, with its other ranks: they are spawned and joined, this process
+    builds rank 0, and each rank sends the shard of the KV cache it allocated on its device. Returns the parts, the
+    ranks (None without TP) and every rank's shard for the worker (`engine.kv_cache.export_shard`, rank order; this
+    process's own moved into shared memory first on CPU).
 
     Raises:
         whatever building raised (the caller reports it as `BuildFailed`).
     """
     from engine.builder import build_engine, resolve_configs
-    from engine.kv_cache import kv_shape
 
     args = spec.args
+    ranks = None
     if args.tensor_parallel_size == 1:
-        return build_engine(args), None
-    configs = resolve_configs(args)
-    model_config, cache_config, _ = configs
-    kv = torch.zeros(kv_shape(model_config, cache_config), dtype=model_config.torch_dtype).share_memory_()
-    ranks = RankProcesses(args, *configs, kv, rank_threads(spec.threads, args.tensor_parallel_size),
-                          spec.log_setup)
-    tp = ranks.start(on_death=_rank_died)
-    parts = build_engine(args, tp=tp, kv=kv, configs=configs)
-    ranks.wait_built()
-    return parts, ranks
+        parts = build_engine(args)
+    else:
+        configs = resolve_configs(args)
+        ranks = RankProcesses(args, *configs, rank_threads(spec.threads, args.tensor_parallel_size), spec.log_setup)
+        tp = ranks.start(on_death=_rank_died)
+        parts = build_engine(args, tp=tp, configs=configs)
+    own = export_shard(share(parts.runner.kv_cache.kv))  # the runner keeps it alive
+    return parts, ranks, [own] + (ranks.wait_built() if ranks is not None else [])
 
 
 def _rank_died(why: str) -> None:

@@ -4,8 +4,8 @@ Two ZMQ PUSH/PULL pipes over ipc:// sockets, one each way, each message one msgp
 Structs: one decode per message however many events it carries). Commands go in (`NewRequest`, `AbortRequest`,
 `KvArrivedMsg`, `Query`, `Shutdown`); outputs come out (`Outputs`, `LayerBegin`, `LayerWritten`, `StatsUpdate`,
 `QueryResult`, `Fault`). Sequence: the worker spawns the process, which builds the engine and answers on a
-multiprocessing pipe once, with `Ready` or a build error (that pipe also carries the KV cache tensor as a shared
-memory handle: CPU shared memory, CUDA IPC on GPU); then only the ZMQ pipes are used. Order is kept within each
+multiprocessing pipe once, with `Ready` or a build error (`Ready` also carries every rank's KV shard as handle
+bytes: CPU shared memory, CUDA IPC on GPU); then only the ZMQ pipes are used. Order is kept within each
 pipe, so an abort sent before a new request with the same id is applied before it.
 
 Why msgspec: a 64-request step's TokenOutputs encode and decode in 28 us against pickle's 358 us (this machine,
@@ -14,7 +14,7 @@ Why msgspec: a 64-request step's TokenOutputs encode and decode in 28 us against
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Union
 
 import msgspec
 
@@ -128,15 +128,16 @@ Output = Union[Outputs, LayerBegin, LayerWritten, StatsUpdate, QueryResult, Faul
 class Ready:
     """The engine process's first answer (multiprocessing pipe): what the worker needs to serve and transfer KV.
 
-    kv: the KV cache tensor [num_blocks + 1, num_layers, 2, block_size, num_kv_heads, head_dim], shared with the
-    engine process (CPU shared memory / CUDA IPC): the KV connectors read and write its blocks in place.
+    kv: every tensor-parallel rank's KV shard (`engine.kv_cache.kv_shape`), rank order, as
+    `engine.kv_cache.export_shard` bytes (CPU shared memory / CUDA IPC) for the worker to open: the KV connectors
+    read and write its blocks in place.
     stats: the engine's stats before its first step.
     """
 
     model_config: ModelConfig
     cache_config: CacheConfig
     scheduler_config: SchedulerConfig
-    kv: Any
+    kv: list[bytes]
     stats: SchedulerStats
 
 

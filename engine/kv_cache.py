@@ -1,88 +1,133 @@
-"""The paged KV cache memory of one worker.
+"""The paged KV cache memory: one tensor-parallel rank's shard (`KVCache`, where that rank computes) and every
+rank's shards as a worker's KV connectors see them (`KvShards`).
 
-Layout (block-major): kv[num_blocks, tp, num_layers, 2, block_size, kv_heads, head_dim], tp the tensor parallel
-size (`CacheConfig.tensor_parallel_size`, 1 without tensor parallelism) and kv_heads those a rank stores,
-ceil(num_kv_heads / tp) (`engine.parallel.head_split`: num_kv_heads / tp when it divides). One block's K and V for every
-layer and every rank are a single contiguous region, so the transfer connectors send and receive whole blocks
-straight from/into the cache (no staging copies, one message per block), whatever the TP size: a block carries each
-rank's shard, rank-major. Rank r computes on kv[:, r] (its heads). The attention ops see per-layer views
-k_cache/v_cache of shape [num_blocks, block_size, kv_heads, head_dim] (strided in dim 0).
-Layer-wise streaming needs one layer of many blocks: kv[block, r, layer] (K then V) is slice r * num_layers + layer
-of the block's tp * num_layers equal contiguous slices, and `engine/transfer/layer_gather.py` gathers a layer's tp
-slices of many blocks into one message per layer and group of blocks (a copy: a message per slice cost more than
-the copy).
+Layout of a shard (block-major): kv[num_blocks + 1, num_layers, 2, block_size, kv_heads, head_dim], kv_heads those
+the rank stores, ceil(num_kv_heads / tp) (`engine.parallel.head_split`: num_kv_heads / tp when it divides). One
+block's K and V for every layer of a rank are a single contiguous region, so the connectors send and receive whole
+blocks straight from/into the cache (no staging copies), one region per rank (`KvShards.block_regions`): each rank
+allocates its shard on its own device (CPU shared memory, or its GPU) and hands it to the worker (`export_shard`).
+The attention ops see per-layer views k_cache/v_cache of shape [num_blocks, block_size, kv_heads, head_dim]
+(strided in dim 0). Layer-wise streaming needs one layer of many blocks: kv[block, layer] (K then V) is slice
+`layer` of the block's region, and `engine/transfer/layer_gather.py` gathers a layer's slices of many blocks into
+one message per rank, layer and group of blocks (a copy: a message per slice cost more than the copy).
 """
 from __future__ import annotations
 
-import torch
+import io
+import pickle
+from multiprocessing.reduction import ForkingPickler
+
+import torch  # registers torch.multiprocessing's reductions with ForkingPickler
 
 from engine.config import CacheConfig, ModelConfig
 from engine.parallel import kv_heads_per_rank
 
 
 def kv_shape(model: ModelConfig, cache: CacheConfig) -> tuple[int, ...]:
-    """The KV tensor's shape: [num_blocks + 1, tp, num_layers, 2, block_size, kv_heads_per_rank, head_dim]. The
-    extra block is outside the pool (no request owns it): the padded rows of a captured decode step write there
+    """One rank's shard: [num_blocks + 1, num_layers, 2, block_size, kv_heads_per_rank, head_dim]. The extra block
+    is outside the pool (no request owns it): the padded rows of a captured decode step write there
     (`engine.cuda_graphs`)."""
-    tp = cache.tensor_parallel_size
-    return (cache.num_blocks + 1, tp, model.num_layers, 2, cache.block_size,
-            kv_heads_per_rank(model.num_kv_heads, tp), model.head_dim)
+    return (cache.num_blocks + 1, model.num_layers, 2, cache.block_size,
+            kv_heads_per_rank(model.num_kv_heads, cache.tensor_parallel_size), model.head_dim)
 
 
 class KVCache:
-    """Owns (or wraps) the KV tensor and exposes one rank's per-layer views and per-block byte views.
+    """Owns one rank's KV shard and exposes its per-layer views.
 
     Attributes:
-        kv: the whole tensor (`kv_shape`), every rank's shard.
-        layers: rank `rank`'s (k_cache, v_cache) of each layer, for the attention ops.
+        kv: the shard (`kv_shape`), zeros at start.
+        layers: each layer's (k_cache, v_cache), for the attention ops.
         scratch_slot: a KV slot in a block past the pool's, written only by padding (`engine.cuda_graphs`).
 
     Args:
         model: shapes and dtype.
         cache: block size, count and TP size.
-        device: where the cache lives.
-        kv: an existing cache tensor of this geometry to wrap (the one an engine process shares with its worker and
-            its other TP ranks) instead of a new one.
-        rank: the tensor-parallel rank whose layer views `layers` holds.
-
-    Raises:
-        ValueError: `kv` does not have the geometry and dtype of `model` and `cache`.
+        device: where the shard lives (the rank's device).
     """
 
-    def __init__(self, model: ModelConfig, cache: CacheConfig, device: torch.device | str = "cpu",
-                 kv: torch.Tensor | None = None, rank: int = 0):
+    def __init__(self, model: ModelConfig, cache: CacheConfig, device: torch.device | str = "cpu"):
         self.block_size = cache.block_size
         self.num_blocks = cache.num_blocks
-        shape = kv_shape(model, cache)
-        if kv is None:
-            kv = torch.zeros(shape, dtype=model.torch_dtype, device=device)
-        elif tuple(kv.shape) != shape or kv.dtype != model.torch_dtype:
-            raise ValueError(f"KV cache tensor {tuple(kv.shape)} {kv.dtype} is not {shape} {model.torch_dtype}")
-        self.kv = kv
+        self.kv = torch.zeros(kv_shape(model, cache), dtype=model.torch_dtype, device=device)
         self.scratch_slot = cache.num_blocks * cache.block_size
-        shard = self.kv[:, rank]
-        self.layers = [(shard[:, i, 0], shard[:, i, 1]) for i in range(model.num_layers)]
-
-    @property
-    def block_nbytes(self) -> int:
-        """Bytes of one block across all layers."""
-        return self.kv[0].numel() * self.kv.element_size()
+        self.layers = [(self.kv[:, i, 0], self.kv[:, i, 1]) for i in range(model.num_layers)]
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy whole blocks (every layer's K and V) src -> dst, for each (src, dst) pair of block ids: the
-        copy-on-write of a forked sample's partial block."""
+        copy-on-write of a forked sample's partial block (each rank copies its own shard)."""
         if pairs:
             src = torch.tensor([s for s, _ in pairs], dtype=torch.long, device=self.kv.device)
             dst = torch.tensor([d for _, d in pairs], dtype=torch.long, device=self.kv.device)
             self.kv.index_copy_(0, dst, self.kv.index_select(0, src))
 
-    def block_bytes(self, block_id: int) -> torch.Tensor:
-        """One block's memory as a writable 1-D uint8 tensor on the cache's device (a view: no copy), for the
-        transfer connectors.
+
+class KvShards:
+    """Every rank's KV shard as a worker's KV connectors move them: a block is one region per rank, rank order.
+
+    Args:
+        model, cache: the geometry every shard must have (`kv_shape`).
+        shards: one tensor per tensor-parallel rank, rank order, each on its rank's device (the engine's own,
+            shared: CPU shared memory or CUDA IPC, `import_shard`).
+
+    Raises:
+        ValueError: not one shard per rank, or a shard without the geometry and dtype of `model` and `cache`.
+    """
+
+    def __init__(self, model: ModelConfig, cache: CacheConfig, shards: list[torch.Tensor]):
+        shape = kv_shape(model, cache)
+        if len(shards) != cache.tensor_parallel_size:
+            raise ValueError(f"{len(shards)} KV shards for {cache.tensor_parallel_size} tensor-parallel ranks")
+        for s in shards:
+            if tuple(s.shape) != shape or s.dtype != model.torch_dtype:
+                raise ValueError(f"KV shard {tuple(s.shape)} {s.dtype} is not {shape} {model.torch_dtype}")
+        self.shards = list(shards)
+        self.num_blocks = cache.num_blocks
+
+    @property
+    def devices(self) -> list[torch.device]:
+        """Each rank's device, rank order."""
+        return [s.device for s in self.shards]
+
+    def block_regions(self, block_id: int) -> list[torch.Tensor]:
+        """One block's memory: a writable 1-D uint8 tensor per rank (views: no copy), each on its rank's device, of
+        num_layers x 2 x block_size x kv_heads_per_rank x head_dim elements.
 
         Raises:
             IndexError: block_id out of range.
         """
         if not 0 <= block_id < self.num_blocks:
             raise IndexError(f"block {block_id} out of range [0, {self.num_blocks})")
-        return self.kv[block_id].view(-1).view(torch.uint8)
+        return [s[block_id].view(-1).view(torch.uint8) for s in self.shards]
+
+
+def share(kv: torch.Tensor) -> torch.Tensor:
+    """Move a CPU shard into shared memory (in place: views follow it), so another process can map it; a CUDA
+    shard is shared as it is (CUDA IPC). Returns `kv`.
+
+    Raises:
+        RuntimeError: /dev/shm cannot hold it (the message says what to change).
+    """
+    if kv.device.type == "cpu" and not kv.is_shared():
+        try:
+            kv.share_memory_()
+        except RuntimeError as e:
+            raise RuntimeError(f"{e}; the KV cache ({kv.nbytes / 2**20:.0f} MiB) is shared memory between the "
+                               "worker and its engine process: enlarge /dev/shm (docker --shm-size, compose "
+                               "shm_size) or lower --kv-tokens") from e
+    return kv
+
+
+def export_shard(kv: torch.Tensor) -> bytes:
+    """A shared shard (`share`) as bytes another process opens with `import_shard`, through torch.multiprocessing's
+    reductions (a shared-memory file descriptor served by this process, or a CUDA IPC handle). Bytes, not the
+    tensor, so a rank's shard can pass through rank 0 to the worker without rank 0 mapping it (nor opening a CUDA
+    context on the rank's GPU). This process must keep the shard alive while others use it; a CPU shard's bytes
+    open once."""
+    buf = io.BytesIO()
+    ForkingPickler(buf, pickle.HIGHEST_PROTOCOL).dump(kv)
+    return buf.getvalue()
+
+
+def import_shard(data: bytes) -> torch.Tensor:
+    """The shard `export_shard` gave, mapped into this process (the same memory)."""
+    return ForkingPickler.loads(data)

@@ -71,9 +71,8 @@ class ModelRunner:
         cuda_graph_sizes: batch sizes of all-decode steps to capture as CUDA graphs (`engine.cuda_graphs`);
             None = every step eager; ignored, with a warning, for an attention backend that cannot be captured.
         max_model_len: longest context in tokens; sizes the captured block tables (needed with graphs).
-        tp: this rank's place in its tensor-parallel group (`engine.parallel`); the model holds the rank's share.
-        kv: the KV cache tensor to compute in (`engine.kv_cache.kv_shape`; every TP rank shares one), or None to
-            allocate one.
+        tp: this rank's place in its tensor-parallel group (`engine.parallel`); the model holds the rank's share,
+            and the runner allocates the rank's shard of the KV cache on `device` (`engine.kv_cache.KVCache`).
 
     Raises:
         ValueError: an unknown or unusable attention backend (`kernels.select_ops`), quantization of a float32
@@ -83,8 +82,7 @@ class ModelRunner:
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig,
                  state_dict: dict[str, torch.Tensor] | None, device: str = "cpu", seed: int = 0,
                  attention_backend: str = "auto", quantization: str = "none", packed_weights: bool = True,
-                 cuda_graph_sizes: list[int] | None = None, max_model_len: int = 0, tp: TensorParallel = SINGLE,
-                 kv: torch.Tensor | None = None):
+                 cuda_graph_sizes: list[int] | None = None, max_model_len: int = 0, tp: TensorParallel = SINGLE):
         torch.manual_seed(seed)
         self.model_config, self.tp = model_config, tp
         self.device = torch.device(device)
@@ -99,7 +97,7 @@ class ModelRunner:
             quantize_weight_only(self.model, quantization)
         elif packed_weights:
             pack_linears(self.model, self.attention_ops.small_batch_linear)
-        self.kv_cache = KVCache(model_config, cache_config, self.device, kv=kv, rank=tp.rank)
+        self.kv_cache = KVCache(model_config, cache_config, self.device)
         self.block_size = cache_config.block_size
         self.sampler = Sampler(model_config.vocab_size, seed)
         self.decode_graphs = None

@@ -1,8 +1,9 @@
 """Tensor parallelism inside a worker (Megatron-LM, Shoeybi et al. 2019): N ranks, one process each, every one
 holding 1/N of the attention heads, of the MLP's (and each expert's) intermediate features and of the vocabulary;
 an all-reduce after each row-parallel projection (o_proj, down_proj) and after the vocab-parallel embedding, an
-all-gather of the vocab-parallel logits, and rank 0's broadcast of each step's inputs. They go through shared memory
-where they fit (`engine.shm_collectives`), else torch.distributed (gloo on CPU).
+all-gather of the vocab-parallel logits, and rank 0's broadcast of each step's inputs. On CPU they go through shared
+memory where they fit (`engine.shm_collectives`), else torch.distributed (gloo); on GPUs, one per rank
+(`rank_device`), through NCCL (the step's inputs through gloo).
 
 `TensorParallel` is what the model sees; `engine.models.sharding` cuts the checkpoint's tensors to a rank's share;
 `engine.tp_ranks` runs the ranks other than 0 and feeds them each step.
@@ -25,7 +26,8 @@ class TensorParallel:
         rank: 0 .. size - 1; rank 0 is the engine process (it schedules and samples).
         size: ranks in the group (1 = no tensor parallelism: every collective is the identity).
         group: the torch.distributed process group (None when size is 1).
-        shm: the group's shared-memory collectives (`engine.shm_collectives`), or None for gloo only.
+        shm: the group's shared-memory collectives (`engine.shm_collectives`), or None for torch.distributed only
+            (always on GPUs).
     """
 
     rank: int = 0
@@ -35,7 +37,7 @@ class TensorParallel:
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum `x` over the ranks, in place; returns it. Through shared memory when the group has it and `x` fits
-        (every rank decides alike), else gloo."""
+        (every rank decides alike), else torch.distributed (gloo on CPU, NCCL for CUDA tensors)."""
         if self.size > 1 and not (self.shm is not None and self.shm.all_reduce(x)):
             torch.distributed.all_reduce(x, group=self.group)
         return x
@@ -43,7 +45,7 @@ class TensorParallel:
     def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
         """Concatenate every rank's `x` ([..., n], the same shape on all) along the last dim, rank order:
         [..., size * n]. Through shared memory when the group has it and `x` fits (every rank decides alike), else
-        gloo."""
+        torch.distributed (gloo on CPU, NCCL for CUDA tensors)."""
         if self.size == 1:
             return x
         if self.shm is not None:
@@ -141,18 +143,55 @@ def kv_heads_per_rank(num_kv_heads: int, size: int) -> int:
     return -(-num_kv_heads // size)
 
 
+def rank_device(device: str, rank: int) -> str:
+    """The device tensor-parallel rank `rank` computes on, for a worker given `device`: the CPU for every rank of a
+    CPU worker; for "cuda:k" ("cuda" = "cuda:0") rank r's GPU is k + r, one GPU per rank (vLLM places a worker's
+    ranks on consecutive visible GPUs the same way). Any other device as given."""
+    d = torch.device(device)
+    if d.type != "cuda":
+        return str(d)
+    return f"cuda:{(d.index or 0) + rank}"
+
+
+def check_devices(device: str, size: int) -> None:
+    """Refuse a tensor-parallel group this machine cannot place (`rank_device`), before anything is spawned.
+
+    Raises:
+        ValueError: ranks on a device type other than cpu or cuda, or more GPUs asked for than there are; the
+            message names the flag, the GPUs asked for and those present.
+    """
+    if size == 1:
+        return
+    kind = torch.device(device).type
+    if kind == "cpu":
+        return
+    if kind != "cuda":
+        raise ValueError(f"--tensor-parallel-size {size} runs on cpu or cuda, not {device}")
+    first, last = rank_device(device, 0), rank_device(device, size - 1)
+    have = torch.cuda.device_count()
+    if torch.device(last).index >= have:
+        raise ValueError(f"--tensor-parallel-size {size} on {device} puts one rank on each of GPUs {first} .. {last}; "
+                         f"this machine has {have} GPU(s) (CUDA_VISIBLE_DEVICES narrows them)")
+
+
 def init_group(rank: int, size: int, init_method: str,
-               shm_buffers: tuple[torch.Tensor, torch.Tensor] | None = None) -> TensorParallel:
-    """Join (or form) the gloo group of `size` ranks at `init_method` (a `file://` path all ranks share) and return
+               shm_buffers: tuple[torch.Tensor, torch.Tensor] | None = None, device: str = "cpu") -> TensorParallel:
+    """Join (or form) the group of `size` ranks at `init_method` (a `file://` path all ranks share) and return
     this rank's `TensorParallel`, with collectives through `shm_buffers` (`ShmCollectives.allocate`, the same in every
-    rank) when given. Blocks until every rank has joined.
+    rank) when given. Blocks until every rank has joined. `device`: this rank's (`rank_device`): gloo moves CPU
+    tensors; on a GPU, NCCL moves CUDA tensors and gloo the step's inputs (torch's "cpu:gloo,cuda:nccl"; objects go
+    through the CPU backend). The CUDA path is unverified: the lent machines have one GPU each.
 
     Raises:
         RuntimeError: from torch.distributed when the rendezvous fails or times out.
     """
     import datetime
 
-    torch.distributed.init_process_group("gloo", init_method=init_method, rank=rank, world_size=size,
+    backend = "gloo"
+    if torch.device(device).type == "cuda":
+        torch.cuda.set_device(torch.device(device))  # NCCL's communicator binds to the current device
+        backend = "cpu:gloo,cuda:nccl"
+    torch.distributed.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
                                          timeout=datetime.timedelta(minutes=5))
     shm = ShmCollectives(*shm_buffers, rank) if shm_buffers is not None else None
     return TensorParallel(rank, size, torch.distributed.group.WORLD, shm)

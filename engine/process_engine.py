@@ -29,6 +29,7 @@ from engine.engine_core import Abort, AddRequest, Call, KvArrived, Pause
 from engine.errors import EngineError, ErrorKind
 from engine.ipc import (AbortRequest, BuildFailed, Codec, Fault, KvArrivedMsg, LayerBegin, LayerWritten,
                         NewRequest, Outputs, PauseMsg, Query, QueryResult, Ready, Shutdown, StatsUpdate)
+from engine.kv_cache import KvShards, import_shard
 from engine.kv_stream import KvLayerProgress
 from engine.outputs import RequestFailed, SchedulerStats
 from engine.request import Request
@@ -49,8 +50,8 @@ class EngineBuildError(RuntimeError):
 class ProcessEngine(AsyncEngine):
     """An engine core in a child process, behind `AsyncEngine`'s interface. `await start()` before use.
 
-    After start: `model_config`, `cache_config`, `scheduler_config` describe the engine, and `kv` is its KV cache
-    tensor (shared memory, see `engine.ipc.Ready`).
+    After start: `model_config`, `cache_config`, `scheduler_config` describe the engine, and `kv` is its KV cache,
+    every rank's shard mapped into this process (`engine.kv_cache.KvShards`; see `engine.ipc.Ready`).
 
     Args:
         args: the engine to build there.
@@ -67,7 +68,7 @@ class ProcessEngine(AsyncEngine):
         self.model_config: ModelConfig | None = None
         self.cache_config: CacheConfig | None = None
         self.scheduler_config: SchedulerConfig | None = None
-        self.kv: torch.Tensor | None = None
+        self.kv: KvShards | None = None
         self.pid: int | None = None
         self.died: str | None = None  # why the engine process is gone, once it is
         self._codec = Codec()
@@ -126,14 +127,20 @@ class ProcessEngine(AsyncEngine):
             raise EngineBuildError(answer.error_type, answer.message)
         assert isinstance(answer, Ready)
         self.model_config, self.cache_config = answer.model_config, answer.cache_config
-        self.scheduler_config, self.kv = answer.scheduler_config, answer.kv
+        self.scheduler_config = answer.scheduler_config
+        try:  # off the loop: a CPU shard is fetched from its rank's process, a CUDA one opens a context per GPU
+            self.kv = await asyncio.to_thread(_open_kv, answer)
+        except Exception as e:  # noqa: BLE001 - a shard that does not open here: nothing to serve with
+            self._release()
+            raise RuntimeError(f"the engine's KV cache could not be mapped into the worker: "
+                               f"{type(e).__name__}: {e}") from e
         self._stats = answer.stats
         self._loop.add_reader(self._process.sentinel, self._on_exit)
         self._reader = asyncio.ensure_future(self._read_outputs())
         log.info("engine process %d started", self.pid)
 
     async def restart(self) -> None:
-        """Start a fresh engine process after this one died (a new, empty KV cache: `kv` is a new tensor; requests
+        """Start a fresh engine process after this one died (a new, empty KV cache: `kv` is new memory; requests
         in flight failed when it died).
 
         Raises:
@@ -306,6 +313,11 @@ def _receive_answer(conn, process) -> Ready | BuildFailed:
     process.join(5)
     raise RuntimeError(f"the engine process exited ({_describe_exit(process.exitcode)}) before its engine was "
                        "built; see the log above")
+
+
+def _open_kv(answer: Ready) -> KvShards:
+    """Map every rank's KV shard of `answer` into this process (`engine.kv_cache.import_shard`)."""
+    return KvShards(answer.model_config, answer.cache_config, [import_shard(b) for b in answer.kv])
 
 
 def _describe_exit(code: int | None) -> str:

@@ -1,7 +1,8 @@
 """The tensor-parallel ranks 1..N-1 of an engine process (rank 0 is the engine process itself, `engine.core_process`):
-one process each, spawned by the engine process, holding their share of the model and computing in their shard of
-the one KV cache tensor all ranks and the worker share (`engine.kv_cache` layout). They run whatever step rank 0
-broadcasts (`ModelRunner.follow`) until rank 0 tells them to stop.
+one process each, spawned by the engine process, each holding its share of the model and its shard of the KV cache
+on its own device (`engine.parallel.rank_device`), which it shares with the worker (`engine.kv_cache.export_shard`,
+passed on by rank 0 unopened). They run whatever step rank 0 broadcasts (`ModelRunner.follow`) until rank 0 tells
+them to stop.
 
 Lifetimes: a rank dies with the engine process (PR_SET_PDEATHSIG), and the engine process stops the moment a rank
 dies (`RankProcesses.start`'s watcher: the other ranks would block in their next collective), so its worker sees its engine
@@ -18,18 +19,20 @@ import signal
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from multiprocessing.connection import wait
+from multiprocessing.connection import Connection, wait
 
 import torch
 
 from engine.args import EngineArgs
 from engine.config import CacheConfig, ModelConfig, SchedulerConfig
 from engine.hardware import set_threads
+from engine.kv_cache import export_shard, share
 from engine.lifetime import die_with_parent
 from engine.models.sharding import vocab_per_rank
-from engine.parallel import TensorParallel, init_group
+from engine.parallel import TensorParallel, init_group, rank_device
 from engine.shm_collectives import ShmCollectives
 from engine.shm_collectives import usable as shm_usable
 
@@ -38,12 +41,12 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class RankSpec:
-    """What a rank process starts with (pickled across the spawn; `kv` travels as a shared-memory handle).
+    """What a rank process starts with (pickled across the spawn).
 
     Attributes:
-        args: the engine's arguments (model, dtype, backend).
+        args: the engine's arguments (model, dtype, backend, device).
         model_config, cache_config, max_model_len: resolved by rank 0, so every rank builds the same shapes.
-        kv: the KV cache tensor in shared memory (`engine.kv_cache.kv_shape`).
+        shard_out: where the rank sends its KV shard, once built (`engine.kv_cache.export_shard` bytes).
         rank, size: this rank and the group size.
         init_method: the `file://` rendezvous of the group.
         shm_buffers: the group's shared-memory collectives' buffers (`ShmCollectives.allocate`), or None for gloo.
@@ -55,7 +58,7 @@ class RankSpec:
     model_config: ModelConfig
     cache_config: CacheConfig
     max_model_len: int
-    kv: torch.Tensor
+    shard_out: Connection
     rank: int
     size: int
     init_method: str
@@ -65,9 +68,9 @@ class RankSpec:
 
 
 def run_rank(spec: RankSpec) -> None:
-    """A rank process's entry point: join the group, build this rank's runner, meet the others at a barrier (rank 0
-    passes it once every rank is built), then follow rank 0's steps. Exits 0 when told to stop, 1 on any error
-    (logged; rank 0's watcher then stops the engine)."""
+    """A rank process's entry point: join the group, build this rank's runner, send its KV shard to rank 0, meet the
+    others at a barrier (rank 0 passes it once every rank is built), then follow rank 0's steps. Exits 0 when told
+    to stop, 1 on any error (logged; rank 0's watcher then stops the engine)."""
     die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if spec.log_setup is not None:
@@ -76,8 +79,11 @@ def run_rank(spec: RankSpec) -> None:
     from engine.builder import build_runner
 
     try:
-        tp = init_group(spec.rank, spec.size, spec.init_method, spec.shm_buffers)
-        runner = build_runner(spec.args, spec.model_config, spec.cache_config, spec.max_model_len, tp, spec.kv)
+        tp = init_group(spec.rank, spec.size, spec.init_method, spec.shm_buffers,
+                        rank_device(spec.args.device, spec.rank))
+        runner = build_runner(spec.args, spec.model_config, spec.cache_config, spec.max_model_len, tp)
+        spec.shard_out.send_bytes(export_shard(share(runner.kv_cache.kv)))  # the runner keeps it alive
+        spec.shard_out.close()
         torch.distributed.barrier(group=tp.group)
         runner.follow()
     except Exception:  # noqa: BLE001 - logged here; the engine process sees this process exit
@@ -90,27 +96,32 @@ class RankProcesses:
     """Ranks 1..size-1 of an engine process, and rank 0's membership of their group.
 
     `start` spawns them and returns rank 0's `TensorParallel` once every rank has joined the group; the engine
-    process then builds its own share (`engine.builder.build_engine` with that group) and calls `wait_built`.
+    process then builds its own share (`engine.builder.build_engine` with that group) and calls `wait_built`, which
+    returns the other ranks' KV shards.
 
     Args:
         args, model_config, cache_config, scheduler_config: the engine being built.
-        kv: the shared KV cache tensor.
         threads: torch intra-op threads of each rank (rank 0's included).
         log_setup: as `RankSpec.log_setup`.
     """
 
     def __init__(self, args: EngineArgs, model_config: ModelConfig, cache_config: CacheConfig,
-                 scheduler_config: SchedulerConfig, kv: torch.Tensor, threads: int,
-                 log_setup: Callable[[], None] | None):
+                 scheduler_config: SchedulerConfig, threads: int, log_setup: Callable[[], None] | None):
         self.size = args.tensor_parallel_size
+        self._device = args.device
         self._dir = tempfile.mkdtemp(prefix="pdserve-tp-")
         self._init_method = f"file://{self._dir}/rendezvous"
+        itemsize = torch.empty((), dtype=model_config.torch_dtype).element_size()
+        # Shared-memory collectives move host tensors; GPU ranks' tensors go through NCCL.
         self._shm = (ShmCollectives.allocate(self.size, shm_slot_bytes(model_config, scheduler_config, self.size,
-                                                                        kv.element_size()))
-                     if shm_usable() else None)
-        self._specs = [RankSpec(args, model_config, cache_config, scheduler_config.max_model_len, kv, rank,
+                                                                        itemsize))
+                     if shm_usable() and torch.device(args.device).type == "cpu" else None)
+        ctx = multiprocessing.get_context("spawn")
+        pipes = [ctx.Pipe(duplex=False) for _ in range(1, self.size)]
+        self._shard_in = [receive for receive, _ in pipes]
+        self._specs = [RankSpec(args, model_config, cache_config, scheduler_config.max_model_len, send, rank,
                                 self.size, self._init_method, threads, self._shm, log_setup)
-                       for rank in range(1, self.size)]
+                       for rank, (_, send) in zip(range(1, self.size), pipes)]
         self._processes: list[multiprocessing.process.BaseProcess] = []
         self._stopping = threading.Event()
         self.tp: TensorParallel | None = None
@@ -132,15 +143,24 @@ class RankProcesses:
             p = ctx.Process(target=run_rank, args=(spec,), name=f"pdserve-tp-rank-{spec.rank}", daemon=True)
             p.start()
             self._processes.append(p)
+        for spec in self._specs:
+            spec.shard_out.close()  # the rank holds its own end; EOF here if it dies before sending
         self._watch(on_death)
-        self.tp = init_group(0, self.size, self._init_method, self._shm)
+        self.tp = init_group(0, self.size, self._init_method, self._shm, rank_device(self._device, 0))
         return self.tp
 
-    def wait_built(self) -> None:
-        """Rank 0 is built: wait at the barrier until every rank is (a rank that fails exits, and `watch` ends this
-        process)."""
+    def wait_built(self) -> list[bytes]:
+        """Rank 0 is built: receive every other rank's KV shard, rank order (`engine.kv_cache.export_shard`
+        bytes, for the worker to open), then wait at the barrier until every rank is built (a rank that fails
+        exits, and `watch` ends this process).
+
+        Raises:
+            RuntimeError: a rank exited before sending its shard, or did not send it in time (`receive_shards`).
+        """
+        shards = receive_shards(self._shard_in, self._processes)
         torch.distributed.barrier(group=self.tp.group)
         shutil.rmtree(self._dir, ignore_errors=True)  # the file store is only read at rendezvous
+        return shards
 
     def _watch(self, on_death: Callable[[str], None]) -> None:
         def run() -> None:
@@ -165,6 +185,40 @@ class RankProcesses:
                 p.kill()
                 p.join(1)
         shutil.rmtree(self._dir, ignore_errors=True)
+
+
+SHARD_TIMEOUT_S = 300.0  # as the group's rendezvous: a rank neither built nor dead by then is stuck
+
+
+def receive_shards(pipes: list[Connection], processes: list[multiprocessing.process.BaseProcess],
+                   timeout_s: float = SHARD_TIMEOUT_S) -> list[bytes]:
+    """Each rank's KV shard bytes (ranks 1.., in order) from its pipe, closing the pipes; every wait is bounded.
+
+    Raises:
+        RuntimeError: a rank exited before sending (its pid and exit code named), or sent nothing within
+            `timeout_s` seconds of the call (a rank stuck while building).
+    """
+    deadline = time.monotonic() + timeout_s
+    shards = []
+    try:
+        for rank, (pipe, p) in enumerate(zip(pipes, processes), start=1):
+            wait([pipe, p.sentinel], timeout=max(0.0, deadline - time.monotonic()))
+            try:
+                if pipe.poll(0):  # sent, or closed by its death (EOF)
+                    shards.append(pipe.recv_bytes())
+                    continue
+            except EOFError:
+                pass
+            if p.is_alive():
+                raise RuntimeError(f"tensor-parallel rank {rank} (pid {p.pid}) did not send its KV shard within "
+                                   f"{timeout_s:.0f} s of rank 0 being built")
+            p.join(1)
+            raise RuntimeError(f"tensor-parallel rank {rank} (pid {p.pid}) exited with code {p.exitcode} before "
+                               "sending its KV shard; see its log")
+    finally:
+        for pipe in pipes:
+            pipe.close()
+    return shards
 
 
 SHM_SLOT_MAX_BYTES = 32 << 20  # per rank and buffer; a larger collective (huge vocabularies) goes through gloo

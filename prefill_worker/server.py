@@ -145,8 +145,7 @@ async def serve(config: WorkerConfig) -> None:
     secret = read_secret(config.server.cluster_secret_file)
     tracing = Tracing.from_env("pdserve-prefill")
     worker = await start_engine(config)
-    sender = KvSender(worker.compat_hash, worker.block_bytes, timeout_s=config.transfer_timeout_s, secret=secret,
-                      num_ranks=worker.cache_config.tensor_parallel_size)
+    sender = KvSender(worker.compat_hash, worker.block_regions, timeout_s=config.transfer_timeout_s, secret=secret)
     prefill = PrefillServicer(worker, sender, layerwise=config.kv_layerwise)
     try:
         await serve_worker(config, worker, WorkerServicer("prefill", worker),

@@ -184,8 +184,9 @@ def test_out_of_range_settings_are_refused_as_the_flags_are_parsed(command, argv
     assert e.value.code == 2 and message in capsys.readouterr().err
 
 
-def test_user_errors_of_the_command_line_are_one_line(tmp_path):
-    """A missing model path and a coordinator that is not there used to end in tracebacks."""
+def test_user_errors_of_the_command_line_are_one_line(tmp_path, tiny_model_dir):
+    """A missing model path and a coordinator that is not there used to end in tracebacks; a decode worker asked
+    for the nccl connector over tensor-parallel ranks on several GPUs is refused before anything is built."""
     import socket
     import subprocess
     import sys
@@ -196,6 +197,11 @@ def test_user_errors_of_the_command_line_are_one_line(tmp_path):
     missing = run("decode", "--model", str(tmp_path / "nowhere"))
     assert missing.returncode == 1 and "Traceback" not in missing.stderr
     assert f"pdserve decode: model path {tmp_path / 'nowhere'} does not exist (--model)" in missing.stderr
+
+    nccl = run("decode", "--model", str(tiny_model_dir), "--device", "cuda", "--tensor-parallel-size", "2",
+               "--connector", "nccl", "--port", "0")
+    assert nccl.returncode == 1 and "Traceback" not in nccl.stderr
+    assert "--tensor-parallel-size 2 puts a KV shard on each of its GPUs: use --connector ucx or tcp" in nccl.stderr
 
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))

@@ -84,7 +84,7 @@ def test_remote_kv_request_reserves_then_decodes(tiny_model_dir, prompts):
     (reserved,) = decode.scheduler.reserve()
     assert len(reserved.block_ids) == len(held.block_ids)
     for src, dst in zip(held.block_ids, reserved.block_ids):  # what the connector does, minus the wire
-        decode.runner.kv_cache.block_bytes(dst)[:] = prefill.runner.kv_cache.block_bytes(src)
+        decode.runner.kv_cache.kv[dst] = prefill.runner.kv_cache.kv[src]
     assert decode.scheduler.kv_arrived("x", held.token.token_id) is None
     while decode.scheduler.has_work():
         out = decode.scheduler.schedule()
@@ -187,7 +187,7 @@ def test_layer_signals_come_as_each_layer_of_the_last_chunk_is_written(tiny_mode
     final for every block of the request (earlier chunks included) and layer l+1's is not yet written."""
     parts = build_engine(EngineArgs(dtype="float32", model_dir=str(tiny_model_dir), block_size=8, kv_tokens=64 * 8,
                                     max_num_batched_tokens=24, max_model_len=512))
-    kv = parts.runner.kv_cache.kv[:, 0]  # the only TP rank's: [blocks, layers, 2, block_size, kv_heads, head_dim]
+    kv = parts.runner.kv_cache.kv  # [blocks, layers, 2, block_size, kv_heads, head_dim]
     prompt = prompts[6][:60]  # 60 tokens in chunks of 24: the signals come in the third step only
     req = Request("s", prompt, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), prefill_only=True)
     req.kv_layers = progress = RecordingProgress(kv)
@@ -215,7 +215,7 @@ def test_a_one_token_last_chunk_streams_its_layers_too(tiny_model_dir, prompts):
     decodes: it must signal every layer all the same (it did not, and its KV sender waited forever)."""
     parts = build_engine(EngineArgs(dtype="float32", model_dir=str(tiny_model_dir), block_size=8, kv_tokens=64 * 8,
                                     max_model_len=512))
-    kv = parts.runner.kv_cache.kv[:, 0]
+    kv = parts.runner.kv_cache.kv
     prompt = prompts[6][:25]  # 3 full blocks of 8 + 1 token
     first = Request("a", prompt, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), prefill_only=True)
     s, r = parts.scheduler, parts.runner

@@ -78,13 +78,14 @@ def test_kv_cache_is_shared_with_the_worker(tiny_model_dir):
     """The worker's view of the cache is the engine's memory: what a request's prefill wrote is visible here, in
     the request's blocks, without a copy (the KV connectors read and write it in place)."""
     async def scenario(engine):
-        assert engine.kv is not None and engine.kv.is_shared()
+        (shard,) = engine.kv.shards
+        assert shard.is_shared()
         req = Request("held", PROMPTS[0], SamplingParams(max_tokens=8, temperature=0.0), prefill_only=True)
         with engine.request(req) as stream:
             ev = await stream.next()
             assert ev.finish_reason == FinishReason.PREFILL_DONE and ev.block_ids
-            written = engine.kv[ev.block_ids[0]].abs().sum().item()
-            unused = engine.kv[engine.cache_config.num_blocks - 1].abs().sum().item()
+            written = shard[ev.block_ids[0]].abs().sum().item()
+            unused = shard[engine.cache_config.num_blocks - 1].abs().sum().item()
         return written, unused
     written, unused = run_process_engine(tiny_model_dir, scenario)
     assert written > 0 and unused == 0

@@ -76,9 +76,9 @@ def test_kv_handshake_proves_the_cluster_secret(sender_secret, ok):
         src = [torch.full((64,), i, dtype=torch.uint8) for i in range(2)]
         dst = [torch.zeros(64, dtype=torch.uint8) for _ in range(2)]
         sink = Sink({"r": [1]})
-        receiver = KvReceiver(get_backend("tcp"), "h", lambda b: dst[b], sink, timeout_s=5, secret="s3cret")
+        receiver = KvReceiver(get_backend("tcp"), "h", lambda b: [dst[b]], sink, timeout_s=5, secret="s3cret")
         address = await receiver.start("127.0.0.1")
-        sender = KvSender("h", lambda b: src[b], timeout_s=5, secret=sender_secret)
+        sender = KvSender("h", lambda b: [src[b]], timeout_s=5, secret=sender_secret)
         try:
             if ok:
                 await sender.send(address, "r", 7, [0], num_tokens=3)

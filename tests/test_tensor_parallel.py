@@ -48,6 +48,88 @@ def test_tp2_greedy_equals_tp1_dense(tiny_model_dir):
     assert two == one
 
 
+def test_each_rank_shares_its_own_kv_shard_with_the_worker(tiny_model_dir):
+    """Under TP 2 the worker maps two shards, one allocated by each rank (rank 1's passes through rank 0 as bytes,
+    unopened there): a prefill writes the request's blocks in both, and each holds only its own heads' K/V (the
+    two shards differ)."""
+    from engine.request import FinishReason, Request, SamplingParams
+
+    async def scenario(engine):
+        assert len(engine.kv.shards) == 2 and all(s.is_shared() for s in engine.kv.shards)
+        assert engine.kv.shards[0].data_ptr() != engine.kv.shards[1].data_ptr()
+        req = Request("held", PROMPTS[0], SamplingParams(max_tokens=4, temperature=0.0), prefill_only=True)
+        with engine.request(req) as stream:
+            ev = await stream.next()
+            assert ev.finish_reason == FinishReason.PREFILL_DONE and ev.block_ids
+            first = [s[ev.block_ids[0]].clone() for s in engine.kv.shards]
+            unused = [s[engine.cache_config.num_blocks - 1].abs().sum().item() for s in engine.kv.shards]
+        return first, unused
+    first, unused = run_engine(engine_args(tiny_model_dir, 2), scenario)
+    assert all(block.abs().sum().item() > 0 for block in first) and unused == [0, 0]
+    assert not torch.equal(first[0], first[1])
+
+
+def test_ranks_get_one_gpu_each_and_too_few_gpus_are_refused(monkeypatch):
+    """Rank r of a worker on cuda:k runs on cuda:k+r; CPU ranks share the CPU; a group needing more GPUs than
+    there are is refused before anything starts, naming the GPUs asked for and those present."""
+    from engine.parallel import check_devices, rank_device
+
+    assert [rank_device("cuda", r) for r in range(2)] == ["cuda:0", "cuda:1"]
+    assert [rank_device("cuda:2", r) for r in range(3)] == ["cuda:2", "cuda:3", "cuda:4"]
+    assert rank_device("cpu", 3) == "cpu"
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    check_devices("cuda:2", 2)
+    check_devices("cuda:7", 1)  # no tensor parallelism: the device is the user's to name
+    with pytest.raises(ValueError, match=r"GPUs cuda:2 \.\. cuda:4; this machine has 4 GPU"):
+        check_devices("cuda:2", 3)
+    with pytest.raises(ValueError, match="runs on cpu or cuda"):
+        check_devices("meta", 2)
+
+
+def _shard_rank(send, behaviour: str) -> None:
+    """A stand-in rank for `receive_shards`: sends its bytes, exits without sending, or hangs."""
+    import sys
+    import time
+
+    if behaviour == "send":
+        send.send_bytes(b"shard")
+    elif behaviour == "exit":
+        sys.exit(3)
+    else:
+        time.sleep(60)
+
+
+@pytest.mark.parametrize("second", ["exit", "hang"])
+def test_rank_that_never_sends_its_shard_fails_the_build_with_its_name(second):
+    """Rank 0 gathers the ranks' KV shards with bounded waits: rank 2 exiting before it sends, or hanging, is a
+    build error that names it (with its exit code), not a wait without end; rank 1's shard came first."""
+    import multiprocessing
+
+    from engine.tp_ranks import receive_shards
+
+    ctx = multiprocessing.get_context("spawn")
+    pipes = [ctx.Pipe(duplex=False) for _ in range(2)]
+    procs = [ctx.Process(target=_shard_rank, args=(send, how), daemon=True)
+             for (_, send), how in zip(pipes, ["send", second])]
+    for p in procs:
+        p.start()
+    for _, send in pipes:
+        send.close()
+    try:
+        assert pipes[0][0].poll(120)  # rank 1 has sent (its start-up is not what the deadline bounds here)
+        timeout = 3.0 if second == "hang" else 120.0  # "exit" must end at the death, long before
+        with pytest.raises(RuntimeError) as e:
+            receive_shards([receive for receive, _ in pipes], procs, timeout_s=timeout)
+        assert f"rank 2 (pid {procs[1].pid})" in str(e.value)
+        assert ("exited with code 3 before sending" if second == "exit" else "did not send its KV shard within 3 s") \
+            in str(e.value)
+        assert all(receive.closed for receive, _ in pipes)
+    finally:
+        for p in procs:
+            p.kill()
+            p.join(10)
+
+
 def test_tp2_greedy_equals_tp1_moe(tmp_path):
     """A tiny Qwen3-MoE (8 experts, top-2; layers 0-1 sparse, layer 2 dense): each rank runs every expert on half
     its intermediate features, and the dense layer's MLP on half of its own."""

@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from engine.config import CacheConfig, ModelConfig
-from engine.kv_cache import kv_shape
 from engine.model_runner import ModelRunner, StepInputs
 from engine.parallel import HeadSplit, TensorParallel, head_split, kv_heads_per_rank
 
@@ -103,15 +102,14 @@ def greedy_steps(runner: ModelRunner, prompts: list[list[int]], steps: int) -> l
 
 
 def sharded_steps(cfg: ModelConfig, state: dict, size: int, prompts, steps: int) -> list[torch.Tensor]:
-    """`greedy_steps` with `size` ranks (threads) sharing one KV tensor, as an engine's ranks do; rank 0's logits
-    (every rank's are the same gathered logits)."""
+    """`greedy_steps` with `size` ranks (threads), each computing in its own KV shard as an engine's ranks do;
+    rank 0's logits (every rank's are the same gathered logits)."""
     cache = CacheConfig(block_size=BLOCK, num_blocks=8 * len(prompts), tensor_parallel_size=size)
-    kv = torch.zeros(kv_shape(cfg, cache), dtype=cfg.torch_dtype)
     group = ThreadGroup(size)
 
     def rank(r: int) -> list[torch.Tensor]:
         runner = ModelRunner(cfg, cache, state, attention_backend="torch", packed_weights=False,
-                             tp=ThreadRank(r, size, group), kv=kv)
+                             tp=ThreadRank(r, size, group))
         return greedy_steps(runner, prompts, steps)
 
     with ThreadPoolExecutor(size) as pool:

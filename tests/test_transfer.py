@@ -23,15 +23,17 @@ BLOCK = 4096
 
 
 class FakeCache:
-    """Blocks as 1-D uint8 tensors, as `KVCache.block_bytes` gives them."""
+    """Blocks as 1-D uint8 tensors; `view` gives each as `ranks` regions, as `KvShards.block_regions` does for
+    that many tensor-parallel ranks."""
 
-    def __init__(self, num_blocks, seed, block_nbytes=BLOCK):
+    def __init__(self, num_blocks, seed, block_nbytes=BLOCK, ranks=1):
         gen = torch.Generator().manual_seed(seed)
         self.blocks = [torch.randint(0, 256, (block_nbytes,), dtype=torch.uint8, generator=gen)
                        for _ in range(num_blocks)]
+        self.ranks = ranks
 
     def view(self, b):
-        return self.blocks[b]
+        return list(self.blocks[b].chunk(self.ranks))
 
 
 class Sink:
@@ -68,9 +70,12 @@ async def _pair(backend_name, sink, dst, compat="abc", timeout_s=5.0):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_blocks_arrive_in_reserved_blocks(backend):
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_blocks_arrive_in_reserved_blocks(backend, ranks):
+    """Whole blocks land in the reserved blocks; with 2 tensor-parallel ranks each block is two regions, one
+    message each."""
     async def main():
-        src, dst, sink = FakeCache(8, 1), FakeCache(8, 2), Sink()
+        src, dst, sink = FakeCache(8, 1, ranks=ranks), FakeCache(8, 2, ranks=ranks), Sink()
         receiver, address = await _pair(backend, sink, dst)
         sender = KvSender("abc", src.view, timeout_s=10)
         try:
@@ -103,6 +108,32 @@ def test_unknown_request_rejected_and_channel_still_usable(backend):
             sink.reserved["ok"] = [1]
             await sender.send(address, "ok", 1, [0], num_tokens=1)
             torch.testing.assert_close(dst.blocks[1], src.blocks[0])
+        finally:
+            sender.close()
+            receiver.close()
+    run(main)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_offer_of_other_rank_regions_is_rejected(backend):
+    """Blocks of the same bytes cut into another number of tensor-parallel regions are refused at the offer (the
+    request fails with the reason; nothing is written), and the channel carries the next transfer."""
+    async def main():
+        src, dst, sink = FakeCache(4, 1, ranks=1), FakeCache(4, 2, ranks=2), Sink()
+        before = [b.clone() for b in dst.blocks]
+        receiver, address = await _pair(backend, sink, dst)
+        sender = KvSender("abc", src.view, timeout_s=10)
+        try:
+            sink.reserved["r"] = [1]
+            with pytest.raises(TransferError) as e:
+                await sender.send(address, "r", 1, [0], num_tokens=1)
+            assert e.value.kind == ErrorKind.TRANSFER_REJECTED and "in 1 rank region(s), expected" in str(e.value)
+            assert sink.ended["r"] == (0, "block layout mismatch")
+            assert all(torch.equal(a, b) for a, b in zip(before, dst.blocks))
+            src.ranks = 2
+            sink.reserved["ok"] = [2]
+            await sender.send(address, "ok", 1, [0], num_tokens=1)
+            torch.testing.assert_close(dst.blocks[2], src.blocks[0])
         finally:
             sender.close()
             receiver.close()
@@ -353,16 +384,16 @@ def test_layerwise_stream_sends_each_layer_once_written(backend, ranks, monkeypa
     """Layer-wise streaming: layer l of every block is read only after its signal (the source's layers are filled
     just before each signal, so an early read would send zeros), the receiver does not finish before the first
     token, and the bytes land intact past the decode side's cached blocks. Groups of 2 blocks per message make
-    the 3 blocks two messages per layer. With 2 tensor-parallel ranks a block is rank-major (`engine.kv_cache`):
-    layer l is two slices, one in each rank's half."""
+    the 3 blocks two messages per layer (per rank). With 2 tensor-parallel ranks a block is two regions
+    (`engine.kv_cache.KvShards`): layer l is two slices, one in each rank's region."""
     monkeypatch.setattr(layer_gather, "LAYER_GROUP_BLOCKS", 2)
 
     async def main():
-        src, dst, sink = FakeCache(8, 1), FakeCache(8, 2), Sink()
+        src, dst, sink = FakeCache(8, 1, ranks=ranks), FakeCache(8, 2, ranks=ranks), Sink()
         for b in src.blocks:
             b.zero_()
         receiver, address = await _pair(backend, sink, dst)
-        sender = KvSender("abc", src.view, timeout_s=10, num_ranks=ranks)
+        sender = KvSender("abc", src.view, timeout_s=10)
         progress = KvLayerProgress(LAYERS)
         try:
             sink.reserved["r"] = [6, 0, 3]  # the request's table is [1, 2, 5, 7]; the receiver caches block 0
@@ -544,18 +575,39 @@ def test_device_path_through_host_staging_is_exact_and_counted():
     run(main)
 
 
+def test_nccl_channel_refuses_regions_on_several_devices():
+    """A process group moves one device's memory: regions on two devices (tensor-parallel shards on two GPUs; here
+    the CPU and the meta device) are refused with what to use instead, before any group is set up."""
+    from engine.transfer.torchdist import _one_device
+
+    cpu = torch.zeros(8, dtype=torch.uint8)
+    assert _one_device([cpu, cpu.clone()]) == torch.device("cpu")
+    with pytest.raises(ChannelClosed, match="use --connector ucx or tcp"):
+        _one_device([cpu, torch.empty(8, dtype=torch.uint8, device="meta")])
+
+
 def test_kv_cache_blocks_are_tensors_on_the_cache_device(tiny_model_dir):
-    """The connector API speaks tensors: a block is a uint8 view of the cache itself (no copy), on its device."""
+    """The connector API speaks tensors: a block is one uint8 view per rank of that rank's shard itself (no copy),
+    on its device; shards of another count or block out of range are refused."""
     from engine.config import CacheConfig, ModelConfig
-    from engine.kv_cache import KVCache
+    from engine.kv_cache import KVCache, KvShards
     from transformers import AutoConfig
 
     cfg = ModelConfig.from_hf(AutoConfig.from_pretrained(str(tiny_model_dir)), name="t", path="t")
-    cache = KVCache(cfg, CacheConfig(block_size=8, num_blocks=4), "cpu")
-    block = cache.block_bytes(2)
-    assert block.dtype == torch.uint8 and block.dim() == 1 and block.device == cache.kv.device
-    block.fill_(7)
-    assert (cache.kv[2].view(-1).view(torch.uint8) == 7).all() and (cache.kv[1] == 0).all()
+    caches = [KVCache(cfg, CacheConfig(block_size=8, num_blocks=4, tensor_parallel_size=2), "cpu")
+              for _ in range(2)]
+    shards = KvShards(cfg, CacheConfig(block_size=8, num_blocks=4, tensor_parallel_size=2), [c.kv for c in caches])
+    regions = shards.block_regions(2)
+    assert len(regions) == 2
+    for rank, region in enumerate(regions):
+        assert region.dtype == torch.uint8 and region.dim() == 1 and region.device == caches[rank].kv.device
+        region.fill_(7 + rank)
+    for rank, cache in enumerate(caches):
+        assert (cache.kv[2].view(-1).view(torch.uint8) == 7 + rank).all() and (cache.kv[1] == 0).all()
+    with pytest.raises(ValueError, match="1 KV shards for 2"):
+        KvShards(cfg, CacheConfig(block_size=8, num_blocks=4, tensor_parallel_size=2), [caches[0].kv])
+    with pytest.raises(IndexError):
+        shards.block_regions(4)
 
 
 def test_a_reservation_accepts_only_the_blocks_it_awaits():

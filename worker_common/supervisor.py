@@ -7,7 +7,7 @@ import time
 import uuid
 from collections.abc import Callable
 
-from engine.kv_cache import KVCache
+from engine.kv_cache import KvShards
 from engine.process_engine import ProcessEngine
 
 log = logging.getLogger(__name__)
@@ -26,13 +26,13 @@ class EngineRestarter:
     Args:
         engine: the worker's engine process.
         set_serving: the server's readiness (`RunningServer.set_serving`).
-        set_kv_cache: gives the worker the restarted engine's KV cache.
+        set_kv_cache: gives the worker the restarted engine's KV cache (None while it restarts).
         new_instance: gives the worker a new instance id.
         stopping: True once the worker is shutting down (a restart then leaves readiness alone).
         min_delay_s / max_delay_s / stable_s: the backoff, seconds.
     """
 
-    def __init__(self, engine: ProcessEngine, set_serving: Callable, set_kv_cache: Callable[[KVCache], None],
+    def __init__(self, engine: ProcessEngine, set_serving: Callable, set_kv_cache: Callable[[KvShards | None], None],
                  new_instance: Callable[[str], None], stopping: Callable[[], bool], min_delay_s: float = 1.0,
                  max_delay_s: float = 30.0, stable_s: float = 60.0):
         self.engine, self.set_serving, self.set_kv_cache = engine, set_serving, set_kv_cache
@@ -58,6 +58,7 @@ class EngineRestarter:
 
     async def _run(self) -> None:
         await self.set_serving(False)
+        self.set_kv_cache(None)  # the dead engine's shards: unmapped once transfers still reading them end
         while True:
             await asyncio.sleep(self._delay)
             self._delay = min(self._delay * 2, self.max_delay_s)
@@ -69,9 +70,8 @@ class EngineRestarter:
                 self.engine.died = self.engine.died or str(e)
         self.num_restarts += 1
         self._last_restart = time.monotonic()
-        m, c = self.engine.model_config, self.engine.cache_config
-        assert m is not None and c is not None and self.engine.kv is not None
-        self.set_kv_cache(KVCache(m, c, kv=self.engine.kv))
+        assert self.engine.kv is not None
+        self.set_kv_cache(self.engine.kv)
         self.new_instance(uuid.uuid4().hex)
         if not self.stopping():
             await self.set_serving(True)

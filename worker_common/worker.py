@@ -15,9 +15,9 @@ from engine.async_engine import AsyncEngine
 from engine.builder import build_engine
 from engine.config import CacheConfig, ModelConfig, SchedulerConfig, compat_hash
 from engine.engine_core import EngineCore
-from engine.errors import EngineError
+from engine.errors import EngineError, ErrorKind
 from engine.hardware import set_threads
-from engine.kv_cache import KVCache
+from engine.kv_cache import KvShards
 from engine.kv_cache_manager import max_request_blocks, max_request_tokens, sliding_kv_window, usable_blocks
 from engine.process_engine import EngineBuildError, ProcessEngine
 from pdserve.v1 import generate_pb2, worker_pb2, worker_pb2_grpc
@@ -38,13 +38,13 @@ log = logging.getLogger(__name__)
 @dataclass
 class WorkerEngine:
     """A worker's running engine (a thread here or a process of its own), what it was built as, its KV cache
-    memory (what the KV connectors read and write) and its metrics."""
+    memory (every rank's shard: what the KV connectors read and write) and its metrics."""
 
     engine: AsyncEngine
     model_config: ModelConfig
     cache_config: CacheConfig
     scheduler_config: SchedulerConfig
-    kv_cache: KVCache
+    kv_cache: KvShards | None  # None while its engine process restarts
     registry: CollectorRegistry
     metrics: WorkerMetrics
 
@@ -52,9 +52,15 @@ class WorkerEngine:
     def compat_hash(self) -> str:
         return compat_hash(self.model_config, self.cache_config)
 
-    def block_bytes(self, block_id: int):
-        """`KVCache.block_bytes` of the engine's current cache (a restarted engine process has a new one)."""
-        return self.kv_cache.block_bytes(block_id)
+    def block_regions(self, block_id: int) -> list:
+        """`KvShards.block_regions` of the engine's current cache (a restarted engine process has a new one).
+
+        Raises:
+            EngineError: ENGINE_DIED while the engine process restarts (no cache to read or write).
+        """
+        if self.kv_cache is None:
+            raise EngineError(ErrorKind.ENGINE_DIED, "the engine process is restarting; its KV cache is gone")
+        return self.kv_cache.block_regions(block_id)
 
 
 async def start_engine(config: WorkerConfig) -> WorkerEngine:
@@ -82,7 +88,7 @@ async def start_engine(config: WorkerConfig) -> WorkerEngine:
             raise CommandError(str(e)) from None
         assert engine.model_config and engine.cache_config and engine.scheduler_config and engine.kv is not None
         model, cache, sched = engine.model_config, engine.cache_config, engine.scheduler_config
-        kv_cache = KVCache(model, cache, kv=engine.kv)
+        kv_cache = engine.kv
     else:
         if args.tensor_parallel_size > 1:  # the ranks are the engine process's children (`engine.tp_ranks`)
             raise CommandError("--tensor-parallel-size > 1 needs the engine process (drop --no-engine-process)")
@@ -95,7 +101,7 @@ async def start_engine(config: WorkerConfig) -> WorkerEngine:
                              max_unread_tokens=config.max_unread_tokens)
         engine.start()
         model, cache, sched = parts.model_config, parts.cache_config, parts.scheduler_config
-        kv_cache = parts.runner.kv_cache
+        kv_cache = KvShards(model, cache, [parts.runner.kv_cache.kv])
     registry = CollectorRegistry()
     name = config.served_model_name or model.name
     return WorkerEngine(engine, model, cache, sched, kv_cache, registry,

@@ -11,6 +11,7 @@ from typing import Protocol
 
 import torch
 
+from engine.errors import EngineError
 from engine.transfer.channel import Backend, Channel, ChannelClosed, Listener
 from engine.transfer.layer_gather import LayerGather
 from engine.transfer.wire import PROTOCOL_VERSION, BlockView, Offer, decode, encode, handshake_mac, parse_end
@@ -42,7 +43,8 @@ class KvReceiver:
     Args:
         backend: transport to listen on.
         compat_hash: this worker's layout hash.
-        block_view: block id -> writable 1-D uint8 tensor over that block's memory, on the cache's device.
+        block_view: block id -> that block's memory, one writable 1-D uint8 tensor per tensor-parallel rank, each
+            on its rank's device (`KvShards.block_regions`).
         sink: reservation bookkeeping of the decode worker.
         timeout_s: bound on the handshake and on receiving one request's blocks once accepted, seconds.
         secret: the cluster secret a sender must prove at the handshake; None = anyone may send.
@@ -115,25 +117,26 @@ class KvReceiver:
         try:
             block_ids = self.sink.begin_receive(rid, offer.first_block, offer.num_blocks, offer.num_tokens,
                                                 offer.trace_context)
-            if offer.num_blocks and offer.block_nbytes != self.block_view(block_ids[0]).nbytes:
-                self.sink.end_receive(rid, 0, "block size mismatch")
-                raise LookupError(f"block of {offer.block_nbytes} bytes, expected "
-                                  f"{self.block_view(block_ids[0]).nbytes}")
+            regions = self.block_view(block_ids[0]) if offer.num_blocks else []
+            if regions and (offer.num_ranks, offer.block_nbytes) != (len(regions), sum(r.nbytes for r in regions)):
+                self.sink.end_receive(rid, 0, "block layout mismatch")
+                raise LookupError(f"blocks of {offer.block_nbytes} bytes in {offer.num_ranks} rank region(s), "
+                                  f"expected {sum(r.nbytes for r in regions)} in {len(regions)}")
             if offer.num_layers and offer.block_nbytes % (offer.num_layers * offer.num_ranks):
                 self.sink.end_receive(rid, 0, "layer size mismatch")
                 raise LookupError(f"a block of {offer.block_nbytes} bytes does not split into {offer.num_layers} "
                                   f"layers of {offer.num_ranks} rank(s)")
-        except LookupError as e:
+        except (LookupError, EngineError) as e:  # EngineError: no cache to receive into (its engine restarts)
             await ch.send_msg(encode({"type": "accept", "ok": False, "error": str(e)}))
             return True
         await ch.send_msg(encode({"type": "accept", "ok": True}))
         try:
             async with asyncio.timeout(self.timeout_s):
-                views = [self.block_view(b) for b in block_ids]
+                blocks = [self.block_view(b) for b in block_ids]
                 if offer.num_layers:
-                    end = await self._receive_layers(ch, views, offer.num_layers, offer.num_ranks)
+                    end = await self._receive_layers(ch, blocks, offer.num_layers)
                 else:
-                    await ch.recv_into_all(views)
+                    await ch.recv_into_all([region for regions in blocks for region in regions])
                     end = decode(await ch.recv_msg())
                 first_token, error = parse_end(end)
         except BaseException as e:
@@ -144,10 +147,11 @@ class KvReceiver:
         return True
 
     @staticmethod
-    async def _receive_layers(ch: Channel, views: list[torch.Tensor], num_layers: int, num_ranks: int) -> dict:
-        """Receive a layer-wise offer's layers into the blocks; returns the end message (which may come early: the
-        sender gave up on the request). Raises ValueError on a message out of order."""
-        gather = LayerGather(views, num_layers, num_ranks)
+    async def _receive_layers(ch: Channel, blocks: list[list[torch.Tensor]], num_layers: int) -> dict:
+        """Receive a layer-wise offer's layers into the blocks (each block's regions, rank order); returns the end
+        message (which may come early: the sender gave up on the request). Raises ValueError on a message out of
+        order."""
+        gather = LayerGather(blocks, num_layers)
         for layer in range(num_layers):
             msg = decode(await ch.recv_msg())
             if msg.get("type") == "end":
@@ -155,7 +159,7 @@ class KvReceiver:
             if msg.get("type") != "layer" or msg.get("layer") != layer:
                 raise ValueError(f"expected the header of layer {layer}, got {msg}")
             for group in gather.groups():
-                landing = gather.buffer(group)
-                await ch.recv_into(landing)
+                landing = gather.buffers(group)
+                await ch.recv_into_all(landing)
                 await gather.scatter(layer, group, landing)
         return decode(await ch.recv_msg())

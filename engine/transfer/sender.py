@@ -71,20 +71,17 @@ class KvSender:
 
     Args:
         compat_hash: this worker's `engine.config.compat_hash`; the receiver refuses a mismatch.
-        block_view: block id -> 1-D uint8 tensor over that block's memory, on the cache's device
-            (`KVCache.block_bytes`).
+        block_view: block id -> that block's memory, one 1-D uint8 tensor per tensor-parallel rank, each on its
+            rank's device (`KvShards.block_regions`); every block has the same regions' sizes.
         timeout_s: bound on waiting for a channel + connecting + the whole transfer, seconds.
         secret: the cluster secret, proven at each handshake (`handshake_mac`); None = none configured.
         max_channels_per_peer: channels (and so concurrent transfers) per decode worker; more transfers queue.
-        num_ranks: tensor-parallel shards in each block (`engine.kv_cache`); a layer-wise send moves each layer's
-            slice of every shard.
     """
 
     def __init__(self, compat_hash: str, block_view: BlockView, timeout_s: float = 30.0, secret: str | None = None,
-                 max_channels_per_peer: int = MAX_CHANNELS_PER_PEER, num_ranks: int = 1):
+                 max_channels_per_peer: int = MAX_CHANNELS_PER_PEER):
         self.compat_hash = compat_hash
         self.block_view = block_view
-        self.num_ranks = num_ranks
         self.timeout_s = timeout_s
         self.secret = secret
         self.max_channels_per_peer = max_channels_per_peer
@@ -107,11 +104,10 @@ class KvSender:
                 then), and the decode worker drops the KV when its own request is gone.
         """
         offer = {"request_id": request_id, "first_block": first_block, "num_blocks": len(block_ids),
-                 "num_tokens": num_tokens, "num_layers": 0, "num_ranks": self.num_ranks,
-                 "trace_context": trace_context or {}}
+                 "num_tokens": num_tokens, "num_layers": 0, "trace_context": trace_context or {}}
 
         async def body(ch: Channel) -> None:
-            await ch.send_buffers([self.block_view(b) for b in block_ids])
+            await ch.send_buffers([region for b in block_ids for region in self.block_view(b)])
             await ch.send_msg(encode({"type": "end", "ok": True, "first_token": first_token}))
         return await self._transfer(address, offer, block_ids, body)
 
@@ -132,18 +128,17 @@ class KvSender:
         blocks = [self.block_view(b) for b in blocks_to_send(block_ids, first_block)]
         layers = progress.num_layers
         offer = {"request_id": request_id, "first_block": first_block, "num_blocks": len(blocks),
-                 "num_tokens": num_tokens, "num_layers": layers, "num_ranks": self.num_ranks,
-                 "trace_context": trace_context or {}}
+                 "num_tokens": num_tokens, "num_layers": layers, "trace_context": trace_context or {}}
 
         async def body(ch: Channel) -> None:
             ended = None
             try:
-                gather = LayerGather(blocks, layers, self.num_ranks)
+                gather = LayerGather(blocks, layers)
                 for layer in range(layers):
                     await progress.written(layer)
                     await ch.send_msg(encode({"type": "layer", "layer": layer}))
                     for group in gather.groups():
-                        await ch.send_buffer(await gather.gather(layer, group))
+                        await ch.send_buffers(await gather.gather(layer, group))
                 end = {"type": "end", "ok": True, "first_token": await progress.first_token()}
             except LayerStreamEnded as e:
                 ended, end = e, {"type": "end", "ok": False, "error": str(e)}
@@ -205,13 +200,15 @@ class KvSender:
             _StaleChannel: `pooled` (ch came from the idle pool) and the channel failed before the offer's answer.
         """
         request_id = offer["request_id"]
-        nbytes = self.block_view(block_ids[0]).nbytes if block_ids else 0  # every block of a cache is one size
+        regions = self.block_view(block_ids[0]) if block_ids else []  # every block of a cache has the same regions
+        nbytes = sum(r.nbytes for r in regions)
         staged_before = ch.staged_bytes
         reusable = False
         try:
             async with asyncio.timeout_at(deadline):
                 try:
-                    await ch.send_msg(encode({"type": "offer", **offer, "block_nbytes": nbytes}))
+                    await ch.send_msg(encode({"type": "offer", **offer, "block_nbytes": nbytes,
+                                              "num_ranks": max(1, len(regions))}))
                     raw = await ch.recv_msg()
                 except ChannelClosed as e:
                     if pooled:

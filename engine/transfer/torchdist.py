@@ -106,7 +106,7 @@ class DistChannel(Channel):
         """Post every block's send at once (matched in order by the peer's receives), then wait for them all."""
         if not bufs:
             return
-        group, peer = await self._ensure_group(bufs[0].device), 1 - self.rank
+        group, peer = await self._ensure_group(_one_device(bufs)), 1 - self.rank
 
         def run() -> None:
             works = [group.send([b], peer, 0) for b in bufs]
@@ -119,7 +119,7 @@ class DistChannel(Channel):
         """Receive up to LANDING_WINDOW blocks at a time into landing buffers, then copy them into `bufs`."""
         if not bufs:
             return
-        group, peer = await self._ensure_group(bufs[0].device), 1 - self.rank
+        group, peer = await self._ensure_group(_one_device(bufs)), 1 - self.rank
         landing = self._landing_buffers(bufs[0])
 
         def run() -> None:
@@ -195,6 +195,20 @@ class DistChannel(Channel):
         self.control.close()
         self._group = self._store = None  # the thread drops its reference when its op ends or times out
         self._thread.shutdown(wait=False)
+
+
+def _one_device(bufs: list[torch.Tensor]) -> torch.device:
+    """The one device `bufs` are on. A channel's process group moves one device's memory: a tensor-parallel
+    worker's shards on several GPUs would need a group per GPU pair (not built; decode workers refuse at start).
+
+    Raises:
+        ChannelClosed: the buffers span several devices.
+    """
+    devices = {b.device for b in bufs}
+    if len(devices) > 1:
+        raise ChannelClosed(f"the nccl connector moves KV on one device per worker, not {sorted(map(str, devices))} "
+                            "(tensor-parallel shards on several GPUs): use --connector ucx or tcp")
+    return bufs[0].device
 
 
 def _sync(buf: torch.Tensor) -> None:

@@ -16,6 +16,10 @@ handshake, then one transfer at a time:
       block 0 .. block n-1 (raw)  ───►       received in place into reserved blocks
     num_layers == L (layer-wise streaming, sent as the prefill's last chunk writes each layer):
       layer{0}, layer 0 of blocks 0 .. n-1, ..., layer{L-1}, layer L-1 of blocks 0 .. n-1
+
+    Every raw message holds one tensor-parallel rank's bytes (`engine.kv_cache.KvShards`: a block is one region per
+    rank, each on its rank's device): a whole block is num_ranks messages, rank order; a layer of a group of blocks
+    (`layer_gather.LayerGather`) is num_ranks messages, rank order, each that rank's slices in block order.
     end{ok, first_token | error}  ───►       the request may decode (ok) or is dropped (the prefill gave up)
                                   ◄───       done{ok, error}
 
@@ -36,9 +40,11 @@ if TYPE_CHECKING:
 
 # 2: the receiver challenges with a nonce; hello carries an HMAC of it under the cluster secret.
 # 3: layer-wise offers (num_layers > 0): a header per layer and an end message that carries the first token.
-PROTOCOL_VERSION = 3
+# 4: one raw message per tensor-parallel rank (a rank's region of a block, or its slices of a layer-wise group).
+PROTOCOL_VERSION = 4
 
-BlockView = Callable[[int], "torch.Tensor"]  # block id -> 1-D uint8 tensor over that block's memory (any device)
+# block id -> that block's memory, one 1-D uint8 tensor per tensor-parallel rank, rank order (any devices)
+BlockView = Callable[[int], "list[torch.Tensor]"]
 
 
 def encode(msg: dict) -> bytes:
@@ -66,10 +72,11 @@ class Offer:
     """One request's KV, announced by the sender (validated: a malformed offer drops the channel).
 
     num_layers: 0 = whole blocks follow. > 0 = layer-wise: the blocks come layer by layer, each layer after a
-    header (each block's bytes are num_ranks x num_layers equal slices, `kv_cache.KVCache`'s layout; a layer is
-    one slice per rank, `layer_gather.LayerGather`). Either way an end message follows with the prefill's first
+    header (each rank's region of a block is num_layers equal slices, `engine.kv_cache`'s layout; a layer is one
+    slice per rank, `layer_gather.LayerGather`). Either way an end message follows with the prefill's first
     token (a layer-wise offer goes out before it is sampled).
-    num_ranks: tensor-parallel shards in each block (1 without TP).
+    block_nbytes: bytes of one block, all ranks' regions together.
+    num_ranks: tensor-parallel ranks, so regions, of each block (1 without TP).
     trace_context: the sender's W3C trace headers ({"traceparent": ...}; empty when not tracing), so the receive
     is recorded in the same trace.
     """
