@@ -14,9 +14,10 @@ fp32 (`SmallBatchLinear`): torch's fp32 linear runs a decode step's few rows poo
 the machine's read bandwidth at M = 1, and from M = 2 a GEMM slower than that GEMV: by its timing it packs the
 weight on every call), so up to `SMALL_BATCH_ROWS` rows go through the cpu backend's own kernel
 (`kernels/cpu_linear.c`) over the same weight tensor, and larger batches (prefill chunks) through torch's GEMM. The
-crossover was measured on the 2-core AMD EPYC VM (AVX2, 2 threads, 60 distinct weights streamed from DRAM): the
-kernel was 1.5-3.1x faster from M = 1 to 32 on both the 1536 x 576 and the 576 x 1536 shapes, and at M = 64 faster
-on one and slower on the other.
+crossover was measured on the 2-core AMD EPYC VM (AVX2, 2 threads, every linear of SmolLM2-135M once, distinct
+weights streamed from DRAM, `bench/small_linear.py`): the kernel ran 1.3-2.8x torch's speed from M = 1 to 32,
+1.2-1.3x at 64, about even at 128 (1.04x) and slower at 256 (0.86x), so up to 64 rows (a decode step's at the
+default --max-num-seqs) take it.
 
 CPU only; anything else keeps `nn.Linear`. Unverified on GPU by construction: never applied there.
 """
@@ -28,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-SMALL_BATCH_ROWS = 32  # most rows a SmallBatchLinear sends to its kernel (the crossover in the module docstring)
+SMALL_BATCH_ROWS = 64  # most rows a SmallBatchLinear sends to its kernel (the crossover in the module docstring)
 
 
 def packing_supported(device: torch.device, dtype: torch.dtype) -> bool:

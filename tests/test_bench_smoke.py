@@ -202,3 +202,13 @@ def test_sweep_refuses_a_malformed_peer_before_running_anything(tmp_path):
                            "--out-dir", str(tmp_path / "out")], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0 and "--peer wants name=http://host:port" in proc.stderr
     assert "starting" not in proc.stdout
+
+
+def test_small_linear_smoke(tiny_model_dir, tmp_path):
+    """The small-M linear benchmark on the tiny model's shapes: a row per row count, both sides timed."""
+    out = tmp_path / "small_linear.json"
+    _run(["bench/small_linear.py", "--model-dir", str(tiny_model_dir), "--rows", "1,5", "--repeats", "1",
+          "--threads", "1", "--out", str(out)], tmp_path)
+    result = json.loads(out.read_text())
+    assert [r["rows"] for r in result["rows"]] == [1, 5]
+    assert all(r["ours_ms"] > 0 and r["torch_ms"] > 0 and r["ratio"] > 0 for r in result["rows"])

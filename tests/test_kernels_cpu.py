@@ -366,10 +366,12 @@ def test_c_causal_softmax_with_a_window_matches_torch(kernels, rows, end, window
 
 
 @pytest.mark.parametrize("rows,out_features,in_features", [(1, 7, 3), (2, 1536, 576), (3, 576, 1536), (5, 13, 100),
-                                                            (32, 64, 8), (0, 4, 8)])
+                                                            (32, 64, 8), (0, 4, 8), (4, 6, 3), (6, 14, 100),
+                                                            (7, 576, 1536), (17, 13, 37)])
 def test_small_batch_linear_matches_torch(kernels, rows, out_features, in_features):
-    """fp32 x W^T (+ b) against F.linear: odd sizes take every tail of the 4-feature x 2-row tiles and of the vector
-    loop over K; x as a strided view (the rows of a wider tensor) is read in place."""
+    """fp32 x W^T (+ b) against F.linear: odd sizes take every tail of the tiles (2 rows x 4 features below 4 rows,
+    4 x 3 from 4 rows on, then the last rows % 4 rows and features % 3 features) and of the vector loop over K; x as a
+    strided view (the rows of a wider tensor) is read in place."""
     g = torch.Generator().manual_seed(rows * 1000 + in_features)
     w, bias = torch.randn(out_features, in_features, generator=g), torch.randn(out_features, generator=g)
     wide = torch.randn(rows, in_features + 5, generator=g)

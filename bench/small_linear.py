@@ -1,0 +1,88 @@
+"""The cpu backend's fp32 small-M linear (`pdserve::linear_small_m`, kernels/cpu_linear.c) against torch's
+`F.linear` on one decode step's linears of a model, same process, interleaved.
+
+For each row count M (a decode batch), x of M rows goes through every linear of the model once per pass (its own
+weights, distinct tensors, so they stream from DRAM as in a step: SmolLM2-135M's are 538 MB in fp32), alternately
+ours then torch's, `--repeats` times; the best pass of each is reported, and their ratio (torch / ours: > 1 means
+ours is faster). The weights are random (only shapes matter); the shapes come from the model's config.json.
+
+    .venv/bin/python bench/small_linear.py                       # packaged model, M = 1 2 4 8 16 32, 2 threads
+    .venv/bin/python bench/small_linear.py --rows 16,32 --threads 1 --out result.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from hostinfo import commit, machine  # noqa: E402
+
+
+def linear_shapes(model_dir: Path) -> list[tuple[int, int, int]]:
+    """(out_features, in_features, count) of one forward's linears: q, k, v, o, gate, up, down per layer, and the LM
+    head."""
+    from transformers import AutoConfig
+
+    c = AutoConfig.from_pretrained(str(model_dir))
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    h, q, kv, inter, n = (c.hidden_size, c.num_attention_heads * head_dim, c.num_key_value_heads * head_dim,
+                          c.intermediate_size, c.num_hidden_layers)
+    shapes: dict[tuple[int, int], int] = {}
+    for out, inp in [(q, h), (kv, h), (kv, h), (h, q), (inter, h), (inter, h), (h, inter)]:
+        shapes[(out, inp)] = shapes.get((out, inp), 0) + n
+    shapes[(c.vocab_size, h)] = shapes.get((c.vocab_size, h), 0) + 1
+    return [(o, i, k) for (o, i), k in shapes.items()]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model-dir", default=None, help="model directory (default: the packaged model)")
+    parser.add_argument("--rows", default="1,2,4,8,16,32", help="row counts M, comma-separated")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=8)
+    parser.add_argument("--out", default=None, help="write the rows as JSON here")
+    args = parser.parse_args()
+
+    import torch
+
+    from cli.models import resolve_model
+    from kernels.cpu_ops import cpu_isa, load_library
+
+    load_library()
+    torch.set_num_threads(args.threads)
+    model_dir = Path(args.model_dir) if args.model_dir else resolve_model(None)
+    shapes = linear_shapes(model_dir)
+    gen = torch.Generator().manual_seed(0)
+    weights = [torch.randn(o, i, generator=gen) for o, i, k in shapes for _ in range(k)]
+    ours, theirs = torch.ops.pdserve.linear_small_m, torch.nn.functional.linear
+    params = sum(w.numel() for w in weights)
+    print(f"# {machine()}; commit {commit()}; isa {cpu_isa()}; {args.threads} thread(s); "
+          f"{len(weights)} linears, {params * 4 / 1e6:.0f} MB fp32")
+    print(f"{'M':>4} {'ours ms':>9} {'torch ms':>9} {'torch/ours':>11} {'ours GFLOP/s':>13}")
+    rows = []
+    for m in [int(r) for r in args.rows.split(",")]:
+        xs = {w.shape[1]: torch.randn(m, w.shape[1], generator=gen) for w in weights}
+        best = {"ours": float("inf"), "torch": float("inf")}
+        for _ in range(args.repeats):
+            for name, fn in (("ours", lambda x, w: ours(x, w, None)), ("torch", theirs)):
+                start = time.perf_counter()
+                for w in weights:
+                    fn(xs[w.shape[1]], w)
+                best[name] = min(best[name], time.perf_counter() - start)
+        row = {"rows": m, "ours_ms": best["ours"] * 1e3, "torch_ms": best["torch"] * 1e3,
+               "ratio": best["torch"] / best["ours"], "ours_gflops": 2 * m * params / best["ours"] / 1e9}
+        rows.append(row)
+        print(f"{m:>4} {row['ours_ms']:>9.1f} {row['torch_ms']:>9.1f} {row['ratio']:>11.2f} "
+              f"{row['ours_gflops']:>13.1f}")
+    if args.out:
+        Path(args.out).write_text(json.dumps({"machine": machine(), "commit": commit(), "isa": cpu_isa(),
+                                              "threads": args.threads, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
