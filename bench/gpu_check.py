@@ -17,7 +17,8 @@ load the same fp32 safetensors.
    bf16 reports the token agreement (`bench/quality.agreement`). The torch reference attention runs the fp32 case
    too, so a kernel fault shows as Triton differing where the reference agrees.
 2. Cluster parity: `start_cluster` with prefill and decode workers on the GPU (`--device cuda`), for each
-   connector (tcp, ucx, nccl, each whole-block and layer-wise) and colocated; all prompts sent at once through the
+   connector (tcp, ucx, nccl, each whole-block and layer-wise) and colocated (with `--tensor-parallel-size N`, every
+   worker on N ranks, one GPU each: tensor parallelism over NCCL, its KV shards moved per rank); all prompts sent at once through the
    SDK; tokens compared with HF fp32; the workers' pools must return to idle. A connector that cannot start (ucxx
    not installed; NCCL refuses two ranks on one GPU) is reported with its error, and the rest still run.
 3. Throughput (bf16): B prompts of 128 random tokens, 64 new tokens each, through the engine with CUDA graphs
@@ -143,8 +144,9 @@ MODES = ("colocated", "tcp", "tcp+layerwise", "ucx", "ucx+layerwise", "nccl")
 
 
 def cluster_parity(model_dir: Path, prompts_: list[list[int]], expected: list[list[int]], log_root: Path,
-                   device: str, modes: list[str]) -> dict:
-    """Each topology / connector on `device`: agreement with HF fp32, prefix-cache tokens, pools idle after."""
+                   device: str, modes: list[str], tensor_parallel_size: int = 1) -> dict:
+    """Each topology / connector on `device`: agreement with HF fp32, prefix-cache tokens, pools idle after. With
+    `tensor_parallel_size` N > 1 every worker runs N ranks, rank r on GPU r (as many GPUs as N needed)."""
     from cli.launcher import ServeConfig, start_cluster
     from pdserve import AsyncClient, SamplingParams as SP
 
@@ -154,7 +156,8 @@ def cluster_parity(model_dir: Path, prompts_: list[list[int]], expected: list[li
         connector, _, layerwise = mode.partition("+")
         # fp32 named: the workers' default is --dtype auto (bf16 on a GPU), and the expected tokens are HF fp32's.
         args = ["--device", device, "--dtype", "float32", "--kv-tokens", "65536", "--max-model-len", "2048",
-                "--connector", "tcp" if mode == "colocated" else connector, *(["--kv-layerwise"] if layerwise else [])]
+                "--connector", "tcp" if mode == "colocated" else connector, *(["--kv-layerwise"] if layerwise else []),
+                "--tensor-parallel-size", str(tensor_parallel_size)]
         start = time.perf_counter()
         try:
             c = start_cluster(str(model_dir), "random-smollm2", ServeConfig(log_dir=str(log_root / mode),
@@ -362,6 +365,9 @@ def main() -> int:
     p.add_argument("--modes", default=",".join(MODES), help="cluster topologies / connectors to run")
     p.add_argument("--device", default="cuda", help="cuda; cpu only to dry-run this script (C kernel + reference)")
     p.add_argument("--dtypes", default="float32,bfloat16")
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="ranks of every cluster worker, one GPU each (needs that many GPUs; the nccl connector "
+                        "refuses shards on several GPUs: leave nccl out of --modes)")
     args = p.parse_args()
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         sys.exit("needs a CUDA device")
@@ -393,7 +399,7 @@ def main() -> int:
             del hf
         first = waves[0]
         doc["cluster"] = cluster_parity(model_dir, first, expected[:len(first)], work / "logs",
-                                       args.device, args.modes.split(","))
+                                       args.device, args.modes.split(","), args.tensor_parallel_size)
         save()
     if "throughput" not in skip:
         doc["throughput"] = throughput(model_dir, [int(b) for b in args.batches.split(",")], args.device)
