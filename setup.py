@@ -39,10 +39,12 @@ _AVX2 = ["-mavx2", "-mfma"]
 # -mprefer-vector-width=512: GCC otherwise keeps to 256-bit vectors on AVX-512 CPUs (one run, 64 sequences x 272
 # tokens, fp32: 8.2 ms per layer at 256 bits, 4.1 at 512).
 _AVX512 = _AVX2 + ["-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mprefer-vector-width=512"]
-# Level -> its -m flags; kernels/cpu_ops.cpp checks the same features before it runs a level. base: the compiler's
-# default target (x86-64's SSE2; the whole ISA elsewhere), for any CPU. AMX CPUs run avx512_bf16 (the hot loops use
-# no tiles).
-ISA_LEVELS = ({"base": [], "avx2": _AVX2, "avx512": _AVX512, "avx512_bf16": _AVX512 + ["-mavx512bf16"]}
+# Level -> its -m flags; kernels/cpu_ops.cpp checks the same features before it runs a level. base, for any CPU:
+# plain x86-64 (SSE2) named explicitly on x86, since a compiler may default to a later level (x86-64-v3 has AVX2,
+# which any CPU would then be run), the compiler's default target elsewhere. AMX CPUs run avx512_bf16 (the hot loops
+# use no tiles).
+ISA_LEVELS = ({"base": ["-march=x86-64", "-mtune=generic"], "avx2": _AVX2, "avx512": _AVX512,
+               "avx512_bf16": _AVX512 + ["-mavx512bf16"]}
               if X86 else {"base": []})
 
 

@@ -1,8 +1,8 @@
 """The C decode attention kernel (`kernels/cpu_decode.c`), build against build, on the engine's cache layout.
 
 Each build is one ISA level of the installed extension (`kernels.cpu_ops.cpu_isas`: the levels this CPU runs, e.g.
-`avx512_bf16` and `avx512` with the AVX-512 intrinsics path, `avx2` and `base` with the plain loops the compiler
-vectorizes), interleaved in one process so that all see the same machine. Two regimes per point:
+`avx512_bf16` and `avx512` with the AVX-512 intrinsics path, `avx2` with the AVX2 one, `base` with the plain loops
+the compiler vectorizes), interleaved in one process so that all see the same machine. Two regimes per point:
 
 - `dram`: one pass over all layers, as a decode step does; each layer's K/V (12.6 MB at 64 x 256 tokens, bf16)
   comes from memory. Blocks are placed at random in the cache, as they are after a server has run for a while.

@@ -6,7 +6,7 @@ weights, distinct tensors, so they stream from DRAM as in a step: SmolLM2-135M's
 ours then torch's, `--repeats` times; the best pass of each is reported, and their ratio (torch / ours: > 1 means
 ours is faster). The weights are random (only shapes matter); the shapes come from the model's config.json.
 
-    .venv/bin/python bench/small_linear.py                       # packaged model, M = 1 2 4 8 16 32, 2 threads
+    .venv/bin/python bench/small_linear.py                       # packaged model, M = 1 2 4 ... 64, 2 threads
     .venv/bin/python bench/small_linear.py --rows 16,32 --threads 1 --out result.json
 """
 from __future__ import annotations
@@ -42,7 +42,7 @@ def linear_shapes(model_dir: Path) -> list[tuple[int, int, int]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model-dir", default=None, help="model directory (default: the packaged model)")
-    parser.add_argument("--rows", default="1,2,4,8,16,32", help="row counts M, comma-separated")
+    parser.add_argument("--rows", default="1,2,4,8,16,32,64", help="row counts M, comma-separated")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=8)
     parser.add_argument("--out", default=None, help="write the rows as JSON here")

@@ -312,7 +312,7 @@ static inline __attribute__((always_inline)) void attend_item_avx512(
 /* The AVX2 path for head_dim 64 and 128, the AVX-512 path's structure at 8 lanes: the portable loop's one dot product
  * and one horizontal reduction per token left the avx2 build compute-bound at 7 GB/s of K/V (2-core AMD EPYC VM, fp32,
  * 16-64 sequences x 256 tokens: a third of the machine's read rate). Here 8 tokens' lane vectors are reduced together
- * (hsum8: 7 horizontal adds, 2 lane permutes, 1 add for 8 dot products), and the chunk's scores stay in a register
+ * (hsum8: 6 horizontal adds, 2 lane permutes, 1 add for 8 dot products), and the chunk's scores stay in a register
  * for the max and the masking. bf16 rows are widened exactly (bits << 16); P.V in fp32, as everywhere. */
 
 static inline __m256 widen8(const void *p) {
@@ -353,7 +353,7 @@ static inline __attribute__((always_inline)) void attend_item_avx2(
         const int32_t *context_lens, void *out, int s, int kvh, int group, int num_q_heads, const int HD,
         int block_size, int max_blocks, int64_t block_stride, int64_t token_stride, int64_t q_stride, float scale,
         int sliding_window, int is_bf16, NextItem next) {
-    enum { NC_MAX = MAX_HEAD_DIM / 8 };
+    enum { NC_MAX = 128 / 8, PV = 8 };  /* HD <= 128 here; P.V in passes of PV vectors (AVX2 has 16 registers) */
     const int NC = HD / 8;
     const size_t elem = is_bf16 ? 2 : 4;
     const int ctx = context_lens[s], lo = window_start(ctx, sliding_window);
@@ -413,18 +413,22 @@ static inline __attribute__((always_inline)) void attend_item_avx2(
                     m[g] = cmax;
                 }
                 float p[8] __attribute__((aligned(32)));
-                _mm256_store_ps(p, _mm256_sub_ps(sc, _mm256_set1_ps(m[g])));
+                /* dead lanes at 0 before expf: -FLT_MAX - m would take libmvec's scalar fallback */
+                _mm256_store_ps(p, _mm256_and_ps(live, _mm256_sub_ps(sc, _mm256_set1_ps(m[g]))));
                 for (int j = 0; j < 8; j++) p[j] = expf(p[j]);  /* vectorized by the compiler (libmvec) */
                 const __m256 pv = _mm256_and_ps(live, _mm256_load_ps(p));
                 l[g] += hadd8(pv);
                 _mm256_store_ps(p, pv);
-                __m256 a[NC_MAX];
-                for (int c = 0; c < NC; c++) a[c] = _mm256_load_ps(acc[g] + 8 * c);
-                for (int j = 0; j < n; j++) {
-                    const __m256 pj = _mm256_set1_ps(p[j]);
-                    for (int c = 0; c < NC; c++) a[c] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vrow[j] + 8 * c), a[c]);
+                for (int c0 = 0; c0 < NC; c0 += PV) {  /* head_dim 128: two passes, else the 16 + 1 vectors spill */
+                    __m256 a[PV];
+                    for (int c = 0; c < PV; c++) a[c] = _mm256_load_ps(acc[g] + 8 * (c0 + c));
+                    for (int j = 0; j < n; j++) {
+                        const __m256 pj = _mm256_set1_ps(p[j]);
+                        for (int c = 0; c < PV; c++)
+                            a[c] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vrow[j] + 8 * (c0 + c)), a[c]);
+                    }
+                    for (int c = 0; c < PV; c++) _mm256_store_ps(acc[g] + 8 * (c0 + c), a[c]);
                 }
-                for (int c = 0; c < NC; c++) _mm256_store_ps(acc[g] + 8 * c, a[c]);
             }
         }
     }

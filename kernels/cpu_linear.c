@@ -40,9 +40,9 @@ static inline float hsum(vf v) {
     return s;
 }
 
-/* out[i][j] = dot(x row i, w row j) for i < mb, j < nb; x rows x_stride apart, w rows K apart. mb and nb are
- * constants at each call site (always inlined), so the loops over them unroll and the accumulators stay in
- * registers. */
+/* out[i][j] = dot(x row i, w row j) for i < mb, j < nb; x rows x_stride apart, w rows K apart. mb is a constant at
+ * each call site (always inlined), and nb too but for the last block's tail features, so the loops over them unroll
+ * and the accumulators stay in registers. */
 static inline __attribute__((always_inline)) void dot_tile(const float *x, int64_t x_stride, const float *w, int K,
                                                             float out[MB][NB], const int mb, const int nb) {
     vf acc[MB][NB];
@@ -70,12 +70,15 @@ static inline __attribute__((always_inline)) void dot_tile(const float *x, int64
 /* The tile of 4 or more rows: 4 x rows by 3 weight rows, 12 accumulators (with the 3 weight vectors and one x vector,
  * the 16 vector registers of AVX2), 7 loads per 12 FMAs against the 2 x 4 tile's 6 per 8. Named variables, not
  * arrays: written as arrays, GCC spilled one accumulator to the stack inside the loop (a store-load chain each
- * iteration). out[i][j] = dot(x row i, w row j). */
-static inline void tile_4x3(const float *x, int64_t xs, const float *w, int K, float out[4][3]) {
+ * iteration). out[i][j] = dot(x row i, w row j) for i < rows (1-4, x rows xs apart); with fewer than 4 rows the
+ * missing ones repeat the last (computed, not stored by the caller): a full tile's time, where a 1 x 3 pass is held
+ * to 3 FMA chains by the FMA latency. */
+static inline void tile_4x3(const float *x, int64_t xs, int rows, const float *w, int K, float out[4][3]) {
     vf a00 = {0}, a01 = {0}, a02 = {0}, a10 = {0}, a11 = {0}, a12 = {0};
     vf a20 = {0}, a21 = {0}, a22 = {0}, a30 = {0}, a31 = {0}, a32 = {0};
     const float *w0 = w, *w1 = w + K, *w2 = w + 2 * (int64_t)K;
-    const float *x0 = x, *x1 = x + xs, *x2 = x + 2 * xs, *x3 = x + 3 * xs;
+    const float *x0 = x, *x1 = x + (rows > 1 ? 1 : 0) * xs, *x2 = x + (rows > 2 ? 2 : rows - 1) * xs,
+                *x3 = x + (rows > 3 ? 3 : rows - 1) * xs;
     int k = 0;
     for (; k + VW <= K; k += VW) {
         const vf v0 = vload(w0 + k), v1 = vload(w1 + k), v2 = vload(w2 + k);
@@ -89,10 +92,11 @@ static inline void tile_4x3(const float *x, int64_t xs, const float *w, int K, f
         a30 += u * v0; a31 += u * v1; a32 += u * v2;
     }
     const vf acc[4][3] = {{a00, a01, a02}, {a10, a11, a12}, {a20, a21, a22}, {a30, a31, a32}};
+    const float *xr[4] = {x0, x1, x2, x3};
     for (int i = 0; i < 4; i++)
         for (int j = 0; j < 3; j++) {
             float s = hsum(acc[i][j]);
-            for (int t = k; t < K; t++) s += x[i * xs + t] * w[(int64_t)j * K + t];
+            for (int t = k; t < K; t++) s += xr[i][t] * w[(int64_t)j * K + t];
             out[i][j] = s;
         }
 }
@@ -101,7 +105,8 @@ static inline void tile_4x3(const float *x, int64_t xs, const float *w, int K, f
  * x: [M, K] fp32, rows x_stride apart (dense within a row); w: [N, K] fp32 dense; bias: [N] or NULL; y: [M, N]
  * dense. Threads split the output features: blocks of 4 for M < 4 (the 2 x 4 tile: 4 weight streams keep a 1-row
  * pass off the FMA latency; 3 streams were ~10% slower at M = 1), else blocks of 3 through the 4 x 3 tile (1.1-1.3x
- * the 2 x 4 tile at M = 16-32, 2-core AMD EPYC VM, AVX2), the last M % 4 rows through the general tile. */
+ * the 2 x 4 tile at M = 16-32, 2-core AMD EPYC VM, AVX2), the last M % 4 rows as a tile of repeated rows; the last
+ * N % 3 features (one block) through the general tile. */
 void linear_small_m(const float *x, const float *w, const float *bias, float *y, int M, int N, int K,
                     int64_t x_stride, int num_threads) {
     const int nbk = M < 4 ? NB : 3;
@@ -111,11 +116,12 @@ void linear_small_m(const float *x, const float *w, const float *bias, float *y,
         const int n0 = b * nbk, nb = N - n0 < nbk ? N - n0 : nbk;
         const float *wb = w + (int64_t)n0 * K;
         int m0 = 0;
-        if (nb == 3) {
-            for (; m0 + 4 <= M; m0 += 4) {
+        if (nb == 3 && M >= 4) {
+            for (; m0 < M; m0 += 4) {
+                const int rows = M - m0 < 4 ? M - m0 : 4;
                 float out[4][3];
-                tile_4x3(x + m0 * x_stride, x_stride, wb, K, out);
-                for (int i = 0; i < 4; i++)
+                tile_4x3(x + m0 * x_stride, x_stride, rows, wb, K, out);
+                for (int i = 0; i < rows; i++)
                     for (int j = 0; j < 3; j++)
                         y[(int64_t)(m0 + i) * N + n0 + j] = out[i][j] + (bias ? bias[n0 + j] : 0.0f);
             }

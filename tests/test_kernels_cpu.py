@@ -9,8 +9,9 @@ from kernels.cpu_ops import ALL_ISAS, CpuKernels, cpu_isa, cpu_isas, set_cpu_isa
 
 @pytest.fixture(scope="module", params=ALL_ISAS)
 def kernels(request):
-    """The ops, running the param's build: on an AVX-512 CPU the intrinsics path of cpu_decode.c (with VDPBF16PS in
-    avx512_bf16), else the plain loops vectorized for AVX2 (avx2) or for the compiler's baseline (base)."""
+    """The ops, running the param's build: cpu_decode.c's AVX-512 intrinsics path (with VDPBF16PS in avx512_bf16) or
+    its AVX2 one (avx2) for head_dim 64 and 128, else the plain loops vectorized for the build's ISA (base: the
+    compiler's baseline)."""
     k = CpuKernels.load()
     if request.param not in cpu_isas():
         pytest.skip(f"this CPU cannot run the {request.param} build of the kernels (only {cpu_isas()})")
@@ -37,9 +38,12 @@ def _paged(lengths, block_size, hkv, d, dtype, layers=3, layer=1, seed=0):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("block_size,hq,hkv,d", [(16, 9, 3, 64), (8, 8, 1, 128), (4, 4, 4, 16), (32, 16, 2, 64)])
+@pytest.mark.parametrize("block_size,hq,hkv,d", [(16, 9, 3, 64), (8, 8, 1, 128), (4, 4, 4, 16), (32, 16, 2, 64),
+                                                 (4, 4, 4, 64), (12, 16, 2, 128), (8, 16, 1, 64)])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_decode_matches_reference(kernels, dtype, block_size, hq, hkv, d, threads):
+    """Against the torch reference. The intrinsics paths (head_dim 64, 128) see blocks shorter than their chunk of
+    tokens (4) and not a multiple of it (12), GQA groups of 1, 8 and 16 (the most a work item holds)."""
     lengths = [1, 3, block_size, block_size + 1, 5 * block_size - 1, 70]
     k_cache, v_cache, table, lens = _paged(lengths, block_size, hkv, d, dtype)
     # q as the model passes it: a view of the fused q/k/v rows, sequences (hq + 2 hkv) * d elements apart
@@ -74,7 +78,7 @@ WINDOWS = [1, 5, 16, 37, 1000]
 
 @pytest.mark.parametrize("window", WINDOWS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("block_size,hq,hkv,d", [(16, 9, 3, 64), (8, 8, 1, 128), (4, 4, 4, 16)])
+@pytest.mark.parametrize("block_size,hq,hkv,d", [(16, 9, 3, 64), (8, 8, 1, 128), (4, 4, 4, 16), (12, 16, 2, 128)])
 def test_decode_with_sliding_window_matches_reference(kernels, dtype, block_size, hq, hkv, d, window):
     """Against the reference with the same window, on 2 threads. Keys before each window are NaN: the kernel must
     not read their blocks. Where the window is shorter than the context, full attention is far off (so a kernel
@@ -158,7 +162,7 @@ def test_large_scores_do_not_overflow(kernels):
     random reals the scores would carry rounding errors of ~1e-3 at this size, and where two scores lie that close
     the probabilities of two correct kernels could differ by as much (a CI run failed so, 1e-3 against 1e-4)."""
     g = torch.Generator().manual_seed(1)
-    for d in (32, 64):  # the plain loops, and the AVX-512 path where the build has it
+    for d in (32, 64):  # the plain loops, and the AVX-512 or AVX2 path where the build has it
         k_cache, v_cache, table, lens = _paged([40, 9], 16, 2, d, torch.float32)
         k_cache.copy_(torch.randint(-100, 101, k_cache.shape, generator=g))
         q = torch.randint(-100, 101, (2, 4, d), generator=g).float()
