@@ -202,19 +202,22 @@ def receive_shards(pipes: list[Connection], processes: list[multiprocessing.proc
     shards = []
     try:
         for rank, (pipe, p) in enumerate(zip(pipes, processes), start=1):
-            wait([pipe, p.sentinel], timeout=max(0.0, deadline - time.monotonic()))
+            ready = wait([pipe, p.sentinel], timeout=max(0.0, deadline - time.monotonic()))
+            closed = p.sentinel in ready
             try:
                 if pipe.poll(0):  # sent, or closed by its death (EOF)
                     shards.append(pipe.recv_bytes())
                     continue
             except EOFError:
-                pass
-            if p.is_alive():
-                raise RuntimeError(f"tensor-parallel rank {rank} (pid {p.pid}) did not send its KV shard within "
-                                   f"{timeout_s:.0f} s of rank 0 being built")
-            p.join(1)
-            raise RuntimeError(f"tensor-parallel rank {rank} (pid {p.pid}) exited with code {p.exitcode} before "
-                               "sending its KV shard; see its log")
+                closed = True
+            if closed or not p.is_alive():
+                # The pipe's EOF and the sentinel come as the rank dies, a moment before its exit status is there.
+                p.join(max(1.0, deadline - time.monotonic()))
+                how = f"exited with code {p.exitcode}" if p.exitcode is not None else "closed its pipe"
+                raise RuntimeError(f"tensor-parallel rank {rank} (pid {p.pid}) {how} before sending its KV shard; "
+                                   "see its log")
+            raise RuntimeError(f"tensor-parallel rank {rank} (pid {p.pid}) did not send its KV shard within "
+                               f"{timeout_s:.0f} s of rank 0 being built")
     finally:
         for pipe in pipes:
             pipe.close()

@@ -86,19 +86,6 @@ def test_ranks_get_one_gpu_each_and_too_few_gpus_are_refused(monkeypatch):
         check_devices("meta", 2)
 
 
-def _shard_rank(send, behaviour: str) -> None:
-    """A stand-in rank for `receive_shards`: sends its bytes, exits without sending, or hangs."""
-    import sys
-    import time
-
-    if behaviour == "send":
-        send.send_bytes(b"shard")
-    elif behaviour == "exit":
-        sys.exit(3)
-    else:
-        time.sleep(60)
-
-
 @pytest.mark.parametrize("second", ["exit", "hang"])
 def test_rank_that_never_sends_its_shard_fails_the_build_with_its_name(second):
     """Rank 0 gathers the ranks' KV shards with bounded waits: rank 2 exiting before it sends, or hanging, is a
@@ -106,10 +93,11 @@ def test_rank_that_never_sends_its_shard_fails_the_build_with_its_name(second):
     import multiprocessing
 
     from engine.tp_ranks import receive_shards
+    from stub_ranks import shard_rank
 
     ctx = multiprocessing.get_context("spawn")
     pipes = [ctx.Pipe(duplex=False) for _ in range(2)]
-    procs = [ctx.Process(target=_shard_rank, args=(send, how), daemon=True)
+    procs = [ctx.Process(target=shard_rank, args=(send, how), daemon=True)
              for (_, send), how in zip(pipes, ["send", second])]
     for p in procs:
         p.start()
