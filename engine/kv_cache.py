@@ -83,11 +83,6 @@ class KvShards:
         self.shards = list(shards)
         self.num_blocks = cache.num_blocks
 
-    @property
-    def devices(self) -> list[torch.device]:
-        """Each rank's device, rank order."""
-        return [s.device for s in self.shards]
-
     def block_regions(self, block_id: int) -> list[torch.Tensor]:
         """One block's memory: a writable 1-D uint8 tensor per rank (views: no copy), each on its rank's device, of
         num_layers x 2 x block_size x kv_heads_per_rank x head_dim elements.

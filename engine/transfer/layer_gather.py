@@ -28,7 +28,7 @@ class LayerGather:
     """
 
     def __init__(self, blocks: list[list[torch.Tensor]], num_layers: int):
-        self.blocks, self.num_layers = blocks, num_layers
+        self.blocks = blocks
         firsts = blocks[0] if blocks else []
         self.slice = firsts[0].numel() // num_layers if firsts else 0  # bytes of one layer of one region
         size = min(len(blocks), LAYER_GROUP_BLOCKS) * self.slice

@@ -118,10 +118,11 @@ class KvReceiver:
             block_ids = self.sink.begin_receive(rid, offer.first_block, offer.num_blocks, offer.num_tokens,
                                                 offer.trace_context)
             regions = self.block_view(block_ids[0]) if offer.num_blocks else []
-            if regions and (offer.num_ranks, offer.block_nbytes) != (len(regions), sum(r.nbytes for r in regions)):
+            expected = (len(regions), sum(r.nbytes for r in regions))
+            if regions and (offer.num_ranks, offer.block_nbytes) != expected:
                 self.sink.end_receive(rid, 0, "block layout mismatch")
                 raise LookupError(f"blocks of {offer.block_nbytes} bytes in {offer.num_ranks} rank region(s), "
-                                  f"expected {sum(r.nbytes for r in regions)} in {len(regions)}")
+                                  f"expected {expected[1]} in {expected[0]}")
             if offer.num_layers and offer.block_nbytes % (offer.num_layers * offer.num_ranks):
                 self.sink.end_receive(rid, 0, "layer size mismatch")
                 raise LookupError(f"a block of {offer.block_nbytes} bytes does not split into {offer.num_layers} "
