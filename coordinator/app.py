@@ -18,6 +18,7 @@ from coordinator.router import LocalPrefillPolicy, Router
 from coordinator.scheduling import read_tenant_weights
 from coordinator.server import GenerationServicer
 from coordinator.tokenizer import Tokenizer
+from coordinator.validation import request_bytes_limit
 from coordinator.vllm_engine import SERVICE_NAME as VLLM_ENGINE_SERVICE, VllmEngineServicer
 from pdserve.v1 import generate_pb2_grpc
 from server_common.addresses import advertise_host
@@ -67,10 +68,12 @@ async def serve(config: CoordinatorConfig) -> None:
         log.info("API keys: %d, ids %s", len(api_keys), ", ".join(sorted({key_id(k) for k in api_keys})))
     metrics = (start_metrics_server(config.server.host, config.server.metrics_port, registry)
                if config.server.metrics_port is not None else None)
+    max_request_bytes = (config.max_request_bytes
+                         or request_bytes_limit(cluster.limits, tokenizer.max_chars_per_token))
     running = await start_grpc_server(
         config.server, lambda server: _add_servicers(server, servicer),
         ["pdserve.v1.Generation", VLLM_ENGINE_SERVICE, kserve.SERVICE_NAME], tokens=api_keys, what="API key",
-        interceptors=tracing.server_interceptors())
+        interceptors=tracing.server_interceptors(), max_receive_bytes=max_request_bytes)
     pending: set[asyncio.Task] = set()
 
     def follow_membership() -> None:
@@ -85,9 +88,10 @@ async def serve(config: CoordinatorConfig) -> None:
     membership.on_change = follow_membership
     servicer.metrics.track_workers(cluster.router.live)
     address = f"{advertise_host(config.server.host, config.server.advertise_host)}:{running.port}"
-    log.info("coordinator serving %s on %s (%s, %d prefill / %d decode workers live, connector %s)",
-             config.model_name, address, "colocated" if config.colocated else "disaggregated",
-             len(cluster.router.live("prefill")), len(cluster.router.live("decode")), cluster.connector or "-")
+    log.info("coordinator serving %s on %s (%s, %d prefill / %d decode workers live, connector %s, requests up to "
+             "%d bytes)", config.model_name, address, "colocated" if config.colocated else "disaggregated",
+             len(cluster.router.live("prefill")), len(cluster.router.live("decode")), cluster.connector or "-",
+             max_request_bytes)
     write_ready_file(config.server.ready_file, address, tls=config.server.tls,
                      **metrics_url(config.server, metrics))
     poller = asyncio.create_task(membership.run())

@@ -43,6 +43,9 @@ class CoordinatorConfig:
         local_prefill_queue: disaggregated mode: a decode worker prefills a request itself when it is predicted to
             give the first token sooner than the prefill workers' queues would, each at its measured rate.
         (The three make `coordinator.router.LocalPrefillPolicy`.)
+        max_request_bytes: the largest request message the public port takes, bytes (gRPC refuses a larger one
+            with RESOURCE_EXHAUSTED before parsing it); 0 = sized from the context window
+            (`validation.request_bytes_limit`).
         rate_limit_requests_per_s / rate_limit_tokens_per_s: per API key (or per peer without keys), requests and
             tokens (prompt + max_tokens, charged at admission) per second; 0 = unlimited. Bursts of
             rate_limit_burst_s seconds' worth are allowed.
@@ -89,6 +92,8 @@ class CoordinatorConfig:
     local_prefill_queue: bool = field(default=True, metadata={
         "help": "disaggregated: a decode worker prefills a request itself when it would give the first token "
                 "sooner than the prefill workers' queues (measured rates)"})
+    max_request_bytes: int = field(default=0, metadata={"min": 0,
+        "help": "largest request message on the public port, bytes (0 = sized from the model's context window)"})
     rate_limit_requests_per_s: float = field(default=0.0, metadata={"min": 0, "help": "per key; 0 = unlimited"})
     rate_limit_tokens_per_s: float = field(default=0.0, metadata={"min": 0,
         "help": "per key, prompt + max_tokens charged at admission; 0 = unlimited"})

@@ -29,6 +29,12 @@ levels 1-9 run sooner than requests that give none, 10 as soon, 11 and above lat
 negative, fractional or non-numeric priority is INVALID_ARGUMENT. The tenant is the caller (API key, else peer);
 there is no TTFT objective parameter (the call's gRPC deadline still applies: `timeout` / client_timeout).
 
+Sizes are checked before contents are read, so no request's parsing grows with its size: the port takes messages
+up to the size the context window needs (`CoordinatorConfig.max_request_bytes`; larger ones are RESOURCE_EXHAUSTED
+from gRPC), each input's shape must be [1] and a raw content exactly one element's bytes (Triton's rule), raw and
+typed contents together are refused, and sampling_parameters is at most MAX_SAMPLING_JSON_BYTES of JSON nesting at
+most `validation.MAX_JSON_DEPTH` levels; each is INVALID_ARGUMENT naming the input.
+
 ModelInfer answers once with the whole text. ModelStreamInfer takes any number of requests on one call and runs them
 concurrently; with stream=true each request gets one response per text delta, then a last response with empty text,
 each carrying the `triton_final_response` parameter (true on the last only), as Triton's decoupled models answer;
@@ -42,9 +48,10 @@ validation, routing, disaggregated prefill and decode, migration, stop strings, 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib
 import importlib.util
-import json
+import logging
 import struct
 import sys
 import types
@@ -57,10 +64,12 @@ from coordinator.errors import RequestError, invalid
 from coordinator.kserve_sampling import to_priority, to_sampling
 from coordinator.scheduling import SchedulingAsk
 from coordinator.server import GenerationServicer
-from coordinator.validation import check_prompt, check_text_length, resolve_sampling, shorten
+from coordinator.validation import (MAX_STRUCTURED_CHARS, check_prompt, check_text_length, parse_json,
+                                    resolve_sampling, shorten)
 from pdserve.v1 import generate_pb2
 from server_common.errors import CommandError
 
+log = logging.getLogger(__name__)
 
 
 def _import_protos() -> tuple[types.ModuleType, types.ModuleType, types.ModuleType]:
@@ -105,6 +114,9 @@ INPUTS = {"text_input": ("BYTES", True), "stream": ("BOOL", False), "sampling_pa
 OUTPUT = "text_output"
 FINAL = "triton_final_response"
 # Request parameters that belong to the protocol or to tritonclient, never sampling fields.
+# sampling_parameters' JSON: room for the largest structured-output constraint (validation.MAX_STRUCTURED_CHARS),
+# escaped, beside the other fields; larger text is refused before it is parsed.
+MAX_SAMPLING_JSON_BYTES = 4 * MAX_STRUCTURED_CHARS
 RESERVED_PARAMETERS = ("sequence_id", "sequence_start", "sequence_end", "priority", "timeout", "headers",
                        "binary_data_output")
 
@@ -115,40 +127,52 @@ def _parameter_value(p):
     return getattr(p, kind) if kind else None
 
 
-def _elements(tensor, raw: bytes | None, datatype: str) -> list:
-    """A tensor's elements (bytes or bool), from raw_input_contents when it came that way (BYTES: each element
-    a 4-byte little-endian length, then the bytes; BOOL: one byte each), else from its typed contents.
+def _one_element(tensor, raw: bytes | None, datatype: str) -> bytes | bool:
+    """The single element of a shape [1] tensor, from raw_input_contents when it came that way (BYTES: a 4-byte
+    little-endian length, then the bytes; BOOL: one byte), else from its typed contents. Triton's rule: the raw
+    content's size must be exactly what the datatype and shape give; it is checked before anything is decoded, so
+    a request's cost here does not grow with its size.
 
     Raises:
-        RequestError: INVALID_ARGUMENT for raw bytes that do not parse.
+        RequestError: INVALID_ARGUMENT naming the tensor, for raw contents of the wrong size, raw and typed contents
+            together, or typed contents that are not one element.
     """
+    typed = tensor.contents.bytes_contents if datatype == "BYTES" else tensor.contents.bool_contents
     if raw is None:
-        return list(tensor.contents.bytes_contents if datatype == "BYTES" else tensor.contents.bool_contents)
+        if len(typed) != 1:
+            raise invalid(f"input {tensor.name!r} must be one element of shape [1]; got {len(typed)} element(s)")
+        return typed[0]
+    if tensor.HasField("contents"):
+        raise invalid(f"input {tensor.name!r} has both raw_input_contents and typed contents; send one of them")
     if datatype == "BOOL":
-        return [b != 0 for b in raw]
-    out, at = [], 0
-    while at < len(raw):
-        if at + 4 > len(raw):
-            raise invalid(f"input {tensor.name!r}: raw BYTES content ends inside an element's 4-byte length")
-        (n,) = struct.unpack_from("<I", raw, at)
-        if at + 4 + n > len(raw):
-            raise invalid(f"input {tensor.name!r}: raw BYTES element of {n} bytes runs past the content's end")
-        out.append(raw[at + 4:at + 4 + n])
-        at += 4 + n
-    return out
+        if len(raw) != 1:
+            raise invalid(f"input {tensor.name!r}: raw BOOL content of shape [1] must be 1 byte, got {len(raw)}")
+        return raw[0] != 0
+    if len(raw) < 4:
+        raise invalid(f"input {tensor.name!r}: raw BYTES content of {len(raw)} bytes ends inside the element's "
+                      "4-byte length")
+    (n,) = struct.unpack_from("<I", raw)
+    if 4 + n != len(raw):
+        raise invalid(f"input {tensor.name!r}: raw BYTES content of shape [1] must be 4 + {n} bytes (one "
+                      f"length-prefixed element), got {len(raw)}")
+    return raw[4:]
 
 
 def read_inputs(request) -> dict[str, bytes | bool]:
-    """The request's inputs by name, each the single element of its shape [1] tensor.
+    """The request's inputs by name, each the single element of its shape [1] tensor. Names, datatypes and shapes
+    are checked before any content is read.
 
     Raises:
-        RequestError: INVALID_ARGUMENT naming the tensor: unknown, repeated, of another datatype, not one element,
-            raw contents that do not match the inputs, or text_input missing.
+        RequestError: INVALID_ARGUMENT naming the tensor: unknown, repeated, of another datatype or shape, contents
+            that are not one element of that shape, raw contents that do not match the inputs, or text_input
+            missing.
     """
     raw = request.raw_input_contents
     if raw and len(raw) != len(request.inputs):
         raise invalid(f"raw_input_contents has {len(raw)} entries for {len(request.inputs)} inputs; "
                       "send one per input, in order, or none")
+    if len(request.inputs) > len(INPUTS):
+        raise invalid(f"{len(request.inputs)} inputs; this model takes at most {len(INPUTS)}: {', '.join(INPUTS)}")
     out: dict[str, bytes | bool] = {}
     for i, t in enumerate(request.inputs):
         if t.name not in INPUTS:
@@ -158,11 +182,10 @@ def read_inputs(request) -> dict[str, bytes | bool]:
         datatype = INPUTS[t.name][0]
         if t.datatype != datatype:
             raise invalid(f"input {t.name!r} has datatype {shorten(t.datatype)}; expected {datatype}")
-        values = _elements(t, raw[i] if raw else None, datatype)
-        if list(t.shape) != [1] or len(values) != 1:
-            raise invalid(f"input {t.name!r} must be one element of shape [1]; got shape {list(t.shape)} with "
-                          f"{len(values)} element(s)")
-        out[t.name] = values[0]
+        if list(t.shape) != [1]:
+            shape = list(t.shape[:8]) + (["..."] if len(t.shape) > 8 else [])
+            raise invalid(f"input {t.name!r} must be one element of shape [1]; got shape {shape}")
+        out[t.name] = _one_element(t, raw[i] if raw else None, datatype)
     if "text_input" not in out:
         raise invalid("input 'text_input' (BYTES, shape [1]: the prompt) is required")
     return out
@@ -224,11 +247,9 @@ class _Request:
         if text is None:
             return {k: _parameter_value(v) for k, v in self.request.parameters.items()
                     if k not in RESERVED_PARAMETERS and not k.startswith("triton_")}
-        try:
-            fields = json.loads(text)
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise invalid(f"sampling_parameters is not valid JSON ({e}); send a JSON object such as "
-                          '{"max_tokens": 16, "temperature": 0}') from None
+        if len(text) > MAX_SAMPLING_JSON_BYTES:  # before parsing: the parse runs on the event loop
+            raise invalid(f"sampling_parameters has {len(text)} bytes; at most {MAX_SAMPLING_JSON_BYTES} are allowed")
+        fields = parse_json(text, "sampling_parameters")
         if not isinstance(fields, dict):
             raise invalid(f"sampling_parameters must be a JSON object, got {shorten(text.decode(errors='replace'))}")
         return fields
@@ -403,6 +424,14 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
                 pass  # the client is gone or stalled: nobody to tell
         except grpc.aio.InternalError:
             pass  # a write raced the call's end: the client is gone (serve has recorded it)
+        except Exception:  # a bug in this door: this request fails alone, the stream and its neighbours go on
+            log.exception("ModelStreamInfer request %r: internal error", request.id)
+            with contextlib.suppress(RequestError, grpc.aio.InternalError):
+                await write(pb.ModelStreamInferResponse(
+                    error_message=f"[{grpc.StatusCode.INTERNAL}] internal error; the coordinator's log has it "
+                                  "under this request id",
+                    infer_response=pb.ModelInferResponse(model_name=request.model_name,
+                                                         model_version=request.model_version, id=request.id)))
 
 
 def add_to_server(servicer: KServeServicer, server: grpc.aio.Server) -> None:

@@ -7,7 +7,7 @@ import json
 import math
 
 from coordinator.errors import RequestError, invalid
-from coordinator.validation import shorten
+from coordinator.validation import parse_json, shorten
 from pdserve.v1 import generate_pb2
 
 VLLM_DEFAULT_MAX_TOKENS = 16  # vLLM's SamplingParams default, which the backend's callers rely on
@@ -113,9 +113,9 @@ def _structured(key: str, value, out: generate_pb2.SamplingParams) -> None:
     if key in STRUCTURED_OBJECTS:
         if isinstance(value, str):
             try:
-                value = json.loads(value)
-            except ValueError:
-                value = None
+                value = parse_json(value, f"sampling_parameters.{key}")
+            except RequestError:
+                value = None  # refused below, saying what is expected
         if not isinstance(value, dict):
             raise invalid(f"sampling_parameters.{key} must be an object with one of json, regex, grammar, choice, "
                           "json_object")

@@ -23,7 +23,8 @@ from coordinator.record import RequestRecord, log_access
 from coordinator.stream import Progress, SampleStream, merged, request_record
 from coordinator.scheduling import RequestScheduling, SchedulingAsk, read_tenant_weights, resolve_tenant
 from coordinator.tokenizer import Tokenizer
-from coordinator.validation import check_chat, check_prompt, check_text_length, resolve_sampling, shorten
+from coordinator.validation import (check_chat, check_prompt, check_prompt_length, check_text_length,
+                                   resolve_sampling, shorten)
 from pdserve.v1 import generate_pb2, generate_pb2_grpc
 from server_common.security import key_id, presented_token
 
@@ -79,7 +80,8 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                     scheduling: Callable[[], SchedulingAsk] | None = None) -> None:
         """The one request path behind every public door (this service's Generate, `coordinator.vllm_engine`'s):
         admission, validation, routing, migration, stop handling, metrics and the access log, and cleanup on every
-        exit. A RequestError (from `prepare`, the path or `send`) ends the call with its status.
+        exit. A RequestError (from `prepare`, the path or `send`) ends the call with its status; any other exception
+        ends it with INTERNAL (logged with its traceback), never grpc's UNKNOWN with a Python class name.
 
         Args:
             context: the door's call (deadline, caller identity, abort).
@@ -133,6 +135,13 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                      if remaining is not None and remaining <= CLIENT_DEADLINE_SLACK_S
                      else RequestError(grpc.StatusCode.CANCELLED, "the client cancelled the call"))
             raise
+        except grpc.aio.AbortError:
+            raise  # a door aborted the call itself (its status is set)
+        except Exception:  # a bug: this request fails with a status that names no internals; no other is touched
+            log.exception("request %r: internal error", rid)
+            error = RequestError(grpc.StatusCode.INTERNAL,
+                                 "internal error; the coordinator's log has it under this request id")
+            await context.abort(error.code, f"request {rid}: {error.message}")
         finally:
             flow.cancel()
             self.cluster.flows.pop(flow.key, None)
@@ -252,6 +261,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             prompt = await asyncio.to_thread(self.tokenizer.encode_chat, messages, add_gen,
                                              request.chat.parse_special_tokens)
         else:
+            check_prompt_length(len(request.token_ids.ids), limits)  # before copying: ids may be millions
             prompt = list(request.token_ids.ids)
         check_prompt(prompt, limits)
         return prompt, resolve_sampling(request.sampling, len(prompt), limits)

@@ -28,6 +28,9 @@ CHAT_ROLES = ("system", "user", "assistant", "tool")
 # bounds keep a request's compile and the cache's memory small (the largest JSON schemas in real use are a few KiB).
 MAX_STRUCTURED_CHARS = 64 << 10
 MAX_CHOICES = 1024
+# JSON a caller sends (schemas, KServe's sampling_parameters) nests at most this deep: real schemas nest a few
+# levels, and deeper text made Python's parser (and the workers' schema walk) raise RecursionError.
+MAX_JSON_DEPTH = 64
 
 
 @dataclass(frozen=True)
@@ -150,21 +153,56 @@ def check_structured_output(c: generate_pb2.StructuredOutput) -> None:
     if len(text) > MAX_STRUCTURED_CHARS:
         raise invalid(f"{name} has {len(text)} characters; at most {MAX_STRUCTURED_CHARS} are allowed")
     if kind == "json_schema":
-        try:
-            schema = json.loads(text)
-        except ValueError as e:
-            raise invalid(f"{name} is not JSON: {e}") from None
+        schema = parse_json(text, name)
         if not isinstance(schema, (dict, bool)):
             raise invalid(f"{name} must be a JSON object (or true / false), got {type(schema).__name__}")
+
+
+def parse_json(text: str | bytes, name: str):
+    """A caller's JSON text, parsed, nesting at most MAX_JSON_DEPTH arrays and objects deep. The caller bounds the
+    text's size first (the parse runs on the event loop).
+
+    Raises:
+        RequestError: INVALID_ARGUMENT naming `name`, for text that is not UTF-8 or not JSON, or nests deeper.
+    """
+    try:
+        value = json.loads(text)
+    except RecursionError:  # Python's parser recurses per level: its limit is near 1000
+        raise invalid(f"{name} nests deeper than {MAX_JSON_DEPTH} arrays or objects") from None
+    except (UnicodeDecodeError, ValueError) as e:
+        raise invalid(f"{name} is not valid JSON ({e})") from None
+    if json_depth(value) > MAX_JSON_DEPTH:
+        raise invalid(f"{name} nests deeper than {MAX_JSON_DEPTH} arrays or objects")
+    return value
+
+
+def json_depth(value) -> int:
+    """How deeply a parsed JSON value nests arrays and objects (a scalar: 0), walked without recursion."""
+    deepest, todo = 0, [(value, 1)]
+    while todo:
+        v, depth = todo.pop()
+        if isinstance(v, dict):
+            v = v.values()
+        elif not isinstance(v, list):
+            continue
+        deepest = max(deepest, depth)
+        todo.extend((child, depth + 1) for child in v)
+    return deepest
+
+
+def check_prompt_length(num_tokens: int, limits: Limits) -> None:
+    """Raises RequestError INVALID_ARGUMENT for a prompt of token ids too long for the context; called on the
+    message's length before its ids are copied (a caller may send millions)."""
+    if num_tokens >= limits.context_length:
+        raise invalid(f"prompt has {num_tokens} tokens; the context window is {limits.context_length} "
+                      f"tokens (prompt must leave room for at least one output token)")
 
 
 def check_prompt(token_ids: list[int], limits: Limits) -> None:
     """Raises RequestError INVALID_ARGUMENT for an empty, too long or out-of-vocabulary prompt."""
     if not token_ids:
         raise invalid("prompt is empty: give non-empty text, chat messages or token ids")
-    if len(token_ids) >= limits.context_length:
-        raise invalid(f"prompt has {len(token_ids)} tokens; the context window is {limits.context_length} "
-                      f"tokens (prompt must leave room for at least one output token)")
+    check_prompt_length(len(token_ids), limits)
     bad = next((t for t in token_ids if t >= limits.vocab_size), None)
     if bad is not None:
         raise invalid(f"token id {bad} is outside the vocabulary [0, {limits.vocab_size})")
@@ -189,6 +227,18 @@ def check_text_length(num_chars: int, max_chars_per_token: int, limits: Limits) 
     if num_chars > limits.context_length * max_chars_per_token:
         raise invalid(f"prompt text has {num_chars} characters: more than the {limits.context_length}-token context "
                       f"window can hold (at most {max_chars_per_token} characters per token)")
+
+
+# Room in a request message beside its prompt: sampling (a structured-output constraint of MAX_STRUCTURED_CHARS,
+# escaped, stop strings), chat roles, ids and framing.
+REQUEST_OVERHEAD_BYTES = 1 << 20
+
+
+def request_bytes_limit(limits: Limits, max_chars_per_token: int) -> int:
+    """The largest request message worth parsing, bytes: the longest prompt text `check_text_length` can accept
+    (context_length * max_chars_per_token characters of up to 4 UTF-8 bytes each) plus REQUEST_OVERHEAD_BYTES.
+    Token ids take at most 5 bytes each (a varint below 2^32), far less than their text."""
+    return 4 * limits.context_length * max_chars_per_token + REQUEST_OVERHEAD_BYTES
 
 
 def shorten(value: str, limit: int = 64) -> str:

@@ -33,7 +33,7 @@ from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2 as pb, vllm_eng
 
 from coordinator.errors import RequestError, invalid
 from coordinator.server import GenerationServicer
-from coordinator.validation import check_prompt, check_text_length, resolve_sampling
+from coordinator.validation import check_prompt, check_prompt_length, check_text_length, resolve_sampling
 from pdserve.v1 import generate_pb2
 
 
@@ -202,19 +202,23 @@ class VllmEngineServicer(pb_grpc.VllmEngineServicer):
             raise invalid("multimodal inputs are not supported: this model takes text only")
         if request.HasField("kv_transfer_params") or request.kv_transfer_params_json:
             raise invalid("kv_transfer_params are not supported: pdserve moves KV between its own workers")
+        p = request.sampling_params
+        keep = p.truncate_prompt_tokens if p.HasField("truncate_prompt_tokens") else None
+        if keep is not None and keep < 1:
+            raise invalid(f"sampling_params.truncate_prompt_tokens must be >= 1, got {keep}")
         kind = request.WhichOneof("input")
         if kind == "tokenized":
-            prompt = list(request.tokenized.input_ids)
+            ids = request.tokenized.input_ids
+            start = max(0, len(ids) - keep) if keep is not None else 0  # vLLM keeps the prompt's end
+            check_prompt_length(len(ids) - start, self.cluster.limits)  # before copying: ids may be millions
+            prompt = list(ids[start:])
         elif kind == "text":
             check_text_length(len(request.text), self.tokenizer.max_chars_per_token, self.cluster.limits)
             prompt = await asyncio.to_thread(self.tokenizer.encode, request.text)
+            if keep is not None:
+                prompt = prompt[-keep:]
         else:
             raise invalid("one of tokenized or text is required")
-        p = request.sampling_params
-        if p.HasField("truncate_prompt_tokens"):
-            if p.truncate_prompt_tokens < 1:
-                raise invalid(f"sampling_params.truncate_prompt_tokens must be >= 1, got {p.truncate_prompt_tokens}")
-            prompt = prompt[-p.truncate_prompt_tokens:]  # vLLM keeps the prompt's end
         check_prompt(prompt, self.cluster.limits)
         return prompt
 

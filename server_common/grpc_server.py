@@ -127,7 +127,8 @@ class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):
 
 async def start_grpc_server(args: ServerArgs, add_servicers: Callable[[grpc.aio.Server], None],
                             service_names: list[str], tokens: list[str], what: str = "API key",
-                            interceptors: list[grpc.aio.ServerInterceptor] = ()) -> RunningServer:
+                            interceptors: list[grpc.aio.ServerInterceptor] = (),
+                            max_receive_bytes: int = MAX_MESSAGE_BYTES) -> RunningServer:
     """Start a grpc.aio server with `grpc.health.v1.Health` and reflection.
 
     Args:
@@ -137,6 +138,8 @@ async def start_grpc_server(args: ServerArgs, add_servicers: Callable[[grpc.aio.
         tokens: bearer tokens a caller must present (`BearerTokenInterceptor`); empty = no authentication.
         what: how errors and warnings name the tokens ("API key", "cluster secret").
         interceptors: more server interceptors, run after authentication (e.g. `Tracing.server_interceptors()`).
+        max_receive_bytes: the largest request message taken, bytes; a larger one is refused with
+            RESOURCE_EXHAUSTED by gRPC before it is parsed.
 
     Health reports SERVING for "", each service name and `LIVENESS_SERVICE` once the server has started. A request
     body that does not parse is answered with INVALID_ARGUMENT (`MalformedRequestInterceptor`).
@@ -152,7 +155,7 @@ async def start_grpc_server(args: ServerArgs, add_servicers: Callable[[grpc.aio.
     if tokens:
         chain.insert(0, BearerTokenInterceptor(tokens, what))
     server = grpc.aio.server(interceptors=chain,
-                             options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                             options=[("grpc.max_receive_message_length", max_receive_bytes),
                                       ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                                       ("grpc.so_reuseport", 0), *SERVER_KEEPALIVE])
     add_servicers(server)

@@ -3,7 +3,11 @@ unmodified `tritonclient.grpc` client with the tensors of Triton's vLLM backend.
 random-weight model; every port is chosen at run time; every wait is bounded by a generous deadline."""
 import json
 import queue
+import threading
+import time
 from pathlib import Path
+
+import grpc
 
 import numpy as np
 import pytest
@@ -214,6 +218,111 @@ def test_bad_tensors_are_invalid_argument(cluster, triton):
         with pytest.raises(InferenceServerException) as e:
             triton.infer("tiny", tensors, client_timeout=CALL_TIMEOUT_S)
         assert e.value.status() == "StatusCode.INVALID_ARGUMENT" and needle in e.value.message(), e.value
+    assert_idle(cluster)
+
+
+DEEP_JSON = b"[" * 100_000 + b"]" * 100_000  # past Python's recursion limit: RecursionError before
+
+
+def test_deep_json_is_invalid_argument_and_the_stream_goes_on(cluster, triton, ours):
+    """Deep JSON was UNKNOWN (a Python class name) on ModelInfer, and on ModelStreamInfer it ended the whole call:
+    the good requests beside it got nothing."""
+    with pytest.raises(InferenceServerException) as e:
+        triton.infer("tiny", inputs(sampling=DEEP_JSON), client_timeout=CALL_TIMEOUT_S)
+    assert e.value.status() == "StatusCode.INVALID_ARGUMENT" and "nests deeper than" in e.value.message()
+    stream = Stream(triton)
+    try:
+        triton.async_stream_infer("tiny", inputs(stream=True), request_id="good-1")
+        triton.async_stream_infer("tiny", inputs(stream=True, sampling=DEEP_JSON), request_id="deep")
+        triton.async_stream_infer("tiny", inputs(stream=True), request_id="good-2")
+        texts, errors, finals = {"good-1": "", "good-2": ""}, [], 0
+        while finals < 2 or not errors:
+            result, error = stream.next()
+            if error is not None:
+                errors.append(str(error))
+                continue
+            rid = result.get_response().id
+            texts[rid] += text(result)
+            finals += is_final(result)
+        assert texts == {"good-1": ours.text, "good-2": ours.text}
+        assert len(errors) == 1 and "[StatusCode.INVALID_ARGUMENT]" in errors[0] and "nests deeper" in errors[0]
+    finally:
+        triton.stop_stream()
+    assert_idle(cluster)
+
+
+def hostile_requests(address: str, codes: list, count: int = 6) -> None:
+    """`count` KServe requests, alternately of 15 million empty BYTES elements (60 MB: one froze every door for ~21
+    s) and of 250,000 in 1 MB; each one's status code lands in `codes`."""
+    from tritonclient.grpc import service_pb2, service_pb2_grpc
+
+    sizes = [4 * 15_000_000, 4 * 250_000]
+    with grpc.insecure_channel(address, options=[("grpc.max_send_message_length", -1)]) as channel:
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        for i in range(count):
+            r = service_pb2.ModelInferRequest(model_name="tiny")
+            r.inputs.add(name="text_input", datatype="BYTES", shape=[1])
+            r.raw_input_contents.append(bytes(sizes[i % 2]))
+            try:
+                stub.ModelInfer(r, timeout=CALL_TIMEOUT_S)
+                codes.append(grpc.StatusCode.OK)
+            except grpc.RpcError as e:
+                codes.append(e.code())
+
+
+def stream_gaps(cluster) -> list[float]:
+    """Seconds from a 480-token greedy request's start to its first chunk, then between its chunks."""
+    times = [time.monotonic()]
+    with Client(cluster.address) as c:
+        for _ in c.generate(PROMPT, SamplingParams(max_tokens=480, temperature=0.0, ignore_eos=True),
+                            timeout=CALL_TIMEOUT_S * 2):
+            times.append(time.monotonic())
+    return [b - a for a, b in zip(times, times[1:])]
+
+
+def test_hostile_kserve_requests_do_not_stall_a_bystander(cluster):
+    """Oversized raw contents are refused by size (gRPC's message limit, sized from the context window, then
+    Triton's byte-size rule) without walking their elements on the coordinator's event loop, so a bystander keeps
+    its pace: its largest wait (first chunk or next chunk) while hostile requests arrive stays within a small
+    multiple of its largest wait alone, measured just before on the same cluster (generous: a busy machine is
+    slow, never wrong)."""
+    baseline = max(stream_gaps(cluster) + stream_gaps(cluster))
+    codes: list = []
+    attacker = threading.Thread(target=hostile_requests, args=(cluster.address, codes), daemon=True)
+    attacker.start()
+    gaps, streams = [], 0
+    while attacker.is_alive() and streams < 100:  # the bystander streams for as long as the attack lasts
+        gaps += stream_gaps(cluster)
+        streams += 1
+    attacker.join(timeout=CALL_TIMEOUT_S)
+    assert max(gaps) <= 4 * baseline + 1.0, (max(gaps), baseline, streams)
+    assert codes == [grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.INVALID_ARGUMENT] * 3, codes
+
+
+def test_long_token_id_prompts_are_refused_before_they_are_copied(cluster):
+    """Token-id prompts on the vLLM-gRPC and our own door: a message past the size sized from the context window is
+    RESOURCE_EXHAUSTED from gRPC (5 million ids held the event loop 0.7 s before); one within it is refused on its
+    length, before its ids are copied."""
+    from smg_grpc_proto.generated import vllm_engine_pb2, vllm_engine_pb2_grpc
+
+    from pdserve.v1 import generate_pb2, generate_pb2_grpc
+
+    with grpc.insecure_channel(cluster.address, options=[("grpc.max_send_message_length", -1)]) as channel:
+        vllm = vllm_engine_pb2_grpc.VllmEngineStub(channel)
+        ours = generate_pb2_grpc.GenerationStub(channel)
+        for n, code in ((5_000_000, grpc.StatusCode.RESOURCE_EXHAUSTED), (100_000, grpc.StatusCode.INVALID_ARGUMENT)):
+            ids = [7] * n
+            calls = [lambda: list(vllm.Generate(vllm_engine_pb2.GenerateRequest(
+                         request_id=f"long-{n}", tokenized=vllm_engine_pb2.TokenizedInput(input_ids=ids)),
+                         timeout=CALL_TIMEOUT_S)),
+                     lambda: list(ours.Generate(generate_pb2.GenerateRequest(
+                         request_id=f"long-{n}", token_ids=generate_pb2.TokenIds(ids=ids)), timeout=CALL_TIMEOUT_S))]
+            for call in calls:
+                with pytest.raises(grpc.RpcError) as e:
+                    call()
+                assert e.value.code() == code, e.value
+                if code == grpc.StatusCode.INVALID_ARGUMENT:
+                    assert f"prompt has {n} tokens; the context window is 512" in e.value.details()
     assert_idle(cluster)
 
 

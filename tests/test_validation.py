@@ -68,11 +68,14 @@ def test_each_structured_output_kind_reaches_the_engine(constraint, engine):
 @pytest.mark.parametrize("constraint,needle", [
     (StructuredOutput(), "empty"),
     (StructuredOutput(json_object=False), "json_object must be true"),
-    (StructuredOutput(json_schema='{"type": '), "json_schema is not JSON"),
+    (StructuredOutput(json_schema='{"type": '), "json_schema is not valid JSON"),
     (StructuredOutput(json_schema='[1]'), "must be a JSON object"),
     (StructuredOutput(regex=" "), "regex is empty"),
     (StructuredOutput(grammar="x" * (MAX_STRUCTURED_CHARS + 1)), "characters"),
     (StructuredOutput(choice=Choices()), "choice has 0 strings"),
+    # Deep nesting: past Python's recursion limit (RecursionError, answered UNKNOWN before), and within it
+    (StructuredOutput(json_schema="[" * 30_000 + "]" * 30_000), "nests deeper than 64"),
+    (StructuredOutput(json_schema='{"a": ' * 100 + "1" + "}" * 100), "nests deeper than 64"),
 ])
 def test_malformed_structured_output_is_invalid_argument(constraint, needle):
     with pytest.raises(RequestError) as e:
