@@ -29,19 +29,27 @@ class ServeConfig:
 
     Attributes:
         num_prefill / num_decode: worker processes per role; colocated, num_decode colocated workers (the
-            coordinator routes each request to one of them, as it picks a decode worker).
+            coordinator routes each request to one of them, as it picks a decode worker). num_prefill None: 1
+            (`pdserve serve` reads a given --num-prefill as asking for disaggregation, `cli.topology`).
         log_dir: write each process's output to <log_dir>/<name>.log; None = inherit stderr.
         start_timeout_s: how long to wait for every process to serve, seconds.
         restart: `serve` restarts a process that died (on its old gRPC port, so the coordinator finds it again).
     """
 
-    num_prefill: int = field(default=1, metadata={"min": 0, "help": "prefill worker processes"})
+    num_prefill: int | None = field(default=None, metadata={
+        "min": 0, "help": "prefill worker processes (disaggregated; 1 when not given, and giving it means "
+                          "--disaggregated)"})
     num_decode: int = field(default=1, metadata={
         "min": 1, "help": "decode (with --colocated: colocated) worker processes"})
     log_dir: str | None = field(default=None, metadata={"help": "write each process's log to a file here"})
     start_timeout_s: float = field(default=600.0, metadata={
         "gt": 0, "help": "wait for every process to serve, seconds"})
     restart: bool = field(default=False, metadata={"help": "restart a process that dies"})
+
+    @property
+    def prefill_workers(self) -> int:
+        """Prefill worker processes of a disaggregated cluster."""
+        return 1 if self.num_prefill is None else self.num_prefill
 
 
 @dataclass
@@ -181,7 +189,7 @@ def worker_threads(num_workers: int, num_cpus: int | None = None) -> int:
 
 def start_cluster(model_dir: str, model_name: str, config: ServeConfig = ServeConfig(), colocated: bool = False,
                   worker_args: list[str] | None = None, coordinator_args: list[str] | None = None,
-                  env: dict | None = None) -> Cluster:
+                  env: dict | None = None, devices: tuple[str, ...] = ()) -> Cluster:
     """Start the topology and return once the coordinator serves.
 
     Args:
@@ -193,6 +201,8 @@ def start_cluster(model_dir: str, model_name: str, config: ServeConfig = ServeCo
             `cli.args.dataclass_to_argv`); the coordinator binds port 0 unless they say otherwise. Workers get
             `--threads` from `worker_threads` unless these flags set it.
         env: the children's environment (default: this process's).
+        devices: each worker's `--device`, prefill workers first (`cli.topology.Topology.devices`); empty = as
+            worker_args say.
 
     Unless the flags or the environment name a cluster secret, a random one is written (mode 0600) to the
     cluster's working directory and given to every process: the workers' APIs and KV ports then refuse anyone
@@ -208,7 +218,7 @@ def start_cluster(model_dir: str, model_name: str, config: ServeConfig = ServeCo
     worker_args, coordinator_args = list(worker_args or []), list(coordinator_args or [])
     if "--threads" not in worker_args:
         worker_args += ["--threads", str(worker_threads(config.num_decode if colocated
-                                                        else config.num_prefill + config.num_decode))]
+                                                        else config.prefill_workers + config.num_decode))]
     if "--cluster-secret-file" not in worker_args and CLUSTER_SECRET_ENV not in env:
         secret_file = workdir / "cluster.secret"
         secret_file.touch(mode=0o600)
@@ -222,13 +232,15 @@ def start_cluster(model_dir: str, model_name: str, config: ServeConfig = ServeCo
     cluster.worker_metadata = (("authorization", f"Bearer {secret}"),)
     try:
         waits = []
-        roles = [("colocated", config.num_decode)] if colocated else [("prefill", config.num_prefill),
+        roles = [("colocated", config.num_decode)] if colocated else [("prefill", config.prefill_workers),
                                                                      ("decode", config.num_decode)]
+        names = [f"{role}-{i}" for role, n in roles for i in range(n)]
+        placed = dict(zip(names, devices))
         for role, n in roles:
             for i in range(n):
                 name = f"{role}-{i}"
                 cluster._commands[name] = [role, "--model", model_dir, "--served-model-name", model_name,
-                                           *worker_args]
+                                           *worker_args, *(["--device", placed[name]] if name in placed else [])]
                 proc, ready, log_path = _spawn(cluster._commands[name], name, workdir, logs, env)
                 cluster.processes[name] = proc
                 cluster.log_files[name] = log_path

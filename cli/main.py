@@ -148,7 +148,11 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     add_dataclass_args(p, ServeConfig)
     p.add_argument("--port", type=bounded_type(int, {"min": 0, "max": 65535}), default=50051,
                    help="coordinator port (0 = any free port)")
-    p.add_argument("--colocated", action="store_true", help="one worker runs both phases (the baseline)")
+    shape = p.add_mutually_exclusive_group()
+    shape.add_argument("--colocated", action="store_const", dest="topology", const="colocated",
+                       help="one worker runs both phases (default on CPU hosts and on one GPU: see `cli.topology`)")
+    shape.add_argument("--disaggregated", action="store_const", dest="topology", const="disaggregated",
+                       help="prefill and decode workers apart, KV moved between them (default with a GPU for each)")
     add_dataclass_args(p.add_argument_group("workers"), WorkerConfig, skip=SERVE_WORKER_SKIP)
     add_dataclass_args(p.add_argument_group("coordinator"), CoordinatorConfig, skip=SERVE_COORDINATOR_SKIP)
     p.add_argument("--demo", nargs="?", const="Explain in two sentences why the sky is blue.", default=None,
@@ -161,17 +165,27 @@ def _run_serve(args: argparse.Namespace) -> None:
     from coordinator.config import CoordinatorConfig
     from worker_common.config import WorkerConfig
 
+    from cli.topology import Hardware, choose_topology
+    from server_common.errors import CommandError
+
+    serve_config = dataclass_from_args(ServeConfig, args)
+    try:  # before the model is resolved (a GGUF conversion can take minutes): a contradiction fails at once
+        topology = choose_topology(Hardware.detect(args.device), args.topology, serve_config.num_prefill,
+                                   serve_config.num_decode, args.tensor_parallel_size)
+    except ValueError as e:
+        raise CommandError(str(e)) from None
     model_dir, name = _resolved(args)
     # Built from the same dataclasses the roles parse, then turned back into flags: every knob reaches its process.
     worker = dataclass_from_args(WorkerConfig, args, role="decode", model_dir=model_dir, port=0)
-    coordinator = dataclass_from_args(CoordinatorConfig, args, model_dir=model_dir, model_name=name)
+    coordinator = dataclass_from_args(CoordinatorConfig, args, model_dir=model_dir, model_name=name,
+                                      colocated=topology.colocated)
     logs = ["--log-level", args.log_level, "--log-format", args.log_format]
-    print(f"starting pdserve ({'colocated' if args.colocated else 'disaggregated'}) with {name} ...", flush=True)
+    print(f"starting pdserve ({topology.name}: {topology.why}) with {name} ...", flush=True)
     signal.signal(signal.SIGTERM, _raise_interrupt)  # SIGTERM stops the cluster like Ctrl-C, never orphans it
-    serve_config = dataclass_from_args(ServeConfig, args)
-    cluster = start_cluster(model_dir, name, serve_config, colocated=args.colocated,
+    cluster = start_cluster(model_dir, name, serve_config, colocated=topology.colocated,
                             worker_args=dataclass_to_argv(worker, skip=SERVE_WORKER_SKIP) + logs,
-                            coordinator_args=dataclass_to_argv(coordinator, skip=_PER_PROCESS - {"port"}) + logs)
+                            coordinator_args=dataclass_to_argv(coordinator, skip=_PER_PROCESS - {"port"}) + logs,
+                            devices=topology.devices)
     print(f"pdserve ready on {cluster.address}", flush=True)
     for process, url in cluster.metrics_urls.items():
         print(f"  metrics of {process}: {url}", flush=True)

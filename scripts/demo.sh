@@ -3,4 +3,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh
-exec .venv/bin/pdserve serve --port 0 --demo "$@"
+exec .venv/bin/pdserve serve --disaggregated --port 0 --demo "$@"

@@ -164,8 +164,8 @@ def test_serve_leaves_no_process_behind(tiny_model_dir, tmp_path, ending):
     """SIGTERM used to kill `pdserve serve` alone and orphan its coordinator and workers; a dead coordinator used to
     leave `serve` supervising workers nobody could reach, never exiting. SIGTERM: exit 0; the coordinator killed:
     exit 1, saying so. Either way no child outlives serve."""
-    proc = subprocess.Popen([sys.executable, "-m", "cli.main", "serve", "--model", str(tiny_model_dir), "--port",
-                             "0", "--kv-tokens", "1024", "--max-model-len", "256", "--log-dir", str(tmp_path)],
+    proc = subprocess.Popen([sys.executable, "-m", "cli.main", "serve", "--disaggregated", "--model",
+                             str(tiny_model_dir), "--port", "0", "--kv-tokens", "1024", "--max-model-len", "256", "--log-dir", str(tmp_path)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         for line in proc.stdout:
