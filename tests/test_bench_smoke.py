@@ -153,6 +153,7 @@ def test_sweep_weight_bytes_per_token(tiny_model_dir, real_model_dir):
 
     from cli.models import default_model_path
     from engine.config import ModelConfig
+    from engine.hardware import resolve_dtype
 
     # tiny model: hidden 64, 4 q / 2 kv heads of 16, intermediate 128, 2 layers, vocab 49152 (untied head)
     layer = 64 * (64 + 2 * 32) + 64 * 64 + 64 * 256 + 128 * 64
@@ -163,7 +164,10 @@ def test_sweep_weight_bytes_per_token(tiny_model_dir, real_model_dir):
     def weight_bytes_per_token(name, args, pdserve):
         return bytes_of(weight_format(name, args, pdserve), shapes)
 
-    assert weight_bytes_per_token("pdserve-colocated", [], pdserve=True) == 4 * params
+    # auto is bf16 on a CPU with AVX512_BF16 or AMX, else fp32 (engine.hardware.resolve_dtype): per machine
+    auto_bytes = 2 if resolve_dtype("auto", "cpu") == "bfloat16" else 4
+    assert weight_bytes_per_token("pdserve-colocated", [], pdserve=True) == auto_bytes * params
+    assert weight_bytes_per_token("v", ["--dtype", "float32"], pdserve=True) == 4 * params
     assert weight_bytes_per_token("v", ["--dtype", "bfloat16"], pdserve=True) == 2 * params
     assert weight_bytes_per_token("v", ["--dtype", "bfloat16", "--quantization", "int4"],
                                   pdserve=True) == params * 0.625
