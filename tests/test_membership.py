@@ -352,7 +352,9 @@ def test_sigterm_drains_the_coordinator(tiny_model_dir, tmp_path, drain_s):
     2 s drain notice ended, as CANCELLED, filed by the access log as client cancels with 0 output tokens. Streams
     that finish in time finish OK; those still running when it runs out end UNAVAILABLE "shutting down; retry",
     and the access log counts the tokens they had streamed. (With --max-num-seqs 1 the decode worker runs the eight
-    253-token streams one after another: more than 2.5 s of decoding on any machine.)"""
+    253-token streams one after another; for the short drain it is also paused from the SIGTERM until the
+    coordinator has exited, so streams are still running when the drain runs out however fast the machine: on a
+    fast CPU the eight streams once fitted in 2.5 s.)"""
     from pdserve.v1 import generate_pb2, generate_pb2_grpc
 
     p = Processes(tiny_model_dir, tmp_path)
@@ -369,6 +371,9 @@ def test_sigterm_drains_the_coordinator(tiny_model_dir, tmp_path, drain_s):
                 sampling=generate_pb2.SamplingParams(max_tokens=253, temperature=0, ignore_eos=True)), timeout=300)
                 for i in range(8)]
             wait_for(lambda: in_flight(metrics_url) == 8, 60, "eight requests in flight")
+            paused = drain_s < 100
+            if paused:
+                os.kill(p.procs["decode"].pid, signal.SIGSTOP)
             p.procs["coordinator"].send_signal(signal.SIGTERM)
             ends, counts = [], []
             for call in calls:
@@ -381,6 +386,8 @@ def test_sigterm_drains_the_coordinator(tiny_model_dir, tmp_path, drain_s):
                     assert e.code() == grpc.StatusCode.UNAVAILABLE and "shutting down; retry" in e.details(), e
                     ends.append("UNAVAILABLE")
         assert p.procs["coordinator"].wait(timeout=drain_s + 60) == 0
+        if paused:
+            os.kill(p.procs["decode"].pid, signal.SIGCONT)
         if drain_s > 100:
             assert ends == ["OK"] * 8 and counts == [253] * 8
         else:
@@ -390,6 +397,8 @@ def test_sigterm_drains_the_coordinator(tiny_model_dir, tmp_path, drain_s):
             assert f"{end}: 3 prompt + {count} output tokens" in log
         assert "CANCELLED" not in log
     finally:
+        if p.procs.get("decode") is not None and p.procs["decode"].poll() is None:
+            os.kill(p.procs["decode"].pid, signal.SIGCONT)  # a stopped process cannot take the SIGTERM of stop()
         p.stop()
 
 
