@@ -44,7 +44,9 @@ def log_access(record: RequestRecord, error: str = "") -> None:
     status = record.error_code or "OK"
     # A failure is a warning for whoever watches the log; a client that went away is ordinary traffic.
     level = logging.WARNING if record.error_code not in ("", "CANCELLED") else logging.INFO
+    # A refused id may hold control characters (a newline, ANSI escapes): written escaped, it cannot forge a line.
+    rid = record.request_id if record.request_id.isprintable() else ascii(record.request_id)
     log.log(level, "request %s %s: %d prompt + %d output tokens, finish %s, TTFT %.0f ms, e2e %.0f ms, P %s D %s%s",
-             record.request_id, status, record.prompt_tokens, record.output_tokens, record.finish_reason or "-",
+             rid, status, record.prompt_tokens, record.output_tokens, record.finish_reason or "-",
              record.ttft_s * 1e3, record.e2e_s * 1e3, record.prefill_worker or "-", record.decode_worker or "-",
              f": {error}" if error else "", extra={"access": fields})

@@ -202,6 +202,9 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                                f"retry after {wait:.2f} s", retry_after_s=wait)
         if len(rid) > MAX_REQUEST_ID_CHARS:
             raise invalid(f"request_id has {len(rid)} characters; at most {MAX_REQUEST_ID_CHARS} are allowed")
+        if not rid.isprintable():  # ids are written into logs: a newline or an ANSI escape would forge lines
+            raise invalid(f"request_id {shorten(rid)} contains control or unprintable characters; use printable "
+                          "text")
         if flows.scoped_id(caller, rid) in self.cluster.flows:
             raise RequestError(grpc.StatusCode.ALREADY_EXISTS, f"request_id {rid!r} is already in flight")
         if len(self.cluster.flows) >= self.config.max_in_flight:

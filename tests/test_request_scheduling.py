@@ -485,3 +485,16 @@ def test_triton_priority_maps_to_ours():
         with pytest.raises(RequestError) as e:
             to_priority(params(**bad))
         assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and "priority" in e.value.message
+
+
+@pytest.mark.parametrize("rid", ["a\nrequest forged OK: 3 prompt", "\x1b[31mred", "tab\there", "nul\x00"])
+def test_request_ids_with_control_characters_are_refused_and_logged_escaped(rid, caplog):
+    """A client-chosen id with a newline and ANSI escapes was written raw into the access log, forging lines."""
+    async def main():
+        with pytest.raises(Aborted) as e:
+            await serve(servicer(), rid, 3)
+        assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and "control or unprintable" in e.value.details
+    with caplog.at_level("INFO", logger="pdserve.access"):
+        asyncio.run(main())
+    (line,) = [r.getMessage() for r in caplog.records if r.name == "pdserve.access"]
+    assert line.startswith(f"request {ascii(rid)} INVALID_ARGUMENT") and line.isprintable()
