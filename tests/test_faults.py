@@ -175,8 +175,11 @@ def test_a_prefill_queued_past_the_lease_still_completes(cluster, tiny_model_dir
 def test_oversized_inputs_are_refused_before_work_with_short_messages(cluster):
     with Client(cluster.address) as c:
         start = time.monotonic()
-        with pytest.raises(grpc.RpcError) as e:
+        with pytest.raises(grpc.RpcError) as e:  # past the message size the context window needs: never parsed
             c.complete("x" * 3_000_000, greedy(2))
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "larger than max" in e.value.details()
+        with pytest.raises(grpc.RpcError) as e:  # within it, but more characters than the context can hold
+            c.complete("x" * 500_000, greedy(2))
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "characters" in e.value.details()
         assert time.monotonic() - start < 5
         with pytest.raises(grpc.RpcError) as e:

@@ -285,7 +285,7 @@ def test_cluster_samples_validate_and_bad_schemas_are_invalid_argument(cluster):
                                         structured_output=Constraint(grammar=GRAMMAR)))
         assert GRAMMAR_RE.match(out.text) and (out.finish_reason == "length" or is_sentence(out.text)), out.text
         for bad, needle in ((Constraint(json_schema='{"type": "objekt"}'), "objekt"),
-                            (Constraint(json_schema='{"type": '), "not JSON"),
+                            (Constraint(json_schema='{"type": '), "not valid JSON"),
                             (Constraint(regex="a(b"), "unclosed group")):
             with pytest.raises(grpc.RpcError) as e:
                 c.complete(prompt, Public(max_tokens=20, structured_output=bad))
