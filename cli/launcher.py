@@ -147,9 +147,11 @@ def _spawn(args: list[str], name: str, workdir: Path, log_dir: Path | None,
         log_dir.mkdir(parents=True, exist_ok=True)
         log_path = str(log_dir / f"{name}.log")
         out = open(log_path, "w")  # noqa: SIM115 - owned by the child for its lifetime
+    # A session of its own: a signal to the launcher's process group (a terminal's Ctrl-C) reaches the launcher
+    # alone, which stops the cluster in order, rather than each child on its own.
     proc = subprocess.Popen([sys.executable, "-m", "cli.main", *args, "--ready-file", str(ready)],
                             stdout=out, stderr=subprocess.STDOUT if out else None,
-                            env={**env, PARENT_PID_ENV: str(os.getpid())})
+                            env={**env, PARENT_PID_ENV: str(os.getpid())}, start_new_session=True)
     return proc, ready, log_path
 
 

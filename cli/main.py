@@ -215,10 +215,12 @@ def _raise_interrupt(signum, frame) -> None:
 
 # ---- generate: an SDK client --------------------------------------------------------------------------------------
 def _generate_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("prompt")
-    p.add_argument("--address", default=os.environ.get("PDSERVE_ADDRESS", "127.0.0.1:50051"))
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("prompt", help="the prompt text (with --chat: one user message)")
+    p.add_argument("--address", default=os.environ.get("PDSERVE_ADDRESS", "127.0.0.1:50051"),
+                   help="the coordinator's host:port ($PDSERVE_ADDRESS)")
+    p.add_argument("--max-tokens", type=bounded_type(int, {"min": 1}), default=64, help="most tokens to generate")
+    p.add_argument("--temperature", type=bounded_type(float, {"min": 0}), default=0.0,
+                   help="sampling temperature (0 = greedy)")
     p.add_argument("--chat", action="store_true", help="send the prompt as one user chat message")
     p.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"), help="API key ($PDSERVE_API_KEY)")
     p.add_argument("--tls-ca", default=None, help="PEM CA of the coordinator's certificate: connect with TLS")
@@ -287,8 +289,7 @@ def _run_key_id(args: argparse.Namespace) -> None:
 
 
 COMMANDS: dict[str, Command] = {
-    "serve": Command("start coordinator + workers on this host and wait until they serve", _serve_args, _run_serve,
-                     log_level="WARNING"),
+    "serve": Command("start coordinator + workers on this host and wait until they serve", _serve_args, _run_serve),
     "coordinator": Command("run the public gRPC server in front of running workers", _coordinator_args,
                            _run_coordinator),
     "prefill": Command("run one prefill worker", _worker_args, _run_worker("prefill")),
@@ -315,7 +316,8 @@ def build_parser(command: str) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=f"pdserve {command}", description=cmd.help,
                                      formatter_class=_HelpFormatter)
     cmd.add_args(parser)
-    parser.add_argument("--log-level", default=cmd.log_level)
+    parser.add_argument("--log-level", default=cmd.log_level, type=str.upper,
+                        choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="log messages at this level and above")
     parser.add_argument("--log-format", default="text", choices=["text", "json"],
                         help="json: one JSON object per line (the access log's fields become keys)")
     return parser
@@ -337,6 +339,9 @@ def main(argv: list[str] | None = None) -> None:
         COMMANDS[command].run(args)
     except CommandError as e:  # the operator can fix it: one line, exit status 1
         raise SystemExit(f"pdserve {command}: {e}") from None
+    except KeyboardInterrupt:  # Ctrl-C: one line and the shell's status for SIGINT, not a traceback
+        print(f"\npdserve {command}: interrupted", file=sys.stderr, flush=True)
+        raise SystemExit(130) from None
 
 
 if __name__ == "__main__":

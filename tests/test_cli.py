@@ -265,3 +265,33 @@ def test_serve_restart_backs_off_a_process_that_keeps_dying_at_start(monkeypatch
     waits = [b - a for a, b in zip(starts, starts[1:])]
     assert [round(w) for w in waits] == [2, 4, 8, 16, 30]  # after the first (1 s): doubling, capped
     assert capsys.readouterr().out.count("exited with code 1") == 6
+
+
+def test_ctrl_c_of_a_command_is_one_line_and_status_130(monkeypatch, capsys):
+    """Ctrl-C of `pdserve generate` printed a 25-line KeyboardInterrupt traceback."""
+    import cli.main
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli.main, "_stream", interrupted)
+    with pytest.raises(SystemExit) as e:
+        cli.main.main(["generate", "hello"])
+    assert e.value.code == 130
+    assert capsys.readouterr().err.strip().splitlines() == ["pdserve generate: interrupted"]
+
+
+def test_generate_help_gives_each_flag_and_its_default():
+    text = build_parser("generate").format_help()
+    for needle in ("the coordinator's host:port", "(default: 127.0.0.1:50051)", "most tokens to generate (default: 64)",
+                   "sampling temperature (0 = greedy) (default: 0.0)"):
+        assert needle in " ".join(text.split()), needle
+
+
+@pytest.mark.parametrize("command", ["serve", "coordinator", "decode", "generate"])
+def test_log_level_defaults_to_info_and_says_so(command):
+    """serve defaulted to WARNING, which hid the access log lines docs/observability.md promises."""
+    parser = build_parser(command)
+    assert parser.parse_args(["p"] if command == "generate" else []).log_level == "INFO"
+    assert "(default: INFO)" in " ".join(parser.format_help().split())
+    assert parser.parse_args((["p"] if command == "generate" else []) + ["--log-level", "debug"]).log_level == "DEBUG"
