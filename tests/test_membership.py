@@ -352,7 +352,7 @@ def test_sigterm_drains_the_coordinator(tiny_model_dir, tmp_path, drain_s):
     2 s drain notice ended, as CANCELLED, filed by the access log as client cancels with 0 output tokens. Streams
     that finish in time finish OK; those still running when it runs out end UNAVAILABLE "shutting down; retry",
     and the access log counts the tokens they had streamed. (With --max-num-seqs 1 the decode worker runs the eight
-    253-token streams one after another; for the short drain it is also paused from the SIGTERM until the
+    253-token streams one after another; for the short drain it is also paused from before the requests until the
     coordinator has exited, so streams are still running when the drain runs out however fast the machine: on a
     fast CPU the eight streams once fitted in 2.5 s.)"""
     from pdserve.v1 import generate_pb2, generate_pb2_grpc
@@ -364,16 +364,17 @@ def test_sigterm_drains_the_coordinator(tiny_model_dir, tmp_path, drain_s):
         coordinator = p.start("coordinator", "coordinator", "--prefill", prefill, "--decode", decode,
                               "--drain-timeout-s", str(drain_s), "--metrics-port", "0")
         metrics_url = json.loads((tmp_path / "coordinator.ready").read_text())["metrics_url"]
+        paused = drain_s < 100  # no stream can finish before the drain runs out, however fast the machine
+        if paused:
+            os.kill(p.procs["decode"].pid, signal.SIGSTOP)
         with grpc.insecure_channel(coordinator) as ch:
             stub = generate_pb2_grpc.GenerationStub(ch)
             calls = [stub.Generate(generate_pb2.GenerateRequest(
                 token_ids=generate_pb2.TokenIds(ids=[5 + i, 6, 7]),
                 sampling=generate_pb2.SamplingParams(max_tokens=253, temperature=0, ignore_eos=True)), timeout=300)
                 for i in range(8)]
-            wait_for(lambda: in_flight(metrics_url) == 8, 60, "eight requests in flight")
-            paused = drain_s < 100
-            if paused:
-                os.kill(p.procs["decode"].pid, signal.SIGSTOP)
+            # Admitted: in flight or already finished (a fast machine finishes the first ones at once)
+            wait_for(lambda: in_flight(metrics_url) + finished(metrics_url) == 8, 60, "eight requests admitted")
             p.procs["coordinator"].send_signal(signal.SIGTERM)
             ends, counts = [], []
             for call in calls:
@@ -400,6 +401,17 @@ def test_sigterm_drains_the_coordinator(tiny_model_dir, tmp_path, drain_s):
         if p.procs.get("decode") is not None and p.procs["decode"].poll() is None:
             os.kill(p.procs["decode"].pid, signal.SIGCONT)  # a stopped process cannot take the SIGTERM of stop()
         p.stop()
+
+
+def finished(metrics_url: str) -> float:
+    """The coordinator's pdserve:request_success_total, every finish reason."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(metrics_url, timeout=5).read().decode()
+    return sum(s.value for f in text_string_to_metric_families(text) if f.name == "pdserve:request_success"
+               for s in f.samples if s.name.endswith("_total"))
 
 
 def in_flight(metrics_url: str) -> float:
