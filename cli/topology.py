@@ -43,7 +43,7 @@ class Hardware:
         if device.startswith("cuda"):
             import torch
 
-            num_gpus = max(0, torch.cuda.device_count() - _index(device))
+            num_gpus = max(0, torch.cuda.device_count() - (torch.device(device).index or 0))
         return Hardware(device, len(os.sched_getaffinity(0)), num_gpus)
 
 
@@ -68,10 +68,6 @@ class Topology:
     @property
     def name(self) -> str:
         return "colocated" if self.colocated else "disaggregated"
-
-
-def _index(device: str) -> int:
-    return int(device.split(":", 1)[1]) if ":" in device else 0
 
 
 def choose_topology(hw: Hardware, forced: str | None = None, num_prefill: int | None = None, num_decode: int = 1,
@@ -110,6 +106,8 @@ def choose_topology(hw: Hardware, forced: str | None = None, num_prefill: int | 
     workers = prefill + num_decode
     devices: tuple[str, ...] = ()
     if gpu and hw.num_gpus >= workers * tensor_parallel_size:
-        first = _index(hw.device)
-        devices = tuple(f"cuda:{first + i * tensor_parallel_size}" for i in range(workers))
+        from engine.parallel import rank_device  # torch: only on the GPU path
+
+        # Worker i's ranks come next in line, as one worker's ranks do (rank_device's rule).
+        devices = tuple(rank_device(hw.device, i * tensor_parallel_size) for i in range(workers))
     return Topology(colocated, prefill, num_decode, devices, why)

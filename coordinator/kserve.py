@@ -415,23 +415,22 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
             await self.generation.serve(_StreamRequestContext(context), request.id or uuid.uuid4().hex,
                                         req.prepare, "text_completion", send, req.scheduling)
         except _Failed as e:
-            failed = pb.ModelInferResponse(model_name=request.model_name, model_version=request.model_version,
-                                           id=request.id)
-            try:
-                await write(pb.ModelStreamInferResponse(error_message=f"[{e.code}] {e.message}",
-                                                        infer_response=failed))
-            except (RequestError, grpc.aio.InternalError):
-                pass  # the client is gone or stalled: nobody to tell
+            await self._tell_failed(request, write, e.code, e.message)
         except grpc.aio.InternalError:
             pass  # a write raced the call's end: the client is gone (serve has recorded it)
         except Exception:  # a bug in this door: this request fails alone, the stream and its neighbours go on
             log.exception("ModelStreamInfer request %r: internal error", request.id)
-            with contextlib.suppress(RequestError, grpc.aio.InternalError):
-                await write(pb.ModelStreamInferResponse(
-                    error_message=f"[{grpc.StatusCode.INTERNAL}] internal error; the coordinator's log has it "
-                                  "under this request id",
-                    infer_response=pb.ModelInferResponse(model_name=request.model_name,
-                                                         model_version=request.model_version, id=request.id)))
+            await self._tell_failed(request, write, grpc.StatusCode.INTERNAL,
+                                    "internal error; the coordinator's log has it under this request id")
+
+    @staticmethod
+    async def _tell_failed(request, write, code: grpc.StatusCode, message: str) -> None:
+        """One request of a stream failed: its own response with `error_message` (led by the status's name, as a
+        stream response has no status code); the stream goes on."""
+        failed = pb.ModelInferResponse(model_name=request.model_name, model_version=request.model_version,
+                                       id=request.id)
+        with contextlib.suppress(RequestError, grpc.aio.InternalError):  # the client is gone or stalled
+            await write(pb.ModelStreamInferResponse(error_message=f"[{code}] {message}", infer_response=failed))
 
 
 def add_to_server(servicer: KServeServicer, server: grpc.aio.Server) -> None:
