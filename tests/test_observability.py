@@ -165,6 +165,17 @@ def total(samples: dict, name: str, **labels) -> float:
     return sum(v for (n, ls), v in samples.items() if n == name and all((k, val) in ls for k, val in labels.items()))
 
 
+def scrape_when(url: str, name: str, value: float, timeout_s: float = 30.0, **labels) -> dict[tuple[str, tuple], float]:
+    """scrape(url) once total(name, **labels) == value, or the last scrape after timeout_s. A request is recorded
+    after its last message is sent, so a client that has its answer can scrape before the server has counted it."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        samples = scrape(url)
+        if total(samples, name, **labels) == value or time.monotonic() > deadline:
+            return samples
+        time.sleep(0.05)
+
+
 def test_metrics_count_what_was_sent_and_access_log_is_json(tiny_model_dir, tmp_path):
     cluster = start_cluster(str(tiny_model_dir), "tiny", ServeConfig(log_dir=str(tmp_path)),
                             worker_args=[*WORKER, "--max-model-len", "512", "--metrics-port", "0"],
@@ -176,9 +187,10 @@ def test_metrics_count_what_was_sent_and_access_log_is_json(tiny_model_dir, tmp_
             for i in range(5):
                 outs.append(c.complete([5 + i] * (8 + i), SamplingParams(max_tokens=3 + i, temperature=0,
                                                                          ignore_eos=True)))
-        coordinator = scrape(cluster.metrics_urls["coordinator"])
-        prefill = scrape(cluster.metrics_urls["prefill-0"])
-        decode = scrape(cluster.metrics_urls["decode-0"])
+        coordinator = scrape_when(cluster.metrics_urls["coordinator"], "pdserve:e2e_request_latency_seconds_count",
+                                  len(outs))
+        prefill = scrape_when(cluster.metrics_urls["prefill-0"], "pdserve:kv_transfer_time_seconds_count", len(outs))
+        decode = scrape_when(cluster.metrics_urls["decode-0"], "pdserve:num_requests_running", 0)
         with Client(cluster.address) as c, pytest.raises(grpc.RpcError) as late:  # after the scrapes: not counted
             # 0.25 s: past the reservation and the prefill of 12 tokens (the access log must name both workers),
             # before 490 tokens are decoded. 240 tokens within 0.4 s was too few on a fast VM: it finished first
