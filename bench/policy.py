@@ -240,7 +240,8 @@ def main(argv=None) -> int:
                                                                                          time.gmtime()))
     out_dir.mkdir(parents=True, exist_ok=True)
     system = start_pdserve(f"pdserve-{args.topology}", model_dir, args.topology == "colocated", args.threads,
-                           str(out_dir), [*args.worker_args.split(), "--metrics-port", "0"])
+                           str(out_dir), [*args.worker_args.split(), "--metrics-port", "0"],
+                           coordinator_args=["--scheduling-policy", "priority"])  # the batch class asks for 1
     try:
         results = asyncio.run(main_async(args, system, tokenizer))
     finally:

@@ -15,7 +15,7 @@ from coordinator.config import CoordinatorConfig
 from coordinator.membership import Cluster, Membership
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.router import LocalPrefillPolicy, Router
-from coordinator.scheduling import read_tenant_weights
+from coordinator.scheduling import read_tenants
 from coordinator.server import GenerationServicer
 from coordinator.tokenizer import Tokenizer
 from coordinator.validation import request_bytes_limit
@@ -51,7 +51,7 @@ async def serve(config: CoordinatorConfig) -> None:
     Raises:
         CommandError: no live worker of a needed role within config.connect_timeout_s.
     """
-    tenant_weights = read_tenant_weights(config.tenant_weights)  # a typo fails the start, before any wait
+    tenants = read_tenants(config.tenant_weights)  # a typo fails the start, before any wait
     tracing = Tracing.from_env("pdserve-coordinator")
     cluster = Cluster(Router(), config.colocated,
                       LocalPrefillPolicy(config.local_prefill_tokens, config.local_prefill_fallback,
@@ -63,7 +63,7 @@ async def serve(config: CoordinatorConfig) -> None:
     api_keys = read_api_keys(config.api_keys_file)
     servicer = GenerationServicer(config, cluster, tokenizer, CoordinatorMetrics(registry, config.model_name),
                                   on_worker_lost=membership.report_lost, keys_required=bool(api_keys),
-                                  tenant_weights=tenant_weights)
+                                  tenants=tenants)
     if api_keys:  # the names --tenant-weights (and the access log's refusals) know the keys by
         log.info("API keys: %d, ids %s", len(api_keys), ", ".join(sorted({key_id(k) for k in api_keys})))
     metrics = (start_metrics_server(config.server.host, config.server.metrics_port, registry)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from coordinator.scheduling import SCHEDULING_POLICIES
 from server_common.config import ServerArgs
 
 
@@ -24,8 +25,11 @@ class CoordinatorConfig:
         max_queued_tokens_per_caller: the most prompt tokens one caller may have in requests still waiting for
             their first token; past it RESOURCE_EXHAUSTED with a retry hint (a prompt longer than the limit on its
             own: INVALID_ARGUMENT); 0 = no limit.
-        tenant_weights: file of "NAME WEIGHT" lines ('#' comments): each tenant's share of the workers' token
-            budget while tenants compete (`coordinator.scheduling.read_tenant_weights`); unnamed tenants weigh 1.
+        tenant_weights: file of "NAME WEIGHT [PRIORITY_FLOOR]" lines ('#' comments): each tenant's share of the
+            workers' token budget while tenants compete, and the most urgent priority it is granted
+            (`coordinator.scheduling.read_tenants`); unnamed tenants weigh 1.
+        scheduling_policy: "fcfs" (every request priority 0; a nonzero priority is refused) or "priority" (requests
+            run at their priority, bounded by their tenant's floor: `coordinator.scheduling.grant_priority`).
         request_timeout_s: deadline of each worker call, seconds.
         connect_timeout_s: at start, how long to wait for a live worker of every role, seconds.
         stats_interval_s: how often each worker's health and load (KV headroom, queue) are polled, seconds.
@@ -67,10 +71,15 @@ class CoordinatorConfig:
         "help": "prompt tokens one caller (API key, else peer) may have in requests not yet at their first token; "
                 "0 = no limit"})
     tenant_weights: str | None = field(default=None, metadata={
-        "help": "file of 'NAME WEIGHT' lines ('#' comments; read at start): fair-share weights of tenants "
-                "(unnamed ones weigh 1). NAME is a request's tenant field, 'peer:ipv4:<ip>' for a keyless client "
-                "without one, or 'key:<id>' for an API key: `pdserve key-id` prints a key's id (the first 8 hex "
-                "digits of its SHA-256; the coordinator also logs its keys' ids at start)"})
+        "help": "file of 'NAME WEIGHT [PRIORITY_FLOOR]' lines ('#' comments; read at start): fair-share weights of "
+                "tenants (unnamed ones weigh 1) and, under --scheduling-policy priority, the most urgent priority "
+                "each may use (unnamed API keys: 0). NAME is a request's tenant field, 'peer:ipv4:<ip>' for a "
+                "keyless client without one, or 'key:<id>' for an API key: `pdserve key-id` prints a key's id (the "
+                "first 8 hex digits of its SHA-256; the coordinator also logs its keys' ids at start)"})
+    scheduling_policy: str = field(default="fcfs", metadata={"choices": SCHEDULING_POLICIES,
+        "help": "fcfs: requests run in arrival order within their tenant's share, a nonzero priority is refused; "
+                "priority: lower priority runs sooner (and may preempt), bounded by each tenant's floor in "
+                "--tenant-weights"})
     request_timeout_s: float = field(default=600.0, metadata={"gt": 0, "help": "deadline of each worker call, seconds"})
     connect_timeout_s: float = field(default=300.0, metadata={"gt": 0,
         "help": "at start, wait this long for a live worker of every role, seconds"})

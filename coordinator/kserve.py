@@ -22,7 +22,9 @@ The model's tensors are those of Triton's vLLM backend (triton-inference-server/
   - text_output (BYTES, shape [1]): the only output.
 
 Scheduling: Triton's request parameter `priority` (an unsigned integer, tritonclient's `infer(priority=...)`;
-1 is the highest level, 0 means the model's default level) is honoured. This model's default level is
+1 is the highest level, 0 means the model's default level) is mapped as follows, then granted as every door's
+priority is (`scheduling.grant_priority`: refused unless 0 under the default `--scheduling-policy fcfs`, bounded by
+the tenant's floor under `priority`). This model's default level is
 `kserve_sampling.DEFAULT_PRIORITY_LEVEL` (10), as if its config said `default_priority_level: 10`, and a level
 p >= 1 becomes our priority p - 10 (pdserve.v1's GenerateRequest.priority: lower runs sooner, 0 is the default):
 levels 1-9 run sooner than requests that give none, 10 as soon, 11 and above later; 0 or no parameter is our 0. A

@@ -6,7 +6,10 @@ its deadlines, turned into the `worker_pb2.SchedulingHints` the workers' engines
   another's share), else the request's `tenant` field when set, else the peer ("peer:ipv4:<ip>", gRPC's peer
   without the port). Per-caller limits and request-id scoping use `GenerationServicer.caller`, which is the key or
   the peer: a keyless client cannot escape its limits by naming tenants.
-- Weight: the --tenant-weights file's (`read_tenant_weights`); tenants it does not name weigh 1.
+- Weight: the --tenant-weights file's (`read_tenants`); tenants it does not name weigh 1.
+- Priority: granted, not self-asserted (`grant_priority`): a nonzero priority is refused under the default
+  `--scheduling-policy fcfs`; under `priority`, bounded below by the tenant's floor (--tenant-weights' third column,
+  0 for an API key without one), so a key cannot overtake other keys' requests unless the operator says so.
 - Deadlines: the call's gRPC deadline (and our own request timeout) bounds the whole request; ttft_slo_ms bounds its
   first token. Before a request is routed, the predicted wait of the worker it would go to is compared with the
   time left before the first token is due (`check_first_token_deadline`): a request that cannot make it is refused
@@ -15,6 +18,7 @@ its deadlines, turned into the `worker_pb2.SchedulingHints` the workers' engines
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 import unicodedata
@@ -31,6 +35,8 @@ from server_common.errors import CommandError
 MAX_TENANT_CHARS = 128  # a tenant is a key in the engines' fairness counters and appears in logs
 # Weights travel as float32 (SchedulingHints.weight): a tiny one would round to 0, which the workers refuse.
 MIN_WEIGHT, MAX_WEIGHT = 1e-6, 1e6
+MIN_PRIORITY, MAX_PRIORITY = -2**31, 2**31 - 1  # GenerateRequest.priority is an int32
+SCHEDULING_POLICIES = ("fcfs", "priority")  # `grant_priority`
 
 
 @dataclass(frozen=True)
@@ -108,12 +114,27 @@ def resolve_tenant(caller: str, tenant_field: str, keys_required: bool) -> str:
     return tenant_field
 
 
-def read_tenant_weights(path: str | None) -> dict[str, float]:
-    """Tenant weights from a file of "NAME WEIGHT" lines (blank lines and '#' comments skipped). NAME is a request's
-    tenant field value, "key:<id>" for an API key (`pdserve key-id` prints a key's id: the first 8 hex digits of
-    its SHA-256), or "peer:ipv4:<ip>" ("peer:ipv6:[<ip>]") for a keyless client that sends no tenant. WEIGHT is a
-    number in [MIN_WEIGHT, MAX_WEIGHT]: a tenant of weight 2 gets twice the tokens of one of weight 1 while both have work queued. No
-    file: {} (every tenant weighs 1).
+@dataclass(frozen=True)
+class Tenant:
+    """One tenant's line in the --tenant-weights file (`read_tenants`).
+
+    Attributes:
+        weight: its share of the workers' token budget while tenants compete, in [MIN_WEIGHT, MAX_WEIGHT].
+        priority_floor: the most urgent (lowest) priority its requests run at under `--scheduling-policy priority`;
+            a request asking for a lower one runs at the floor (`grant_priority`). None = the default floor.
+    """
+
+    weight: float = 1.0
+    priority_floor: int | None = None
+
+
+def read_tenants(path: str | None) -> dict[str, Tenant]:
+    """Tenants from a file of "NAME WEIGHT [PRIORITY_FLOOR]" lines (blank lines and '#' comments skipped). NAME is a
+    request's tenant field value, "key:<id>" for an API key (`pdserve key-id` prints a key's id: the first 8 hex
+    digits of its SHA-256), or "peer:ipv4:<ip>" ("peer:ipv6:[<ip>]") for a keyless client that sends no tenant.
+    WEIGHT is a number in [MIN_WEIGHT, MAX_WEIGHT]: a tenant of weight 2 gets twice the tokens of one of weight 1
+    while both have work queued. PRIORITY_FLOOR, an integer, is the most urgent priority the tenant is granted
+    (`grant_priority`). No file: {} (every tenant weighs 1 and has the default floor).
 
     Raises:
         CommandError: the file cannot be read, or a line is malformed (naming the line).
@@ -124,26 +145,73 @@ def read_tenant_weights(path: str | None) -> dict[str, float]:
         text = Path(path).read_text()
     except OSError as e:
         raise CommandError(f"--tenant-weights {path}: {e.strerror or e}") from None
-    weights: dict[str, float] = {}
+    tenants: dict[str, Tenant] = {}
     for number, line in enumerate(text.splitlines(), 1):
         line = line.split("#", 1)[0].strip()
         if not line:
             continue
         parts = line.split()
         try:
-            if len(parts) != 2:
-                raise ValueError("expected 'NAME WEIGHT'")
-            name, weight = parts[0], float(parts[1])
+            if len(parts) not in (2, 3):
+                raise ValueError("expected 'NAME WEIGHT [PRIORITY_FLOOR]'")
+            name, weight = parts[0], _number(parts[1])
             if not MIN_WEIGHT <= weight <= MAX_WEIGHT:  # NaN fails too; all positive as float32
                 raise ValueError(f"weight must be a number in [{MIN_WEIGHT:g}, {MAX_WEIGHT:g}], got {parts[1]}")
-            if name in weights:
+            floor = None
+            if len(parts) == 3:
+                if not parts[2].lstrip("+-").isdigit() or not MIN_PRIORITY <= int(parts[2]) <= MAX_PRIORITY:
+                    raise ValueError(f"priority floor must be an integer in [{MIN_PRIORITY}, {MAX_PRIORITY}], "
+                                     f"got {parts[2]}")
+                floor = int(parts[2])
+            if name in tenants:
                 raise ValueError(f"{name} is listed twice")
             if len(name) > MAX_TENANT_CHARS:
                 raise ValueError(f"name has {len(name)} characters; at most {MAX_TENANT_CHARS}")
         except ValueError as e:
             raise CommandError(f"--tenant-weights {path}, line {number}: {e}") from None
-        weights[name] = weight
-    return weights
+        tenants[name] = Tenant(weight, floor)
+    return tenants
+
+
+def _number(text: str) -> float:
+    """float(text), or NaN when it is not a number (then the range check names it)."""
+    try:
+        return float(text)
+    except ValueError:
+        return math.nan
+
+
+def grant_priority(ask: SchedulingAsk, entry: Tenant, policy: str, keys_required: bool) -> SchedulingAsk:
+    """The priority a request runs at: priority is granted by the operator, never taken by the caller.
+
+    - policy "fcfs" (the default, as vLLM's `--scheduling-policy`): every request runs at priority 0, in arrival
+      order within its tenant's fair share; a request asking for another priority is refused, as vLLM refuses it,
+      so a caller does not believe it was honoured.
+    - policy "priority": a request runs at max(its priority, its tenant's floor). The floor is the tenant's third
+      column in --tenant-weights; a tenant without one has floor 0 when the port requires API keys (a key cannot
+      overtake other keys' requests unless the operator grants it a negative floor) and no floor on an open port
+      (whose callers are trusted, as its tenant field is: without keys a caller can name any tenant).
+
+    Args:
+        ask: the door's scheduling ask; entry: the resolved tenant's --tenant-weights line (Tenant() when unnamed);
+        policy: one of SCHEDULING_POLICIES; keys_required: the port authenticates keys.
+
+    Returns:
+        the ask with the granted priority.
+
+    Raises:
+        RequestError: INVALID_ARGUMENT for a nonzero priority under "fcfs".
+    """
+    if policy == "fcfs":
+        if ask.priority:
+            raise invalid(f"priority {ask.priority} is not honoured here: this server schedules first come, first "
+                          "served (the operator enables priorities with --scheduling-policy priority); send "
+                          "priority 0")
+        return ask
+    floor = entry.priority_floor if entry.priority_floor is not None else (0 if keys_required else None)
+    if floor is None or ask.priority >= floor:
+        return ask
+    return dataclasses.replace(ask, priority=floor)
 
 
 def hints(ask: SchedulingAsk, tenant: str, weight: float, arrival: float, first_token_sent: bool,

@@ -21,7 +21,7 @@ from coordinator.membership import Cluster, Membership
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.record import RequestRecord, log_access
 from coordinator.stream import Progress, SampleStream, merged, request_record
-from coordinator.scheduling import RequestScheduling, SchedulingAsk, read_tenant_weights, resolve_tenant
+from coordinator.scheduling import RequestScheduling, SchedulingAsk, Tenant, grant_priority, resolve_tenant
 from coordinator.tokenizer import Tokenizer
 from coordinator.validation import (check_chat, check_prompt, check_prompt_length, check_text_length,
                                    resolve_sampling, shorten)
@@ -56,15 +56,15 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
 
     def __init__(self, config: CoordinatorConfig, cluster: Cluster, tokenizer: Tokenizer,
                  metrics: CoordinatorMetrics, on_worker_lost: Callable[[str, str], None] = lambda address, why: None,
-                 keys_required: bool = False, tenant_weights: Mapping[str, float] | None = None):
+                 keys_required: bool = False, tenants: Mapping[str, Tenant] | None = None):
         """on_worker_lost(address, why): a worker call failed as if the worker were gone
         (`Membership.report_lost`, which owns liveness). keys_required: the port authenticates API keys (`caller`
-        then trusts the presented key). tenant_weights: tenant -> weight (`scheduling.read_tenant_weights`);
-        tenants not in it weigh 1."""
+        then trusts the presented key). tenants: tenant -> weight and priority floor (`scheduling.read_tenants`);
+        tenants not in it weigh 1 with the default floor."""
         self.config, self.cluster, self.tokenizer, self.metrics = config, cluster, tokenizer, metrics
         self.on_worker_lost = on_worker_lost
         self.keys_required = keys_required
-        self.tenant_weights = dict(tenant_weights or {})
+        self.tenants = dict(tenants or {})
         self.limiter = RateLimiter(config.rate_limit_requests_per_s, config.rate_limit_tokens_per_s,
                                    config.rate_limit_burst_s)
 
@@ -115,8 +115,9 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             flow.record.prompt_tokens = len(prompt)  # kept if the request fails: the access log says how big it was
             ask = scheduling() if scheduling is not None else SchedulingAsk()
             tenant = resolve_tenant(caller, ask.tenant, self.keys_required)
-            flow.scheduling = RequestScheduling(ask, tenant, self.tenant_weights.get(tenant, 1.0), arrival,
-                                                deadline_why)
+            entry = self.tenants.get(tenant, Tenant())
+            ask = grant_priority(ask, entry, self.config.scheduling_policy, self.keys_required)
+            flow.scheduling = RequestScheduling(ask, tenant, entry.weight, arrival, deadline_why)
             _trace_request(operation, sampling, self.config.model_name, rid)
             self._check_queued_tokens(caller, len(prompt))  # before the rate limit charges: a refusal costs nothing
             self._charge(caller, len(prompt) + sampling.max_tokens)

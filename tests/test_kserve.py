@@ -29,7 +29,7 @@ GREEDY = {"max_tokens": 12, "temperature": 0, "ignore_eos": True}
 @pytest.fixture(scope="module")
 def cluster(tiny_model_dir, tmp_path_factory):
     c = start_cluster(str(tiny_model_dir), "tiny", ServeConfig(log_dir=str(tmp_path_factory.mktemp("logs"))),
-                      worker_args=WORKER_ARGS)
+                      worker_args=WORKER_ARGS, coordinator_args=["--scheduling-policy", "priority"])
     yield c
     c.stop()
 

@@ -18,7 +18,8 @@ from coordinator.membership import Cluster
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.router import Router, WorkerHandle
 from coordinator.scheduling import (MAX_TENANT_CHARS, RequestScheduling, SchedulingAsk, check_first_token_deadline,
-                                    first_token_due, hints, read_tenant_weights, resolve_tenant, without_deadline)
+                                    first_token_due, grant_priority, hints, read_tenants, resolve_tenant,
+                                    without_deadline, Tenant)
 from coordinator.server import CAPACITY_RETRY_S, GenerationServicer
 from engine.errors import EngineError, ErrorKind
 from pdserve.client import build_request
@@ -125,18 +126,42 @@ def test_the_sdk_sends_the_scheduling_fields():
 
 def test_tenant_weights_file(tmp_path):
     path = tmp_path / "weights"
-    path.write_text("# tenant weight\nalice 2\n\nkey:ab12cd34   0.5  # a key's id\npeer:10.0.0.9 3\n")
-    assert read_tenant_weights(str(path)) == {"alice": 2.0, "key:ab12cd34": 0.5, "peer:10.0.0.9": 3.0}
-    assert read_tenant_weights(None) == {}
-    for text, needle in (("alice\n", "line 1: expected 'NAME WEIGHT'"), ("a 1\nb 0\n", "line 2: weight must be"),
+    path.write_text("# tenant weight [floor]\nalice 2\n\nkey:ab12cd34   0.5 -10  # a key's id\npeer:10.0.0.9 3 +2\n")
+    assert read_tenants(str(path)) == {"alice": Tenant(2.0), "key:ab12cd34": Tenant(0.5, -10),
+                                       "peer:10.0.0.9": Tenant(3.0, 2)}
+    assert read_tenants(None) == {}
+    for text, needle in (("alice\n", "line 1: expected 'NAME WEIGHT"), ("a 1\nb 0\n", "line 2: weight must be"),
                          ("a nan\n", "must be a number in"), ("a 1e-9\n", "must be a number in"),
-                         ("a 1\na 2\n", "listed twice"),
-                         ("a b c\n", "expected")):
+                         ("a 1\na 2\n", "listed twice"), ("a b c\n", "weight must be a number in .* got b"),
+                         ("a 1 -1.5\n", "priority floor must be an integer"),
+                         ("a 1 3000000000\n", "priority floor must be an integer in"), ("a 1 2 3\n", "expected")):
         path.write_text(text)
         with pytest.raises(CommandError, match=needle):
-            read_tenant_weights(str(path))
+            read_tenants(str(path))
     with pytest.raises(CommandError, match="--tenant-weights"):
-        read_tenant_weights(str(tmp_path / "missing"))
+        read_tenants(str(tmp_path / "missing"))
+
+
+@pytest.mark.parametrize("policy, keys_required, entry, asked, granted", [
+    ("fcfs", False, Tenant(), 0, 0),
+    ("fcfs", True, Tenant(1.0, -100), 0, 0),
+    ("priority", False, Tenant(), -2**31, -2**31),  # an open port trusts its callers
+    ("priority", False, Tenant(1.0, -3), -5, -3),  # a floor still bounds a named tenant
+    ("priority", True, Tenant(), -2**31, 0),  # a key without a grant cannot run ahead of the default
+    ("priority", True, Tenant(), 7, 7),  # asking to run later is always allowed
+    ("priority", True, Tenant(1.0, -10), -5, -5),
+    ("priority", True, Tenant(1.0, -10), -50, -10),
+    ("priority", True, Tenant(1.0, 4), 0, 4),  # a floor above 0 demotes the tenant's every request
+])
+def test_priority_is_granted_by_the_operator(policy, keys_required, entry, asked, granted):
+    ask = SchedulingAsk(priority=asked, tenant="t", ttft_slo_ms=5)
+    assert grant_priority(ask, entry, policy, keys_required) == SchedulingAsk(granted, "t", 5)
+
+
+def test_a_priority_under_fcfs_is_refused_naming_the_flag():
+    with pytest.raises(RequestError) as e:
+        grant_priority(SchedulingAsk(priority=-1), Tenant(), "fcfs", keys_required=False)
+    assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and "--scheduling-policy priority" in e.value.message
 
 
 def test_hints_carry_what_is_left_of_the_ttft_objective():
@@ -306,11 +331,11 @@ class Script:
         yield flows.WorkerFinish(generate_pb2.FINISH_REASON_LENGTH, None)
 
 
-def servicer(keys_required=False, tenant_weights=None, **config) -> GenerationServicer:
+def servicer(keys_required=False, tenants=None, **config) -> GenerationServicer:
     s = GenerationServicer(CoordinatorConfig(model_dir="m", model_name="n", colocated=True, **config),
                            Cluster(router=None, colocated=True), tokenizer=FakeTokenizer(),
                            metrics=CoordinatorMetrics(CollectorRegistry(), "n"), keys_required=keys_required,
-                           tenant_weights=tenant_weights)
+                           tenants=tenants)
     s.lost = []
     s.on_worker_lost = lambda address, why: s.lost.append(address)
     return s
@@ -428,25 +453,37 @@ def test_in_flight_per_caller_limit_carries_a_retry_hint():
     asyncio.run(main())
 
 
-@pytest.mark.parametrize("keys_required, metadata, field, tenant", [
-    (False, (), "", CALLER),
-    (False, (), "alice", "alice"),
-    (True, (("authorization", "Bearer sk-1"),), "alice", "key:" + key_id("sk-1")),  # the key decides
+@pytest.mark.parametrize("keys_required, metadata, field, tenant, granted", [
+    (False, (), "", CALLER, -7),
+    (False, (), "alice", "alice", -7),
+    (True, (("authorization", "Bearer sk-1"),), "alice", "key:" + key_id("sk-1"), -7),  # the key decides
+    (True, (("authorization", "Bearer sk-2"),), "", "key:" + key_id("sk-2"), 0),  # no grant: cannot overtake
 ])
-def test_the_request_path_resolves_tenant_weight_and_priority(keys_required, metadata, field, tenant):
+def test_the_request_path_resolves_tenant_weight_and_priority(keys_required, metadata, field, tenant, granted):
     async def main():
-        weights = {"alice": 3.0, "key:" + key_id("sk-1"): 0.5}
-        s = servicer(keys_required=keys_required, tenant_weights=weights)
+        tenants = {"alice": Tenant(3.0), "key:" + key_id("sk-1"): Tenant(0.5, -20)}
+        s = servicer(keys_required=keys_required, tenants=tenants, scheduling_policy="priority")
         s._attempt = script = Script()
         script.first.set(), script.finish.set()
         await serve(s, "r", 3, FakeContext(metadata=metadata), SchedulingAsk(priority=-7, tenant=field,
                                                                             ttft_slo_ms=60_000))
         sched: RequestScheduling = script.attempts[0].scheduling
-        assert sched.tenant == tenant and sched.weight == weights.get(tenant, 1.0)
+        assert sched.tenant == tenant and sched.weight == tenants.get(tenant, Tenant()).weight
         msg = sched.hints(first_token_sent=False)
-        assert msg.priority == -7 and msg.tenant == tenant and 0 < msg.ttft_deadline_ms <= 60_000
+        assert msg.priority == granted and msg.tenant == tenant and 0 < msg.ttft_deadline_ms <= 60_000
         # Per-caller limits and id scoping still use the caller, not the tenant field.
-        assert script.attempts[0].caller == ("key:" + key_id("sk-1") if keys_required else CALLER)
+        assert script.attempts[0].caller == (tenant if keys_required else CALLER)
+    asyncio.run(main())
+
+
+def test_a_priority_through_a_fcfs_door_is_refused_before_any_worker_is_called():
+    async def main():
+        s = servicer()  # the default policy, fcfs
+        s._attempt = script = Script()
+        with pytest.raises(Aborted) as e:
+            await serve(s, "r", 3, FakeContext(), SchedulingAsk(priority=-1))
+        assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and "--scheduling-policy" in e.value.details
+        assert not script.attempts
     asyncio.run(main())
 
 

@@ -435,6 +435,7 @@ def test_deadlines_priorities_and_tenants_pass_through_and_refuse_early(workers,
     weights = tmp_path / "weights"
     weights.write_text("# tenant weight\ninteractive 2\nbatch 0.5\n")
     address = coordinator(workers, tiny_model_dir, "scheduling-coordinator", "--tenant-weights", str(weights),
+                          "--scheduling-policy", "priority",
                           "--max-queued-tokens-per-caller", "64")
     with Client(address) as c:
         for priority, tenant in ((-5, "interactive"), (3, "batch"), (0, "")):
