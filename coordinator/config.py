@@ -18,9 +18,9 @@ class CoordinatorConfig:
         prefill / decode: worker addresses; colocated mode uses `decode` only. Each is "host:port" (a DNS name is
             re-resolved and stands for every address it resolves to) or "@FILE" (host:port lines, re-read).
         colocated: route each request to one worker that runs both phases.
-        max_in_flight: requests admitted at once; more get RESOURCE_EXHAUSTED.
-        max_in_flight_per_caller: the most one caller (API key, else peer address) may have in flight, so one
-            client cannot take every batch slot; 0 = no per-caller limit. Past it: RESOURCE_EXHAUSTED with a
+        max_in_flight: sequences admitted at once (a request of n samples counts n); more get RESOURCE_EXHAUSTED.
+        max_in_flight_per_caller: the most sequences one caller (API key, else peer address) may have in flight, so
+            one client cannot take every batch slot; 0 = no per-caller limit. Past it: RESOURCE_EXHAUSTED with a
             retry hint.
         max_queued_tokens_per_caller: the most prompt tokens one caller may have in requests still waiting for
             their first token; past it RESOURCE_EXHAUSTED with a retry hint (a prompt longer than the limit on its
@@ -51,7 +51,7 @@ class CoordinatorConfig:
             with RESOURCE_EXHAUSTED before parsing it); 0 = sized from the context window
             (`validation.request_bytes_limit`).
         rate_limit_requests_per_s / rate_limit_tokens_per_s: per API key (or per peer without keys), requests and
-            tokens (prompt + max_tokens, charged at admission) per second; 0 = unlimited. Bursts of
+            tokens (prompt + n x max_tokens, charged at admission) per second; 0 = unlimited. Bursts of
             rate_limit_burst_s seconds' worth are allowed.
     """
 
@@ -64,9 +64,10 @@ class CoordinatorConfig:
         "help": "decode (or colocated) workers: host:port or @FILE, as --prefill"})
     colocated: bool = field(default=False, metadata={"help": "one worker runs both phases (the baseline)"})
     max_in_flight: int = field(default=256, metadata={
-        "min": 1, "help": "requests admitted at once (more: RESOURCE_EXHAUSTED)"})
+        "min": 1, "help": "sequences admitted at once, a request of n samples counting n (more: RESOURCE_EXHAUSTED)"})
     max_in_flight_per_caller: int = field(default=0, metadata={"min": 0,
-        "help": "requests one caller (API key, else peer) may have in flight; 0 = no per-caller limit"})
+        "help": "sequences one caller (API key, else peer) may have in flight, n samples counting n; 0 = no "
+                "per-caller limit"})
     max_queued_tokens_per_caller: int = field(default=0, metadata={"min": 0,
         "help": "prompt tokens one caller (API key, else peer) may have in requests not yet at their first token; "
                 "0 = no limit"})
@@ -105,5 +106,5 @@ class CoordinatorConfig:
         "help": "largest request message on the public port, bytes (0 = sized from the model's context window)"})
     rate_limit_requests_per_s: float = field(default=0.0, metadata={"min": 0, "help": "per key; 0 = unlimited"})
     rate_limit_tokens_per_s: float = field(default=0.0, metadata={"min": 0,
-        "help": "per key, prompt + max_tokens charged at admission; 0 = unlimited"})
+        "help": "per key, prompt + n x max_tokens charged at admission; 0 = unlimited"})
     rate_limit_burst_s: float = field(default=1.0, metadata={"gt": 0, "help": "bursts of this many seconds' worth"})

@@ -75,6 +75,7 @@ class Flow:
     # Prompt tokens waiting for their first token (the caller's queued-token limit counts them); 0 once it came.
     # Kept on the flow, so a request that ends in any way stops counting when it leaves the cluster's flows.
     queued_tokens: int = 0
+    samples: int = 1  # sampling.n once known: the batch slots it takes (--max-in-flight counts slots)
     scheduling: RequestScheduling | None = None  # tenant, weight, priority, TTFT objective; None = defaults
     record: RequestRecord = field(init=False)
 

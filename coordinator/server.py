@@ -119,8 +119,11 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             ask = grant_priority(ask, entry, self.config.scheduling_policy, self.keys_required)
             flow.scheduling = RequestScheduling(ask, tenant, entry.weight, arrival, deadline_why)
             _trace_request(operation, sampling, self.config.model_name, rid)
+            samples = sampling.n or 1
+            self._take_slots(flow, samples)
             self._check_queued_tokens(caller, len(prompt))  # before the rate limit charges: a refusal costs nothing
-            self._charge(caller, len(prompt) + sampling.max_tokens)
+            # n samples share one prefill (they fork from it) and each may decode max_tokens
+            self._charge(caller, len(prompt) + samples * sampling.max_tokens)
             # No await since the check: concurrent requests of the caller see each other's tokens.
             flow.queued_tokens = len(prompt)
             async for msg in self._stream(flow, prompt, sampling, arrival_wall, t0):
@@ -187,9 +190,9 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         wait = self.limiter.admit(caller, "tokens", num_tokens)
         if wait == float("inf"):  # retrying cannot help: the request itself is too big for the limit
             raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,
-                               f"prompt + max_tokens = {num_tokens} tokens exceeds this key's token burst "
+                               f"prompt + n x max_tokens = {num_tokens} tokens exceeds this key's token burst "
                                f"({self.config.rate_limit_tokens_per_s:g}/s for {self.config.rate_limit_burst_s:g} s);"
-                               " lower max_tokens")
+                               " lower max_tokens or n")
         if wait:
             raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                f"token rate limit reached ({self.config.rate_limit_tokens_per_s:g} tokens/s); "
@@ -208,15 +211,47 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                           "text")
         if flows.scoped_id(caller, rid) in self.cluster.flows:
             raise RequestError(grpc.StatusCode.ALREADY_EXISTS, f"request_id {rid!r} is already in flight")
-        if len(self.cluster.flows) >= self.config.max_in_flight:
+        self._check_slots(caller, 1)
+
+    def _slots(self, caller: str | None = None) -> int:
+        """Sequences in flight (a request of n samples counts n), of every caller or of `caller`."""
+        return sum(f.samples for f in self.cluster.flows.values() if caller is None or f.caller == caller)
+
+    def _check_slots(self, caller: str, wanted: int) -> None:
+        """Raises RequestError RESOURCE_EXHAUSTED (with a retry hint) unless `wanted` more sequences fit under
+        --max-in-flight and --max-in-flight-per-caller."""
+        if self._slots() + wanted > self.config.max_in_flight:
             raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                               f"server at capacity ({self.config.max_in_flight} requests in flight); retry later",
-                               retry_after_s=CAPACITY_RETRY_S)
+                               f"server at capacity ({self.config.max_in_flight} sequences in flight, a request of n "
+                               "samples counting n); retry later", retry_after_s=CAPACITY_RETRY_S)
         per_caller = self.config.max_in_flight_per_caller
-        if per_caller and sum(f.caller == caller for f in self.cluster.flows.values()) >= per_caller:
+        if per_caller and self._slots(caller) + wanted > per_caller:
             raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                               f"this caller has {per_caller} requests in flight, the most one caller may; "
-                               "retry when one finishes", retry_after_s=CAPACITY_RETRY_S)
+                               f"this caller has {self._slots(caller)} sequences in flight and asks for {wanted} "
+                               f"more; one caller may have {per_caller} (a request of n samples counts n); retry "
+                               "when one finishes", retry_after_s=CAPACITY_RETRY_S)
+
+    def _take_slots(self, flow: flows.Flow, n: int) -> None:
+        """The request turned out to have n samples: it takes n slots instead of the 1 `_admit` checked.
+
+        Raises:
+            RequestError: INVALID_ARGUMENT when n alone exceeds a limit (retrying cannot help), else as
+                `_check_slots`.
+        """
+        if n <= flow.samples:
+            return
+        for limit, flag in ((self.config.max_in_flight, "--max-in-flight"),
+                            (self.config.max_in_flight_per_caller, "--max-in-flight-per-caller")):
+            if limit and n > limit:
+                raise invalid(f"sampling.n = {n} needs {n} sequences, more than this server admits at once ({flag} "
+                              f"{limit}); lower n")
+        flow.samples = 0  # checked as a newcomer of n (no await until it holds them)
+        try:
+            self._check_slots(flow.caller, n)
+        except RequestError:
+            flow.samples = 1  # refused: it holds its one slot until the abort is sent
+            raise
+        flow.samples = n
 
     def queued_tokens(self, caller: str) -> int:
         """Prompt tokens of `caller`'s requests in flight that have not had their first token yet. Summed over the

@@ -341,12 +341,12 @@ def servicer(keys_required=False, tenants=None, **config) -> GenerationServicer:
     return s
 
 
-def serve(s: GenerationServicer, rid: str, num_tokens: int, context=None, ask=None):
+def serve(s: GenerationServicer, rid: str, num_tokens: int, context=None, ask=None, n=1, max_tokens=4):
     """One request through `GenerationServicer.serve`; returns the messages sent."""
     sent = []
 
     async def prepare():
-        return list(range(num_tokens)), generate_pb2.SamplingParams(max_tokens=4)
+        return list(range(num_tokens)), generate_pb2.SamplingParams(max_tokens=max_tokens, n=n)
 
     async def send(msg):
         sent.append(msg)
@@ -446,10 +446,47 @@ def test_in_flight_per_caller_limit_carries_a_retry_hint():
         await script.started.wait()
         with pytest.raises(Aborted) as e:
             await serve(s, "b", 3)
-        assert e.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "requests in flight" in e.value.details
+        assert e.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "sequences in flight" in e.value.details
         assert retry_delay_s(e.value.trailing) == CAPACITY_RETRY_S
         script.first.set(), script.finish.set()
         await task
+    asyncio.run(main())
+
+
+def test_a_request_of_n_samples_takes_n_slots():
+    async def main():
+        s = servicer(max_in_flight=6, max_in_flight_per_caller=4)
+        s._attempt = script = Script()
+        task = asyncio.create_task(serve(s, "a", 3, n=3))
+        await script.started.wait()
+        with pytest.raises(Aborted) as e:  # 3 + 2 > 4 for this caller
+            await serve(s, "b", 3, n=2)
+        assert e.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "3 sequences in flight" in e.value.details
+        assert retry_delay_s(e.value.trailing) == CAPACITY_RETRY_S
+        with pytest.raises(Aborted) as e:  # more than one caller may ever have: retrying cannot help
+            await serve(s, "c", 3, n=5)
+        assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and "--max-in-flight-per-caller 4" in e.value.details
+        assert sum(f.samples for f in s.cluster.flows.values()) == 3  # the refusals hold nothing
+        other = asyncio.create_task(serve(s, "d", 3, FakeContext(peer="ipv4:10.0.0.2:5"), n=3))
+        await asyncio.sleep(0)
+        with pytest.raises(Aborted) as e:  # 3 + 3 of the server's 6
+            await serve(s, "e", 3, FakeContext(peer="ipv4:10.0.0.3:5"))
+        assert e.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "server at capacity" in e.value.details
+        task.cancel(), other.cancel()  # the scripted worker streams one sample only: the client goes instead
+        await asyncio.gather(task, other, return_exceptions=True)
+        assert not s.cluster.flows
+    asyncio.run(main())
+
+
+def test_the_token_rate_limit_charges_every_sample():
+    async def main():
+        s = servicer(rate_limit_tokens_per_s=100.0, rate_limit_burst_s=1.0)
+        s._attempt = script = Script()
+        script.first.set(), script.finish.set()
+        with pytest.raises(Aborted) as e:  # 3 + 2 x 60 = 123 > a burst of 100
+            await serve(s, "a", 3, n=2, max_tokens=60)
+        assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and "123 tokens" in e.value.details
+        await serve(s, "b", 3, n=1, max_tokens=60)  # 63 fits
     asyncio.run(main())
 
 

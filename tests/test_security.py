@@ -367,7 +367,7 @@ def test_one_caller_cannot_take_every_slot(workers, tiny_model_dir):
         with pytest.raises(grpc.RpcError) as e:
             c.complete([5, 6, 7], GREEDY)
         stream.close()
-    assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "requests in flight" in e.value.details()
+    assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "sequences in flight" in e.value.details()
 
 
 def test_without_api_keys_a_presented_key_does_not_make_a_new_caller(workers, tiny_model_dir):
@@ -380,7 +380,7 @@ def test_without_api_keys_a_presented_key_does_not_make_a_new_caller(workers, ti
         with pytest.raises(grpc.RpcError) as e:
             second.complete([5, 6, 7], GREEDY)
         stream.close()
-    assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "requests in flight" in e.value.details()
+    assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "sequences in flight" in e.value.details()
 
 
 def test_request_ids_belong_to_their_caller(workers, tiny_model_dir, pki):
