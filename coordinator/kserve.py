@@ -70,6 +70,7 @@ from coordinator.validation import (MAX_STRUCTURED_CHARS, check_prompt, check_te
                                     resolve_sampling, shorten)
 from pdserve.v1 import generate_pb2
 from server_common.errors import CommandError
+from server_common.grpc_server import unimplemented_quietly
 
 log = logging.getLogger(__name__)
 
@@ -301,6 +302,7 @@ class _Failed(Exception):
         self.code, self.message = code, message
 
 
+@unimplemented_quietly("pdserve's coordinator")
 class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
     """`inference.GRPCInferenceService` over the coordinator's request path (see the module docstring). RPCs not
     defined here (statistics, model load/unload, shared memory, trace and log settings) answer UNIMPLEMENTED.

@@ -35,6 +35,7 @@ from coordinator.errors import RequestError, invalid
 from coordinator.server import GenerationServicer
 from coordinator.validation import check_prompt, check_prompt_length, check_text_length, resolve_sampling
 from pdserve.v1 import generate_pb2
+from server_common.grpc_server import unimplemented_quietly
 
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["VllmEngine"].full_name  # "vllm.grpc.engine.VllmEngine"
@@ -154,9 +155,10 @@ class _Reply:
         return pb.GenerateResponse(complete=done)
 
 
+@unimplemented_quietly("pdserve's coordinator")
 class VllmEngineServicer(pb_grpc.VllmEngineServicer):
     """`vllm.grpc.engine.VllmEngine` over the coordinator's request path (see the module docstring). RPCs not
-    defined here (Embed, FlushCache, profiling, SubscribeKvEvents) answer UNIMPLEMENTED.
+    defined here (Embed, FlushCache, profiling, SubscribeKvEvents) answer UNIMPLEMENTED quietly (`unimplemented_quietly`).
 
     Args:
         generation: the public Generation servicer, whose request path and tokenizer this door shares.

@@ -202,3 +202,24 @@ def write_ready_file(path: str | None, address: str, **extra) -> None:
     tmp = Path(path).with_suffix(".tmp")
     tmp.write_text(json.dumps({"address": address, "pid": os.getpid(), **extra}))
     tmp.rename(path)
+
+
+def unimplemented_quietly(what: str) -> Callable[[type], type]:
+    """Class decorator for a servicer: every RPC of its generated base class that it does not define answers
+    UNIMPLEMENTED with "<Rpc> is not served by <what>", and nothing is logged. The generated defaults raise
+    NotImplementedError, which grpc.aio logs as an ERROR with a traceback on every call (smg, for one, calls
+    vLLM's SubscribeKvEvents as soon as it connects).
+    """
+    def decorate(cls: type) -> type:
+        base = cls.__mro__[1]
+        for name, default in vars(base).items():
+            if name.startswith("_") or not callable(default) or name in vars(cls):
+                continue
+
+            async def unimplemented(self, request, context: grpc.aio.ServicerContext, name=name) -> None:
+                await context.abort(grpc.StatusCode.UNIMPLEMENTED, f"{name} is not served by {what}")
+            unimplemented.__name__ = unimplemented.__qualname__ = name
+            unimplemented.__doc__ = f"UNIMPLEMENTED: {what} does not serve {name}."
+            setattr(cls, name, unimplemented)
+        return cls
+    return decorate

@@ -187,6 +187,12 @@ def test_info_health_loads_and_tokenizer(cluster, engine, tiny_model_dir):
     with pytest.raises(grpc.RpcError) as e:
         engine.Embed(pb.EmbedRequest(request_id="e"), timeout=30)
     assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    # smg subscribes to KV events as it connects: a quiet UNIMPLEMENTED, no ERROR with a traceback in our log
+    with pytest.raises(grpc.RpcError) as e:
+        list(engine.SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest(), timeout=30))
+    assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED and "SubscribeKvEvents is not served" in e.value.details()
+    log = Path(cluster.log_files["coordinator"]).read_text()
+    assert "NotImplementedError" not in log and "Traceback" not in log
 
 
 def test_standard_health_and_reflection_know_the_service(cluster):
