@@ -158,7 +158,8 @@ class _Reply:
 @unimplemented_quietly("pdserve's coordinator")
 class VllmEngineServicer(pb_grpc.VllmEngineServicer):
     """`vllm.grpc.engine.VllmEngine` over the coordinator's request path (see the module docstring). RPCs not
-    defined here (Embed, FlushCache, profiling, SubscribeKvEvents) answer UNIMPLEMENTED quietly (`unimplemented_quietly`).
+    defined here (Embed, FlushCache, profiling, SubscribeKvEvents) answer UNIMPLEMENTED quietly
+    (`unimplemented_quietly`).
 
     Args:
         generation: the public Generation servicer, whose request path and tokenizer this door shares.
