@@ -160,6 +160,27 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--demo-max-tokens", type=int, default=64)
 
 
+def _preflight(worker, coordinator) -> None:
+    """What would stop the cluster, found before any process is spawned (a worker takes up to a minute to load its
+    weights, and each would report the same problem): the coordinator's port, and the model's config.json against
+    the engine's checks (architecture, RoPE type, KV budget, tensor parallelism) as every worker will run them.
+
+    Raises:
+        CommandError: naming the problem.
+    """
+    from engine.builder import resolve_configs
+    from server_common.errors import CommandError
+    from server_common.grpc_server import bind_problem
+
+    server = coordinator.server
+    if server.port and (problem := bind_problem(server.host, server.port)):
+        raise CommandError(problem)
+    try:
+        resolve_configs(worker.engine)
+    except (ValueError, OSError) as e:
+        raise CommandError(f"{worker.engine.model_dir}: {e}") from None
+
+
 def _run_serve(args: argparse.Namespace) -> None:
     from cli.launcher import ServeConfig, start_cluster
     from coordinator.config import CoordinatorConfig
@@ -179,6 +200,7 @@ def _run_serve(args: argparse.Namespace) -> None:
     worker = dataclass_from_args(WorkerConfig, args, role="decode", model_dir=model_dir, port=0)
     coordinator = dataclass_from_args(CoordinatorConfig, args, model_dir=model_dir, model_name=name,
                                       colocated=topology.colocated)
+    _preflight(worker, coordinator)
     logs = ["--log-level", args.log_level, "--log-format", args.log_format]
     print(f"starting pdserve ({topology.name}: {topology.why}) with {name} ...", flush=True)
     signal.signal(signal.SIGTERM, _raise_interrupt)  # SIGTERM stops the cluster like Ctrl-C, never orphans it

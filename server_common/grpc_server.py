@@ -178,9 +178,9 @@ async def start_grpc_server(args: ServerArgs, add_servicers: Callable[[grpc.aio.
     return running
 
 
-def _bind_failure(host: str, port: int) -> str:
-    """Why host:port could not be bound, as an operator reads it (probed with a plain socket: grpcio's exception
-    does not carry the errno)."""
+def bind_problem(host: str, port: int) -> str | None:
+    """Why host:port cannot be bound now, as an operator reads it, or None when it can (probed with a plain socket,
+    closed at once: a launcher checks before it spawns anything, and grpcio's exception carries no errno)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     probe = socket.socket(family, socket.SOCK_STREAM)
     try:
@@ -191,7 +191,13 @@ def _bind_failure(host: str, port: int) -> str:
         return f"cannot bind {host}:{port}: {e.strerror}"
     finally:
         probe.close()
-    return f"cannot bind {host}:{port} (grpc refused the address; run with GRPC_VERBOSITY=debug for its reason)"
+    return None
+
+
+def _bind_failure(host: str, port: int) -> str:
+    """Why grpc could not bind host:port (`bind_problem`, else a pointer to grpc's own reason)."""
+    return bind_problem(host, port) or (f"cannot bind {host}:{port} (grpc refused the address; run with "
+                                        "GRPC_VERBOSITY=debug for its reason)")
 
 
 def write_ready_file(path: str | None, address: str, **extra) -> None:

@@ -295,3 +295,37 @@ def test_log_level_defaults_to_info_and_says_so(command):
     assert parser.parse_args(["p"] if command == "generate" else []).log_level == "INFO"
     assert "(default: INFO)" in " ".join(parser.format_help().split())
     assert parser.parse_args((["p"] if command == "generate" else []) + ["--log-level", "debug"]).log_level == "DEBUG"
+
+
+def test_serve_checks_its_port_and_the_model_before_it_spawns_anything(tmp_path, tiny_model_dir):
+    """A busy port and an unsupported architecture or RoPE type were reported only after every worker had loaded
+    (47-77 s), once per worker. Now `serve` says so in one line before it starts anything."""
+    import json
+    import shutil
+    import socket
+    import subprocess
+    import sys
+
+    def serve(*argv):
+        return subprocess.run([sys.executable, "-m", "cli.main", "serve", "--kv-tokens", "256", "--threads", "1",
+                               *argv], capture_output=True, text=True, timeout=120)
+
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen(1)
+        port = holder.getsockname()[1]
+        busy = serve("--model", str(tiny_model_dir), "--port", str(port))
+    assert busy.returncode == 1 and "Traceback" not in busy.stderr
+    assert f"pdserve serve: port {port} is in use" in busy.stderr and "starting pdserve" not in busy.stdout
+
+    for field, value, needle in (("model_type", "gpt2", "unsupported model_type 'gpt2'"),
+                                 ("rope_scaling", {"rope_type": "yarn", "factor": 4.0}, "rope_type 'yarn'")):
+        model = tmp_path / field
+        shutil.copytree(tiny_model_dir, model)
+        config = json.loads((model / "config.json").read_text())
+        config[field] = value
+        (model / "config.json").write_text(json.dumps(config))
+        bad = serve("--model", str(model), "--port", "0")
+        assert bad.returncode == 1 and "Traceback" not in bad.stderr, bad.stderr
+        assert needle in bad.stderr and len(bad.stderr.strip().splitlines()) == 1, bad.stderr
+        assert "starting pdserve" not in bad.stdout
