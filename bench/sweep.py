@@ -30,15 +30,30 @@ from hostinfo import commit, machine  # noqa: E402
 from report import markdown, plot  # noqa: E402
 import systems  # noqa: E402
 
-ALL_SYSTEMS = ("pdserve-disagg", "pdserve-colocated", "naive", "llamacpp", "vllm", "vllm-all-cores",
-               "vllm-all-cores-bf16", "pdserve-disagg-observed")
-DEFAULT_SYSTEMS = ("pdserve-disagg", "pdserve-colocated", "naive", "llamacpp", "vllm", "vllm-all-cores")
+LLAMACPP_SYSTEMS = {"llamacpp": "q4_1", "llamacpp-q8_0": "q8_0", "llamacpp-bf16": "bf16", "llamacpp-f32": "f32"}
+ALL_SYSTEMS = ("pdserve-disagg", "pdserve-colocated", "naive", *LLAMACPP_SYSTEMS, "vllm", "vllm-all-cores",
+               "vllm-bf16", "vllm-all-cores-bf16", "pdserve-disagg-observed")
+
+
+def default_systems() -> tuple[str, ...]:
+    """pdserve both ways, the naive baseline, and each peer in its best dense precision on this CPU: bf16 where
+    the CPU has native bf16 arithmetic (AVX512-BF16 or AMX: what pdserve's `--dtype auto` picks too), else fp32
+    (a peer's bf16 is emulated there, slower than its fp32)."""
+    from engine.hardware import resolve_dtype
+
+    bf16 = resolve_dtype("auto", "cpu") == "bfloat16"
+    peers = ("llamacpp-bf16", "vllm-bf16", "vllm-all-cores-bf16") if bf16 else ("llamacpp-f32", "vllm",
+                                                                                "vllm-all-cores")
+    return ("pdserve-disagg", "pdserve-colocated", "naive", *peers)
+
+
 WORKLOADS = ("docs", "seed")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS), help=f"comma list from {ALL_SYSTEMS}")
+    p.add_argument("--systems", default=None, help=f"comma list from {ALL_SYSTEMS} (default: `default_systems`, "
+                                                   "pdserve and each peer in this CPU's best dense precision)")
     p.add_argument("--peer", action="append", default=[], help="name=http://host:port[,model] (repeat)")
     p.add_argument("--variant", action="append", default=[],
                    help="NAME=disagg|colocated[xN]:WORKER_ARGS[|COORDINATOR_ARGS], a further pdserve system with "
@@ -66,6 +81,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="output 32 tokens, max(concurrency, 16) requests per level, 180 s per level at most")
     p.add_argument("--out-dir", default=None, help="default bench/results/<UTC timestamp>")
     args = p.parse_args(argv)
+    if args.systems is None:
+        args.systems = ",".join(default_systems())
     if args.output_len is None:
         args.output_len = 75 if args.workload == "seed" else 64
     if args.quick:
@@ -151,8 +168,10 @@ def main(argv=None) -> int:
             "pdserve-disagg-observed", model_dir, False, args.threads, str(log_dir), args.worker_args.split(),
             observed=True),
         "naive": lambda: systems.start_naive(model_dir, args.threads, str(log_dir)),
-        "llamacpp": lambda: _start_llamacpp(args, tokenizer, levels, log_dir),
+        **{name: (lambda name=name, kind=kind: _start_llamacpp(args, tokenizer, levels, log_dir, name, kind))
+           for name, kind in LLAMACPP_SYSTEMS.items()},
         "vllm": lambda: _start_vllm(args, model_dir, levels, log_dir, all_cores=False),
+        "vllm-bf16": lambda: _start_vllm(args, model_dir, levels, log_dir, all_cores=False, dtype="bfloat16"),
         "vllm-all-cores": lambda: _start_vllm(args, model_dir, levels, log_dir, all_cores=True),
         "vllm-all-cores-bf16": lambda: _start_vllm(args, model_dir, levels, log_dir, all_cores=True,
                                                    dtype="bfloat16"),
@@ -209,7 +228,8 @@ DENSE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}  # bytes per weight of
 
 def weight_format(name: str, worker_args: list[str], pdserve: bool) -> str | None:
     """How a system stores its matmul weights: a dense dtype (`DENSE_BYTES`), "int8" / "int4" (pdserve's
-    --quantization), "gguf" (llama.cpp, the packaged file's own types), or None where the harness does not know (a
+    --quantization), "gguf:<type>" (llama.cpp's quantized files, `systems.GGUF_TYPES`; its f32 / bf16 files are
+    dense), or None where the harness does not know (a
     --peer). pdserve (`pdserve`: a built-in pdserve system or a --variant, whatever its name): its --dtype, auto
     resolved for this CPU, unless quantized; the naive server fp32; vLLM its --dtype (float32, or bfloat16 for the
     -bf16 system)."""
@@ -225,8 +245,9 @@ def weight_format(name: str, worker_args: list[str], pdserve: bool) -> str | Non
             elif arg == "--quantization":
                 quantization = worker_args[i + 1]
         return resolve_dtype(dtype, "cpu") if quantization == "none" else quantization
-    if name == "llamacpp":
-        return "gguf"
+    if name in LLAMACPP_SYSTEMS:
+        kind = LLAMACPP_SYSTEMS[name]
+        return {"f32": "float32", "bf16": "bfloat16"}.get(kind, f"gguf:{kind}")
     if name == "naive":
         return "float32"
     if name.startswith("vllm"):
@@ -246,8 +267,9 @@ def weight_bytes_per_token(fmt: str | None, shapes: list[tuple[int, int]]) -> fl
     is left out. None where the format is unknown.
 
     Dense: 4 or 2 bytes a weight; int8 one byte plus a 2-byte scale per output channel; int4 half a byte plus a
-    2-byte scale and zero per group of 32 (`engine.quantization`); gguf: the packaged file's 2-D tensors at their
-    stored sizes, the token embedding counted as the tied LM head (this GGUF: Q4_1 layers, a Q8_0 head)."""
+    2-byte scale and zero per group of 32 (`engine.quantization`); gguf:<type>: that file's 2-D tensors at their
+    stored sizes, the token embedding counted as the tied LM head (the packaged Q4_1 file: Q4_1 layers, a Q8_0
+    head)."""
     params = sum(k * n for k, n in shapes)
     if fmt in DENSE_BYTES:
         return params * DENSE_BYTES[fmt]
@@ -255,19 +277,17 @@ def weight_bytes_per_token(fmt: str | None, shapes: list[tuple[int, int]]) -> fl
         return params + 2 * sum(n for _, n in shapes)
     if fmt == "int4":
         return params * (0.5 + 4 / 32)
-    if fmt == "gguf":
-        return _gguf_matmul_bytes()
+    if fmt is not None and fmt.startswith("gguf:"):
+        return _gguf_matmul_bytes(fmt.partition(":")[2])
     return None
 
 
-def _gguf_matmul_bytes() -> float:
-    """Bytes of the packaged GGUF's 2-D tensors (llama.cpp's matmul weights), without the token embedding when the
-    file has a separate output head (then the embedding is only looked up)."""
+def _gguf_matmul_bytes(kind: str) -> float:
+    """Bytes of a GGUF's 2-D tensors (llama.cpp's matmul weights; `systems.find_gguf(kind)`), without the token
+    embedding when the file has a separate output head (then the embedding is only looked up)."""
     import gguf
 
-    from cli.models import default_model_path
-
-    tensors = [t for t in gguf.GGUFReader(str(default_model_path())).tensors if len(t.shape) == 2]
+    tensors = [t for t in gguf.GGUFReader(str(systems.find_gguf(kind))).tensors if len(t.shape) == 2]
     has_head = any(t.name == "output.weight" for t in tensors)
     return float(sum(int(t.n_bytes) for t in tensors if not (has_head and t.name == "token_embd.weight")))
 
@@ -321,20 +341,20 @@ def add_machine_fraction(results: dict, model_dir: str, threads: int, formats: d
     results["config"]["weight_bytes_per_token"] = weight_bytes
 
 
-def _start_llamacpp(args, tokenizer, levels: list[int], log_dir: Path):
-    """llama-server on the packaged GGUF, all of --threads, one slot per request at the highest level.
+def _start_llamacpp(args, tokenizer, levels: list[int], log_dir: Path, name: str, kind: str):
+    """llama-server (system `name`) on the GGUF of the packaged weights in `kind` (`systems.find_gguf`), all of
+    --threads, one slot per request at the highest level.
 
     Raises:
-        FileNotFoundError: no llama-server binary (build it as bench/README.md says) or no GGUF.
+        FileNotFoundError: no llama-server binary or no such GGUF (bench/install_peers.sh makes both).
     """
-    from cli.models import default_model_path
-
     binary = args.llama_server or systems.find_llama_server()
     if not binary:
-        raise FileNotFoundError("no llama-server binary: build it as bench/README.md says, or pass --llama-server")
+        raise FileNotFoundError("no llama-server binary: run `bash bench/install_peers.sh llamacpp`, or pass "
+                                "--llama-server")
     ctx = (len(seed_requests(tokenizer, 1)[0].prompt_ids) if args.workload == "seed"
            else int(args.input_len * (1 + args.range_ratio))) + int(args.output_len * (1 + args.range_ratio)) + 64
-    return systems.start_llama_server(binary, str(default_model_path()), args.threads, max(levels), ctx,
+    return systems.start_llama_server(name, binary, str(systems.find_gguf(kind)), args.threads, max(levels), ctx,
                                       str(log_dir))
 
 
@@ -347,7 +367,7 @@ def _start_vllm(args, model_dir: str, levels: list[int], log_dir: Path, all_core
     """
     binary = args.vllm or systems.find_vllm()
     if not binary:
-        raise FileNotFoundError("no vllm command: install vLLM's CPU build as bench/README.md says, or pass --vllm")
+        raise FileNotFoundError("no vllm command: run `bash bench/install_peers.sh vllm`, or pass --vllm")
     return systems.start_vllm(binary, model_dir, args.threads, max(levels), str(log_dir), all_cores, dtype)
 
 

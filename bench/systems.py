@@ -6,7 +6,8 @@
   /metrics scraped each second: the cost of observability, against pdserve-disagg in the same run;
 - `naive`: `naive_server.py`, HF `generate()` one request at a time (seed 004's baseline);
 - `llamacpp`: llama.cpp's `llama-server` on the packaged GGUF (its Q4_1 weights), started here, one slot per
-  request of the highest concurrency level (build: bench/README.md);
+  request of the highest concurrency level; `llamacpp-f32` / `-bf16` / `-q8_0` on GGUFs of the same weights
+  (build and convert: bench/install_peers.sh);
 - peers: any OpenAI-compatible server already running (`--peer name=url`), see bench/README.md.
 Every system gets the whole machine: `threads` CPUs. pdserve's workers split them as `pdserve serve` does
 (`cli.launcher.worker_threads`: evenly, every CPU to the workers).
@@ -94,16 +95,43 @@ def start_naive(model_dir: str, threads: int, log_dir: str | None, timeout_s: fl
     return RunningSystem("naive", lambda: OpenAIBackend(address, "naive"), stop)
 
 
+GGUF_TYPES = ("q4_1", "q8_0", "bf16", "f32")  # llama.cpp's weights: the packaged file's, and bench/install_peers.sh's
+
+
+def peers_dir() -> Path:
+    """Where bench/install_peers.sh puts the peers: $PEERS_DIR, else ~/.cache."""
+    import os
+
+    return Path(os.environ.get("PEERS_DIR") or Path.home() / ".cache")
+
+
 def find_llama_server() -> str | None:
-    """$LLAMA_SERVER, else a llama-server built as bench/README.md says (under ~/.cache/llamacpp), else PATH."""
+    """$LLAMA_SERVER, else a llama-server built by bench/install_peers.sh (under <peers_dir>/llamacpp), else PATH."""
     import glob
     import os
     import shutil
 
     if os.environ.get("LLAMA_SERVER"):
         return os.environ["LLAMA_SERVER"]
-    built = sorted(glob.glob(str(Path.home() / ".cache/llamacpp/*/llama.cpp/build/bin/llama-server")))
+    built = sorted(glob.glob(str(peers_dir() / "llamacpp/*/llama.cpp/build/bin/llama-server")))
     return built[-1] if built else shutil.which("llama-server")
+
+
+def find_gguf(kind: str) -> Path:
+    """The GGUF of the packaged model's weights in `kind` (one of GGUF_TYPES): "q4_1" is the packaged file itself;
+    the others are converted from the same weights by bench/install_peers.sh.
+
+    Raises:
+        FileNotFoundError: not made yet (the message says how).
+    """
+    from cli.models import default_model_path, served_name
+
+    if kind == "q4_1":
+        return default_model_path()
+    path = peers_dir() / "llamacpp" / "gguf" / f"{served_name(None)}.{kind}.gguf"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} missing: run `bash bench/install_peers.sh gguf`")
+    return path
 
 
 def free_port() -> int:
@@ -157,22 +185,22 @@ def start_http_server(name: str, argv: list[str], port: int, model: str, log_dir
     return RunningSystem(name, lambda: OpenAIBackend(url, model), stop)
 
 
-def start_llama_server(binary: str, gguf: str, threads: int, slots: int, ctx_per_slot: int,
+def start_llama_server(name: str, binary: str, gguf: str, threads: int, slots: int, ctx_per_slot: int,
                        log_dir: str | None) -> RunningSystem:
-    """llama-server with `slots` parallel slots (continuous batching) and `threads` threads, on the GGUF's own
-    weights (Q4_1 for the packaged model)."""
+    """llama-server (system `name`) with `slots` parallel slots (continuous batching) and `threads` threads, on the
+    GGUF's own weights."""
     port = free_port()
-    return start_http_server("llamacpp", [binary, "-m", gguf, "--host", "127.0.0.1", "--port", str(port),
-                                          "-t", str(threads), "-tb", str(threads), "-np", str(slots),
-                                          "-c", str(slots * ctx_per_slot), "--no-webui"], port, "llamacpp", log_dir)
+    return start_http_server(name, [binary, "-m", gguf, "--host", "127.0.0.1", "--port", str(port),
+                                    "-t", str(threads), "-tb", str(threads), "-np", str(slots),
+                                    "-c", str(slots * ctx_per_slot), "--no-webui"], port, name, log_dir)
 
 
 def find_vllm() -> str | None:
-    """$VLLM, else the `vllm` of the venv bench/README.md installs (~/.cache/vllm-venv), else PATH."""
+    """$VLLM, else the `vllm` of the venv bench/install_peers.sh makes (<peers_dir>/vllm-venv), else PATH."""
     import os
     import shutil
 
-    venv = Path.home() / ".cache/vllm-venv/bin/vllm"
+    venv = peers_dir() / "vllm-venv/bin/vllm"
     return os.environ.get("VLLM") or (str(venv) if venv.exists() else shutil.which("vllm"))
 
 

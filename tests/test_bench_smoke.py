@@ -140,6 +140,23 @@ def test_sweep_names_no_dense_dtype_for_quantized_weights():
     assert system_dtype("llamacpp", [], pdserve=False) is None and system_dtype("naive", [], False) == "float32"
     assert system_dtype("vllm-all-cores-bf16", [], False) == "bfloat16" and system_dtype("vllm", [], False) == "float32"
     assert system_dtype("my-peer", [], pdserve=False) is None  # a --peer: its dtype is not known
+    assert system_dtype("llamacpp-f32", [], False) == "float32"
+    assert system_dtype("llamacpp-bf16", [], False) == "bfloat16"
+    assert system_dtype("llamacpp-q8_0", [], pdserve=False) is None
+
+
+@pytest.mark.parametrize("auto, peers", [("bfloat16", {"llamacpp-bf16", "vllm-bf16", "vllm-all-cores-bf16"}),
+                                         ("float32", {"llamacpp-f32", "vllm", "vllm-all-cores"})])
+def test_the_sweep_runs_each_peer_in_this_cpus_best_dense_precision(monkeypatch, auto, peers):
+    """A peer's bf16 is emulated on a CPU without AVX512-BF16 or AMX (slower than its fp32): the default systems
+    follow what pdserve's --dtype auto picks on the same CPU."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import engine.hardware
+    from sweep import ALL_SYSTEMS, default_systems
+
+    monkeypatch.setattr(engine.hardware, "resolve_dtype", lambda dtype, device: auto)
+    chosen = default_systems()
+    assert set(chosen) == {"pdserve-disagg", "pdserve-colocated", "naive", *peers} and set(chosen) <= set(ALL_SYSTEMS)
 
 
 def test_sweep_weight_bytes_per_token(tiny_model_dir, real_model_dir):
