@@ -33,3 +33,27 @@ def test_a_line_logged_inside_a_span_names_its_trace_in_text_and_json():
     assert TraceFormatter("%(message)s").format(inside) == f"hello [trace {trace_id}]"
     assert TraceFormatter("%(message)s").format(outside) == "hello"
     assert json.loads(JsonFormatter("%(message)s").format(inside))["trace_id"] == trace_id
+
+
+def test_a_worker_says_what_it_resolved_at_start(tiny_model_dir):
+    """`--dtype auto`, a threads count of 0 and the KV pool were logged nowhere (issue 43 item 15): the start-up
+    line says what they resolved to."""
+    import os
+    from types import SimpleNamespace
+
+    from engine.args import EngineArgs
+    from engine.builder import resolve_configs
+    from worker_common.config import WorkerConfig
+    from worker_common.worker import describe
+
+    engine = EngineArgs(model_dir=str(tiny_model_dir), dtype="auto", kv_tokens=1024, quantization="int8")
+    model, cache, sched = resolve_configs(engine)
+    worker = SimpleNamespace(model_config=model, cache_config=cache, scheduler_config=sched)
+    line = describe(WorkerConfig(role="decode", engine=engine), worker, {"kv_connector": "tcp", "kv_address": ""})
+    threads = len(os.sched_getaffinity(0))
+    assert f"{model.dtype} + int8 linears on cpu, {threads} threads" in line and model.dtype != "auto"
+    # tiny: 2 layers x K,V x 2 kv heads x 16 dims, 64 blocks of 16 tokens
+    itemsize = 2 if model.dtype == "bfloat16" else 4
+    mib = 64 * 16 * 2 * 2 * 2 * 16 * itemsize / 2**20
+    assert f"KV pool {cache.num_blocks} blocks x 16 tokens = 1024 tokens ({mib:.1f} MiB)" in line, line
+    assert f"context {sched.max_model_len} tokens" in line and line.endswith(", kv_connector tcp")

@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry
 
 from engine.async_engine import AsyncEngine
 from engine.builder import build_engine
-from engine.config import CacheConfig, ModelConfig, SchedulerConfig, compat_hash
+from engine.config import CacheConfig, ModelConfig, SchedulerConfig, compat_hash, kv_bytes_per_block
 from engine.engine_core import EngineCore
 from engine.errors import EngineError, ErrorKind
 from engine.hardware import set_threads
@@ -106,6 +106,24 @@ async def start_engine(config: WorkerConfig) -> WorkerEngine:
     name = config.served_model_name or model.name
     return WorkerEngine(engine, model, cache, sched, kv_cache, registry,
                         WorkerMetrics(registry, engine, name, config.role))
+
+
+def describe(config: WorkerConfig, worker: WorkerEngine, ready: dict[str, str]) -> str:
+    """What this worker runs with, for its start-up log line: what `--dtype auto` and a threads count of 0 resolved
+    to, the KV pool (blocks, tokens, bytes), the limits, and the ready file's extra fields (KV address,
+    connector)."""
+    import os
+
+    m, c, s, e = worker.model_config, worker.cache_config, worker.scheduler_config, config.engine
+    threads = e.threads or len(os.sched_getaffinity(0))  # `engine.hardware.set_threads`' rule for 0
+    weights = m.dtype + (f" + {e.quantization} linears" if e.quantization != "none" else "")
+    pool_bytes = c.num_blocks * kv_bytes_per_block(m, c.block_size, c.tensor_parallel_size)
+    extra = "".join(f", {k} {v}" for k, v in ready.items() if v)
+    return (f"model {m.name}, {weights} on {e.device}, {threads} threads"
+            f"{f', tensor parallel {c.tensor_parallel_size}' if c.tensor_parallel_size > 1 else ''}; KV pool "
+            f"{c.num_blocks} blocks x {c.block_size} tokens = {c.num_blocks * c.block_size} tokens "
+            f"({pool_bytes / 2**20:.1f} MiB); context {s.max_model_len} tokens, up to {s.max_num_seqs} sequences "
+            f"and {s.max_num_batched_tokens} tokens a step{extra}")
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
@@ -223,9 +241,7 @@ async def serve_worker(config: WorkerConfig, worker: WorkerEngine, servicer: Wor
 
     worker.engine.add_fault_listener(on_fault)
     address = f"{advertise_host(config.server.host, config.server.advertise_host)}:{running.port}"
-    c = worker.cache_config
-    log.info("%s worker serving on %s (%d KV blocks of %d tokens%s)", config.role, address, c.num_blocks,
-             c.block_size, "".join(f", {k} {v}" for k, v in ready.items() if v))
+    log.info("%s worker serving on %s: %s", config.role, address, describe(config, worker, ready))
     metrics = (start_metrics_server(config.server.host, config.server.metrics_port, worker.registry)
                if config.server.metrics_port is not None else None)
     write_ready_file(config.server.ready_file, address, tls=config.server.tls, **ready,
