@@ -20,15 +20,23 @@ class RequestError(Exception):
         message: what the caller can do about it.
         retry_after_s: when set (finite), the status carries a google.rpc.RetryInfo with this delay.
         worker: the address of the worker whose call failed, when one did (migration avoids it).
+        public: what the client is told when `message` names internals (worker addresses, transport text), which
+            the coordinator's log keeps under the request id; None = the message itself (`client_message`).
     """
 
     def __init__(self, code: grpc.StatusCode, message: str, retry_after_s: float | None = None,
-                 worker: str | None = None):
+                 worker: str | None = None, public: str | None = None):
         super().__init__(message)
         self.code = code
         self.message = message
         self.retry_after_s = retry_after_s
         self.worker = worker
+        self.public = public
+
+    @property
+    def client_message(self) -> str:
+        """The status message a client gets: no internal address or raw transport text."""
+        return self.public if self.public is not None else self.message
 
     def trailing_metadata(self) -> tuple:
         """The rich status (google.rpc.Status with RetryInfo) for `context.abort`, or () without a retry hint."""
@@ -36,7 +44,7 @@ class RequestError(Exception):
             return ()
         delay = duration_pb2.Duration()
         delay.FromNanoseconds(int(self.retry_after_s * 1e9))
-        return rich_status(self.code, self.message, error_details_pb2.RetryInfo(retry_delay=delay))
+        return rich_status(self.code, self.client_message, error_details_pb2.RetryInfo(retry_delay=delay))
 
 
 def invalid(message: str) -> RequestError:
@@ -70,9 +78,21 @@ def from_rpc_error(e: grpc.aio.AioRpcError, role: str, address: str, peer: str |
     reported proves the worker alive and points at its peer (a decode worker killed mid-transfer broke the prefill
     worker's send): the peer is named, so membership takes the lost worker out of routing, not the healthy one."""
     code = e.code()
+    reason = worker_reason(e)
+    lost = code in LOST_CODES and reason == worker_pb2.WORKER_ERROR_REASON_UNSPECIFIED
     if code in (grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL, grpc.StatusCode.CANCELLED):
         code = grpc.StatusCode.UNAVAILABLE
     message = f"{role} worker {address}: {e.details()}"
-    if peer is not None and worker_reason(e) == worker_pb2.WORKER_ERROR_REASON_TRANSFER_FAILED:
-        return RequestError(code, f"{message} (its KV transfer peer {peer} is suspected)", worker=peer)
-    return RequestError(code, message, worker=address)
+    # The client is told what happened, not where: a lost connection's text is gRPC's and the transport's; a
+    # status the worker wrote (a grammar that does not compile, a prompt too long for it) is meant for the caller.
+    public = (f"the {role} worker serving this request was lost ({code.name})" if lost
+              else f"{role} worker: {e.details()}")
+    if peer is not None and reason == worker_pb2.WORKER_ERROR_REASON_TRANSFER_FAILED:
+        return RequestError(code, f"{message} (its KV transfer peer {peer} is suspected)", worker=peer,
+                            public=f"{public} (KV transfer failed)")
+    return RequestError(code, message, worker=address, public=public)
+
+
+# Statuses that, without a reason the worker wrote, mean the call was lost rather than answered.
+LOST_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL,
+              grpc.StatusCode.CANCELLED)

@@ -157,7 +157,8 @@ async def _decode_stream(call: WorkerCall, num_samples: int = 1) -> AsyncIterato
         msg = await call.next()
         if msg is None:
             raise RequestError(grpc.StatusCode.UNAVAILABLE, f"decode worker {call.worker.address} ended the stream "
-                                                            "early", worker=call.worker.address)
+                                                            "early", worker=call.worker.address,
+                               public="the decode worker ended the stream early")
         kind = msg.WhichOneof("response")
         if kind == "tokens":
             by_sample: dict[int, list] = {}
@@ -277,7 +278,8 @@ async def run_disaggregated(router: Router, flow: Flow, request_id: str, prompt:
                 reserved = await dcall.next()
                 if reserved is None or reserved.WhichOneof("response") != "reserved":
                     raise RequestError(grpc.StatusCode.UNAVAILABLE, f"decode worker {decode.address} did not "
-                                                                    "reserve", worker=decode.address)
+                                                                    "reserve", worker=decode.address,
+                                       public="the decode worker did not reserve KV blocks")
                 pcall = WorkerCall(prefill.prefill.Prefill(worker_pb2.PrefillRequest(
                     request_id=request_id, prompt_token_ids=prompt, sampling=sampling, output_token_ids=generated,
                     kv_address=decode.info.kv_address, arrival_time=arrival,
@@ -289,7 +291,7 @@ async def run_disaggregated(router: Router, flow: Flow, request_id: str, prompt:
                     first_token()
             if first is None or first.WhichOneof("response") != "first_token":
                 raise RequestError(grpc.StatusCode.UNAVAILABLE, f"prefill worker {prefill.address} sent no first token",
-                                   worker=prefill.address)
+                                   worker=prefill.address, public="the prefill worker sent no first token")
             ft = first.first_token
             flow.timings.queue_ms, flow.timings.prefill_ms = ft.queue_ms, ft.prefill_ms
             yield Tokens([ft.token], ft.num_cached_tokens)

@@ -329,7 +329,7 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
         try:
             self.check_model(request.name, request.version)
         except RequestError as e:
-            await context.abort(e.code, e.message)
+            await context.abort(e.code, e.client_message)
 
     async def ServerLive(self, request, context):
         return pb.ServerLiveResponse(live=True)

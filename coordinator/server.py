@@ -101,7 +101,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             self._admit(rid, caller)
         except RequestError as e:
             self._finished(RequestRecord(rid[:MAX_REQUEST_ID_CHARS], error_code=e.code.name), e.message)
-            await context.abort(e.code, e.message, e.trailing_metadata())
+            await context.abort(e.code, e.client_message, e.trailing_metadata())
         flow = flows.Flow(rid, caller=caller)
         remaining = context.time_remaining()  # the client's deadline bounds every worker call, not only ours
         flow.deadline = arrival + min(self.config.request_timeout_s, remaining or float("inf"))
@@ -130,7 +130,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                 await send(msg)
         except RequestError as e:
             error = e
-            await context.abort(e.code, f"request {rid}: {e.message}", e.trailing_metadata())
+            await context.abort(e.code, f"request {rid}: {e.client_message}", e.trailing_metadata())
         except (asyncio.CancelledError, grpc.aio.InternalError):
             # The client went: gRPC cancels this task, or, when a send races the cancellation, the send fails with
             # InternalError (ExecuteBatchError), which gRPC ignores for a closed call. Either way: say which it was.
@@ -428,8 +428,9 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             p.reason = generate_pb2.FINISH_REASON_LENGTH
             return
         if p.migrations >= self.config.max_migrations:
-            raise RequestError(grpc.StatusCode.UNAVAILABLE,
-                               f"{error.message} (after {p.migrations} migration(s), the most allowed)") from error
+            after = f" (after {p.migrations} migration(s), the most allowed)"
+            raise RequestError(grpc.StatusCode.UNAVAILABLE, error.message + after,
+                               public=error.client_message + after) from error
         p.migrations += 1
         log.warning("request %s: %s; resuming on other workers after %d token(s) (migration %d of at most %d)",
                     flow.request_id, error.message, len(p.generated), p.migrations, self.config.max_migrations)
@@ -461,7 +462,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         try:
             c.limits  # noqa: B018 - UNAVAILABLE before any worker was seen (grpc would say UNKNOWN)
         except RequestError as e:
-            await context.abort(e.code, e.message)
+            await context.abort(e.code, e.client_message)
         return generate_pb2.ModelInfo(
             model=self.config.model_name, context_length=c.limits.context_length, block_size=c.block_size,
             vocab_size=c.limits.vocab_size, eos_token_id=c.eos_token_id,

@@ -245,7 +245,7 @@ class VllmEngineServicer(pb_grpc.VllmEngineServicer):
         try:
             limits, cfg = self.cluster.limits, self.hf_config
         except RequestError as e:  # no worker seen yet: UNAVAILABLE, not grpc's UNKNOWN
-            await context.abort(e.code, e.message)
+            await context.abort(e.code, e.client_message)
         eos = cfg.get("eos_token_id")
         eos = [self.cluster.eos_token_id] if eos is None else eos if isinstance(eos, list) else [eos]
         return pb.GetModelInfoResponse(

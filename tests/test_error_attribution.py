@@ -56,13 +56,20 @@ def test_every_kind_a_worker_reports_reaches_the_coordinator(kind):
     else:
         assert blamed.worker == address
     assert from_rpc_error(error, "prefill", address).worker == address  # no peer (a colocated call): the worker
+    # The client reads the worker's own words, never an internal address (the log has the address)
+    assert blamed.client_message.startswith("prefill worker: the ") and address not in blamed.client_message
+    assert PEER not in blamed.client_message and address in from_rpc_error(error, "prefill", address).message
 
 
 def test_a_lost_connection_blames_the_worker_called():
     error, address = asyncio.run(failed_call(None))
     assert error.code() == grpc.StatusCode.UNAVAILABLE
     assert worker_reason(error) == worker_pb2.WORKER_ERROR_REASON_UNSPECIFIED
-    assert from_rpc_error(error, "prefill", address, peer=PEER).worker == address
+    blamed = from_rpc_error(error, "prefill", address, peer=PEER)
+    assert blamed.worker == address and address in blamed.message
+    # gRPC's and the transport's text stays in the log (issue 43 item 6: "decode worker 127.0.0.1:PORT: Stream
+    # removed (recvmsg:Connection reset by peer (104))" reached the client)
+    assert blamed.client_message == "the prefill worker serving this request was lost (UNAVAILABLE)"
 
 
 # ---- the request path: which worker a failed disaggregated request names -----------------------------------------
