@@ -343,35 +343,50 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
     async def _stream_samples(self, flow: flows.Flow, prompt: list[int], sampling: generate_pb2.SamplingParams,
                               arrival_wall: float, t0: float):
         """sampling.n > 1: each sample's chunks as they come (Chunk.index), and each sample's final message as it
-        ends; the stream ends with the last. One attempt, on a worker that prefills the prompt once and forks the
-        samples: a lost worker ends the request with UNAVAILABLE (the samples have sent different tokens, so there
-        is no one resumption). A sample that matches a stop string ends there; the worker's further tokens for it
-        are dropped (it stops at its own EOS or max_tokens)."""
+        ends; the stream ends with the last. Each attempt runs on a worker that prefills the prompt once and forks
+        the samples. A lost worker is retried on another (at most config.max_migrations times) while no sample has
+        streamed a token; after that it ends the request with UNAVAILABLE (the samples have sent different tokens,
+        so there is no one resumption). A sample that matches a stop string ends there; the worker's further
+        tokens for it are dropped (it stops at its own EOS or max_tokens)."""
         samples = [SampleStream(self.tokenizer, prompt, sampling, i) for i in range(sampling.n)]
-        source = self._attempt(flow, prompt, sampling, arrival_wall, Progress())
+        attempt = Progress()  # its migrations name each retry's worker-side request id (`_attempt`)
+        streamed = False
         ended = 0
         try:
-            async for item in source:
-                sample = samples[item.index]
-                if sample.progress.ended:
-                    continue  # ended by a stop string here
-                if isinstance(item, flows.WorkerFinish):
-                    sample.finish(item)
-                else:
-                    yield sample.chunk(item, flow.first_token)
-                    if not sample.progress.ended:
-                        continue
-                ended += 1
-                for msg in sample.ending(flow, len(prompt), t0, flows.now_ms()):
-                    yield msg
-                if ended == sampling.n:
+            while True:
+                source = self._attempt(flow, prompt, sampling, arrival_wall, attempt)
+                try:
+                    async for item in source:
+                        sample = samples[item.index]
+                        if sample.progress.ended:
+                            continue  # ended by a stop string here
+                        if isinstance(item, flows.WorkerFinish):
+                            sample.finish(item)
+                        else:
+                            streamed = True
+                            yield sample.chunk(item, flow.first_token)
+                            if not sample.progress.ended:
+                                continue
+                        ended += 1
+                        for msg in sample.ending(flow, len(prompt), t0, flows.now_ms()):
+                            yield msg
+                        if ended == sampling.n:
+                            break
+                    else:
+                        raise RequestError(grpc.StatusCode.INTERNAL, "the worker stream ended without a finish")
                     break
-            else:
-                raise RequestError(grpc.StatusCode.INTERNAL, "the worker stream ended without a finish")  # a bug
-        except RequestError as e:
-            if e.code == grpc.StatusCode.UNAVAILABLE and e.worker:
-                self.on_worker_lost(e.worker, e.message)
-            raise
+                except RequestError as e:
+                    if e.code == grpc.StatusCode.UNAVAILABLE and e.worker:
+                        self.on_worker_lost(e.worker, e.message)
+                    if (streamed or e.code != grpc.StatusCode.UNAVAILABLE or not e.worker
+                            or attempt.migrations >= self.config.max_migrations):
+                        raise
+                    attempt.migrations += 1
+                    log.warning("request %s: %s; retrying its %d samples on other workers, none having streamed "
+                                "(retry %d of at most %d)", flow.request_id, e.message, sampling.n,
+                                attempt.migrations, self.config.max_migrations)
+                finally:
+                    await source.aclose()
         except asyncio.CancelledError:
             if not flow.aborted:
                 raise
@@ -381,7 +396,6 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                     for msg in sample.ending(flow, len(prompt), t0, flows.now_ms()):
                         yield msg
         finally:
-            await source.aclose()
             flow.record = request_record(flow, len(prompt), merged([s.progress for s in samples]), t0)
 
     def _attempt(self, flow: flows.Flow, prompt: list[int], sampling: generate_pb2.SamplingParams,

@@ -572,3 +572,39 @@ def test_request_ids_with_control_characters_are_refused_and_logged_escaped(rid,
         asyncio.run(main())
     (line,) = [r.getMessage() for r in caplog.records if r.name == "pdserve.access"]
     assert line.startswith(f"request {ascii(rid)} INVALID_ARGUMENT") and line.isprintable()
+
+
+@pytest.mark.parametrize("fail_after_tokens", [False, True])
+def test_n_samples_are_retried_elsewhere_while_none_has_streamed(fail_after_tokens):
+    """Issue 43 item 6: after kill -9 of a decode worker an n=2 request with nothing sent failed with the worker's
+    address and transport text. Now it runs again on another worker; once a sample has streamed it cannot (the
+    samples sent different tokens) and fails with a message naming no internals."""
+    lost = RequestError(grpc.StatusCode.UNAVAILABLE, "decode worker 10.0.0.5:7000: Stream removed (recvmsg:reset)",
+                        worker="10.0.0.5:7000", public="the decode worker serving this request was lost (UNAVAILABLE)")
+    attempts = []
+
+    async def attempt(flow, prompt, sampling, arrival_wall, p):
+        attempts.append(p.migrations)
+        if len(attempts) == 1:
+            if fail_after_tokens:
+                yield flows.Tokens([worker_pb2.SampledToken(token_id=1)], index=1)
+            raise lost
+        for i in range(2):
+            yield flows.Tokens([worker_pb2.SampledToken(token_id=2 + i)], index=i)
+        for i in range(2):
+            yield flows.WorkerFinish(generate_pb2.FINISH_REASON_LENGTH, None, index=i)
+
+    async def main():
+        s = servicer(max_migrations=2)
+        s._attempt = attempt
+        if fail_after_tokens:
+            with pytest.raises(Aborted) as e:
+                await serve(s, "r", 3, n=2, max_tokens=1)
+            assert e.value.code == grpc.StatusCode.UNAVAILABLE and "10.0.0.5" not in e.value.details
+            assert "was lost" in e.value.details and attempts == [0]
+        else:
+            sent = await serve(s, "r", 3, n=2, max_tokens=1)
+            finals = [m for m in sent if m.WhichOneof("response") == "final"]
+            assert len(finals) == 2 and attempts == [0, 1]  # the retry has its own worker-side id
+        assert s.lost == ["10.0.0.5:7000"]
+    asyncio.run(main())
