@@ -22,11 +22,14 @@ class RequestError(Exception):
         worker: the address of the worker whose call failed, when one did (migration avoids it).
         public: what the client is told when `message` names internals (worker addresses, transport text), which
             the coordinator's log keeps under the request id; None = the message itself (`client_message`).
+        prompt_tokens: the prompt's length in tokens when it was known before the refusal (a prompt too long for
+            the context), for the access log; None = not known.
     """
 
     def __init__(self, code: grpc.StatusCode, message: str, retry_after_s: float | None = None,
-                 worker: str | None = None, public: str | None = None):
+                 worker: str | None = None, public: str | None = None, prompt_tokens: int | None = None):
         super().__init__(message)
+        self.prompt_tokens = prompt_tokens
         self.code = code
         self.message = message
         self.retry_after_s = retry_after_s

@@ -130,6 +130,8 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                 await send(msg)
         except RequestError as e:
             error = e
+            if e.prompt_tokens is not None and not flow.record.prompt_tokens:
+                flow.record.prompt_tokens = e.prompt_tokens
             await context.abort(e.code, f"request {rid}: {e.client_message}", e.trailing_metadata())
         except (asyncio.CancelledError, grpc.aio.InternalError):
             # The client went: gRPC cancels this task, or, when a send races the cancellation, the send fails with

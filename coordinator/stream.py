@@ -46,11 +46,13 @@ class Progress:
 
 def merged(samples: list[Progress]) -> Progress:
     """The samples of a parallel-sampling request as one Progress for its record: every token, the first token's
-    time, every gap; sample 0's finish reason."""
+    time, every gap; sample 0's finish reason once every sample has ended, else none (a request cancelled while
+    some samples ran did not finish, whatever sample 0 did)."""
     firsts = [p.first_ms for p in samples if p.first_ms is not None]
+    reason = samples[0].reason if all(p.ended for p in samples) else generate_pb2.FINISH_REASON_UNSPECIFIED
     return Progress(generated=[t for p in samples for t in p.generated], cached=max(p.cached for p in samples),
                     first_ms=min(firsts) if firsts else None, last_ms=max(p.last_ms for p in samples),
-                    gaps=[g for p in samples for g in p.gaps], reason=samples[0].reason,
+                    gaps=[g for p in samples for g in p.gaps], reason=reason,
                     spec_draft=sum(p.spec_draft for p in samples),
                     spec_accepted=sum(p.spec_accepted for p in samples))
 

@@ -608,3 +608,29 @@ def test_n_samples_are_retried_elsewhere_while_none_has_streamed(fail_after_toke
             assert len(finals) == 2 and attempts == [0, 1]  # the retry has its own worker-side id
         assert s.lost == ["10.0.0.5:7000"]
     asyncio.run(main())
+
+
+def test_the_access_log_tells_a_refused_prompt_size_and_a_cancelled_n_request_unfinished(caplog):
+    """Issue 43 item 8: a refused 10,001-token prompt was logged with 0 prompt tokens, and a cancelled n = 2 request
+    with sample 0's "finish length"."""
+    import logging
+
+    from coordinator.stream import Progress, merged
+    from coordinator.validation import Limits, check_prompt_length
+
+    caplog.set_level(logging.INFO, logger="pdserve.access")
+
+    async def main():
+        s = servicer()
+
+        async def prepare():
+            check_prompt_length(10_001, Limits(context_length=8192, kv_capacity_tokens=8192, vocab_size=100))
+        with pytest.raises(Aborted):
+            await s.serve(FakeContext(), "long", prepare, "text_completion", None)
+    asyncio.run(main())
+    (line,) = [r.access for r in caplog.records if r.access["request_id"] == "long"]
+    assert line["prompt_tokens"] == 10_001 and line["error_code"] == "INVALID_ARGUMENT"
+
+    done, running = Progress(), Progress()
+    done.reason = generate_pb2.FINISH_REASON_LENGTH
+    assert not merged([done, running]).ended and merged([done, done]).reason == generate_pb2.FINISH_REASON_LENGTH
