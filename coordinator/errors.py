@@ -29,12 +29,12 @@ class RequestError(Exception):
     def __init__(self, code: grpc.StatusCode, message: str, retry_after_s: float | None = None,
                  worker: str | None = None, public: str | None = None, prompt_tokens: int | None = None):
         super().__init__(message)
-        self.prompt_tokens = prompt_tokens
         self.code = code
         self.message = message
         self.retry_after_s = retry_after_s
         self.worker = worker
         self.public = public
+        self.prompt_tokens = prompt_tokens
 
     @property
     def client_message(self) -> str:
@@ -83,7 +83,7 @@ def from_rpc_error(e: grpc.aio.AioRpcError, role: str, address: str, peer: str |
     code = e.code()
     reason = worker_reason(e)
     lost = code in LOST_CODES and reason == worker_pb2.WORKER_ERROR_REASON_UNSPECIFIED
-    if code in (grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL, grpc.StatusCode.CANCELLED):
+    if code in LOST_CODES:
         code = grpc.StatusCode.UNAVAILABLE
     message = f"{role} worker {address}: {e.details()}"
     # The client is told what happened, not where: a lost connection's text is gRPC's and the transport's; a
@@ -96,6 +96,7 @@ def from_rpc_error(e: grpc.aio.AioRpcError, role: str, address: str, peer: str |
     return RequestError(code, message, worker=address, public=public)
 
 
-# Statuses that, without a reason the worker wrote, mean the call was lost rather than answered.
+# Statuses passed on as UNAVAILABLE (the request migrates); without a reason the worker wrote, the call was lost
+# rather than answered.
 LOST_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL,
               grpc.StatusCode.CANCELLED)

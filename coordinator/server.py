@@ -219,19 +219,20 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         """Sequences in flight (a request of n samples counts n), of every caller or of `caller`."""
         return sum(f.samples for f in self.cluster.flows.values() if caller is None or f.caller == caller)
 
-    def _check_slots(self, caller: str, wanted: int) -> None:
-        """Raises RequestError RESOURCE_EXHAUSTED (with a retry hint) unless `wanted` more sequences fit under
-        --max-in-flight and --max-in-flight-per-caller."""
-        if self._slots() + wanted > self.config.max_in_flight:
+    def _check_slots(self, caller: str, wanted: int, held: int = 0) -> None:
+        """Raises RequestError RESOURCE_EXHAUSTED (with a retry hint) unless a request holding `held` of the slots in
+        flight may hold `wanted` instead under --max-in-flight and --max-in-flight-per-caller."""
+        if self._slots() - held + wanted > self.config.max_in_flight:
             raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                f"server at capacity ({self.config.max_in_flight} sequences in flight, a request of n "
                                "samples counting n); retry later", retry_after_s=CAPACITY_RETRY_S)
         per_caller = self.config.max_in_flight_per_caller
-        if per_caller and self._slots(caller) + wanted > per_caller:
+        others = self._slots(caller) - held
+        if per_caller and others + wanted > per_caller:
             raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                               f"this caller has {self._slots(caller)} sequences in flight and asks for {wanted} "
-                               f"more; one caller may have {per_caller} (a request of n samples counts n); retry "
-                               "when one finishes", retry_after_s=CAPACITY_RETRY_S)
+                               f"this caller has {others} sequences in flight and asks for {wanted} more; one caller "
+                               f"may have {per_caller} (a request of n samples counts n); retry when one finishes",
+                               retry_after_s=CAPACITY_RETRY_S)
 
     def _take_slots(self, flow: flows.Flow, n: int) -> None:
         """The request turned out to have n samples: it takes n slots instead of the 1 `_admit` checked.
@@ -247,13 +248,8 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             if limit and n > limit:
                 raise invalid(f"sampling.n = {n} needs {n} sequences, more than this server admits at once ({flag} "
                               f"{limit}); lower n")
-        flow.samples = 0  # checked as a newcomer of n (no await until it holds them)
-        try:
-            self._check_slots(flow.caller, n)
-        except RequestError:
-            flow.samples = 1  # refused: it holds its one slot until the abort is sent
-            raise
-        flow.samples = n
+        self._check_slots(flow.caller, n, held=flow.samples)
+        flow.samples = n  # no await since the check
 
     def queued_tokens(self, caller: str) -> int:
         """Prompt tokens of `caller`'s requests in flight that have not had their first token yet. Summed over the
@@ -378,15 +374,12 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                         raise RequestError(grpc.StatusCode.INTERNAL, "the worker stream ended without a finish")
                     break
                 except RequestError as e:
+                    if not streamed:  # nothing sent yet: a fresh attempt elsewhere, as a single request migrates
+                        self._migrate_or_raise(e, flow, attempt, sampling)
+                        continue
                     if e.code == grpc.StatusCode.UNAVAILABLE and e.worker:
                         self.on_worker_lost(e.worker, e.message)
-                    if (streamed or e.code != grpc.StatusCode.UNAVAILABLE or not e.worker
-                            or attempt.migrations >= self.config.max_migrations):
-                        raise
-                    attempt.migrations += 1
-                    log.warning("request %s: %s; retrying its %d samples on other workers, none having streamed "
-                                "(retry %d of at most %d)", flow.request_id, e.message, sampling.n,
-                                attempt.migrations, self.config.max_migrations)
+                    raise
                 finally:
                     await source.aclose()
         except asyncio.CancelledError:

@@ -194,10 +194,10 @@ def check_prompt_length(num_tokens: int, limits: Limits) -> None:
     """Raises RequestError INVALID_ARGUMENT for a prompt of token ids too long for the context; called on the
     message's length before its ids are copied (a caller may send millions)."""
     if num_tokens >= limits.context_length:
-        error = invalid(f"prompt has {num_tokens} tokens; the context window is {limits.context_length} "
-                        f"tokens (prompt must leave room for at least one output token)")
-        error.prompt_tokens = num_tokens  # the access log says how big the refused prompt was
-        raise error
+        raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,
+                           f"prompt has {num_tokens} tokens; the context window is {limits.context_length} tokens "
+                           "(prompt must leave room for at least one output token)",
+                           prompt_tokens=num_tokens)  # the access log says how big the refused prompt was
 
 
 def check_prompt(token_ids: list[int], limits: Limits) -> None:
