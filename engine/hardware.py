@@ -43,6 +43,13 @@ def resolve_dtype(name: str, device: str, flags: frozenset[str] | None = None) -
     return "bfloat16" if flags & CPU_BF16_FLAGS else "float32"
 
 
+def resolve_threads(num_threads: int) -> int:
+    """num_threads, or for 0 one per CPU in the process's affinity mask (`set_threads`' rule)."""
+    import os
+
+    return num_threads if num_threads > 0 else len(os.sched_getaffinity(0))
+
+
 def set_threads(num_threads: int) -> None:
     """Torch intra-op threads for the calling thread (and threads that first run torch after it); 0 = one per CPU in
     the process's affinity mask (what a container or taskset grants it, not the host's count, which torch would
@@ -56,8 +63,6 @@ def set_threads(num_threads: int) -> None:
     and wake.
     Measured (AMD EPYC VM, 2 cores, int4 batch-1 decode step, 2 threads): 7.6 ms run from the thread that built the
     model, 14.1-15.8 ms from a second thread after a 2-thread build, 7.8 ms after a 1-thread build."""
-    import os
-
     import torch
 
-    torch.set_num_threads(num_threads if num_threads > 0 else len(os.sched_getaffinity(0)))
+    torch.set_num_threads(resolve_threads(num_threads))

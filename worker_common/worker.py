@@ -16,7 +16,7 @@ from engine.builder import build_engine
 from engine.config import CacheConfig, ModelConfig, SchedulerConfig, compat_hash, kv_bytes_per_block
 from engine.engine_core import EngineCore
 from engine.errors import EngineError, ErrorKind
-from engine.hardware import set_threads
+from engine.hardware import resolve_threads, set_threads
 from engine.kv_cache import KvShards
 from engine.kv_cache_manager import max_request_blocks, max_request_tokens, sliding_kv_window, usable_blocks
 from engine.process_engine import EngineBuildError, ProcessEngine
@@ -112,10 +112,8 @@ def describe(config: WorkerConfig, worker: WorkerEngine, ready: dict[str, str]) 
     """What this worker runs with, for its start-up log line: what `--dtype auto` and a threads count of 0 resolved
     to, the KV pool (blocks, tokens, bytes), the limits, and the ready file's extra fields (KV address,
     connector)."""
-    import os
-
     m, c, s, e = worker.model_config, worker.cache_config, worker.scheduler_config, config.engine
-    threads = e.threads or len(os.sched_getaffinity(0))  # `engine.hardware.set_threads`' rule for 0
+    threads = resolve_threads(e.threads)
     weights = m.dtype + (f" + {e.quantization} linears" if e.quantization != "none" else "")
     pool_bytes = c.num_blocks * kv_bytes_per_block(m, c.block_size, c.tensor_parallel_size)
     extra = "".join(f", {k} {v}" for k, v in ready.items() if v)
