@@ -73,20 +73,31 @@ def test_decode_worker_lost_mid_stream(tiny_model_dir, tmp_path, topology):
 
 
 def test_prefill_worker_lost_before_the_first_token(tiny_model_dir, tmp_path):
+    """The prefill worker computing a request's prompt is lost before its first token: the request resumes on the
+    other prefill worker after 0 tokens. The order is forced, not raced (a prefill of 240 tokens takes ~40 ms on a
+    fast machine): p0, the only listed prefill worker, is frozen (SIGSTOP) before the request comes, so the Prefill
+    call that follows the decode worker's reservation waits in p0; p1 (started beforehand, so it joins long before
+    the frozen p0 misses enough polls to leave routing) then joins through the address list, and p0 is killed."""
     p = Processes(tiny_model_dir, tmp_path)
     try:
-        slow = ["--max-num-batched-tokens", "4"]  # a long chunked prefill: time to lose the worker during it
-        prefill = {n: p.start(n, "prefill", *WORKER, *slow) for n in ("p0", "p1")}
+        prefill = {n: p.start(n, "prefill", *WORKER) for n in ("p0", "p1")}
+        prefill_list = tmp_path / "prefill.list"
+        prefill_list.write_text(prefill["p0"] + "\n")
         decode = p.start("d0", "decode", *WORKER)
-        coordinator = p.start("coordinator", "coordinator", "--stats-interval-s", "0.5", f"--decode={decode}",
-                              *(f"--prefill={a}" for a in prefill.values()))
+        coordinator = p.start("coordinator", "coordinator", "--stats-interval-s", "0.5", "--discovery-interval-s",
+                              "0.5", "--no-local-prefill-queue", f"--decode={decode}", f"--prefill=@{prefill_list}")
         prompt = list(range(1000, 1240))
+        os.kill(p.procs["p0"].pid, signal.SIGSTOP)
         with Client(coordinator) as c:
             stream = c.generate(prompt, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True), timeout=120)
             result = {}
             reader = threading.Thread(target=lambda: result.update(chunks=list(stream)))
             reader.start()
-            kill_the_one_serving(p, ["p0", "p1"], prefill)
+            # The reservation is made, so the Prefill call to p0 (the only prefill worker) follows at once.
+            wait_for(lambda: requests_on(p, decode), 30, "the decode worker to reserve KV blocks")
+            prefill_list.write_text(f"{prefill['p0']}\n{prefill['p1']}\n")
+            wait_for(lambda: c.model_info().num_prefill_workers == 2, 30, "p1 to join")
+            p.kill("p0")
             reader.join(120)
         ids = [t for ch in result["chunks"] for t in ch.token_ids]
         assert ids == hf_greedy(tiny_model_dir, prompt, 8) and result["chunks"][-1].final.completion_tokens == 8
