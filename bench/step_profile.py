@@ -63,6 +63,10 @@ from hostinfo import FLAGS_SHOWN, commit, machine  # noqa: E402
 GEMM_OPS = {"aten::mm", "aten::addmm", "aten::mkldnn_linear", "mkldnn::_linear_pointwise", "aten::_mkl_linear",
             "mkl::_mkl_linear", "aten::_weight_int8pack_mm",
             "aten::_weight_int4pack_mm_for_cpu", "pdserve::linear_small_m"}
+# Ranges counted whole: _instrument's around the ops a Python forward calls, and those pdserve::decode_layers opens
+# around the C calls it makes directly (kernels/cpu_ops.cpp).
+ATTENTION_RANGES = ("attention", "pdserve::decode_layers:attention")
+LAYER_OP_RANGES = ("layer_op", "pdserve::decode_layers:layer_op")
 
 
 def _time(fn, min_s: float = 0.3) -> float:
@@ -178,9 +182,9 @@ def measure(args: EngineArgs, batch: int, context: int, steps: int) -> dict:
             prof_wall += step()[1]
     gemm_us = attn_us = ops_us = 0.0
     for ev in prof.key_averages():
-        if ev.key == "attention":
+        if ev.key in ATTENTION_RANGES:
             attn_us += ev.cpu_time_total
-        elif ev.key == "layer_op":
+        elif ev.key in LAYER_OP_RANGES:
             ops_us += ev.cpu_time_total
     # Self times of ops outside the attention ranges: walk the event tree once.
     for ev in prof.events():
@@ -210,7 +214,7 @@ def measure(args: EngineArgs, batch: int, context: int, steps: int) -> dict:
 def _accumulate(ev, gemm_us: float, ops_us: float) -> tuple[float, float]:
     """Add self CPU time of ev's subtree to gemm / other ops, skipping the "attention" and "layer_op" ranges (counted
     whole)."""
-    if ev.name in ("attention", "layer_op"):
+    if ev.name in ATTENTION_RANGES or ev.name in LAYER_OP_RANGES:
         return gemm_us, ops_us
     if ev.name in GEMM_OPS:
         gemm_us += ev.self_cpu_time_total
@@ -233,6 +237,9 @@ def main(argv=None) -> int:
                    help="comma-separated attention backends to compare (auto, torch, cpu; see kernels.select_ops)")
     p.add_argument("--packed-weights", default="on",
                    help="comma-separated on/off: bf16 linears prepacked for oneDNN (engine.packing) or plain")
+    p.add_argument("--enforce-eager", default="off",
+                   help="comma-separated off/on: on runs every layer's ops from Python instead of the cpu backend's "
+                        "one-call decode loop (engine.cpu_decode_stack)")
     p.add_argument("--batches", default="1,16,64")
     p.add_argument("--context", type=int, default=256, help="prompt tokens per request")
     p.add_argument("--steps", type=int, default=10, help="decode steps timed (and profiled) per point")
@@ -251,17 +258,18 @@ def main(argv=None) -> int:
     print(f"# {report['machine']}; flags {' '.join(report['cpu_flags'])}; commit {report['commit']}; "
           f"{a.threads} thread(s); copy bandwidth {report['copy_bytes_s'] / 1e9:.1f} GB/s, read "
           f"{report['read_bytes_s'] / 1e9:.1f} GB/s")
-    print("dtype     attn  pack batch  step ms   tok/s  GEMM@B GF/s  model GF/s  frac   wbytes/copy  "
+    print("dtype     attn  pack eager batch  step ms   tok/s  GEMM@B GF/s  model GF/s  frac   wbytes/copy  "
           "roofline  gemm  attn  other  python")
-    for name, backend, packing in ((n, be, pk) for n in a.dtypes.split(",") for be in a.backends.split(",")
-                                   for pk in a.packed_weights.split(",")):
+    for name, backend, packing, eager in ((n, be, pk, e) for n in a.dtypes.split(",") for be in a.backends.split(",")
+                                          for pk in a.packed_weights.split(",") for e in a.enforce_eager.split(",")):
         dt, _, quant = name.partition("+")
         for b in batches:
             args = replace(base, dtype=dt, quantization=quant or "none", attention_backend=backend,
-                           packed_weights=packing == "on", kv_tokens=b * (a.context + 4 * a.steps + 32) + 64)
+                           packed_weights=packing == "on", enforce_eager=eager == "on", kv_tokens=b * (a.context + 4 * a.steps + 32) + 64)
             point = measure(args, b, a.context, a.steps)
             torch_dtype = getattr(torch, dt)  # the GEMM baseline stays the dense one: what int8 must beat
             point["dtype"], point["attention_backend"] = name, point.pop("backend")
+            point["enforce_eager"] = eager == "on"
             # bf16: oneDNN-prepacked weights; fp32: the cpu backend's small-batch kernel (engine.packing)
             point["packed_weights"] = packing == "on" and dt in ("bfloat16", "float32") and quant in ("", "none")
             point["gemm_flop_s"] = gemm_rate(point.pop("shapes"), b, torch_dtype)
@@ -272,7 +280,7 @@ def main(argv=None) -> int:
             point["roofline_fraction"] = max(point.pop("flops") / point["gemm_flop_s"],
                                              point.pop("bytes") / report["read_bytes_s"]) / point.pop("step_s")
             sp = point["split"]
-            print(f"{name:9} {point['attention_backend']:5} {'on' if point['packed_weights'] else '-':4} {b:5d} "
+            print(f"{name:9} {point['attention_backend']:5} {'on' if point['packed_weights'] else '-':4} {eager:5} {b:5d} "
                   f"{point['step_ms']:8.1f} {point['tok_s']:7.1f} {point['gemm_flop_s'] / 1e9:11.1f} "
                   f"{point['model_flop_s'] / 1e9:11.1f} {point['fraction']:5.2f} {point['bandwidth_fraction']:12.2f}  "
                   f"{point['roofline_fraction']:8.2f}  "

@@ -47,8 +47,9 @@ class EngineArgs:
         tensor_parallel_size: ranks, one process each, that split the model (`engine.parallel`); 1 = none. On CUDA
             rank r runs on the device's index + r (`engine.parallel.rank_device`).
         random_weights: build the model from its config with random weights (tests, GPU-less benchmarks).
-        enforce_eager: on CUDA, run every step eagerly instead of replaying captured graphs of all-decode steps
-            (`engine.cuda_graphs`; vLLM's flag of the same name). No effect on CPU.
+        enforce_eager: run every step eagerly, op by op from Python: on CUDA instead of replaying captured graphs of
+            all-decode steps (`engine.cuda_graphs`; vLLM's flag of the same name), on CPU instead of the cpu
+            backend's one-call decode loop (`engine.cpu_decode_stack`).
     """
 
     model_dir: str = field(metadata={"cli": False})
@@ -98,5 +99,5 @@ class EngineArgs:
                 "on cuda:k+r for --device cuda:k)"})
     random_weights: bool = field(default=False, metadata={"help": "random weights from the model's config"})
     enforce_eager: bool = field(default=False, metadata={
-        "help": "CUDA: no CUDA graphs (all-decode steps are captured per padded batch size and replayed by "
-                "default); no effect on CPU"})
+        "help": "run every step op by op from Python: on CUDA no CUDA graphs (all-decode steps are captured per "
+                "padded batch size and replayed by default), on CPU no one-call C++ decode loop"})

@@ -73,7 +73,7 @@ def build_runner(args: EngineArgs, model_config: ModelConfig, cache_config: Cach
                        attention_backend=args.attention_backend, quantization=args.quantization,
                        packed_weights=args.packed_weights,
                        cuda_graph_sizes=capture_sizes(args.max_num_seqs) if graphs else None,
-                       max_model_len=max_model_len, tp=tp)
+                       max_model_len=max_model_len, tp=tp, cpu_decode_stack=not args.enforce_eager)
 
 
 def build_engine(args: EngineArgs, tp: TensorParallel = SINGLE,

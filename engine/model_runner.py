@@ -11,6 +11,7 @@ import torch
 
 from engine.attention import AttentionMetadata, fill_block_tables
 from engine.config import CacheConfig, ModelConfig
+from engine.cpu_decode_stack import CpuDecodeStack
 from engine.cuda_graphs import DecodeGraphs
 from engine.kv_cache import KVCache
 from engine.models.registry import architecture
@@ -73,6 +74,8 @@ class ModelRunner:
         max_model_len: longest context in tokens; sizes the captured block tables (needed with graphs).
         tp: this rank's place in its tensor-parallel group (`engine.parallel`); the model holds the rank's share,
             and the runner allocates the rank's shard of the KV cache on `device` (`engine.kv_cache.KVCache`).
+        cpu_decode_stack: run all-decode steps' layers in one C++ call where the model and backend allow it
+            (`engine.cpu_decode_stack`); False runs every step through the model's forward (benchmarks compare).
 
     Raises:
         ValueError: an unknown or unusable attention backend (`kernels.select_ops`), quantization of a float32
@@ -82,7 +85,8 @@ class ModelRunner:
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig,
                  state_dict: dict[str, torch.Tensor] | None, device: str = "cpu", seed: int = 0,
                  attention_backend: str = "auto", quantization: str = "none", packed_weights: bool = True,
-                 cuda_graph_sizes: list[int] | None = None, max_model_len: int = 0, tp: TensorParallel = SINGLE):
+                 cuda_graph_sizes: list[int] | None = None, max_model_len: int = 0, tp: TensorParallel = SINGLE,
+                 cpu_decode_stack: bool = True):
         torch.manual_seed(seed)
         self.model_config, self.tp = model_config, tp
         self.device = torch.device(device)
@@ -98,6 +102,8 @@ class ModelRunner:
         elif packed_weights:
             pack_linears(self.model, self.attention_ops.small_batch_linear)
         self.kv_cache = KVCache(model_config, cache_config, self.device)
+        # All-decode steps' layers in one C++ call on CPU (the cpu backend; None elsewhere or for a model it cannot run)
+        self.decode_stack = CpuDecodeStack.build(self.model, self.attention_ops) if cpu_decode_stack else None
         self.block_size = cache_config.block_size
         self.sampler = Sampler(model_config.vocab_size, seed)
         self.decode_graphs = None
@@ -216,9 +222,12 @@ class ModelRunner:
             prefill_block_tables=self._block_tables(step.prefill_block_tables),
             prefill_max_query_len=max(step.prefill_query_lens, default=0),
         )
-        hidden = self.model(torch.tensor(step.input_ids, dtype=torch.long, device=dev),
-                            torch.tensor(step.positions, dtype=torch.long, device=dev), meta, self.kv_cache.layers,
-                            on_layer_written=on_layer)
+        input_ids = torch.tensor(step.input_ids, dtype=torch.long, device=dev)
+        positions = torch.tensor(step.positions, dtype=torch.long, device=dev)
+        if self.decode_stack is not None and not step.prefill_query_lens and on_layer is None:
+            hidden = self.decode_stack(input_ids, positions, meta, self.kv_cache.layers)
+        else:
+            hidden = self.model(input_ids, positions, meta, self.kv_cache.layers, on_layer_written=on_layer)
         if step.logit_rows is not None and not step.logit_rows:
             return None
         return self.model.compute_logits(hidden if step.logit_rows is None else hidden[step.logit_rows])

@@ -49,6 +49,9 @@ class AttentionOps:
     # fp32 y = x W^T (+ b) for the few rows of a decode step, (x [M, K], weight [N, K], bias [N] | None) -> [M, N]
     # (the cpu backend's `kernels/cpu_linear.c`; `engine.packing.SmallBatchLinear` decides when), or None.
     small_batch_linear: Callable[..., torch.Tensor] | None = None
+    # Every decoder layer of an all-decode step in one call (the cpu backend's `pdserve::decode_layers`;
+    # `engine.cpu_decode_stack` calls it), or None.
+    decode_layers: Callable[..., torch.Tensor] | None = None
 
 
 def triton_usable(device: torch.device | str) -> bool:
@@ -117,4 +120,4 @@ def _cpu_ops() -> AttentionOps:
 
     c = CpuKernels.load()
     return AttentionOps("cpu", c.rotary_and_write_kv, c.paged_decode_attention, c.prefill_attention, c.rms_norm,
-                        c.silu_and_mul, small_batch_linear=c.linear_small_m)
+                        c.silu_and_mul, small_batch_linear=c.linear_small_m, decode_layers=c.decode_layers)

@@ -111,6 +111,10 @@ def _register_fakes() -> None:
     def _(x, weight, bias=None):
         return x.new_empty((x.shape[0], weight.shape[0]))
 
+    @torch.library.register_fake("pdserve::decode_layers")
+    def _(residual, x, *args):
+        return x.new_empty(x.shape)
+
 
 def cpu_isa() -> str:
     """The ISA level whose build the ops run now ("avx512_bf16", "avx512", "avx2" or "base"). Raises
@@ -151,6 +155,9 @@ class CpuKernels:
         # fp32 (x [M, K], weight [N, K], bias [N] or None) -> x W^T + b [M, N] (`kernels/cpu_linear.c`); raises
         # ValueError on another dtype or mismatched shapes. Fast for small M only: `engine.packing.SmallBatchLinear`.
         self.linear_small_m = ops.linear_small_m.default
+        # Every layer of a dense pre-norm decoder over an all-decode step in one call, the same ops as the model's
+        # forward; its arguments are `engine.cpu_decode_stack.CpuDecodeStack`'s (kernels/cpu_ops.cpp documents them).
+        self.decode_layers = ops.decode_layers.default
 
     @classmethod
     def load(cls) -> CpuKernels:
