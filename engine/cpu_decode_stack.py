@@ -7,8 +7,8 @@ AVX512-BF16): 20% of a 9.4 ms step was Python between the ops, more than the att
 
 Which steps: all-decode steps (no prefill chunk, no n-gram drafts, no layer-wise KV streaming) of a dense
 pre-norm decoder (`engine.models.decoder.DecoderModel`'s own forward: Llama, Mistral, Qwen2, Phi-3) without tensor
-parallelism, sliding windows per layer allowed, whose linears are all one CPU form of `engine.packing` (oneDNN
-prepacked bf16, or fp32 through the small-batch kernel) or all plain `nn.Linear`. Everything else runs the model's
+parallelism, sliding windows per layer allowed, whose linears are all one CPU form: `engine.packing`'s (oneDNN
+prepacked bf16, or fp32 through the small-batch kernel), `engine.quantization`'s (int8, int4) or plain `nn.Linear`. Everything else runs the model's
 forward (`CpuDecodeStack.build` returns None for a model it cannot run).
 """
 from __future__ import annotations
@@ -19,44 +19,42 @@ from torch import nn
 from engine.attention import AttentionMetadata
 from engine.models.decoder import DecoderModel
 from engine.packing import SMALL_BATCH_ROWS, PackedLinear, SmallBatchLinear
+from engine.quantization import Int4WeightOnlyLinear, Int8WeightOnlyLinear
 from kernels import AttentionOps
 
 # `pdserve::decode_layers`'s linear_form (kernels/cpu_ops.cpp).
-TORCH_LINEAR, PACKED_LINEAR, SMALL_M_LINEAR = 0, 1, 2
+TORCH_LINEAR, PACKED_LINEAR, SMALL_M_LINEAR, INT8_LINEAR, INT4_LINEAR = 0, 1, 2, 3, 4
 _LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
 
 
-def _form(module: nn.Module) -> int | None:
-    """The linear form of one projection, or None for one the C++ loop does not apply (quantized)."""
+def _linear(module: nn.Module) -> tuple[int, torch.Tensor, torch.Tensor | None] | None:
+    """(form, weight, aux) of one projection as `pdserve::decode_layers` takes it, or None for one it does not
+    apply: aux is the int8 scales or the int4 scales and zeros, else None."""
     if isinstance(module, PackedLinear):
-        return PACKED_LINEAR
+        return PACKED_LINEAR, module.packed_weight, None
     if isinstance(module, SmallBatchLinear):
-        return SMALL_M_LINEAR
-    return TORCH_LINEAR if type(module) is nn.Linear else None
-
-
-def _weight(module: nn.Module) -> torch.Tensor:
-    return module.packed_weight if isinstance(module, PackedLinear) else module.weight.detach()
-
-
-def _bias(module: nn.Module) -> torch.Tensor | None:
-    return None if module.bias is None else module.bias.detach()
+        return SMALL_M_LINEAR, module.weight, None
+    if isinstance(module, Int8WeightOnlyLinear) and module.on_cpu:
+        return INT8_LINEAR, module.weight_int8, module.scale
+    if isinstance(module, Int4WeightOnlyLinear) and module.on_cpu:
+        return INT4_LINEAR, module.weight_int4, module.scale_zero
+    if type(module) is nn.Linear:
+        return TORCH_LINEAR, module.weight.detach(), None
+    return None
 
 
 class CpuDecodeStack:
     """A model's decoder layers as one `pdserve::decode_layers` call per all-decode step. Holds the model's own
     weight tensors (no copy). Get one with `build`."""
 
-    def __init__(self, model: DecoderModel, decode_layers, form: int):
+    def __init__(self, model: DecoderModel, decode_layers, form: int,
+                 linears: list[tuple[nn.Module, torch.Tensor, torch.Tensor | None]]):
         self.model, self._decode_layers, self.form = model, decode_layers, form
         layers = model.layers
-        mods = [[layer.get_submodule(name) for name in _LINEARS] for layer in layers]
-        self.qkv_weight = [_weight(m[0]) for m in mods]
-        self.qkv_bias = [_bias(m[0]) for m in mods]
-        self.o_weight = [_weight(m[1]) for m in mods]
-        self.o_bias = [_bias(m[1]) for m in mods]
-        self.gate_up_weight = [_weight(m[2]) for m in mods]
-        self.down_weight = [_weight(m[3]) for m in mods]
+        # 4 a layer, in _LINEARS order
+        self.linear_weights = [weight for _, weight, _ in linears]
+        self.linear_aux = [aux for _, _, aux in linears]
+        self.linear_biases = [None if m.bias is None else m.bias.detach() for m, _, _ in linears]
         self.post_norm = [layer.post_attention_layernorm.weight.detach() for layer in layers]
         # Layer l's MLP output is added into the residual and normalised by the next layer's input norm (the final
         # norm after the last layer), as DecoderModel.forward does.
@@ -68,16 +66,18 @@ class CpuDecodeStack:
     @classmethod
     def build(cls, model: nn.Module, ops: AttentionOps) -> CpuDecodeStack | None:
         """The C++ loop over `model`'s layers, or None when it cannot run them (see the module docstring): another
-        backend than "cpu", a model with its own forward, tensor parallelism, MoE or Qwen3's q/k norms, quantized
-        or mixed linear forms, or no layers."""
+        backend than "cpu", a model with its own forward, tensor parallelism, MoE or Qwen3's q/k norms, linears of
+        mixed forms or of a form it does not know, or no layers."""
         if (ops.decode_layers is None or not isinstance(model, DecoderModel)
                 or type(model).forward is not DecoderModel.forward or model.tp.size > 1 or model.cfg.moe is not None
                 or model.cfg.qk_norm or not len(model.layers)):
             return None
-        forms = {_form(layer.get_submodule(name)) for layer in model.layers for name in _LINEARS}
+        modules = [layer.get_submodule(name) for layer in model.layers for name in _LINEARS]
+        found = [_linear(m) for m in modules]
+        forms = {f[0] if f is not None else None for f in found}
         if len(forms) != 1 or None in forms:
             return None
-        return cls(model, ops.decode_layers, forms.pop())
+        return cls(model, ops.decode_layers, forms.pop(), [(m, w, aux) for m, (_, w, aux) in zip(modules, found)])
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                  kv_layers: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
@@ -99,6 +99,5 @@ class CpuDecodeStack:
             form = TORCH_LINEAR if self.form == SMALL_M_LINEAR and x.shape[0] > SMALL_BATCH_ROWS else self.form
             return self._decode_layers(
                 h, x, cos, sin, meta.slot_mapping, meta.decode_block_tables, meta.decode_context_lens,
-                [k for k, _ in kv_layers], [v for _, v in kv_layers], self.qkv_weight, self.qkv_bias, self.o_weight,
-                self.o_bias, self.post_norm, self.gate_up_weight, self.down_weight, self.next_norm, self.windows,
-                form, self.eps, self.scale)
+                [k for k, _ in kv_layers], [v for _, v in kv_layers], self.linear_weights, self.linear_aux,
+                self.linear_biases, self.post_norm, self.next_norm, self.windows, form, self.eps, self.scale)

@@ -26,7 +26,10 @@ import torch.nn.functional as F
 from torch import nn
 
 ACTIVATION_DTYPES = (torch.bfloat16, torch.float16)  # what both packed ops take (their fp32 paths are slow)
-INT4_GROUP_SIZES = (32, 64, 128, 256)  # what aten._weight_int4pack_mm_for_cpu accepts
+INT4_GROUP_SIZES = (32, 64, 128, 256)
+# aten._weight_int8pack_mm on CPU (torch 2.13) segfaults for 2 or more rows when in_features is not a multiple of 16
+# (K = 8, 24, 40, 72, 104, 136 crashed at M = 2, 4, 5, 8, 16; every multiple of 16 ran): refused before it runs.
+INT8_CPU_K_MULTIPLE = 16  # what aten._weight_int4pack_mm_for_cpu accepts
 # The ops as torch's Python bindings (torch._C._VariableFunctions), not through torch.ops.aten's OpOverloadPacket,
 # whose Python __call__ added about 0.4 us to each of a batch-1 step's 121 matmuls (AMD EPYC VM).
 _INT8_MM = torch._weight_int8pack_mm
@@ -59,7 +62,8 @@ class Int8WeightOnlyLinear(_WeightOnlyLinear):
         linear: the layer to quantize (its weight is [out, in]; its bias, if any, is kept as it is).
 
     Raises:
-        ValueError: the layer's dtype is not bf16 or fp16 (the op's fp32 path is a slow reference kernel).
+        ValueError: the layer's dtype is not bf16 or fp16 (the op's fp32 path is a slow reference kernel), or on
+            CPU its in_features is not a multiple of INT8_CPU_K_MULTIPLE.
     """
 
     def __init__(self, linear: nn.Linear):
@@ -67,6 +71,9 @@ class Int8WeightOnlyLinear(_WeightOnlyLinear):
         if linear.weight.dtype not in ACTIVATION_DTYPES:
             raise ValueError(f"int8 weight-only quantization needs bf16 or fp16 weights and activations, got "
                              f"{linear.weight.dtype}; use --dtype bfloat16 (or auto on a CPU with bf16 units)")
+        if linear.weight.device.type == "cpu" and linear.in_features % INT8_CPU_K_MULTIPLE:
+            raise ValueError(f"int8 weight-only on CPU needs in_features divisible by {INT8_CPU_K_MULTIPLE}, got "
+                             f"{linear.in_features}")
         w = linear.weight.detach().float()
         # Rounded to the activation dtype first, and the weights quantized with that scale: rounding against the
         # fp32 scale and then storing it in bf16 nearly doubled the worst error (127 steps x bf16's 2^-8).

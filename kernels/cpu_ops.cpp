@@ -17,6 +17,8 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/_weight_int4pack_mm_for_cpu.h>
+#include <ATen/ops/_weight_int8pack_mm.h>
 #include <ATen/ops/linear.h>
 #include <ATen/record_function.h>
 #include <c10/util/Exception.h>
@@ -294,8 +296,9 @@ at::Tensor linear_small_m(const at::Tensor &x, const at::Tensor &weight, const s
                              at::get_num_threads());
     return out;
 }
-// The linear forms decode_layers applies (engine.packing): torch's own, oneDNN's prepacked bf16, our fp32 kernel.
-enum LinearForm : int64_t { kTorchLinear = 0, kPackedLinear = 1, kSmallMLinear = 2 };
+// The linear forms decode_layers applies (engine.packing, engine.quantization): torch's own, oneDNN's prepacked
+// bf16, our fp32 kernel, torch's int8 and int4 weight-only packed ops.
+enum LinearForm : int64_t { kTorchLinear = 0, kPackedLinear = 1, kSmallMLinear = 2, kInt8Linear = 3, kInt4Linear = 4 };
 
 // y = x W^T + b through oneDNN with W prepacked (torch.ops.mkldnn._linear_pointwise, the op engine.packing calls),
 // boxed through the dispatcher: it is registered by libtorch and has no C++ header.
@@ -308,11 +311,23 @@ at::Tensor packed_linear(const at::Tensor &x, const at::Tensor &packed_weight, c
     return stack[0].toTensor();
 }
 
-at::Tensor apply_linear(int64_t form, const at::Tensor &x, const at::Tensor &weight,
+// One linear of form `form`: weight is the form's weight tensor (plain [N, K], oneDNN-packed, int8 [N, K] or the int4
+// pack), aux the int8 scales [N] or the int4 scales and zeros [K / group, N, 2] (engine.quantization).
+at::Tensor apply_linear(int64_t form, const at::Tensor &x, const at::Tensor &weight, const std::optional<at::Tensor> &aux,
                         const std::optional<at::Tensor> &bias) {
-    if (form == kPackedLinear) return packed_linear(x, weight, bias);
-    if (form == kSmallMLinear) return linear_small_m(x, weight, bias);
-    return at::linear(x, weight, bias);
+    switch (form) {
+        case kPackedLinear: return packed_linear(x, weight, bias);
+        case kSmallMLinear: return linear_small_m(x, weight, bias);
+        case kInt8Linear:
+        case kInt4Linear: {
+            TORCH_CHECK_VALUE(aux.has_value(), "decode_layers: a quantized linear needs its scales");
+            at::Tensor y = form == kInt8Linear
+                ? at::_weight_int8pack_mm(x.contiguous(), weight, *aux)
+                : at::_weight_int4pack_mm_for_cpu(x.contiguous(), weight, x.size(1) / aux->size(0), *aux);
+            return bias ? y.add_(*bias) : y;
+        }
+        default: return at::linear(x, weight, bias);
+    }
 }
 
 // Every layer of a pre-norm decoder (engine.models.decoder.DecoderModel.forward) over an all-decode step, in one
@@ -320,29 +335,34 @@ at::Tensor apply_linear(int64_t form, const at::Tensor &x, const at::Tensor &wei
 // op calls of a 30-layer step cost about a fifth of the step in Python dispatch (bench/step_profile.py); a CUDA
 // graph removes that cost on a GPU, this loop on a CPU.
 //
-// residual [B, hidden] is the residual stream h (updated in place), x = rms_norm(h) with layer 0's input norm; per
-// layer l: qkv_weight[l] (+ qkv_bias[l]), o_weight[l] (+ o_bias[l]), post_norm[l] (post-attention norm weight),
-// gate_up_weight[l], down_weight[l], next_norm[l] (the next layer's input norm, the final norm for the last),
-// windows[l] (sliding window, 0: full); the caches as rotary_and_write_kv and paged_decode_attention take them.
-// Returns the last layer's normalised hidden states [B, hidden].
+// residual [B, hidden] is the residual stream h (updated in place), x = rms_norm(h) with layer 0's input norm.
+// The linears come 4 a layer (qkv, o, gate_up, down), their weights, aux tensors (apply_linear) and biases in
+// linear_weights / linear_aux / linear_biases; per layer l: post_norm[l] (post-attention norm weight), next_norm[l]
+// (the next layer's input norm, the final norm for the last), windows[l] (sliding window, 0: full); the caches as
+// rotary_and_write_kv and paged_decode_attention take them. Returns the last layer's normalised hidden states
+// [B, hidden].
 at::Tensor decode_layers(const at::Tensor &residual, const at::Tensor &x, const at::Tensor &cos, const at::Tensor &sin,
                          const at::Tensor &slot_mapping, const at::Tensor &block_tables,
                          const at::Tensor &context_lens, at::TensorList k_caches, at::TensorList v_caches,
-                         at::TensorList qkv_weight, const c10::List<std::optional<at::Tensor>> &qkv_bias,
-                         at::TensorList o_weight, const c10::List<std::optional<at::Tensor>> &o_bias,
-                         at::TensorList post_norm, at::TensorList gate_up_weight, at::TensorList down_weight,
+                         at::TensorList linear_weights, const c10::List<std::optional<at::Tensor>> &linear_aux,
+                         const c10::List<std::optional<at::Tensor>> &linear_biases, at::TensorList post_norm,
                          at::TensorList next_norm, at::IntArrayRef windows, int64_t linear_form, double eps,
                          double scale) {
     const size_t layers = k_caches.size();
-    for (const size_t n : {v_caches.size(), qkv_weight.size(), qkv_bias.size(), o_weight.size(), o_bias.size(),
-                           post_norm.size(), gate_up_weight.size(), down_weight.size(), next_norm.size(),
-                           windows.size()})
+    for (const size_t n : {v_caches.size(), post_norm.size(), next_norm.size(), windows.size()})
         TORCH_CHECK_VALUE(n == layers, "decode_layers: every per-layer list must have ", layers,
                           " entries (one per KV cache layer), got one of ", n);
-    TORCH_CHECK_VALUE(linear_form >= kTorchLinear && linear_form <= kSmallMLinear, "decode_layers: linear_form must "
-                      "be 0 (torch), 1 (oneDNN prepacked) or 2 (fp32 small-M kernel), got ", linear_form);
+    for (const size_t n : {linear_weights.size(), linear_aux.size(), linear_biases.size()})
+        TORCH_CHECK_VALUE(n == 4 * layers, "decode_layers: the linear lists must have 4 entries a layer (",
+                          4 * layers, "), got one of ", n);
+    TORCH_CHECK_VALUE(linear_form >= kTorchLinear && linear_form <= kInt4Linear, "decode_layers: linear_form must be "
+                      "0 (torch), 1 (oneDNN prepacked), 2 (fp32 small-M kernel), 3 (int8) or 4 (int4), got ",
+                      linear_form);
     TORCH_CHECK_VALUE(x.dim() == 2, "decode_layers: x must be [num_seqs, hidden], got shape ", x.sizes());
     const int64_t num_seqs = x.size(0);
+    const auto linear = [&](size_t i, const at::Tensor &in) {
+        return apply_linear(linear_form, in, linear_weights[i], linear_aux.get(i), linear_biases.get(i));
+    };
     at::Tensor hidden = x;
     // Profiler ranges around the calls that skip the dispatcher (bench/step_profile.py attributes them; a flag
     // test when no profiler runs).
@@ -351,29 +371,28 @@ at::Tensor decode_layers(const at::Tensor &residual, const at::Tensor &x, const 
         const at::Tensor &k_cache = k_caches[l], &v_cache = v_caches[l];
         TORCH_CHECK_VALUE(k_cache.dim() == 4, "k_cache must have 4 dims, got shape ", k_cache.sizes());
         const int64_t head_dim = k_cache.size(3);
-        at::Tensor qkv = apply_linear(linear_form, hidden, qkv_weight[l], qkv_bias.get(l));
+        at::Tensor qkv = linear(4 * l, hidden);
         TORCH_CHECK_VALUE(qkv.size(1) % head_dim == 0, "decode_layers: a qkv row of ", qkv.size(1),
                           " values is not whole heads of ", head_dim);
         qkv = qkv.view({num_seqs, qkv.size(1) / head_dim, head_dim});
-        at::Tensor attn;
+        at::Tensor attn, act;
         {
             PDSERVE_RANGE("attention");
             rotary_and_write_kv(qkv, cos, sin, k_cache, v_cache, slot_mapping);
             attn = paged_decode_attention(qkv.narrow(1, 0, qkv.size(1) - 2 * k_cache.size(2)), k_cache, v_cache,
                                           block_tables, context_lens, scale, windows[l]);
         }
-        const at::Tensor o = apply_linear(linear_form, attn.view({num_seqs, -1}), o_weight[l], o_bias.get(l));
-        at::Tensor act;
+        const at::Tensor o = linear(4 * l + 1, attn.view({num_seqs, -1}));
         {
             PDSERVE_RANGE("layer_op");
             hidden = rms_norm(o, post_norm[l], eps, residual);
         }
-        const at::Tensor gate_up = apply_linear(linear_form, hidden, gate_up_weight[l], std::nullopt);
+        const at::Tensor gate_up = linear(4 * l + 2, hidden);
         {
             PDSERVE_RANGE("layer_op");
             act = silu_and_mul(gate_up);
         }
-        const at::Tensor mlp = apply_linear(linear_form, act, down_weight[l], std::nullopt);
+        const at::Tensor mlp = linear(4 * l + 3, act);
         PDSERVE_RANGE("layer_op");
         hidden = rms_norm(mlp, next_norm[l], eps, residual);
     }
@@ -419,9 +438,8 @@ TORCH_LIBRARY(pdserve, m) {
     m.def("linear_small_m(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor");
     m.def("decode_layers(Tensor(a!) residual, Tensor x, Tensor cos, Tensor sin, Tensor slot_mapping, "
           "Tensor block_tables, Tensor context_lens, Tensor(b!)[] k_caches, Tensor(c!)[] v_caches, "
-          "Tensor[] qkv_weight, Tensor?[] qkv_bias, Tensor[] o_weight, Tensor?[] o_bias, Tensor[] post_norm, "
-          "Tensor[] gate_up_weight, Tensor[] down_weight, Tensor[] next_norm, int[] windows, int linear_form, "
-          "float eps, float scale) -> Tensor");
+          "Tensor[] linear_weights, Tensor?[] linear_aux, Tensor?[] linear_biases, Tensor[] post_norm, "
+          "Tensor[] next_norm, int[] windows, int linear_form, float eps, float scale) -> Tensor");
     // The ISA builds, and the torch this library was compiled against (kernels/cpu_ops.py checks it at load).
     m.def("cpu_isa() -> str", &cpu_isa);
     m.def("cpu_isas() -> str[]", &cpu_isas);

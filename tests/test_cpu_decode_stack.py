@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from engine.config import CacheConfig, ModelConfig
-from engine.cpu_decode_stack import PACKED_LINEAR, SMALL_M_LINEAR, TORCH_LINEAR, CpuDecodeStack
+from engine.cpu_decode_stack import (INT4_LINEAR, INT8_LINEAR, PACKED_LINEAR, SMALL_M_LINEAR, TORCH_LINEAR,
+                                     CpuDecodeStack)
 from engine.model_runner import ModelRunner
 from engine.packing import packing_supported
 from test_tp_heads import BLOCK, _gemma, _llama, greedy_steps
@@ -31,33 +32,39 @@ def _qwen3():
                                         max_position_embeddings=128))
 
 
-def _runner(model, dtype: torch.dtype, stack: bool, packed: bool = True, prompts: int = 2) -> ModelRunner:
+def _runner(model, dtype: torch.dtype, stack: bool, packed: bool = True, prompts: int = 2,
+            quantization: str = "none") -> ModelRunner:
     cfg = ModelConfig.from_hf(model.config, name="m", path="", dtype=str(dtype).removeprefix("torch."))
     return ModelRunner(cfg, CacheConfig(block_size=BLOCK, num_blocks=8 * prompts), model.state_dict(),
-                       attention_backend="cpu", packed_weights=packed, cpu_decode_stack=stack)
+                       attention_backend="cpu", packed_weights=packed, quantization=quantization,
+                       cpu_decode_stack=stack)
 
 
 BF16_FORM = PACKED_LINEAR if packing_supported(torch.device("cpu"), torch.bfloat16) else TORCH_LINEAR
 
 
-@pytest.mark.parametrize("build,dtype,packed,form,batch", [
+@pytest.mark.parametrize("build,dtype,packed,form,batch,quantization", [
     (lambda: _llama(num_attention_heads=9, num_key_value_heads=3, hidden_size=72), torch.float32, True,
-     SMALL_M_LINEAR, 2),  # SmolLM2's head shape, q/k/v biases
-    (lambda: _llama(num_attention_heads=8, num_key_value_heads=2), torch.float32, True, SMALL_M_LINEAR, 65),
-    (lambda: _llama(num_attention_heads=8, num_key_value_heads=2), torch.float32, False, TORCH_LINEAR, 2),
-    (lambda: _llama(num_attention_heads=8, num_key_value_heads=2), torch.bfloat16, True, BF16_FORM, 3),
-    (_mistral_windowed, torch.float32, True, SMALL_M_LINEAR, 2),  # a sliding window shorter than the prompts
-], ids=["fp32-small-m-bias", "fp32-65-rows-torch-gemm", "fp32-unpacked", "bf16", "sliding-window"])
-def test_decode_stack_gives_the_forward_passes_logits_bit_for_bit(build, dtype, packed, form, batch):
+     SMALL_M_LINEAR, 2, "none"),  # SmolLM2's head shape, q/k/v biases
+    (lambda: _llama(num_attention_heads=8, num_key_value_heads=2), torch.float32, True, SMALL_M_LINEAR, 65, "none"),
+    (lambda: _llama(num_attention_heads=8, num_key_value_heads=2), torch.float32, False, TORCH_LINEAR, 2, "none"),
+    (lambda: _llama(num_attention_heads=8, num_key_value_heads=2), torch.bfloat16, True, BF16_FORM, 3, "none"),
+    (_mistral_windowed, torch.float32, True, SMALL_M_LINEAR, 2, "none"),  # a sliding window shorter than the prompts
+    (lambda: _llama(num_attention_heads=8, num_key_value_heads=2), torch.bfloat16, True, INT8_LINEAR, 2, "int8"),
+    (lambda: _llama(num_attention_heads=8, num_key_value_heads=2, vocab_size=256), torch.bfloat16, True, INT4_LINEAR,
+     2, "int4"),  # int4 packs 16 output rows at a time: a vocabulary of 256
+], ids=["fp32-small-m-bias", "fp32-65-rows-torch-gemm", "fp32-unpacked", "bf16", "sliding-window", "int8",
+        "int4"])
+def test_decode_stack_gives_the_forward_passes_logits_bit_for_bit(build, dtype, packed, form, batch, quantization):
     """Prefill `batch` prompts (lengths 11, 19, ...: across block boundaries), then 6 greedy decode steps through the
     C++ loop and through the model's forward: equal logits at every step. 65 rows go past the fp32 kernel's 64 (the
     loop then takes torch's GEMM, as SmallBatchLinear does)."""
     model = build()
     prompts = [[(7 * i + j) % 250 for j in range(11 + 8 * (i % 2))] for i in range(batch)]
-    with_stack = _runner(model, dtype, True, packed, batch)
+    with_stack = _runner(model, dtype, True, packed, batch, quantization)
     assert with_stack.decode_stack is not None and with_stack.decode_stack.form == form
     stacked = greedy_steps(with_stack, prompts, 6)
-    eager = greedy_steps(_runner(model, dtype, False, packed, batch), prompts, 6)
+    eager = greedy_steps(_runner(model, dtype, False, packed, batch, quantization), prompts, 6)
     for a, b in zip(stacked, eager):
         assert torch.equal(a, b)
 
@@ -71,14 +78,16 @@ def test_models_the_loop_does_not_cover_keep_their_forward(build, why):
     assert _runner(model, torch.float32, True).decode_stack is None, why
 
 
-def test_other_backends_and_quantized_linears_keep_the_forward():
+def test_other_backends_and_mixed_linears_keep_the_forward():
     model = _llama(num_attention_heads=8, num_key_value_heads=2)
     cfg = ModelConfig.from_hf(model.config, name="m", path="")
     torch_backend = ModelRunner(cfg, CacheConfig(block_size=BLOCK, num_blocks=16), model.state_dict(),
                                 attention_backend="torch")
     assert torch_backend.decode_stack is None
-    bf16 = ModelConfig.from_hf(model.config, name="m", path="", dtype="bfloat16")
-    quantized = ModelRunner(bf16, CacheConfig(block_size=BLOCK, num_blocks=16), model.state_dict(),
-                            attention_backend="cpu", quantization="int8")
-    assert quantized.decode_stack is None
-    assert CpuDecodeStack.build(torch.nn.Linear(2, 2), quantized.attention_ops) is None
+    cpu = ModelRunner(cfg, CacheConfig(block_size=BLOCK, num_blocks=16), model.state_dict(), attention_backend="cpu",
+                      cpu_decode_stack=False)
+    assert cpu.decode_stack is None
+    assert CpuDecodeStack.build(torch.nn.Linear(2, 2), cpu.attention_ops) is None
+    cpu.model.layers[1].mlp.down_proj = torch.nn.Identity()  # a form the loop does not know
+    assert CpuDecodeStack.build(cpu.model, cpu.attention_ops) is None
+    assert CpuDecodeStack.build(_runner(model, torch.float32, True).model, cpu.attention_ops) is not None
