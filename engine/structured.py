@@ -60,8 +60,8 @@ class GrammarCompiler:
     """Compiles constraints into matchers for one tokenizer, with an LRU cache of compiled templates.
 
     Args:
-        tokenizer_json: path of the model's tokenizer.json (HF fast tokenizer). Loaded at the first compile
-            (about 0.5 s for SmolLM2's 49152 tokens), not at engine start.
+        tokenizer_json: path of the model's tokenizer.json (HF fast tokenizer), loaded by `tokenizer()` (0.2-0.5 s
+            for SmolLM2's 49152 tokens; `engine.builder` calls it at engine start).
         vocab_size: the logits' width (the model's vocabulary; may exceed the tokenizer's).
         eos_token_ids: the model's end-of-sequence ids (allowed where the language may end).
         cache_size: compiled constraints kept.
@@ -76,7 +76,7 @@ class GrammarCompiler:
         self._tokenizer = None
         self._executor = None  # llguidance's batched mask filler (one thread: the engine's loop computes on the rest)
         self._cache: OrderedDict[tuple[str, str], object] = OrderedDict()
-        self._lock = threading.Lock()  # the engine thread compiles; a worker may warm the tokenizer from another
+        self._lock = threading.Lock()  # the tokenizer may be loaded from another thread than the engine's
         self.num_compiled = 0
 
     def tokenizer(self):

@@ -1,11 +1,22 @@
 #!/usr/bin/env bash
-# Fresh machine -> installed pdserve -> the whole test suite (unit + end-to-end with real processes).
+# Fresh machine -> installed pdserve -> the test suite (all tiers; pass pytest arguments to pick one, README).
+# The install runs when .venv is missing or what it is built from changed since the last install by this script
+# (the install script, the package and SDK definitions, the protos, the C kernels); PDSERVE_REINSTALL=1 forces it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/install.sh
+stamp=.venv/.installed-from
+inputs=$(cat scripts/install.sh pyproject.toml setup.py sdk/pyproject.toml sdk/setup.py proto/pdserve/v1/*.proto \
+         kernels/*.c kernels/*.cpp kernels/*.h | sha256sum | cut -d' ' -f1)
+if [ "${PDSERVE_REINSTALL:-0}" = 1 ] || [ ! -x .venv/bin/python ] || [ "$(cat "$stamp" 2>/dev/null)" != "$inputs" ]; then
+  bash scripts/install.sh
+  echo "$inputs" > "$stamp"
+else
+  echo "test.sh: .venv is current (PDSERVE_REINSTALL=1 reinstalls)"
+fi
 # A real Prometheus for tests/test_dashboard.py: Debian's package, where apt is there and we may use it (the test
 # skips, saying why, where it is not).
 if ! command -v prometheus >/dev/null && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+  echo "test.sh: installing Debian's prometheus for tests/test_dashboard.py"
   { timeout 300 apt-get install -y -q --no-install-recommends prometheus >/dev/null 2>&1 \
     || { timeout 300 apt-get update -q >/dev/null 2>&1 && timeout 300 apt-get install -y -q --no-install-recommends prometheus >/dev/null 2>&1; }; } \
     || echo "prometheus could not be installed: tests/test_dashboard.py will skip"

@@ -94,9 +94,10 @@ def test_serve_splits_the_cpus_among_its_workers():
     assert worker_threads(4, num_cpus=2) == 1  # never 0
 
 
-def test_a_gguf_converts_once_per_content_wherever_it_is(tmp_path, monkeypatch):
+def test_a_gguf_converts_once_per_content_wherever_it_is(tmp_path, monkeypatch, capsys):
     """The conversion cache is keyed by the file's bytes: the same GGUF at another path (a fresh install) with
-    another mtime reuses the converted directory; different bytes convert again."""
+    another mtime reuses the converted directory; different bytes convert again. Each conversion says so on stderr
+    (it takes minutes on a small machine)."""
     import os
     import subprocess
 
@@ -120,6 +121,8 @@ def test_a_gguf_converts_once_per_content_wherever_it_is(tmp_path, monkeypatch):
     first = models.resolve_model(str(a), cache)
     assert models.resolve_model(str(b), cache) == first and len(runs) == 1
     assert models.resolve_model(str(c), cache) != first and len(runs) == 2
+    err = capsys.readouterr().err
+    assert err.count("converting m.gguf to an HF-format directory, once") == 2 and err.count("converted m.gguf") == 2
 
 
 def test_a_grpc_server_on_a_busy_port_fails_to_start():
@@ -329,3 +332,39 @@ def test_serve_checks_its_port_and_the_model_before_it_spawns_anything(tmp_path,
         assert bad.returncode == 1 and "Traceback" not in bad.stderr, bad.stderr
         assert needle in bad.stderr and len(bad.stderr.strip().splitlines()) == 1, bad.stderr
         assert "starting pdserve" not in bad.stdout
+
+
+def test_starting_a_cluster_says_each_process_ready_and_what_is_still_starting(tmp_path, monkeypatch):
+    """`serve` is not silent while its workers load: each process is reported as it gets ready (k of N), and what is
+    still starting every WAIT_NOTE_S; a process that exits first is an error naming it."""
+    import subprocess
+    import sys
+
+    from cli import launcher
+    from server_common.errors import CommandError
+
+    monkeypatch.setattr(launcher, "WAIT_NOTE_S", 0.0)  # a note at every poll
+    procs = [(name, subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]), tmp_path / name)
+             for name in ("decode-0", "decode-1")]
+    lines: list[str] = []
+
+    def progress(line: str) -> None:
+        lines.append(line)
+        if "still starting" in line:  # one note while both wait, then they get ready one by one
+            for name, _, ready in procs:
+                if not ready.exists():
+                    ready.write_text(f'{{"address": "{name}"}}')
+                    break
+    try:
+        infos = launcher.wait_ready(procs, 60, progress, (0, 3))
+        assert [i["address"] for i in infos] == ["decode-0", "decode-1"]
+        assert "  decode-0 ready (1/3)" in lines and "  decode-1 ready (2/3)" in lines
+        assert any("still starting" in line and "decode-0, decode-1" in line for line in lines)
+        dead = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+        dead.wait()
+        with pytest.raises(CommandError, match="coordinator exited with code 3 before it was ready"):
+            launcher.wait_ready([("coordinator", dead, tmp_path / "never")], 60, progress)
+    finally:
+        for _, proc, _ in procs:
+            proc.kill()
+            proc.wait()
