@@ -13,6 +13,8 @@ forward (`CpuDecodeStack.build` returns None for a model it cannot run).
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -47,7 +49,7 @@ class CpuDecodeStack:
     """A model's decoder layers as one `pdserve::decode_layers` call per all-decode step. Holds the model's own
     weight tensors (no copy). Get one with `build`."""
 
-    def __init__(self, model: DecoderModel, decode_layers, form: int,
+    def __init__(self, model: DecoderModel, decode_layers: Callable[..., torch.Tensor], form: int,
                  linears: list[tuple[nn.Module, torch.Tensor, torch.Tensor | None]]):
         self.model, self._decode_layers, self.form = model, decode_layers, form
         layers = model.layers

@@ -2,6 +2,7 @@
 and clusters of real processes on ports chosen at run time."""
 from __future__ import annotations
 
+import inspect
 import os
 import shutil
 from pathlib import Path
@@ -11,6 +12,17 @@ import pytest
 os.environ.setdefault("UCX_TLS", "tcp,self")
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
 os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+
+
+def pytest_collection_modifyitems(items):
+    """The test tiers (README): a test that takes the packaged model (`real_model_dir`) as an argument is marked
+    `model` (it loads SmolLM2-135M's weights or files); `e2e` is set by the files that start processes. The fast
+    tier is `-m "not e2e and not model"`. (The tiny random model's fixture copies the packaged tokenizer, but its
+    tests stay in the fast tier: only a direct argument counts.)"""
+    for item in items:
+        function = getattr(item, "function", None)
+        if function is not None and "real_model_dir" in inspect.signature(function).parameters:
+            item.add_marker(pytest.mark.model)
 
 
 @pytest.fixture(scope="session")

@@ -163,7 +163,8 @@ def alive(pid: int) -> bool:
 def test_serve_leaves_no_process_behind(tiny_model_dir, tmp_path, ending):
     """SIGTERM used to kill `pdserve serve` alone and orphan its coordinator and workers; a dead coordinator used to
     leave `serve` supervising workers nobody could reach, never exiting. SIGTERM: exit 0; the coordinator killed:
-    exit 1, saying so. Either way no child outlives serve."""
+    exit 1, saying so. Either way no process of the cluster outlives serve: neither its children nor theirs (each
+    worker's engine process and multiprocessing's resource tracker)."""
     proc = subprocess.Popen([sys.executable, "-m", "cli.main", "serve", "--disaggregated", "--model",
                              str(tiny_model_dir), "--port", "0", "--kv-tokens", "1024", "--max-model-len", "256", "--log-dir", str(tmp_path)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -173,6 +174,8 @@ def test_serve_leaves_no_process_behind(tiny_model_dir, tmp_path, ending):
                 break
         children = children_of(proc.pid)
         assert len(children) == 3  # coordinator, prefill, decode
+        family = children + [g for c in children for g in children_of(c)]
+        assert len(family) >= 5  # and the two workers' engine processes
         if ending == "sigterm":
             proc.send_signal(signal.SIGTERM)
             assert proc.wait(60) == 0
@@ -182,8 +185,8 @@ def test_serve_leaves_no_process_behind(tiny_model_dir, tmp_path, ending):
             assert proc.wait(60) == 1
             assert "the coordinator exited" in proc.stdout.read()
         deadline = time.monotonic() + 30
-        while any(alive(c) for c in children):
-            assert time.monotonic() < deadline, "children outlived serve"
+        while any(alive(c) for c in family):
+            assert time.monotonic() < deadline, "processes of the cluster outlived serve"
             time.sleep(0.2)
     finally:
         if proc.poll() is None:
