@@ -50,8 +50,8 @@ def _block_geometry(model_dir: str, block_size: int) -> tuple[int, int]:
 
 def _receiver_main(backend: str, block_nbytes: int, num_blocks: int, conn) -> None:
     """Spawned process: serve KV offers into a preallocated cache until told to stop."""
-    from engine.transfer import get_backend, release_transports
-    from engine.transfer.receiver import KvReceiver
+    from kv_transfer import get_backend, release_transports
+    from kv_transfer.receiver import KvReceiver
 
     import torch
 
@@ -115,8 +115,8 @@ def connector(backend: str, block_nbytes: int, num_blocks: int, repeats: int, la
     of KvSender.send_layers with every layer already written (the layer-wise protocol's own cost: a message per
     block and layer, no compute to overlap)."""
     from engine.kv_stream import KvLayerProgress
-    from engine.transfer import release_transports
-    from engine.transfer.sender import KvSender
+    from kv_transfer import release_transports
+    from kv_transfer.sender import KvSender
 
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
@@ -195,7 +195,7 @@ def main() -> None:
     p.add_argument("--out", default=None)
     args = p.parse_args()
     from cli.models import resolve_model
-    from engine.transfer import available_backends
+    from kv_transfer import available_backends
 
     model_dir = args.model_dir or str(resolve_model(None))
     block_nbytes, num_layers = _block_geometry(model_dir, 16)

@@ -50,7 +50,7 @@ class Reservation:
 
 
 class Reservations:
-    """Maps request ids to reserved blocks for the KV receiver (`engine.transfer.receiver.ReceiveSink`).
+    """Maps request ids to reserved blocks for the KV receiver (`kv_transfer.receiver.ReceiveSink`).
 
     Blocks are never freed while a receive writes into them: a Decode call that ends mid-receive hands the free of
     its request to the receiver (`RequestStream.hand_over`), which runs it in `end_receive`.

@@ -8,12 +8,12 @@ import time
 
 import grpc
 
-from decode_worker.connector import choose_backend
+from kv_transfer.choice import choose_backend
 from decode_worker.reservations import Reservation, Reservations, ReservationState
 from engine.errors import EngineError, ErrorKind
 from engine.request import Request
-from engine.transfer import release_transports
-from engine.transfer.receiver import KvReceiver
+from kv_transfer import release_transports
+from kv_transfer.receiver import KvReceiver
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 from server_common.addresses import advertise_host
 from server_common.errors import CommandError

@@ -8,7 +8,7 @@ blocks straight from/into the cache (no staging copies), one region per rank (`K
 allocates its shard on its own device (CPU shared memory, or its GPU) and hands it to the worker (`export_shard`).
 The attention ops see per-layer views k_cache/v_cache of shape [num_blocks, block_size, kv_heads, head_dim]
 (strided in dim 0). Layer-wise streaming needs one layer of many blocks: kv[block, layer] (K then V) is slice
-`layer` of the block's region, and `engine/transfer/layer_gather.py` gathers a layer's slices of many blocks into
+`layer` of the block's region, and `kv_transfer/layer_gather.py` gathers a layer's slices of many blocks into
 one message per rank, layer and group of blocks (a copy: a message per slice cost more than the copy).
 """
 from __future__ import annotations

@@ -11,8 +11,8 @@ from engine.errors import EngineError, ErrorKind
 from engine.kv_stream import KvLayerProgress, LayerStreamEnded
 from engine.outputs import TokenOutput
 from engine.request import FinishReason, Request
-from engine.transfer import release_transports
-from engine.transfer.sender import KvSender, TransferError, TransferStats, blocks_to_send, uncancellable
+from kv_transfer import release_transports
+from kv_transfer.sender import KvSender, TransferError, TransferStats, blocks_to_send, uncancellable
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 from server_common.security import read_secret
 from server_common.tracing import Tracing, inject_context, record_span, tracer

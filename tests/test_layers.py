@@ -6,7 +6,7 @@ import sys
 import pytest
 
 HEAVY = ("torch", "triton", "transformers", "numpy")
-OURS = ("engine", "kernels", "worker_common", "prefill_worker", "decode_worker", "coordinator", "cli",
+OURS = ("engine", "kernels", "kv_transfer", "worker_common", "prefill_worker", "decode_worker", "coordinator", "cli",
         "server_common")
 
 
@@ -42,7 +42,16 @@ def test_other_commands_parse_without_torch(command):
     assert not loaded & {"torch", "triton", "transformers"}
 
 
-def test_engine_imports_no_grpc():
-    loaded = loaded_after("import engine.builder, engine.async_engine, engine.process_engine, "
-                          "engine.transfer.sender, engine.transfer.receiver")
-    assert not loaded & {"grpc", "pdserve", "coordinator", "worker_common", "cli", "server_common"}
+def test_engine_imports_no_grpc_and_no_kv_transfer():
+    """The engine exposes its KV cache's blocks; moving them between workers is `kv_transfer`'s, which the workers
+    use."""
+    loaded = loaded_after("import engine.builder, engine.async_engine, engine.process_engine")
+    assert not loaded & {"grpc", "pdserve", "coordinator", "worker_common", "cli", "server_common", "kv_transfer"}
+
+
+def test_kv_transfer_sits_between_the_engine_and_the_workers():
+    """kv_transfer takes the engine's error and layer-progress types (`engine.errors`, `engine.kv_stream`), never a
+    worker, a server or gRPC."""
+    loaded = loaded_after("import kv_transfer.sender, kv_transfer.receiver, kv_transfer.choice, kv_transfer.backends")
+    assert not loaded & {"grpc", "pdserve", "kernels", "coordinator", "worker_common", "prefill_worker",
+                         "decode_worker", "cli", "server_common"}

@@ -14,10 +14,10 @@ from grpc_status import rpc_status
 from cli.launcher import ServeConfig, _spawn, start_cluster, wait_ready
 from coordinator.ratelimit import RateLimiter
 from engine.errors import ErrorKind
-from engine.transfer import get_backend
-from engine.transfer.receiver import KvReceiver
-from engine.transfer.sender import KvSender, TransferError
-from engine.transfer.wire import PROTOCOL_VERSION
+from kv_transfer import get_backend
+from kv_transfer.receiver import KvReceiver
+from kv_transfer.sender import KvSender, TransferError
+from kv_transfer.wire import PROTOCOL_VERSION
 from pdserve import Client, SamplingParams, tls_credentials
 from pdserve.v1 import generate_pb2, worker_pb2, worker_pb2_grpc
 from server_common.security import BearerTokenInterceptor, presented_token, read_api_keys
@@ -145,8 +145,8 @@ def test_ucx_kv_port_refuses_a_huge_announced_size_before_allocating_it():
 
     import ucxx
 
-    from engine.transfer.channel import ChannelClosed
-    from engine.transfer.ucx import UcxChannel
+    from kv_transfer.channel import ChannelClosed
+    from kv_transfer.ucx import UcxChannel
 
     def rss_bytes() -> int:
         """This process's resident set now (the receiver runs in it)."""
@@ -171,7 +171,7 @@ def test_ucx_kv_port_refuses_a_huge_announced_size_before_allocating_it():
             await assert_still_serving(address, secret="s3cret")
         finally:
             receiver.close()
-            from engine.transfer.ucx import reset
+            from kv_transfer.ucx import reset
             reset()
     asyncio.run(main())
 

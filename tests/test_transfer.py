@@ -11,11 +11,11 @@ import torch
 
 from engine.errors import ErrorKind
 from engine.kv_stream import KvLayerProgress, LayerStreamEnded
-from engine.transfer import available_backends, get_backend, release_transports
-from engine.transfer.channel import ChannelClosed
-from engine.transfer import layer_gather
-from engine.transfer.receiver import KvReceiver
-from engine.transfer.sender import KvSender, TransferError
+from kv_transfer import available_backends, get_backend, release_transports
+from kv_transfer.channel import ChannelClosed
+from kv_transfer import layer_gather
+from kv_transfer.receiver import KvReceiver
+from kv_transfer.sender import KvSender, TransferError
 
 BACKENDS = available_backends()
 ROOT = Path(__file__).resolve().parent.parent
@@ -273,7 +273,7 @@ def _receiver_process(backend: str, port: int, events) -> None:
 def test_receiver_killed_with_channels_open_rebinds_its_port(backend):
     """Issue 28: a decode worker killed (-9) while a prefill worker's channel to its fixed KV port is open leaves that
     connection in TIME-WAIT on the port; the restarted worker must bind it again at once (over ucx this needs
-    UCX_CM_REUSEADDR, which `engine.transfer.ucx` sets), while a second live listener on it is still refused."""
+    UCX_CM_REUSEADDR, which `kv_transfer.ucx` sets), while a second live listener on it is still refused."""
     import multiprocessing
     import queue
     import socket
@@ -346,7 +346,7 @@ def test_retry_refused_after_a_dead_channel_is_a_failed_transfer(monkeypatch):
     """Issue 28 item 11: the pooled channel died after the receiver had accepted the offer (its reservation is
     receiving, and that receive failed with the channel), so the retry's offer is refused. The transfer failed:
     TRANSFER_FAILED, which the coordinator retries or migrates, not TRANSFER_REJECTED, which ended the request."""
-    from engine.transfer import sender as sender_module
+    from kv_transfer import sender as sender_module
 
     attempts = []
 
@@ -551,7 +551,7 @@ def test_nccl_connector_is_available_here():
 def test_device_path_through_host_staging_is_exact_and_counted():
     """The path device memory takes over a host-only transport (tcp), run on CPU by forcing the staging copy:
     bytes land intact and every staged byte is counted (docs: CUDA itself is unverified on GPU)."""
-    from engine.transfer.tcp import TcpBackend
+    from kv_transfer.tcp import TcpBackend
 
     async def main():
         src, dst, sink = FakeCache(6, 1), FakeCache(6, 2), Sink()
@@ -578,7 +578,7 @@ def test_device_path_through_host_staging_is_exact_and_counted():
 def test_nccl_channel_refuses_regions_on_several_devices():
     """A process group moves one device's memory: regions on two devices (tensor-parallel shards on two GPUs; here
     the CPU and the meta device) are refused with what to use instead, before any group is set up."""
-    from engine.transfer.torchdist import _one_device
+    from kv_transfer.nccl import _one_device
 
     cpu = torch.zeros(8, dtype=torch.uint8)
     assert _one_device([cpu, cpu.clone()]) == torch.device("cpu")
@@ -629,7 +629,7 @@ def test_nccl_receive_given_up_never_writes_into_the_cache_later():
     """A gloo/NCCL receive cannot be cancelled: a sender that stalls, then resumes after the receiver gave up, would
     write into cache blocks freed and reused meanwhile. The dist channel lands receives in its own buffers and copies
     into the cache only while the channel is not abandoned."""
-    from engine.transfer.torchdist import DistBackend
+    from kv_transfer.nccl import NcclBackend
 
     async def main():
         accepted = asyncio.Queue()
@@ -638,7 +638,7 @@ def test_nccl_receive_given_up_never_writes_into_the_cache_later():
             await accepted.put(ch)
             await asyncio.Event().wait()  # keep the channel open for the test
 
-        backend = DistBackend()
+        backend = NcclBackend()
         listener = await backend.listen("127.0.0.1", 0, on_channel)
         sender = await backend.connect("127.0.0.1", listener.port)
         receiver = await accepted.get()
@@ -666,10 +666,10 @@ def test_nccl_channel_with_both_ends_on_one_gpu_says_so(monkeypatch):
     """NCCL refuses two ranks on one GPU with a message about duplicate devices, deep in a worker's log; the
     channel compares the two devices first and names the cause and the way out. (Simulated here: the gloo path with
     the backend reported as nccl and both ends on the "same GPU"; the group is never made.)"""
-    from engine.transfer import torchdist
+    from kv_transfer import nccl
 
-    monkeypatch.setattr(torchdist, "dist_backend_for", lambda device: "nccl")
-    monkeypatch.setattr(torchdist, "device_id", lambda device: "GPU-0000")
+    monkeypatch.setattr(nccl, "dist_backend_for", lambda device: "nccl")
+    monkeypatch.setattr(nccl, "device_id", lambda device: "GPU-0000")
 
     async def main():
         accepted = asyncio.Queue()
@@ -678,7 +678,7 @@ def test_nccl_channel_with_both_ends_on_one_gpu_says_so(monkeypatch):
             await accepted.put(ch)
             await asyncio.Event().wait()
 
-        backend = torchdist.DistBackend()
+        backend = nccl.NcclBackend()
         listener = await backend.listen("127.0.0.1", 0, on_channel)
         sender = await backend.connect("127.0.0.1", listener.port)
         receiver = await accepted.get()

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.args import DEFAULT_MAX_UNREAD_TOKENS, EngineArgs
-from engine.transfer import BACKEND_NAMES
+from kv_transfer import BACKEND_NAMES
 from server_common.config import ServerArgs
 
 WORKER_ROLES = ("prefill", "decode", "colocated")
@@ -21,7 +21,7 @@ class WorkerConfig:
             coordinator's): the model_name label of this worker's metrics, so dashboards join both; "" = the model
             directory's name.
         server: gRPC bind settings.
-        connector: KV connector a decode worker listens on: "auto", or one of `engine.transfer.BACKEND_NAMES`.
+        connector: KV connector a decode worker listens on: "auto", or one of `kv_transfer.BACKEND_NAMES`.
         kv_port: decode: the KV listener's port (0 = any free port); fix it to publish or firewall it.
         kv_timeout_s: decode: how long reserved blocks wait for their KV (the lease), seconds.
         transfer_timeout_s: bound on one request's KV transfer, seconds.

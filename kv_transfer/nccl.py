@@ -35,8 +35,8 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 import torch.distributed as dist
 
-from engine.transfer.channel import Backend, Channel, ChannelClosed, Listener, OnChannel
-from engine.transfer.tcp import TcpBackend, TcpChannel
+from kv_transfer.channel import Backend, Channel, ChannelClosed, Listener, OnChannel
+from kv_transfer.tcp import TcpBackend, TcpChannel
 
 log = logging.getLogger(__name__)
 
@@ -217,7 +217,7 @@ def _sync(buf: torch.Tensor) -> None:
         torch.cuda.current_stream(buf.device).synchronize()
 
 
-class DistBackend(Backend):
+class NcclBackend(Backend):
     """Listens and connects like `tcp` (the control connection); blocks then move over a process group."""
 
     name = "nccl"

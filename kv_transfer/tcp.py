@@ -8,7 +8,7 @@ import struct
 
 import torch
 
-from engine.transfer.channel import (Backend, Channel, ChannelClosed, HostStaging, Listener, OnChannel,
+from kv_transfer.channel import (Backend, Channel, ChannelClosed, HostStaging, Listener, OnChannel,
                                      check_control_size)
 
 _LEN = struct.Struct("!I")

@@ -12,9 +12,9 @@ from typing import Protocol
 import torch
 
 from engine.errors import EngineError
-from engine.transfer.channel import Backend, Channel, ChannelClosed, Listener
-from engine.transfer.layer_gather import LayerGather
-from engine.transfer.wire import PROTOCOL_VERSION, BlockView, Offer, decode, encode, handshake_mac, parse_end
+from kv_transfer.channel import Backend, Channel, ChannelClosed, Listener
+from kv_transfer.layer_gather import LayerGather
+from kv_transfer.wire import PROTOCOL_VERSION, BlockView, Offer, decode, encode, handshake_mac, parse_end
 
 log = logging.getLogger(__name__)
 

@@ -11,10 +11,10 @@ from dataclasses import dataclass
 
 from engine.errors import EngineError, ErrorKind
 from engine.kv_stream import KvLayerProgress, LayerStreamEnded
-from engine.transfer.backends import get_backend, parse_address
-from engine.transfer.channel import Backend, Channel, ChannelClosed
-from engine.transfer.layer_gather import LayerGather
-from engine.transfer.wire import PROTOCOL_VERSION, BlockView, decode, encode, handshake_mac
+from kv_transfer.backends import get_backend, parse_address
+from kv_transfer.channel import Backend, Channel, ChannelClosed
+from kv_transfer.layer_gather import LayerGather
+from kv_transfer.wire import PROTOCOL_VERSION, BlockView, decode, encode, handshake_mac
 
 log = logging.getLogger(__name__)
 
