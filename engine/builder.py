@@ -1,6 +1,8 @@
 """Assemble an engine (model config, KV geometry, scheduler, runner) from a resolved model directory."""
 from __future__ import annotations
 
+import logging
+
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,6 +19,8 @@ from engine.parallel import SINGLE, TensorParallel, check_devices, head_split, r
 from engine.scheduler import Scheduler
 from engine.speculative import SpeculativeConfig
 from engine.structured import GrammarCompiler
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -94,6 +98,10 @@ def build_engine(args: EngineArgs, tp: TensorParallel = SINGLE,
     grammars = GrammarCompiler(Path(args.model_dir) / "tokenizer.json", model_config.vocab_size,
                                model_config.eos_token_ids)
     if grammars.tokenizer_json.is_file():
-        grammars.tokenizer()  # structured outputs' one-time setup (0.2-0.5 s) paid at start, not by a first request
+        try:  # structured outputs' one-time setup (0.2-0.5 s) paid at start, not by a first request
+            grammars.tokenizer()
+        except (ValueError, RuntimeError) as e:  # llguidance cannot read it: only constrained requests fail, saying so
+            log.warning("structured outputs will be refused: the grammar engine cannot load %s (%s)",
+                        grammars.tokenizer_json, e)
     return EngineParts(model_config, cache_config, scheduler_config,
                        Scheduler(scheduler_config, kv_manager, grammars), runner)

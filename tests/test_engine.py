@@ -11,6 +11,7 @@ from engine.args import EngineArgs
 from engine.builder import build_engine
 from engine.errors import ErrorKind
 from engine.offline import run_until_idle
+from engine.outputs import TokenOutput
 from engine.request import Request, RequestStatus, SamplingParams
 from engine.sampler import greedy_argmax
 
@@ -295,3 +296,21 @@ def test_run_until_idle_raises_on_a_refused_request_and_on_a_stalled_scheduler()
         run_until_idle(SimpleNamespace(scheduler=Stuck(refuse=True), runner=None), [req])
     with pytest.raises(RuntimeError, match="stalled"):
         run_until_idle(SimpleNamespace(scheduler=Stuck(refuse=False), runner=None), [req])
+
+
+def test_grammar_setup_is_paid_at_build_and_an_unreadable_tokenizer_only_warns(tiny_model_dir, tmp_path, caplog):
+    """The grammar engine's tokenizer loads when the engine is built (a first constrained request used to pay it);
+    a tokenizer.json llguidance cannot read is a warning then, and the engine still builds and serves."""
+    import shutil
+
+    parts = build_engine(EngineArgs(dtype="float32", model_dir=str(tiny_model_dir), kv_tokens=1024, max_model_len=256))
+    assert parts.scheduler.grammars._tokenizer is not None
+    broken = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, broken)
+    (broken / "tokenizer.json").write_text("{not json")
+    with caplog.at_level("WARNING", logger="engine.builder"):
+        parts = build_engine(EngineArgs(dtype="float32", model_dir=str(broken), kv_tokens=1024, max_model_len=256))
+    assert "structured outputs will be refused" in caplog.text
+    request = Request("r", [5, 6, 7], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+    outputs = run_until_idle(parts, [request])
+    assert sum(isinstance(o, TokenOutput) and o.request_id == "r" for o in outputs) == 3
