@@ -14,7 +14,7 @@ class LayerGather:
     rank's device.
 
     Why a copy: a message per (block, layer) made 30x the messages of whole blocks, and per-message costs
-    dominated. At 2048 tokens of SmolLM2 (bench/kv_transfer.py, loopback), tcp fell from 1847 to 953 MiB/s, ucx
+    dominated. At 2048 tokens of SmolLM2 (bench/transfer_rate.py, loopback), tcp fell from 1847 to 953 MiB/s, ucx
     (its tcp transport) from 220 to 44 and gloo from 1498 to 140. The copy runs at memory speed on the cache's
     device. On CUDA it is ordered on the current stream and waited for (a CUDA event, off the event loop) before a
     transport reads the buffer or the next group overwrites it.

@@ -51,7 +51,7 @@ def test_sweep_smoke(tiny_model_dir, tmp_path):
 
 def test_kv_transfer_smoke(tiny_model_dir, tmp_path):
     out = tmp_path / "kv.json"
-    _run(["bench/kv_transfer.py", "--model-dir", str(tiny_model_dir), "--prompts", "40", "--repeats", "1",
+    _run(["bench/transfer_rate.py", "--model-dir", str(tiny_model_dir), "--prompts", "40", "--repeats", "1",
           "--out", str(out)], tmp_path)
     (row,) = json.loads(out.read_text())
     assert row["blocks"] == 3 and row["plain_socket_mib_s"] > 0 and row["prefill_ms"] > 0

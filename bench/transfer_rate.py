@@ -15,7 +15,7 @@ For prompts of 128 / 512 / 2048 tokens of the default model (SmolLM2-135M, fp32 
 - prefill: the engine's own prefill step for that prompt on this machine (1 torch thread, as a worker runs);
 and prints transfer time / (prefill + transfer), the share of a disaggregated TTFT spent moving KV.
 
-Usage: python bench/kv_transfer.py [--repeats 5] [--ucx-tls tcp,self --ucx-tls sm,tcp,self] [--out kv_transfer.json]
+Usage: python bench/transfer_rate.py [--repeats 5] [--ucx-tls tcp,self --ucx-tls sm,tcp,self] [--out kv_transfer.json]
 """
 from __future__ import annotations
 
