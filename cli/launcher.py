@@ -200,7 +200,7 @@ def worker_threads(num_workers: int, num_cpus: int | None = None) -> int:
     """Torch threads for each of num_workers workers sharing this host: its CPUs (affinity mask) split evenly, at
     least 1, so workers never oversubscribe the cores. The coordinator and clients get no CPU of their own.
 
-    Measured on 2 cores, seed workload, bf16, one run (docs/benchmarks.md, "Thread split, again"): one colocated
+    Measured on 2 cores, seed workload, bf16, one run (docs/history/benchmarks.md, "Thread split, again"): one colocated
     worker with 2 threads gave 1.47x / 1.44x the output tok/s of 1 thread at concurrency 16 / 64, and 1.27x two
     1-thread workers at 64. (An earlier rule kept one CPU for the coordinator; its measurement had every served
     worker's OpenMP threads slowed by a second thread pool, `engine.hardware.set_threads`.) Hosts with more cores

@@ -90,7 +90,7 @@ class LocalPrefillPolicy:
     local prefill saves the transfer and the second hop but joins the decode batch, whose steps it slows while it
     is computed (chunked, under the worker's token budget). A rule of "local while the prefill queue is long" was
     measured and left out: on 2 cores it moved so much prefill onto the decode worker that 128/32 at c=64 lost 20%
-    of its throughput and ITL p99 went from 45 to 317 ms (docs/benchmarks.md, "Conditional disaggregation"). The
+    of its throughput and ITL p99 went from 45 to 317 ms (docs/history/benchmarks.md, "Conditional disaggregation"). The
     queue rule here compares predicted times instead, each worker at its own measured rate, so the decode worker
     takes a prompt only while it would finish it first (`coordinator.prefill_queue`).
 

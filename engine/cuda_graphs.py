@@ -2,7 +2,7 @@
 
 Why: a decode step of a small model on a GPU is bound by kernel launches, not by the GPU. Measured on an H100
 (bench/gpu_check.py, SmolLM2-135M shapes, bf16): about 950 launches and 4-5 ms of device time per step took
-25-45 ms of wall time eagerly, and 2.3-3.1 ms replayed from a captured graph (docs/benchmarks.md). vLLM captures
+25-45 ms of wall time eagerly, and 2.3-3.1 ms replayed from a captured graph (docs/history/benchmarks.md). vLLM captures
 its decode forward per batch size for the same reason (its `--enforce-eager` turns that off, as ours does).
 
 How (vLLM's scheme): static device buffers hold the step's inputs (token ids, positions, slot mapping, block

@@ -25,7 +25,7 @@ def resolve_dtype(name: str, device: str, flags: frozenset[str] | None = None) -
 
     `auto` follows vLLM's rule of "the fastest dtype the device computes well": on CUDA bfloat16 where the GPU
     supports it, else float16; on CPU bfloat16 where the CPU has AVX512_BF16 or AMX (there a bf16 GEMM runs 3x
-    the fp32 rate, see docs/benchmarks.md), else float32 (without them bf16 is emulated and slower than fp32).
+    the fp32 rate, see docs/history/benchmarks.md), else float32 (without them bf16 is emulated and slower than fp32).
     Norms, RoPE tables and softmax stay in fp32 whatever the dtype (`engine.models.layers`, `kernels.reference`).
 
     Args:

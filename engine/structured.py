@@ -1,7 +1,7 @@
 """Structured outputs: a request's constraint (JSON schema, regex, grammar, JSON object, choice) compiled against
 the model's tokenizer into a matcher, the batch's token bitmask, and its application to the logits.
 
-The grammar engine is llguidance, picked over xgrammar on CPU (`bench/structured.py`, docs/benchmarks.md): its
+The grammar engine is llguidance, picked over xgrammar on CPU (`bench/structured.py`, docs/history/benchmarks.md): its
 batched mask fill cost 0.18 against 0.32 ms at batch 1 and 2.3 against 8.4 ms at batch 32, and a new schema
 compiles lazily (1.4 ms to a first matcher, against 385 ms), so an unseen schema does not stall the engine loop. Each distinct (kind, text) is compiled once into a template
 matcher, kept in an LRU cache; a request's matcher is a copy of it (microseconds). Everything here runs on the

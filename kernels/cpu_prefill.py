@@ -2,7 +2,7 @@
 
 torch's CPU SDPA (its flash kernel) runs a 1024-token causal bf16 prefill of SmolLM2's layer (9 q / 3 kv heads,
 head_dim 64) at about 80-120 GFLOP/s on 2 AMD EPYC cores, where the same machine's bf16 GEMM reaches about 700.
-It was 60% of a 1024-token prefill step (docs/benchmarks.md). Here each sequence's query rows go in blocks of
+It was 60% of a 1024-token prefill step (docs/history/benchmarks.md). Here each sequence's query rows go in blocks of
 `block_m`: one batched bf16 GEMM per block for the scores of every query head against the keys the block can see
 (the GQA group's heads stacked as rows of one GEMM per KV head), a causal softmax that masks the block's diagonal
 square only, and one GEMM with V. Blocks keep the scores [heads, block_m, context] small enough to stay in cache.

@@ -16,8 +16,9 @@ async def choose_backend(name: str, compat: str, host: str, device: str) -> Back
     """Resolve 'auto': ucx when the KV cache is on a GPU and ucxx completes a loopback handshake, else tcp.
 
     On CPU-only hosts ucx is not picked: over loopback UCX's TCP transport reached about a tenth of the plain tcp
-    connector's MiB/s (bench/transfer_rate.py, docs/benchmarks.md), and ucxx aborted the process when many in-flight
-    endpoints were cancelled at once. UCX's value is GPU memory (cuda_ipc/cuda_copy) and RDMA. Logs the pick and why.
+    connector's MiB/s (bench/transfer_rate.py, docs/history/benchmarks.md), and ucxx aborted the process when many
+    in-flight endpoints were cancelled at once. UCX's value is GPU memory (cuda_ipc/cuda_copy) and RDMA. Logs the
+    pick and why.
 
     Raises:
         ValueError: an unknown connector name, or "ucx" asked for without ucxx installed.
