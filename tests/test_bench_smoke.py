@@ -49,7 +49,7 @@ def test_sweep_smoke(tiny_model_dir, tmp_path):
     assert (out / "results.png").stat().st_size > 10_000
 
 
-def test_kv_transfer_smoke(tiny_model_dir, tmp_path):
+def test_transfer_rate_smoke(tiny_model_dir, tmp_path):
     out = tmp_path / "kv.json"
     _run(["bench/transfer_rate.py", "--model-dir", str(tiny_model_dir), "--prompts", "40", "--repeats", "1",
           "--out", str(out)], tmp_path)
