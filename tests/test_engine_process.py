@@ -17,6 +17,8 @@ from engine.outputs import TokenOutput
 from engine.process_engine import EngineBuildError, ProcessEngine
 from engine.request import FinishReason, Request, SamplingParams
 
+pytestmark = pytest.mark.e2e  # starts real engine processes
+
 
 def args(model_dir, **kw) -> EngineArgs:
     return EngineArgs(dtype="float32", model_dir=str(model_dir), block_size=8, kv_tokens=1024, max_model_len=512,
@@ -204,7 +206,6 @@ async def decode_tokens(channel, rid: str, max_tokens: int, tokens: list | None 
     return tokens
 
 
-@pytest.mark.e2e
 @pytest.mark.parametrize("restart", [False, True], ids=["exit", "restart"])
 def test_worker_survives_its_engine_process_being_killed(tiny_model_dir, tmp_path, restart):
     """kill -9 of a worker's engine process under 8 streams: each stream ends with UNAVAILABLE naming the dead
@@ -292,7 +293,6 @@ def gone(pid: int) -> bool:
         return True
 
 
-@pytest.mark.e2e
 @pytest.mark.parametrize("how", ["SIGTERM", "SIGINT to the group", "SIGKILL"])
 def test_no_engine_process_outlives_its_worker(tiny_model_dir, tmp_path, how):
     """A worker stopped by SIGTERM, by a terminal's Ctrl-C (SIGINT to the whole process group: the engine ignores

@@ -17,6 +17,8 @@ from engine.parallel import TensorParallel
 from engine.process_engine import ProcessEngine
 from test_engine_process import PROMPTS, children_of, generate, gone, greedy
 
+pytestmark = pytest.mark.e2e  # starts real rank processes
+
 
 def engine_args(model_dir, tp: int, **kw) -> EngineArgs:
     return EngineArgs(dtype="float32", model_dir=str(model_dir), block_size=8, kv_tokens=2048, max_model_len=512,
@@ -333,7 +335,6 @@ def _cluster_outputs(model_dir, name: str, tp: int, prompts: list[str], n: int, 
 CLUSTER_PROMPTS = ["The capital of France is", "def fibonacci(n):", "List three colors:", "Once upon a time"]
 
 
-@pytest.mark.e2e
 def test_disaggregated_tp2_cluster_equals_tp1(tiny_model_dir, tmp_path):
     """TP 2 prefill worker -> KV of both ranks' shards over the connector -> TP 2 decode worker: 64 greedy tokens per
     prompt, four at once, identical to a TP 1 cluster's."""
@@ -345,7 +346,6 @@ def test_disaggregated_tp2_cluster_equals_tp1(tiny_model_dir, tmp_path):
     assert all(len(o.token_ids) == 64 for o in two)
 
 
-@pytest.mark.e2e
 def test_packaged_model_tp2_cluster_matches_hf(real_model_dir, tokenizer, tmp_path):
     """SmolLM2-135M's 9 query / 3 KV heads on 2 ranks: rank 1 holds one KV group of zero padding heads
     (`engine.parallel.head_split`), and the padded KV shards cross between the workers layer by layer

@@ -269,6 +269,7 @@ def _receiver_process(backend: str, port: int, events) -> None:
     asyncio.run(main())
 
 
+@pytest.mark.e2e  # a receiver process, killed
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_receiver_killed_with_channels_open_rebinds_its_port(backend):
     """Issue 28: a decode worker killed (-9) while a prefill worker's channel to its fixed KV port is open leaves that
@@ -521,6 +522,7 @@ def test_cancel_while_waiting_for_a_channel_sends_nothing(backend):
     run(main)
 
 
+@pytest.mark.e2e  # bench/transfer_stress.py's sender and receiver processes
 def test_transfer_stress_with_random_cancellations(tmp_path):
     """Hundreds of concurrent transfers to a receiver process, most cancelled at random moments, on every installed
     connector: the receiver lives, holds no block, got intact bytes, and the sender still works

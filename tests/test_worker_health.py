@@ -35,7 +35,8 @@ async def colocated_worker(model_dir, tmp_path, monkeypatch, on_step, served: li
     config = WorkerConfig(role="colocated", engine_process=False,
                           engine=EngineArgs(dtype="float32", model_dir=str(model_dir), kv_tokens=1024,
                                             max_model_len=256, threads=0),
-                          server=ServerArgs(ready_file=str(ready)))
+                          # The fault's drain waits for open calls (the fault test's health watches) up to this
+                          server=ServerArgs(ready_file=str(ready), drain_timeout_s=2.0))
     server = asyncio.create_task(serve(config))
     if served is not None:
         served.append(server)
