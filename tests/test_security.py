@@ -388,14 +388,16 @@ def test_request_ids_belong_to_their_caller(workers, tiny_model_dir, pki):
     key got ALREADY_EXISTS. Ids are scoped to the caller now."""
     address = coordinator(workers, tiny_model_dir, "scoped-coordinator", "--api-keys-file", str(pki / "keys"))
     with Client(address, api_key=KEY) as owner, Client(address, api_key="another-key") as other:
-        stream = owner.generate([5, 6, 7], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True),
+        # As long as the context allows (3 + 250 of 256 tokens): the owner's request must still be running while
+        # the checks below are made. On a fast machine 40 tokens were done before the owner's second call came.
+        stream = owner.generate([5, 6, 7], SamplingParams(max_tokens=250, temperature=0, ignore_eos=True),
                                 request_id="shared")
         next(stream)
-        assert other.abort("shared") is False  # not its request: out of reach, and not even confirmed to exist
-        assert other.complete([5, 6, 7], GREEDY, request_id="shared").completion_tokens == 4  # its own "shared"
-        with pytest.raises(grpc.RpcError) as e:  # the owner's own id is still taken
+        with pytest.raises(grpc.RpcError) as e:  # the owner's own id is taken while its request runs
             owner.complete([5, 6, 7], GREEDY, request_id="shared")
         assert e.value.code() == grpc.StatusCode.ALREADY_EXISTS
+        assert other.abort("shared") is False  # not its request: out of reach, and not even confirmed to exist
+        assert other.complete([5, 6, 7], GREEDY, request_id="shared").completion_tokens == 4  # its own "shared"
         chunks = list(stream)
         assert chunks[-1].final is not None and chunks[-1].final.finish_reason == "length"  # not aborted
         assert owner.abort("shared") is False  # finished
