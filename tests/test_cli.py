@@ -368,3 +368,19 @@ def test_starting_a_cluster_says_each_process_ready_and_what_is_still_starting(t
         for _, proc, _ in procs:
             proc.kill()
             proc.wait()
+
+
+def test_the_configuration_reference_is_current():
+    """docs/configuration.md is every command's --help, generated (`python -m cli.reference`): a flag, default or
+    help text changed without regenerating it fails here. argparse lays help out differently across Python versions,
+    so the comparison runs under the version the file names."""
+    import re
+    from pathlib import Path
+
+    from cli.reference import configuration_reference, python_version
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "configuration.md").read_text()
+    made_with = re.search(r"under Python (\d+\.\d+)", text).group(1)
+    if made_with != python_version():
+        pytest.skip(f"docs/configuration.md was generated under Python {made_with}, this is {python_version()}")
+    assert text == configuration_reference(), "regenerate: .venv/bin/python -m cli.reference > docs/configuration.md"
