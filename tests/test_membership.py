@@ -263,17 +263,19 @@ def test_a_decode_worker_prefills_while_the_prefill_queue_is_long_then_disaggreg
         metrics_url = json.loads((tmp_path / "coordinator.ready").read_text())["metrics_url"]
         prompts = [[(k * 31 + 7 * i) % 900 + 10 for i in range(120)] for k in range(7)]
         with Client(coordinator) as c:
-            def run(prompt: list[int]) -> float:
+            def run(prompt: list[int]) -> None:
                 out = c.complete(prompt, GREEDY)
                 assert out.token_ids == hf_greedy(tiny_model_dir, prompt, 4), prompt
-                return out.timings["transfer_ms"]
 
-            assert run(prompts[0]) > 0  # alone: the prefill worker (its rate is measured), then a transfer
+            # Where each request was prefilled is read from the coordinator's count of local prefills (a request's
+            # transfer_ms is no witness: layer-wise streaming can finish the transfer with the first token, 0 ms).
+            run(prompts[0])  # alone: the prefill worker (its rate is measured), then a transfer
+            assert not any(local_prefills(metrics_url).values())
             with ThreadPoolExecutor(5) as pool:
                 list(pool.map(run, prompts[1:6]))
             burst = local_prefills(metrics_url)
-            assert burst.get("queue", 0) >= 1 and set(burst) == {"queue"}, burst
-            assert run(prompts[6]) > 0  # the queue drained: disaggregated again
+            assert burst.get("queue", 0) >= 1 and {k for k, v in burst.items() if v} == {"queue"}, burst
+            run(prompts[6])  # the queue drained: disaggregated again
             assert local_prefills(metrics_url) == burst
     finally:
         p.stop()
