@@ -265,7 +265,8 @@ def main(argv=None) -> int:
         dt, _, quant = name.partition("+")
         for b in batches:
             args = replace(base, dtype=dt, quantization=quant or "none", attention_backend=backend,
-                           packed_weights=packing == "on", enforce_eager=eager == "on", kv_tokens=b * (a.context + 4 * a.steps + 32) + 64)
+                           packed_weights=packing == "on", enforce_eager=eager == "on",
+                           kv_tokens=b * (a.context + 4 * a.steps + 32) + 64)
             point = measure(args, b, a.context, a.steps)
             torch_dtype = getattr(torch, dt)  # the GEMM baseline stays the dense one: what int8 must beat
             point["dtype"], point["attention_backend"] = name, point.pop("backend")
@@ -280,7 +281,8 @@ def main(argv=None) -> int:
             point["roofline_fraction"] = max(point.pop("flops") / point["gemm_flop_s"],
                                              point.pop("bytes") / report["read_bytes_s"]) / point.pop("step_s")
             sp = point["split"]
-            print(f"{name:9} {point['attention_backend']:5} {'on' if point['packed_weights'] else '-':4} {eager:5} {b:5d} "
+            print(f"{name:9} {point['attention_backend']:5} {'on' if point['packed_weights'] else '-':4} {eager:5} "
+                  f"{b:5d} "
                   f"{point['step_ms']:8.1f} {point['tok_s']:7.1f} {point['gemm_flop_s'] / 1e9:11.1f} "
                   f"{point['model_flop_s'] / 1e9:11.1f} {point['fraction']:5.2f} {point['bandwidth_fraction']:12.2f}  "
                   f"{point['roofline_fraction']:8.2f}  "

@@ -18,7 +18,7 @@ def configuration_reference() -> str:
     $PDSERVE_ADDRESS, $PDSERVE_API_KEY); the environment is restored after."""
     from cli.main import COMMANDS, build_parser
 
-    saved = {k: os.environ.pop(k) for k in [k for k in os.environ if k.startswith("PDSERVE_")]}
+    saved = {k: os.environ.pop(k) for k in list(os.environ) if k.startswith("PDSERVE_")}
     try:
         return _reference(COMMANDS, build_parser)
     finally:

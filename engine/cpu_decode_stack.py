@@ -8,8 +8,8 @@ AVX512-BF16): 20% of a 9.4 ms step was Python between the ops, more than the att
 Which steps: all-decode steps (no prefill chunk, no n-gram drafts, no layer-wise KV streaming) of a dense
 pre-norm decoder (`engine.models.decoder.DecoderModel`'s own forward: Llama, Mistral, Qwen2, Phi-3) without tensor
 parallelism, sliding windows per layer allowed, whose linears are all one CPU form: `engine.packing`'s (oneDNN
-prepacked bf16, or fp32 through the small-batch kernel), `engine.quantization`'s (int8, int4) or plain `nn.Linear`. Everything else runs the model's
-forward (`CpuDecodeStack.build` returns None for a model it cannot run).
+prepacked bf16, or fp32 through the small-batch kernel), `engine.quantization`'s (int8, int4) or plain `nn.Linear`.
+Everything else runs the model's forward (`CpuDecodeStack.build` returns None for a model it cannot run).
 """
 from __future__ import annotations
 

@@ -2,8 +2,8 @@
  *
  * Why C: the torch reference gathers every sequence's blocks into a contiguous copy before attending (a second
  * pass over all of K and V per layer per step); at batch 64 that gather and the SDPA over it were most of the
- * decode step (docs/history/benchmarks.md, "Decode step profile"). Decode attention does ~2 FLOPs per byte of KV, so it is
- * bound by reading K/V once; this kernel streams each block once per (sequence, kv head), computing all the
+ * decode step (docs/history/benchmarks.md, "Decode step profile"). Decode attention does ~2 FLOPs per byte of KV,
+ * so it is bound by reading K/V once; this kernel streams each block once per (sequence, kv head), computing all the
  * query heads of the GQA group from the same loaded rows, with the online softmax of Milakov & Gimelshein 2018
  * ("Online normalizer calculation for softmax"), as FlashAttention / vLLM's paged attention do per block.
  *
@@ -12,9 +12,9 @@
  * Built at install time by setup.py, once per ISA level (-O3 -ffast-math -fopenmp plus the level's -m flags; see
  * cpu_kernels.h), and called through the torch ops of cpu_ops.cpp. Three paths: attend_item_avx512 (AVX-512
  * intrinsics, head_dim 64 and 128, in the avx512 and avx512_bf16 builds; 1.4-2.0x the plain loops on an AMD EPYC,
- * one thread, 64 sequences x 256-1024 tokens: docs/history/benchmarks.md), attend_item_avx2 (the same at 8 lanes, head_dim
- * 64 and 128, in the avx2 build) and attend_item, plain loops over head_dim that the compiler vectorizes for the
- * build's ISA (every other case, and the base build).
+ * one thread, 64 sequences x 256-1024 tokens: docs/history/benchmarks.md), attend_item_avx2 (the same at 8 lanes,
+ * head_dim 64 and 128, in the avx2 build) and attend_item, plain loops over head_dim that the compiler vectorizes for
+ * the build's ISA (every other case, and the base build).
  * -ffast-math lets the compiler reassociate the dot products and call glibc's vector expf (libmvec), 2x on this
  * kernel. Hence no infinities here: -FLT_MAX is the empty max.
  */
