@@ -31,15 +31,18 @@ _MIN_SPLIT_TOKENS = 256
 _MAX_SPLITS = 64
 
 
-@triton.jit
+# Values that change from step to step are runtime arguments Triton must not specialize on (it compiles a variant per
+# value of a constexpr, and per "== 1" / "divisible by 16" of an int): on an H200 each variant compiled in the middle
+# of serving stalled its step 0.35-1.75 s (docs/benchmarks.md, step times on one GPU).
+@triton.jit(do_not_specialize=["window", "num_splits", "stride_bt_seq"])
 def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
-                   qk_scale, window,
+                   qk_scale, window, num_splits,
                    stride_q_seq, stride_q_head, stride_k_block, stride_v_block, stride_bt_seq,
                    stride_o_seq, stride_o_head,
                    BLOCK_SIZE: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
                    GROUP_PAD: tl.constexpr,
                    HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-                   NUM_SPLITS: tl.constexpr, UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                   SPLIT: tl.constexpr, UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -47,7 +50,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, out_ptr, part_acc_ptr, 
     # The keys this query sees: [lo, ctx), the last `window` of them with a window (window 0: all).
     lo = tl.where(window > 0, tl.maximum(ctx - window, 0), 0)
     # Split lengths are whole tiles so that only the sequence's last tile is ragged.
-    split_len = tl.cdiv(tl.cdiv(ctx - lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    split_len = tl.cdiv(tl.cdiv(ctx - lo, num_splits), BLOCK_N) * BLOCK_N
     start = lo + split * split_len
     end = tl.minimum(start + split_len, ctx)
 
@@ -72,28 +75,28 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, out_ptr, part_acc_ptr, 
             BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, UPCAST_DOT, DOT_PRECISION)
 
     out_mask = g_mask[:, None] & d_mask[None, :]
-    if NUM_SPLITS == 1:
+    if not SPLIT:
         out = acc / l_i[:, None]
         tl.store(out_ptr + seq * stride_o_seq + heads[:, None] * stride_o_head + offs_d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=out_mask)
     else:
-        # partials: acc [S, Hq, NUM_SPLITS, HEAD_PAD], ml [S, Hq, NUM_SPLITS, 2] (fp32, contiguous)
-        part = (seq * (NUM_KV_HEADS * GROUP) + heads) * NUM_SPLITS + split  # [GROUP_PAD]
+        # partials: acc [S, Hq, num_splits, HEAD_PAD], ml [S, Hq, num_splits, 2] (fp32, contiguous)
+        part = (seq * (NUM_KV_HEADS * GROUP) + heads) * num_splits + split  # [GROUP_PAD]
         tl.store(part_acc_ptr + part[:, None] * HEAD_PAD + offs_d[None, :], acc, mask=out_mask)
         tl.store(part_ml_ptr + part * 2, m_i, mask=g_mask)
         tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=g_mask)
 
 
-@triton.jit
-def _merge_kernel(part_acc_ptr, part_ml_ptr, out_ptr, stride_o_seq, stride_o_head,
+@triton.jit(do_not_specialize=["num_splits"])
+def _merge_kernel(part_acc_ptr, part_ml_ptr, out_ptr, num_splits, stride_o_seq, stride_o_head,
                   NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
-                  NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr):
+                  SPLITS_PAD: tl.constexpr):
     seq = tl.program_id(0)
     head = tl.program_id(1)
     offs_s = tl.arange(0, SPLITS_PAD)
     offs_d = tl.arange(0, HEAD_PAD)
-    s_mask = offs_s < NUM_SPLITS
-    part = (seq * NUM_Q_HEADS + head) * NUM_SPLITS + offs_s
+    s_mask = offs_s < num_splits
+    part = (seq * NUM_Q_HEADS + head) * num_splits + offs_s
     m = tl.load(part_ml_ptr + part * 2, mask=s_mask, other=float("-inf"))
     l = tl.load(part_ml_ptr + part * 2 + 1, mask=s_mask, other=0.0)
     acc = tl.load(part_acc_ptr + part[:, None] * HEAD_PAD + offs_d[None, :], mask=s_mask[:, None], other=0.0)
@@ -166,16 +169,16 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         part_ml = torch.empty(num_seqs, num_q_heads, num_splits, 2, dtype=torch.float32, device=device)
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         query, k_cache, v_cache, block_tables, context_lens.contiguous(), out, part_acc, part_ml,
-        scale * _LOG2E, window,
+        scale * _LOG2E, window, num_splits,
         query.stride(0), query.stride(1), k_cache.stride(0), v_cache.stride(0), block_tables.stride(0),
         out.stride(0), out.stride(1),
         BLOCK_SIZE=block_size, NUM_KV_HEADS=num_kv_heads, GROUP=group,
         GROUP_PAD=max(16, triton.next_power_of_2(group)),  # tl.dot needs >= 16 rows
-        HEAD_DIM=head_dim, HEAD_PAD=head_pad, BLOCK_N=64 if head_pad <= 128 else 32, NUM_SPLITS=num_splits,
+        HEAD_DIM=head_dim, HEAD_PAD=head_pad, BLOCK_N=64 if head_pad <= 128 else 32, SPLIT=num_splits > 1,
         UPCAST_DOT=upcast, DOT_PRECISION=precision)
     if num_splits > 1:
         _merge_kernel[(num_seqs, num_q_heads)](
-            part_acc, part_ml, out, out.stride(0), out.stride(1),
-            NUM_Q_HEADS=num_q_heads, HEAD_DIM=head_dim, HEAD_PAD=head_pad, NUM_SPLITS=num_splits,
-            SPLITS_PAD=triton.next_power_of_2(num_splits))
+            part_acc, part_ml, out, num_splits, out.stride(0), out.stride(1),
+            NUM_Q_HEADS=num_q_heads, HEAD_DIM=head_dim, HEAD_PAD=head_pad,
+            SPLITS_PAD=triton.next_power_of_2(max(num_splits, _MAX_SPLITS)))  # one variant for every count
     return out

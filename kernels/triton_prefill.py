@@ -70,7 +70,7 @@ def _attend_masked(q, m_i, l_i, acc, start, end, q_pos, q_lo, k_ptr, v_ptr, bt_r
     return m_i, l_i, acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["window", "stride_bt_seq"])  # step-varying ints: see triton_decode._decode_kernel
 def _prefill_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, cu_ptr, ctx_ptr, out_ptr, qk_scale, window,
                     stride_q_tok, stride_q_head, stride_k_block, stride_v_block, stride_bt_seq,
                     stride_o_tok, stride_o_head,
