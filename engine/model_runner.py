@@ -1,6 +1,7 @@
 """Runs one scheduled step on the model: packs tokens, builds attention metadata, samples."""
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -92,8 +93,11 @@ class ModelRunner:
         self.device = torch.device(device)
         self.attention_ops = select_ops(attention_backend, self.device)
         model_class = architecture(model_config.architecture).Model
-        self.model = model_class(model_config, self.attention_ops, tp).to(device=self.device,
-                                                                          dtype=model_config.torch_dtype)
+        # Random weights are drawn on the device itself: an 8B model's init on a GPU takes a second, on the host
+        # minutes. Loaded weights build on the host as before (tables such as RoPE's stay bit-equal to HF's).
+        with self.device if state_dict is None else contextlib.nullcontext():
+            self.model = model_class(model_config, self.attention_ops, tp)
+        self.model = self.model.to(device=self.device, dtype=model_config.torch_dtype)
         if state_dict is not None:
             self.model.load_weights(state_dict)
         self.model.eval()
