@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"decode {[round(c, 7) for c in model.decode]}\nmixed {[round(c, 7) for c in model.mixed]}")
     if a.out:
         doc = model.to_json()
-        doc.update(fitted_on=a.fit, error=errors)
+        doc.update(fitted_on=a.fit, checked_on=a.check, error=errors)
         a.out.write_text(json.dumps(doc, indent=1) + "\n")
     return 0
 

@@ -47,6 +47,9 @@ class EngineArgs:
         tensor_parallel_size: ranks, one process each, that split the model (`engine.parallel`); 1 = none. On CUDA
             rank r runs on the device's index + r (`engine.parallel.rank_device`).
         random_weights: build the model from its config with random weights (tests, GPU-less benchmarks).
+        mock_engine: "" for the real model; else a step-time profile (`engine.mock.step_model.load_profile`): the
+            runner computes nothing and sleeps each step's modelled time (`engine.mock.runner.MockRunner`).
+        mock_speedup: the mock engine's time runs this many times faster than its profile's device.
         enforce_eager: run every step eagerly, op by op from Python: on CUDA instead of replaying captured graphs of
             all-decode steps (`engine.cuda_graphs`; vLLM's flag of the same name), on CPU instead of the cpu
             backend's one-call decode loop (`engine.cpu_decode_stack`).
@@ -98,6 +101,12 @@ class EngineArgs:
                 "all-reduced with gloo on CPU (the worker's threads are split among them) or NCCL on GPUs (rank r "
                 "on cuda:k+r for --device cuda:k)"})
     random_weights: bool = field(default=False, metadata={"help": "random weights from the model's config"})
+    mock_engine: str = field(default="", metadata={
+        "help": "compute nothing: each step lasts what this step-time profile says a real device takes (a shipped "
+                "name such as llama-3.1-8b-h200 or smollm2-135m-h200, or a profile JSON file), tokens derived from "
+                "the context; the scheduler, KV cache and transfers are the real ones (engine.mock)"})
+    mock_speedup: float = field(default=1.0, metadata={
+        "help": "the mock engine's steps run this many times faster than its profile's device (> 0)"})
     enforce_eager: bool = field(default=False, metadata={
         "help": "run every step op by op from Python: on CUDA no CUDA graphs (all-decode steps are captured per "
                 "padded batch size and replayed by default), on CPU no one-call C++ decode loop"})

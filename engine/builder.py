@@ -14,6 +14,8 @@ from engine.cuda_graphs import capture_sizes
 from engine.hardware import resolve_dtype
 from engine.kv_cache_manager import KVCacheManager, sliding_kv_window
 from engine.loader import load_state_dict
+from engine.mock.runner import MockRunner
+from engine.mock.step_model import load_profile
 from engine.model_runner import ModelRunner
 from engine.parallel import SINGLE, TensorParallel, check_devices, head_split, rank_device
 from engine.scheduler import Scheduler
@@ -29,7 +31,7 @@ class EngineParts:
     cache_config: CacheConfig
     scheduler_config: SchedulerConfig
     scheduler: Scheduler
-    runner: ModelRunner
+    runner: ModelRunner | MockRunner
 
 
 def resolve_configs(args: EngineArgs) -> tuple[ModelConfig, CacheConfig, SchedulerConfig]:
@@ -37,11 +39,17 @@ def resolve_configs(args: EngineArgs) -> tuple[ModelConfig, CacheConfig, Schedul
 
     Raises:
         FileNotFoundError / ValueError: from reading and validating the model config (unsupported architecture or
-            feature, named), a KV budget under one block, inconsistent speculative-decoding flags, or more
+            feature, named), a mock engine's profile that does not load or with TP, a KV budget under one block, inconsistent speculative-decoding flags, or more
             tensor-parallel ranks than GPUs (`engine.parallel.check_devices`).
     """
     from transformers import AutoConfig
 
+    if args.mock_engine:  # refused now, before anything is built
+        load_profile(args.mock_engine)
+        if args.tensor_parallel_size > 1:
+            raise ValueError("the mock engine runs one rank: drop --tensor-parallel-size")
+        if not args.mock_speedup > 0:
+            raise ValueError(f"--mock-speedup must be > 0, got {args.mock_speedup}")
     path = Path(args.model_dir)
     hf_config = AutoConfig.from_pretrained(str(path))
     model_config = ModelConfig.from_hf(hf_config, name=path.name, path=str(path),
@@ -64,13 +72,17 @@ def resolve_configs(args: EngineArgs) -> tuple[ModelConfig, CacheConfig, Schedul
 
 
 def build_runner(args: EngineArgs, model_config: ModelConfig, cache_config: CacheConfig, max_model_len: int,
-                 tp: TensorParallel = SINGLE) -> ModelRunner:
+                 tp: TensorParallel = SINGLE) -> ModelRunner | MockRunner:
     """Load the weights (this rank's share under tensor parallelism) and build the model runner, with this rank's
-    shard of the KV cache on this rank's device (`engine.parallel.rank_device`).
+    shard of the KV cache on this rank's device (`engine.parallel.rank_device`); or, with `args.mock_engine`, the
+    mock engine's runner (no weights).
 
     Raises:
         FileNotFoundError / ValueError: from weight loading and `ModelRunner`.
     """
+    if args.mock_engine:
+        return MockRunner(model_config, cache_config, load_profile(args.mock_engine), args.mock_speedup,
+                          device=rank_device(args.device, tp.rank), seed=args.seed)
     state = None if args.random_weights else load_state_dict(Path(args.model_dir))
     graphs = torch.device(args.device).type == "cuda" and not args.enforce_eager
     return ModelRunner(model_config, cache_config, state, device=rank_device(args.device, tp.rank), seed=args.seed,

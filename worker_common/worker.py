@@ -111,10 +111,12 @@ async def start_engine(config: WorkerConfig) -> WorkerEngine:
 def describe(config: WorkerConfig, worker: WorkerEngine, ready: dict[str, str]) -> str:
     """What this worker runs with, for its start-up log line: what `--dtype auto` and a threads count of 0 resolved
     to, the KV pool (blocks, tokens, bytes), the limits, and the ready file's extra fields (KV address,
-    connector)."""
+    connector); a mock engine says so first."""
     m, c, s, e = worker.model_config, worker.cache_config, worker.scheduler_config, config.engine
     threads = resolve_threads(e.threads)
     weights = m.dtype + (f" + {e.quantization} linears" if e.quantization != "none" else "")
+    if e.mock_engine:  # nothing is computed: say whose step times it plays, and how fast
+        weights = f"MOCK ENGINE (step times of {e.mock_engine} x{e.mock_speedup:g} speed), {m.dtype} KV"
     pool_bytes = c.num_blocks * kv_bytes_per_block(m, c.block_size, c.tensor_parallel_size)
     extra = "".join(f", {k} {v}" for k, v in ready.items() if v)
     return (f"model {m.name}, {weights} on {e.device}, {threads} threads"

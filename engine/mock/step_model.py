@@ -21,8 +21,10 @@ are such documents with their source beside the numbers.
 from __future__ import annotations
 
 import bisect
+import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
@@ -174,3 +176,31 @@ def prediction_error(model: StepTimeModel, shapes: Sequence[StepShape], times_ms
     return dict(steps=len(real), total=round(float(pred.sum() / real.sum() - 1), 4),
                 step_median=med(np.ones_like(decode)), step_p90=round(float(np.percentile(rel, 90)), 4),
                 decode_median=med(decode), mixed_median=med(~decode))
+
+
+def profile_dir() -> Path:
+    """The shipped profiles' folder (package data)."""
+    return Path(__file__).resolve().parent / "profiles"
+
+
+def profile_names() -> list[str]:
+    """The shipped profiles, by name (their file names without .json)."""
+    return sorted(p.stem for p in profile_dir().glob("*.json"))
+
+
+def load_profile(spec: str) -> StepTimeModel:
+    """A shipped profile by name, or a profile JSON file by path (`StepTimeModel.to_json`'s document).
+
+    Raises:
+        ValueError: neither a shipped name nor a readable profile file (the shipped names listed), or a file
+            that is not a profile.
+    """
+    path = profile_dir() / f"{spec}.json" if spec in profile_names() else Path(spec)
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"mock engine profile {spec!r}: not a shipped profile ({', '.join(profile_names())}) "
+                         f"nor a readable profile file ({type(e).__name__}: {e})") from None
+    if not isinstance(doc, dict):
+        raise ValueError(f"mock engine profile {spec!r} is not a JSON object")
+    return StepTimeModel.from_json(doc)
