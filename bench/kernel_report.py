@@ -6,7 +6,7 @@ instructions in the SASS. This is the "read what costs no device time" step befo
 interpreter cannot see (layouts, dot shapes) and spills show up here.
 
 Argument hints match what Triton's JIT infers at a real launch on our tensors (pointers and integer arguments
-divisible by 16); shapes are Llama-3-8B's in bf16 (32 q / 8 kv heads, head_dim 128, block size 16).
+divisible by 16, but those a kernel marks do_not_specialize); shapes are Llama-3-8B's in bf16 (32 q / 8 kv heads, head_dim 128, block size 16).
 
 Usage: python bench/kernel_report.py [--json PATH]   (must run without TRITON_INTERPRET=1)
 """
@@ -35,10 +35,10 @@ def _cases():
     dot = dict(UPCAST_DOT=False, DOT_PRECISION="tf32")
     pf = prefill_config(LLAMA3["HEAD_PAD"], torch.bfloat16)  # the launch shape the engine would use
     return {
-        "decode": (_decode_kernel, ATTN_TYPES, dict(LLAMA3, GROUP_PAD=16, BLOCK_N=64, NUM_SPLITS=1, **dot)),
-        "decode-split8": (_decode_kernel, ATTN_TYPES, dict(LLAMA3, GROUP_PAD=16, BLOCK_N=64, NUM_SPLITS=8, **dot)),
-        "merge-split8": (_merge_kernel, dict(part_acc_ptr="*fp32", part_ml_ptr="*fp32", out_ptr=BF16),
-                         dict(NUM_Q_HEADS=32, HEAD_DIM=128, HEAD_PAD=128, NUM_SPLITS=8, SPLITS_PAD=8)),
+        "decode": (_decode_kernel, ATTN_TYPES, dict(LLAMA3, GROUP_PAD=16, BLOCK_N=64, SPLIT=False, **dot)),
+        "decode-split": (_decode_kernel, ATTN_TYPES, dict(LLAMA3, GROUP_PAD=16, BLOCK_N=64, SPLIT=True, **dot)),
+        "merge": (_merge_kernel, dict(part_acc_ptr="*fp32", part_ml_ptr="*fp32", out_ptr=BF16),
+                  dict(NUM_Q_HEADS=32, HEAD_DIM=128, HEAD_PAD=128, SPLITS_PAD=64)),
         "prefill": (_prefill_kernel, ATTN_TYPES, dict(LLAMA3, BLOCK_M=pf.block_m, BLOCK_N=pf.block_n,
                                                        SPLIT_MASK=pf.split_mask, **dot),
                     dict(num_warps=pf.num_warps, num_stages=pf.num_stages)),
@@ -55,7 +55,9 @@ def compile_sm90(kernel, types: dict[str, str], consts: dict, num_warps: int = 4
 
     names = kernel.arg_names
     signature = {n: "constexpr" if n in consts else types.get(n, "i32") for n in names}
-    hinted = [n for n in names if signature[n] == "i32" or signature[n].startswith("*")]
+    # the launch hints ints divisible by 16, except those the kernel asks Triton not to specialize on
+    unspecialized = {names[i] if isinstance(i, int) else i for i in getattr(kernel, "do_not_specialize", ())}
+    hinted = [n for n in names if (signature[n] == "i32" and n not in unspecialized) or signature[n].startswith("*")]
     src = ASTSource(fn=kernel, signature=signature, constexprs={(names.index(k),): v for k, v in consts.items()},
                     attrs={(names.index(n),): [["tt.divisibility", 16]] for n in hinted})
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),
