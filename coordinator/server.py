@@ -169,7 +169,8 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             RequestError: DEADLINE_EXCEEDED for a stalled client.
         """
         try:
-            await asyncio.wait_for(context.write(msg), self.config.stall_timeout_s)
+            async with asyncio.timeout(self.config.stall_timeout_s):  # a timer, not wait_for's task per message
+                await context.write(msg)
         except TimeoutError:
             raise RequestError(grpc.StatusCode.DEADLINE_EXCEEDED,
                                f"the client read nothing for {self.config.stall_timeout_s:g} s; request cancelled "

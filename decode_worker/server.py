@@ -35,8 +35,10 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
     writing into them; then the receiver frees them when it stops (`Reservations.hold`).
     """
 
-    def __init__(self, worker: WorkerEngine, reservations: Reservations, kv_timeout_s: float):
+    def __init__(self, worker: WorkerEngine, reservations: Reservations, kv_timeout_s: float,
+                 stream_interval: int = 1):
         self.worker, self.reservations, self.kv_timeout_s = worker, reservations, kv_timeout_s
+        self.stream_interval = stream_interval
 
     async def Decode(self, request: worker_pb2.DecodeRequest, context: grpc.aio.ServicerContext):
         rid = request.request_id
@@ -68,8 +70,13 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
                     yield worker_pb2.DecodeResponse(reserved=worker_pb2.DecodeReserved())
                 decode_started, num_tokens = time.time(), 0
                 samples_left = req.sampling.n  # parallel sampling: one DecodeFinished per sample, the last ends it
+                pending: list = []  # --stream-interval: tokens held until N are due (the first and a finish go at once)
                 while True:
-                    batch = await stream.next_batch()
+                    pending += await stream.next_batch()
+                    if (num_tokens and len(pending) < self.stream_interval
+                            and all(ev.finish_reason is None for ev in pending)):
+                        continue
+                    batch, pending = pending, []
                     num_tokens += len(batch)
                     yield worker_pb2.DecodeResponse(tokens=worker_pb2.DecodeTokens(
                         tokens=[token_to_proto(ev.token, ev.index) for ev in batch],
@@ -143,7 +150,7 @@ async def serve(config: WorkerConfig) -> None:
         kv_address = await receiver.start(config.server.host, config.kv_port,
                                           advertise=advertise_host(config.server.host, config.server.advertise_host))
         connector = backend.name
-    decode = DecodeServicer(worker, reservations, config.kv_timeout_s)
+    decode = DecodeServicer(worker, reservations, config.kv_timeout_s, config.stream_interval)
     try:
         await serve_worker(config, worker, WorkerServicer(config.role, worker, kv_address, connector),
                            lambda server: worker_pb2_grpc.add_DecodeServicer_to_server(decode, server),

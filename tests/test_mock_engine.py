@@ -216,3 +216,27 @@ def test_a_cluster_of_mock_workers_streams_the_derived_tokens(tiny_model_dir, tm
         assert_idle(c)
     finally:
         c.stop()
+
+
+@pytest.mark.e2e
+def test_stream_interval_sends_tokens_n_at_a_time(tiny_model_dir, tmp_path):
+    """--stream-interval 4 on a (mock) colocated worker: the first token alone, then chunks of at least 4 tokens,
+    and the same tokens as the derived chain."""
+    from test_e2e import greedy
+
+    from cli.launcher import ServeConfig, start_cluster
+    from pdserve import Client
+
+    args = ["--mock-engine", "smollm2-135m-h200", "--mock-speedup", "20", "--kv-tokens", "2048",
+            "--max-model-len", "512", "--stream-interval", "4"]
+    c = start_cluster(str(tiny_model_dir), "tiny", ServeConfig(log_dir=str(tmp_path)), colocated=True,
+                      worker_args=args)
+    try:
+        prompt = list(range(100, 130))
+        with Client(c.address) as client:
+            chunks = [ch.token_ids for ch in client.generate(prompt, greedy(14)) if ch.token_ids]
+        assert [t for ch in chunks for t in ch] == chain(prompt, 14)
+        assert len(chunks[0]) == 1 and all(len(ch) >= 4 for ch in chunks[1:-1]), [len(ch) for ch in chunks]
+        assert len(chunks) <= 5, [len(ch) for ch in chunks]  # 1 + ceil(13 / 4)
+    finally:
+        c.stop()

@@ -34,6 +34,7 @@ class WorkerConfig:
         max_unread_tokens: tokens a request may have waiting unread (its client reads slower than it decodes)
             before it is paused: out of the batch, its KV kept while blocks allow; resumed when the reader catches
             up (`engine.async_engine.RequestStream`). 0 = never pause.
+        stream_interval: a decode stream's tokens are sent N at a time (the first token and a finish at once).
         log_level / log_format: the process's logging (the global --log-level / --log-format), which an engine
             process is given too.
     """
@@ -64,5 +65,9 @@ class WorkerConfig:
     max_unread_tokens: int = field(default=DEFAULT_MAX_UNREAD_TOKENS, metadata={
         "min": 0, "help": "pause a request whose client has this many tokens unread (frees its batch slot; KV kept "
                           "while blocks allow); 0 = never"})
+    stream_interval: int = field(default=1, metadata={
+        "min": 1, "help": "decode: tokens a request's stream sends together (vLLM's and SGLang's --stream-interval): "
+                          "1 = each token as it is sampled; N = every N tokens, the first and the last at once "
+                          "(N-fold fewer messages for the coordinator to relay, a chunk up to N-1 steps later)"})
     log_level: str = field(default="info", metadata={"cli": False})
     log_format: str = field(default="text", metadata={"cli": False})
