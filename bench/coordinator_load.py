@@ -7,8 +7,9 @@ fit in memory. A closed loop of C clients (the SDK's async stream, token-id prom
 the coordinator at each level; per level it reports:
 
 - requests/s and streamed tokens/s the clients received;
-- the coordinator's CPU seconds (its process's user + system time, /proc) per 1,000 streamed tokens and per
-  request, and its share of one core; the workers' and this client process's CPU beside it;
+- the coordinators' CPU seconds (their processes' user + system time, /proc) per 1,000 streamed tokens and per
+  request, and their share of one core (`--coordinators K` runs K on the one port, `serve --num-coordinators`;
+  the clients' requests are spread over `--channels` connections, which the kernel spreads over the K); the workers' and this client process's CPU beside it;
 - client-side TTFT and TPOT (p50 / p99; TPOT: a request's time from its first to its last token over the tokens
   after the first) and the 99th percentile gap between chunks; the profile's modelled step at the level's batch is
   what the workers alone would give, so the difference bounds what the coordinator, the client and the shared
@@ -77,9 +78,26 @@ def pct(values: list[float], q: float) -> float | None:
     return values[min(len(values) - 1, int(q * len(values)))]
 
 
+class Spread:
+    """Requests spread round-robin over several client channels (connections): SO_REUSEPORT balances
+    connections, not requests, so several coordinators on one port each get a share only of many connections."""
+
+    def __init__(self, address: str, channels: int):
+        self.backends = [PdserveBackend(address) for _ in range(channels)]
+        self.next = 0
+
+    async def run(self, req: BenchRequest):
+        self.next += 1
+        return await self.backends[self.next % len(self.backends)].run(req)
+
+    async def close(self) -> None:
+        for b in self.backends:
+            await b.close()
+
+
 async def level(address: str, concurrency: int, input_len: int, output_len: int, duration_s: float,
-                rng: random.Random, vocab: int) -> tuple[list, float]:
-    backend = PdserveBackend(address)
+                rng: random.Random, vocab: int, channels: int) -> tuple[list, float]:
+    backend = Spread(address, min(channels, concurrency))
     try:
         # enough requests that the closed loop never runs dry before the time is up
         n = concurrency * 4 + int(duration_s * concurrency)
@@ -102,6 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model-dir", help="tokenizer + config.json source (default: the packaged model)")
     p.add_argument("--coordinator-args", default="", help="extra coordinator flags, space separated")
     p.add_argument("--worker-args", default="", help="extra worker flags, space separated (e.g. --stream-interval 4)")
+    p.add_argument("--coordinators", type=int, default=1, help="coordinator processes on the one port")
+    p.add_argument("--channels", type=int, default=16, help="client connections the requests are spread over")
     p.add_argument("--py-spy", help="py-spy binary: record the coordinator's stacks per level (OUT.C<c>.folded)")
     p.add_argument("--out", type=Path)
     a = p.parse_args(argv)
@@ -118,8 +138,9 @@ def main(argv: list[str] | None = None) -> int:
     if a.prefill:
         worker_args += ["--connector", "tcp"]
     worker_args += a.worker_args.split()
-    cfg = ServeConfig(num_prefill=a.prefill or 1, num_decode=a.decode, log_dir=str(work / "logs"))
-    print(f"starting 1 coordinator + {a.prefill} prefill + {a.decode} {'decode' if a.prefill else 'colocated'} "
+    cfg = ServeConfig(num_prefill=a.prefill or 1, num_decode=a.decode, log_dir=str(work / "logs"),
+                      num_coordinators=a.coordinators)
+    print(f"starting {a.coordinators} coordinator(s) + {a.prefill} prefill + {a.decode} {'decode' if a.prefill else 'colocated'} "
           f"mock workers ({a.profile}, x{a.speedup:g})", flush=True)
     cluster = start_cluster(str(model), "mock", cfg, colocated=a.prefill == 0, worker_args=worker_args,
                             coordinator_args=a.coordinator_args.split() or None)
@@ -127,21 +148,21 @@ def main(argv: list[str] | None = None) -> int:
                             python=platform.python_version()),
                args={k: str(v) for k, v in vars(a).items()}, levels=[])
     try:
-        coord = cluster.processes["coordinator"].pid
-        workers = [proc.pid for name, proc in cluster.processes.items() if name != "coordinator"]
+        coords = [proc.pid for name, proc in cluster.processes.items() if name.startswith("coordinator")]
+        workers = [proc.pid for name, proc in cluster.processes.items() if not name.startswith("coordinator")]
         rng = random.Random(0)
-        asyncio.run(level(cluster.address, 4, a.input_len, 8, 5.0, rng, vocab))  # warm-up: connections, caches
+        asyncio.run(level(cluster.address, 4, a.input_len, 8, 5.0, rng, vocab, a.channels))  # warm-up
         print(f"{'C':>5} {'req/s':>7} {'tok/s':>8} {'coord CPU-s/1k tok':>19} {'coord ms/req':>12} "
               f"{'coord core':>10} {'workers core':>12} {'client core':>11} {'TTFT p50/p99 ms':>16} "
               f"{'TPOT p50/p99 ms':>15} {'gap p99':>7} {'failed':>6}", flush=True)
         for c in a.concurrency:
-            spy = (subprocess.Popen([a.py_spy, "record", "-p", str(coord), "-f", "raw", "-r", "200", "-d",
+            spy = (subprocess.Popen([a.py_spy, "record", "-p", str(coords[0]), "-f", "raw", "-r", "200", "-d",
                                      str(int(a.duration_s)), "-o", f"{a.out or 'coordinator'}.C{c}.folded"],
                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) if a.py_spy else None)
-            before = (cpu_seconds(coord), sum(cpu_seconds(w) for w in workers), time.process_time())
+            before = (sum(map(cpu_seconds, coords)), sum(map(cpu_seconds, workers)), time.process_time())
             results, wall = asyncio.run(level(cluster.address, c, a.input_len, a.output_len, a.duration_s, rng,
-                                              vocab))
-            after = (cpu_seconds(coord), sum(cpu_seconds(w) for w in workers), time.process_time())
+                                              vocab, a.channels))
+            after = (sum(map(cpu_seconds, coords)), sum(map(cpu_seconds, workers)), time.process_time())
             if spy is not None:
                 spy.wait(60)
             ok = [r for r in results if r.ok and r.output_tokens == a.output_len]

@@ -36,6 +36,8 @@ class ServeConfig:
             (`pdserve serve` reads a given --num-prefill as asking for disaggregation, `cli.topology`).
         log_dir: write each process's output to <log_dir>/<name>.log; None = inherit stderr.
         start_timeout_s: how long to wait for every process to serve, seconds.
+        num_coordinators: coordinator processes on the one public port (`CoordinatorConfig.reuse_port`), named
+            "coordinator", "coordinator-1", ...; each polls every worker and routes on its own view.
         restart: `serve` restarts a process that died (on its old gRPC port, so the coordinator finds it again).
     """
 
@@ -48,6 +50,9 @@ class ServeConfig:
     start_timeout_s: float = field(default=600.0, metadata={
         "gt": 0, "help": "wait for every process to serve, seconds"})
     restart: bool = field(default=False, metadata={"help": "restart a process that dies"})
+    num_coordinators: int = field(default=1, metadata={
+        "min": 1, "help": "coordinator processes serving the one public port (SO_REUSEPORT: the kernel spreads "
+                          "client connections among them), each routing over every worker"})
 
     @property
     def prefill_workers(self) -> int:
@@ -103,8 +108,8 @@ class Cluster:
                           + (f" (log: {self.log_files[name]})" if self.log_files.get(name) else ""), flush=True)
                     if not restart:
                         del self.processes[name]
-                        if name == "coordinator":
-                            return
+                        if not any(n.startswith("coordinator") for n in self.processes):
+                            return  # no public endpoint left
                         continue
                     quick = now - started[name] < RESTART_RESET_S
                     backoff[name] = min(2 * (backoff.get(name) or 0.5), RESTART_BACKOFF_MAX_S) if quick else 0.0
@@ -112,7 +117,7 @@ class Cluster:
                 if now < due[name]:
                     continue
                 del due[name]
-                address = self.address if name == "coordinator" else self.worker_addresses[name]
+                address = self.address if name.startswith("coordinator") else self.worker_addresses[name]
                 args = [*self._commands[name], "--port", address.rsplit(":", 1)[1]]
                 with self._spawning:
                     if self._stopping.is_set():
@@ -270,23 +275,27 @@ def start_cluster(model_dir: str, model_name: str, config: ServeConfig = ServeCo
                 cluster.processes[name] = proc
                 cluster.log_files[name] = log_path
                 waits.append((name, proc, ready, role))
-        total = len(waits) + 1  # and the coordinator
+        total = len(waits) + config.num_coordinators
         infos = wait_ready([(n, p, r) for n, p, r, _ in waits], config.start_timeout_s, progress, (0, total))
         cluster.worker_addresses = {w[0]: i["address"] for i, w in zip(infos, waits)}
         cluster.metrics_urls = {w[0]: i["metrics_url"] for i, w in zip(infos, waits) if "metrics_url" in i}
         args = ["coordinator", "--model", model_dir, "--served-model-name", model_name,
-                *(["--colocated"] if colocated else []), *coordinator_args]
+                *(["--colocated"] if colocated else []), *coordinator_args,
+                *(["--reuse-port"] if config.num_coordinators > 1 else [])]
         for info, (_, _, _, role) in zip(infos, waits):
             args += ["--prefill" if role == "prefill" else "--decode", info["address"]]
-        cluster._commands["coordinator"] = args
-        proc, ready, log_path = _spawn(args, "coordinator", workdir, logs, env)
-        cluster.processes["coordinator"] = proc
-        cluster.log_files["coordinator"] = log_path
-        info = wait_ready([("coordinator", proc, ready)], config.start_timeout_s, progress,
-                          (total - 1, total))[0]
-        cluster.address = info["address"]
-        if "metrics_url" in info:
-            cluster.metrics_urls["coordinator"] = info["metrics_url"]
+        for k in range(config.num_coordinators):  # the first picks the port (0: any free one), the rest join it
+            name = "coordinator" if k == 0 else f"coordinator-{k}"
+            extra = [] if k == 0 else ["--port", cluster.address.rsplit(":", 1)[1],
+                                       *(["--metrics-port", "0"] if "--metrics-port" in args else [])]
+            cluster._commands[name] = [*args, *extra]
+            proc, ready, log_path = _spawn(cluster._commands[name], name, workdir, logs, env)
+            cluster.processes[name] = proc
+            cluster.log_files[name] = log_path
+            info = wait_ready([(name, proc, ready)], config.start_timeout_s, progress, (len(waits) + k, total))[0]
+            cluster.address = cluster.address or info["address"]
+            if "metrics_url" in info:
+                cluster.metrics_urls[name] = info["metrics_url"]
         return cluster
     except BaseException:
         cluster.stop()

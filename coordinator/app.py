@@ -73,7 +73,8 @@ async def serve(config: CoordinatorConfig) -> None:
     running = await start_grpc_server(
         config.server, lambda server: _add_servicers(server, servicer),
         ["pdserve.v1.Generation", VLLM_ENGINE_SERVICE, kserve.SERVICE_NAME], tokens=api_keys, what="API key",
-        interceptors=tracing.server_interceptors(), max_receive_bytes=max_request_bytes)
+        interceptors=tracing.server_interceptors(), max_receive_bytes=max_request_bytes,
+        reuse_port=config.reuse_port)
     pending: set[asyncio.Task] = set()
 
     def follow_membership() -> None:

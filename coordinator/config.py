@@ -30,6 +30,7 @@ class CoordinatorConfig:
             (`coordinator.scheduling.read_tenants`); unnamed tenants weigh 1.
         scheduling_policy: "fcfs" (every request priority 0; a nonzero priority is refused) or "priority" (requests
             run at their priority, bounded by their tenant's floor: `coordinator.scheduling.grant_priority`).
+        reuse_port: bind the public port with SO_REUSEPORT, so several coordinator processes serve one address.
         request_timeout_s: deadline of each worker call, seconds.
         connect_timeout_s: at start, how long to wait for a live worker of every role, seconds.
         stats_interval_s: how often each worker's health and load (KV headroom, queue) are polled, seconds.
@@ -81,6 +82,9 @@ class CoordinatorConfig:
         "help": "fcfs: requests run in arrival order within their tenant's share, a nonzero priority is refused; "
                 "priority: lower priority runs sooner (and may preempt), bounded by each tenant's floor in "
                 "--tenant-weights"})
+    reuse_port: bool = field(default=False, metadata={
+        "help": "share the port with other coordinators that ask for it too (SO_REUSEPORT: the kernel spreads "
+                "client connections among them; vLLM's --api-server-count); each keeps its own routing view"})
     request_timeout_s: float = field(default=600.0, metadata={"gt": 0, "help": "deadline of each worker call, seconds"})
     connect_timeout_s: float = field(default=300.0, metadata={"gt": 0,
         "help": "at start, wait this long for a live worker of every role, seconds"})

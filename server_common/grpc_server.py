@@ -128,7 +128,7 @@ class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):
 async def start_grpc_server(args: ServerArgs, add_servicers: Callable[[grpc.aio.Server], None],
                             service_names: list[str], tokens: list[str], what: str = "API key",
                             interceptors: list[grpc.aio.ServerInterceptor] = (),
-                            max_receive_bytes: int = MAX_MESSAGE_BYTES) -> RunningServer:
+                            max_receive_bytes: int = MAX_MESSAGE_BYTES, reuse_port: bool = False) -> RunningServer:
     """Start a grpc.aio server with `grpc.health.v1.Health` and reflection.
 
     Args:
@@ -144,8 +144,10 @@ async def start_grpc_server(args: ServerArgs, add_servicers: Callable[[grpc.aio.
     Health reports SERVING for "", each service name and `LIVENESS_SERVICE` once the server has started. A request
     body that does not parse is answered with INVALID_ARGUMENT (`MalformedRequestInterceptor`).
 
-    The port is bound without SO_REUSEPORT (grpcio sets it by default on Linux): a second server on a busy port
-    would otherwise start silently and take half of the first one's connections.
+    The port is bound without SO_REUSEPORT (grpcio sets it by default on Linux) unless `reuse_port`: a second
+    server on a busy port would otherwise start silently and take half of the first one's connections. With
+    `reuse_port` that is the point: several processes that all ask for it share the port, and the kernel spreads
+    incoming connections among them (coordinators scaled out, `pdserve serve --coordinators K`).
 
     Raises:
         CommandError: the address could not be bound ("port N is in use" when another process holds it).
@@ -157,7 +159,7 @@ async def start_grpc_server(args: ServerArgs, add_servicers: Callable[[grpc.aio.
     server = grpc.aio.server(interceptors=chain,
                              options=[("grpc.max_receive_message_length", max_receive_bytes),
                                       ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-                                      ("grpc.so_reuseport", 0), *SERVER_KEEPALIVE])
+                                      ("grpc.so_reuseport", int(reuse_port)), *SERVER_KEEPALIVE])
     add_servicers(server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
