@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
+from dataclasses import fields as dataclass_fields
 
 log = logging.getLogger("pdserve.access")
 
@@ -37,7 +38,8 @@ class RequestRecord:
 def log_access(record: RequestRecord, error: str = "") -> None:
     """One access-log line per request (logger "pdserve.access"): the record's fields as structured `extra`
     attributes (JSON output carries them as keys: --log-format json) and a readable summary as the message."""
-    fields = {k: v for k, v in asdict(record).items() if k != "token_gaps"}
+    # shallow: every field but token_gaps is a scalar (asdict's deep copy was 3% of a request's coordinator CPU)
+    fields = {f.name: getattr(record, f.name) for f in dataclass_fields(record) if f.name != "token_gaps"}
     fields.update(ttft_ms=round(record.ttft_s * 1e3, 1), e2e_ms=round(record.e2e_s * 1e3, 1), error=error)
     for k in ("ttft_s", "e2e_s", "queue_s", "prefill_s", "transfer_s"):
         fields.pop(k)

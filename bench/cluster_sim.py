@@ -1,0 +1,208 @@
+"""A simulated GPU cluster on this machine: one coordinator, P prefill and D decode mock workers (KV over tcp), an
+open-loop trace, and every stream checked.
+
+The workers run the mock engine (`--mock-engine PROFILE`, real time by default): the real scheduler, prefix cache
+and KV transfer protocol, each step the profiled device's time, tokens derived from the context
+(`engine.mock.runner.next_token`). The trace: Poisson arrivals at `--rate` requests/s for `--duration-s`; prompt
+lengths log-normal around `--prompt-median` tokens; outputs uniform in [--output-min, --output-max]; a share
+`--followups` of requests continue an earlier conversation (its prompt, its output, a new turn), so prefixes repeat
+as in multi-turn chat. Every request is checked:
+
+- wrong: its tokens are not the chain derived from its prompt, or not exactly max_tokens of them;
+- failed: it ended in an error;
+- hung: it had not ended `--hang-s` seconds after it was sent.
+
+Reports the counts, throughput, TTFT / TPOT percentiles, the first token's relay (the coordinator's TTFT less the
+queue and prefill times the prefill worker reports: from the token sampled to it sent to the client), the prompt
+tokens the workers' prefix caches served, and the coordinator's CPU per 1,000 streamed tokens.
+
+    python bench/cluster_sim.py [--prefill 8] [--decode 24] [--rate 20] [--duration-s 600] [--out FILE]
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import platform
+import random
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
+
+from coordinator_load import cpu_seconds, declared_model, pct  # noqa: E402
+
+
+def trace(rng: random.Random, rate: float, duration_s: float, vocab: int, prompt_median: int, max_prompt: int,
+          outputs: tuple[int, int], followups: float) -> list[tuple[float, int, int]]:
+    """(send time s, conversation, output tokens) per request; prompts are built as earlier turns end."""
+    t, out, conversations = 0.0, [], 0
+    while True:
+        t += rng.expovariate(rate)
+        if t >= duration_s:
+            return out
+        if conversations and rng.random() < followups:
+            conv = rng.randrange(conversations)
+        else:
+            conv, conversations = conversations, conversations + 1
+        out.append((t, conv, rng.randint(*outputs)))
+
+
+async def main_async(a, address: str, vocab: int, eos: frozenset[int]) -> dict:
+    from pdserve import AsyncClient, SamplingParams
+
+    from engine.mock.runner import next_token
+
+    rng = random.Random(a.seed)
+    plan = trace(rng, a.rate, a.duration_s, vocab, a.prompt_median, a.max_prompt, (a.output_min, a.output_max),
+                 a.followups)
+    clients = [AsyncClient(address) for _ in range(a.channels)]
+    history: dict[int, list[int]] = {}  # conversation -> its context so far (a follow-up extends it)
+    stats = dict(requests=len(plan), ok=0, wrong=0, failed=0, hung=0, tokens=0, prompt_tokens=0, cached_tokens=0)
+    ttft, tpot, errors, added = [], [], [], []
+    t0 = time.perf_counter()
+
+    def turn(conv: int) -> list[int]:
+        plen = int(min(a.max_prompt, max(8, rng.lognormvariate(math.log(a.prompt_median), 1.0))))
+        new = [rng.randrange(10, vocab) for _ in range(plen if conv not in history else max(8, plen // 4))]
+        prompt = (history.get(conv, []) + new)[-a.max_prompt:]
+        return prompt
+
+    async def one(i: int, prompt: list[int], n: int) -> None:
+        start, first, got = time.perf_counter(), None, []
+        try:
+            async def stream():
+                nonlocal first
+                async for chunk in clients[i % len(clients)].generate(prompt, SamplingParams(max_tokens=n,
+                                                                                           temperature=0.0)):
+                    if chunk.token_ids:
+                        first = first or time.perf_counter()
+                        got.extend(chunk.token_ids)
+                    if chunk.final is not None:
+                        stats["cached_tokens"] += chunk.final.cached_prompt_tokens
+                        t = chunk.final.timings  # first token sampled (worker) -> sent to the client (coordinator)
+                        added.append(t["ttft_ms"] - t["queue_ms"] - t["prefill_ms"])
+            await asyncio.wait_for(stream(), a.hang_s)
+        except asyncio.TimeoutError:
+            stats["hung"] += 1
+            return
+        except Exception as e:  # an RPC error: counted, the trace goes on
+            stats["failed"] += 1
+            errors.append(f"{type(e).__name__}: {str(e)[:200]}")
+            return
+        end = time.perf_counter()
+        ctx = list(prompt)
+        for _ in range(n):
+            ctx.append(next_token(ctx, vocab, eos))
+        if got != ctx[len(prompt):]:
+            stats["wrong"] += 1
+            return
+        stats["ok"] += 1
+        stats["tokens"] += n
+        stats["prompt_tokens"] += len(prompt)
+        ttft.append((first - start) * 1e3)
+        if n > 1:
+            tpot.append((end - first) * 1e3 / (n - 1))
+
+    tasks = []
+    for i, (at, conv, n) in enumerate(plan):
+        delay = t0 + at - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        prompt = turn(conv)
+        # the conversation's next turn extends this one's context: the prompt and the output it will get
+        ctx = list(prompt)
+        for _ in range(n):
+            ctx.append(next_token(ctx, vocab, eos))
+        history[conv] = ctx
+        tasks.append(asyncio.create_task(one(i, prompt, n)))
+        if a.progress and i % 500 == 0:
+            print(f"  t={time.perf_counter() - t0:6.0f}s sent {i} ok {stats['ok']} wrong {stats['wrong']} "
+                  f"failed {stats['failed']} hung {stats['hung']}", flush=True)
+    await asyncio.gather(*tasks)
+    wall = time.perf_counter() - t0
+    for c in clients:
+        await c.close()
+    stats.update(wall_s=wall, tok_per_s=stats["tokens"] / wall, req_per_s=stats["ok"] / wall,
+                 prefix_hit=stats["cached_tokens"] / max(stats["prompt_tokens"], 1),
+                 ttft_ms_p50=pct(ttft, 0.5), ttft_ms_p99=pct(ttft, 0.99), tpot_ms_p50=pct(tpot, 0.5),
+                 tpot_ms_p99=pct(tpot, 0.99), relay_ttft_ms_p50=pct(added, 0.5),
+                 relay_ttft_ms_p99=pct(added, 0.99), errors=errors[:20])
+    return stats
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--prefill", type=int, default=8)
+    p.add_argument("--decode", type=int, default=24)
+    p.add_argument("--profile", default="llama-3.1-8b-h200")
+    p.add_argument("--speedup", type=float, default=1.0)
+    p.add_argument("--rate", type=float, default=20.0, help="arrivals per second (Poisson)")
+    p.add_argument("--duration-s", type=float, default=600.0)
+    p.add_argument("--prompt-median", type=int, default=512)
+    p.add_argument("--max-prompt", type=int, default=4096)
+    p.add_argument("--output-min", type=int, default=16)
+    p.add_argument("--output-max", type=int, default=256)
+    p.add_argument("--followups", type=float, default=0.3, help="share of requests continuing a conversation")
+    p.add_argument("--stream-interval", type=int, default=1)
+    p.add_argument("--channels", type=int, default=16)
+    p.add_argument("--hang-s", type=float, default=120.0)
+    p.add_argument("--kv-tokens", type=int, default=65536, help="each worker's KV pool, tokens")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--progress", action="store_true")
+    p.add_argument("--out", type=Path)
+    a = p.parse_args(argv)
+
+    from cli.launcher import ServeConfig, start_cluster
+    from cli.models import resolve_model
+
+    work = Path(tempfile.mkdtemp(prefix="cluster-sim-"))
+    model = declared_model(resolve_model(None), work / "model")
+    cfg = json.loads((model / "config.json").read_text())
+    eos = cfg["eos_token_id"]
+    eos = frozenset(eos if isinstance(eos, list) else [eos])
+    worker_args = ["--mock-engine", a.profile, "--mock-speedup", str(a.speedup), "--no-engine-process",
+                   "--kv-tokens", str(a.kv_tokens), "--max-num-seqs", "256", "--max-num-batched-tokens", "4096",
+                   "--max-model-len", str(a.max_prompt + a.output_max + 16), "--threads", "1",
+                   "--connector", "tcp", "--stream-interval", str(a.stream_interval)]
+    print(f"starting 1 coordinator + {a.prefill} prefill + {a.decode} decode mock workers ({a.profile}, "
+          f"x{a.speedup:g}); {a.rate:g} req/s for {a.duration_s:g} s", flush=True)
+    started = time.perf_counter()
+    cluster = start_cluster(str(model), "mock", ServeConfig(num_prefill=a.prefill, num_decode=a.decode,
+                                                            log_dir=str(work / "logs")), worker_args=worker_args)
+    doc = dict(machine=dict(cpu=platform.processor() or platform.machine(), cores=os.cpu_count(),
+                            python=platform.python_version()), args={k: str(v) for k, v in vars(a).items()},
+               start_s=time.perf_counter() - started)
+    try:
+        coord = cluster.processes["coordinator"].pid
+        workers = [proc.pid for name, proc in cluster.processes.items() if name != "coordinator"]
+        rss = sum(int(Path(f"/proc/{pid}/statm").read_text().split()[1]) for pid in workers + [coord])
+        doc["rss_gib"] = rss * os.sysconf("SC_PAGE_SIZE") / 2**30
+        before = (cpu_seconds(coord), sum(map(cpu_seconds, workers)))
+        stats = asyncio.run(main_async(a, cluster.address, cfg["vocab_size"], eos))
+        after = (cpu_seconds(coord), sum(map(cpu_seconds, workers)))
+        stats.update(coord_cpu_s_per_1k_tokens=(after[0] - before[0]) / max(stats["tokens"], 1) * 1e3,
+                     coord_core=(after[0] - before[0]) / stats["wall_s"],
+                     workers_core=(after[1] - before[1]) / stats["wall_s"])
+        doc.update(stats)
+    finally:
+        cluster.stop()
+        shutil.rmtree(work, ignore_errors=True)
+    show = {k: (round(v, 3) if isinstance(v, float) else v) for k, v in doc.items() if k not in ("args", "errors")}
+    print(json.dumps(show, indent=1))
+    if doc.get("errors"):
+        print("first errors:", *doc["errors"][:5], sep="\n  ")
+    if a.out:
+        a.out.write_text(json.dumps(doc, indent=1))
+    return 0 if doc.get("wrong", 1) == doc.get("failed", 1) == doc.get("hung", 1) == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
