@@ -12,7 +12,7 @@ as in multi-turn chat. Every request is checked:
 - failed: it ended in an error;
 - hung: it had not ended `--hang-s` seconds after it was sent.
 
-Reports the counts, throughput, TTFT / TPOT percentiles, the first token's relay (the coordinator's TTFT less the
+Reports the counts, throughput, goodput (requests/s within --ttft-slo-ms and --tpot-slo-ms), TTFT / TPOT percentiles, the first token's relay (the coordinator's TTFT less the
 queue and prefill times the prefill worker reports: from the token sampled to it sent to the client), the prompt
 tokens the workers' prefix caches served, and the coordinator's CPU per 1,000 streamed tokens.
 
@@ -40,40 +40,44 @@ sys.path.insert(0, str(HERE))
 from coordinator_load import cpu_seconds, declared_model, pct  # noqa: E402
 
 
-def trace(rng: random.Random, rate: float, duration_s: float, vocab: int, prompt_median: int, max_prompt: int,
-          outputs: tuple[int, int], followups: float) -> list[tuple[float, int, int]]:
-    """(send time s, conversation, output tokens) per request; prompts are built as earlier turns end."""
-    t, out, conversations = 0.0, [], 0
+def build_requests(a, vocab: int, eos: frozenset[int]) -> list[tuple[float, list[int], int]]:
+    """The trace, (send time s, prompt, output tokens) per request, built up front (module docstring): a follow-up
+    turn's prompt is its conversation's context so far (the earlier prompt and the output the mock will give it)
+    and a new turn, cut to --max-prompt tokens."""
+    from engine.mock.runner import next_token
+
+    rng = random.Random(a.seed)
+    t, out, history = 0.0, [], []
     while True:
-        t += rng.expovariate(rate)
-        if t >= duration_s:
+        t += rng.expovariate(a.rate)
+        if t >= a.duration_s:
             return out
-        if conversations and rng.random() < followups:
-            conv = rng.randrange(conversations)
+        plen = int(min(a.max_prompt, max(8, rng.lognormvariate(math.log(a.prompt_median), 1.0))))
+        n = rng.randint(a.output_min, a.output_max)
+        if history and rng.random() < a.followups:
+            conv = rng.randrange(len(history))
+            prompt = (history[conv] + [rng.randrange(10, vocab) for _ in range(max(8, plen // 4))])[-a.max_prompt:]
         else:
-            conv, conversations = conversations, conversations + 1
-        out.append((t, conv, rng.randint(*outputs)))
+            conv, prompt = len(history), [rng.randrange(10, vocab) for _ in range(plen)]
+            history.append([])
+        ctx = list(prompt)
+        for _ in range(n):
+            ctx.append(next_token(ctx, vocab, eos))
+        history[conv] = ctx
+        out.append((t, prompt, n))
 
 
-async def main_async(a, address: str, vocab: int, eos: frozenset[int]) -> dict:
+async def main_async(a, address: str, plan: list[tuple[float, list[int], int]], vocab: int,
+                     eos: frozenset[int]) -> dict:
     from pdserve import AsyncClient, SamplingParams
 
     from engine.mock.runner import next_token
 
-    rng = random.Random(a.seed)
-    plan = trace(rng, a.rate, a.duration_s, vocab, a.prompt_median, a.max_prompt, (a.output_min, a.output_max),
-                 a.followups)
     clients = [AsyncClient(address) for _ in range(a.channels)]
-    history: dict[int, list[int]] = {}  # conversation -> its context so far (a follow-up extends it)
-    stats = dict(requests=len(plan), ok=0, wrong=0, failed=0, hung=0, tokens=0, prompt_tokens=0, cached_tokens=0)
+    stats = dict(requests=len(plan), ok=0, wrong=0, failed=0, hung=0, tokens=0, prompt_tokens=0, cached_tokens=0,
+                 within_slo=0)
     ttft, tpot, errors, added = [], [], [], []
     t0 = time.perf_counter()
-
-    def turn(conv: int) -> list[int]:
-        plen = int(min(a.max_prompt, max(8, rng.lognormvariate(math.log(a.prompt_median), 1.0))))
-        new = [rng.randrange(10, vocab) for _ in range(plen if conv not in history else max(8, plen // 4))]
-        prompt = (history.get(conv, []) + new)[-a.max_prompt:]
-        return prompt
 
     async def one(i: int, prompt: list[int], n: int) -> None:
         start, first, got = time.perf_counter(), None, []
@@ -110,18 +114,14 @@ async def main_async(a, address: str, vocab: int, eos: frozenset[int]) -> dict:
         ttft.append((first - start) * 1e3)
         if n > 1:
             tpot.append((end - first) * 1e3 / (n - 1))
+        if ttft[-1] <= a.ttft_slo_ms and (n == 1 or tpot[-1] <= a.tpot_slo_ms):
+            stats["within_slo"] += 1
 
     tasks = []
-    for i, (at, conv, n) in enumerate(plan):
+    for i, (at, prompt, n) in enumerate(plan):
         delay = t0 + at - time.perf_counter()
         if delay > 0:
             await asyncio.sleep(delay)
-        prompt = turn(conv)
-        # the conversation's next turn extends this one's context: the prompt and the output it will get
-        ctx = list(prompt)
-        for _ in range(n):
-            ctx.append(next_token(ctx, vocab, eos))
-        history[conv] = ctx
         tasks.append(asyncio.create_task(one(i, prompt, n)))
         if a.progress and i % 500 == 0:
             print(f"  t={time.perf_counter() - t0:6.0f}s sent {i} ok {stats['ok']} wrong {stats['wrong']} "
@@ -131,6 +131,7 @@ async def main_async(a, address: str, vocab: int, eos: frozenset[int]) -> dict:
     for c in clients:
         await c.close()
     stats.update(wall_s=wall, tok_per_s=stats["tokens"] / wall, req_per_s=stats["ok"] / wall,
+                 goodput=stats["within_slo"] / wall,
                  prefix_hit=stats["cached_tokens"] / max(stats["prompt_tokens"], 1),
                  ttft_ms_p50=pct(ttft, 0.5), ttft_ms_p99=pct(ttft, 0.99), tpot_ms_p50=pct(tpot, 0.5),
                  tpot_ms_p99=pct(tpot, 0.99), relay_ttft_ms_p50=pct(added, 0.5),
@@ -138,7 +139,7 @@ async def main_async(a, address: str, vocab: int, eos: frozenset[int]) -> dict:
     return stats
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--prefill", type=int, default=8)
     p.add_argument("--decode", type=int, default=24)
@@ -152,13 +153,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output-max", type=int, default=256)
     p.add_argument("--followups", type=float, default=0.3, help="share of requests continuing a conversation")
     p.add_argument("--stream-interval", type=int, default=1)
+    p.add_argument("--ttft-slo-ms", type=float, default=float("inf"), help="goodput: requests within both SLOs")
+    p.add_argument("--tpot-slo-ms", type=float, default=float("inf"))
     p.add_argument("--channels", type=int, default=16)
     p.add_argument("--hang-s", type=float, default=120.0)
     p.add_argument("--kv-tokens", type=int, default=65536, help="each worker's KV pool, tokens")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--progress", action="store_true")
     p.add_argument("--out", type=Path)
-    a = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parser().parse_args(argv)
 
     from cli.launcher import ServeConfig, start_cluster
     from cli.models import resolve_model
@@ -168,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = json.loads((model / "config.json").read_text())
     eos = cfg["eos_token_id"]
     eos = frozenset(eos if isinstance(eos, list) else [eos])
+    plan = build_requests(a, cfg["vocab_size"], eos)
     worker_args = ["--mock-engine", a.profile, "--mock-speedup", str(a.speedup), "--no-engine-process",
                    "--kv-tokens", str(a.kv_tokens), "--max-num-seqs", "256", "--max-num-batched-tokens", "4096",
                    "--max-model-len", str(a.max_prompt + a.output_max + 16), "--threads", "1",
@@ -186,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
         rss = sum(int(Path(f"/proc/{pid}/statm").read_text().split()[1]) for pid in workers + [coord])
         doc["rss_gib"] = rss * os.sysconf("SC_PAGE_SIZE") / 2**30
         before = (cpu_seconds(coord), sum(map(cpu_seconds, workers)))
-        stats = asyncio.run(main_async(a, cluster.address, cfg["vocab_size"], eos))
+        stats = asyncio.run(main_async(a, cluster.address, plan, cfg["vocab_size"], eos))
         after = (cpu_seconds(coord), sum(map(cpu_seconds, workers)))
         stats.update(coord_cpu_s_per_1k_tokens=(after[0] - before[0]) / max(stats["tokens"], 1) * 1e3,
                      coord_core=(after[0] - before[0]) / stats["wall_s"],

@@ -240,3 +240,44 @@ def test_stream_interval_sends_tokens_n_at_a_time(tiny_model_dir, tmp_path):
         assert len(chunks) <= 5, [len(ch) for ch in chunks]  # 1 + ceil(13 / 4)
     finally:
         c.stop()
+
+
+# ---- the planner ---------------------------------------------------------------------------------------------------
+# Steps of a model simple enough to plan by hand: a decode step takes 10 ms at any batch and context, a prefill
+# token 0.01 ms. Prefill of 1,000 tokens: S = 10 ms, so rho = r / P * 0.01 and TTFT = 10 + rho / (2 (1 - rho)) * 10,
+# within 20 ms while rho <= 2/3: r <= 66.7 P. Decode of 100 tokens: n = r / D * 100 * 0.01 = r / D per worker,
+# within a batch of 256 while r <= 256 D; ITL 10 ms always.
+FLAT = StepTimeModel(decode=(10.0, 0.0, 0.0, 0.0), mixed=(0.0, 0.01, 0.0, 0.0, 0.0, 0.0, 0.0))
+
+
+def test_planner_goodput_matches_the_hand_computed_queueing_model():
+    from engine.mock.planner import Objectives, Traffic, estimate, goodput, prefill_service_ms
+
+    traffic, objectives = Traffic(1.0, 1000, 100), Objectives(ttft_ms=20.0, itl_ms=12.0)
+    assert prefill_service_ms(FLAT, 1000, 0.0, 4096) == pytest.approx(10.0)
+    assert prefill_service_ms(FLAT, 10_000, 0.5, 4096) == pytest.approx(50.0)  # half served by the prefix cache
+    assert goodput(FLAT, FLAT, traffic, objectives, 1, 1) == pytest.approx(200 / 3, rel=1e-6)
+    assert goodput(FLAT, FLAT, traffic, objectives, 2, 1) == pytest.approx(400 / 3, rel=1e-6)
+    assert goodput(FLAT, FLAT, traffic, objectives, 3, 1) == pytest.approx(200, rel=1e-6)
+    assert goodput(FLAT, FLAT, traffic, objectives, 4, 1) == pytest.approx(256, rel=1e-6)  # the batch limit now
+    e = estimate(FLAT, FLAT, Traffic(120.0, 1000, 100), objectives, 1, 1)
+    assert not e.meets and e.ttft_ms == float("inf") and e.prefill_utilisation == pytest.approx(1.2)
+    assert goodput(FLAT, FLAT, traffic, Objectives(ttft_ms=20.0, itl_ms=9.0), 4, 4) == 0.0  # ITL never met
+
+
+def test_planner_recommends_the_cheapest_split_that_meets_the_objectives():
+    from engine.mock.planner import Objectives, Traffic, best_split, recommend
+
+    objectives = Objectives(ttft_ms=20.0, itl_ms=12.0)
+    choice, table = recommend(FLAT, FLAT, Traffic(100.0, 1000, 100), objectives, max_workers=4)
+    assert (choice.prefill, choice.decode) == (2, 1) and choice.meets
+    assert len(table) == 6 and (1, 1, pytest.approx(200 / 3, rel=1e-6)) in table
+    assert recommend(FLAT, FLAT, Traffic(1000.0, 1000, 100), objectives, max_workers=4)[0] is None
+    assert best_split(FLAT, FLAT, Traffic(100.0, 1000, 100), objectives, 4)[:2] == (3, 1)
+    with pytest.raises(ValueError):
+        recommend(FLAT, FLAT, Traffic(1.0, 10, 10), objectives, max_workers=1)
+
+
+def test_scaled_profiles_divide_every_step_by_the_speedup():
+    shape = StepShape.of_step([(300, 0)], [100, 200])
+    assert TRUE.scaled(0.1).predict_ms(shape) == pytest.approx(10 * TRUE.predict_ms(shape))

@@ -110,6 +110,12 @@ class StepTimeModel:
         coef = self.decode if kind == "decode" else self.mixed
         return max(0.0, float(np.dot(coef, x)))
 
+    def scaled(self, speedup: float) -> StepTimeModel:
+        """The model of a device `speedup` times as fast (every step's time divided by it), as the mock engine
+        runs with --mock-speedup."""
+        return StepTimeModel(tuple(c / speedup for c in self.decode), tuple(c / speedup for c in self.mixed),
+                             self.batch_sizes, self.knees, self.source, self.error)
+
     def to_json(self) -> dict:
         return dict(decode=list(self.decode), mixed=list(self.mixed), batch_sizes=list(self.batch_sizes),
                     knees=list(self.knees), source=self.source, error=self.error)
