@@ -160,6 +160,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-tokens", type=int, default=65536, help="each worker's KV pool, tokens")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--progress", action="store_true")
+    p.add_argument("--coordinator-args", default="", help="extra coordinator flags, space separated")
     p.add_argument("--out", type=Path)
     return p
 
@@ -184,7 +185,8 @@ def main(argv: list[str] | None = None) -> int:
           f"x{a.speedup:g}); {a.rate:g} req/s for {a.duration_s:g} s", flush=True)
     started = time.perf_counter()
     cluster = start_cluster(str(model), "mock", ServeConfig(num_prefill=a.prefill, num_decode=a.decode,
-                                                            log_dir=str(work / "logs")), worker_args=worker_args)
+                                                            log_dir=str(work / "logs")), worker_args=worker_args,
+                            coordinator_args=a.coordinator_args.split() or None)
     doc = dict(machine=dict(cpu=platform.processor() or platform.machine(), cores=os.cpu_count(),
                             python=platform.python_version()), args={k: str(v) for k, v in vars(a).items()},
                start_s=time.perf_counter() - started)

@@ -1,10 +1,12 @@
 """The planner's P:D split against an exhaustive sweep in the simulator (issue 45 item 4's check).
 
 For each trace (a mix of prompt and output lengths, `bench/cluster_sim.py`'s generator), the planner
-(`engine.mock.planner.best_split`, fed the trace's mean prompt and output lengths, no prefix hits assumed) picks the
+(`engine.mock.planner.best_split`, fed the trace's mean prompt and output lengths and its 99th-percentile context,
+no prefix hits assumed) picks the
 split of `--workers` workers with the most goodput at the objectives; then `cluster_sim.py` runs every split
 (1..N-1 prefill workers, the rest decode) on the same trace and measures goodput: requests/s that met both the TTFT
-and the TPOT objective. Reports, per trace, the measured goodput of each split and the planner's choice's share of
+and the TPOT objective, with the coordinator's local prefill off (every prompt goes to a prefill worker: the split
+alone). Reports, per trace, the measured goodput of each split and the planner's choice's share of
 the best.
 
 The mock workers run slower than the profile's device (`--speedup 0.1` by default: ten times its step times), so
@@ -58,16 +60,20 @@ def main(argv: list[str] | None = None) -> int:
     for name in a.traces:
         shape = TRACES[name] + ["--duration-s", str(a.duration_s), "--profile", a.profile,
                                 "--speedup", str(a.speedup), "--ttft-slo-ms", str(a.ttft_slo_ms),
-                                "--tpot-slo-ms", str(a.tpot_slo_ms)]
+                                "--tpot-slo-ms", str(a.tpot_slo_ms),
+                                # the split alone: no decode worker prefills (conditional disaggregation is another
+                                # rule, not modelled by the planner)
+                                "--coordinator-args", "--no-local-prefill-queue --no-local-prefill-fallback"]
         probe = cluster_sim.parser().parse_args(shape + ["--rate", "1"])
         reqs = cluster_sim.build_requests(probe, 49152, frozenset())  # lengths only: the means the planner needs
         prompt = statistics.fmean(len(r[1]) for r in reqs)
         output = statistics.fmean(r[2] for r in reqs)
-        traffic = Traffic(1.0, prompt, output)
+        longest = statistics.quantiles([len(r[1]) + r[2] for r in reqs], n=100)[98]  # p99 context
+        traffic = Traffic(1.0, prompt, output, max_context=longest)
         predicted = {p_: goodput(model, model, traffic, objectives, p_, a.workers - p_)
                      for p_ in range(1, a.workers)}
         rate = a.load * max(predicted.values())
-        choice = best_split(model, model, Traffic(rate, prompt, output), objectives, a.workers)
+        choice = best_split(model, model, Traffic(rate, prompt, output, max_context=longest), objectives, a.workers)
         print(f"{name}: mean prompt {prompt:.0f}, output {output:.0f} tokens; predicted goodput by prefill workers "
               f"{ {k: round(v, 2) for k, v in predicted.items()} }; offered {rate:.2f} req/s; planner: "
               f"{choice[0]} prefill + {choice[1]} decode", flush=True)

@@ -9,7 +9,7 @@ Per split (P prefill workers, D decode workers), at an arrival rate of r request
   model, prefix-cache hits not computed); each prefill worker is an M/D/1 queue at utilisation rho = r / P * S, so
   TTFT = S + rho / (2 (1 - rho)) * S (the Pollaczek-Khinchine mean wait for deterministic service);
 - decode: by Little's law a decode worker holds n = r / D * O * t(n) requests (O output tokens each, t(n) the
-  decode step at batch n and the batch's mean context), solved by fixed-point iteration; ITL = t(n).
+  decode step at batch n, the batch's mean context and its longest), solved by fixed-point iteration; ITL = t(n).
 
 A split meets the objectives when rho < 1, TTFT <= the TTFT objective, n fits the batch and ITL <= the ITL
 objective. Its goodput is the highest rate at which it still does (bisection). Plain functions on plain data.
@@ -24,12 +24,15 @@ from engine.mock.step_model import StepShape, StepTimeModel
 @dataclass(frozen=True)
 class Traffic:
     """A workload. rate: requests/s. prompt_tokens / output_tokens: means, tokens. prefix_hit: the share of prompt
-    tokens the workers' prefix caches serve (not computed)."""
+    tokens the workers' prefix caches serve (not computed). max_context: the longest context a decode batch
+    holds, tokens (a high percentile of prompt + output: a decode step waits on its longest sequence); None = the
+    mean prompt and output."""
 
     rate: float
     prompt_tokens: float
     output_tokens: float
     prefix_hit: float = 0.0
+    max_context: float | None = None
 
 
 @dataclass(frozen=True)
@@ -69,11 +72,12 @@ def decode_batch(model: StepTimeModel, per_worker_rate: float, traffic: Traffic,
                  iterations: int = 200) -> tuple[float, float]:
     """(requests in flight on one decode worker, its step ms) by Little's law; (inf, inf) when the batch would
     exceed `max_batch` (the worker cannot keep up)."""
-    context = traffic.prompt_tokens + traffic.output_tokens / 2
+    context = int(traffic.prompt_tokens + traffic.output_tokens / 2)
+    longest = int(traffic.max_context or traffic.prompt_tokens + traffic.output_tokens)
     n = 1.0
     for _ in range(iterations):
         b = max(1, int(round(n)))
-        step = model.predict_ms(StepShape.of_step([], [int(context)] * b))
+        step = model.predict_ms(StepShape.of_step([], [context] * (b - 1) + [max(context, longest)]))
         nxt = per_worker_rate * traffic.output_tokens * step / 1e3
         if nxt > max_batch:
             return float("inf"), float("inf")
@@ -98,7 +102,7 @@ def goodput(prefill_model: StepTimeModel, decode_model: StepTimeModel, traffic: 
             prefill: int, decode: int, budget: int = 4096, max_batch: int = 256, ceiling: float = 1e5) -> float:
     """The highest arrival rate (requests/s, up to `ceiling`) at which the split meets the objectives; 0 if none."""
     def ok(rate: float) -> bool:
-        t = Traffic(rate, traffic.prompt_tokens, traffic.output_tokens, traffic.prefix_hit)
+        t = Traffic(rate, traffic.prompt_tokens, traffic.output_tokens, traffic.prefix_hit, traffic.max_context)
         return estimate(prefill_model, decode_model, t, objectives, prefill, decode, budget, max_batch).meets
     lo, hi = 0.0, ceiling
     if not ok(1e-6):
