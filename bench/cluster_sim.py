@@ -12,9 +12,10 @@ as in multi-turn chat. Every request is checked:
 - failed: it ended in an error;
 - hung: it had not ended `--hang-s` seconds after it was sent.
 
-Reports the counts, throughput, goodput (requests/s within --ttft-slo-ms and --tpot-slo-ms), TTFT / TPOT percentiles, the first token's relay (the coordinator's TTFT less the
-queue and prefill times the prefill worker reports: from the token sampled to it sent to the client), the prompt
-tokens the workers' prefix caches served, and the coordinator's CPU per 1,000 streamed tokens.
+Reports the counts, throughput, goodput (requests/s within --ttft-slo-ms and --tpot-slo-ms), TTFT / TPOT
+percentiles, the first token's relay (the coordinator's TTFT less the queue and prefill times the prefill worker
+reports: from the token sampled to it sent to the client), the prompt tokens the workers' prefix caches served,
+and the coordinator's CPU per 1,000 streamed tokens.
 
     python bench/cluster_sim.py [--prefill 8] [--decode 24] [--rate 20] [--duration-s 600] [--out FILE]
 """

@@ -9,7 +9,8 @@ the coordinator at each level; per level it reports:
 - requests/s and streamed tokens/s the clients received;
 - the coordinators' CPU seconds (their processes' user + system time, /proc) per 1,000 streamed tokens and per
   request, and their share of one core (`--coordinators K` runs K on the one port, `serve --num-coordinators`;
-  the clients' requests are spread over `--channels` connections, which the kernel spreads over the K); the workers' and this client process's CPU beside it;
+  the clients' requests are spread over `--channels` connections, which the kernel spreads over the K); the
+  workers' and this client process's CPU beside it;
 - client-side TTFT and TPOT (p50 / p99; TPOT: a request's time from its first to its last token over the tokens
   after the first) and the 99th percentile gap between chunks; the profile's modelled step at the level's batch is
   what the workers alone would give, so the difference bounds what the coordinator, the client and the shared
@@ -140,8 +141,9 @@ def main(argv: list[str] | None = None) -> int:
     worker_args += a.worker_args.split()
     cfg = ServeConfig(num_prefill=a.prefill or 1, num_decode=a.decode, log_dir=str(work / "logs"),
                       num_coordinators=a.coordinators)
-    print(f"starting {a.coordinators} coordinator(s) + {a.prefill} prefill + {a.decode} {'decode' if a.prefill else 'colocated'} "
-          f"mock workers ({a.profile}, x{a.speedup:g})", flush=True)
+    role = "decode" if a.prefill else "colocated"
+    print(f"starting {a.coordinators} coordinator(s) + {a.prefill} prefill + {a.decode} {role} mock workers "
+          f"({a.profile}, x{a.speedup:g})", flush=True)
     cluster = start_cluster(str(model), "mock", cfg, colocated=a.prefill == 0, worker_args=worker_args,
                             coordinator_args=a.coordinator_args.split() or None)
     doc = dict(machine=dict(cpu=platform.processor() or platform.machine(), cores=os.cpu_count(),
@@ -186,8 +188,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"{row['coord_cpu_s_per_1k_tokens']:>19.3f} {row['coord_ms_per_request']:>12.2f} "
                   f"{row['coord_core']:>10.2f} {row['workers_core']:>12.2f} {row['client_core']:>11.2f} "
                   f"{row['ttft_ms_p50'] or 0:>7.1f}/{row['ttft_ms_p99'] or 0:<8.1f} "
-                  f"{row['tpot_ms_p50'] or 0:>6.1f}/{row['tpot_ms_p99'] or 0:<8.1f} {row['chunk_gap_ms_p99'] or 0:>7.1f} "
-                  f"{row['failed']:>6}", flush=True)
+                  f"{row['tpot_ms_p50'] or 0:>6.1f}/{row['tpot_ms_p99'] or 0:<8.1f} "
+                  f"{row['chunk_gap_ms_p99'] or 0:>7.1f} {row['failed']:>6}", flush=True)
             if a.out:
                 a.out.write_text(json.dumps(doc, indent=1))
     finally:

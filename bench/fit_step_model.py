@@ -5,9 +5,10 @@ check it on steps it was not fitted on.
         --source TEXT [--out engine/mock/profiles/NAME.json]
 
 PARTS is `fit`, `holdout` or `fit+holdout` (the two lists step_times.py writes per model), each optionally cut to
-a range of its steps (`holdout[0:384]`, `holdout[384:]`: a trace's first half to fit, its second to check). Prints the prediction
-error on the fitted and the checked steps (trace time and per-step error, `step_model.prediction_error`); with
---out writes the profile, the source and the checked error beside the coefficients.
+a range of its steps (`holdout[0:384]`, `holdout[384:]`: a trace's first half to fit, its second to check).
+Prints the prediction error on the fitted and the checked steps (trace time and per-step error,
+`step_model.prediction_error`); with --out writes the profile, the source and the checked error beside the
+coefficients.
 """
 from __future__ import annotations
 

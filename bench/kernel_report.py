@@ -6,7 +6,8 @@ instructions in the SASS. This is the "read what costs no device time" step befo
 interpreter cannot see (layouts, dot shapes) and spills show up here.
 
 Argument hints match what Triton's JIT infers at a real launch on our tensors (pointers and integer arguments
-divisible by 16, but those a kernel marks do_not_specialize); shapes are Llama-3-8B's in bf16 (32 q / 8 kv heads, head_dim 128, block size 16).
+divisible by 16, but those a kernel marks do_not_specialize); shapes are Llama-3-8B's in bf16 (32 q / 8 kv heads,
+head_dim 128, block size 16).
 
 Usage: python bench/kernel_report.py [--json PATH]   (must run without TRITON_INTERPRET=1)
 """

@@ -39,8 +39,9 @@ def resolve_configs(args: EngineArgs) -> tuple[ModelConfig, CacheConfig, Schedul
 
     Raises:
         FileNotFoundError / ValueError: from reading and validating the model config (unsupported architecture or
-            feature, named), a mock engine's profile that does not load or with TP, a KV budget under one block, inconsistent speculative-decoding flags, or more
-            tensor-parallel ranks than GPUs (`engine.parallel.check_devices`).
+            feature, named), a mock engine's profile that does not load or with TP, a KV budget under one block,
+            inconsistent speculative-decoding flags, or more tensor-parallel ranks than GPUs
+            (`engine.parallel.check_devices`).
     """
     from transformers import AutoConfig
 
