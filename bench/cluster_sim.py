@@ -41,11 +41,11 @@ sys.path.insert(0, str(HERE))
 from coordinator_load import cpu_seconds, declared_model, pct  # noqa: E402
 
 
-def build_requests(a, vocab: int, eos: frozenset[int]) -> list[tuple[float, list[int], int]]:
-    """The trace, (send time s, prompt, output tokens) per request, built up front (module docstring): a follow-up
-    turn's prompt is its conversation's context so far (the earlier prompt and the output the mock will give it)
-    and a new turn, cut to --max-prompt tokens."""
-    from engine.mock.runner import next_token
+def build_requests(a, vocab: int, eos: frozenset[int]) -> list[tuple[float, list[int], int, list[int]]]:
+    """The trace, (send time s, prompt, output tokens, the tokens the mock will stream) per request, built up front
+    (module docstring): a follow-up turn's prompt is its conversation's context so far (the earlier prompt and its
+    output) and a new turn, cut to --max-prompt tokens."""
+    from engine.mock.runner import continuation
 
     rng = random.Random(a.seed)
     t, out, history = 0.0, [], []
@@ -61,18 +61,13 @@ def build_requests(a, vocab: int, eos: frozenset[int]) -> list[tuple[float, list
         else:
             conv, prompt = len(history), [rng.randrange(10, vocab) for _ in range(plen)]
             history.append([])
-        ctx = list(prompt)
-        for _ in range(n):
-            ctx.append(next_token(ctx, vocab, eos))
-        history[conv] = ctx
-        out.append((t, prompt, n))
+        expected = continuation(prompt, n, vocab, eos)
+        history[conv] = prompt + expected
+        out.append((t, prompt, n, expected))
 
 
-async def main_async(a, address: str, plan: list[tuple[float, list[int], int]], vocab: int,
-                     eos: frozenset[int]) -> dict:
+async def main_async(a, address: str, plan: list[tuple[float, list[int], int, list[int]]]) -> dict:
     from pdserve import AsyncClient, SamplingParams
-
-    from engine.mock.runner import next_token
 
     clients = [AsyncClient(address) for _ in range(a.channels)]
     stats = dict(requests=len(plan), ok=0, wrong=0, failed=0, hung=0, tokens=0, prompt_tokens=0, cached_tokens=0,
@@ -80,7 +75,7 @@ async def main_async(a, address: str, plan: list[tuple[float, list[int], int]], 
     ttft, tpot, errors, added = [], [], [], []
     t0 = time.perf_counter()
 
-    async def one(i: int, prompt: list[int], n: int) -> None:
+    async def one(i: int, prompt: list[int], n: int, expected: list[int]) -> None:
         start, first, got = time.perf_counter(), None, []
         try:
             async def stream():
@@ -103,10 +98,7 @@ async def main_async(a, address: str, plan: list[tuple[float, list[int], int]], 
             errors.append(f"{type(e).__name__}: {str(e)[:200]}")
             return
         end = time.perf_counter()
-        ctx = list(prompt)
-        for _ in range(n):
-            ctx.append(next_token(ctx, vocab, eos))
-        if got != ctx[len(prompt):]:
+        if got != expected:
             stats["wrong"] += 1
             return
         stats["ok"] += 1
@@ -119,11 +111,11 @@ async def main_async(a, address: str, plan: list[tuple[float, list[int], int]], 
             stats["within_slo"] += 1
 
     tasks = []
-    for i, (at, prompt, n) in enumerate(plan):
+    for i, (at, prompt, n, expected) in enumerate(plan):
         delay = t0 + at - time.perf_counter()
         if delay > 0:
             await asyncio.sleep(delay)
-        tasks.append(asyncio.create_task(one(i, prompt, n)))
+        tasks.append(asyncio.create_task(one(i, prompt, n, expected)))
         if a.progress and i % 500 == 0:
             print(f"  t={time.perf_counter() - t0:6.0f}s sent {i} ok {stats['ok']} wrong {stats['wrong']} "
                   f"failed {stats['failed']} hung {stats['hung']}", flush=True)
@@ -197,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
         rss = sum(int(Path(f"/proc/{pid}/statm").read_text().split()[1]) for pid in workers + [coord])
         doc["rss_gib"] = rss * os.sysconf("SC_PAGE_SIZE") / 2**30
         before = (cpu_seconds(coord), sum(map(cpu_seconds, workers)))
-        stats = asyncio.run(main_async(a, cluster.address, plan, cfg["vocab_size"], eos))
+        stats = asyncio.run(main_async(a, cluster.address, plan))
         after = (cpu_seconds(coord), sum(map(cpu_seconds, workers)))
         stats.update(coord_cpu_s_per_1k_tokens=(after[0] - before[0]) / max(stats["tokens"], 1) * 1e3,
                      coord_core=(after[0] - before[0]) / stats["wall_s"],

@@ -14,7 +14,7 @@ import pytest
 
 from engine.args import EngineArgs
 from engine.builder import build_engine
-from engine.mock.runner import MockRunner, next_token
+from engine.mock.runner import MockRunner, continuation, next_token
 from engine.mock.step_model import (StepShape, StepTimeModel, fit, load_profile, prediction_error,
                                     profile_names)
 from engine.offline import generate, run_until_idle
@@ -104,10 +104,7 @@ def mock_engine(config_dir: Path, **kw):
 
 
 def chain(prompt: list[int], n: int) -> list[int]:
-    ctx = list(prompt)
-    for _ in range(n):
-        ctx.append(next_token(ctx, VOCAB, frozenset({2})))
-    return ctx[len(prompt):]
+    return continuation(prompt, n, VOCAB, frozenset({2}))
 
 
 def test_greedy_streams_are_the_derived_chain_whatever_the_batch(config_dir):
@@ -118,6 +115,8 @@ def test_greedy_streams_are_the_derived_chain_whatever_the_batch(config_dir):
     together = generate(parts, [prompts], SamplingParams(max_tokens=12, temperature=0.0))
     alone = generate(parts, [[p] for p in prompts], SamplingParams(max_tokens=12, temperature=0.0), "b")
     assert together == alone == [chain(p, 12) for p in prompts]
+    for p, out in zip(prompts, together):  # the continuation is next_token on each context in turn
+        assert out == [next_token(p + out[:i], VOCAB, frozenset({2})) for i in range(12)]
     assert all(2 not in out for out in together)  # never EOS: a greedy stream runs to max_tokens
 
 

@@ -42,8 +42,24 @@ def _mix(x: int) -> int:
 def next_token(tokens: Sequence[int], vocab_size: int, eos_token_ids: frozenset[int] = frozenset()) -> int:
     """The mock engine's token after `tokens` (the whole context: prompt and output so far): a hash of the context
     length and its last three tokens, in [0, vocab_size), never one of `eos_token_ids`."""
-    h = _mix(len(tokens))
-    for t in tokens[-3:]:
+    return _next(len(tokens), tokens[-3:], vocab_size, eos_token_ids)
+
+
+def continuation(prompt: Sequence[int], count: int, vocab_size: int,
+                 eos_token_ids: frozenset[int] = frozenset()) -> list[int]:
+    """The `count` tokens a greedy request streams after `prompt` (`next_token` in turn, each on the context so
+    far): what a client checks a mock engine's stream against."""
+    tail, length, out = list(prompt[-3:]), len(prompt), []
+    for _ in range(count):
+        out.append(_next(length, tail, vocab_size, eos_token_ids))
+        tail, length = tail[-2:] + out[-1:], length + 1
+    return out
+
+
+def _next(length: int, tail: Sequence[int], vocab_size: int, eos_token_ids: frozenset[int]) -> int:
+    """`next_token` from what it reads of a context: its length and its last (up to three) tokens."""
+    h = _mix(length)
+    for t in tail[-3:]:
         h = _mix(h ^ t)
     token = h % vocab_size
     while token in eos_token_ids:
@@ -85,9 +101,6 @@ class MockRunner:
         self.clock, self.sleep = clock, sleep
         self.steps, self.simulated_ms, self.overrun_steps = 0, 0.0, 0
 
-    def next_token(self, tokens: Sequence[int]) -> int:
-        return next_token(tokens, self.vocab_size, self.eos)
-
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         """The step's tokens (module docstring), returned once the step's modelled time has passed."""
         start = self.clock()
@@ -101,18 +114,16 @@ class MockRunner:
         for s in out.decodes + out.prefills:
             req = s.request
             if s.spec_token_ids:  # n-gram drafts: the model's greedy choice after each, accepted while they agree
-                ctx = list(req.all_token_ids[-3:])
-                n = req.num_tokens
-                want = []
-                for d in [None, *s.spec_token_ids]:
-                    if d is not None:
-                        ctx, n = ctx[-2:] + [d], n + 1
-                    want.append(next_token(_Tail(ctx, n), self.vocab_size, self.eos))
+                tail, length = list(req.all_token_ids[-3:]), req.num_tokens
+                want = [_next(length, tail, self.vocab_size, self.eos)]
+                for d in s.spec_token_ids:
+                    tail, length = tail[-2:] + [d], length + 1
+                    want.append(_next(length, tail, self.vocab_size, self.eos))
                 emitted = accept_greedy(s.spec_token_ids, want)
                 result.sampled[req.request_id] = SampledToken(emitted[0])
                 result.spec_tokens[req.request_id] = emitted[1:]
             elif s.sample:
-                token = self.next_token(req.all_token_ids)
+                token = next_token(req.all_token_ids, self.vocab_size, self.eos)
                 if req.argmax_next and req.matcher is None:
                     result.sampled[req.request_id] = SampledToken(token)
                 else:
@@ -149,17 +160,3 @@ class MockRunner:
     def close(self) -> None:
         """Nothing to release (the KV cache is freed with the runner)."""
 
-
-class _Tail(Sequence[int]):
-    """The last tokens of a context of length n (all `next_token` reads), without copying the context."""
-
-    def __init__(self, tail: list[int], n: int):
-        self.tail, self.n = tail, n
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, i):
-        if isinstance(i, slice) and i.start is not None and i.start < 0 and i.stop is None:
-            return self.tail[i]
-        raise IndexError("only the last tokens of a context are kept")
