@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path)
     a = p.parse_args(argv)
 
-    from engine.mock.planner import Objectives, Traffic, best_split, goodput
+    from engine.mock.planner import Objectives, Traffic, best_split, split_goodputs
     from engine.mock.step_model import load_profile
 
     model = load_profile(a.profile).scaled(a.speedup)
@@ -70,8 +70,7 @@ def main(argv: list[str] | None = None) -> int:
         output = statistics.fmean(r[2] for r in reqs)
         longest = statistics.quantiles([len(r[1]) + r[2] for r in reqs], n=100)[98]  # p99 context
         traffic = Traffic(1.0, prompt, output, max_context=longest)
-        predicted = {p_: goodput(model, model, traffic, objectives, p_, a.workers - p_)
-                     for p_ in range(1, a.workers)}
+        predicted = {p_: g for p_, _, g in split_goodputs(model, model, traffic, objectives, a.workers)}
         rate = a.load * max(predicted.values())
         choice = best_split(model, model, Traffic(rate, prompt, output, max_context=longest), objectives, a.workers)
         print(f"{name}: mean prompt {prompt:.0f}, output {output:.0f} tokens; predicted goodput by prefill workers "

@@ -72,9 +72,11 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
                 samples_left = req.sampling.n  # parallel sampling: one DecodeFinished per sample, the last ends it
                 pending: list = []  # --stream-interval: tokens held until N are due (the first and a finish go at once)
                 while True:
-                    pending += await stream.next_batch()
+                    new = await stream.next_batch()
+                    pending += new
+                    # held tokens carry no finish (a finish is sent at once): only the new ones need looking at
                     if (num_tokens and len(pending) < self.stream_interval
-                            and all(ev.finish_reason is None for ev in pending)):
+                            and all(ev.finish_reason is None for ev in new)):
                         continue
                     batch, pending = pending, []
                     num_tokens += len(batch)

@@ -147,7 +147,7 @@ async def start_grpc_server(args: ServerArgs, add_servicers: Callable[[grpc.aio.
     The port is bound without SO_REUSEPORT (grpcio sets it by default on Linux) unless `reuse_port`: a second
     server on a busy port would otherwise start silently and take half of the first one's connections. With
     `reuse_port` that is the point: several processes that all ask for it share the port, and the kernel spreads
-    incoming connections among them (coordinators scaled out, `pdserve serve --coordinators K`).
+    incoming connections among them (coordinators scaled out, `pdserve serve --num-coordinators K`).
 
     Raises:
         CommandError: the address could not be bound ("port N is in use" when another process holds it).

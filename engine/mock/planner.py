@@ -16,7 +16,7 @@ objective. Its goodput is the highest rate at which it still does (bisection). P
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from engine.mock.step_model import StepShape, StepTimeModel
 
@@ -102,7 +102,7 @@ def goodput(prefill_model: StepTimeModel, decode_model: StepTimeModel, traffic: 
             prefill: int, decode: int, budget: int = 4096, max_batch: int = 256, ceiling: float = 1e5) -> float:
     """The highest arrival rate (requests/s, up to `ceiling`) at which the split meets the objectives; 0 if none."""
     def ok(rate: float) -> bool:
-        t = Traffic(rate, traffic.prompt_tokens, traffic.output_tokens, traffic.prefix_hit, traffic.max_context)
+        t = replace(traffic, rate=rate)
         return estimate(prefill_model, decode_model, t, objectives, prefill, decode, budget, max_batch).meets
     lo, hi = 0.0, ceiling
     if not ok(1e-6):
@@ -111,6 +111,20 @@ def goodput(prefill_model: StepTimeModel, decode_model: StepTimeModel, traffic: 
         mid = (lo + hi) / 2
         lo, hi = (mid, hi) if ok(mid) else (lo, mid)
     return lo
+
+
+def split_goodputs(prefill_model: StepTimeModel, decode_model: StepTimeModel, traffic: Traffic,
+                   objectives: Objectives, workers: int, budget: int = 4096,
+                   max_batch: int = 256) -> list[tuple[int, int, float]]:
+    """Every split of exactly `workers` workers with its goodput: (P, D, requests/s), P = 1 .. workers - 1.
+
+    Raises:
+        ValueError: workers < 2.
+    """
+    if workers < 2:
+        raise ValueError("a disaggregated split needs at least 2 workers")
+    return [(p, workers - p, goodput(prefill_model, decode_model, traffic, objectives, p, workers - p, budget,
+                                     max_batch)) for p in range(1, workers)]
 
 
 def recommend(prefill_model: StepTimeModel, decode_model: StepTimeModel, traffic: Traffic,
@@ -125,8 +139,8 @@ def recommend(prefill_model: StepTimeModel, decode_model: StepTimeModel, traffic
     """
     if max_workers < 2:
         raise ValueError("a disaggregated split needs at least 2 workers")
-    table = [(p, d, goodput(prefill_model, decode_model, traffic, objectives, p, d, budget, max_batch))
-             for total in range(2, max_workers + 1) for p in range(1, total) for d in [total - p]]
+    table = [row for total in range(2, max_workers + 1)
+             for row in split_goodputs(prefill_model, decode_model, traffic, objectives, total, budget, max_batch)]
     feasible = [(p + d, -g, p, d) for p, d, g in table if g >= traffic.rate]
     if not feasible:
         return None, table
@@ -141,8 +155,5 @@ def best_split(prefill_model: StepTimeModel, decode_model: StepTimeModel, traffi
     Raises:
         ValueError: workers < 2.
     """
-    if workers < 2:
-        raise ValueError("a disaggregated split needs at least 2 workers")
-    splits = [(p, workers - p, goodput(prefill_model, decode_model, traffic, objectives, p, workers - p, budget,
-                                       max_batch)) for p in range(1, workers)]
-    return max(splits, key=lambda s: s[2])
+    return max(split_goodputs(prefill_model, decode_model, traffic, objectives, workers, budget, max_batch),
+               key=lambda s: s[2])
