@@ -110,6 +110,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         self.cluster.flows[flow.key] = flow  # the id is taken before the first await: a duplicate cannot slip in
         self.metrics.in_flight.inc()
         error: RequestError | None = None
+        finals_due, finals_sent = -1, 0  # a client that goes once its last Final is sent got the whole request
         try:
             prompt, sampling = await prepare()
             flow.record.prompt_tokens = len(prompt)  # kept if the request fails: the access log says how big it was
@@ -126,7 +127,11 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             self._charge(caller, len(prompt) + samples * sampling.max_tokens)
             # No await since the check: concurrent requests of the caller see each other's tokens.
             flow.queued_tokens = len(prompt)
+            finals_due = samples
             async for msg in self._stream(flow, prompt, sampling, arrival_wall, t0):
+                # Counted once handed over: a client that closes as soon as it reads its last Final cancels the
+                # call while that write still awaits gRPC's completion.
+                finals_sent += msg.HasField("final")
                 await send(msg)
         except RequestError as e:
             error = e
@@ -135,7 +140,10 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             await context.abort(e.code, f"request {rid}: {e.client_message}", e.trailing_metadata())
         except (asyncio.CancelledError, grpc.aio.InternalError):
             # The client went: gRPC cancels this task, or, when a send races the cancellation, the send fails with
-            # InternalError (ExecuteBatchError), which gRPC ignores for a closed call. Either way: say which it was.
+            # InternalError (ExecuteBatchError), which gRPC ignores for a closed call. Either way: say which it was,
+            # unless every Final was already being sent (the request was complete when the client went).
+            if finals_sent >= finals_due > 0:
+                raise
             remaining = context.time_remaining()
             error = (RequestError(grpc.StatusCode.DEADLINE_EXCEEDED, "the client's deadline passed")
                      if remaining is not None and remaining <= CLIENT_DEADLINE_SLACK_S
