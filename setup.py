@@ -17,7 +17,7 @@ import shlex
 import sysconfig
 import warnings
 
-from setuptools import setup
+from setuptools import find_packages, setup
 
 # A fresh install builds before it installs numpy, which torch's import then warns about (harmless here).
 warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
@@ -68,9 +68,18 @@ class BuildKernels(BuildExtension):
         super().build_extension(ext)
 
 
+# Everything the servers install lives under one namespace, pdserve_server (the SDK is `pdserve`): generic top-level
+# names (`cli`, `engine`, and `kernels`, also Hugging Face's package that transformers probes) would shadow or be
+# shadowed by other distributions. The folders stay at the repository's top level (the product card's layout); each
+# is mapped to its place in the namespace, which has no __init__.py of its own (an implicit namespace package).
+SERVER_PACKAGES = ["cli", "server_common", "coordinator", "worker_common", "prefill_worker", "decode_worker", "engine",
+                   "kernels", "kv_transfer"]
+
 setup(
+    package_dir={f"pdserve_server.{top}": top for top in SERVER_PACKAGES},
+    packages=[f"pdserve_server.{p}" for p in find_packages(include=[f"{top}*" for top in SERVER_PACKAGES])],
     ext_modules=[CppExtension(
-        "kernels._C", ["kernels/cpu_ops.cpp"], include_dirs=["kernels"], depends=C_SOURCES + HEADERS,
+        "pdserve_server.kernels._C", ["kernels/cpu_ops.cpp"], include_dirs=["kernels"], depends=C_SOURCES + HEADERS,
         define_macros=[("PDSERVE_TORCH_VERSION", torch.__version__)] + ([("PDSERVE_X86_LEVELS", None)] if X86 else []),
         # -g0 over Python's -g (a 4 MB library, mostly debug info); -fopenmp and libm (libmvec) for the C objects.
         extra_compile_args=["-O2", "-g0"], extra_link_args=["-fopenmp"], libraries=["m"],

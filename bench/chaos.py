@@ -72,13 +72,13 @@ class Cluster:
         return [role, *self.worker_args, "--kv-timeout-s", "10", "--transfer-timeout-s", "10"]
 
     def start(self, name: str, wait: bool = True) -> None:
-        from cli.launcher import wait_ready
+        from pdserve_server.cli.launcher import wait_ready
 
         ready = self.workdir / f"{name}.ready"
         ready.unlink(missing_ok=True)
         log = open(self.workdir / f"{name}.log", "a")
         self.procs[name] = subprocess.Popen(
-            [sys.executable, "-m", "cli.main", *self.args(name), "--model", self.model_dir, "--port",
+            [sys.executable, "-m", "pdserve_server.cli.main", *self.args(name), "--model", self.model_dir, "--port",
              str(self.ports[name]), "--cluster-secret-file", str(self.secret), "--ready-file", str(ready),
              # The coordinator at INFO: its access log names each failed request's status and cause.
              "--log-level", "INFO" if name == "coordinator" else "WARNING"], stdout=log, stderr=subprocess.STDOUT)
@@ -394,7 +394,7 @@ def tiny_model(out: Path) -> str:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from cli.models import resolve_model
+    from pdserve_server.cli.models import resolve_model
 
     cfg = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5,

@@ -45,7 +45,7 @@ def build_requests(a, vocab: int, eos: frozenset[int]) -> list[tuple[float, list
     """The trace, (send time s, prompt, output tokens, the tokens the mock will stream) per request, built up front
     (module docstring): a follow-up turn's prompt is its conversation's context so far (the earlier prompt and its
     output) and a new turn, cut to --max-prompt tokens."""
-    from engine.mock.runner import continuation
+    from pdserve_server.engine.mock.runner import continuation
 
     rng = random.Random(a.seed)
     t, out, history = 0.0, [], []
@@ -161,8 +161,8 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     a = parser().parse_args(argv)
 
-    from cli.launcher import ServeConfig, start_cluster
-    from cli.models import resolve_model
+    from pdserve_server.cli.launcher import ServeConfig, start_cluster
+    from pdserve_server.cli.models import resolve_model
 
     work = Path(tempfile.mkdtemp(prefix="cluster-sim-"))
     model = declared_model(resolve_model(None), work / "model")

@@ -127,8 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path)
     a = p.parse_args(argv)
 
-    from cli.launcher import ServeConfig, start_cluster
-    from cli.models import resolve_model
+    from pdserve_server.cli.launcher import ServeConfig, start_cluster
+    from pdserve_server.cli.models import resolve_model
 
     work = Path(tempfile.mkdtemp(prefix="coord-load-"))
     model = declared_model(Path(a.model_dir) if a.model_dir else resolve_model(None), work / "model")

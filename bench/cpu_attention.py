@@ -26,8 +26,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from bench.hostinfo import FLAGS_SHOWN, commit, machine  # noqa: E402
-from engine.hardware import cpu_flags  # noqa: E402
-from kernels.cpu_ops import CpuKernels, cpu_isas, set_cpu_isa  # noqa: E402
+from pdserve_server.engine.hardware import cpu_flags  # noqa: E402
+from pdserve_server.kernels.cpu_ops import CpuKernels, cpu_isas, set_cpu_isa  # noqa: E402
 
 
 def measure(kernels: CpuKernels, isas: list[str], batch: int, context: int, dtype: torch.dtype, layers: int,

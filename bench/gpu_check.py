@@ -49,10 +49,10 @@ sys.path.insert(0, str(HERE))
 
 import torch  # noqa: E402
 
-from engine.args import EngineArgs  # noqa: E402
-from engine.builder import build_engine  # noqa: E402
-from engine.offline import generate  # noqa: E402
-from engine.request import Request, SamplingParams  # noqa: E402
+from pdserve_server.engine.args import EngineArgs  # noqa: E402
+from pdserve_server.engine.builder import build_engine  # noqa: E402
+from pdserve_server.engine.offline import generate  # noqa: E402
+from pdserve_server.engine.request import Request, SamplingParams  # noqa: E402
 from quality import PROMPTS, agreement  # noqa: E402
 
 NEW_TOKENS = 32
@@ -147,7 +147,7 @@ def cluster_parity(model_dir: Path, prompts_: list[list[int]], expected: list[li
                    device: str, modes: list[str], tensor_parallel_size: int = 1) -> dict:
     """Each topology / connector on `device`: agreement with HF fp32, prefix-cache tokens, pools idle after. With
     `tensor_parallel_size` N > 1 every worker runs N ranks, rank r on GPU r (as many GPUs as N needed)."""
-    from cli.launcher import ServeConfig, start_cluster
+    from pdserve_server.cli.launcher import ServeConfig, start_cluster
     from pdserve import AsyncClient, SamplingParams as SP
 
     env = dict(os.environ, UCX_TLS="cuda_ipc,cuda_copy,tcp,self", UCX_NET_DEVICES="lo")

@@ -62,8 +62,8 @@ install_gguf() {
   src=$(llama_src)
   [[ -n $src ]] || { echo "gguf: run '$0 llamacpp' first (the converter ships with llama.cpp)" >&2; exit 1; }
   local name
-  model=$("$PY" -c 'from cli.models import resolve_model; print(resolve_model(None))')
-  name=$("$PY" -c 'from cli.models import served_name; print(served_name(None))')  # as bench/systems.find_gguf
+  model=$("$PY" -c 'from pdserve_server.cli.models import resolve_model; print(resolve_model(None))')
+  name=$("$PY" -c 'from pdserve_server.cli.models import served_name; print(served_name(None))')  # as bench/systems.find_gguf
   mkdir -p "$LLAMA_DIR/gguf"
   # The converter imports sentencepiece before it looks for a sentencepiece model: kept beside it, not in .venv
   [[ -d $LLAMA_DIR/pydeps/sentencepiece ]] || "$PY" -m pip install -q --target "$LLAMA_DIR/pydeps" sentencepiece

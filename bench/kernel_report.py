@@ -27,11 +27,11 @@ ATTN_TYPES = dict(q_ptr=BF16, k_ptr=BF16, v_ptr=BF16, bt_ptr="*i32", ctx_ptr="*i
 
 
 def _cases():
-    from kernels.triton_cache import _write_kv_kernel
-    from kernels.triton_decode import _decode_kernel, _merge_kernel
+    from pdserve_server.kernels.triton_cache import _write_kv_kernel
+    from pdserve_server.kernels.triton_decode import _decode_kernel, _merge_kernel
     import torch
 
-    from kernels.triton_prefill import _prefill_kernel, prefill_config
+    from pdserve_server.kernels.triton_prefill import _prefill_kernel, prefill_config
 
     dot = dict(UPCAST_DOT=False, DOT_PRECISION="tf32")
     pf = prefill_config(LLAMA3["HEAD_PAD"], torch.bfloat16)  # the launch shape the engine would use

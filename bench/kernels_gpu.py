@@ -36,10 +36,10 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kernels import reference as ref  # noqa: E402
-from kernels.triton_cache import write_kv_cache  # noqa: E402
-from kernels.triton_decode import paged_decode_attention  # noqa: E402
-from kernels.triton_prefill import prefill_attention  # noqa: E402
+from pdserve_server.kernels import reference as ref  # noqa: E402
+from pdserve_server.kernels.triton_cache import write_kv_cache  # noqa: E402
+from pdserve_server.kernels.triton_decode import paged_decode_attention  # noqa: E402
+from pdserve_server.kernels.triton_prefill import prefill_attention  # noqa: E402
 
 DEV = "cuda"
 Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16

@@ -53,7 +53,7 @@ async def _measure(address: str, prompt: list[int]) -> dict:
 def run_mode(model_dir: str, layerwise: bool, lengths: list[int], repeats: int, connector: str, rng: random.Random,
              vocab: int, threads: int) -> dict[int, list[dict]]:
     """Start a disaggregated cluster, measure every length, stop it."""
-    from cli.launcher import ServeConfig, start_cluster
+    from pdserve_server.cli.launcher import ServeConfig, start_cluster
 
     args = ["--threads", str(threads), "--connector", connector, "--log-level", "WARNING",
             *(["--kv-layerwise"] if layerwise else [])]
@@ -82,7 +82,7 @@ def main() -> None:
     args = ap.parse_args()
     from transformers import AutoConfig
 
-    from cli.models import resolve_model
+    from pdserve_server.cli.models import resolve_model
 
     model_dir = args.model_dir or str(resolve_model(None))
     vocab = AutoConfig.from_pretrained(model_dir).vocab_size
@@ -113,7 +113,7 @@ def main() -> None:
               f" {row['transfer_ms_off']:8.1f} {row['transfer_ms_on']:8.1f} | {row['ttft_ms_off']:8.1f} "
               f"{row['ttft_ms_on']:8.1f}")
     if args.out:
-        from engine.hardware import cpu_flags
+        from pdserve_server.engine.hardware import cpu_flags
 
         Path(args.out).write_text(json.dumps({
             "commit": commit(), "date": time.strftime("%Y-%m-%d"), "machine": machine(),

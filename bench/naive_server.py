@@ -18,7 +18,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.generation.streamers import BaseStreamer
 
-from server_common.grpc_server import write_ready_file
+from pdserve_server.server_common.grpc_server import write_ready_file
 
 
 class _SseStreamer(BaseStreamer):

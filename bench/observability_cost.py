@@ -42,7 +42,7 @@ def main() -> int:
     args = p.parse_args()
     from transformers import AutoTokenizer
 
-    from cli.models import resolve_model
+    from pdserve_server.cli.models import resolve_model
 
     model_dir = str(resolve_model(None))
     requests = make_requests(AutoTokenizer.from_pretrained(model_dir), args.num_requests, 128, 32, seed=3)

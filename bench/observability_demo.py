@@ -163,8 +163,8 @@ def main() -> int:
     if shutil.which("prometheus") is None:
         print("needs prometheus on PATH (apt-get install prometheus)", file=sys.stderr)
         return 2
-    from cli.launcher import ServeConfig, start_cluster
-    from cli.models import resolve_model
+    from pdserve_server.cli.launcher import ServeConfig, start_cluster
+    from pdserve_server.cli.models import resolve_model
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

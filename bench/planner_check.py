@@ -51,8 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path)
     a = p.parse_args(argv)
 
-    from engine.mock.planner import Objectives, Traffic, best_split, split_goodputs
-    from engine.mock.step_model import load_profile
+    from pdserve_server.engine.mock.planner import Objectives, Traffic, best_split, split_goodputs
+    from pdserve_server.engine.mock.step_model import load_profile
 
     model = load_profile(a.profile).scaled(a.speedup)
     objectives = Objectives(a.ttft_slo_ms, a.tpot_slo_ms)

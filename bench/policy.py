@@ -232,7 +232,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     from transformers import AutoTokenizer
 
-    from cli.models import resolve_model
+    from pdserve_server.cli.models import resolve_model
 
     model_dir = str(resolve_model(args.model_dir))
     tokenizer = AutoTokenizer.from_pretrained(model_dir)

@@ -29,8 +29,8 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from kernels import reference as ref  # noqa: E402
-from kernels.triton_prefill import PrefillConfig, prefill_attention, prefill_config  # noqa: E402
+from pdserve_server.kernels import reference as ref  # noqa: E402
+from pdserve_server.kernels.triton_prefill import PrefillConfig, prefill_attention, prefill_config  # noqa: E402
 from kernels_gpu import bench, rel_err  # noqa: E402
 
 DEV = "cuda"

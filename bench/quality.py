@@ -32,7 +32,7 @@ def perplexity(model_dir: str, ids: list[int], dtype: str, quantization: str) ->
     import torch
     from transformers import AutoModelForCausalLM
 
-    from engine.quantization import quantize_weight_only
+    from pdserve_server.engine.quantization import quantize_weight_only
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
     if quantization != "none":
@@ -43,10 +43,10 @@ def perplexity(model_dir: str, ids: list[int], dtype: str, quantization: str) ->
 
 
 def engine_greedy(model_dir: str, prompts: list[list[int]], dtype: str, quantization: str, n: int) -> list[list[int]]:
-    from engine.args import EngineArgs
-    from engine.builder import build_engine
-    from engine.offline import generate
-    from engine.request import SamplingParams
+    from pdserve_server.engine.args import EngineArgs
+    from pdserve_server.engine.builder import build_engine
+    from pdserve_server.engine.offline import generate
+    from pdserve_server.engine.request import SamplingParams
 
     parts = build_engine(EngineArgs(model_dir=model_dir, dtype=dtype, quantization=quantization, kv_tokens=8192,
                                     max_model_len=512))
@@ -69,8 +69,8 @@ def main() -> None:
     import torch
     from transformers import AutoTokenizer
 
-    from cli.models import resolve_model
-    from engine.hardware import cpu_flags
+    from pdserve_server.cli.models import resolve_model
+    from pdserve_server.engine.hardware import cpu_flags
     from prompts import corpus_text
     from hostinfo import FLAGS_SHOWN, commit, machine
 

@@ -50,8 +50,8 @@ def main() -> None:
 
     import torch
 
-    from cli.models import resolve_model
-    from kernels.cpu_ops import cpu_isa, load_library
+    from pdserve_server.cli.models import resolve_model
+    from pdserve_server.kernels.cpu_ops import cpu_isa, load_library
 
     load_library()
     torch.set_num_threads(args.threads)

@@ -47,10 +47,10 @@ def workloads(tok, chat_tokens: int) -> dict[str, tuple[list[list[int]], int]]:
 
 def run(model_dir: str, prompts: list[list[int]], batch: int, max_tokens: int, k: int, extra: dict) -> dict:
     """One batch to completion on a fresh engine; timings in seconds."""
-    from engine.args import EngineArgs
-    from engine.builder import build_engine
-    from engine.offline import run_until_idle
-    from engine.request import Request, SamplingParams
+    from pdserve_server.engine.args import EngineArgs
+    from pdserve_server.engine.builder import build_engine
+    from pdserve_server.engine.offline import run_until_idle
+    from pdserve_server.engine.request import Request, SamplingParams
 
     parts = build_engine(EngineArgs(model_dir=model_dir, kv_tokens=16384, max_model_len=2048,
                                     speculative_ngram_tokens=k, speculative_disable_batch_size=max(batch, 1),
@@ -73,10 +73,10 @@ def run(model_dir: str, prompts: list[list[int]], batch: int, max_tokens: int, k
 def step_costs(model_dir: str, extra: dict, ks=(0, 1, 2, 4, 8), context: int = 300, repeats: int = 10) -> dict:
     """ms of one step of one request at `context` tokens, computing its last token and k drafts (k = 0: a plain
     decode step), mean of `repeats` after one warm-up."""
-    from engine.args import EngineArgs
-    from engine.builder import build_engine
-    from engine.outputs import ScheduledRequest, SchedulerOutput
-    from engine.request import Request, SamplingParams
+    from pdserve_server.engine.args import EngineArgs
+    from pdserve_server.engine.builder import build_engine
+    from pdserve_server.engine.outputs import ScheduledRequest, SchedulerOutput
+    from pdserve_server.engine.request import Request, SamplingParams
 
     parts = build_engine(EngineArgs(model_dir=model_dir, kv_tokens=4096, max_model_len=2048, **extra))
     s, r = parts.scheduler, parts.runner
@@ -112,8 +112,8 @@ def main() -> None:
     import torch
     from transformers import AutoTokenizer
 
-    from cli.models import resolve_model
-    from engine.hardware import cpu_flags
+    from pdserve_server.cli.models import resolve_model
+    from pdserve_server.engine.hardware import cpu_flags
     from hostinfo import FLAGS_SHOWN, commit, machine
 
     torch.set_num_threads(1)

@@ -52,12 +52,12 @@ sys.path.insert(0, str(HERE))
 import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile, record_function  # noqa: E402
 
-from engine.args import EngineArgs  # noqa: E402
-from engine.builder import build_engine  # noqa: E402
-from engine.hardware import set_threads  # noqa: E402
-from engine.hardware import cpu_flags  # noqa: E402
-from engine.packing import packing_supported  # noqa: E402
-from engine.request import Request, SamplingParams  # noqa: E402
+from pdserve_server.engine.args import EngineArgs  # noqa: E402
+from pdserve_server.engine.builder import build_engine  # noqa: E402
+from pdserve_server.engine.hardware import set_threads  # noqa: E402
+from pdserve_server.engine.hardware import cpu_flags  # noqa: E402
+from pdserve_server.engine.packing import packing_supported  # noqa: E402
+from pdserve_server.engine.request import Request, SamplingParams  # noqa: E402
 from hostinfo import FLAGS_SHOWN, commit, machine  # noqa: E402
 
 GEMM_OPS = {"aten::mm", "aten::addmm", "aten::mkldnn_linear", "mkldnn::_linear_pointwise", "aten::_mkl_linear",
@@ -226,7 +226,7 @@ def _accumulate(ev, gemm_us: float, ops_us: float) -> tuple[float, float]:
 
 
 def main(argv=None) -> int:
-    from cli.models import resolve_model
+    from pdserve_server.cli.models import resolve_model
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model-dir", default=None, help="HF directory (default: the packaged SmolLM2-135M)")

@@ -38,10 +38,10 @@ sys.path.insert(0, str(HERE.parent))
 
 import torch  # noqa: E402
 
-from engine.args import EngineArgs  # noqa: E402
-from engine.builder import build_engine  # noqa: E402
-from engine.mock.step_model import StepShape  # noqa: E402
-from engine.request import Request, SamplingParams  # noqa: E402
+from pdserve_server.engine.args import EngineArgs  # noqa: E402
+from pdserve_server.engine.builder import build_engine  # noqa: E402
+from pdserve_server.engine.mock.step_model import StepShape  # noqa: E402
+from pdserve_server.engine.request import Request, SamplingParams  # noqa: E402
 
 # Llama-3.1-8B's config.json, the fields the engine reads (meta-llama/Llama-3.1-8B-Instruct, config.json).
 LLAMA_31_8B = {

@@ -32,7 +32,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from engine.structured import apply_bitmask  # noqa: E402 - after the path
+from pdserve_server.engine.structured import apply_bitmask  # noqa: E402 - after the path
 
 SCHEMA = {
     "type": "object",
@@ -92,8 +92,8 @@ class _Llg:
     name = "llguidance"
 
     def __init__(self, tok, vocab: int, schema: str, threads: int):
-        from engine.request import StructuredOutput
-        from engine.structured import GrammarCompiler
+        from pdserve_server.engine.request import StructuredOutput
+        from pdserve_server.engine.structured import GrammarCompiler
         self.compiler = GrammarCompiler(Path(tok.name_or_path) / "tokenizer.json", vocab, (tok.eos_token_id,))
         self.compiler.tokenizer()  # loaded once per engine, not per schema
         self.constraint = StructuredOutput("json_schema", schema)
@@ -109,7 +109,7 @@ class _Llg:
         return None
 
     def fill(self, ms, bitmask):
-        from engine.structured import fill_bitmask
+        from pdserve_server.engine.structured import fill_bitmask
         return fill_bitmask(ms, self.vocab)
 
     def apply(self, logits, bitmask):
@@ -126,8 +126,8 @@ class _Llg:
 def run(lib, batch: int, vocab: int, steps: int) -> dict:
     import torch
 
-    from engine.request import Request, SamplingParams
-    from engine.sampler import Sampler
+    from pdserve_server.engine.request import Request, SamplingParams
+    from pdserve_server.engine.sampler import Sampler
 
     sampler = Sampler(vocab)
     ms = lib.matchers(batch)
@@ -177,7 +177,7 @@ def main() -> None:
 
     torch.set_num_threads(1)
     if args.model is None:
-        from cli.models import resolve_model
+        from pdserve_server.cli.models import resolve_model
         args.model = str(resolve_model(None))
     tok = AutoTokenizer.from_pretrained(args.model)
     vocab = 49152

@@ -39,7 +39,7 @@ def default_systems() -> tuple[str, ...]:
     """pdserve both ways, the naive baseline, and each peer in its best dense precision on this CPU: bf16 where
     the CPU has native bf16 arithmetic (AVX512-BF16 or AMX: what pdserve's `--dtype auto` picks too), else fp32
     (a peer's bf16 is emulated there, slower than its fp32)."""
-    from engine.hardware import resolve_dtype
+    from pdserve_server.engine.hardware import resolve_dtype
 
     bf16 = resolve_dtype("auto", "cpu") == "bfloat16"
     peers = ("llamacpp-bf16", "vllm-bf16", "vllm-all-cores-bf16") if bf16 else ("llamacpp-f32", "vllm",
@@ -132,7 +132,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     from transformers import AutoTokenizer
 
-    from cli.models import resolve_model
+    from pdserve_server.cli.models import resolve_model
 
     model_dir = args.model_dir or str(resolve_model(None))
     levels = [int(c) for c in args.concurrency.split(",")]
@@ -233,8 +233,8 @@ def weight_format(name: str, worker_args: list[str], pdserve: bool) -> str | Non
     --peer). pdserve (`pdserve`: a built-in pdserve system or a --variant, whatever its name): its --dtype, auto
     resolved for this CPU, unless quantized; the naive server fp32; vLLM its --dtype (float32, or bfloat16 for the
     -bf16 system)."""
-    from engine.args import EngineArgs
-    from engine.hardware import resolve_dtype
+    from pdserve_server.engine.args import EngineArgs
+    from pdserve_server.engine.hardware import resolve_dtype
 
     if pdserve:
         dtype = next(f.default for f in dataclasses.fields(EngineArgs) if f.name == "dtype")  # what a worker takes
@@ -308,8 +308,8 @@ def add_machine_fraction(results: dict, model_dir: str, threads: int, formats: d
     """
     import torch
 
-    from engine.hardware import set_threads
-    from engine.config import ModelConfig
+    from pdserve_server.engine.hardware import set_threads
+    from pdserve_server.engine.config import ModelConfig
     from step_profile import config_linear_shapes, copy_bandwidth, gemm_rate
     from transformers import AutoConfig
 

@@ -48,7 +48,7 @@ def start_pdserve(name: str, model_dir: str, colocated: bool, threads: int, log_
     extra_args / coordinator_args: flags for every worker / the coordinator.
 
     Raises RuntimeError if a process dies or is not ready in 10 minutes."""
-    from cli.launcher import ServeConfig, start_cluster, worker_threads
+    from pdserve_server.cli.launcher import ServeConfig, start_cluster, worker_threads
 
     sink = OtlpSink() if observed else None
     if observed:
@@ -74,7 +74,7 @@ def start_pdserve(name: str, model_dir: str, colocated: bool, threads: int, log_
 
 def start_naive(model_dir: str, threads: int, log_dir: str | None, timeout_s: float = 600.0) -> RunningSystem:
     """Raises RuntimeError if the server dies or is not ready within timeout_s."""
-    from cli.launcher import wait_ready
+    from pdserve_server.cli.launcher import wait_ready
 
     ready = Path(tempfile.mkdtemp(prefix="pdserve-bench-")) / "naive.ready"
     log = open(Path(log_dir) / "naive.log", "w") if log_dir else subprocess.DEVNULL
@@ -124,7 +124,7 @@ def find_gguf(kind: str) -> Path:
     Raises:
         FileNotFoundError: not made yet (the message says how).
     """
-    from cli.models import default_model_path, served_name
+    from pdserve_server.cli.models import default_model_path, served_name
 
     if kind == "q4_1":
         return default_model_path()

@@ -54,7 +54,7 @@ def _allreduce_rank(rank: int, init: str, rounds: int, shm_buffers, out) -> None
     import torch
     import torch.distributed as dist
 
-    from engine.shm_collectives import ShmCollectives
+    from pdserve_server.engine.shm_collectives import ShmCollectives
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
@@ -79,7 +79,7 @@ def allreduce_us(rounds: int = 2000) -> dict[str, float]:
     `engine.shm_collectives`'s."""
     import multiprocessing
 
-    from engine.shm_collectives import ShmCollectives
+    from pdserve_server.engine.shm_collectives import ShmCollectives
 
     ctx = multiprocessing.get_context("spawn")
     out = ctx.Queue()
@@ -97,7 +97,7 @@ def allreduce_us(rounds: int = 2000) -> dict[str, float]:
 
 async def _one(engine, rid: str, prompt: list[int], n: int) -> tuple[float, float, int]:
     """(time of the first token, of the last, tokens) for one greedy request, monotonic seconds."""
-    from engine.request import Request, SamplingParams
+    from pdserve_server.engine.request import Request, SamplingParams
 
     first = last = 0.0
     count = 0
@@ -112,8 +112,8 @@ async def _one(engine, rid: str, prompt: list[int], n: int) -> tuple[float, floa
 
 
 async def measure(model_dir: Path, tp: int, threads: int) -> dict[str, float]:
-    from engine.args import EngineArgs
-    from engine.process_engine import ProcessEngine
+    from pdserve_server.engine.args import EngineArgs
+    from pdserve_server.engine.process_engine import ProcessEngine
 
     args = EngineArgs(model_dir=str(model_dir), random_weights=True, kv_tokens=16384, max_num_seqs=16,
                       max_num_batched_tokens=512, tensor_parallel_size=tp, enable_prefix_caching=False)
@@ -141,7 +141,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2, help="intra-op threads per engine (split among ranks)")
     parser.add_argument("--json", help="write the results here")
     opts = parser.parse_args()
-    from cli.models import resolve_model
+    from pdserve_server.cli.models import resolve_model
 
     root = Path(tempfile.mkdtemp(prefix="pdserve-bench-tp-"))
     try:

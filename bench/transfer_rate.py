@@ -42,7 +42,7 @@ def _block_geometry(model_dir: str, block_size: int) -> tuple[int, int]:
     """(bytes of one KV block (all layers, K and V) of the model in fp32, as the workers allocate it, layers)."""
     from transformers import AutoConfig
 
-    from engine.config import ModelConfig, kv_bytes_per_block
+    from pdserve_server.engine.config import ModelConfig, kv_bytes_per_block
 
     cfg = ModelConfig.from_hf(AutoConfig.from_pretrained(model_dir), name="m", path=model_dir, dtype="float32")
     return kv_bytes_per_block(cfg, block_size), cfg.num_layers
@@ -50,8 +50,8 @@ def _block_geometry(model_dir: str, block_size: int) -> tuple[int, int]:
 
 def _receiver_main(backend: str, block_nbytes: int, num_blocks: int, conn) -> None:
     """Spawned process: serve KV offers into a preallocated cache until told to stop."""
-    from kv_transfer import get_backend, release_transports
-    from kv_transfer.receiver import KvReceiver
+    from pdserve_server.kv_transfer import get_backend, release_transports
+    from pdserve_server.kv_transfer.receiver import KvReceiver
 
     import torch
 
@@ -114,9 +114,9 @@ def connector(backend: str, block_nbytes: int, num_blocks: int, repeats: int, la
     """Median seconds of KvSender.send for num_blocks blocks to a receiver process over `backend`; with `layers`,
     of KvSender.send_layers with every layer already written (the layer-wise protocol's own cost: a message per
     block and layer, no compute to overlap)."""
-    from engine.kv_stream import KvLayerProgress
-    from kv_transfer import release_transports
-    from kv_transfer.sender import KvSender
+    from pdserve_server.engine.kv_stream import KvLayerProgress
+    from pdserve_server.kv_transfer import release_transports
+    from pdserve_server.kv_transfer.sender import KvSender
 
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
@@ -161,10 +161,10 @@ def prefill_seconds(model_dir: str, prompt_len: int, repeats: int) -> float:
     """Median seconds of the engine's prefill step (whole prompt in one step, 1 thread, no prefix cache hit)."""
     import torch
 
-    from engine.args import EngineArgs
-    from engine.builder import build_engine
-    from engine.offline import run_until_idle
-    from engine.request import Request, SamplingParams
+    from pdserve_server.engine.args import EngineArgs
+    from pdserve_server.engine.builder import build_engine
+    from pdserve_server.engine.offline import run_until_idle
+    from pdserve_server.engine.request import Request, SamplingParams
 
     torch.set_num_threads(1)
     parts = build_engine(EngineArgs(model_dir=model_dir, kv_tokens=4 * 2048, max_num_batched_tokens=2048,
@@ -194,8 +194,8 @@ def main() -> None:
                    help="UCX_TLS for a ucx measurement; repeat for several (default: tcp,self and sm,tcp,self)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
-    from cli.models import resolve_model
-    from kv_transfer import available_backends
+    from pdserve_server.cli.models import resolve_model
+    from pdserve_server.kv_transfer import available_backends
 
     model_dir = args.model_dir or str(resolve_model(None))
     block_nbytes, num_layers = _block_geometry(model_dir, 16)

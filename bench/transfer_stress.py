@@ -68,8 +68,8 @@ def _receiver_main(backend_name: str, num_blocks: int, block_nbytes: int, conn) 
     """Child process: listen, report the address, then answer "report" requests until told to stop."""
     import torch
 
-    from kv_transfer import get_backend, release_transports
-    from kv_transfer.receiver import KvReceiver
+    from pdserve_server.kv_transfer import get_backend, release_transports
+    from pdserve_server.kv_transfer.receiver import KvReceiver
 
     async def main() -> None:
         blocks = [torch.zeros(block_nbytes, dtype=torch.uint8) for _ in range(num_blocks)]
@@ -94,8 +94,8 @@ async def _sender(backend_name: str, address: str, transfers: int, concurrency: 
                   block_nbytes: int, cancel_fraction: float, cancel_window: float, seed: int) -> dict:
     import torch
 
-    from kv_transfer import release_transports
-    from kv_transfer.sender import KvSender, TransferError
+    from pdserve_server.kv_transfer import release_transports
+    from pdserve_server.kv_transfer.sender import KvSender, TransferError
 
     rng = random.Random(seed)
     source = [torch.full((block_nbytes,), _block_value(k), dtype=torch.uint8) for k in range(SOURCE_BLOCKS)]

@@ -1,4 +1,5 @@
-"""Convert a GGUF file into an HF-format safetensors directory, once: `python -m cli.gguf_convert SRC.gguf OUT_DIR`.
+"""Convert a GGUF file into an HF-format safetensors directory, once:
+`python -m pdserve_server.cli.gguf_convert SRC.gguf OUT_DIR`.
 
 Run as a child process by `cli.models.resolve_model`. transformers dequantizes the GGUF to fp32; the result is
 written atomically under a file lock, so concurrent workers converting the same file wait for one another.

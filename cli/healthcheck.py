@@ -1,8 +1,9 @@
 """Container health check over the gRPC health protocol: exit 0 when the server reports SERVING, 1 otherwise.
 
-    python -m cli.healthcheck --ready-file /tmp/pdserve.ready [--service NAME]
-    python -m cli.healthcheck --address 127.0.0.1:7002 [--service pdserve.liveness]
-    python -m cli.healthcheck --ready-file /tmp/pdserve.ready --tls-ca ca.pem [--tls-cert c.pem --tls-key c.key]
+    python -m pdserve_server.cli.healthcheck --ready-file /tmp/pdserve.ready [--service NAME]
+    python -m pdserve_server.cli.healthcheck --address 127.0.0.1:7002 [--service pdserve.liveness]
+    python -m pdserve_server.cli.healthcheck --ready-file /tmp/pdserve.ready --tls-ca ca.pem \
+        [--tls-cert c.pem --tls-key c.key]
 
 A server started with --tls-cert says so in its ready file, and the check then speaks TLS: it verifies the server
 against --tls-ca (default: the system's roots) under --tls-server-name (default: the address's host), and presents
@@ -41,7 +42,8 @@ def _read(path: str | None) -> bytes | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m cli.healthcheck", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m pdserve_server.cli.healthcheck",
+                                     description=__doc__.splitlines()[0])
     where = parser.add_mutually_exclusive_group(required=True)
     where.add_argument("--ready-file", help="the ready file the process wrote (its address, and whether it is TLS)")
     where.add_argument("--address", help="host:port")

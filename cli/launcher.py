@@ -14,8 +14,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from server_common.errors import CommandError
-from server_common.security import CLUSTER_SECRET_ENV
+from pdserve_server.server_common.errors import CommandError
+from pdserve_server.server_common.security import CLUSTER_SECRET_ENV
 
 WAIT_NOTE_S = 30.0  # while starting, say what is still starting this often
 
@@ -157,7 +157,7 @@ def _spawn(args: list[str], name: str, workdir: Path, log_dir: Path | None,
         out = open(log_path, "w")  # noqa: SIM115 - owned by the child for its lifetime
     # A session of its own: a signal to the launcher's process group (a terminal's Ctrl-C) reaches the launcher
     # alone, which stops the cluster in order, rather than each child on its own.
-    proc = subprocess.Popen([sys.executable, "-m", "cli.main", *args, "--ready-file", str(ready)],
+    proc = subprocess.Popen([sys.executable, "-m", "pdserve_server.cli.main", *args, "--ready-file", str(ready)],
                             stdout=out, stderr=subprocess.STDOUT if out else None,
                             env={**env, PARENT_PID_ENV: str(os.getpid())}, start_new_session=True)
     return proc, ready, log_path

@@ -16,9 +16,9 @@ import sys
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 
-from cli.args import add_dataclass_args, bounded_type, dataclass_from_args, dataclass_to_argv
-from server_common.config import ServerArgs
-from server_common.logs import configure_logging
+from pdserve_server.cli.args import add_dataclass_args, bounded_type, dataclass_from_args, dataclass_to_argv
+from pdserve_server.server_common.config import ServerArgs
+from pdserve_server.server_common.logs import configure_logging
 
 
 @dataclass(frozen=True)
@@ -47,8 +47,8 @@ def _resolved(args: argparse.Namespace) -> tuple[str, str]:
     Raises:
         CommandError: the path does not exist or holds no model.
     """
-    from cli.models import resolve_model, served_name
-    from server_common.errors import CommandError
+    from pdserve_server.cli.models import resolve_model, served_name
+    from pdserve_server.server_common.errors import CommandError
 
     try:
         model_dir = resolve_model(args.model)
@@ -60,7 +60,7 @@ def _resolved(args: argparse.Namespace) -> tuple[str, str]:
 def _run_server(coro: Coroutine) -> None:
     """Run a server coroutine until SIGINT or SIGTERM, or until the launcher that started it is gone
     (`cli.launcher.PARENT_PID_ENV`), then let it shut down cleanly."""
-    from cli.launcher import PARENT_PID_ENV
+    from pdserve_server.cli.launcher import PARENT_PID_ENV
 
     async def main() -> None:
         task = asyncio.create_task(coro)
@@ -91,7 +91,7 @@ async def _stop_without_parent(parent_pid: int, server: asyncio.Task, poll_s: fl
 
 # ---- roles ------------------------------------------------------------------------------------------------------
 def _worker_args(p: argparse.ArgumentParser) -> None:
-    from worker_common.config import WorkerConfig
+    from pdserve_server.worker_common.config import WorkerConfig
 
     _add_model_args(p, served_name=True)
     add_dataclass_args(p, WorkerConfig)
@@ -99,29 +99,29 @@ def _worker_args(p: argparse.ArgumentParser) -> None:
 
 def _run_worker(role: str) -> Callable[[argparse.Namespace], None]:
     def run(args: argparse.Namespace) -> None:
-        from worker_common.config import WorkerConfig
+        from pdserve_server.worker_common.config import WorkerConfig
 
         model_dir, name = _resolved(args)
         config = dataclass_from_args(WorkerConfig, args, role=role, model_dir=model_dir, served_model_name=name,
                                      log_level=args.log_level, log_format=args.log_format)
         if role == "prefill":
-            from prefill_worker.server import serve
+            from pdserve_server.prefill_worker.server import serve
         else:
-            from decode_worker.server import serve
+            from pdserve_server.decode_worker.server import serve
         _run_server(serve(config))
     return run
 
 
 def _coordinator_args(p: argparse.ArgumentParser) -> None:
-    from coordinator.config import CoordinatorConfig
+    from pdserve_server.coordinator.config import CoordinatorConfig
 
     _add_model_args(p, served_name=True)
     add_dataclass_args(p, CoordinatorConfig)
 
 
 def _run_coordinator(args: argparse.Namespace) -> None:
-    from coordinator.config import CoordinatorConfig
-    from coordinator.app import serve
+    from pdserve_server.coordinator.config import CoordinatorConfig
+    from pdserve_server.coordinator.app import serve
 
     model_dir, name = _resolved(args)
     _run_server(serve(dataclass_from_args(CoordinatorConfig, args, model_dir=model_dir, model_name=name)))
@@ -140,9 +140,9 @@ SERVE_COORDINATOR_SKIP = _PER_PROCESS | _SHARED
 
 
 def _serve_args(p: argparse.ArgumentParser) -> None:
-    from cli.launcher import ServeConfig
-    from coordinator.config import CoordinatorConfig
-    from worker_common.config import WorkerConfig
+    from pdserve_server.cli.launcher import ServeConfig
+    from pdserve_server.coordinator.config import CoordinatorConfig
+    from pdserve_server.worker_common.config import WorkerConfig
 
     _add_model_args(p, served_name=True)
     add_dataclass_args(p, ServeConfig)
@@ -168,9 +168,9 @@ def _preflight(worker, coordinator) -> None:
     Raises:
         CommandError: naming the problem.
     """
-    from engine.builder import resolve_configs
-    from server_common.errors import CommandError
-    from server_common.grpc_server import bind_problem
+    from pdserve_server.engine.builder import resolve_configs
+    from pdserve_server.server_common.errors import CommandError
+    from pdserve_server.server_common.grpc_server import bind_problem
 
     server = coordinator.server
     if server.port and (problem := bind_problem(server.host, server.port)):
@@ -182,12 +182,12 @@ def _preflight(worker, coordinator) -> None:
 
 
 def _run_serve(args: argparse.Namespace) -> None:
-    from cli.launcher import ServeConfig, start_cluster
-    from coordinator.config import CoordinatorConfig
-    from worker_common.config import WorkerConfig
+    from pdserve_server.cli.launcher import ServeConfig, start_cluster
+    from pdserve_server.coordinator.config import CoordinatorConfig
+    from pdserve_server.worker_common.config import WorkerConfig
 
-    from cli.topology import Hardware, choose_topology
-    from server_common.errors import CommandError
+    from pdserve_server.cli.topology import Hardware, choose_topology
+    from pdserve_server.server_common.errors import CommandError
 
     serve_config = dataclass_from_args(ServeConfig, args)
     try:  # before the model is resolved (a GGUF conversion can take minutes): a contradiction fails at once
@@ -214,7 +214,7 @@ def _run_serve(args: argparse.Namespace) -> None:
     lost = False
     try:
         if args.demo is not None:
-            from server_common.security import read_api_keys
+            from pdserve_server.server_common.security import read_api_keys
 
             keys = read_api_keys(coordinator.api_keys_file)
             _stream(cluster.address, args.demo, args.demo_max_tokens, 0.0, chat=True, api_key=keys[0] if keys else None)
@@ -261,7 +261,7 @@ def _run_generate(args: argparse.Namespace) -> None:
     import grpc
 
     from pdserve import tls_credentials
-    from server_common.errors import CommandError
+    from pdserve_server.server_common.errors import CommandError
 
     credentials = tls_credentials(ca_file=args.tls_ca) if args.tls_ca else None
     try:
@@ -303,7 +303,7 @@ def _key_id_args(p: argparse.ArgumentParser) -> None:
 
 
 def _run_key_id(args: argparse.Namespace) -> None:
-    from server_common.security import key_id
+    from pdserve_server.server_common.security import key_id
 
     keys = args.keys or [line.strip() for line in sys.stdin if line.strip() and not line.lstrip().startswith("#")]
     for key in keys:
@@ -355,7 +355,7 @@ def main(argv: list[str] | None = None) -> None:
     command = top.parse_args(argv[:1]).command  # only the name: each command builds its own flags lazily
     args = build_parser(command).parse_args(argv[1:])
     configure_logging(args.log_level, args.log_format)
-    from server_common.errors import CommandError
+    from pdserve_server.server_common.errors import CommandError
 
     try:
         COMMANDS[command].run(args)

@@ -4,8 +4,8 @@ A model argument may be an HF-format directory (config.json + safetensors + toke
 converted once (dequantized to fp32 by transformers) into a safetensors directory under the cache dir, so later
 loads read safetensors directly (~30 s once, then seconds). Nothing is fetched from a model hub.
 
-The conversion runs in a child process (`python -m cli.gguf_convert`): it needs torch and transformers, and the
-process that asks (a coordinator, or `pdserve serve`) should not load them just for that.
+The conversion runs in a child process (`python -m pdserve_server.cli.gguf_convert`): it needs torch and
+transformers, and the process that asks (a coordinator, or `pdserve serve`) should not load them just for that.
 """
 from __future__ import annotations
 
@@ -82,7 +82,7 @@ def resolve_model(model: str | None, cache_dir: Path | None = None) -> Path:
         print(f"converting {path.name} to an HF-format directory, once: {out} (a minute or two)", file=sys.stderr,
               flush=True)
         start = time.monotonic()
-        done = subprocess.run([sys.executable, "-m", "cli.gguf_convert", str(path), str(out)],
+        done = subprocess.run([sys.executable, "-m", "pdserve_server.cli.gguf_convert", str(path), str(out)],
                               capture_output=True, text=True)
         if done.returncode != 0:
             raise RuntimeError(f"converting {path} failed:\n{done.stderr[-4000:]}")

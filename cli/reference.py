@@ -2,7 +2,7 @@
 prints them, generated from the parsers (themselves built from the config dataclasses), so it cannot drift from the
 code (tests/test_cli.py compares the file with this output).
 
-    .venv/bin/python -m cli.reference > docs/configuration.md
+    .venv/bin/python -m pdserve_server.cli.reference > docs/configuration.md
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ def configuration_reference() -> str:
     """docs/configuration.md's text: a heading and the `--help` of each command of `cli.main.COMMANDS`, in order,
     with the defaults an environment without `PDSERVE_*` variables gives (some flags default to one: $PDSERVE_MODEL,
     $PDSERVE_ADDRESS, $PDSERVE_API_KEY); the environment is restored after."""
-    from cli.main import COMMANDS, build_parser
+    from pdserve_server.cli.main import COMMANDS, build_parser
 
     saved = {k: os.environ.pop(k) for k in list(os.environ) if k.startswith("PDSERVE_")}
     try:
@@ -30,7 +30,7 @@ def _reference(commands, build_parser) -> str:
              "Every flag of every `pdserve` command, with its default and choices, as `pdserve COMMAND --help`\n"
              "prints it. Generated from the configuration dataclasses (`engine/args.py`, `worker_common/config.py`,\n"
              "`coordinator/config.py`, `server_common/config.py`, `cli/launcher.py`) by\n"
-             "`python -m cli.reference > docs/configuration.md` under Python "
+             "`python -m pdserve_server.cli.reference > docs/configuration.md` under Python "
              f"{python_version()} (argparse's layout\nvaries between versions); a test fails when this file is not "
              "current.\n"]
     for name in commands:

@@ -1,6 +1,6 @@
 """The coordinator process: it finds the workers, then serves every public door on one port over the one request
-path (`coordinator.server.GenerationServicer`): pdserve.v1.Generation, vLLM's engine service for the smg gateway
-(`coordinator.vllm_engine`) and KServe v2 (`coordinator.kserve`)."""
+path (`coordinator.request_path`): pdserve.v1.Generation (`coordinator.doors.generation`), vLLM's engine service
+for the smg gateway (`coordinator.doors.vllm_engine`) and KServe v2 (`coordinator.doors.kserve`)."""
 from __future__ import annotations
 
 import asyncio
@@ -10,40 +10,41 @@ import logging
 import grpc
 from prometheus_client import CollectorRegistry
 
-from coordinator import kserve
-from coordinator.config import CoordinatorConfig
-from coordinator.membership import Cluster, Membership
-from coordinator.metrics import CoordinatorMetrics
-from coordinator.router import LocalPrefillPolicy, Router
-from coordinator.scheduling import read_tenants
-from coordinator.server import GenerationServicer
-from coordinator.tokenizer import Tokenizer
-from coordinator.validation import request_bytes_limit
-from coordinator.vllm_engine import SERVICE_NAME as VLLM_ENGINE_SERVICE, VllmEngineServicer
+from pdserve_server.coordinator.config import CoordinatorConfig
+from pdserve_server.coordinator.membership import Cluster, Membership
+from pdserve_server.coordinator.metrics import CoordinatorMetrics
+from pdserve_server.coordinator.router import LocalPrefillPolicy, Router
+from pdserve_server.coordinator.scheduling import read_tenants
+from pdserve_server.coordinator.request_path import RequestPath
+from pdserve_server.coordinator.tokenizer import Tokenizer
+from pdserve_server.coordinator.validation import request_bytes_limit
+from pdserve_server.coordinator.doors import kserve
+from pdserve_server.coordinator.doors.generation import GenerationServicer
+from pdserve_server.coordinator.doors.vllm_engine import SERVICE_NAME as VLLM_ENGINE_SERVICE, VllmEngineServicer
 from pdserve.v1 import generate_pb2_grpc
-from server_common.addresses import advertise_host
-from server_common.grpc_server import start_grpc_server, write_ready_file
-from server_common.metrics import metrics_url, start_metrics_server
-from server_common.security import key_id, read_api_keys
-from server_common.tracing import Tracing
+from pdserve_server.server_common.addresses import advertise_host
+from pdserve_server.server_common.grpc_server import start_grpc_server, write_ready_file
+from pdserve_server.server_common.metrics import metrics_url, start_metrics_server
+from pdserve_server.server_common.security import key_id, read_api_keys
+from pdserve_server.server_common.tracing import Tracing
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc
 
 log = logging.getLogger(__name__)
 
 
-def _add_servicers(server: grpc.aio.Server, servicer: GenerationServicer) -> None:
-    """Our public API, and over the same request path vLLM's engine service (for the smg gateway) and KServe v2's
-    (for tritonclient and other Triton clients)."""
-    generate_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
-    vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(VllmEngineServicer(servicer), server)
-    kserve.add_to_server(kserve.KServeServicer(servicer), server)
+def _add_servicers(server: grpc.aio.Server, path: RequestPath) -> None:
+    """Every door over the one request path: our public API, vLLM's engine service (for the smg gateway) and KServe
+    v2's (for tritonclient and other Triton clients)."""
+    generate_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(path), server)
+    vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(VllmEngineServicer(path), server)
+    kserve.add_to_server(kserve.KServeServicer(path), server)
 
 
 async def serve(config: CoordinatorConfig) -> None:
     """Find live workers, then serve the public API until cancelled (SIGTERM drains).
 
-    Serves pdserve.v1.Generation and, on the same port, vllm.grpc.engine.VllmEngine (`coordinator.vllm_engine`) and
-    inference.GRPCInferenceService (KServe v2, `coordinator.kserve`).
+    Serves pdserve.v1.Generation and, on the same port, vllm.grpc.engine.VllmEngine (`coordinator.doors.vllm_engine`)
+    and inference.GRPCInferenceService (KServe v2, `coordinator.doors.kserve`).
     Health tells the truth: readiness ("" and both services) is SERVING only while requests can be served
     (`Cluster.ready`: decode workers that may prefill locally keep it SERVING without a prefill worker), and
     follows membership changes; liveness stays SERVING while the process runs.
@@ -61,9 +62,8 @@ async def serve(config: CoordinatorConfig) -> None:
     tokenizer = await asyncio.to_thread(Tokenizer, config.model_dir)
     registry = CollectorRegistry()
     api_keys = read_api_keys(config.api_keys_file)
-    servicer = GenerationServicer(config, cluster, tokenizer, CoordinatorMetrics(registry, config.model_name),
-                                  on_worker_lost=membership.report_lost, keys_required=bool(api_keys),
-                                  tenants=tenants)
+    path = RequestPath(config, cluster, tokenizer, CoordinatorMetrics(registry, config.model_name),
+                       on_worker_lost=membership.report_lost, keys_required=bool(api_keys), tenants=tenants)
     if api_keys:  # the names --tenant-weights (and the access log's refusals) know the keys by
         log.info("API keys: %d, ids %s", len(api_keys), ", ".join(sorted({key_id(k) for k in api_keys})))
     metrics = (start_metrics_server(config.server.host, config.server.metrics_port, registry)
@@ -71,7 +71,7 @@ async def serve(config: CoordinatorConfig) -> None:
     max_request_bytes = (config.max_request_bytes
                          or request_bytes_limit(cluster.limits, tokenizer.max_chars_per_token))
     running = await start_grpc_server(
-        config.server, lambda server: _add_servicers(server, servicer),
+        config.server, lambda server: _add_servicers(server, path),
         ["pdserve.v1.Generation", VLLM_ENGINE_SERVICE, kserve.SERVICE_NAME], tokens=api_keys, what="API key",
         interceptors=tracing.server_interceptors(), max_receive_bytes=max_request_bytes,
         reuse_port=config.reuse_port)
@@ -87,7 +87,7 @@ async def serve(config: CoordinatorConfig) -> None:
         task.add_done_callback(pending.discard)
 
     membership.on_change = follow_membership
-    servicer.metrics.track_workers(cluster.router.live)
+    path.metrics.track_workers(cluster.router.live)
     address = f"{advertise_host(config.server.host, config.server.advertise_host)}:{running.port}"
     log.info("coordinator serving %s on %s (%s, %d prefill / %d decode workers live, connector %s, requests up to "
              "%d bytes)", config.model_name, address, "colocated" if config.colocated else "disaggregated",

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from coordinator.scheduling import SCHEDULING_POLICIES
-from server_common.config import ServerArgs
+from pdserve_server.coordinator.scheduling import SCHEDULING_POLICIES
+from pdserve_server.server_common.config import ServerArgs
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
 from pdserve.v1 import worker_pb2
-from server_common.rich_status import rich_status
+from pdserve_server.server_common.rich_status import rich_status
 
 
 class RequestError(Exception):
@@ -40,6 +40,11 @@ class RequestError(Exception):
     def client_message(self) -> str:
         """The status message a client gets: no internal address or raw transport text."""
         return self.public if self.public is not None else self.message
+
+    def naming(self, request_id: str) -> RequestError:
+        """This error as told once the request holds its id in flight: the client's message led by the id."""
+        return RequestError(self.code, self.message, self.retry_after_s, self.worker,
+                            f"request {request_id}: {self.client_message}", self.prompt_tokens)
 
     def trailing_metadata(self) -> tuple:
         """The rich status (google.rpc.Status with RetryInfo) for `context.abort`, or () without a retry hint."""

@@ -16,12 +16,12 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from coordinator.errors import RequestError, from_rpc_error
-from coordinator.record import RequestRecord
-from coordinator.router import Router, WorkerHandle
-from coordinator.scheduling import RequestScheduling, check_first_token_deadline, without_deadline
+from pdserve_server.coordinator.errors import RequestError, from_rpc_error
+from pdserve_server.coordinator.record import RequestRecord
+from pdserve_server.coordinator.router import Router, WorkerHandle
+from pdserve_server.coordinator.scheduling import RequestScheduling, check_first_token_deadline, without_deadline
 from pdserve.v1 import generate_pb2, worker_pb2
-from server_common.tracing import tracer
+from pdserve_server.server_common.tracing import tracer
 
 log = logging.getLogger(__name__)
 

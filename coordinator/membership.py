@@ -19,16 +19,16 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from coordinator.errors import RequestError
-from coordinator.flow import Flow
-from coordinator.config import CoordinatorConfig
-from coordinator.router import LocalPrefillPolicy, Router, WorkerHandle
-from coordinator.validation import Limits
+from pdserve_server.coordinator.errors import RequestError
+from pdserve_server.coordinator.flow import Flow
+from pdserve_server.coordinator.config import CoordinatorConfig
+from pdserve_server.coordinator.router import LocalPrefillPolicy, Router, WorkerHandle
+from pdserve_server.coordinator.validation import Limits
 from pdserve.v1 import worker_pb2
-from server_common.addresses import expand
-from server_common.errors import CommandError
-from server_common.grpc_server import CLIENT_KEEPALIVE, MAX_MESSAGE_BYTES
-from server_common.security import internal_channel, read_secret
+from pdserve_server.server_common.addresses import expand
+from pdserve_server.server_common.errors import CommandError
+from pdserve_server.server_common.grpc_server import CLIENT_KEEPALIVE, MAX_MESSAGE_BYTES
+from pdserve_server.server_common.security import internal_channel, read_secret
 
 log = logging.getLogger(__name__)
 

@@ -5,8 +5,8 @@ from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from coordinator.record import RequestRecord
-from server_common.metrics import LATENCY_BUCKETS, TOKEN_COUNT_BUCKETS, TOKEN_LATENCY_BUCKETS
+from pdserve_server.coordinator.record import RequestRecord
+from pdserve_server.server_common.metrics import LATENCY_BUCKETS, TOKEN_COUNT_BUCKETS, TOKEN_LATENCY_BUCKETS
 
 
 class CoordinatorMetrics:

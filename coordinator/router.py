@@ -30,9 +30,9 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from coordinator.errors import RequestError
-from coordinator.prefill_queue import PrefillQueue
-from coordinator.prefix_index import PrefixIndex, block_hashes
+from pdserve_server.coordinator.errors import RequestError
+from pdserve_server.coordinator.prefill_queue import PrefillQueue
+from pdserve_server.coordinator.prefix_index import PrefixIndex, block_hashes
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 
 

@@ -27,10 +27,10 @@ from pathlib import Path
 
 import grpc
 
-from coordinator.errors import RequestError, invalid
-from coordinator.validation import shorten
+from pdserve_server.coordinator.errors import RequestError, invalid
+from pdserve_server.coordinator.validation import shorten
 from pdserve.v1 import generate_pb2, worker_pb2
-from server_common.errors import CommandError
+from pdserve_server.server_common.errors import CommandError
 
 MAX_TENANT_CHARS = 128  # a tenant is a key in the engines' fairness counters and appears in logs
 # Weights travel as float32 (SchedulingHints.weight): a tiny one would round to 0, which the workers refuse.

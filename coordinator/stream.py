@@ -1,15 +1,15 @@
 """What one sample of a request has streamed to its client, and the messages that stream is made of: workers'
 token events become text chunks (incremental detokenizing, stop strings), a finish becomes the final message, and
 what was sent becomes the request's record (metrics, access log). A request has one `SampleStream`, or one per
-sample with sampling.n > 1 (`coordinator.server` relays them)."""
+sample with sampling.n > 1 (`coordinator.request_path` relays them)."""
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from coordinator import flow as flows
-from coordinator.record import RequestRecord
-from coordinator.text import IncrementalDetokenizer, StopMatcher
+from pdserve_server.coordinator import flow as flows
+from pdserve_server.coordinator.record import RequestRecord
+from pdserve_server.coordinator.text import IncrementalDetokenizer, StopMatcher
 from pdserve.v1 import generate_pb2
 
 

@@ -1,7 +1,7 @@
 """Incremental detokenization and stop-string matching at the edge."""
 from __future__ import annotations
 
-from coordinator.tokenizer import Tokenizer
+from pdserve_server.coordinator.tokenizer import Tokenizer
 
 
 class IncrementalDetokenizer:

@@ -21,7 +21,7 @@ from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
-from coordinator.errors import invalid
+from pdserve_server.coordinator.errors import invalid
 
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
 # Stand-ins for message contents while the template renders (Unicode private-use characters).

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from coordinator.errors import RequestError, invalid
+from pdserve_server.coordinator.errors import RequestError, invalid
 from pdserve.v1 import generate_pb2
 
 MAX_LOGPROBS = 20  # engine.request has the same bounds (tests/test_validation.py holds them together)

@@ -9,8 +9,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from engine.async_engine import RequestStream
-from server_common.tracing import extract_context, record_span
+from pdserve_server.engine.async_engine import RequestStream
+from pdserve_server.server_common.tracing import extract_context, record_span
 
 
 class ReservationState(enum.Enum):

@@ -8,22 +8,22 @@ import time
 
 import grpc
 
-from kv_transfer.choice import choose_backend
-from decode_worker.reservations import Reservation, Reservations, ReservationState
-from engine.errors import EngineError, ErrorKind
-from engine.request import Request
-from kv_transfer import release_transports
-from kv_transfer.receiver import KvReceiver
+from pdserve_server.kv_transfer.choice import choose_backend
+from pdserve_server.decode_worker.reservations import Reservation, Reservations, ReservationState
+from pdserve_server.engine.errors import EngineError, ErrorKind
+from pdserve_server.engine.request import Request
+from pdserve_server.kv_transfer import release_transports
+from pdserve_server.kv_transfer.receiver import KvReceiver
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
-from server_common.addresses import advertise_host
-from server_common.errors import CommandError
-from server_common.security import read_secret
-from server_common.tracing import Tracing, record_span
-from worker_common.config import WorkerConfig
-from worker_common.convert import (FINISH_REASON_TO_PROTO, sampling_from_proto, scheduling_from_proto,
-                                   token_to_proto)
-from worker_common.errors import abort_with
-from worker_common.worker import WorkerEngine, WorkerServicer, serve_worker, start_engine
+from pdserve_server.server_common.addresses import advertise_host
+from pdserve_server.server_common.errors import CommandError
+from pdserve_server.server_common.security import read_secret
+from pdserve_server.server_common.tracing import Tracing, record_span
+from pdserve_server.worker_common.config import WorkerConfig
+from pdserve_server.worker_common.convert import (FINISH_REASON_TO_PROTO, sampling_from_proto, scheduling_from_proto,
+                                                  token_to_proto)
+from pdserve_server.worker_common.errors import abort_with
+from pdserve_server.worker_common.worker import WorkerEngine, WorkerServicer, serve_worker, start_engine
 
 log = logging.getLogger(__name__)
 

@@ -3,11 +3,11 @@ context or its KV pool. Pure checks over the request, the step limits and the po
 calls them; duplicate ids and structured-output constraints are the scheduler's, which holds the state they need)."""
 from __future__ import annotations
 
-from engine.config import SchedulerConfig
-from engine.errors import ErrorKind
-from engine.kv_cache_manager import KVCacheManager
-from engine.outputs import RequestFailed
-from engine.request import SAMPLE_ID_SEPARATOR, Request
+from pdserve_server.engine.config import SchedulerConfig
+from pdserve_server.engine.errors import ErrorKind
+from pdserve_server.engine.kv_cache_manager import KVCacheManager
+from pdserve_server.engine.outputs import RequestFailed
+from pdserve_server.engine.request import SAMPLE_ID_SEPARATOR, Request
 
 
 def max_context(req: Request) -> int:

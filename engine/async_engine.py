@@ -8,12 +8,12 @@ import asyncio
 from concurrent.futures import Future
 from typing import Any, Callable
 
-from engine.args import DEFAULT_MAX_UNREAD_TOKENS
-from engine.engine_core import Abort, AddRequest, Call, EngineCore, KvArrived, Pause
-from engine.errors import EngineError, ErrorKind
-from engine.outputs import Forgotten, RequestFailed, Reserved, SchedulerStats, TokenOutput
-from engine.request import FinishReason, Request
-from engine.scheduler import Scheduler
+from pdserve_server.engine.args import DEFAULT_MAX_UNREAD_TOKENS
+from pdserve_server.engine.engine_core import Abort, AddRequest, Call, EngineCore, KvArrived, Pause
+from pdserve_server.engine.errors import EngineError, ErrorKind
+from pdserve_server.engine.outputs import Forgotten, RequestFailed, Reserved, SchedulerStats, TokenOutput
+from pdserve_server.engine.request import FinishReason, Request
+from pdserve_server.engine.scheduler import Scheduler
 
 # Finish reasons after which the engine has already dropped the request (PREFILL_DONE still holds its blocks).
 _DROPPED = (FinishReason.STOP, FinishReason.LENGTH)

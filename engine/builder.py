@@ -8,19 +8,19 @@ from pathlib import Path
 
 import torch
 
-from engine.args import EngineArgs
-from engine.config import CacheConfig, ModelConfig, SchedulerConfig, num_blocks_for_budget
-from engine.cuda_graphs import capture_sizes
-from engine.hardware import resolve_dtype
-from engine.kv_cache_manager import KVCacheManager, sliding_kv_window
-from engine.loader import load_state_dict
-from engine.mock.runner import MockRunner
-from engine.mock.step_model import load_profile
-from engine.model_runner import ModelRunner
-from engine.parallel import SINGLE, TensorParallel, check_devices, head_split, rank_device
-from engine.scheduler import Scheduler
-from engine.speculative import SpeculativeConfig
-from engine.structured import GrammarCompiler
+from pdserve_server.engine.args import EngineArgs
+from pdserve_server.engine.config import CacheConfig, ModelConfig, SchedulerConfig, num_blocks_for_budget
+from pdserve_server.engine.cuda_graphs import capture_sizes
+from pdserve_server.engine.hardware import resolve_dtype
+from pdserve_server.engine.kv_cache_manager import KVCacheManager, sliding_kv_window
+from pdserve_server.engine.loader import load_state_dict
+from pdserve_server.engine.mock.runner import MockRunner
+from pdserve_server.engine.mock.step_model import load_profile
+from pdserve_server.engine.model_runner import ModelRunner
+from pdserve_server.engine.parallel import SINGLE, TensorParallel, check_devices, head_split, rank_device
+from pdserve_server.engine.scheduler import Scheduler
+from pdserve_server.engine.speculative import SpeculativeConfig
+from pdserve_server.engine.structured import GrammarCompiler
 
 log = logging.getLogger(__name__)
 

@@ -9,11 +9,11 @@ from typing import Any
 
 import torch
 
-from engine.args import DTYPE_NAMES
-from engine.models.interface import Llama3RopeScaling, MoEConfig
-from engine.models.registry import arch_flags
-from engine.parallel import kv_heads_per_rank
-from engine.speculative import SpeculativeConfig
+from pdserve_server.engine.args import DTYPE_NAMES
+from pdserve_server.engine.models.interface import Llama3RopeScaling, MoEConfig
+from pdserve_server.engine.models.registry import arch_flags
+from pdserve_server.engine.parallel import kv_heads_per_rank
+from pdserve_server.engine.speculative import SpeculativeConfig
 
 DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in DTYPE_NAMES}
 

@@ -26,17 +26,17 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.args import EngineArgs
-from engine.engine_core import Abort, AddRequest, Call, EngineCore, KvArrived, Pause
-from engine.ipc import (AbortRequest, BuildFailed, Codec, Fault, KvArrivedMsg, LayerBegin, LayerWritten,
-                        NewRequest, Outputs, PauseMsg, Query, QueryResult, Ready, Shutdown, StatsUpdate)
-from engine.kv_cache import export_shard, share
-from engine.lifetime import die_with_parent
-from engine.request import Request
-from engine.tp_ranks import RankProcesses, rank_threads
+from pdserve_server.engine.args import EngineArgs
+from pdserve_server.engine.engine_core import Abort, AddRequest, Call, EngineCore, KvArrived, Pause
+from pdserve_server.engine.ipc import (AbortRequest, BuildFailed, Codec, Fault, KvArrivedMsg, LayerBegin, LayerWritten,
+                                       NewRequest, Outputs, PauseMsg, Query, QueryResult, Ready, Shutdown, StatsUpdate)
+from pdserve_server.engine.kv_cache import export_shard, share
+from pdserve_server.engine.lifetime import die_with_parent
+from pdserve_server.engine.request import Request
+from pdserve_server.engine.tp_ranks import RankProcesses, rank_threads
 
 if TYPE_CHECKING:
-    from engine.builder import EngineParts
+    from pdserve_server.engine.builder import EngineParts
 
 log = logging.getLogger(__name__)
 
@@ -181,7 +181,7 @@ def _build(spec: EngineProcessSpec) -> tuple[EngineParts, RankProcesses | None, 
     Raises:
         whatever building raised (the caller reports it as `BuildFailed`).
     """
-    from engine.builder import build_engine, resolve_configs
+    from pdserve_server.engine.builder import build_engine, resolve_configs
 
     args = spec.args
     ranks = None

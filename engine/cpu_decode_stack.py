@@ -18,11 +18,11 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from engine.attention import AttentionMetadata
-from engine.models.decoder import DecoderModel
-from engine.packing import SMALL_BATCH_ROWS, PackedLinear, SmallBatchLinear
-from engine.quantization import Int4WeightOnlyLinear, Int8WeightOnlyLinear
-from kernels import AttentionOps
+from pdserve_server.engine.attention import AttentionMetadata
+from pdserve_server.engine.models.decoder import DecoderModel
+from pdserve_server.engine.packing import SMALL_BATCH_ROWS, PackedLinear, SmallBatchLinear
+from pdserve_server.engine.quantization import Int4WeightOnlyLinear, Int8WeightOnlyLinear
+from pdserve_server.kernels import AttentionOps
 
 # `pdserve::decode_layers`'s linear_form (kernels/cpu_ops.cpp).
 TORCH_LINEAR, PACKED_LINEAR, SMALL_M_LINEAR, INT8_LINEAR, INT4_LINEAR = 0, 1, 2, 3, 4

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.attention import AttentionMetadata, fill_block_tables
+from pdserve_server.engine.attention import AttentionMetadata, fill_block_tables
 
 
 def capture_sizes(max_num_seqs: int, largest: int = 256) -> list[int]:

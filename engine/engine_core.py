@@ -16,12 +16,12 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
-from engine.errors import ErrorKind
-from engine.hardware import set_threads
-from engine.model_runner import ModelRunner
-from engine.outputs import Forgotten, RequestFailed, SchedulerOutput, SchedulerStats, StepRecord
-from engine.request import Request, RequestStatus
-from engine.scheduler import Scheduler
+from pdserve_server.engine.errors import ErrorKind
+from pdserve_server.engine.hardware import set_threads
+from pdserve_server.engine.model_runner import ModelRunner
+from pdserve_server.engine.outputs import Forgotten, RequestFailed, SchedulerOutput, SchedulerStats, StepRecord
+from pdserve_server.engine.request import Request, RequestStatus
+from pdserve_server.engine.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
 

@@ -18,9 +18,9 @@ from typing import Union
 
 import msgspec
 
-from engine.config import CacheConfig, ModelConfig, SchedulerConfig
-from engine.outputs import Forgotten, RequestFailed, Reserved, SchedulerStats, TokenOutput
-from engine.request import SamplingParams, SchedulingParams
+from pdserve_server.engine.config import CacheConfig, ModelConfig, SchedulerConfig
+from pdserve_server.engine.outputs import Forgotten, RequestFailed, Reserved, SchedulerStats, TokenOutput
+from pdserve_server.engine.request import SamplingParams, SchedulingParams
 
 
 # ---- commands: worker -> engine ---------------------------------------------------------------------------------

@@ -19,8 +19,8 @@ from multiprocessing.reduction import ForkingPickler
 
 import torch  # registers torch.multiprocessing's reductions with ForkingPickler
 
-from engine.config import CacheConfig, ModelConfig
-from engine.parallel import kv_heads_per_rank
+from pdserve_server.engine.config import CacheConfig, ModelConfig
+from pdserve_server.engine.parallel import kv_heads_per_rank
 
 
 def kv_shape(model: ModelConfig, cache: CacheConfig) -> tuple[int, ...]:

@@ -1,8 +1,8 @@
 """Per-request block tables on top of the block pool, with prefix-cache lookup and registration."""
 from __future__ import annotations
 
-from engine.block_pool import BlockPool, hash_block_tokens
-from engine.request import Request
+from pdserve_server.engine.block_pool import BlockPool, hash_block_tokens
+from pdserve_server.engine.request import Request
 
 
 def sliding_kv_window(layer_windows: tuple[int, ...] | None) -> int:

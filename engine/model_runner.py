@@ -10,19 +10,19 @@ import msgspec
 import numpy as np
 import torch
 
-from engine.attention import AttentionMetadata, fill_block_tables
-from engine.config import CacheConfig, ModelConfig
-from engine.cpu_decode_stack import CpuDecodeStack
-from engine.cuda_graphs import DecodeGraphs
-from engine.kv_cache import KVCache
-from engine.models.registry import architecture
-from engine.outputs import RunnerOutput, SampledToken, ScheduledRequest, SchedulerOutput
-from engine.packing import pack_linears
-from engine.parallel import SINGLE, TensorParallel
-from engine.quantization import quantize_weight_only
-from engine.sampler import Sampler
-from engine.speculative import accept_greedy
-from kernels import select_ops
+from pdserve_server.engine.attention import AttentionMetadata, fill_block_tables
+from pdserve_server.engine.config import CacheConfig, ModelConfig
+from pdserve_server.engine.cpu_decode_stack import CpuDecodeStack
+from pdserve_server.engine.cuda_graphs import DecodeGraphs
+from pdserve_server.engine.kv_cache import KVCache
+from pdserve_server.engine.models.registry import architecture
+from pdserve_server.engine.outputs import RunnerOutput, SampledToken, ScheduledRequest, SchedulerOutput
+from pdserve_server.engine.packing import pack_linears
+from pdserve_server.engine.parallel import SINGLE, TensorParallel
+from pdserve_server.engine.quantization import quantize_weight_only
+from pdserve_server.engine.sampler import Sampler
+from pdserve_server.engine.speculative import accept_greedy
+from pdserve_server.kernels import select_ops
 
 log = logging.getLogger(__name__)
 

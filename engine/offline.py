@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from engine.builder import EngineParts
-from engine.outputs import RequestFailed, SchedulerOutput, TokenOutput
-from engine.request import Request, SamplingParams
+from pdserve_server.engine.builder import EngineParts
+from pdserve_server.engine.outputs import RequestFailed, SchedulerOutput, TokenOutput
+from pdserve_server.engine.request import Request, SamplingParams
 
 
 def run_until_idle(parts: EngineParts, requests: Sequence[Request] = (),

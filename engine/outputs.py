@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from engine.errors import EngineError, ErrorKind
-from engine.request import FinishReason, Request
+from pdserve_server.engine.errors import EngineError, ErrorKind
+from pdserve_server.engine.request import FinishReason, Request
 
 
 @dataclass

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from engine.shm_collectives import ShmCollectives
+from pdserve_server.engine.shm_collectives import ShmCollectives
 
 
 @dataclass(frozen=True)

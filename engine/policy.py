@@ -20,7 +20,7 @@ import itertools
 from collections import Counter
 from collections.abc import Iterator
 
-from engine.request import Request
+from pdserve_server.engine.request import Request
 
 
 class SchedulingPolicy:

@@ -21,18 +21,18 @@ from collections.abc import Callable
 
 import torch
 
-from engine.args import DEFAULT_MAX_UNREAD_TOKENS, EngineArgs
-from engine.async_engine import AsyncEngine, RequestStream
-from engine.config import CacheConfig, ModelConfig, SchedulerConfig
-from engine.core_process import EngineProcessSpec, run_engine_process
-from engine.engine_core import Abort, AddRequest, Call, KvArrived, Pause
-from engine.errors import EngineError, ErrorKind
-from engine.ipc import (AbortRequest, BuildFailed, Codec, Fault, KvArrivedMsg, LayerBegin, LayerWritten,
-                        NewRequest, Outputs, PauseMsg, Query, QueryResult, Ready, Shutdown, StatsUpdate)
-from engine.kv_cache import KvShards, import_shard
-from engine.kv_stream import KvLayerProgress
-from engine.outputs import RequestFailed, SchedulerStats
-from engine.request import Request
+from pdserve_server.engine.args import DEFAULT_MAX_UNREAD_TOKENS, EngineArgs
+from pdserve_server.engine.async_engine import AsyncEngine, RequestStream
+from pdserve_server.engine.config import CacheConfig, ModelConfig, SchedulerConfig
+from pdserve_server.engine.core_process import EngineProcessSpec, run_engine_process
+from pdserve_server.engine.engine_core import Abort, AddRequest, Call, KvArrived, Pause
+from pdserve_server.engine.errors import EngineError, ErrorKind
+from pdserve_server.engine.ipc import (AbortRequest, BuildFailed, Codec, Fault, KvArrivedMsg, LayerBegin, LayerWritten,
+                                       NewRequest, Outputs, PauseMsg, Query, QueryResult, Ready, Shutdown, StatsUpdate)
+from pdserve_server.engine.kv_cache import KvShards, import_shard
+from pdserve_server.engine.kv_stream import KvLayerProgress
+from pdserve_server.engine.outputs import RequestFailed, SchedulerStats
+from pdserve_server.engine.request import Request
 
 log = logging.getLogger(__name__)
 

@@ -8,10 +8,10 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from engine.errors import EngineError, ErrorKind
+from pdserve_server.engine.errors import EngineError, ErrorKind
 
 if TYPE_CHECKING:
-    from engine.kv_stream import KvLayerProgress
+    from pdserve_server.engine.kv_stream import KvLayerProgress
 
 MAX_LOGPROBS = 20  # most alternatives per position (vLLM's default cap); coordinator.validation has the same
 MAX_SAMPLES = 64  # most parallel samples (n) of one request

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import torch
 
-from engine.errors import EngineError, ErrorKind
-from engine.outputs import RunnerOutput, SampledToken
-from engine.request import Request
+from pdserve_server.engine.errors import EngineError, ErrorKind
+from pdserve_server.engine.outputs import RunnerOutput, SampledToken
+from pdserve_server.engine.request import Request
 
 _MASK64 = (1 << 63) - 1
 
@@ -107,7 +107,7 @@ class Sampler:
 def _mask_constrained(logits: torch.Tensor, requests: list[Request], rows: list[int], vocab_size: int) -> None:
     """In place: the rows of constrained requests keep only the tokens their matchers allow (one batched bitmask
     fill for the step, `engine.structured`). logits: [N, vocab] as in `Sampler.__call__`; rows: indices into it."""
-    from engine.structured import apply_bitmask, fill_bitmask
+    from pdserve_server.engine.structured import apply_bitmask, fill_bitmask
 
     bitmask = fill_bitmask([requests[i].matcher for i in rows], vocab_size)
     with torch.inference_mode():  # the runner's logits are inference tensors: in-place only in this mode

@@ -19,19 +19,19 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
-from engine.admission import max_context, refusal
-from engine.config import SchedulerConfig
-from engine.errors import EngineError, ErrorKind
-from engine.kv_cache_manager import KVCacheManager
-from engine.policy import RequestQueue, SchedulingPolicy
-from engine.outputs import (Reserved, RequestFailed, RunnerOutput, SampledToken, ScheduledRequest, SchedulerOutput,
-                            SchedulerStats, TokenOutput)
-from engine.request import SAMPLE_ID_SEPARATOR, FinishReason, Request, RequestStatus
-from engine.speculative import propose_ngram
-from engine.step_cost import StepCost
+from pdserve_server.engine.admission import max_context, refusal
+from pdserve_server.engine.config import SchedulerConfig
+from pdserve_server.engine.errors import EngineError, ErrorKind
+from pdserve_server.engine.kv_cache_manager import KVCacheManager
+from pdserve_server.engine.policy import RequestQueue, SchedulingPolicy
+from pdserve_server.engine.outputs import (Reserved, RequestFailed, RunnerOutput, SampledToken, ScheduledRequest,
+                                           SchedulerOutput, SchedulerStats, TokenOutput)
+from pdserve_server.engine.request import SAMPLE_ID_SEPARATOR, FinishReason, Request, RequestStatus
+from pdserve_server.engine.speculative import propose_ngram
+from pdserve_server.engine.step_cost import StepCost
 
 if TYPE_CHECKING:
-    from engine.structured import GrammarCompiler
+    from pdserve_server.engine.structured import GrammarCompiler
 
 log = logging.getLogger(__name__)
 

@@ -20,8 +20,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from engine.errors import EngineError, ErrorKind
-from engine.request import StructuredOutput
+from pdserve_server.engine.errors import EngineError, ErrorKind
+from pdserve_server.engine.request import StructuredOutput
 
 KINDS = ("json_schema", "regex", "grammar", "json_object", "choice")
 JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}

@@ -26,15 +26,15 @@ from multiprocessing.connection import Connection, wait
 
 import torch
 
-from engine.args import EngineArgs
-from engine.config import CacheConfig, ModelConfig, SchedulerConfig
-from engine.hardware import set_threads
-from engine.kv_cache import export_shard, share
-from engine.lifetime import die_with_parent
-from engine.models.sharding import vocab_per_rank
-from engine.parallel import TensorParallel, init_group, rank_device
-from engine.shm_collectives import ShmCollectives
-from engine.shm_collectives import usable as shm_usable
+from pdserve_server.engine.args import EngineArgs
+from pdserve_server.engine.config import CacheConfig, ModelConfig, SchedulerConfig
+from pdserve_server.engine.hardware import set_threads
+from pdserve_server.engine.kv_cache import export_shard, share
+from pdserve_server.engine.lifetime import die_with_parent
+from pdserve_server.engine.models.sharding import vocab_per_rank
+from pdserve_server.engine.parallel import TensorParallel, init_group, rank_device
+from pdserve_server.engine.shm_collectives import ShmCollectives
+from pdserve_server.engine.shm_collectives import usable as shm_usable
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +76,7 @@ def run_rank(spec: RankSpec) -> None:
     if spec.log_setup is not None:
         spec.log_setup()
     set_threads(spec.threads)
-    from engine.builder import build_runner
+    from pdserve_server.engine.builder import build_runner
 
     try:
         tp = init_group(spec.rank, spec.size, spec.init_method, spec.shm_buffers,

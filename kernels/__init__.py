@@ -88,7 +88,7 @@ def select_ops(backend: str, device: torch.device | str) -> AttentionOps:
         backend = ("cpu" if device_type == "cpu" else
                    "triton" if device_type == "cuda" and triton_usable(device) else "torch")
     if backend == "cpu":
-        from kernels.cpu_ops import KernelLoadError
+        from pdserve_server.kernels.cpu_ops import KernelLoadError
         if device_type != "cpu":
             raise ValueError(f"attention backend 'cpu' runs on CPU only (device {device})")
         try:
@@ -96,15 +96,15 @@ def select_ops(backend: str, device: torch.device | str) -> AttentionOps:
         except KernelLoadError as e:
             raise ValueError(f"attention backend 'cpu': {e}") from e
     if backend == "torch":
-        from kernels import reference as ref
+        from pdserve_server.kernels import reference as ref
         return AttentionOps("torch", ref.rotary_and_write_kv, ref.paged_decode_attention, ref.prefill_attention,
                             ref.rms_norm, ref.silu_and_mul)
     if not triton_usable(device):
         raise ValueError(f"attention backend 'triton' needs a CUDA device or TRITON_INTERPRET=1 (device {device})")
-    from kernels import reference as ref
-    from kernels.triton_cache import write_kv_cache
-    from kernels.triton_decode import paged_decode_attention
-    from kernels.triton_prefill import prefill_attention
+    from pdserve_server.kernels import reference as ref
+    from pdserve_server.kernels.triton_cache import write_kv_cache
+    from pdserve_server.kernels.triton_decode import paged_decode_attention
+    from pdserve_server.kernels.triton_prefill import prefill_attention
     return AttentionOps("triton", functools.partial(ref.rotary_and_write_kv, write_kv=write_kv_cache),
                         paged_decode_attention, prefill_attention, ref.rms_norm, ref.silu_and_mul, capturable=True)
 
@@ -116,7 +116,7 @@ def _cpu_ops() -> AttentionOps:
     Raises:
         KernelLoadError: the compiled kernels are missing or do not load.
     """
-    from kernels.cpu_ops import CpuKernels
+    from pdserve_server.kernels.cpu_ops import CpuKernels
 
     c = CpuKernels.load()
     return AttentionOps("cpu", c.rotary_and_write_kv, c.paged_decode_attention, c.prefill_attention, c.rms_norm,

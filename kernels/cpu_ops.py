@@ -17,12 +17,12 @@ import platform
 
 import torch
 
-from kernels import cpu_prefill
-from kernels.checks import check, check_attention
-from kernels.reference import paged_decode_attention as reference_decode_attention
-from kernels.reference import rms_norm as reference_rms_norm
-from kernels.reference import rotary_and_write_kv as reference_rotary_and_write_kv
-from kernels.reference import silu_and_mul as reference_silu_and_mul
+from pdserve_server.kernels import cpu_prefill
+from pdserve_server.kernels.checks import check, check_attention
+from pdserve_server.kernels.reference import paged_decode_attention as reference_decode_attention
+from pdserve_server.kernels.reference import rms_norm as reference_rms_norm
+from pdserve_server.kernels.reference import rotary_and_write_kv as reference_rotary_and_write_kv
+from pdserve_server.kernels.reference import silu_and_mul as reference_silu_and_mul
 
 MAX_GROUP, MAX_HEAD_DIM, MAX_BLOCK = 16, 256, 64  # the C kernel's stack arrays (cpu_kernels.h)
 _C_DTYPES = (torch.float32, torch.bfloat16)  # what the C code reads; fp16 goes to the reference
@@ -56,7 +56,8 @@ def load_library() -> None:
     """
     global _loaded, _fakes_registered
     if not _loaded:
-        spec = importlib.util.find_spec("kernels._C")  # finds the file without importing it: it has no Python module
+        # Finds the file without importing it: it has no Python module.
+        spec = importlib.util.find_spec("pdserve_server.kernels._C")
         if spec is None or not spec.origin:
             raise KernelLoadError(f"the compiled cpu kernels (kernels/_C) are not installed; {_FIX}")
         try:

@@ -24,8 +24,8 @@ from typing import Callable
 
 import torch
 
-from kernels import reference as ref
-from kernels.checks import window_size
+from pdserve_server.kernels import reference as ref
+from pdserve_server.kernels.checks import window_size
 
 # Query rows per block. With the torch softmax, 32 / 64 / 128 took 7.1 / 5.3 / 9.0 ms for a 1024-token layer; with
 # the C one, a 1024-token prefill + first token took 523-588 / 468-514 / 456-466 / 459-474 ms at 32 / 64 / 128 / 256

@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.checks import FLOAT_DTYPES, check, check_kv_caches, check_tensor
+from pdserve_server.kernels.checks import FLOAT_DTYPES, check, check_kv_caches, check_tensor
 
 
 @triton.jit

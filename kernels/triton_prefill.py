@@ -20,8 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.checks import check, check_attention, check_tensor, window_size
-from kernels.triton_common import attend_paged_tile, dot_mode
+from pdserve_server.kernels.checks import check, check_attention, check_tensor, window_size
+from pdserve_server.kernels.triton_common import attend_paged_tile, dot_mode
 
 _LOG2E = 1.4426950408889634
 

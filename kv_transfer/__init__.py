@@ -12,7 +12,7 @@ Layers, bottom up:
 - `sender.py` (`KvSender`, prefill worker) and `receiver.py` (`KvReceiver`, decode worker): its two ends.
   `layer_gather.py` shapes layer-wise streaming's messages for both.
 """
-from kv_transfer.backends import (BACKEND_NAMES, available_backends, get_backend, parse_address,
-                                      release_transports)
+from pdserve_server.kv_transfer.backends import (BACKEND_NAMES, available_backends, get_backend, parse_address,
+                                                 release_transports)
 
 __all__ = ["BACKEND_NAMES", "available_backends", "get_backend", "parse_address", "release_transports"]

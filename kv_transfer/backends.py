@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import importlib.util
 
-from kv_transfer.channel import Backend
+from pdserve_server.kv_transfer.channel import Backend
 
 BACKEND_NAMES = ("tcp", "ucx", "nccl")
 
@@ -16,19 +16,19 @@ def get_backend(name: str) -> Backend:
         ValueError: unknown name, ucx asked for but ucxx is not installed, or nccl without torch.distributed.
     """
     if name == "tcp":
-        from kv_transfer.tcp import TcpBackend
+        from pdserve_server.kv_transfer.tcp import TcpBackend
 
         return TcpBackend()
     if name == "ucx":
         if importlib.util.find_spec("ucxx") is None:
             raise ValueError("connector 'ucx' needs ucxx: pip install ucxx-cu12")
-        from kv_transfer.ucx import UcxBackend
+        from pdserve_server.kv_transfer.ucx import UcxBackend
 
         return UcxBackend()
     if name == "nccl":
         if not _dist_available():
             raise ValueError("connector 'nccl' needs a torch build with torch.distributed")
-        from kv_transfer.nccl import NcclBackend
+        from pdserve_server.kv_transfer.nccl import NcclBackend
 
         return NcclBackend()
     raise ValueError(f"unknown KV connector {name!r}; choose one of {', '.join(BACKEND_NAMES)}")
@@ -70,6 +70,6 @@ def release_transports() -> None:
     its notifier thread to the loop it started on, so without this the thread keeps the process from exiting
     and a later loop's UCX transfers never complete.
     """
-    from kv_transfer.ucx import reset
+    from pdserve_server.kv_transfer.ucx import reset
 
     reset()

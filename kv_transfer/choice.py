@@ -4,10 +4,10 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from kv_transfer import available_backends, get_backend
-from kv_transfer.channel import Backend
-from kv_transfer.receiver import KvReceiver
-from kv_transfer.sender import KvSender
+from pdserve_server.kv_transfer import available_backends, get_backend
+from pdserve_server.kv_transfer.channel import Backend
+from pdserve_server.kv_transfer.receiver import KvReceiver
+from pdserve_server.kv_transfer.sender import KvSender
 
 log = logging.getLogger(__name__)
 

@@ -35,8 +35,8 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 import torch.distributed as dist
 
-from kv_transfer.channel import Backend, Channel, ChannelClosed, Listener, OnChannel
-from kv_transfer.tcp import TcpBackend, TcpChannel
+from pdserve_server.kv_transfer.channel import Backend, Channel, ChannelClosed, Listener, OnChannel
+from pdserve_server.kv_transfer.tcp import TcpBackend, TcpChannel
 
 log = logging.getLogger(__name__)
 

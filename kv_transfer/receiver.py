@@ -11,10 +11,10 @@ from typing import Protocol
 
 import torch
 
-from engine.errors import EngineError
-from kv_transfer.channel import Backend, Channel, ChannelClosed, Listener
-from kv_transfer.layer_gather import LayerGather
-from kv_transfer.wire import PROTOCOL_VERSION, BlockView, Offer, decode, encode, handshake_mac, parse_end
+from pdserve_server.engine.errors import EngineError
+from pdserve_server.kv_transfer.channel import Backend, Channel, ChannelClosed, Listener
+from pdserve_server.kv_transfer.layer_gather import LayerGather
+from pdserve_server.kv_transfer.wire import PROTOCOL_VERSION, BlockView, Offer, decode, encode, handshake_mac, parse_end
 
 log = logging.getLogger(__name__)
 

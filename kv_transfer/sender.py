@@ -9,12 +9,12 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from engine.errors import EngineError, ErrorKind
-from engine.kv_stream import KvLayerProgress, LayerStreamEnded
-from kv_transfer.backends import get_backend, parse_address
-from kv_transfer.channel import Backend, Channel, ChannelClosed
-from kv_transfer.layer_gather import LayerGather
-from kv_transfer.wire import PROTOCOL_VERSION, BlockView, decode, encode, handshake_mac
+from pdserve_server.engine.errors import EngineError, ErrorKind
+from pdserve_server.engine.kv_stream import KvLayerProgress, LayerStreamEnded
+from pdserve_server.kv_transfer.backends import get_backend, parse_address
+from pdserve_server.kv_transfer.channel import Backend, Channel, ChannelClosed
+from pdserve_server.kv_transfer.layer_gather import LayerGather
+from pdserve_server.kv_transfer.wire import PROTOCOL_VERSION, BlockView, decode, encode, handshake_mac
 
 log = logging.getLogger(__name__)
 

@@ -8,8 +8,8 @@ import struct
 
 import torch
 
-from kv_transfer.channel import (Backend, Channel, ChannelClosed, HostStaging, Listener, OnChannel,
-                                     check_control_size)
+from pdserve_server.kv_transfer.channel import (Backend, Channel, ChannelClosed, HostStaging, Listener, OnChannel,
+                                                check_control_size)
 
 _LEN = struct.Struct("!I")
 

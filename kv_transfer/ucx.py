@@ -22,7 +22,7 @@ import sys
 
 import torch
 
-from kv_transfer.channel import Backend, Channel, ChannelClosed, Listener, OnChannel, check_control_size
+from pdserve_server.kv_transfer.channel import Backend, Channel, ChannelClosed, Listener, OnChannel, check_control_size
 
 log = logging.getLogger(__name__)
 

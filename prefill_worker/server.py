@@ -7,20 +7,20 @@ import time
 
 import grpc
 
-from engine.errors import EngineError, ErrorKind
-from engine.kv_stream import KvLayerProgress, LayerStreamEnded
-from engine.outputs import TokenOutput
-from engine.request import FinishReason, Request
-from kv_transfer import release_transports
-from kv_transfer.sender import KvSender, TransferError, TransferStats, blocks_to_send, uncancellable
+from pdserve_server.engine.errors import EngineError, ErrorKind
+from pdserve_server.engine.kv_stream import KvLayerProgress, LayerStreamEnded
+from pdserve_server.engine.outputs import TokenOutput
+from pdserve_server.engine.request import FinishReason, Request
+from pdserve_server.kv_transfer import release_transports
+from pdserve_server.kv_transfer.sender import KvSender, TransferError, TransferStats, blocks_to_send, uncancellable
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
-from server_common.security import read_secret
-from server_common.tracing import Tracing, inject_context, record_span, tracer
-from worker_common.config import WorkerConfig
-from worker_common.convert import (FINISH_REASON_TO_PROTO, sampling_from_proto, scheduling_from_proto,
-                                   token_to_proto)
-from worker_common.errors import abort_with
-from worker_common.worker import WorkerEngine, WorkerServicer, serve_worker, start_engine
+from pdserve_server.server_common.security import read_secret
+from pdserve_server.server_common.tracing import Tracing, inject_context, record_span, tracer
+from pdserve_server.worker_common.config import WorkerConfig
+from pdserve_server.worker_common.convert import (FINISH_REASON_TO_PROTO, sampling_from_proto, scheduling_from_proto,
+                                                  token_to_proto)
+from pdserve_server.worker_common.errors import abort_with
+from pdserve_server.worker_common.worker import WorkerEngine, WorkerServicer, serve_worker, start_engine
 
 log = logging.getLogger(__name__)
 

@@ -56,7 +56,7 @@ echo "up -d to coordinator healthy (workers healthy first): $((SECONDS - t3)) s"
 import sys
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
-from cli.models import resolve_model
+from pdserve_server.cli.models import resolve_model
 from pdserve import Client, SamplingParams
 
 model_dir = str(resolve_model(None))

@@ -16,9 +16,9 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from server_common.config import ServerArgs
-from server_common.errors import CommandError
-from server_common.security import BearerTokenInterceptor, server_credentials, warn_if_exposed
+from pdserve_server.server_common.config import ServerArgs
+from pdserve_server.server_common.errors import CommandError
+from pdserve_server.server_common.security import BearerTokenInterceptor, server_credentials, warn_if_exposed
 
 MAX_MESSAGE_BYTES = 64 << 20
 # HTTP/2 keepalive: a peer that vanished without closing its connection (host down, network partition) is noticed

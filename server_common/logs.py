@@ -11,7 +11,7 @@ def configure_logging(level: str, fmt: str) -> None:
         level: a logging level name ("info", "DEBUG", ...).
         fmt: "text" or "json".
     """
-    from server_common.tracing import TraceContextFilter, TraceFormatter
+    from pdserve_server.server_common.tracing import TraceContextFilter, TraceFormatter
 
     handler = logging.StreamHandler()
     handler.addFilter(TraceContextFilter())  # lines logged inside a traced request name its trace

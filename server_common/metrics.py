@@ -10,8 +10,8 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 from prometheus_client import CollectorRegistry, make_wsgi_app
 from prometheus_client.exposition import ThreadingWSGIServer
 
-from server_common.addresses import advertise_host
-from server_common.config import ServerArgs
+from pdserve_server.server_common.addresses import advertise_host
+from pdserve_server.server_common.config import ServerArgs
 
 # Latency buckets in seconds that resolve both a GPU's milliseconds and a CPU's seconds (vLLM's span, denser low).
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import grpc
 
-from server_common.addresses import is_loopback
+from pdserve_server.server_common.addresses import is_loopback
 
 log = logging.getLogger(__name__)
 

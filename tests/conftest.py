@@ -28,7 +28,7 @@ def pytest_collection_modifyitems(items):
 @pytest.fixture(scope="session")
 def real_model_dir() -> Path:
     """The packaged SmolLM2-135M-Instruct, converted once to safetensors."""
-    from cli.models import resolve_model
+    from pdserve_server.cli.models import resolve_model
 
     return resolve_model(None)
 

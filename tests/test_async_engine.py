@@ -3,13 +3,13 @@ import asyncio
 
 import pytest
 
-from engine.args import EngineArgs
-from engine.async_engine import AsyncEngine
-from engine.builder import build_engine
-from engine.engine_core import EngineCore
-from engine.errors import EngineError, ErrorKind
-from engine.outputs import TokenOutput
-from engine.request import FinishReason, Request, SamplingParams
+from pdserve_server.engine.args import EngineArgs
+from pdserve_server.engine.async_engine import AsyncEngine
+from pdserve_server.engine.builder import build_engine
+from pdserve_server.engine.engine_core import EngineCore
+from pdserve_server.engine.errors import EngineError, ErrorKind
+from pdserve_server.engine.outputs import TokenOutput
+from pdserve_server.engine.request import FinishReason, Request, SamplingParams
 
 
 def greedy(rid, n=50, **kw):

@@ -151,10 +151,10 @@ def test_the_sweep_runs_each_peer_in_this_cpus_best_dense_precision(monkeypatch,
     """A peer's bf16 is emulated on a CPU without AVX512-BF16 or AMX (slower than its fp32): the default systems
     follow what pdserve's --dtype auto picks on the same CPU."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-    import engine.hardware
+    from pdserve_server.engine import hardware
     from sweep import ALL_SYSTEMS, default_systems
 
-    monkeypatch.setattr(engine.hardware, "resolve_dtype", lambda dtype, device: auto)
+    monkeypatch.setattr(hardware, "resolve_dtype", lambda dtype, device: auto)
     chosen = default_systems()
     assert set(chosen) == {"pdserve-disagg", "pdserve-colocated", "naive", *peers} and set(chosen) <= set(ALL_SYSTEMS)
 
@@ -168,9 +168,9 @@ def test_sweep_weight_bytes_per_token(tiny_model_dir, real_model_dir):
     from sweep import weight_bytes_per_token as bytes_of, weight_format
     from transformers import AutoConfig
 
-    from cli.models import default_model_path
-    from engine.config import ModelConfig
-    from engine.hardware import resolve_dtype
+    from pdserve_server.cli.models import default_model_path
+    from pdserve_server.engine.config import ModelConfig
+    from pdserve_server.engine.hardware import resolve_dtype
 
     # tiny model: hidden 64, 4 q / 2 kv heads of 16, intermediate 128, 2 layers, vocab 49152 (untied head)
     layer = 64 * (64 + 2 * 32) + 64 * 64 + 64 * 256 + 128 * 64
@@ -206,7 +206,7 @@ def test_linear_shapes_of_a_mixture_of_experts_count_the_router_and_top_k_expert
     from step_profile import config_linear_shapes
     from transformers import Qwen3MoeConfig
 
-    from engine.config import ModelConfig
+    from pdserve_server.engine.config import ModelConfig
 
     hf = Qwen3MoeConfig(vocab_size=100, hidden_size=16, intermediate_size=48, num_hidden_layers=2,
                         num_attention_heads=2, num_key_value_heads=1, head_dim=8, num_experts=4,

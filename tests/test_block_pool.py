@@ -1,8 +1,8 @@
 import pytest
 
-from engine.block_pool import BlockPool, hash_block_tokens
-from engine.kv_cache_manager import KVCacheManager, window_chunk_cap, window_peak_blocks
-from engine.request import Request, SamplingParams
+from pdserve_server.engine.block_pool import BlockPool, hash_block_tokens
+from pdserve_server.engine.kv_cache_manager import KVCacheManager, window_chunk_cap, window_peak_blocks
+from pdserve_server.engine.request import Request, SamplingParams
 
 
 def test_allocate_free_exact_ids_and_lru_order():

@@ -1,16 +1,19 @@
 """The command line is built from the config dataclasses: every role's defaults are the dataclasses' defaults, and
 `pdserve serve` hands every setting, whatever its value, to the processes it starts."""
 import dataclasses
+import sys
 import typing
 
 import pytest
 
-from cli.args import dataclass_from_args, dataclass_to_argv
-from cli.launcher import ServeConfig
-from cli.main import _PER_PROCESS, SERVE_WORKER_SKIP, build_parser
-from coordinator.config import CoordinatorConfig
-from engine.args import EngineArgs
-from worker_common.config import WorkerConfig
+from pdserve_server.cli.args import dataclass_from_args, dataclass_to_argv
+from pdserve_server.cli.launcher import ServeConfig
+from pdserve_server.cli.main import _PER_PROCESS, SERVE_WORKER_SKIP, build_parser
+from pdserve_server.coordinator.config import CoordinatorConfig
+from pdserve_server.engine.args import EngineArgs
+from pdserve_server.worker_common.config import WorkerConfig
+
+PDSERVE = [sys.executable, "-m", "pdserve_server.cli.main"]  # the `pdserve` command of this interpreter
 
 
 def test_commands_default_to_the_dataclass_defaults():
@@ -84,7 +87,7 @@ def test_role_flags_round_trip_with_lists():
 
 
 def test_serve_splits_the_cpus_among_its_workers():
-    from cli.launcher import worker_threads
+    from pdserve_server.cli.launcher import worker_threads
 
     assert worker_threads(2, num_cpus=2) == 1  # 1 prefill + 1 decode on two cores: one each
     assert worker_threads(1, num_cpus=2) == 2  # colocated: both cores
@@ -101,7 +104,7 @@ def test_a_gguf_converts_once_per_content_wherever_it_is(tmp_path, monkeypatch, 
     import os
     import subprocess
 
-    from cli import models
+    from pdserve_server.cli import models
 
     runs = []
 
@@ -132,9 +135,9 @@ def test_a_grpc_server_on_a_busy_port_fails_to_start():
 
     import grpc
 
-    from server_common.config import ServerArgs
-    from server_common.errors import CommandError
-    from server_common.grpc_server import start_grpc_server
+    from pdserve_server.server_common.config import ServerArgs
+    from pdserve_server.server_common.errors import CommandError
+    from pdserve_server.server_common.grpc_server import start_grpc_server
 
     async def main():
         # The first holder as grpcio leaves it by default (SO_REUSEPORT on), as any other gRPC server would.
@@ -161,7 +164,7 @@ def test_a_worker_on_a_busy_port_exits_with_one_line(tiny_model_dir):
     holder.listen(1)
     port = holder.getsockname()[1]
     try:
-        done = subprocess.run([sys.executable, "-m", "cli.main", "decode", "--model", str(tiny_model_dir),
+        done = subprocess.run([*PDSERVE, "decode", "--model", str(tiny_model_dir),
                                "--host", "127.0.0.1", "--port", str(port), "--kv-tokens", "256",
                                "--max-model-len", "128", "--threads", "1", "--log-level", "ERROR"],
                               capture_output=True, text=True, timeout=300)
@@ -195,7 +198,7 @@ def test_user_errors_of_the_command_line_are_one_line(tmp_path, tiny_model_dir):
     import sys
 
     def run(*argv):
-        return subprocess.run([sys.executable, "-m", "cli.main", *argv], capture_output=True, text=True, timeout=120)
+        return subprocess.run([*PDSERVE, *argv], capture_output=True, text=True, timeout=120)
 
     missing = run("decode", "--model", str(tmp_path / "nowhere"))
     assert missing.returncode == 1 and "Traceback" not in missing.stderr
@@ -224,8 +227,8 @@ def test_the_converted_default_model_names_its_architecture(real_model_dir):
 def test_key_id_prints_the_name_logs_and_tenant_weights_use(capsys, monkeypatch):
     import io
 
-    from cli.main import main
-    from server_common.security import key_id
+    from pdserve_server.cli.main import main
+    from pdserve_server.server_common.security import key_id
 
     main(["key-id", "sk-one", "sk-two"])
     assert capsys.readouterr().out.split() == [f"key:{key_id('sk-one')}", f"key:{key_id('sk-two')}"]
@@ -237,7 +240,7 @@ def test_key_id_prints_the_name_logs_and_tenant_weights_use(capsys, monkeypatch)
 def test_serve_restart_backs_off_a_process_that_keeps_dying_at_start(monkeypatch, capsys):
     """`Cluster.supervise(restart=True)` on a worker that dies as soon as it starts (a taken port, a missing
     model): the waits between its starts double (1, 2, 4, 8 s, at most RESTART_BACKOFF_MAX_S), on a fake clock."""
-    from cli import launcher
+    from pdserve_server.cli import launcher
 
     class Dead:
         returncode = 1
@@ -272,14 +275,14 @@ def test_serve_restart_backs_off_a_process_that_keeps_dying_at_start(monkeypatch
 
 def test_ctrl_c_of_a_command_is_one_line_and_status_130(monkeypatch, capsys):
     """Ctrl-C of `pdserve generate` printed a 25-line KeyboardInterrupt traceback."""
-    import cli.main
+    from pdserve_server.cli import main as cli_main
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(cli.main, "_stream", interrupted)
+    monkeypatch.setattr(cli_main, "_stream", interrupted)
     with pytest.raises(SystemExit) as e:
-        cli.main.main(["generate", "hello"])
+        cli_main.main(["generate", "hello"])
     assert e.value.code == 130
     assert capsys.readouterr().err.strip().splitlines() == ["pdserve generate: interrupted"]
 
@@ -310,7 +313,7 @@ def test_serve_checks_its_port_and_the_model_before_it_spawns_anything(tmp_path,
     import sys
 
     def serve(*argv):
-        return subprocess.run([sys.executable, "-m", "cli.main", "serve", "--kv-tokens", "256", "--threads", "1",
+        return subprocess.run([*PDSERVE, "serve", "--kv-tokens", "256", "--threads", "1",
                                *argv], capture_output=True, text=True, timeout=120)
 
     with socket.socket() as holder:
@@ -340,8 +343,8 @@ def test_starting_a_cluster_says_each_process_ready_and_what_is_still_starting(t
     import subprocess
     import sys
 
-    from cli import launcher
-    from server_common.errors import CommandError
+    from pdserve_server.cli import launcher
+    from pdserve_server.server_common.errors import CommandError
 
     monkeypatch.setattr(launcher, "WAIT_NOTE_S", 0.0)  # a note at every poll
     procs = [(name, subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]), tmp_path / name)
@@ -371,16 +374,17 @@ def test_starting_a_cluster_says_each_process_ready_and_what_is_still_starting(t
 
 
 def test_the_configuration_reference_is_current():
-    """docs/configuration.md is every command's --help, generated (`python -m cli.reference`): a flag, default or
-    help text changed without regenerating it fails here. argparse lays help out differently across Python versions,
+    """docs/configuration.md is every command's --help, generated (`python -m pdserve_server.cli.reference`): a flag,
+    default or help text changed without regenerating it fails here. argparse lays help out differently across Python versions,
     so the comparison runs under the version the file names."""
     import re
     from pathlib import Path
 
-    from cli.reference import configuration_reference, python_version
+    from pdserve_server.cli.reference import configuration_reference, python_version
 
     text = (Path(__file__).resolve().parents[1] / "docs" / "configuration.md").read_text()
     made_with = re.search(r"under Python (\d+\.\d+)", text).group(1)
     if made_with != python_version():
         pytest.skip(f"docs/configuration.md was generated under Python {made_with}, this is {python_version()}")
-    assert text == configuration_reference(), "regenerate: .venv/bin/python -m cli.reference > docs/configuration.md"
+    assert text == configuration_reference(), \
+        "regenerate: .venv/bin/python -m pdserve_server.cli.reference > docs/configuration.md"

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from cli.launcher import ServeConfig, start_cluster
+from pdserve_server.cli.launcher import ServeConfig, start_cluster
 from pdserve import Client, SamplingParams
 from test_mock_engine import chain
 

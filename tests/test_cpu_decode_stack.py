@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.config import CacheConfig, ModelConfig
-from engine.cpu_decode_stack import (INT4_LINEAR, INT8_LINEAR, PACKED_LINEAR, SMALL_M_LINEAR, TORCH_LINEAR,
-                                     CpuDecodeStack)
-from engine.model_runner import ModelRunner
-from engine.packing import packing_supported
+from pdserve_server.engine.config import CacheConfig, ModelConfig
+from pdserve_server.engine.cpu_decode_stack import (INT4_LINEAR, INT8_LINEAR, PACKED_LINEAR, SMALL_M_LINEAR,
+                                                    TORCH_LINEAR, CpuDecodeStack)
+from pdserve_server.engine.model_runner import ModelRunner
+from pdserve_server.engine.packing import packing_supported
 from test_tp_heads import BLOCK, _gemma, _llama, greedy_steps
 
 

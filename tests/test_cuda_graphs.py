@@ -4,10 +4,10 @@ import random
 
 import torch
 
-from engine.args import EngineArgs
-from engine.builder import build_engine
-from engine.cuda_graphs import DecodeGraphs, capture_sizes
-from engine.request import Request, SamplingParams
+from pdserve_server.engine.args import EngineArgs
+from pdserve_server.engine.builder import build_engine
+from pdserve_server.engine.cuda_graphs import DecodeGraphs, capture_sizes
+from pdserve_server.engine.request import Request, SamplingParams
 
 
 def test_capture_sizes():

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from cli.launcher import ServeConfig, start_cluster
+from pdserve_server.cli.launcher import ServeConfig, start_cluster
 from pdserve import Client, SamplingParams
 
 pytestmark = pytest.mark.e2e

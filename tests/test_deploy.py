@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from cli.main import build_parser
+from pdserve_server.cli.main import build_parser
 
 ROOT = Path(__file__).resolve().parents[1]
 MANIFESTS = sorted((ROOT / "deploy" / "k8s").glob("*.yaml"))
@@ -77,8 +77,8 @@ def test_compose_gateway_is_smg_in_front_of_the_coordinator():
 def test_container_healthcheck_uses_the_grpc_health_protocol():
     dockerfile = (ROOT / "deploy" / "Dockerfile").read_text()
     healthcheck = next(line for line in dockerfile.splitlines() if line.strip().startswith("CMD [\"python\""))
-    assert "cli.healthcheck" in healthcheck
-    from cli.healthcheck import main
+    assert "pdserve_server.cli.healthcheck" in healthcheck
+    from pdserve_server.cli.healthcheck import main
     assert main(["--ready-file", "/nonexistent/ready"]) == 1  # not serving yet: unhealthy, no traceback
     assert "\nUSER pdserve\n" in dockerfile  # runs as a non-root user
 

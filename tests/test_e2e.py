@@ -10,7 +10,7 @@ import pytest
 
 from conftest import hf_greedy
 from pdserve import AsyncClient, Client, SamplingParams
-from cli.launcher import ServeConfig, start_cluster
+from pdserve_server.cli.launcher import ServeConfig, start_cluster
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 
 pytestmark = pytest.mark.e2e

@@ -7,13 +7,13 @@ import pytest
 import torch
 
 from conftest import hf_greedy
-from engine.args import EngineArgs
-from engine.builder import build_engine
-from engine.errors import ErrorKind
-from engine.offline import run_until_idle
-from engine.outputs import TokenOutput
-from engine.request import Request, RequestStatus, SamplingParams
-from engine.sampler import greedy_argmax
+from pdserve_server.engine.args import EngineArgs
+from pdserve_server.engine.builder import build_engine
+from pdserve_server.engine.errors import ErrorKind
+from pdserve_server.engine.offline import run_until_idle
+from pdserve_server.engine.outputs import TokenOutput
+from pdserve_server.engine.request import Request, RequestStatus, SamplingParams
+from pdserve_server.engine.sampler import greedy_argmax
 
 
 def run_to_completion(parts, requests, max_steps=10_000):
@@ -253,7 +253,7 @@ def test_sampler_reads_bf16_logits_as_their_fp32_widening():
     """compute_logits hands the sampler the model's own dtype; greedy rows take the argmax of bf16 as it is and the
     other rows (seeded draws, penalties, logprobs) are widened to fp32 first, so every token and logprob equals what
     the same logits widened to fp32 give."""
-    from engine.sampler import Sampler
+    from pdserve_server.engine.sampler import Sampler
 
     logits = (torch.randn(4, 3000, generator=torch.Generator().manual_seed(0)) * 4).bfloat16()
     logits[0, [11, 2500]] = 40.0  # a tie for the greedy row: the first index wins in both dtypes
@@ -276,7 +276,7 @@ def test_run_until_idle_raises_on_a_refused_request_and_on_a_stalled_scheduler()
     request, and a scheduler that schedules nothing while it still has work is a RuntimeError."""
     from types import SimpleNamespace
 
-    from engine.outputs import RequestFailed, SchedulerOutput
+    from pdserve_server.engine.outputs import RequestFailed, SchedulerOutput
 
     class Stuck:
         def __init__(self, refuse):
@@ -308,7 +308,7 @@ def test_grammar_setup_is_paid_at_build_and_an_unreadable_tokenizer_only_warns(t
     broken = tmp_path / "model"
     shutil.copytree(tiny_model_dir, broken)
     (broken / "tokenizer.json").write_text("{not json")
-    with caplog.at_level("WARNING", logger="engine.builder"):
+    with caplog.at_level("WARNING", logger="pdserve_server.engine.builder"):
         parts = build_engine(EngineArgs(dtype="float32", model_dir=str(broken), kv_tokens=1024, max_model_len=256))
     assert "structured outputs will be refused" in caplog.text
     request = Request("r", [5, 6, 7], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))

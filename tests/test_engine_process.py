@@ -7,15 +7,15 @@ import signal
 import pytest
 import torch
 
-from engine.args import EngineArgs
-from engine.async_engine import AsyncEngine
-from engine.builder import build_engine
-from engine.engine_core import EngineCore
-from engine.errors import EngineError, ErrorKind
-from engine.kv_stream import KvLayerProgress
-from engine.outputs import TokenOutput
-from engine.process_engine import EngineBuildError, ProcessEngine
-from engine.request import FinishReason, Request, SamplingParams
+from pdserve_server.engine.args import EngineArgs
+from pdserve_server.engine.async_engine import AsyncEngine
+from pdserve_server.engine.builder import build_engine
+from pdserve_server.engine.engine_core import EngineCore
+from pdserve_server.engine.errors import EngineError, ErrorKind
+from pdserve_server.engine.kv_stream import KvLayerProgress
+from pdserve_server.engine.outputs import TokenOutput
+from pdserve_server.engine.process_engine import EngineBuildError, ProcessEngine
+from pdserve_server.engine.request import FinishReason, Request, SamplingParams
 
 pytestmark = pytest.mark.e2e  # starts real engine processes
 
@@ -218,11 +218,11 @@ def test_worker_survives_its_engine_process_being_killed(tiny_model_dir, tmp_pat
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from decode_worker.server import serve
+    from pdserve_server.decode_worker.server import serve
     from pdserve.v1 import worker_pb2, worker_pb2_grpc
-    from server_common.config import ServerArgs
-    from server_common.errors import CommandError
-    from worker_common.config import WorkerConfig
+    from pdserve_server.server_common.config import ServerArgs
+    from pdserve_server.server_common.errors import CommandError
+    from pdserve_server.worker_common.config import WorkerConfig
 
     serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
     before = engine_children()
@@ -308,7 +308,8 @@ def test_no_engine_process_outlives_its_worker(tiny_model_dir, tmp_path, how):
     root = Path(__file__).resolve().parents[1]
     with open(log, "w") as out:
         worker = subprocess.Popen(
-            [sys.executable, "-m", "cli.main", "colocated", "--model", str(tiny_model_dir), "--dtype", "float32",
+            [sys.executable, "-m", "pdserve_server.cli.main", "colocated", "--model", str(tiny_model_dir), "--dtype",
+             "float32",
              "--kv-tokens", "1024", "--max-model-len", "256", "--threads", "1", "--port", "0",
              "--ready-file", str(ready)], cwd=root, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:

@@ -8,12 +8,12 @@ import socket
 import grpc
 import pytest
 
-from coordinator import flow as flows
-from coordinator.errors import RequestError, from_rpc_error, worker_reason
-from coordinator.router import Router, WorkerHandle
-from engine.errors import EngineError, ErrorKind
+from pdserve_server.coordinator import flow as flows
+from pdserve_server.coordinator.errors import RequestError, from_rpc_error, worker_reason
+from pdserve_server.coordinator.router import Router, WorkerHandle
+from pdserve_server.engine.errors import EngineError, ErrorKind
 from pdserve.v1 import generate_pb2, worker_pb2
-from worker_common.errors import abort_with
+from pdserve_server.worker_common.errors import abort_with
 
 PEER = "10.0.0.9:7001"
 

@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
-from cli.launcher import ServeConfig, start_cluster
+from pdserve_server.cli.launcher import ServeConfig, start_cluster
 from conftest import hf_greedy
 from pdserve import AsyncClient, Client, SamplingParams
 from pdserve.v1 import generate_pb2, worker_pb2, worker_pb2_grpc
@@ -50,7 +50,7 @@ def test_one_extreme_request_fails_no_bystander(cluster, tiny_model_dir, extreme
 def test_worker_abort_ends_the_client_stream_promptly(cluster):
     """Worker.Abort used to free the request but leave its client waiting for the deadline. (Workers know a
     request by its id scoped to the caller, here this test's peer address: `coordinator.flow.scoped_id`.)"""
-    from coordinator.flow import scoped_id
+    from pdserve_server.coordinator.flow import scoped_id
 
     with Client(cluster.address) as c:
         stream = c.generate([5, 6, 7], greedy(400, ignore_eos=True), request_id="worker-abort", timeout=60)

@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from conftest import hf_greedy, hf_next_logits
-from engine.config import ModelConfig
-from engine.loader import load_state_dict
-from engine.models.gemma3 import Model
-from engine.offline import run_until_idle
-from engine.request import Request, SamplingParams
-from kernels import select_ops
+from pdserve_server.engine.config import ModelConfig
+from pdserve_server.engine.loader import load_state_dict
+from pdserve_server.engine.models.gemma3 import Model
+from pdserve_server.engine.offline import run_until_idle
+from pdserve_server.engine.request import Request, SamplingParams
+from pdserve_server.kernels import select_ops
 from test_models import VOCAB, run_greedy
 
 LAYER_TYPES = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"]

@@ -6,14 +6,14 @@ import random
 import pytest
 
 from conftest import hf_greedy
-from engine.args import EngineArgs
-from engine.async_engine import AsyncEngine
-from engine.builder import build_engine
-from engine.engine_core import EngineCore
-from engine.errors import EngineError, ErrorKind
-from engine.offline import run_until_idle
-from engine.outputs import RequestFailed
-from engine.request import Request, SamplingParams
+from pdserve_server.engine.args import EngineArgs
+from pdserve_server.engine.async_engine import AsyncEngine
+from pdserve_server.engine.builder import build_engine
+from pdserve_server.engine.engine_core import EngineCore
+from pdserve_server.engine.errors import EngineError, ErrorKind
+from pdserve_server.engine.offline import run_until_idle
+from pdserve_server.engine.outputs import RequestFailed
+from pdserve_server.engine.request import Request, SamplingParams
 
 ARGS = dict(block_size=8, kv_tokens=2048, max_model_len=512)
 

@@ -3,8 +3,8 @@ them that this CPU runs; the builds it cannot run are compiled all the same (tes
 import pytest
 import torch
 
-from kernels import reference
-from kernels.cpu_ops import ALL_ISAS, CpuKernels, cpu_isa, cpu_isas, set_cpu_isa
+from pdserve_server.kernels import reference
+from pdserve_server.kernels.cpu_ops import ALL_ISAS, CpuKernels, cpu_isa, cpu_isas, set_cpu_isa
 
 
 @pytest.fixture(scope="module", params=ALL_ISAS)
@@ -127,7 +127,7 @@ def test_blocked_prefill_with_sliding_window_matches_reference(kernels, softmax,
     and narrower than the window, chunks whose windows reach back into the cached prefix, with the 16-bit path's
     bound of test_blocked_prefill_matches_reference. 16-bit: keys before the chunk's first window are NaN, so the
     blocks before it must not enter the products (fp32 is the reference itself, whose SDPA reads every key)."""
-    from kernels.cpu_prefill import prefill_attention
+    from pdserve_server.kernels.cpu_prefill import prefill_attention
 
     block_size, hq, hkv, d = 16, 9, 3, 64
     seqs = [(1, 1), (17, 17), (200, 3), (333 + 70, 70), (130, 130), (64 + 200, 200)]  # (ctx, chunk)
@@ -311,7 +311,7 @@ def test_blocked_prefill_matches_reference(kernels, softmax, dtype, block_size, 
     16-bit: the scores are rounded to the cache dtype once (HF eager's numerics), so the bound is a few roundings
     (seen: bf16 4-5e-3, relative Frobenius); one visible key masked wrongly moves rows by far more. fp32 is the
     reference itself."""
-    from kernels.cpu_prefill import prefill_attention
+    from pdserve_server.kernels.cpu_prefill import prefill_attention
 
     seqs = [(1, 1), (17, 17), (200, 3), (333 + 70, 70), (130, 130), (65 + 65, 65), (64 + 200, 200)]  # (ctx, chunk)
     k_cache, v_cache, table, lens = _paged([c for c, _ in seqs], block_size, hkv, d, dtype, seed=hq)
@@ -335,7 +335,7 @@ def test_c_causal_softmax_matches_torch(kernels, rows, end):
     """The C softmax against `cpu_prefill.causal_softmax` on the same bf16 scores (3 stacked heads of `rows`
     rows): within one bf16 step of each probability (expf and the sum's order may differ by an ulp), exact zeros
     where a row must not see, rows summing to 1, and large scores without overflow."""
-    from kernels.cpu_prefill import causal_softmax
+    from pdserve_server.kernels.cpu_prefill import causal_softmax
 
     g = torch.Generator().manual_seed(rows * end)
     scores = (torch.randn(3, rows, end, generator=g) * 30).to(torch.bfloat16)
@@ -353,7 +353,7 @@ def test_c_causal_softmax_with_a_window_matches_torch(kernels, rows, end, window
     """With a sliding window's `window_start` (row r sees columns window_start + r to end - rows + r): the C
     softmax (keys left of the windows pre-filled with a finite floor) against the torch one, exact zeros outside
     each row's window, probabilities inside it, rows summing to 1."""
-    from kernels.cpu_prefill import causal_softmax
+    from pdserve_server.kernels.cpu_prefill import causal_softmax
 
     g = torch.Generator().manual_seed(rows * end)
     scores = (torch.randn(3, rows, end, generator=g) * 30).to(torch.bfloat16)

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.hardware import cpu_flags
-from kernels import cpu_ops, select_ops
-from kernels.cpu_ops import ALL_ISAS, CpuKernels, KernelLoadError, cpu_isa, cpu_isas, set_cpu_isa
+from pdserve_server.engine.hardware import cpu_flags
+from pdserve_server.kernels import cpu_ops, select_ops
+from pdserve_server.kernels.cpu_ops import ALL_ISAS, CpuKernels, KernelLoadError, cpu_isa, cpu_isas, set_cpu_isa
 
 # What each level's build was compiled for (setup.py ISA_LEVELS), as /proc/cpuinfo names the flags.
 ISA_FLAGS = {"base": set(), "avx2": {"avx2", "fma"},
@@ -83,7 +83,7 @@ def test_a_missing_or_broken_build_fails_the_cpu_backend_with_a_clear_error(monk
     if broken == "missing":
         find_spec = importlib.util.find_spec
         monkeypatch.setattr(importlib.util, "find_spec",
-                            lambda name, *a: None if name == "kernels._C" else find_spec(name, *a))
+                            lambda name, *a: None if name == "pdserve_server.kernels._C" else find_spec(name, *a))
         cause = r"the compiled cpu kernels \(kernels/_C\) are not installed"
     elif broken == "load fails":
         def load_library(path):
@@ -175,11 +175,11 @@ def test_the_ops_check_what_the_c_code_relies_on():
 _SERVE_WITHOUT_COMPILER = """
 import json, shutil, sys
 assert not any(shutil.which(c) for c in ("cc", "gcc", "c++", "g++", "clang")), "a compiler is on PATH"
-from engine.args import EngineArgs
-from engine.builder import build_engine
-from engine.offline import run_until_idle
-from engine.request import Request, SamplingParams
-from kernels.cpu_ops import cpu_isa, cpu_isas
+from pdserve_server.engine.args import EngineArgs
+from pdserve_server.engine.builder import build_engine
+from pdserve_server.engine.offline import run_until_idle
+from pdserve_server.engine.request import Request, SamplingParams
+from pdserve_server.kernels.cpu_ops import cpu_isa, cpu_isas
 parts = build_engine(EngineArgs(dtype="float32", model_dir=sys.argv[1], block_size=8, kv_tokens=512,
                                 max_model_len=256))
 req = Request("r", list(range(3, 40)), SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True),
@@ -191,10 +191,10 @@ print(json.dumps({"backend": parts.runner.attention_ops.name, "isa": cpu_isa(), 
 
 
 def test_a_worker_serves_on_the_compiled_kernels_with_no_compiler_on_path(tmp_path, tiny_model_dir):
-    from engine.args import EngineArgs
-    from engine.builder import build_engine
-    from engine.offline import run_until_idle
-    from engine.request import Request, SamplingParams
+    from pdserve_server.engine.args import EngineArgs
+    from pdserve_server.engine.builder import build_engine
+    from pdserve_server.engine.offline import run_until_idle
+    from pdserve_server.engine.request import Request, SamplingParams
 
     bare = tmp_path / "bin"
     bare.mkdir()

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from kernels.reference import paged_decode_attention, prefill_attention, write_kv_cache
+from pdserve_server.kernels.reference import paged_decode_attention, prefill_attention, write_kv_cache
 
 
 def _dense(q, k, v, q_pos, scale, window=0):

@@ -20,10 +20,10 @@ import zlib
 import pytest
 import torch
 
-from kernels import reference as ref
-from kernels import select_ops
-from kernels.triton_cache import write_kv_cache
-from kernels.triton_prefill import PrefillConfig
+from pdserve_server.kernels import reference as ref
+from pdserve_server.kernels import select_ops
+from pdserve_server.kernels.triton_cache import write_kv_cache
+from pdserve_server.kernels.triton_prefill import PrefillConfig
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
                                 reason="needs TRITON_INTERPRET=1 (CPU) or a CUDA device")
@@ -146,7 +146,7 @@ def test_prefill_with_sliding_window_matches_reference(window, dtype, config):
     expected = ref.prefill_attention(query, k_cache, v_cache, cu, ctx, tables, 0.25, sliding_window=window)
     full = ref.prefill_attention(query, k_cache, v_cache, cu, ctx, tables, 0.25)
     _poison_before(k_cache, v_cache, tables, [max(0, c - q - window + 1) for c, q in seqs], block_size)
-    from kernels.triton_prefill import prefill_attention
+    from pdserve_server.kernels.triton_prefill import prefill_attention
     out = prefill_attention(query, k_cache, v_cache, cu, ctx, tables, 0.25, max(q_lens), sliding_window=window,
                             config=config)
     assert out.shape == expected.shape and out.dtype == dtype
@@ -158,7 +158,7 @@ def test_prefill_with_sliding_window_matches_reference(window, dtype, config):
 
 
 def test_split_count_fills_the_gpu_but_keeps_splits_long():
-    from kernels.triton_decode import choose_num_splits
+    from pdserve_server.kernels.triton_decode import choose_num_splits
 
     # Llama-3-8B shapes on a 132-SM H100: batch 1 x 2k context -> 8 splits of 256 tokens, batch 64 -> no split.
     assert choose_num_splits(1, 8, 2048, 132) == 8
@@ -204,7 +204,7 @@ def test_prefill_launch_shapes_match_reference(config, dtype):
     one unmasked key too many shows), and chunks shorter and longer than one query tile."""
     if DEVICE == "cuda" and dtype == torch.float32 and config.block_m * config.block_n > 64 * 64:
         pytest.skip("fp32 tiles this large exceed the GPU's shared memory")
-    from kernels.triton_prefill import prefill_attention
+    from pdserve_server.kernels.triton_prefill import prefill_attention
     g = _rng("prefill-config", config, dtype)
     seqs = [(1, 1), (64, 64), (200, 3), (128 + 77, 77), (126 + 70, 70), (300, 140), (96 + 129, 129)]  # (ctx, chunk)
     k_cache, v_cache, tables, ctx = _paged_kv([c for c, _ in seqs], 16, 2, 64, dtype, g)

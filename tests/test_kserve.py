@@ -1,4 +1,4 @@
-"""The coordinator's KServe v2 door (`inference.GRPCInferenceService`, `coordinator/kserve.py`), driven by the real,
+"""The coordinator's KServe v2 door (`inference.GRPCInferenceService`, `coordinator/doors/kserve.py`), driven by the real,
 unmodified `tritonclient.grpc` client with the tensors of Triton's vLLM backend. A real cluster of the tiny
 random-weight model; every port is chosen at run time; every wait is bounded by a generous deadline."""
 import json
@@ -14,7 +14,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from cli.launcher import ServeConfig, start_cluster
+from pdserve_server.cli.launcher import ServeConfig, start_cluster
 from pdserve import Client, SamplingParams
 from test_e2e import assert_idle
 

@@ -6,10 +6,10 @@ import struct
 import grpc
 import pytest
 
-from coordinator import kserve
-from coordinator.errors import RequestError
-from coordinator.kserve_sampling import to_sampling
-from coordinator.validation import MAX_JSON_DEPTH, json_depth, parse_json
+from pdserve_server.coordinator.doors import kserve
+from pdserve_server.coordinator.errors import RequestError
+from pdserve_server.coordinator.doors.kserve_sampling import to_sampling
+from pdserve_server.coordinator.validation import MAX_JSON_DEPTH, json_depth, parse_json
 
 pb = kserve.pb
 
@@ -89,7 +89,7 @@ def test_more_inputs_than_the_model_has():
 
 
 def sampling_fields(text: bytes) -> dict:
-    return kserve._Request(None, pb.ModelInferRequest(), streaming_call=False)._sampling_fields(text)
+    return kserve._Request(None, pb.ModelInferRequest())._sampling_fields(text)
 
 
 @pytest.mark.parametrize("text, needle", [

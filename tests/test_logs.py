@@ -5,7 +5,7 @@ import logging
 
 import pytest
 
-from coordinator.record import RequestRecord, log_access
+from pdserve_server.coordinator.record import RequestRecord, log_access
 
 
 @pytest.mark.parametrize("error_code, level", [("", logging.INFO), ("CANCELLED", logging.INFO),
@@ -22,7 +22,7 @@ def test_a_line_logged_inside_a_span_names_its_trace_in_text_and_json():
     from opentelemetry.sdk.trace import TracerProvider
     from pythonjsonlogger.json import JsonFormatter
 
-    from server_common.tracing import TraceContextFilter, TraceFormatter
+    from pdserve_server.server_common.tracing import TraceContextFilter, TraceFormatter
 
     inside = logging.LogRecord("x", logging.WARNING, __file__, 1, "hello", None, None)
     outside = logging.LogRecord("x", logging.WARNING, __file__, 1, "hello", None, None)
@@ -41,10 +41,10 @@ def test_a_worker_says_what_it_resolved_at_start(tiny_model_dir):
     import os
     from types import SimpleNamespace
 
-    from engine.args import EngineArgs
-    from engine.builder import resolve_configs
-    from worker_common.config import WorkerConfig
-    from worker_common.worker import describe
+    from pdserve_server.engine.args import EngineArgs
+    from pdserve_server.engine.builder import resolve_configs
+    from pdserve_server.worker_common.config import WorkerConfig
+    from pdserve_server.worker_common.worker import describe
 
     engine = EngineArgs(model_dir=str(tiny_model_dir), dtype="auto", kv_tokens=1024, quantization="int8")
     model, cache, sched = resolve_configs(engine)

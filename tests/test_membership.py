@@ -13,7 +13,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from cli.launcher import ServeConfig, _spawn, start_cluster, wait_ready
+from pdserve_server.cli.launcher import ServeConfig, _spawn, start_cluster, wait_ready
 from pdserve import Client, SamplingParams
 
 pytestmark = pytest.mark.e2e
@@ -165,7 +165,7 @@ def test_serve_leaves_no_process_behind(tiny_model_dir, tmp_path, ending):
     leave `serve` supervising workers nobody could reach, never exiting. SIGTERM: exit 0; the coordinator killed:
     exit 1, saying so. Either way no process of the cluster outlives serve: neither its children nor theirs (each
     worker's engine process and multiprocessing's resource tracker)."""
-    proc = subprocess.Popen([sys.executable, "-m", "cli.main", "serve", "--disaggregated", "--model",
+    proc = subprocess.Popen([sys.executable, "-m", "pdserve_server.cli.main", "serve", "--disaggregated", "--model",
                              str(tiny_model_dir), "--port", "0", "--kv-tokens", "1024", "--max-model-len", "256", "--log-dir", str(tmp_path)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:

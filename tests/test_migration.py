@@ -17,7 +17,7 @@ import grpc
 import pytest
 
 from conftest import hf_greedy
-from engine.mock.runner import continuation
+from pdserve_server.engine.mock.runner import continuation
 from pdserve import Client, SamplingParams
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 from test_membership import WORKER, Processes, wait_for

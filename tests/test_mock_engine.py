@@ -12,13 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from engine.args import EngineArgs
-from engine.builder import build_engine
-from engine.mock.runner import MockRunner, continuation, next_token
-from engine.mock.step_model import (StepShape, StepTimeModel, fit, load_profile, prediction_error,
-                                    profile_names)
-from engine.offline import generate, run_until_idle
-from engine.request import Request, SamplingParams
+from pdserve_server.engine.args import EngineArgs
+from pdserve_server.engine.builder import build_engine
+from pdserve_server.engine.mock.runner import MockRunner, continuation, next_token
+from pdserve_server.engine.mock.step_model import (StepShape, StepTimeModel, fit, load_profile, prediction_error,
+                                                   profile_names)
+from pdserve_server.engine.offline import generate, run_until_idle
+from pdserve_server.engine.request import Request, SamplingParams
 
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB = 49152
@@ -195,7 +195,7 @@ def test_a_cluster_of_mock_workers_streams_the_derived_tokens(tiny_model_dir, tm
     chain derived from its prompt, and every pool is idle after."""
     from test_e2e import assert_idle, greedy
 
-    from cli.launcher import ServeConfig, start_cluster
+    from pdserve_server.cli.launcher import ServeConfig, start_cluster
     from pdserve import AsyncClient
 
     args = ["--mock-engine", "llama-3.1-8b-h200", "--mock-speedup", "20", "--kv-tokens", "2048",
@@ -223,7 +223,7 @@ def test_stream_interval_sends_tokens_n_at_a_time(tiny_model_dir, tmp_path):
     and the same tokens as the derived chain."""
     from test_e2e import greedy
 
-    from cli.launcher import ServeConfig, start_cluster
+    from pdserve_server.cli.launcher import ServeConfig, start_cluster
     from pdserve import Client
 
     args = ["--mock-engine", "smollm2-135m-h200", "--mock-speedup", "20", "--kv-tokens", "2048",
@@ -250,7 +250,7 @@ FLAT = StepTimeModel(decode=(10.0, 0.0, 0.0, 0.0), mixed=(0.0, 0.01, 0.0, 0.0, 0
 
 
 def test_planner_goodput_matches_the_hand_computed_queueing_model():
-    from engine.mock.planner import Objectives, Traffic, estimate, goodput, prefill_service_ms
+    from pdserve_server.engine.mock.planner import Objectives, Traffic, estimate, goodput, prefill_service_ms
 
     traffic, objectives = Traffic(1.0, 1000, 100), Objectives(ttft_ms=20.0, itl_ms=12.0)
     assert prefill_service_ms(FLAT, 1000, 0.0, 4096) == pytest.approx(10.0)
@@ -265,7 +265,7 @@ def test_planner_goodput_matches_the_hand_computed_queueing_model():
 
 
 def test_planner_recommends_the_cheapest_split_that_meets_the_objectives():
-    from engine.mock.planner import Objectives, Traffic, best_split, recommend
+    from pdserve_server.engine.mock.planner import Objectives, Traffic, best_split, recommend
 
     objectives = Objectives(ttft_ms=20.0, itl_ms=12.0)
     choice, table = recommend(FLAT, FLAT, Traffic(100.0, 1000, 100), objectives, max_workers=4)

@@ -10,13 +10,13 @@ import pytest
 import torch
 
 from conftest import hf_greedy
-from engine.args import EngineArgs
-from engine.builder import build_engine
-from engine.config import ModelConfig
-from engine.models.decoder import DecoderModel
-from engine.offline import run_until_idle
-from engine.request import Request, SamplingParams
-from kernels import select_ops
+from pdserve_server.engine.args import EngineArgs
+from pdserve_server.engine.builder import build_engine
+from pdserve_server.engine.config import ModelConfig
+from pdserve_server.engine.models.decoder import DecoderModel
+from pdserve_server.engine.offline import run_until_idle
+from pdserve_server.engine.request import Request, SamplingParams
+from pdserve_server.kernels import select_ops
 
 VOCAB = 1024
 TINY = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -191,7 +191,7 @@ def test_llama3_rope_frequencies_are_hfs_and_scaled(llama3_rope_dir):
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.modeling_rope_utils import _compute_llama3_parameters
 
-    from engine.models.layers import RotaryEmbedding, default_inv_freq
+    from pdserve_server.engine.models.layers import RotaryEmbedding, default_inv_freq
 
     hf_cfg = AutoConfig.from_pretrained(llama3_rope_dir)
     cfg = _from_hf(hf_cfg)
@@ -387,7 +387,7 @@ def _from_hf(hf_config) -> ModelConfig:
 def test_registry_flags_per_model_type():
     from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
-    from engine.models.interface import Llama3RopeScaling
+    from pdserve_server.engine.models.interface import Llama3RopeScaling
 
     def flags(c):
         return c.qkv_bias, c.o_bias, c.qk_norm

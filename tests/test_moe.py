@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from conftest import hf_greedy
-from engine.config import ModelConfig
-from engine.models.decoder import DecoderModel
-from engine.models.interface import MoEConfig
-from engine.models.moe import SparseMoE
-from kernels import select_ops
+from pdserve_server.engine.config import ModelConfig
+from pdserve_server.engine.models.decoder import DecoderModel
+from pdserve_server.engine.models.interface import MoEConfig
+from pdserve_server.engine.models.moe import SparseMoE
+from pdserve_server.kernels import select_ops
 from test_models import TINY, VOCAB, _save_random, run_greedy
 
 MOE = dict(TINY, num_experts_per_tok=2)
@@ -162,7 +162,7 @@ def test_experts_load_from_either_layout(qwen3_moe_dir):
     the same parameters; a missing expert is named."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from engine.loader import load_state_dict
+    from pdserve_server.engine.loader import load_state_dict
 
     cfg = ModelConfig.from_hf(AutoConfig.from_pretrained(qwen3_moe_dir), name="m", path="")
     ops = select_ops("torch", "cpu")
@@ -184,7 +184,7 @@ def test_dense_checkpoint_refused_by_moe_config(qwen3_moe_dir):
     """A dense layer's tensors where the config says experts: the router is missing, named."""
     from transformers import AutoConfig
 
-    from engine.loader import load_state_dict
+    from pdserve_server.engine.loader import load_state_dict
 
     cfg = ModelConfig.from_hf(AutoConfig.from_pretrained(qwen3_moe_dir), name="m", path="")
     state = load_state_dict(Path(qwen3_moe_dir))
@@ -215,8 +215,8 @@ def test_quantized_experts_compute_their_dequantized_weights_and_the_router_stay
     bf16's rounding of the op's output and of the activations between the projections."""
     from torch import nn
 
-    from engine.quantization import (Int4WeightOnlyLinear, Int8WeightOnlyLinear, dequantize_int4, quantize_int4,
-                                     quantize_weight_only)
+    from pdserve_server.engine.quantization import (Int4WeightOnlyLinear, Int8WeightOnlyLinear, dequantize_int4,
+                                                    quantize_int4, quantize_weight_only)
 
     torch.manual_seed(0)
     block = SparseMoE(64, MoEConfig(num_experts=8, top_k=2, intermediate_size=32, norm_topk_prob=True,
@@ -264,11 +264,11 @@ def test_int4_moe_engine_computes_its_dequantized_model(qwen3_moe_dir):
     weights parts some on random weights), a wrong layout would leave next to none."""
     from torch import nn
 
-    from engine.args import EngineArgs
-    from engine.builder import build_engine
-    from engine.offline import generate
-    from engine.quantization import dequantize_int4, quantize_int4
-    from engine.request import SamplingParams
+    from pdserve_server.engine.args import EngineArgs
+    from pdserve_server.engine.builder import build_engine
+    from pdserve_server.engine.offline import generate
+    from pdserve_server.engine.quantization import dequantize_int4, quantize_int4
+    from pdserve_server.engine.request import SamplingParams
     from test_dtype import agreement
 
     prompts = [[5 + i, 17, 100 + 7 * i] * (i + 1) for i in range(6)]

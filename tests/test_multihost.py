@@ -9,7 +9,7 @@ import subprocess
 import grpc
 import pytest
 
-from cli.launcher import wait_ready
+from pdserve_server.cli.launcher import wait_ready
 from conftest import hf_greedy
 from pdserve import Client, SamplingParams
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
@@ -78,8 +78,8 @@ def test_three_hosts_greedy_equals_single_host(lan, tiny_model_dir, tmp_path):
         for t, args in plan:
             ready = tmp_path / f"{t}.ready"
             log = open(tmp_path / f"{t}.log", "w")
-            proc = subprocess.Popen(["ip", "netns", "exec", names[t], os.sys.executable, "-m", "cli.main", *args,
-                                     *common, "--ready-file", str(ready)], stdout=log, stderr=subprocess.STDOUT)
+            proc = subprocess.Popen(["ip", "netns", "exec", names[t], os.sys.executable, "-m",
+                                     "pdserve_server.cli.main", *args, *common, "--ready-file", str(ready)], stdout=log, stderr=subprocess.STDOUT)
             procs.append(proc)
             info = wait_ready([(t, proc, ready)], 180)[0]
             assert info["address"] == f"{ip[t]}:{args[args.index('--port') + 1]}", info  # advertised, not 0.0.0.0

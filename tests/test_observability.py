@@ -11,7 +11,7 @@ import pytest
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
-from cli.launcher import ServeConfig, start_cluster
+from pdserve_server.cli.launcher import ServeConfig, start_cluster
 from pdserve import Client, SamplingParams
 
 pytestmark = pytest.mark.e2e

@@ -4,15 +4,15 @@ the request forks into n samples that share its full KV blocks, each with a copy
 import pytest
 
 from conftest import hf_greedy
-from engine.args import EngineArgs
-from engine.builder import build_engine
-from engine.config import SchedulerConfig
-from engine.errors import ErrorKind
-from engine.kv_cache_manager import KVCacheManager
-from engine.offline import run_until_idle
-from engine.outputs import RequestFailed, RunnerOutput, SampledToken, TokenOutput
-from engine.request import Request, SamplingParams
-from engine.scheduler import Scheduler
+from pdserve_server.engine.args import EngineArgs
+from pdserve_server.engine.builder import build_engine
+from pdserve_server.engine.config import SchedulerConfig
+from pdserve_server.engine.errors import ErrorKind
+from pdserve_server.engine.kv_cache_manager import KVCacheManager
+from pdserve_server.engine.offline import run_until_idle
+from pdserve_server.engine.outputs import RequestFailed, RunnerOutput, SampledToken, TokenOutput
+from pdserve_server.engine.request import Request, SamplingParams
+from pdserve_server.engine.scheduler import Scheduler
 
 BLOCK = 8
 
@@ -137,7 +137,7 @@ def test_parallel_sampling_is_refused_where_it_cannot_fork(kw, why):
 
 
 def test_n_is_bounded():
-    from engine.errors import EngineError
+    from pdserve_server.engine.errors import EngineError
     with pytest.raises(EngineError, match="sampling.n"):
         SamplingParams(max_tokens=4, n=0)
     with pytest.raises(EngineError, match="sampling.n"):

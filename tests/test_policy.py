@@ -10,13 +10,13 @@ import time
 
 import pytest
 
-from engine.config import SchedulerConfig
-from engine.errors import ErrorKind
-from engine.kv_cache_manager import KVCacheManager
-from engine.outputs import RequestFailed, RunnerOutput, SampledToken, SchedulerOutput
-from engine.policy import RequestQueue, SchedulingPolicy
-from engine.request import Request, RequestStatus, SamplingParams, SchedulingParams
-from engine.scheduler import Scheduler
+from pdserve_server.engine.config import SchedulerConfig
+from pdserve_server.engine.errors import ErrorKind
+from pdserve_server.engine.kv_cache_manager import KVCacheManager
+from pdserve_server.engine.outputs import RequestFailed, RunnerOutput, SampledToken, SchedulerOutput
+from pdserve_server.engine.policy import RequestQueue, SchedulingPolicy
+from pdserve_server.engine.request import Request, RequestStatus, SamplingParams, SchedulingParams
+from pdserve_server.engine.scheduler import Scheduler
 
 BLOCK = 4
 
@@ -205,7 +205,7 @@ def test_queue_order_is_priority_then_least_served_tenant_then_arrival():
 
 
 def test_a_weight_that_is_not_positive_is_refused():
-    from engine.errors import EngineError
+    from pdserve_server.engine.errors import EngineError
     for weight in (0.0, -1.0, float("nan"), float("inf")):
         with pytest.raises(EngineError, match="weight"):
             SchedulingParams(weight=weight)
@@ -291,9 +291,9 @@ def test_aborting_a_paused_request_frees_its_blocks():
 # ---- with a model ------------------------------------------------------------------------------------------------
 def test_with_a_model_preempted_low_priority_requests_match_an_undisturbed_greedy_run(tiny_model_dir):
     """The same as above on a tiny random-weight model (fp32, greedy): recompute after preemption loses nothing."""
-    from engine.args import EngineArgs
-    from engine.builder import build_engine
-    from engine.offline import run_until_idle
+    from pdserve_server.engine.args import EngineArgs
+    from pdserve_server.engine.builder import build_engine
+    from pdserve_server.engine.offline import run_until_idle
 
     def build():
         return build_engine(EngineArgs(dtype="float32", model_dir=str(tiny_model_dir), block_size=8, kv_tokens=20 * 8,

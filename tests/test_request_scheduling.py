@@ -11,23 +11,26 @@ import pytest
 from google.rpc import error_details_pb2, status_pb2
 from prometheus_client import CollectorRegistry
 
-from coordinator import flow as flows
-from coordinator.config import CoordinatorConfig
-from coordinator.errors import RequestError
-from coordinator.membership import Cluster
-from coordinator.metrics import CoordinatorMetrics
-from coordinator.router import Router, WorkerHandle
-from coordinator.scheduling import (MAX_TENANT_CHARS, RequestScheduling, SchedulingAsk, check_first_token_deadline,
-                                    first_token_due, grant_priority, hints, read_tenants, resolve_tenant,
-                                    without_deadline, Tenant)
-from coordinator.server import CAPACITY_RETRY_S, GenerationServicer
-from engine.errors import EngineError, ErrorKind
+from pdserve_server.coordinator import flow as flows
+from pdserve_server.coordinator.config import CoordinatorConfig
+from pdserve_server.coordinator.errors import RequestError
+from pdserve_server.coordinator.membership import Cluster
+from pdserve_server.coordinator.metrics import CoordinatorMetrics
+from pdserve_server.coordinator.router import Router, WorkerHandle
+from pdserve_server.coordinator.scheduling import (MAX_TENANT_CHARS, RequestScheduling, SchedulingAsk,
+                                                   check_first_token_deadline, first_token_due, grant_priority, hints,
+                                                   read_tenants, resolve_tenant, without_deadline, Tenant)
+from pdserve_server.coordinator.admission import CAPACITY_RETRY_S
+from pdserve_server.coordinator.doors import grpc_call
+from pdserve_server.coordinator.doors.generation import GenerationServicer
+from pdserve_server.coordinator.request_path import RequestPath
+from pdserve_server.engine.errors import EngineError, ErrorKind
 from pdserve.client import build_request
 from pdserve.v1 import generate_pb2, worker_pb2
-from server_common.errors import CommandError
-from server_common.security import key_id
-from worker_common.convert import scheduling_from_proto
-from worker_common.errors import STATUS_FOR_KIND
+from pdserve_server.server_common.errors import CommandError
+from pdserve_server.server_common.security import key_id
+from pdserve_server.worker_common.convert import scheduling_from_proto
+from pdserve_server.worker_common.errors import STATUS_FOR_KIND
 
 
 # ---- worker side: hints -> SchedulingParams -------------------------------------------------------------------------
@@ -64,7 +67,7 @@ class Aborted(Exception):
         self.code, self.details, self.trailing = code, details, trailing_metadata
 
 
-CALLER = "peer:ipv4:10.0.0.1"  # GenerationServicer.caller of FakeContext's default peer
+CALLER = "peer:ipv4:10.0.0.1"  # grpc_call.caller of FakeContext's default peer
 
 
 class FakeContext:
@@ -87,8 +90,8 @@ class FakeContext:
 @pytest.mark.parametrize("role", ["prefill", "decode"])
 def test_the_worker_edge_answers_a_bad_weight_with_invalid_argument(role):
     """The engine's INVALID_REQUEST is turned into INVALID_ARGUMENT before any engine work."""
-    from decode_worker.server import DecodeServicer
-    from prefill_worker.server import PrefillServicer
+    from pdserve_server.decode_worker.server import DecodeServicer
+    from pdserve_server.prefill_worker.server import PrefillServicer
 
     hints_msg = worker_pb2.SchedulingHints(weight=-2)
     sampling = generate_pb2.SamplingParams(max_tokens=1)
@@ -331,30 +334,46 @@ class Script:
         yield flows.WorkerFinish(generate_pb2.FINISH_REASON_LENGTH, None)
 
 
-def servicer(keys_required=False, tenants=None, **config) -> GenerationServicer:
-    s = GenerationServicer(CoordinatorConfig(model_dir="m", model_name="n", colocated=True, **config),
-                           Cluster(router=None, colocated=True), tokenizer=FakeTokenizer(),
-                           metrics=CoordinatorMetrics(CollectorRegistry(), "n"), keys_required=keys_required,
-                           tenants=tenants)
+def servicer(keys_required=False, tenants=None, **config) -> RequestPath:
+    """The request path of a colocated coordinator with no workers (tests set its `_attempt`)."""
+    s = RequestPath(CoordinatorConfig(model_dir="m", model_name="n", colocated=True, **config),
+                    Cluster(router=None, colocated=True), tokenizer=FakeTokenizer(),
+                    metrics=CoordinatorMetrics(CollectorRegistry(), "n"), keys_required=keys_required,
+                    tenants=tenants)
     s.lost = []
     s.on_worker_lost = lambda address, why: s.lost.append(address)
     return s
 
 
-def serve(s: GenerationServicer, rid: str, num_tokens: int, context=None, ask=None, n=1, max_tokens=4):
-    """One request through `GenerationServicer.serve`; returns the messages sent."""
-    sent = []
+class DoorRequest:
+    """A door's request (`request_path.DoorRequest`): `prepare` given, messages kept in `sent`."""
 
-    async def prepare():
+    operation = "text_completion"
+
+    def __init__(self, rid: str, prepare, ask: SchedulingAsk | None = None):
+        self.request_id, self._prepare, self.ask, self.sent = rid, prepare, ask, []
+
+    async def prepare(self):
+        return await self._prepare()
+
+    def scheduling(self) -> SchedulingAsk:
+        return self.ask if self.ask is not None else SchedulingAsk()
+
+    async def send(self, msg):
+        self.sent.append(msg)
+
+
+def serve(s: RequestPath, rid: str, num_tokens: int, context=None, ask=None, n=1, max_tokens=4, prepare=None):
+    """One request through the path as a gRPC door runs it (`grpc_call.run`: a RequestError aborts the call);
+    returns the messages sent."""
+    async def prompt_and_sampling():
         return list(range(num_tokens)), generate_pb2.SamplingParams(max_tokens=max_tokens, n=n)
 
-    async def send(msg):
-        sent.append(msg)
+    request = DoorRequest(rid, prepare or prompt_and_sampling, ask)
 
     async def run():
-        await s.serve(context or FakeContext(), rid, prepare, "text_completion", send,
-                      (lambda: ask) if ask is not None else None)
-        return sent
+        await grpc_call.run(s, context or FakeContext(), request)
+        return request.sent
     return run()
 
 
@@ -372,7 +391,7 @@ def test_queued_tokens_limit_counts_until_the_first_token():
         s._attempt = first_script
         first = asyncio.create_task(serve(s, "a", 6))
         await first_script.started.wait()
-        assert s.queued_tokens(CALLER) == 6
+        assert s.admission.queued_tokens(CALLER) == 6
         with pytest.raises(Aborted) as e:  # 6 + 6 > 10
             await serve(s, "b", 6)
         assert e.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "10" in e.value.details
@@ -382,7 +401,7 @@ def test_queued_tokens_limit_counts_until_the_first_token():
         other_script.first.set(), other_script.finish.set()
         await serve(s, "b", 6, other)
         first_script.first.set()  # the first request has its first token: its prompt no longer counts
-        while s.queued_tokens(CALLER):
+        while s.admission.queued_tokens(CALLER):
             await asyncio.sleep(0.001)
         s._attempt = again = Script()
         again.first.set(), again.finish.set()
@@ -413,7 +432,7 @@ def test_queued_tokens_are_given_back_on_every_exit(exit):
         if exit == "migration":  # resumed on another worker, still before its first token: still counted
             while len(script.attempts) < 2:
                 await asyncio.sleep(0.001)
-            assert s.queued_tokens(CALLER) == 8 and s.lost == ["w0"]
+            assert s.admission.queued_tokens(CALLER) == 8 and s.lost == ["w0"]
             script.first.set(), script.finish.set()
             await task
         elif exit == "error":
@@ -431,7 +450,7 @@ def test_queued_tokens_are_given_back_on_every_exit(exit):
         else:
             script.first.set(), script.finish.set()
             await task
-        assert s.queued_tokens(CALLER) == 0 and not s.cluster.flows
+        assert s.admission.queued_tokens(CALLER) == 0 and not s.cluster.flows
         s._attempt = again = Script()
         again.first.set(), again.finish.set()
         assert (await serve(s, "next", 8))[-1].HasField("final")
@@ -526,22 +545,22 @@ def test_a_priority_through_a_fcfs_door_is_refused_before_any_worker_is_called()
 
 def test_a_bad_tenant_through_the_public_door_is_invalid_argument():
     async def main():
-        s = servicer()
+        door = GenerationServicer(servicer())
 
         async def prepare(request):
             return [1, 2, 3], generate_pb2.SamplingParams(max_tokens=4)
-        s._prepare = prepare
+        door._prepare = prepare
         with pytest.raises(Aborted) as e:
-            await s.Generate(generate_pb2.GenerateRequest(request_id="r", tenant="x" * 200), FakeContext())
+            await door.Generate(generate_pb2.GenerateRequest(request_id="r", tenant="x" * 200), FakeContext())
         assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and "tenant" in e.value.details
-        assert not s.cluster.flows
+        assert not door.cluster.flows
     asyncio.run(main())
 
 
 # ---- KServe: Triton's priority parameter ---------------------------------------------------------------------------
 def test_triton_priority_maps_to_ours():
-    from coordinator.kserve import pb
-    from coordinator.kserve_sampling import DEFAULT_PRIORITY_LEVEL, to_priority
+    from pdserve_server.coordinator.doors.kserve import pb
+    from pdserve_server.coordinator.doors.kserve_sampling import DEFAULT_PRIORITY_LEVEL, to_priority
 
     def params(**kw):
         r = pb.ModelInferRequest()
@@ -615,8 +634,8 @@ def test_the_access_log_tells_a_refused_prompt_size_and_a_cancelled_n_request_un
     with sample 0's "finish length"."""
     import logging
 
-    from coordinator.stream import Progress, merged
-    from coordinator.validation import Limits, check_prompt_length
+    from pdserve_server.coordinator.stream import Progress, merged
+    from pdserve_server.coordinator.validation import Limits, check_prompt_length
 
     caplog.set_level(logging.INFO, logger="pdserve.access")
 
@@ -626,7 +645,7 @@ def test_the_access_log_tells_a_refused_prompt_size_and_a_cancelled_n_request_un
         async def prepare():
             check_prompt_length(10_001, Limits(context_length=8192, kv_capacity_tokens=8192, vocab_size=100))
         with pytest.raises(Aborted):
-            await s.serve(FakeContext(), "long", prepare, "text_completion", None)
+            await serve(s, "long", 0, prepare=prepare)
     asyncio.run(main())
     (line,) = [r.access for r in caplog.records if r.access["request_id"] == "long"]
     assert line["prompt_tokens"] == 10_001 and line["error_code"] == "INVALID_ARGUMENT"

@@ -2,9 +2,9 @@
 import grpc
 import pytest
 
-from coordinator.errors import RequestError
-from coordinator.membership import Cluster
-from coordinator.router import LocalPrefillPolicy, Router, WorkerHandle
+from pdserve_server.coordinator.errors import RequestError
+from pdserve_server.coordinator.membership import Cluster
+from pdserve_server.coordinator.router import LocalPrefillPolicy, Router, WorkerHandle
 from pdserve.v1 import worker_pb2
 
 
@@ -155,7 +155,7 @@ def test_readiness_without_a_prefill_worker_follows_the_fallback():
 
 
 def test_prefill_queue_measures_its_rate_and_predicts_the_wait():
-    from coordinator.prefill_queue import PrefillQueue
+    from pdserve_server.coordinator.prefill_queue import PrefillQueue
 
     now = [0.0]
     q = PrefillQueue()

@@ -3,13 +3,13 @@ results (`RunnerOutput` with a made-up token for every request the step samples)
 preemptions and the block accounting the scheduler decides."""
 import pytest
 
-from engine.config import SchedulerConfig
-from engine.kv_cache_manager import KVCacheManager
-from engine.outputs import RunnerOutput, SampledToken, SchedulerOutput
-from engine.request import FinishReason, Request, RequestStatus, SamplingParams
-from engine.scheduler import Scheduler
-from engine.speculative import SpeculativeConfig
-from engine.step_cost import StepCost
+from pdserve_server.engine.config import SchedulerConfig
+from pdserve_server.engine.kv_cache_manager import KVCacheManager
+from pdserve_server.engine.outputs import RunnerOutput, SampledToken, SchedulerOutput
+from pdserve_server.engine.request import FinishReason, Request, RequestStatus, SamplingParams
+from pdserve_server.engine.scheduler import Scheduler
+from pdserve_server.engine.speculative import SpeculativeConfig
+from pdserve_server.engine.step_cost import StepCost
 
 BLOCK = 4
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from cli.launcher import ServeConfig, start_cluster
+from pdserve_server.cli.launcher import ServeConfig, start_cluster
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.e2e

@@ -11,16 +11,16 @@ from google.rpc import error_details_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_status import rpc_status
 
-from cli.launcher import ServeConfig, _spawn, start_cluster, wait_ready
-from coordinator.ratelimit import RateLimiter
-from engine.errors import ErrorKind
-from kv_transfer import get_backend
-from kv_transfer.receiver import KvReceiver
-from kv_transfer.sender import KvSender, TransferError
-from kv_transfer.wire import PROTOCOL_VERSION
+from pdserve_server.cli.launcher import ServeConfig, _spawn, start_cluster, wait_ready
+from pdserve_server.coordinator.ratelimit import RateLimiter
+from pdserve_server.engine.errors import ErrorKind
+from pdserve_server.kv_transfer import get_backend
+from pdserve_server.kv_transfer.receiver import KvReceiver
+from pdserve_server.kv_transfer.sender import KvSender, TransferError
+from pdserve_server.kv_transfer.wire import PROTOCOL_VERSION
 from pdserve import Client, SamplingParams, tls_credentials
 from pdserve.v1 import generate_pb2, worker_pb2, worker_pb2_grpc
-from server_common.security import BearerTokenInterceptor, presented_token, read_api_keys
+from pdserve_server.server_common.security import BearerTokenInterceptor, presented_token, read_api_keys
 
 KEY = "sk-test-0123456789"
 
@@ -145,8 +145,8 @@ def test_ucx_kv_port_refuses_a_huge_announced_size_before_allocating_it():
 
     import ucxx
 
-    from kv_transfer.channel import ChannelClosed
-    from kv_transfer.ucx import UcxChannel
+    from pdserve_server.kv_transfer.channel import ChannelClosed
+    from pdserve_server.kv_transfer.ucx import UcxChannel
 
     def rss_bytes() -> int:
         """This process's resident set now (the receiver runs in it)."""
@@ -171,7 +171,7 @@ def test_ucx_kv_port_refuses_a_huge_announced_size_before_allocating_it():
             await assert_still_serving(address, secret="s3cret")
         finally:
             receiver.close()
-            from kv_transfer.ucx import reset
+            from pdserve_server.kv_transfer.ucx import reset
             reset()
     asyncio.run(main())
 
@@ -306,7 +306,7 @@ def test_mutual_tls_requires_a_client_certificate(workers, tiny_model_dir, pki):
         c.complete([5, 6, 7], GREEDY, timeout=5)
     assert e.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
     # The container health check reads TLS from the ready file and needs the probe's own client certificate.
-    from cli import healthcheck
+    from pdserve_server.cli import healthcheck
 
     ready = str(Path(workers.workdir) / "mtls-coordinator.ready")
     client = ["--tls-ca", str(pki / "ca.pem"), "--tls-cert", str(pki / "client.pem"), "--tls-key",

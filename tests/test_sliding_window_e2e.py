@@ -33,7 +33,7 @@ def test_disaggregated_sliding_window_matches_hf_and_frees_old_blocks(mistral_wi
     """Three prompts of 38+ tokens, the first sent twice more (a prefix-cache hit on the prefill worker, whose
     given-back blocks stay cached with their real contents) and once cut in half (a hit on part of a prompt whose
     window reaches into blocks the first request gave back): 40 greedy tokens each, every one equal to HF's."""
-    from cli.launcher import ServeConfig, start_cluster
+    from pdserve_server.cli.launcher import ServeConfig, start_cluster
     from pdserve import AsyncClient
 
     base = ["The history of the printing press begins in the fifteenth century, when movable type changed how "
@@ -80,7 +80,7 @@ def test_requests_longer_than_the_kv_pool_pass_through_a_disaggregated_cluster(m
     outputs each: the workers advertise their whole context (512 tokens) to the coordinator, the prefill worker
     computes each prompt in chunks that fit beside the window, the decode worker reserves only the window's blocks,
     and both streams equal HF's greedy output; every block is back after."""
-    from cli.launcher import ServeConfig, start_cluster
+    from pdserve_server.cli.launcher import ServeConfig, start_cluster
     from pdserve import AsyncClient
 
     text = ("Rivers carry water from high ground to the sea; along the way they cut valleys, move sand and stones, "

@@ -1,4 +1,4 @@
-"""The coordinator's second door, vLLM's gRPC engine service (`coordinator/vllm_engine.py`): driven directly with
+"""The coordinator's second door, vLLM's gRPC engine service (`coordinator/doors/vllm_engine.py`): driven directly with
 smg-grpc-proto's stubs, then through the real smg gateway (the `smg` wheel's binary) with the official openai
 client. A real cluster of the tiny random-weight model; every port is chosen at run time; nothing leaves the host
 (smg loads the tokenizer from the coordinator's model directory and runs with the hub switched off)."""
@@ -21,7 +21,7 @@ import grpc
 import pytest
 from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2 as pb, vllm_engine_pb2_grpc as pb_grpc
 
-from cli.launcher import ServeConfig, start_cluster
+from pdserve_server.cli.launcher import ServeConfig, start_cluster
 from pdserve import Client, SamplingParams
 from test_e2e import assert_idle
 

@@ -4,10 +4,10 @@ at max_tokens, with drafts actually proposed and accepted."""
 import pytest
 
 from conftest import hf_greedy
-from engine.args import EngineArgs
-from engine.builder import build_engine
-from engine.request import Request, SamplingParams
-from engine.speculative import SpeculativeConfig, accept_greedy, propose_ngram
+from pdserve_server.engine.args import EngineArgs
+from pdserve_server.engine.builder import build_engine
+from pdserve_server.engine.request import Request, SamplingParams
+from pdserve_server.engine.speculative import SpeculativeConfig, accept_greedy, propose_ngram
 from test_engine import run_to_completion
 
 
@@ -152,7 +152,7 @@ def test_cluster_with_speculation_matches_hf_and_reports_acceptance(real_model_d
     the same sums."""
     import asyncio
 
-    from cli.launcher import ServeConfig, start_cluster
+    from pdserve_server.cli.launcher import ServeConfig, start_cluster
     from pdserve import AsyncClient
     from pdserve import SamplingParams as Params
     from test_observability import scrape, total

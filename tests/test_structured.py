@@ -12,12 +12,12 @@ import pytest
 jsonschema = pytest.importorskip("jsonschema")
 pytest.importorskip("llguidance")
 
-from engine.args import EngineArgs  # noqa: E402
-from engine.builder import build_engine  # noqa: E402
-from engine.errors import ErrorKind  # noqa: E402
-from engine.offline import run_until_idle  # noqa: E402
-from engine.request import FinishReason, Request, SamplingParams, StructuredOutput  # noqa: E402
-from engine.structured import GrammarCompiler, apply_bitmask, fill_bitmask  # noqa: E402
+from pdserve_server.engine.args import EngineArgs  # noqa: E402
+from pdserve_server.engine.builder import build_engine  # noqa: E402
+from pdserve_server.engine.errors import ErrorKind  # noqa: E402
+from pdserve_server.engine.offline import run_until_idle  # noqa: E402
+from pdserve_server.engine.request import FinishReason, Request, SamplingParams, StructuredOutput  # noqa: E402
+from pdserve_server.engine.structured import GrammarCompiler, apply_bitmask, fill_bitmask  # noqa: E402
 
 SCHEMA = {
     "type": "object",
@@ -254,7 +254,7 @@ def test_compiled_once_per_text_and_masks_batched(tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def cluster(tiny_model_dir, tmp_path_factory):
-    from cli.launcher import ServeConfig, start_cluster
+    from pdserve_server.cli.launcher import ServeConfig, start_cluster
 
     c = start_cluster(str(tiny_model_dir), "tiny", ServeConfig(log_dir=str(tmp_path_factory.mktemp("logs"))),
                       worker_args=["--dtype", "float32", "--kv-tokens", "4096", "--max-model-len", "512",

@@ -9,12 +9,12 @@ import time
 import pytest
 import torch
 
-from engine.args import EngineArgs
-from engine.config import ModelConfig
-from engine.errors import EngineError, ErrorKind
-from engine.models.sharding import shard, vocab_per_rank
-from engine.parallel import TensorParallel
-from engine.process_engine import ProcessEngine
+from pdserve_server.engine.args import EngineArgs
+from pdserve_server.engine.config import ModelConfig
+from pdserve_server.engine.errors import EngineError, ErrorKind
+from pdserve_server.engine.models.sharding import shard, vocab_per_rank
+from pdserve_server.engine.parallel import TensorParallel
+from pdserve_server.engine.process_engine import ProcessEngine
 from test_engine_process import PROMPTS, children_of, generate, gone, greedy
 
 pytestmark = pytest.mark.e2e  # starts real rank processes
@@ -54,7 +54,7 @@ def test_each_rank_shares_its_own_kv_shard_with_the_worker(tiny_model_dir):
     """Under TP 2 the worker maps two shards, one allocated by each rank (rank 1's passes through rank 0 as bytes,
     unopened there): a prefill writes the request's blocks in both, and each holds only its own heads' K/V (the
     two shards differ)."""
-    from engine.request import FinishReason, Request, SamplingParams
+    from pdserve_server.engine.request import FinishReason, Request, SamplingParams
 
     async def scenario(engine):
         assert len(engine.kv.shards) == 2 and all(s.is_shared() for s in engine.kv.shards)
@@ -74,7 +74,7 @@ def test_each_rank_shares_its_own_kv_shard_with_the_worker(tiny_model_dir):
 def test_ranks_get_one_gpu_each_and_too_few_gpus_are_refused(monkeypatch):
     """Rank r of a worker on cuda:k runs on cuda:k+r; CPU ranks share the CPU; a group needing more GPUs than
     there are is refused before anything starts, naming the GPUs asked for and those present."""
-    from engine.parallel import check_devices, rank_device
+    from pdserve_server.engine.parallel import check_devices, rank_device
 
     assert [rank_device("cuda", r) for r in range(2)] == ["cuda:0", "cuda:1"]
     assert [rank_device("cuda:2", r) for r in range(3)] == ["cuda:2", "cuda:3", "cuda:4"]
@@ -94,7 +94,7 @@ def test_rank_that_never_sends_its_shard_fails_the_build_with_its_name(second):
     build error that names it (with its exit code), not a wait without end; rank 1's shard came first."""
     import multiprocessing
 
-    from engine.tp_ranks import receive_shards
+    from pdserve_server.engine.tp_ranks import receive_shards
     from stub_ranks import shard_rank
 
     ctx = multiprocessing.get_context("spawn")
@@ -196,7 +196,7 @@ def _shm_rank(rank: int, buffers, flags, rounds: int, results) -> None:
     """One rank: round i all-reduces, all-gathers or broadcasts (rank 0's bytes) round i's data; reports each
     result as bytes (a tensor crosses a queue as a shared-memory handle, gone once this process exits), None where
     the op refused it."""
-    from engine.shm_collectives import ShmCollectives
+    from pdserve_server.engine.shm_collectives import ShmCollectives
 
     torch.set_num_threads(1)
     shm = ShmCollectives(buffers, flags, rank)
@@ -223,7 +223,7 @@ def test_shm_collectives_match_on_every_rank():
     3 KiB) is refused on every rank alike (the caller then uses gloo)."""
     import multiprocessing
 
-    from engine.shm_collectives import ShmCollectives
+    from pdserve_server.engine.shm_collectives import ShmCollectives
 
     rounds = 300
     ctx = multiprocessing.get_context("spawn")
@@ -259,7 +259,7 @@ def test_shm_collectives_match_on_every_rank():
 def test_indivisible_heads_refused_at_start(tiny_model_dir):
     """The tiny Llama's 2 kv heads cannot be replicated evenly over 3 ranks: the engine refuses to start and says
     why."""
-    from engine.process_engine import EngineBuildError
+    from pdserve_server.engine.process_engine import EngineBuildError
 
     with pytest.raises(EngineBuildError, match=r"--tensor-parallel-size 3 is larger than num_key_value_heads \(2\)"):
         run_engine(engine_args(tiny_model_dir, 3), lambda engine: asyncio.sleep(0))
@@ -305,7 +305,7 @@ def _cluster_outputs(model_dir, name: str, tp: int, prompts: list[str], n: int, 
     """Greedy completions from a disaggregated cluster (one prefill, one decode worker) whose workers run `tp`
     ranks each, the workers' GetInfo answers, and the KV bytes the prefill worker sent layer by layer (with
     `layerwise`: --kv-layerwise; else 0)."""
-    from cli.launcher import ServeConfig, start_cluster
+    from pdserve_server.cli.launcher import ServeConfig, start_cluster
     from pdserve import AsyncClient, SamplingParams
     from pdserve.v1 import worker_pb2, worker_pb2_grpc
     from test_observability import scrape, total
@@ -366,7 +366,7 @@ def test_membership_refuses_a_worker_of_another_tp_size():
     (a TP 1 decode worker cannot read a TP 2 prefill worker's blocks)."""
     from types import SimpleNamespace
 
-    from coordinator.membership import Membership
+    from pdserve_server.coordinator.membership import Membership
     from pdserve.v1 import worker_pb2
 
     cluster = SimpleNamespace(colocated=False, reference=None)

@@ -1,8 +1,8 @@
 """Edge text handling: stop strings across chunk boundaries and UTF-8-safe incremental detokenization."""
 import pytest
 
-from coordinator.text import IncrementalDetokenizer, StopMatcher
-from coordinator.tokenizer import Tokenizer
+from pdserve_server.coordinator.text import IncrementalDetokenizer, StopMatcher
+from pdserve_server.coordinator.tokenizer import Tokenizer
 
 
 def test_stop_string_split_across_chunks_is_held_back_then_cut():
@@ -93,7 +93,7 @@ def test_chat_template_error_is_invalid_argument(tmp_path, real_model_dir):
     """A template that raises (as real ones do for e.g. non-alternating roles) becomes INVALID_ARGUMENT."""
     import grpc
 
-    from coordinator.errors import RequestError
+    from pdserve_server.coordinator.errors import RequestError
 
     (tmp_path / "tokenizer.json").write_bytes((real_model_dir / "tokenizer.json").read_bytes())
     (tmp_path / "chat_template.jinja").write_text(

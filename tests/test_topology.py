@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from cli.topology import Hardware, Topology, choose_topology
+from pdserve_server.cli.topology import Hardware, Topology, choose_topology
 
 
 @pytest.mark.parametrize("hw, kw, want", [
@@ -50,10 +50,10 @@ def test_colocated_with_prefill_workers_is_refused():
 
 
 def test_serve_refuses_contradictory_flags_in_one_line():
-    both = subprocess.run([sys.executable, "-m", "cli.main", "serve", "--colocated", "--disaggregated"],
+    both = subprocess.run([sys.executable, "-m", "pdserve_server.cli.main", "serve", "--colocated", "--disaggregated"],
                           capture_output=True, text=True, timeout=120)
     assert both.returncode == 2 and "not allowed with argument" in both.stderr
-    prefill = subprocess.run([sys.executable, "-m", "cli.main", "serve", "--colocated", "--num-prefill", "2",
-                              "--model", "/nowhere-at-all"], capture_output=True, text=True, timeout=120)
+    prefill = subprocess.run([sys.executable, "-m", "pdserve_server.cli.main", "serve", "--colocated",
+                              "--num-prefill", "2", "--model", "/nowhere-at-all"], capture_output=True, text=True, timeout=120)
     assert prefill.returncode == 1 and prefill.stderr.strip().splitlines() == [
         "pdserve serve: --colocated runs no prefill workers; leave out --num-prefill (or use --disaggregated)"]

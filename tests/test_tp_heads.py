@@ -12,9 +12,9 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from engine.config import CacheConfig, ModelConfig
-from engine.model_runner import ModelRunner, StepInputs
-from engine.parallel import HeadSplit, TensorParallel, head_split, kv_heads_per_rank
+from pdserve_server.engine.config import CacheConfig, ModelConfig
+from pdserve_server.engine.model_runner import ModelRunner, StepInputs
+from pdserve_server.engine.parallel import HeadSplit, TensorParallel, head_split, kv_heads_per_rank
 
 
 @pytest.mark.parametrize("heads,kv,size,expected", [

@@ -9,13 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.errors import ErrorKind
-from engine.kv_stream import KvLayerProgress, LayerStreamEnded
-from kv_transfer import available_backends, get_backend, release_transports
-from kv_transfer.channel import ChannelClosed
-from kv_transfer import layer_gather
-from kv_transfer.receiver import KvReceiver
-from kv_transfer.sender import KvSender, TransferError
+from pdserve_server.engine.errors import ErrorKind
+from pdserve_server.engine.kv_stream import KvLayerProgress, LayerStreamEnded
+from pdserve_server.kv_transfer import available_backends, get_backend, release_transports
+from pdserve_server.kv_transfer.channel import ChannelClosed
+from pdserve_server.kv_transfer import layer_gather
+from pdserve_server.kv_transfer.receiver import KvReceiver
+from pdserve_server.kv_transfer.sender import KvSender, TransferError
 
 BACKENDS = available_backends()
 ROOT = Path(__file__).resolve().parent.parent
@@ -347,7 +347,7 @@ def test_retry_refused_after_a_dead_channel_is_a_failed_transfer(monkeypatch):
     """Issue 28 item 11: the pooled channel died after the receiver had accepted the offer (its reservation is
     receiving, and that receive failed with the channel), so the retry's offer is refused. The transfer failed:
     TRANSFER_FAILED, which the coordinator retries or migrates, not TRANSFER_REJECTED, which ended the request."""
-    from kv_transfer import sender as sender_module
+    from pdserve_server.kv_transfer import sender as sender_module
 
     attempts = []
 
@@ -553,7 +553,7 @@ def test_nccl_connector_is_available_here():
 def test_device_path_through_host_staging_is_exact_and_counted():
     """The path device memory takes over a host-only transport (tcp), run on CPU by forcing the staging copy:
     bytes land intact and every staged byte is counted (docs: CUDA itself is unverified on GPU)."""
-    from kv_transfer.tcp import TcpBackend
+    from pdserve_server.kv_transfer.tcp import TcpBackend
 
     async def main():
         src, dst, sink = FakeCache(6, 1), FakeCache(6, 2), Sink()
@@ -580,7 +580,7 @@ def test_device_path_through_host_staging_is_exact_and_counted():
 def test_nccl_channel_refuses_regions_on_several_devices():
     """A process group moves one device's memory: regions on two devices (tensor-parallel shards on two GPUs; here
     the CPU and the meta device) are refused with what to use instead, before any group is set up."""
-    from kv_transfer.nccl import _one_device
+    from pdserve_server.kv_transfer.nccl import _one_device
 
     cpu = torch.zeros(8, dtype=torch.uint8)
     assert _one_device([cpu, cpu.clone()]) == torch.device("cpu")
@@ -591,8 +591,8 @@ def test_nccl_channel_refuses_regions_on_several_devices():
 def test_kv_cache_blocks_are_tensors_on_the_cache_device(tiny_model_dir):
     """The connector API speaks tensors: a block is one uint8 view per rank of that rank's shard itself (no copy),
     on its device; shards of another count or block out of range are refused."""
-    from engine.config import CacheConfig, ModelConfig
-    from engine.kv_cache import KVCache, KvShards
+    from pdserve_server.engine.config import CacheConfig, ModelConfig
+    from pdserve_server.engine.kv_cache import KVCache, KvShards
     from transformers import AutoConfig
 
     cfg = ModelConfig.from_hf(AutoConfig.from_pretrained(str(tiny_model_dir)), name="t", path="t")
@@ -614,7 +614,7 @@ def test_kv_cache_blocks_are_tensors_on_the_cache_device(tiny_model_dir):
 
 def test_a_reservation_accepts_only_the_blocks_it_awaits():
     """The decode side holds the first blocks in its prefix cache: the offer must name exactly the rest."""
-    from decode_worker.reservations import Reservations
+    from pdserve_server.decode_worker.reservations import Reservations
 
     async def main():
         reservations = Reservations()
@@ -631,7 +631,7 @@ def test_nccl_receive_given_up_never_writes_into_the_cache_later():
     """A gloo/NCCL receive cannot be cancelled: a sender that stalls, then resumes after the receiver gave up, would
     write into cache blocks freed and reused meanwhile. The dist channel lands receives in its own buffers and copies
     into the cache only while the channel is not abandoned."""
-    from kv_transfer.nccl import NcclBackend
+    from pdserve_server.kv_transfer.nccl import NcclBackend
 
     async def main():
         accepted = asyncio.Queue()
@@ -668,7 +668,7 @@ def test_nccl_channel_with_both_ends_on_one_gpu_says_so(monkeypatch):
     """NCCL refuses two ranks on one GPU with a message about duplicate devices, deep in a worker's log; the
     channel compares the two devices first and names the cause and the way out. (Simulated here: the gloo path with
     the backend reported as nccl and both ends on the "same GPU"; the group is never made.)"""
-    from kv_transfer import nccl
+    from pdserve_server.kv_transfer import nccl
 
     monkeypatch.setattr(nccl, "dist_backend_for", lambda device: "nccl")
     monkeypatch.setattr(nccl, "device_id", lambda device: "GPU-0000")

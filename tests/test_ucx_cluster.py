@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from cli.launcher import ServeConfig, start_cluster
+from pdserve_server.cli.launcher import ServeConfig, start_cluster
 from conftest import hf_greedy
 from pdserve import AsyncClient
 from test_e2e import assert_idle, generate_with_random_cancels, greedy

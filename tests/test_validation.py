@@ -5,23 +5,23 @@ import dataclasses
 import grpc
 import pytest
 
-from coordinator.errors import RequestError
-from coordinator.validation import MAX_STRUCTURED_CHARS, Limits, resolve_sampling
-from engine.errors import ErrorKind
-from engine.request import SamplingParams as EngineSampling
-from engine.request import StructuredOutput as EngineStructured
+from pdserve_server.coordinator.errors import RequestError
+from pdserve_server.coordinator.validation import MAX_STRUCTURED_CHARS, Limits, resolve_sampling
+from pdserve_server.engine.errors import ErrorKind
+from pdserve_server.engine.request import SamplingParams as EngineSampling
+from pdserve_server.engine.request import StructuredOutput as EngineStructured
 from pdserve import SamplingParams
 from pdserve.v1.generate_pb2 import Choices, StructuredOutput
-from worker_common.convert import sampling_from_proto
-from worker_common.errors import STATUS_FOR_KIND
+from pdserve_server.worker_common.convert import sampling_from_proto
+from pdserve_server.worker_common.errors import STATUS_FOR_KIND
 
 LIMITS = Limits(context_length=100, kv_capacity_tokens=80, vocab_size=1000)
 COORDINATOR_ONLY = {"stop", "include_stop_str_in_output"}  # stop strings act on text, at the coordinator
 
 
 def test_the_coordinator_and_the_engine_bound_logprobs_and_n_alike():
-    from coordinator import validation
-    from engine import request
+    from pdserve_server.coordinator import validation
+    from pdserve_server.engine import request
     assert (validation.MAX_LOGPROBS, validation.MAX_SAMPLES) == (request.MAX_LOGPROBS, request.MAX_SAMPLES)
 
 
@@ -107,17 +107,14 @@ def test_a_client_that_stops_reading_is_dropped():
     stall_timeout_s (DEADLINE_EXCEEDED), which cancels the worker calls and frees everything."""
     import asyncio
 
-    from coordinator.config import CoordinatorConfig
-    from coordinator.server import GenerationServicer
+    from pdserve_server.coordinator.doors import grpc_call
 
     class NeverReads:
         async def write(self, msg):
             await asyncio.sleep(3600)  # flow control holds the write: the client's window is full
 
-    servicer = GenerationServicer.__new__(GenerationServicer)
-    servicer.config = CoordinatorConfig(model_dir="m", model_name="n", stall_timeout_s=0.2)
     with pytest.raises(RequestError) as e:
-        asyncio.run(servicer.write(NeverReads(), SamplingParams()))
+        asyncio.run(grpc_call.write(NeverReads(), SamplingParams(), stall_timeout_s=0.2))
     assert e.value.code == grpc.StatusCode.DEADLINE_EXCEEDED and "read nothing" in e.value.message
 
 
@@ -129,10 +126,11 @@ def test_a_send_to_a_client_that_went_is_recorded_as_its_deadline_or_cancel(rema
 
     from prometheus_client import CollectorRegistry
 
-    from coordinator.config import CoordinatorConfig
-    from coordinator.membership import Cluster
-    from coordinator.metrics import CoordinatorMetrics
-    from coordinator.server import GenerationServicer
+    from pdserve_server.coordinator.config import CoordinatorConfig
+    from pdserve_server.coordinator.membership import Cluster
+    from pdserve_server.coordinator.metrics import CoordinatorMetrics
+    from pdserve_server.coordinator.doors.generation import GenerationServicer
+    from pdserve_server.coordinator.request_path import RequestPath
     from pdserve.v1 import generate_pb2
 
     class GoneClient:
@@ -149,11 +147,11 @@ def test_a_send_to_a_client_that_went_is_recorded_as_its_deadline_or_cancel(rema
             raise grpc.aio.InternalError("Failed \"execute_batch\"")  # what grpc raises for a closed call
 
     registry = CollectorRegistry()
-    servicer = GenerationServicer(CoordinatorConfig(model_dir="m", model_name="n"),
-                                  Cluster(router=None, colocated=True), tokenizer=None,
-                                  metrics=CoordinatorMetrics(registry, "n"))
+    path = RequestPath(CoordinatorConfig(model_dir="m", model_name="n"), Cluster(router=None, colocated=True),
+                       tokenizer=None, metrics=CoordinatorMetrics(registry, "n"))
+    servicer = GenerationServicer(path)
     records = []
-    servicer._finished = lambda record, error: records.append((record, error))
+    path._finished = lambda record, error: records.append((record, error))
 
     async def prepare(request):
         return [1, 2, 3], generate_pb2.SamplingParams(max_tokens=4)
@@ -161,7 +159,7 @@ def test_a_send_to_a_client_that_went_is_recorded_as_its_deadline_or_cancel(rema
     async def stream(flow, *args):
         yield generate_pb2.GenerateResponse(chunk=generate_pb2.Chunk(token_ids=[7], text="x"))
 
-    servicer._prepare, servicer._stream = prepare, stream
+    servicer._prepare, path._stream = prepare, stream
     with pytest.raises(grpc.aio.InternalError):
         asyncio.run(servicer.Generate(generate_pb2.GenerateRequest(request_id="r"), GoneClient()))
     (record, error), = records
@@ -172,7 +170,7 @@ def test_a_send_to_a_client_that_went_is_recorded_as_its_deadline_or_cancel(rema
 
 def test_stop_conditions_are_bounded():
     """10^6 stop strings were accepted and matched on the event loop every chunk (other streams froze ~10 s)."""
-    from coordinator.validation import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
+    from pdserve_server.coordinator.validation import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
 
     ok = SamplingParams(stop=["x" * MAX_STOP_STRING_CHARS] * MAX_STOP_STRINGS, stop_token_ids=[1] * MAX_STOP_TOKEN_IDS)
     resolve_sampling(ok, num_prompt_tokens=10, limits=LIMITS)

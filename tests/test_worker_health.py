@@ -9,12 +9,12 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from decode_worker.server import serve
-from engine.args import EngineArgs
-from engine.model_runner import ModelRunner
+from pdserve_server.decode_worker.server import serve
+from pdserve_server.engine.args import EngineArgs
+from pdserve_server.engine.model_runner import ModelRunner
 from pdserve.v1 import generate_pb2, worker_pb2, worker_pb2_grpc
-from server_common.config import ServerArgs
-from worker_common.config import WorkerConfig
+from pdserve_server.server_common.config import ServerArgs
+from pdserve_server.worker_common.config import WorkerConfig
 
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
 
@@ -62,7 +62,7 @@ def test_engine_fault_stops_serving_and_exits_for_a_restart(tiny_model_dir, tmp_
     """A faulted engine cannot be trusted: the worker stops taking traffic (readiness and liveness NOT_SERVING),
     drains as on SIGTERM, then serve() ends with CommandError, which the command line turns into exit status 1, so
     `serve --restart` or an orchestrator restarts it. It used to stay up, NOT_SERVING, forever."""
-    from server_common.errors import CommandError
+    from pdserve_server.server_common.errors import CommandError
 
     def fault_on_boom(ids):
         if "boom" in ids:

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.args import DEFAULT_MAX_UNREAD_TOKENS, EngineArgs
-from kv_transfer import BACKEND_NAMES
-from server_common.config import ServerArgs
+from pdserve_server.engine.args import DEFAULT_MAX_UNREAD_TOKENS, EngineArgs
+from pdserve_server.kv_transfer import BACKEND_NAMES
+from pdserve_server.server_common.config import ServerArgs
 
 WORKER_ROLES = ("prefill", "decode", "colocated")
 

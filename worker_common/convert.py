@@ -4,8 +4,8 @@ from __future__ import annotations
 import dataclasses
 import json
 
-from engine.outputs import SampledToken
-from engine.request import FinishReason, SamplingParams, SchedulingParams, StructuredOutput
+from pdserve_server.engine.outputs import SampledToken
+from pdserve_server.engine.request import FinishReason, SamplingParams, SchedulingParams, StructuredOutput
 from pdserve.v1 import generate_pb2, worker_pb2
 
 FINISH_REASON_TO_PROTO = {FinishReason.STOP: generate_pb2.FINISH_REASON_STOP,

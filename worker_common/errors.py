@@ -6,9 +6,9 @@ from typing import NoReturn
 import grpc
 from google.rpc import error_details_pb2
 
-from engine.errors import EngineError, ErrorKind
+from pdserve_server.engine.errors import EngineError, ErrorKind
 from pdserve.v1 import worker_pb2
-from server_common.rich_status import rich_status
+from pdserve_server.server_common.rich_status import rich_status
 
 STATUS_FOR_KIND: dict[ErrorKind, grpc.StatusCode] = {
     ErrorKind.INVALID_REQUEST: grpc.StatusCode.INVALID_ARGUMENT,

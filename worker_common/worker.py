@@ -11,26 +11,27 @@ from dataclasses import dataclass, replace
 import grpc
 from prometheus_client import CollectorRegistry
 
-from engine.async_engine import AsyncEngine
-from engine.builder import build_engine
-from engine.config import CacheConfig, ModelConfig, SchedulerConfig, compat_hash, kv_bytes_per_block
-from engine.engine_core import EngineCore
-from engine.errors import EngineError, ErrorKind
-from engine.hardware import resolve_threads, set_threads
-from engine.kv_cache import KvShards
-from engine.kv_cache_manager import max_request_blocks, max_request_tokens, sliding_kv_window, usable_blocks
-from engine.process_engine import EngineBuildError, ProcessEngine
+from pdserve_server.engine.async_engine import AsyncEngine
+from pdserve_server.engine.builder import build_engine
+from pdserve_server.engine.config import CacheConfig, ModelConfig, SchedulerConfig, compat_hash, kv_bytes_per_block
+from pdserve_server.engine.engine_core import EngineCore
+from pdserve_server.engine.errors import EngineError, ErrorKind
+from pdserve_server.engine.hardware import resolve_threads, set_threads
+from pdserve_server.engine.kv_cache import KvShards
+from pdserve_server.engine.kv_cache_manager import (max_request_blocks, max_request_tokens, sliding_kv_window,
+                                                    usable_blocks)
+from pdserve_server.engine.process_engine import EngineBuildError, ProcessEngine
 from pdserve.v1 import generate_pb2, worker_pb2, worker_pb2_grpc
-from server_common.addresses import advertise_host
-from server_common.errors import CommandError
-from server_common.grpc_server import RunningServer, start_grpc_server, write_ready_file
-from server_common.logs import configure_logging
-from server_common.metrics import metrics_url, start_metrics_server
-from server_common.tracing import Tracing
-from worker_common.config import WorkerConfig
-from worker_common.errors import abort_with
-from worker_common.metrics import WorkerMetrics
-from worker_common.supervisor import EngineRestarter
+from pdserve_server.server_common.addresses import advertise_host
+from pdserve_server.server_common.errors import CommandError
+from pdserve_server.server_common.grpc_server import RunningServer, start_grpc_server, write_ready_file
+from pdserve_server.server_common.logs import configure_logging
+from pdserve_server.server_common.metrics import metrics_url, start_metrics_server
+from pdserve_server.server_common.tracing import Tracing
+from pdserve_server.worker_common.config import WorkerConfig
+from pdserve_server.worker_common.errors import abort_with
+from pdserve_server.worker_common.metrics import WorkerMetrics
+from pdserve_server.worker_common.supervisor import EngineRestarter
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from engine.mock.step_model import StepShape, StepTimeModel
+from pdserve_server.engine.mock.step_model import StepShape, StepTimeModel
 
 
 @dataclass(frozen=True)

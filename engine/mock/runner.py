@@ -18,12 +18,12 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from engine.config import CacheConfig, ModelConfig
-from engine.kv_cache import KVCache
-from engine.mock.step_model import StepShape, StepTimeModel
-from engine.outputs import RunnerOutput, SampledToken, SchedulerOutput
-from engine.sampler import Sampler
-from engine.speculative import accept_greedy
+from pdserve_server.engine.config import CacheConfig, ModelConfig
+from pdserve_server.engine.kv_cache import KVCache
+from pdserve_server.engine.mock.step_model import StepShape, StepTimeModel
+from pdserve_server.engine.outputs import RunnerOutput, SampledToken, SchedulerOutput
+from pdserve_server.engine.sampler import Sampler
+from pdserve_server.engine.speculative import accept_greedy
 
 _MASK = (1 << 64) - 1
 # The logit of the derived token in a row handed to the sampler (the rest are 0): at temperature 1 and a 49k

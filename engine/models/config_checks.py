@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from engine.models.interface import Llama3RopeScaling
+from pdserve_server.engine.models.interface import Llama3RopeScaling
 
 
 # Model types whose module reads per-layer-type `rope_parameters` itself (Gemma 3: {"sliding_attention": {...},

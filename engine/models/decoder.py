@@ -9,14 +9,14 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from engine.attention import AttentionMetadata
-from engine.config import ModelConfig
-from engine.models.interface import CheckpointNames
-from engine.models.layers import Attention, GatedMLP, RMSNorm, RotaryEmbedding
-from engine.models.moe import SparseMoE
-from engine.models.sharding import shard, vocab_parallel_embed, vocab_parallel_logits, vocab_per_rank
-from engine.parallel import SINGLE, TensorParallel
-from kernels import AttentionOps
+from pdserve_server.engine.attention import AttentionMetadata
+from pdserve_server.engine.config import ModelConfig
+from pdserve_server.engine.models.interface import CheckpointNames
+from pdserve_server.engine.models.layers import Attention, GatedMLP, RMSNorm, RotaryEmbedding
+from pdserve_server.engine.models.moe import SparseMoE
+from pdserve_server.engine.models.sharding import shard, vocab_parallel_embed, vocab_parallel_logits, vocab_per_rank
+from pdserve_server.engine.parallel import SINGLE, TensorParallel
+from pdserve_server.kernels import AttentionOps
 
 
 class DecoderLayer(nn.Module):

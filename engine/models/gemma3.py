@@ -28,15 +28,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention import AttentionMetadata
-from engine.config import ModelConfig
-from engine.models.config_checks import attention_bias, is_per_layer_type, windows_from_layer_types
-from engine.models.decoder import StrictWeights
-from engine.models.interface import ArchFlags, CheckpointNames
-from engine.models.layers import Attention, GatedMLP, RMSNorm, RotaryEmbedding
-from engine.models.sharding import shard, vocab_parallel_embed, vocab_parallel_logits, vocab_per_rank
-from engine.parallel import SINGLE, TensorParallel
-from kernels import AttentionOps
+from pdserve_server.engine.attention import AttentionMetadata
+from pdserve_server.engine.config import ModelConfig
+from pdserve_server.engine.models.config_checks import attention_bias, is_per_layer_type, windows_from_layer_types
+from pdserve_server.engine.models.decoder import StrictWeights
+from pdserve_server.engine.models.interface import ArchFlags, CheckpointNames
+from pdserve_server.engine.models.layers import Attention, GatedMLP, RMSNorm, RotaryEmbedding
+from pdserve_server.engine.models.sharding import shard, vocab_parallel_embed, vocab_parallel_logits, vocab_per_rank
+from pdserve_server.engine.parallel import SINGLE, TensorParallel
+from pdserve_server.kernels import AttentionOps
 
 _NAME = "gemma3_text"
 

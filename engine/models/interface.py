@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Callable, ClassVar, Protocol
 if TYPE_CHECKING:
     import torch
 
-    from engine.attention import AttentionMetadata
+    from pdserve_server.engine.attention import AttentionMetadata
 
 
 @dataclass(frozen=True)

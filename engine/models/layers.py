@@ -13,11 +13,11 @@ import math
 import torch
 from torch import nn
 
-from engine.attention import AttentionMetadata
-from engine.config import ModelConfig
-from engine.models.interface import Llama3RopeScaling
-from engine.parallel import SINGLE, TensorParallel
-from kernels import AttentionOps
+from pdserve_server.engine.attention import AttentionMetadata
+from pdserve_server.engine.config import ModelConfig
+from pdserve_server.engine.models.interface import Llama3RopeScaling
+from pdserve_server.engine.parallel import SINGLE, TensorParallel
+from pdserve_server.kernels import AttentionOps
 
 
 class RMSNorm(nn.Module):

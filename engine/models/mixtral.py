@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.models.config_checks import uniform_windows
-from engine.models.decoder import DecoderModel
-from engine.models.interface import ArchFlags, CheckpointNames, MoEConfig
+from pdserve_server.engine.models.config_checks import uniform_windows
+from pdserve_server.engine.models.decoder import DecoderModel
+from pdserve_server.engine.models.interface import ArchFlags, CheckpointNames, MoEConfig
 
 
 def config_flags(hf_config: Any) -> ArchFlags:

@@ -18,9 +18,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.models.interface import MoEConfig
-from engine.parallel import SINGLE, TensorParallel
-from kernels import AttentionOps
+from pdserve_server.engine.models.interface import MoEConfig
+from pdserve_server.engine.parallel import SINGLE, TensorParallel
+from pdserve_server.kernels import AttentionOps
 
 
 class Experts(nn.Module):

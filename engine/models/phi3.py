@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.models.config_checks import uniform_windows
-from engine.models.decoder import DecoderModel as Model  # noqa: F401  (the architecture's network)
-from engine.models.interface import ArchFlags
+from pdserve_server.engine.models.config_checks import uniform_windows
+from pdserve_server.engine.models.decoder import DecoderModel as Model  # noqa: F401  (the architecture's network)
+from pdserve_server.engine.models.interface import ArchFlags
 
 
 def config_flags(hf_config: Any) -> ArchFlags:

@@ -10,18 +10,18 @@ from dataclasses import replace
 from types import MappingProxyType, ModuleType
 from typing import Any, Mapping
 
-from engine.models.config_checks import rope_scaling
-from engine.models.interface import ArchFlags
+from pdserve_server.engine.models.config_checks import rope_scaling
+from pdserve_server.engine.models.interface import ArchFlags
 
 _MODULES: Mapping[str, str] = MappingProxyType({
-    "gemma3_text": "engine.models.gemma3",
-    "llama": "engine.models.llama",
-    "mistral": "engine.models.mistral",
-    "mixtral": "engine.models.mixtral",
-    "phi3": "engine.models.phi3",
-    "qwen2": "engine.models.qwen2",
-    "qwen3": "engine.models.qwen3",
-    "qwen3_moe": "engine.models.qwen3_moe",
+    "gemma3_text": "pdserve_server.engine.models.gemma3",
+    "llama": "pdserve_server.engine.models.llama",
+    "mistral": "pdserve_server.engine.models.mistral",
+    "mixtral": "pdserve_server.engine.models.mixtral",
+    "phi3": "pdserve_server.engine.models.phi3",
+    "qwen2": "pdserve_server.engine.models.qwen2",
+    "qwen3": "pdserve_server.engine.models.qwen3",
+    "qwen3_moe": "pdserve_server.engine.models.qwen3_moe",
 })
 
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(sorted(_MODULES))

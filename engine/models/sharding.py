@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.config import ModelConfig
-from engine.parallel import TensorParallel
+from pdserve_server.engine.config import ModelConfig
+from pdserve_server.engine.parallel import TensorParallel
 
 
 def vocab_per_rank(vocab_size: int, size: int) -> int:

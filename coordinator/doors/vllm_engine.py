@@ -2,12 +2,12 @@
 
 The protocol is smg-grpc-proto's `vllm_engine.proto` (its generated stubs are imported, never copied). The gateway
 tokenizes, applies the chat template, cuts stop strings and detokenizes itself, and sends prompt token ids; this
-door maps its requests onto the coordinator's one request path (`GenerationServicer.serve`: admission, validation,
-routing, migration, stop handling, error statuses), so a request behaves the same through either door. What the
+door maps its requests onto the coordinator's one request path (`coordinator.request_path`: admission, routing,
+migration, stop handling, error statuses), so a request behaves the same through either door. What the
 path cannot do yet is refused with INVALID_ARGUMENT (the gateway answers HTTP 400), never silently ignored:
 structural tags, logit_bias, prompt logprobs, multimodal input, external KV transfer parameters. `n` > 1 runs as
-our parallel sampling (the prompt's KV shared by the samples): chunks and completes carry each sample's `index`. Structured
-outputs (json_schema, regex, grammar, json_object, choice) map onto `SamplingParams.structured_output`; a
+our parallel sampling (the prompt's KV shared by the samples): chunks and completes carry each sample's `index`.
+Structured outputs (json_schema, regex, grammar, json_object, choice) map onto `SamplingParams.structured_output`; a
 constraint the workers cannot compile is INVALID_ARGUMENT too. `grammar_from_first_token` needs nothing: our
 constraint always starts at the first generated token (no reasoning parser holds it back).
 
@@ -31,11 +31,13 @@ from pathlib import Path
 import grpc
 from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2 as pb, vllm_engine_pb2_grpc as pb_grpc
 
-from coordinator.errors import RequestError, invalid
-from coordinator.server import GenerationServicer
-from coordinator.validation import check_prompt, check_prompt_length, check_text_length, resolve_sampling
+from pdserve_server.coordinator.doors import grpc_call
+from pdserve_server.coordinator.errors import RequestError, invalid
+from pdserve_server.coordinator.request_path import RequestPath
+from pdserve_server.coordinator.scheduling import SchedulingAsk
+from pdserve_server.coordinator.validation import check_prompt, check_prompt_length, check_text_length, resolve_sampling
 from pdserve.v1 import generate_pb2
-from server_common.grpc_server import unimplemented_quietly
+from pdserve_server.server_common.grpc_server import unimplemented_quietly
 
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["VllmEngine"].full_name  # "vllm.grpc.engine.VllmEngine"
@@ -162,12 +164,12 @@ class VllmEngineServicer(pb_grpc.VllmEngineServicer):
     (`unimplemented_quietly`).
 
     Args:
-        generation: the public Generation servicer, whose request path and tokenizer this door shares.
+        path: the coordinator's request path (shared by every door).
     """
 
-    def __init__(self, generation: GenerationServicer):
-        self.generation = generation
-        self.config, self.cluster, self.tokenizer = generation.config, generation.cluster, generation.tokenizer
+    def __init__(self, path: RequestPath):
+        self.path = path
+        self.config, self.cluster, self.tokenizer = path.config, path.cluster, path.tokenizer
         self.model_dir = Path(self.config.model_dir).resolve()
         config_path = self.model_dir / "config.json"
         self.hf_config = json.loads(config_path.read_text()) if config_path.is_file() else {}
@@ -178,21 +180,7 @@ class VllmEngineServicer(pb_grpc.VllmEngineServicer):
         """Stream one request's tokens (see the module docstring). Errors end the call with our statuses:
         INVALID_ARGUMENT, RESOURCE_EXHAUSTED, ALREADY_EXISTS, UNAVAILABLE, DEADLINE_EXCEEDED."""
         self.last_receive = time.time()
-        reply = _Reply(request.stream, request.sampling_params)
-
-        async def prepare() -> tuple[list[int], generate_pb2.SamplingParams]:
-            prompt = await self._prompt(request)
-            reply.prompt_tokens = len(prompt)
-            return prompt, resolve_sampling(to_sampling(request.sampling_params), len(prompt), self.cluster.limits)
-
-        async def send(msg: generate_pb2.GenerateResponse) -> None:
-            if (out := reply.convert(msg)) is not None:
-                await self.generation.write(context, out)  # the same stalled-client limit as our own door
-
-        # "text_completion" for the trace: the gateway rendered any chat itself, so every request is token ids here.
-        # smg's GenerateRequest has no priority or tenant: default scheduling, the caller (the gateway) as tenant.
-        await self.generation.serve(context, request.request_id or uuid.uuid4().hex, prepare, "text_completion",
-                                    send)
+        await grpc_call.run(self.path, context, _Generate(self, request, context))
 
     async def _prompt(self, request: pb.GenerateRequest) -> list[int]:
         """The prompt's token ids: the gateway's, or our tokenization of `text`, after truncate_prompt_tokens.
@@ -227,8 +215,9 @@ class VllmEngineServicer(pb_grpc.VllmEngineServicer):
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
         """Cancel each named request still in flight (unknown ids are ignored, as finished ones are)."""
+        caller = grpc_call.caller(context, self.path.keys_required)
         for rid in request.request_ids:
-            self.generation.abort(self.generation.caller(context), rid)
+            self.path.abort(caller, rid)
         return pb.AbortResponse()
 
     async def HealthCheck(self, request, context) -> pb.HealthCheckResponse:
@@ -316,3 +305,29 @@ def _version() -> str:
         return "pdserve " + metadata.version("pdserve")
     except metadata.PackageNotFoundError:
         return "pdserve"
+
+
+class _Generate:
+    """One vLLM Generate call as the request path takes it (`request_path.DoorRequest`). "text_completion" for the
+    trace: the gateway rendered any chat itself, so every request is token ids here. smg's GenerateRequest has no
+    priority or tenant: default scheduling, the caller (the gateway) as tenant."""
+
+    operation = "text_completion"
+
+    def __init__(self, door: VllmEngineServicer, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
+        self.door, self.request, self.context = door, request, context
+        self.request_id = request.request_id or uuid.uuid4().hex
+        self.reply = _Reply(request.stream, request.sampling_params)
+
+    async def prepare(self) -> tuple[list[int], generate_pb2.SamplingParams]:
+        prompt = await self.door._prompt(self.request)
+        self.reply.prompt_tokens = len(prompt)
+        return prompt, resolve_sampling(to_sampling(self.request.sampling_params), len(prompt),
+                                        self.door.cluster.limits)
+
+    def scheduling(self) -> SchedulingAsk:
+        return SchedulingAsk()
+
+    async def send(self, msg: generate_pb2.GenerateResponse) -> None:
+        if (out := self.reply.convert(msg)) is not None:  # the same stalled-client limit as every door
+            await grpc_call.write(self.context, out, self.door.config.stall_timeout_s)

@@ -10,7 +10,7 @@ The model's tensors are those of Triton's vLLM backend (triton-inference-server/
   - text_input (BYTES, shape [1]): the prompt, tokenized by the coordinator's tokenizer as pdserve.v1's `text`.
   - stream (BOOL, [1], optional, default false): stream text deltas; only over ModelStreamInfer.
   - sampling_parameters (BYTES, [1], optional): a JSON object of vLLM SamplingParams fields (read by
-    `coordinator.kserve_sampling`, whose `SAMPLING_FIELDS` lists them);
+    `coordinator.doors.kserve_sampling`, whose `SAMPLING_FIELDS` lists them);
     values may be JSON strings ("0.5"), as the backend converts them; null means the default. Unset max_tokens is
     vLLM's default, 16. Without the tensor, the request's own parameters are read the same way (reserved ones, such
     as priority, see Scheduling below, or sequence_id, left out), as the backend does. Structured outputs:
@@ -44,8 +44,8 @@ with stream=false one response with the whole text, flagged final. A failed requ
 with `error_message` (led by its status's name, e.g. "[StatusCode.INVALID_ARGUMENT] ...", since a stream response
 has no status code) and the stream goes on; a unary call ends with the status itself.
 
-Every inference goes through the coordinator's one request path (`GenerationServicer.serve`: admission,
-validation, routing, disaggregated prefill and decode, migration, stop strings, error statuses, access log).
+Every inference goes through the coordinator's one request path (`coordinator.request_path`: admission, routing,
+disaggregated prefill and decode, migration, stop strings, error statuses, access log).
 """
 from __future__ import annotations
 
@@ -62,15 +62,16 @@ from importlib import metadata
 
 import grpc
 
-from coordinator.errors import RequestError, invalid
-from coordinator.kserve_sampling import to_priority, to_sampling
-from coordinator.scheduling import SchedulingAsk
-from coordinator.server import GenerationServicer
-from coordinator.validation import (MAX_STRUCTURED_CHARS, check_prompt, check_text_length, parse_json,
-                                    resolve_sampling, shorten)
+from pdserve_server.coordinator.doors import grpc_call
+from pdserve_server.coordinator.doors.kserve_sampling import to_priority, to_sampling
+from pdserve_server.coordinator.errors import RequestError, invalid
+from pdserve_server.coordinator.request_path import RequestPath
+from pdserve_server.coordinator.scheduling import SchedulingAsk
+from pdserve_server.coordinator.validation import (MAX_STRUCTURED_CHARS, check_prompt, check_text_length, parse_json,
+                                                   resolve_sampling, shorten)
 from pdserve.v1 import generate_pb2
-from server_common.errors import CommandError
-from server_common.grpc_server import unimplemented_quietly
+from pdserve_server.server_common.errors import CommandError
+from pdserve_server.server_common.grpc_server import unimplemented_quietly
 
 log = logging.getLogger(__name__)
 
@@ -195,17 +196,27 @@ def read_inputs(request) -> dict[str, bytes | bool]:
 
 
 class _Request:
-    """One inference request's reading and its answers: the text so far, and the KServe responses."""
+    """One inference request as the request path takes it (`request_path.DoorRequest`): its reading, and its
+    answers (the text so far, the KServe responses).
 
-    def __init__(self, servicer: KServeServicer, request, streaming_call: bool):
-        self.servicer, self.request, self.streaming_call = servicer, request, streaming_call
+    Args:
+        write: sends one ModelInferResponse of a ModelStreamInfer call; None for ModelInfer, whose one answer is
+            made from the gathered text once the request ended.
+    """
+
+    operation = "text_completion"
+
+    def __init__(self, servicer: KServeServicer, request, write=None):
+        self.servicer, self.request, self.write = servicer, request, write
+        self.streaming_call = write is not None
+        self.request_id = request.id or uuid.uuid4().hex
         self.stream = self.prepend = False
         self.prompt_text = ""
         self.priority = 0
         self.parts: list[str] = []
 
     async def prepare(self) -> tuple[list[int], generate_pb2.SamplingParams]:
-        """(prompt token ids, resolved sampling) for `GenerationServicer.serve`.
+        """(prompt token ids, resolved sampling) for the request path.
 
         Raises:
             RequestError: NOT_FOUND for another model or version; INVALID_ARGUMENT for bad tensors, JSON, fields,
@@ -241,8 +252,12 @@ class _Request:
         return prompt, resolve_sampling(sampling, len(prompt), limits)
 
     def scheduling(self) -> SchedulingAsk:
-        """The request's priority (read by `prepare`), for `GenerationServicer.serve`."""
+        """The request's priority (read by `prepare`), for the request path."""
         return SchedulingAsk(priority=self.priority)
+
+    async def send(self, msg: generate_pb2.GenerateResponse) -> None:
+        if (out := self.convert(msg)) is not None and self.write is not None:
+            await self.write(out)
 
     def _sampling_fields(self, text: bytes | None) -> dict:
         """sampling_parameters' JSON object, or without it the request's parameters less the reserved ones.
@@ -282,38 +297,18 @@ class _Request:
         return self.response("" if self.stream else self.whole_text(), True)
 
 
-class _StreamRequestContext:
-    """The call's context as `GenerationServicer.serve` sees it for one request of a ModelStreamInfer call: abort
-    ends that request (raising _Failed), not the stream its neighbours share."""
-
-    def __init__(self, context: grpc.aio.ServicerContext):
-        self._context = context
-
-    def __getattr__(self, name):
-        return getattr(self._context, name)
-
-    async def abort(self, code: grpc.StatusCode, details: str = "", trailing_metadata=()) -> None:
-        raise _Failed(code, details)
-
-
-class _Failed(Exception):
-    def __init__(self, code: grpc.StatusCode, message: str):
-        super().__init__(message)
-        self.code, self.message = code, message
-
-
 @unimplemented_quietly("pdserve's coordinator")
 class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
     """`inference.GRPCInferenceService` over the coordinator's request path (see the module docstring). RPCs not
     defined here (statistics, model load/unload, shared memory, trace and log settings) answer UNIMPLEMENTED.
 
     Args:
-        generation: the public Generation servicer, whose request path, tokenizer and cluster this door shares.
+        path: the coordinator's request path (shared by every door).
     """
 
-    def __init__(self, generation: GenerationServicer):
-        self.generation = generation
-        self.config, self.cluster, self.tokenizer = generation.config, generation.cluster, generation.tokenizer
+    def __init__(self, path: RequestPath):
+        self.path = path
+        self.config, self.cluster, self.tokenizer = path.config, path.cluster, path.tokenizer
 
     def check_model(self, name: str, version: str) -> None:
         """Raises RequestError NOT_FOUND unless name is the served model and version "1" or ""."""
@@ -385,13 +380,8 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
         """One request, answered once with the whole text (stream = true is refused: use ModelStreamInfer).
         Errors end the call with the request path's statuses: NOT_FOUND, INVALID_ARGUMENT, RESOURCE_EXHAUSTED,
         ALREADY_EXISTS (an id in flight), UNAVAILABLE, DEADLINE_EXCEEDED, CANCELLED."""
-        req = _Request(self, request, streaming_call=False)
-
-        async def send(msg: generate_pb2.GenerateResponse) -> None:
-            req.convert(msg)
-
-        await self.generation.serve(context, request.id or uuid.uuid4().hex, req.prepare, "text_completion", send,
-                                    req.scheduling)
+        req = _Request(self, request)
+        await grpc_call.run(self.path, context, req)
         return req.response(req.whole_text(), None)
 
     async def ModelStreamInfer(self, request_iterator, context):
@@ -402,26 +392,25 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
 
         async def write(response: pb.ModelStreamInferResponse) -> None:
             async with lock:
-                await self.generation.write(context, response)
+                await grpc_call.write(context, response, self.config.stall_timeout_s)
 
         async with asyncio.TaskGroup() as tasks:
             async for request in request_iterator:
                 tasks.create_task(self._stream_one(request, context, write))
 
     async def _stream_one(self, request, context, write) -> None:
-        req = _Request(self, request, streaming_call=True)
-
-        async def send(msg: generate_pb2.GenerateResponse) -> None:
-            if (out := req.convert(msg)) is not None:
-                await write(pb.ModelStreamInferResponse(infer_response=out))
+        """One request of a ModelStreamInfer call: a RequestError becomes its own failed response (the call and the
+        requests beside it go on)."""
+        async def write_response(out: pb.ModelInferResponse) -> None:
+            await write(pb.ModelStreamInferResponse(infer_response=out))
 
         try:
-            await self.generation.serve(_StreamRequestContext(context), request.id or uuid.uuid4().hex,
-                                        req.prepare, "text_completion", send, req.scheduling)
-        except _Failed as e:
-            await self._tell_failed(request, write, e.code, e.message)
+            await self.path.run(grpc_call.call_of(context, self.path.keys_required),
+                                _Request(self, request, write_response))
+        except RequestError as e:
+            await self._tell_failed(request, write, e.code, e.client_message)
         except grpc.aio.InternalError:
-            pass  # a write raced the call's end: the client is gone (serve has recorded it)
+            pass  # a write raced the call's end: the client is gone (the path has recorded it)
         except Exception:  # a bug in this door: this request fails alone, the stream and its neighbours go on
             log.exception("ModelStreamInfer request %r: internal error", request.id)
             await self._tell_failed(request, write, grpc.StatusCode.INTERNAL,

@@ -1,13 +1,13 @@
-"""Triton vLLM-backend request fields as pdserve's sampling and scheduling (`coordinator.kserve`'s module docstring
-describes the protocol): the `sampling_parameters` JSON object's vLLM SamplingParams fields (and structured-output
-keys) as our public `SamplingParams`, and Triton's `priority` request parameter as our priority."""
+"""Triton vLLM-backend request fields as pdserve's sampling and scheduling (`coordinator.doors.kserve`'s module
+docstring describes the protocol): the `sampling_parameters` JSON object's vLLM SamplingParams fields (and
+structured-output keys) as our public `SamplingParams`, and Triton's `priority` request parameter as our priority."""
 from __future__ import annotations
 
 import json
 import math
 
-from coordinator.errors import RequestError, invalid
-from coordinator.validation import parse_json, shorten
+from pdserve_server.coordinator.errors import RequestError, invalid
+from pdserve_server.coordinator.validation import parse_json, shorten
 from pdserve.v1 import generate_pb2
 
 VLLM_DEFAULT_MAX_TOKENS = 16  # vLLM's SamplingParams default, which the backend's callers rely on
