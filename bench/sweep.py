@@ -309,7 +309,7 @@ def add_machine_fraction(results: dict, model_dir: str, threads: int, formats: d
     import torch
 
     from pdserve_server.engine.hardware import set_threads
-    from pdserve_server.engine.config import ModelConfig
+    from pdserve_server.engine.models.config import ModelConfig
     from step_profile import config_linear_shapes, copy_bandwidth, gemm_rate
     from transformers import AutoConfig
 

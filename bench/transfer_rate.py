@@ -42,7 +42,9 @@ def _block_geometry(model_dir: str, block_size: int) -> tuple[int, int]:
     """(bytes of one KV block (all layers, K and V) of the model in fp32, as the workers allocate it, layers)."""
     from transformers import AutoConfig
 
-    from pdserve_server.engine.config import ModelConfig, kv_bytes_per_block
+    from pdserve_server.engine.config import kv_bytes_per_block
+
+    from pdserve_server.engine.models.config import ModelConfig
 
     cfg = ModelConfig.from_hf(AutoConfig.from_pretrained(model_dir), name="m", path=model_dir, dtype="float32")
     return kv_bytes_per_block(cfg, block_size), cfg.num_layers

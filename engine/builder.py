@@ -9,7 +9,8 @@ from pathlib import Path
 import torch
 
 from pdserve_server.engine.args import EngineArgs
-from pdserve_server.engine.config import CacheConfig, ModelConfig, SchedulerConfig, num_blocks_for_budget
+from pdserve_server.engine.config import CacheConfig, SchedulerConfig, num_blocks_for_budget
+from pdserve_server.engine.models.config import ModelConfig
 from pdserve_server.engine.cuda_graphs import capture_sizes
 from pdserve_server.engine.hardware import resolve_dtype
 from pdserve_server.engine.kv_cache_manager import KVCacheManager, sliding_kv_window

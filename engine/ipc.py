@@ -18,7 +18,9 @@ from typing import Union
 
 import msgspec
 
-from pdserve_server.engine.config import CacheConfig, ModelConfig, SchedulerConfig
+from pdserve_server.engine.config import CacheConfig, SchedulerConfig
+
+from pdserve_server.engine.models.config import ModelConfig
 from pdserve_server.engine.outputs import Forgotten, RequestFailed, Reserved, SchedulerStats, TokenOutput
 from pdserve_server.engine.request import SamplingParams, SchedulingParams
 

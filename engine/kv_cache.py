@@ -19,7 +19,9 @@ from multiprocessing.reduction import ForkingPickler
 
 import torch  # registers torch.multiprocessing's reductions with ForkingPickler
 
-from pdserve_server.engine.config import CacheConfig, ModelConfig
+from pdserve_server.engine.config import CacheConfig
+
+from pdserve_server.engine.models.config import ModelConfig
 from pdserve_server.engine.parallel import kv_heads_per_rank
 
 

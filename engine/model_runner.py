@@ -11,7 +11,8 @@ import numpy as np
 import torch
 
 from pdserve_server.engine.attention import AttentionMetadata, fill_block_tables
-from pdserve_server.engine.config import CacheConfig, ModelConfig
+from pdserve_server.engine.config import CacheConfig
+from pdserve_server.engine.models.config import ModelConfig
 from pdserve_server.engine.cpu_decode_stack import CpuDecodeStack
 from pdserve_server.engine.cuda_graphs import DecodeGraphs
 from pdserve_server.engine.kv_cache import KVCache

@@ -23,7 +23,8 @@ import torch
 
 from pdserve_server.engine.args import DEFAULT_MAX_UNREAD_TOKENS, EngineArgs
 from pdserve_server.engine.async_engine import AsyncEngine, RequestStream
-from pdserve_server.engine.config import CacheConfig, ModelConfig, SchedulerConfig
+from pdserve_server.engine.config import CacheConfig, SchedulerConfig
+from pdserve_server.engine.models.config import ModelConfig
 from pdserve_server.engine.core_process import EngineProcessSpec, run_engine_process
 from pdserve_server.engine.engine_core import Abort, AddRequest, Call, KvArrived, Pause
 from pdserve_server.engine.errors import EngineError, ErrorKind

@@ -27,7 +27,8 @@ from multiprocessing.connection import Connection, wait
 import torch
 
 from pdserve_server.engine.args import EngineArgs
-from pdserve_server.engine.config import CacheConfig, ModelConfig, SchedulerConfig
+from pdserve_server.engine.config import CacheConfig, SchedulerConfig
+from pdserve_server.engine.models.config import ModelConfig
 from pdserve_server.engine.hardware import set_threads
 from pdserve_server.engine.kv_cache import export_shard, share
 from pdserve_server.engine.lifetime import die_with_parent

@@ -169,7 +169,7 @@ def test_sweep_weight_bytes_per_token(tiny_model_dir, real_model_dir):
     from transformers import AutoConfig
 
     from pdserve_server.cli.models import default_model_path
-    from pdserve_server.engine.config import ModelConfig
+    from pdserve_server.engine.models.config import ModelConfig
     from pdserve_server.engine.hardware import resolve_dtype
 
     # tiny model: hidden 64, 4 q / 2 kv heads of 16, intermediate 128, 2 layers, vocab 49152 (untied head)
@@ -206,7 +206,7 @@ def test_linear_shapes_of_a_mixture_of_experts_count_the_router_and_top_k_expert
     from step_profile import config_linear_shapes
     from transformers import Qwen3MoeConfig
 
-    from pdserve_server.engine.config import ModelConfig
+    from pdserve_server.engine.models.config import ModelConfig
 
     hf = Qwen3MoeConfig(vocab_size=100, hidden_size=16, intermediate_size=48, num_hidden_layers=2,
                         num_attention_heads=2, num_key_value_heads=1, head_dim=8, num_experts=4,

@@ -6,7 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve_server.engine.config import CacheConfig, ModelConfig
+from pdserve_server.engine.config import CacheConfig
+
+from pdserve_server.engine.models.config import ModelConfig
 from pdserve_server.engine.cpu_decode_stack import (INT4_LINEAR, INT8_LINEAR, PACKED_LINEAR, SMALL_M_LINEAR,
                                                     TORCH_LINEAR, CpuDecodeStack)
 from pdserve_server.engine.model_runner import ModelRunner

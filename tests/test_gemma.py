@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import hf_greedy, hf_next_logits
-from pdserve_server.engine.config import ModelConfig
+from pdserve_server.engine.models.config import ModelConfig
 from pdserve_server.engine.loader import load_state_dict
 from pdserve_server.engine.models.gemma3 import Model
 from pdserve_server.engine.offline import run_until_idle

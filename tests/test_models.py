@@ -12,7 +12,7 @@ import torch
 from conftest import hf_greedy
 from pdserve_server.engine.args import EngineArgs
 from pdserve_server.engine.builder import build_engine
-from pdserve_server.engine.config import ModelConfig
+from pdserve_server.engine.models.config import ModelConfig
 from pdserve_server.engine.models.decoder import DecoderModel
 from pdserve_server.engine.offline import run_until_idle
 from pdserve_server.engine.request import Request, SamplingParams

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import hf_greedy
-from pdserve_server.engine.config import ModelConfig
+from pdserve_server.engine.models.config import ModelConfig
 from pdserve_server.engine.models.decoder import DecoderModel
 from pdserve_server.engine.models.interface import MoEConfig
 from pdserve_server.engine.models.moe import SparseMoE

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from pdserve_server.engine.args import EngineArgs
-from pdserve_server.engine.config import ModelConfig
+from pdserve_server.engine.models.config import ModelConfig
 from pdserve_server.engine.errors import EngineError, ErrorKind
 from pdserve_server.engine.models.sharding import shard, vocab_per_rank
 from pdserve_server.engine.parallel import TensorParallel

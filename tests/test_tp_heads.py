@@ -12,7 +12,9 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from pdserve_server.engine.config import CacheConfig, ModelConfig
+from pdserve_server.engine.config import CacheConfig
+
+from pdserve_server.engine.models.config import ModelConfig
 from pdserve_server.engine.model_runner import ModelRunner, StepInputs
 from pdserve_server.engine.parallel import HeadSplit, TensorParallel, head_split, kv_heads_per_rank
 

@@ -591,7 +591,8 @@ def test_nccl_channel_refuses_regions_on_several_devices():
 def test_kv_cache_blocks_are_tensors_on_the_cache_device(tiny_model_dir):
     """The connector API speaks tensors: a block is one uint8 view per rank of that rank's shard itself (no copy),
     on its device; shards of another count or block out of range are refused."""
-    from pdserve_server.engine.config import CacheConfig, ModelConfig
+    from pdserve_server.engine.config import CacheConfig
+    from pdserve_server.engine.models.config import ModelConfig
     from pdserve_server.engine.kv_cache import KVCache, KvShards
     from transformers import AutoConfig
 

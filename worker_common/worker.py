@@ -13,7 +13,8 @@ from prometheus_client import CollectorRegistry
 
 from pdserve_server.engine.async_engine import AsyncEngine
 from pdserve_server.engine.builder import build_engine
-from pdserve_server.engine.config import CacheConfig, ModelConfig, SchedulerConfig, compat_hash, kv_bytes_per_block
+from pdserve_server.engine.config import CacheConfig, SchedulerConfig, compat_hash, kv_bytes_per_block
+from pdserve_server.engine.models.config import ModelConfig
 from pdserve_server.engine.engine_core import EngineCore
 from pdserve_server.engine.errors import EngineError, ErrorKind
 from pdserve_server.engine.hardware import resolve_threads, set_threads

@@ -18,7 +18,9 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from pdserve_server.engine.config import CacheConfig, ModelConfig
+from pdserve_server.engine.config import CacheConfig
+
+from pdserve_server.engine.models.config import ModelConfig
 from pdserve_server.engine.kv_cache import KVCache
 from pdserve_server.engine.mock.step_model import StepShape, StepTimeModel
 from pdserve_server.engine.outputs import RunnerOutput, SampledToken, SchedulerOutput

@@ -1,5 +1,5 @@
 """The shared pre-norm decoder (embedding, N x [attention, MLP], final norm, LM head) that serves every registered
-architecture, switched by `engine.config.ModelConfig` (from `engine.models.interface.ArchFlags`), and its strict
+architecture, switched by `engine.models.config.ModelConfig` (from `engine.models.interface.ArchFlags`), and its strict
 weight loader."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from pdserve_server.engine.attention import AttentionMetadata
-from pdserve_server.engine.config import ModelConfig
+from pdserve_server.engine.models.config import ModelConfig
 from pdserve_server.engine.models.interface import CheckpointNames
 from pdserve_server.engine.models.layers import Attention, GatedMLP, RMSNorm, RotaryEmbedding
 from pdserve_server.engine.models.moe import SparseMoE

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve_server.engine.attention import AttentionMetadata
-from pdserve_server.engine.config import ModelConfig
+from pdserve_server.engine.models.config import ModelConfig
 from pdserve_server.engine.models.config_checks import attention_bias, is_per_layer_type, windows_from_layer_types
 from pdserve_server.engine.models.decoder import StrictWeights
 from pdserve_server.engine.models.interface import ArchFlags, CheckpointNames

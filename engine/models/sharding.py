@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from pdserve_server.engine.config import ModelConfig
+from pdserve_server.engine.models.config import ModelConfig
 from pdserve_server.engine.parallel import TensorParallel
 
 
