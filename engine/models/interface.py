@@ -135,8 +135,8 @@ class CheckpointNames:
 
 class CausalLM(Protocol):
     """The network an architecture module exports as `Model` (an `nn.Module`), built as `Model(cfg, ops, tp)` from
-    an `engine.models.config.ModelConfig`, the worker's `kernels.AttentionOps` and the rank's `engine.parallel.TensorParallel`
-    (default: no tensor parallelism)."""
+    an `engine.models.config.ModelConfig`, the worker's `kernels.AttentionOps` and the rank's
+    `engine.parallel.TensorParallel` (default: no tensor parallelism)."""
 
     CHECKPOINT: ClassVar[CheckpointNames]
 
