@@ -28,6 +28,7 @@ from pdserve_server.engine.outputs import (Reserved, RequestFailed, RunnerOutput
                                            SchedulerOutput, SchedulerStats, TokenOutput)
 from pdserve_server.engine.request import SAMPLE_ID_SEPARATOR, FinishReason, Request, RequestStatus
 from pdserve_server.engine.speculative import propose_ngram
+from pdserve_server.engine.step_budget import StepBudget
 from pdserve_server.engine.step_cost import StepCost
 
 if TYPE_CHECKING:
@@ -212,31 +213,26 @@ class Scheduler:
         `SchedulerOutput.failed`; they are gone from the scheduler."""
         out = SchedulerOutput()
         self._expire(out)
-        budget = self.config.max_num_batched_tokens
+        budget = StepBudget(self.config.max_num_batched_tokens, self._prefill_cap())
         spec = self.config.speculative
         speculate = spec.enabled and len(self.running) <= spec.disable_batch_size
         head = self.waiting.peek()
-        prefill_left = self._prefill_cap()
         kv_preempted = False
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and budget:
             req = self.running[i]
             if req.fork_pending and req.num_computed_tokens >= self._target(req) and not self._fork(req):
                 i += 1  # no block for the samples' copies yet: the fork waits for one
                 continue
-            n = min(self._target(req) - req.num_computed_tokens, budget, self._chunk_limit(req))
-            if n > 1 and head is not None and self.policy.outranks(head, req):
-                i += 1  # a prefill chunk gives its budget to a more important waiting request (decodes still run)
+            n = budget.chunk(self._target(req) - req.num_computed_tokens, self._chunk_limit(req))
+            # A prefill chunk gives its budget to a more important waiting request (decodes still run), and waits
+            # when the decodes' latency target is spent.
+            if n is None or (n > 1 and head is not None and self.policy.outranks(head, req)):
+                i += 1
                 continue
-            if n > 1 and prefill_left is not None:
-                n = min(n, prefill_left)
-                if n < 2:  # the decodes' latency target is spent: the chunk waits for the next step
-                    i += 1
-                    continue
-                prefill_left -= n
             decoding = self._target(req) - req.num_computed_tokens == 1  # not a prefill capped to one token
-            drafts = self._propose(req, budget) if speculate and decoding else []
-            if drafts and not self._allocate_drafts(req, len(drafts), budget):
+            drafts = self._propose(req, budget.tokens) if speculate and decoding else []
+            if drafts and not self._allocate_drafts(req, len(drafts), budget.tokens):
                 drafts = []  # no blocks to spare: decode plainly (drafts never cost another request its blocks)
             while not self.kv.allocate_slots(req.request_id, req.num_computed_tokens + n):
                 if self._preempt_paused():  # a paused request's blocks go before a running request's
@@ -250,32 +246,30 @@ class Scheduler:
             if req.status != RequestStatus.RUNNING:
                 break  # req preempted itself: nothing after it is left either
             self._add_scheduled(out, req, n, drafts)
-            budget -= n + len(drafts)
+            budget.take(n, len(drafts))
             i += 1
 
         # No admissions after a preemption for blocks: the pool is short, and the preempted go first next step.
-        while not kv_preempted and budget > 0 and (req := self.waiting.peek()) is not None:
+        while not kv_preempted and budget and (req := self.waiting.peek()) is not None:
             if len(self.running) >= self.config.max_num_seqs:
                 if not self._preempt_for(req, out):
                     break
-                budget = self.config.max_num_batched_tokens - out.num_tokens
+                budget.recount(out.num_tokens)
                 continue
             computed_blocks: list[int] = []
             if req.num_computed_tokens == 0:
                 computed_blocks = self.kv.get_computed_blocks(req)
             num_computed = req.num_computed_tokens or len(computed_blocks) * self.kv.block_size
-            n = min(self._target(req) - num_computed, budget, self._chunk_limit(req))
-            if n > 1 and prefill_left is not None:
-                n = min(n, prefill_left)
-                if n < 2:  # the decodes' latency target is spent: admissions wait for the next step
-                    break
+            n = budget.chunk(self._target(req) - num_computed, self._chunk_limit(req))
+            if n is None:  # the decodes' latency target is spent: admissions wait for the next step
+                break
             if not self.kv.allocate_slots(req.request_id, num_computed + n, computed_blocks, num_computed):
                 if self._preempt_paused():
                     continue
                 if self.running:  # a running request of lower priority gives its blocks, else wait for blocks
                     if not self._preempt_for(req, out):
                         break
-                    budget = self.config.max_num_batched_tokens - out.num_tokens
+                    budget.recount(out.num_tokens)
                 # Nothing running will free a block: free a later waiting request's instead (it recomputes).
                 elif not self._preempt_waiting(req):
                     break
@@ -296,9 +290,7 @@ class Scheduler:
             req.status = RequestStatus.RUNNING
             bisect.insort(self.running, req, key=self.policy.static_key)
             self._add_scheduled(out, req, n)
-            budget -= n
-            if n > 1 and prefill_left is not None:
-                prefill_left -= n
+            budget.take(n)
         if not out.is_empty:
             out.block_copies, self._block_copies = self._block_copies, []
         return out

@@ -378,3 +378,22 @@ def test_reservations_leave_a_long_windowed_request_the_blocks_its_window_needs(
         step(s)
     assert "long" not in s.requests and s.num_preemptions == 0
     assert not s.kv.pool.integrity_errors()
+
+
+def test_the_step_budget_caps_prefill_chunks_never_decodes():
+    from pdserve_server.engine.step_budget import StepBudget
+
+    budget = StepBudget(max_tokens=100, prefill=40)
+    assert budget.chunk(1, limit=100) == 1  # a decode token
+    assert budget.chunk(500, limit=64) == 40  # the prefill cap, below the chunk limit and the tokens left
+    budget.take(40)
+    assert (budget.tokens, budget.prefill) == (60, 0)
+    assert budget.chunk(30, limit=64) is None and budget.chunk(1, limit=64) == 1  # the cap is spent: decodes go on
+    budget.take(1, num_drafts=3)
+    assert budget.tokens == 56 and budget.prefill == 0
+    budget.recount(num_scheduled=10)  # preemption took requests out of the step
+    assert budget.tokens == 90 and budget.prefill == 0 and budget
+    uncapped = StepBudget(max_tokens=8, prefill=None)
+    assert uncapped.chunk(500, limit=64) == 8
+    uncapped.take(8)
+    assert not uncapped and uncapped.chunk(5, limit=64) == 0
