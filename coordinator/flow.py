@@ -23,6 +23,11 @@ from pdserve_server.coordinator.scheduling import RequestScheduling, check_first
 from pdserve.v1 import generate_pb2, worker_pb2
 from pdserve_server.server_common.tracing import tracer
 
+# A request whose decode ended waits this long at most for its prefill worker's transfer report (sent as the KV
+# transfer completes, so before the decode worker could have finished): the Final's Timings.transfer_ms and the
+# access record carry it instead of 0. Bounded, so a slow prefill worker cannot hold a finished request.
+TRANSFER_REPORT_WAIT_S = 1.0
+
 log = logging.getLogger(__name__)
 
 
@@ -316,6 +321,8 @@ async def run_disaggregated(router: Router, flow: Flow, request_id: str, prompt:
                     if not recorded:  # the KV arrived and joined the batch: its blocks enter that prefix cache
                         router.record_prefix(decode, context, received=True)
                         recorded = True
+                    if isinstance(item, WorkerFinish) and not watcher.done():
+                        await asyncio.wait({watcher}, timeout=TRANSFER_REPORT_WAIT_S)
                     yield item
             except (RequestError, asyncio.CancelledError):
                 if transfer_error:

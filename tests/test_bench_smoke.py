@@ -67,8 +67,9 @@ def test_layerwise_smoke(tiny_model_dir, tmp_path):
     _run(["bench/layerwise.py", "--model-dir", str(tiny_model_dir), "--lengths", "40", "--repeats", "1",
           "--rounds", "1", "--out", str(out)], tmp_path)
     (row,) = json.loads(out.read_text())["rows"]
-    assert row["prompt_tokens"] == 40 and row["gap_ms_off"] > 0 and row["gap_ms_on"] > 0
-    assert row["transfer_ms_off"] > 0 and row["transfer_ms_on"] > 0
+    # The first two tokens may reach the client in one read on a loaded machine: a gap of 0 is a measurement.
+    assert row["prompt_tokens"] == 40 and row["gap_ms_off"] >= 0 and row["gap_ms_on"] >= 0
+    assert row["transfer_ms_off"] > 0 and row["transfer_ms_on"] > 0  # the Final waits for the transfer report
 
 
 def test_quality_smoke(tiny_model_dir, tmp_path):

@@ -202,7 +202,7 @@ def test_a_killed_launcher_leaves_no_server_behind(tiny_model_dir, tmp_path):
 
     script = (
         "import json, sys, time\n"
-        "from cli.launcher import ServeConfig, start_cluster\n"
+        "from pdserve_server.cli.launcher import ServeConfig, start_cluster\n"
         f"c = start_cluster({str(tiny_model_dir)!r}, 'tiny', ServeConfig(log_dir={str(tmp_path)!r}),\n"
         "                  worker_args=['--kv-tokens', '1024', '--max-model-len', '256'])\n"
         "print(json.dumps([p.pid for p in c.processes.values()]), flush=True)\n"

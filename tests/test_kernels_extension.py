@@ -67,7 +67,7 @@ def test_the_environment_picks_the_build(monkeypatch, restore_isa):
 def test_a_fresh_process_runs_the_best_build(tmp_path):
     """Without $PDSERVE_CPU_ISA, the library's own choice: the first (best) build this CPU runs."""
     env = {k: v for k, v in os.environ.items() if k != cpu_ops.ISA_ENV}
-    out = subprocess.run([sys.executable, "-c", "from kernels.cpu_ops import cpu_isa, cpu_isas; "
+    out = subprocess.run([sys.executable, "-c", "from pdserve_server.kernels.cpu_ops import cpu_isa, cpu_isas; "
                           "print(cpu_isa(), cpu_isas()[0])"], cwd=tmp_path, env=env, capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
