@@ -219,8 +219,8 @@ def test_a_cluster_of_mock_workers_streams_the_derived_tokens(tiny_model_dir, tm
 
 @pytest.mark.e2e
 def test_stream_interval_sends_tokens_n_at_a_time(tiny_model_dir, tmp_path):
-    """--stream-interval 4 on a (mock) colocated worker: the first token alone, then chunks of at least 4 tokens,
-    and the same tokens as the derived chain."""
+    """--stream-interval 4 on a (mock) colocated worker: the first message at once, then chunks of at least 4
+    tokens, and the same tokens as the derived chain."""
     from test_e2e import greedy
 
     from pdserve_server.cli.launcher import ServeConfig, start_cluster
@@ -235,7 +235,10 @@ def test_stream_interval_sends_tokens_n_at_a_time(tiny_model_dir, tmp_path):
         with Client(c.address) as client:
             chunks = [ch.token_ids for ch in client.generate(prompt, greedy(14)) if ch.token_ids]
         assert [t for ch in chunks for t in ch] == chain(prompt, 14)
-        assert len(chunks[0]) == 1 and all(len(ch) >= 4 for ch in chunks[1:-1]), [len(ch) for ch in chunks]
+        # The first message goes at once with the tokens the worker has (one, unless a loaded machine let the engine
+        # run ahead of the stream: the clean-clone CI of e940d8a saw [3, 4, 4, 3]); every later one but the last
+        # waits for 4.
+        assert all(len(ch) >= 4 for ch in chunks[1:-1]), [len(ch) for ch in chunks]
         assert len(chunks) <= 5, [len(ch) for ch in chunks]  # 1 + ceil(13 / 4)
     finally:
         c.stop()
