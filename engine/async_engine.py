@@ -1,12 +1,14 @@
 """asyncio facade over an engine: one owner object per request, commands forwarded to the engine's loop.
 
 `AsyncEngine` runs the `EngineCore` on a thread of this process; `engine.process_engine.ProcessEngine` runs it in
-a process of its own behind the same interface."""
+a process of its own. Both are `Engine`s (the interface the workers use), and both keep their requests' owners in a
+`RequestStreams` of their own: composed, not inherited, so neither carries a method the other cannot serve
+(`AsyncEngine.call`, a function run on the engine thread, exists in-process only)."""
 from __future__ import annotations
 
 import asyncio
 from concurrent.futures import Future
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 from pdserve_server.engine.args import DEFAULT_MAX_UNREAD_TOKENS
 from pdserve_server.engine.engine_core import Abort, AddRequest, Call, EngineCore, KvArrived, Pause
@@ -33,8 +35,8 @@ class RequestStream:
     serves others meanwhile.
     """
 
-    def __init__(self, engine: AsyncEngine, request: Request):
-        self.engine = engine
+    def __init__(self, owner: RequestStreams, request: Request):
+        self.owner = owner
         self.request_id = request.request_id
         self.dropped = False  # the engine finished or failed the request: nothing left to free
         self._handed_over = False
@@ -45,11 +47,11 @@ class RequestStream:
         self._samples_left = request.sampling.n  # parallel sampling: the request ends when every sample has
 
     def __enter__(self) -> RequestStream:
-        self.engine._open(self, self._request)
+        self.owner.open(self, self._request)
         return self
 
     def __exit__(self, *exc) -> None:
-        self.engine._close(self.request_id, abort=not (self.dropped or self._handed_over))
+        self.owner.close(self.request_id, abort=not (self.dropped or self._handed_over))
 
     async def next(self) -> Reserved | TokenOutput:
         """The request's next event.
@@ -72,29 +74,29 @@ class RequestStream:
 
     def kv_arrived(self, first_token: int) -> None:
         """The prompt's KV is in the reserved blocks: the request joins the running batch with its first token."""
-        self.engine.submit(KvArrived(self.request_id, first_token))
+        self.owner.submit(KvArrived(self.request_id, first_token))
 
     def hand_over(self) -> Callable[[], None]:
         """Leave the free to another owner: this stream's exit will not abort; call the returned function instead."""
         self._handed_over = True
-        return lambda: self.engine.submit(Abort(self.request_id))
+        return lambda: self.owner.submit(Abort(self.request_id))
 
     def _put(self, ev: Any) -> None:
         """An event for this request (event loop thread): queue it; pause the request when too many wait unread."""
         self._queue.put_nowait(ev)
         if isinstance(ev, TokenOutput):
             self._unread += 1
-            limit = self.engine.max_unread_tokens
+            limit = self.owner.max_unread_tokens
             if limit and not self.paused and self._unread >= limit and ev.finish_reason is None:
                 self.paused = True
-                self.engine.submit(Pause(self.request_id))
+                self.owner.submit(Pause(self.request_id))
 
     def _check(self, ev: Any) -> Reserved | TokenOutput:
         if isinstance(ev, TokenOutput):
             self._unread -= 1
-            if self.paused and self._unread <= self.engine.max_unread_tokens // 2:
+            if self.paused and self._unread <= self.owner.max_unread_tokens // 2:
                 self.paused = False
-                self.engine.submit(Pause(self.request_id, resume=True))
+                self.owner.submit(Pause(self.request_id, resume=True))
         if isinstance(ev, RequestFailed):
             self.dropped = True
             raise EngineError(ev.kind, ev.message)
@@ -104,23 +106,130 @@ class RequestStream:
         return ev
 
 
+class RequestStreams:
+    """The requests that have an owner (`RequestStream`) in one engine, and the routing of the engine's events to
+    them (event loop thread).
+
+    Args:
+        submit: queues a command for the engine (`Engine.submit`).
+        max_unread_tokens: tokens a request's stream may hold unread before the request is paused (see
+            `RequestStream`); 0 = never pause.
+        before_open: called as a request enters; raises EngineError when the engine cannot take it (a dead engine
+            process). None: always open.
+        after_close: called with a request's id once its owner left. None: nothing.
+    """
+
+    def __init__(self, submit: Callable[[Any], None], max_unread_tokens: int = DEFAULT_MAX_UNREAD_TOKENS,
+                 before_open: Callable[[], None] | None = None, after_close: Callable[[str], None] | None = None):
+        self.submit, self.max_unread_tokens = submit, max_unread_tokens
+        self._before_open, self._after_close = before_open, after_close
+        self.owners: dict[str, RequestStream] = {}
+        # Ids whose owner left with an abort the engine has not acknowledged yet: their events are stale.
+        self._stale: dict[str, int] = {}
+        self._fault_listeners: list[Callable[[str], None]] = []
+
+    def request(self, request: Request) -> RequestStream:
+        return RequestStream(self, request)
+
+    def open(self, stream: RequestStream, request: Request) -> None:
+        """Raises EngineError: DUPLICATE_REQUEST for an id with an owner, or what `before_open` raises."""
+        if self._before_open is not None:
+            self._before_open()
+        if request.request_id in self.owners:
+            raise EngineError(ErrorKind.DUPLICATE_REQUEST, f"request id {request.request_id!r} is in use")
+        self.owners[request.request_id] = stream
+        self.submit(AddRequest(request))
+
+    def close(self, request_id: str, abort: bool) -> None:
+        self.owners.pop(request_id, None)
+        if self._after_close is not None:
+            self._after_close(request_id)
+        if abort:
+            self._stale[request_id] = self._stale.get(request_id, 0) + 1
+            self.submit(Abort(request_id, ack=True))
+
+    def is_stale(self, request_id: str) -> bool:
+        """The id's former owner left with an abort the engine has not acknowledged: its events are not its own."""
+        return request_id in self._stale
+
+    def dispatch(self, events: list) -> None:
+        """Route the engine's events to their owners (event loop thread)."""
+        for ev in events:
+            rid = ev.request_id
+            if rid in self._stale:  # made before the engine applied the abort of a former owner of this id
+                if isinstance(ev, Forgotten):
+                    if (left := self._stale.pop(rid) - 1) > 0:
+                        self._stale[rid] = left
+                continue
+            stream = self.owners.get(rid)
+            if stream is not None:
+                stream._put(ev)
+
+    def fail_all(self, kind: ErrorKind, message: str) -> None:
+        """The engine is gone: every owner's stream ends with EngineError(kind); nothing is stale any more."""
+        for rid, stream in list(self.owners.items()):
+            stream._queue.put_nowait(RequestFailed(rid, kind, message))
+        self._stale.clear()
+
+    def clear_stale(self) -> None:
+        self._stale.clear()
+
+    def add_fault_listener(self, listener: Callable[[str], None]) -> None:
+        self._fault_listeners.append(listener)
+
+    def fault(self, message: str) -> None:
+        """Tell the fault listeners (event loop thread)."""
+        for listener in self._fault_listeners:
+            listener(message)
+
+
+class Engine(Protocol):
+    """What a worker uses of an engine, in this process (`AsyncEngine`) or another (`ProcessEngine`)."""
+
+    def submit(self, command: AddRequest | Abort | KvArrived | Pause) -> None:
+        """Queue a command for the engine's loop."""
+
+    @property
+    def stats(self) -> SchedulerStats:
+        """The stats the engine published after its last loop iteration."""
+
+    async def snapshot(self) -> tuple[SchedulerStats, bool]:
+        """Stats and the block pool's integrity, taken together between steps (`EngineCore.snapshot`)."""
+
+    async def abortable(self, request_id: str) -> bool:
+        """Whether `abort(request_id)` would drop a request (`EngineCore.abortable`)."""
+
+    def add_fault_listener(self, listener: Callable[[str], None]) -> None:
+        """Call listener(message) on the event loop when the engine faults (once)."""
+
+    def request(self, request: Request) -> RequestStream:
+        """The owner of `request` in this engine; entering it submits the request (see `RequestStream`)."""
+
+    @property
+    def streams(self) -> dict[str, RequestStream]:
+        """The requests with an owner right now, by id (read-only use: drain waits while it is non-empty)."""
+
+    def abort(self, request_id: str) -> None:
+        """Abort from outside the owner (Worker.Abort): the owner's stream ends with EngineError(ABORTED).
+        Idempotent; unknown ids are ignored."""
+
+    def stop(self) -> None:
+        """Stop the engine."""
+
+
 class AsyncEngine:
-    """Bridges the engine thread and the asyncio loop it was started on. Requests enter through `request()`.
+    """An `Engine` whose core runs on a thread of this process, bridged to the asyncio loop it was started on.
+    Requests enter through `request()`.
 
     Args:
         core_factory: builds the EngineCore from (emit, on_fault) callbacks that this object provides.
-        max_unread_tokens: tokens a request's stream may hold unread before the request is paused (see
-            `RequestStream`); 0 = never pause.
+        max_unread_tokens: as `RequestStreams`'.
     """
 
     def __init__(self, core_factory: Callable[[Callable[[list], None], Callable[[str], None]], EngineCore],
                  max_unread_tokens: int = DEFAULT_MAX_UNREAD_TOKENS):
-        self.max_unread_tokens = max_unread_tokens
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._streams: dict[str, RequestStream] = {}
-        # Ids whose owner left with an abort the engine has not acknowledged yet: their events are stale.
-        self._stale: dict[str, int] = {}
-        self._fault_listeners: list[Callable[[str], None]] = []
+        self.requests = RequestStreams(self.submit, max_unread_tokens)
         self.core = core_factory(self._emit, self._fault)
 
     def submit(self, command: AddRequest | Abort | KvArrived | Pause | Call) -> None:
@@ -133,16 +242,14 @@ class AsyncEngine:
         return self.core.stats
 
     async def snapshot(self) -> tuple[SchedulerStats, bool]:
-        """Stats and the block pool's integrity, taken together between steps (`EngineCore.snapshot`)."""
         return await self.call(lambda s: self.core.snapshot())
 
     async def abortable(self, request_id: str) -> bool:
-        """Whether `abort(request_id)` would drop a request (`EngineCore.abortable`)."""
         return await self.call(lambda s: self.core.abortable(request_id))
 
     def add_fault_listener(self, listener: Callable[[str], None]) -> None:
         """Call listener(message) on the event loop when an engine step faults (once; see EngineCore.on_fault)."""
-        self._fault_listeners.append(listener)
+        self.requests.add_fault_listener(listener)
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -152,55 +259,26 @@ class AsyncEngine:
         self.core.stop()
 
     def request(self, request: Request) -> RequestStream:
-        """The owner of `request` in this engine; entering it submits the request (see `RequestStream`)."""
-        return RequestStream(self, request)
+        return self.requests.request(request)
 
     @property
     def streams(self) -> dict[str, RequestStream]:
-        """The requests with an owner right now, by id (read-only use: drain waits while it is non-empty)."""
-        return self._streams
+        return self.requests.owners
 
     def abort(self, request_id: str) -> None:
-        """Abort from outside the owner (Worker.Abort): the owner's stream ends with EngineError(ABORTED).
-        Idempotent; unknown ids are ignored."""
         self.submit(Abort(request_id, notify=True))
 
     async def call(self, fn: Callable[[Scheduler], Any]) -> Any:
-        """Run fn(scheduler) on the engine thread (consistent snapshot) and return its result. In-process engines
-        only (tests): a process boundary takes the typed queries above."""
+        """Run fn(scheduler) on the engine thread (consistent snapshot) and return its result (tests, and the typed
+        queries above)."""
         fut: Future = Future()
         self.submit(Call(fn, fut))
         return await asyncio.wrap_future(fut)
 
-    def _open(self, stream: RequestStream, request: Request) -> None:
-        if request.request_id in self._streams:
-            raise EngineError(ErrorKind.DUPLICATE_REQUEST, f"request id {request.request_id!r} is in use")
-        self._streams[request.request_id] = stream
-        self.submit(AddRequest(request))
-
-    def _close(self, request_id: str, abort: bool) -> None:
-        self._streams.pop(request_id, None)
-        if abort:
-            self._stale[request_id] = self._stale.get(request_id, 0) + 1
-            self.submit(Abort(request_id, ack=True))
-
     def _fault(self, message: str) -> None:  # engine thread
         assert self._loop is not None
-        for listener in self._fault_listeners:
-            self._loop.call_soon_threadsafe(listener, message)
+        self._loop.call_soon_threadsafe(self.requests.fault, message)
 
     def _emit(self, events: list) -> None:  # engine thread
         assert self._loop is not None
-        self._loop.call_soon_threadsafe(self._dispatch, events)
-
-    def _dispatch(self, events: list) -> None:  # event loop thread
-        for ev in events:
-            rid = ev.request_id
-            if rid in self._stale:  # made before the engine applied the abort of a former owner of this id
-                if isinstance(ev, Forgotten):
-                    if (left := self._stale.pop(rid) - 1) > 0:
-                        self._stale[rid] = left
-                continue
-            stream = self._streams.get(rid)
-            if stream is not None:
-                stream._put(ev)
+        self._loop.call_soon_threadsafe(self.requests.dispatch, events)

@@ -1,4 +1,4 @@
-"""`AsyncEngine` with the engine core in a process of its own (vLLM V1's split): this process keeps gRPC, KV
+"""An `Engine` (`engine.async_engine`) with the engine core in a process of its own (vLLM V1's split): this process keeps gRPC, KV
 transfer control and streaming; the engine process (`engine.core_process`) owns the scheduler, the model and the
 KV cache memory. Commands and outputs cross as typed messages (`engine.ipc`).
 
@@ -22,17 +22,17 @@ from collections.abc import Callable
 import torch
 
 from pdserve_server.engine.args import DEFAULT_MAX_UNREAD_TOKENS, EngineArgs
-from pdserve_server.engine.async_engine import AsyncEngine, RequestStream
+from pdserve_server.engine.async_engine import RequestStream, RequestStreams
 from pdserve_server.engine.config import CacheConfig, SchedulerConfig
 from pdserve_server.engine.models.config import ModelConfig
 from pdserve_server.engine.core_process import EngineProcessSpec, run_engine_process
-from pdserve_server.engine.engine_core import Abort, AddRequest, Call, KvArrived, Pause
+from pdserve_server.engine.engine_core import Abort, AddRequest, KvArrived, Pause
 from pdserve_server.engine.errors import EngineError, ErrorKind
 from pdserve_server.engine.ipc import (AbortRequest, BuildFailed, Codec, Fault, KvArrivedMsg, LayerBegin, LayerWritten,
                                        NewRequest, Outputs, PauseMsg, Query, QueryResult, Ready, Shutdown, StatsUpdate)
 from pdserve_server.engine.kv_cache import KvShards, import_shard
 from pdserve_server.engine.kv_stream import KvLayerProgress
-from pdserve_server.engine.outputs import RequestFailed, SchedulerStats
+from pdserve_server.engine.outputs import SchedulerStats
 from pdserve_server.engine.request import Request
 
 log = logging.getLogger(__name__)
@@ -48,8 +48,8 @@ class EngineBuildError(RuntimeError):
         self.error_type = error_type
 
 
-class ProcessEngine(AsyncEngine):
-    """An engine core in a child process, behind `AsyncEngine`'s interface. `await start()` before use.
+class ProcessEngine:
+    """An engine core in a child process, behind the `Engine` interface. `await start()` before use.
 
     After start: `model_config`, `cache_config`, `scheduler_config` describe the engine, and `kv` is its KV cache,
     every rank's shard mapped into this process (`engine.kv_cache.KvShards`; see `engine.ipc.Ready`).
@@ -58,13 +58,14 @@ class ProcessEngine(AsyncEngine):
         args: the engine to build there.
         threads: torch intra-op threads of the engine's loop (None: torch's default).
         log_setup: configures the engine process's logging (picklable), or None.
-        max_unread_tokens: as `AsyncEngine`'s.
+        max_unread_tokens: as `RequestStreams`'.
     """
 
     def __init__(self, args: EngineArgs, threads: int | None = None, log_setup: Callable[[], None] | None = None,
                  max_unread_tokens: int = DEFAULT_MAX_UNREAD_TOKENS):
-        super().__init__(lambda emit, on_fault: None,  # type: ignore[arg-type,return-value]
-                         max_unread_tokens=max_unread_tokens)
+        self.requests = RequestStreams(self.submit, max_unread_tokens, before_open=self._check_alive,
+                                       after_close=self._forget)
+        self._loop: asyncio.AbstractEventLoop | None = None
         self.args, self.threads, self.log_setup = args, threads, log_setup
         self.model_config: ModelConfig | None = None
         self.cache_config: CacheConfig | None = None
@@ -84,7 +85,7 @@ class ProcessEngine(AsyncEngine):
         self._zmq = self._azmq = self._commands = self._outputs = None
 
     # ---- lifecycle -------------------------------------------------------------------------------------------
-    async def start(self) -> None:  # type: ignore[override]
+    async def start(self) -> None:
         """Spawn the engine process and wait until its engine is built.
 
         Raises:
@@ -149,7 +150,7 @@ class ProcessEngine(AsyncEngine):
         """
         assert self.died is not None, "restart() is for an engine process that died"
         self._release()
-        self._stale.clear()
+        self.requests.clear_stale()
         self._layers.clear()
         self._calls.clear()
         self.kv = None
@@ -192,7 +193,7 @@ class ProcessEngine(AsyncEngine):
             process.join(5)
 
     # ---- commands --------------------------------------------------------------------------------------------
-    def submit(self, command: AddRequest | Abort | KvArrived | Pause | Call) -> None:
+    def submit(self, command: AddRequest | Abort | KvArrived | Pause) -> None:
         """Send a command to the engine process (event loop thread). Dropped once the process is gone: its
         requests have failed already."""
         if self.died is not None or self._stopping:
@@ -210,7 +211,7 @@ class ProcessEngine(AsyncEngine):
         elif isinstance(command, Pause):
             msg = PauseMsg(command.request_id, command.resume)
         else:
-            raise TypeError(f"{type(command).__name__} cannot cross to an engine process; use a typed query")
+            raise TypeError(f"{type(command).__name__} cannot cross to an engine process")
         self._commands.send(self._codec.encode(msg))
 
     @property
@@ -225,8 +226,19 @@ class ProcessEngine(AsyncEngine):
     async def abortable(self, request_id: str) -> bool:
         return (await self._query("abortable", request_id)).flag
 
-    async def call(self, fn):  # type: ignore[override]
-        raise TypeError("an engine in another process answers typed queries only (snapshot, abortable)")
+    def add_fault_listener(self, listener: Callable[[str], None]) -> None:
+        """Call listener(message) on the event loop when an engine step faults or the engine process dies."""
+        self.requests.add_fault_listener(listener)
+
+    def request(self, request: Request) -> RequestStream:
+        return self.requests.request(request)
+
+    @property
+    def streams(self) -> dict[str, RequestStream]:
+        return self.requests.owners
+
+    def abort(self, request_id: str) -> None:
+        self.submit(Abort(request_id, notify=True))
 
     async def _query(self, name: str, request_id: str = "") -> QueryResult:
         """Raises: EngineError(ENGINE_DIED) when the engine process is gone; RuntimeError when the query raised."""
@@ -244,25 +256,24 @@ class ProcessEngine(AsyncEngine):
             raise RuntimeError(f"engine query {name} failed: {result.error}")
         return result
 
-    def _open(self, stream: RequestStream, request: Request) -> None:
+    def _check_alive(self) -> None:
+        """A request may enter: raises EngineError(ENGINE_DIED) once the engine process is gone."""
         if self.died is not None:
             raise EngineError(ErrorKind.ENGINE_DIED, self.died)
-        super()._open(stream, request)
 
-    def _close(self, request_id: str, abort: bool) -> None:
+    def _forget(self, request_id: str) -> None:
         self._layers.pop(request_id, None)
-        super()._close(request_id, abort)
 
     # ---- outputs ---------------------------------------------------------------------------------------------
     async def _read_outputs(self) -> None:
         while True:
             msg = self._codec.decode_output(await self._outputs.recv())
             if isinstance(msg, Outputs):
-                self._dispatch(msg.events)
+                self.requests.dispatch(msg.events)
             elif isinstance(msg, StatsUpdate):
                 self._stats = msg.stats
             elif isinstance(msg, (LayerBegin, LayerWritten)):
-                progress = None if msg.request_id in self._stale else self._layers.get(msg.request_id)
+                progress = None if self.requests.is_stale(msg.request_id) else self._layers.get(msg.request_id)
                 if progress is None:
                     continue
                 if isinstance(msg, LayerBegin):
@@ -274,8 +285,7 @@ class ProcessEngine(AsyncEngine):
                 if future is not None and not future.done():
                     future.set_result(msg)
             elif isinstance(msg, Fault):
-                for listener in self._fault_listeners:
-                    listener(msg.message)
+                self.requests.fault(msg.message)
 
     def _on_exit(self) -> None:
         """The engine process is gone without being asked: fail everything in flight and tell the listeners."""
@@ -286,19 +296,16 @@ class ProcessEngine(AsyncEngine):
             return
         process.join(1)
         self.died = f"the engine process died ({_describe_exit(process.exitcode)})"
-        log.error("%s; failing %d request(s) in flight", self.died, len(self._streams))
+        log.error("%s; failing %d request(s) in flight", self.died, len(self.requests.owners))
         if self._reader is not None:
             self._reader.cancel()
-        for rid, stream in list(self._streams.items()):
-            stream._queue.put_nowait(RequestFailed(rid, ErrorKind.ENGINE_DIED, self.died))
+        self.requests.fail_all(ErrorKind.ENGINE_DIED, self.died)
         for progress in self._layers.values():
             progress.fail(self.died)
         for future in self._calls.values():
             if not future.done():
                 future.set_exception(EngineError(ErrorKind.ENGINE_DIED, self.died))
-        self._stale.clear()
-        for listener in self._fault_listeners:
-            listener(self.died)
+        self.requests.fault(self.died)
 
 
 def _receive_answer(conn, process) -> Ready | BuildFailed:

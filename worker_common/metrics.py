@@ -8,7 +8,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from pdserve_server.engine.async_engine import AsyncEngine
+from pdserve_server.engine.async_engine import Engine
 from pdserve_server.server_common.metrics import BYTE_BUCKETS, LATENCY_BUCKETS
 
 LABELS = ["model_name", "role"]
@@ -18,7 +18,7 @@ class EngineStatsCollector(Collector):
     """Gauges and counters from `EngineCore.stats` (a `SchedulerStats` the engine thread replaces every
     iteration): nothing here reads the scheduler itself."""
 
-    def __init__(self, engine: AsyncEngine, labels: list[str]):
+    def __init__(self, engine: Engine, labels: list[str]):
         self.engine, self.labels = engine, labels
 
     def collect(self) -> Iterator[Metric]:
@@ -54,7 +54,7 @@ class WorkerMetrics:
         model_name, role: label values ("prefill", "decode" or "colocated").
     """
 
-    def __init__(self, registry: CollectorRegistry, engine: AsyncEngine, model_name: str, role: str):
+    def __init__(self, registry: CollectorRegistry, engine: Engine, model_name: str, role: str):
         labels = [model_name, role]
         registry.register(EngineStatsCollector(engine, labels))
         mode = [*LABELS, "mode"]  # "blocks" (sent whole after the first token) or "layers" (layer-wise streaming)

@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 import grpc
 from prometheus_client import CollectorRegistry
 
-from pdserve_server.engine.async_engine import AsyncEngine
+from pdserve_server.engine.async_engine import AsyncEngine, Engine
 from pdserve_server.engine.builder import build_engine
 from pdserve_server.engine.config import CacheConfig, SchedulerConfig, compat_hash, kv_bytes_per_block
 from pdserve_server.engine.models.config import ModelConfig
@@ -42,7 +42,7 @@ class WorkerEngine:
     """A worker's running engine (a thread here or a process of its own), what it was built as, its KV cache
     memory (every rank's shard: what the KV connectors read and write) and its metrics."""
 
-    engine: AsyncEngine
+    engine: Engine
     model_config: ModelConfig
     cache_config: CacheConfig
     scheduler_config: SchedulerConfig
@@ -79,7 +79,7 @@ async def start_engine(config: WorkerConfig) -> WorkerEngine:
     set_threads(1)
     # A prefill worker never runs an all-decode step: capturing decode graphs there would only cost start-up time.
     args = replace(config.engine, enforce_eager=True) if config.role == "prefill" else config.engine
-    engine: AsyncEngine
+    engine: Engine
     if config.engine_process:
         engine = ProcessEngine(args, threads=config.engine.threads,
                                log_setup=functools.partial(configure_logging, config.log_level, config.log_format),
