@@ -1,6 +1,6 @@
-"""An `Engine` (`engine.async_engine`) with the engine core in a process of its own (vLLM V1's split): this process keeps gRPC, KV
-transfer control and streaming; the engine process (`engine.core_process`) owns the scheduler, the model and the
-KV cache memory. Commands and outputs cross as typed messages (`engine.ipc`).
+"""An `Engine` (`engine.async_engine`) with the engine core in a process of its own (vLLM V1's split): this process
+keeps gRPC, KV transfer control and streaming; the engine process (`engine.core_process`) owns the scheduler, the
+model and the KV cache memory. Commands and outputs cross as typed messages (`engine.ipc`).
 
 Supervision: the engine process is watched through its sentinel. If it dies (kill -9, a segfault in a kernel),
 every request in flight fails at once with ENGINE_DIED (gRPC UNAVAILABLE: the coordinator retries or migrates it)
