@@ -29,6 +29,7 @@ from pdserve_server.engine.outputs import (Reserved, RequestFailed, RunnerOutput
 from pdserve_server.engine.request import SAMPLE_ID_SEPARATOR, FinishReason, Request, RequestStatus
 from pdserve_server.engine.speculative import propose_ngram
 from pdserve_server.engine.step_budget import StepBudget
+from pdserve_server.engine.stops import stop_after
 from pdserve_server.engine.step_cost import StepCost
 
 if TYPE_CHECKING:
@@ -499,7 +500,7 @@ class Scheduler:
             req.append_output(token.token_id)
             if req.matcher is not None and not req.matcher.accept(token.token_id):
                 # The sampler only draws allowed tokens, so this is a bug; the matcher is now stopped and
-                # _check_stop ends the request here rather than let it go on unconstrained.
+                # stop_after ends the request here rather than let it go on unconstrained.
                 log.warning("request %s: token %d rejected by its structured output (%s)", req.request_id,
                             token.token_id, req.matcher.error)
             ev = TokenOutput(req.external_id, token, num_cached_tokens=req.num_cached_tokens,
@@ -510,30 +511,12 @@ class Scheduler:
                 req.first_token_time = now
                 ev.queue_ms = (req.first_scheduled_time - req.arrival_time) * 1e3
                 ev.prefill_ms = (now - req.first_scheduled_time) * 1e3
-            self._check_stop(req, token.token_id, ev)
+            ev.finish_reason, ev.stop_token_id = stop_after(req, token.token_id, self.config.max_model_len)
             events.append(ev)
             if ev.finish_reason is not None:
                 del tokens[i + 1:]
                 break
         return ev
-
-    def _check_stop(self, req: Request, token_id: int, ev: TokenOutput) -> None:
-        sp = req.sampling
-        num_out = len(req.output_token_ids)
-        # The sampler masks stop tokens while num_out <= min_tokens; checking again keeps the rule in one place.
-        if num_out > sp.min_tokens and (
-                (not sp.ignore_eos and token_id in req.eos_token_ids) or token_id in sp.stop_token_ids):
-            ev.finish_reason, ev.stop_token_id = FinishReason.STOP, token_id
-            return
-        if req.matcher is not None and req.matcher.stopped:  # the constraint's language allows nothing more
-            ev.finish_reason = FinishReason.STOP
-            if token_id in req.eos_token_ids or token_id in sp.stop_token_ids:
-                ev.stop_token_id = token_id
-            return
-        if num_out >= sp.max_tokens or req.num_tokens >= self.config.max_model_len:
-            ev.finish_reason = FinishReason.LENGTH
-        elif req.prefill_only:
-            ev.finish_reason = FinishReason.PREFILL_DONE
 
     def _finish(self, req: Request) -> None:
         req.status = RequestStatus.FINISHED
