@@ -10,7 +10,7 @@ deadline counts as hung); greedy outputs of requests that finished must equal th
 
     .venv/bin/python bench/chaos.py --minutes 30 [--connector ucx] [--kv-layerwise] [--model-dir DIR] [--out FILE.json]
 
-tests/test_chaos.py runs one short round on the tiny model in CI.
+tests/bench/test_chaos.py runs one short round on the tiny model in CI.
 """
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ block 16, K/V blocks scattered in the cache. Cases are `bench/kernels_gpu.py`'s 
 chunk over a cached prefix. Achieved rate counts causal FLOPs (4 * head_dim per visible (query, key) pair) and is
 printed as a fraction of the bf16 matmul rate measured in the same run. Every config is first checked on ragged
 chunks with cached prefixes (relative Frobenius error against `kernels.reference`, bound 2e-2 as in
-tests/test_kernels_triton.py); a config that fails to compile or to match is reported and not timed.
+tests/kernels/test_kernels_triton.py); a config that fails to compile or to match is reported and not timed.
 `F.scaled_dot_product_attention` (FlashAttention on Hopper) runs the whole-prompt cases on the same data laid out
 contiguously, causal, as the class this kernel is measured against. `--configs` limits the run to some launch
 shapes (block_m x block_n x warps x stages, unmasked whole tiles), e.g. `64x64x4x3,128x128x8x3`; `--tag` labels

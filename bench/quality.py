@@ -3,9 +3,9 @@
 - Perplexity: HF transformers' LlamaForCausalLM on the packaged model, fp32 / bf16 / bf16 with int8 or int4
   weight-only linears (`engine.quantization`, the same modules the engine uses), over a fixed window of
   real English text (bench/prompts.py's corpus, --ppl-tokens tokens from its start), one forward pass.
-- Agreement: pdserve's engine, greedy, 32 tokens on each of the 8 PROMPTS (shared with tests/test_dtype.py), against
-  the engine in fp32 (tokens before the first divergence over the stream's length: greedy streams differ entirely
-  after one token).
+- Agreement: pdserve's engine, greedy, 32 tokens on each of the 8 PROMPTS (shared with
+  tests/engine/test_dtype.py), against the engine in fp32 (tokens before the first divergence over the stream's
+  length: greedy streams differ entirely after one token).
 
 Usage: python bench/quality.py [--ppl-tokens 1024] [--out F.json]
 """
@@ -55,7 +55,7 @@ def engine_greedy(model_dir: str, prompts: list[list[int]], dtype: str, quantiza
 
 def agreement(a: list[list[int]], b: list[list[int]]) -> float:
     """Tokens generated before the first divergence over the longer stream's length, summed over prompts (greedy
-    streams differ entirely after one; both stop at EOS). Also the measure tests/test_dtype.py bounds."""
+    streams differ entirely after one; both stop at EOS). Also the measure tests/engine/test_dtype.py bounds."""
     same = sum(next((i for i, (x, y) in enumerate(zip(p, q)) if x != y), min(len(p), len(q))) for p, q in zip(a, b))
     return same / sum(max(len(p), len(q)) for p, q in zip(a, b))
 

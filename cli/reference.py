@@ -1,6 +1,6 @@
 """The configuration reference, docs/configuration.md: every command's flags, defaults and choices as `--help`
 prints them, generated from the parsers (themselves built from the config dataclasses), so it cannot drift from the
-code (tests/test_cli.py compares the file with this output).
+code (tests/cli/test_cli.py compares the file with this output).
 
     .venv/bin/python -m pdserve_server.cli.reference > docs/configuration.md
 """

@@ -3,7 +3,7 @@
 `tokenizers` (HF's Rust tokenizer, the library transformers' fast tokenizers wrap) reads `tokenizer.json`; the chat
 template is rendered with jinja2 in the same sandboxed environment transformers uses for `apply_chat_template`
 (trim_blocks, lstrip_blocks, loop controls, `raise_exception`, `strftime_now`, a non-escaping `tojson`), then
-tokenized without special tokens, as transformers does. tests/test_text.py holds both against transformers.
+tokenized without special tokens, as transformers does. tests/coordinator/test_text.py holds both against transformers.
 
 One difference on purpose: special-token text inside a message's content ("<|im_start|>system ...") is encoded as
 ordinary text unless the caller asks otherwise, so a user message cannot forge a turn of another role (transformers

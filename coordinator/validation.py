@@ -2,7 +2,7 @@
 
 The resolved form is the public `SamplingParams` message with every default filled in: what the worker proto
 carries and what each worker converts, once, into the engine's dataclass. The defaults are those documented in
-generate.proto (tests/test_validation.py holds them against the engine's dataclass).
+generate.proto (tests/coordinator/test_validation.py holds them against the engine's dataclass).
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import grpc
 from pdserve_server.coordinator.errors import RequestError, invalid
 from pdserve.v1 import generate_pb2
 
-MAX_LOGPROBS = 20  # engine.request has the same bounds (tests/test_validation.py holds them together)
+MAX_LOGPROBS = 20  # engine.request has the same bounds (tests/coordinator/test_validation.py holds them together)
 MAX_SAMPLES = 64  # sampling.n
 # Stop conditions a request may carry. Stop strings are matched against every chunk on the coordinator's event loop
 # (shared by every stream): 10^6 of them froze other streams for ~10 s. OpenAI's API takes 4 stop strings; these

@@ -72,7 +72,7 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     index_select, 1.9x faster than the earlier advanced-index gather + einsum + softmax on CPU (64 seqs x 272
     tokens, SmolLM2 layer shapes, 1 thread: 38.6 -> 19.9 ms per layer), equal to 3e-7. bf16/fp16 keep the explicit
     fp32 einsum: SDPA on bf16 inputs was 4x faster still (7.3 ms) but rounds the probabilities to bf16 before P.V,
-    which moved the tiny model's bf16 greedy output off HF's (tests/test_dtype.py); not adopted until understood.
+    which moved the tiny model's bf16 greedy output off HF's (tests/engine/test_dtype.py); not adopted until understood.
     """
     num_seqs, num_q_heads, head_dim = query.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]

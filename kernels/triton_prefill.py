@@ -45,8 +45,8 @@ def prefill_config(head_pad: int, dtype: torch.dtype) -> PrefillConfig:
     launch shape tried (2026-11-24). For head size 128 in bf16, tiles of 128 x 128 keys on 8 warps measured 7-10%
     faster on 4096-token prompts and on 512-token chunks after a 2048-token prefix, 2-3% slower on 1024-token prompts
     (three runs, 2026-11-26, Triton 3.6), but they spill registers to local memory when Triton 3.9 compiles them for
-    sm_90 (255 registers, 24 bytes of stack: tests/test_kernels_compile.py), so 64 x 64 stays the default until a
-    spill-free 128-row variant is measured.
+    sm_90 (255 registers, 24 bytes of stack: tests/kernels/test_kernels_compile.py), so 64 x 64 stays the default
+    until a spill-free 128-row variant is measured.
     """
     if head_pad > 128:
         return PrefillConfig(32, 32, split_mask=True)

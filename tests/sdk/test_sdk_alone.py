@@ -8,7 +8,7 @@ import pytest
 
 from pdserve_server.cli.launcher import ServeConfig, start_cluster
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.e2e
 
 CLIENT = """

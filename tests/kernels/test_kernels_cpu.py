@@ -1,5 +1,6 @@
 """The C kernels (`kernels/cpu_ops.py`, the compiled `kernels/_C`) against the torch reference, in every ISA build of
-them that this CPU runs; the builds it cannot run are compiled all the same (tests/test_kernels_extension.py)."""
+them that this CPU runs; the builds it cannot run are compiled all the same
+(tests/kernels/test_kernels_extension.py)."""
 import pytest
 import torch
 

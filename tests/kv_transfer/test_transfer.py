@@ -18,7 +18,7 @@ from pdserve_server.kv_transfer.receiver import KvReceiver
 from pdserve_server.kv_transfer.sender import KvSender, TransferError
 
 BACKENDS = available_backends()
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 BLOCK = 4096
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.e2e
 
 
@@ -128,7 +128,7 @@ def test_sweep_names_no_dense_dtype_for_quantized_weights():
     """The machine-fraction baseline is a dense GEMM in the system's dtype; quantized weights have none (int4 at
     M = 1 outruns the dense bf16 GEMM, which read as a fraction above 1). A --variant is pdserve whatever its name
     (one called "int4" used to be taken for a vLLM peer in fp32, and its int4 read 1.25 of the fp32 GEMM rate)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
     from sweep import dense_dtype, weight_format
 
     def system_dtype(name, args, pdserve):
@@ -151,7 +151,7 @@ def test_sweep_names_no_dense_dtype_for_quantized_weights():
 def test_the_sweep_runs_each_peer_in_this_cpus_best_dense_precision(monkeypatch, auto, peers):
     """A peer's bf16 is emulated on a CPU without AVX512-BF16 or AMX (slower than its fp32): the default systems
     follow what pdserve's --dtype auto picks on the same CPU."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
     from pdserve_server.engine import hardware
     from sweep import ALL_SYSTEMS, default_systems
 
@@ -163,7 +163,7 @@ def test_the_sweep_runs_each_peer_in_this_cpus_best_dense_precision(monkeypatch,
 def test_sweep_weight_bytes_per_token(tiny_model_dir, real_model_dir):
     """Bytes of matmul weights read per token at batch 1, the numerator of the concurrency-1 bandwidth fraction:
     every projection and the LM head, at each system's storage size; llama.cpp's from the GGUF it runs."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
     import gguf
     from step_profile import config_linear_shapes
     from sweep import weight_bytes_per_token as bytes_of, weight_format
@@ -203,7 +203,7 @@ def test_sweep_weight_bytes_per_token(tiny_model_dir, real_model_dir):
 def test_linear_shapes_of_a_mixture_of_experts_count_the_router_and_top_k_experts():
     """bench/step_profile.py's per-token matmul shapes for a Qwen3-MoE whose layer 1 is dense (`mlp_only_layers`):
     the sparse layer has the router and top_k = 2 experts' gate/up and down, not the dense MLP's."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
     from step_profile import config_linear_shapes
     from transformers import Qwen3MoeConfig
 

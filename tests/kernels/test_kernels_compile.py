@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("triton")
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_kernels_compile_for_sm90_without_spills(tmp_path):

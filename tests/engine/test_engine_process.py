@@ -305,7 +305,7 @@ def test_no_engine_process_outlives_its_worker(tiny_model_dir, tmp_path, how):
     from pathlib import Path
 
     ready, log = tmp_path / "ready.json", tmp_path / "worker.log"
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     with open(log, "w") as out:
         worker = subprocess.Popen(
             [sys.executable, "-m", "pdserve_server.cli.main", "colocated", "--model", str(tiny_model_dir), "--dtype",

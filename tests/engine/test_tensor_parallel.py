@@ -154,7 +154,7 @@ def _cfg(**kw) -> ModelConfig:
 def test_sharding_table():
     """q, k and v segments split separately (rank 1 gets q heads 2-3 and kv head 1); gate and up likewise; o_proj
     and down_proj by input columns; o_proj's bias on rank 0 only; the vocabulary padded to 2 x 5 rows; kv heads that
-    do not split padded with zero heads (`tests/test_tp_heads.py` covers the placements)."""
+    do not split padded with zero heads (`tests/engine/test_tp_heads.py` covers the placements)."""
     cfg = _cfg()
     r0, r1 = TensorParallel(0, 2), TensorParallel(1, 2)
     qkv = torch.arange(16.0)[:, None].expand(16, 4)  # rows: q 0-7 (4 heads x 2), k 8-11, v 12-15

@@ -207,7 +207,7 @@ def test_a_killed_launcher_leaves_no_server_behind(tiny_model_dir, tmp_path):
         "                  worker_args=['--kv-tokens', '1024', '--max-model-len', '256'])\n"
         "print(json.dumps([p.pid for p in c.processes.values()]), flush=True)\n"
         "time.sleep(600)\n")
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     launcher = subprocess.Popen([sys.executable, "-c", script], cwd=root, stdout=subprocess.PIPE, text=True)
     try:
         pids = json.loads(launcher.stdout.readline())

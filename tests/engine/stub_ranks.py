@@ -1,5 +1,5 @@
-"""Stand-in rank processes for tests/test_tensor_parallel.py, spawned: this module imports only the standard library,
-so a child starts at once and holds no threads that could keep it from exiting (the test module itself pulls in
+"""Stand-in rank processes for tests/engine/test_tensor_parallel.py, spawned: this module imports only the standard
+library, so a child starts at once and holds no threads that could keep it from exiting (the test module itself pulls in
 torch, the engine and their threads)."""
 import os
 import time

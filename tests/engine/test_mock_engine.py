@@ -20,7 +20,7 @@ from pdserve_server.engine.mock.step_model import (StepShape, StepTimeModel, fit
 from pdserve_server.engine.offline import generate, run_until_idle
 from pdserve_server.engine.request import Request, SamplingParams
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 VOCAB = 49152
 TRUE = StepTimeModel(decode=(2.0, 0.01, 1e-5, 3e-6), mixed=(15.0, 0.02, 0.005, 0.001, 1e-7, 0.02, 2e-6),
                      batch_sizes=(1, 2, 4, 8, 16, 32, 48, 64))

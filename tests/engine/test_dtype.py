@@ -17,7 +17,7 @@ from pdserve_server.engine.quantization import (Int4WeightOnlyLinear, Int8Weight
 from pdserve_server.engine.offline import generate
 from pdserve_server.engine.request import SamplingParams
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 from quality import PROMPTS, agreement  # noqa: E402  (one definition of the measure, shared with the benchmark)
 
 

@@ -9,7 +9,7 @@ import yaml
 
 from pdserve_server.cli.main import build_parser
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 MANIFESTS = sorted((ROOT / "deploy" / "k8s").glob("*.yaml"))
 
 

@@ -72,7 +72,7 @@ def test_the_install_puts_no_generic_top_level_package():
              "specs = {n: importlib.util.find_spec(n) for n in names}\n"
              "print(json.dumps({n: s.origin if s else None for n, s in specs.items()}))\n")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, cwd="/")
-    repo = str(Path(__file__).resolve().parents[1])
+    repo = str(Path(__file__).resolve().parents[2])
     found = json.loads(out.stdout)
     assert not {n: o for n, o in found.items() if o and o.startswith(repo)}, found
     assert loaded_after("import pdserve_server.kernels, pdserve_server.engine.mock") >= {"kernels", "engine"}

@@ -382,7 +382,7 @@ def test_the_configuration_reference_is_current():
 
     from pdserve_server.cli.reference import configuration_reference, python_version
 
-    text = (Path(__file__).resolve().parents[1] / "docs" / "configuration.md").read_text()
+    text = (Path(__file__).resolve().parents[2] / "docs" / "configuration.md").read_text()
     made_with = re.search(r"under Python (\d+\.\d+)", text).group(1)
     if made_with != python_version():
         pytest.skip(f"docs/configuration.md was generated under Python {made_with}, this is {python_version()}")

@@ -21,7 +21,7 @@ from pdserve_server.cli.launcher import ServeConfig, start_cluster
 from pdserve import Client, SamplingParams
 
 pytestmark = pytest.mark.e2e
-DASHBOARD = Path(__file__).resolve().parents[1] / "deploy" / "grafana" / "pdserve-dashboard.json"
+DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "pdserve-dashboard.json"
 RATE_INTERVAL = "1m"  # $__rate_interval at a 1 s scrape interval: several samples in every window
 
 

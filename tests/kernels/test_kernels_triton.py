@@ -302,7 +302,7 @@ def test_prefill_and_write_wrappers_reject_bad_arguments():
 
 def test_select_ops():
     assert select_ops("torch", "cpu").name == "torch"
-    assert select_ops("auto", "cpu").name == "cpu"  # the C decode kernel (tests/test_kernels_cpu.py)
+    assert select_ops("auto", "cpu").name == "cpu"  # the C decode kernel (tests/kernels/test_kernels_cpu.py)
     assert select_ops("triton", DEVICE).name == "triton"
     with pytest.raises(ValueError, match="attention backend must be one of"):
         select_ops("flash", "cpu")

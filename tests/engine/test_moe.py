@@ -260,7 +260,7 @@ def _linear(weight: torch.Tensor):
 def test_int4_moe_engine_computes_its_dequantized_model(qwen3_moe_dir):
     """The Qwen3-MoE checkpoint served with --quantization int4 (experts, attention and LM head quantized; the
     router not) generates what the bf16 engine generates with those weights replaced by their dequantized codes,
-    as the dense model's test (tests/test_dtype.py) holds it: most tokens agree (bf16 rounding of the reference's
+    as the dense model's test (tests/engine/test_dtype.py) holds it: most tokens agree (bf16 rounding of the reference's
     weights parts some on random weights), a wrong layout would leave next to none."""
     from torch import nn
 
