@@ -8,7 +8,7 @@ The receiver runs in a child process (as a decode worker does) with its own free
 here (as a prefill worker does). Block j of transfer i carries the bytes of source block (i + j) % SOURCE_BLOCKS,
 each source block filled with one byte value, so the receiver checks content without being told it. Cancel moments
 are scaled to this machine's own median transfer time (`--cancel-window`), measured first on uncancelled transfers.
-tests/test_transfer_stress.py runs a short form of it for every installed backend in CI.
+tests/kv_transfer/test_transfer.py::test_transfer_stress_with_random_cancellations runs a short form of it in CI.
 """
 from __future__ import annotations
 
