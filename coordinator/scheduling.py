@@ -4,7 +4,7 @@ its deadlines, turned into the `worker_pb2.SchedulingHints` the workers' engines
 
 - Tenant: the caller's API key id ("key:<id>") when the port requires keys (a request's `tenant` field cannot pick
   another's share), else the request's `tenant` field when set, else the peer ("peer:ipv4:<ip>", gRPC's peer
-  without the port). Per-caller limits and request-id scoping use `GenerationServicer.caller`, which is the key or
+  without the port). Per-caller limits and request-id scoping use `doors.grpc_call.caller`, which is the key or
   the peer: a keyless client cannot escape its limits by naming tenants.
 - Weight: the --tenant-weights file's (`read_tenants`); tenants it does not name weigh 1.
 - Priority: granted, not self-asserted (`grant_priority`): a nonzero priority is refused under the default
@@ -105,7 +105,7 @@ def resolve_tenant(caller: str, tenant_field: str, keys_required: bool) -> str:
     """Whose fair share a request counts against (see the module docstring).
 
     Args:
-        caller: `GenerationServicer.caller`: "key:<id>" or "peer:<addr>".
+        caller: `doors.grpc_call.caller`: "key:<id>" or "peer:<addr>".
         tenant_field: the request's tenant field ("" = none).
         keys_required: the port authenticates API keys (then the key decides, whatever the field says).
     """
