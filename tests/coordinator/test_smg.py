@@ -396,13 +396,12 @@ def test_client_disconnect_through_smg_frees_the_request(cluster, openai_client)
     gone client), which ends it early and frees it on the workers. The decode worker's engine process runs a tenth
     of the time meanwhile, so the 300 tokens take seconds and the abort, not the last token, ends the request
     however loaded the machine (the clean-clone CI of d9f8b6b, under load, once saw them all come first)."""
-    from test_engine_process import children_of
+    from test_engine_process import engine_processes
 
     access = re.compile(r"request (chatcmpl-\S+) (\w+): \d+ prompt \+ (\d+) output tokens, finish (\w+)")
     log_file = Path(cluster.log_files["coordinator"])
     before = len(access.findall(log_file.read_text()))
-    engine = [pid for pid in children_of(cluster.processes["decode-0"].pid)
-              if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]  # not its resource tracker
+    engine = engine_processes(cluster.processes["decode-0"].pid)
     assert len(engine) == 1, engine
     with throttled(engine):
         stream = openai_client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=300,

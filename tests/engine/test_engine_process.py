@@ -3,6 +3,7 @@ the KV cache shared with the worker, and a dead engine process noticed at once, 
 import asyncio
 import os
 import signal
+from pathlib import Path
 
 import pytest
 import torch
@@ -284,6 +285,14 @@ def children_of(pid: int) -> set[int]:
     return out
 
 
+def engine_processes(worker_pid: int) -> list[int]:
+    """The engine-core processes a worker spawned (multiprocessing's spawn children, not its resource tracker)."""
+    def cmdline(pid: int) -> bytes:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    return [p for p in children_of(worker_pid)
+            if b"multiprocessing.spawn" in cmdline(p) and b"resource_tracker" not in cmdline(p)]
+
+
 def gone(pid: int) -> bool:
     """The process has exited (reaped, or a zombie nobody waits for: re-parented to init, it is reaped soon)."""
     try:
@@ -302,7 +311,6 @@ def test_no_engine_process_outlives_its_worker(tiny_model_dir, tmp_path, how):
     import subprocess
     import sys
     import time
-    from pathlib import Path
 
     ready, log = tmp_path / "ready.json", tmp_path / "worker.log"
     root = Path(__file__).resolve().parents[2]
@@ -319,8 +327,7 @@ def test_no_engine_process_outlives_its_worker(tiny_model_dir, tmp_path, how):
             assert time.monotonic() < deadline, "the worker never became ready"
             time.sleep(0.1)
         assert json.loads(ready.read_text())["address"]
-        engines = [p for p in children_of(worker.pid) if b"multiprocessing.spawn" in Path(f"/proc/{p}/cmdline")
-                   .read_bytes() and b"resource_tracker" not in Path(f"/proc/{p}/cmdline").read_bytes()]
+        engines = engine_processes(worker.pid)
         assert len(engines) == 1, engines
         if how == "SIGTERM":
             worker.send_signal(signal.SIGTERM)
