@@ -31,7 +31,7 @@ from pdserve_server.engine.engine_core import Abort, AddRequest, Call, EngineCor
 from pdserve_server.engine.ipc import (AbortRequest, BuildFailed, Codec, Fault, KvArrivedMsg, LayerBegin, LayerWritten,
                                        NewRequest, Outputs, PauseMsg, Query, QueryResult, Ready, Shutdown, StatsUpdate)
 from pdserve_server.engine.kv_cache import export_shard, share
-from pdserve_server.engine.lifetime import die_with_parent
+from pdserve_server.engine.lifetime import die_with_parent, exit_now
 from pdserve_server.engine.request import Request
 from pdserve_server.engine.tp_ranks import RankProcesses, rank_threads
 
@@ -122,6 +122,7 @@ def run_engine_process(spec: EngineProcessSpec, handshake: Connection) -> None:
     out_sock.close(linger=1000)  # outputs already queued still go out
     if not reader.is_alive():  # else term() would wait for the reader's socket forever
         context.term()
+    exit_now(0)
 
 
 def _read_commands(sock, codec: Codec, core: EngineCore, send: Callable[[object], None]) -> None:

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import signal
 import sys
+from typing import NoReturn
 
 log = logging.getLogger(__name__)
 
@@ -22,3 +24,19 @@ def die_with_parent() -> None:
         except OSError:
             pass
     log.warning("could not ask to die with the parent process (prctl); an orphaned child may outlive it")
+
+
+def exit_now(code: int = 0) -> NoReturn:
+    """End a server process that has shut down cleanly without the interpreter's teardown: flush the logs and the
+    standard streams, then `os._exit(code)`. With torch loaded that teardown takes about half a second (this
+    machine: `python -c "import torch"` 1.52-1.55 s, 1.01-1.08 s ending in os._exit), paid at every stop and
+    restart of a worker and of its engine process, and it does nothing these processes need: their servers,
+    sockets and child processes are closed or joined by then, span exporters flushed (`Tracing.shutdown`), and the
+    KV pool is torch shared memory passed by file descriptor (nothing to unlink)."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # closed or gone: nothing left to lose
+            pass
+    os._exit(code)

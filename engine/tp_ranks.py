@@ -31,7 +31,7 @@ from pdserve_server.engine.config import CacheConfig, SchedulerConfig
 from pdserve_server.engine.models.config import ModelConfig
 from pdserve_server.engine.hardware import set_threads
 from pdserve_server.engine.kv_cache import export_shard, share
-from pdserve_server.engine.lifetime import die_with_parent
+from pdserve_server.engine.lifetime import die_with_parent, exit_now
 from pdserve_server.engine.models.sharding import vocab_per_rank
 from pdserve_server.engine.parallel import TensorParallel, init_group, rank_device
 from pdserve_server.engine.shm_collectives import ShmCollectives
@@ -91,6 +91,7 @@ def run_rank(spec: RankSpec) -> None:
         log.exception("tensor-parallel rank %d failed", spec.rank)
         sys.exit(1)
     log.info("tensor-parallel rank %d stopped", spec.rank)
+    exit_now(0)
 
 
 class RankProcesses:
