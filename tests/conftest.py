@@ -61,6 +61,50 @@ def save_with_tokenizer(model, out: Path, real_model_dir: Path) -> Path:
     return out
 
 
+class Launcher:
+    """Starts local clusters (`pdserve_server.cli.launcher.start_cluster`) and stops every one it started when its
+    fixture ends: the one way a test gets a cluster (`launch` for one test, `launch_module` for a module's tests)."""
+
+    def __init__(self, tmp_path_factory):
+        self._tmp = tmp_path_factory
+        self._started = []
+
+    def __call__(self, model_dir: Path, name: str = "tiny", *, colocated: bool = False,
+                 worker_args: list[str] | None = None, coordinator_args: list[str] | None = None,
+                 env: dict | None = None, **shape):
+        """A running cluster serving `model_dir` as `name`; `shape`: ServeConfig's fields (log_dir defaults to a
+        fresh directory: read a process's log at `cluster.log_files[process name]`)."""
+        from pdserve_server.cli.launcher import ServeConfig, start_cluster
+
+        shape.setdefault("log_dir", str(self._tmp.mktemp("logs")))
+        cluster = start_cluster(str(model_dir), name, ServeConfig(**shape), colocated=colocated,
+                                worker_args=worker_args, coordinator_args=coordinator_args, env=env)
+        self._started.append(cluster)
+        return cluster
+
+    def stop(self) -> None:
+        """Stop every cluster started here, the newest first."""
+        while self._started:
+            self._started.pop().stop()
+
+
+@pytest.fixture
+def launch(tmp_path_factory):
+    """Start clusters for one test: `launch(model_dir, name, colocated=..., worker_args=[...], num_decode=2, ...)`;
+    stopped when the test ends, whatever its outcome."""
+    launcher = Launcher(tmp_path_factory)
+    yield launcher
+    launcher.stop()
+
+
+@pytest.fixture(scope="module")
+def launch_module(tmp_path_factory):
+    """`launch` for a module-scoped cluster fixture: stopped after the module's last test."""
+    launcher = Launcher(tmp_path_factory)
+    yield launcher
+    launcher.stop()
+
+
 @pytest.fixture(scope="session")
 def tokenizer(real_model_dir):
     """The packaged model's HF tokenizer."""

@@ -2,16 +2,14 @@
 import asyncio
 import random
 import re
-import time
 from pathlib import Path
 
 import grpc
 import pytest
 
 from conftest import hf_greedy
+from helpers import assert_idle, generate_with_random_cancels, greedy, scrape, total, worker_stats
 from pdserve import AsyncClient, Client, SamplingParams
-from pdserve_server.cli.launcher import ServeConfig, start_cluster
-from pdserve.v1 import worker_pb2, worker_pb2_grpc
 
 pytestmark = pytest.mark.e2e
 
@@ -21,35 +19,8 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "List three colors:"
 
 
 @pytest.fixture(scope="module")
-def cluster(real_model_dir, tmp_path_factory):
-    c = start_cluster(str(real_model_dir), "SmolLM2-135M-Instruct",
-                      ServeConfig(log_dir=str(tmp_path_factory.mktemp("logs"))), worker_args=WORKER_ARGS)
-    yield c
-    c.stop()
-
-
-def worker_stats(cluster, name):
-    """A worker's GetStats answer (the internal API: the cluster secret is required)."""
-    with grpc.insecure_channel(cluster.worker_addresses[name]) as ch:
-        return worker_pb2_grpc.WorkerStub(ch).GetStats(worker_pb2.WorkerStatsRequest(check_integrity=True), timeout=10,
-                                                       metadata=cluster.worker_metadata)
-
-
-def assert_idle(cluster, timeout_s=30.0):
-    """Every worker returns to its idle pool counts (no leaked blocks or requests) within timeout_s."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        stats = {n: worker_stats(cluster, n) for n in cluster.worker_addresses}
-        if all(s.num_free_blocks == s.num_total_blocks and s.num_requests == 0 for s in stats.values()):
-            assert all(s.pool_integrity_ok for s in stats.values())
-            return
-        if time.monotonic() > deadline:
-            pytest.fail(f"workers not idle: {stats}")
-        time.sleep(0.2)
-
-
-def greedy(n, **kw):
-    return SamplingParams(max_tokens=n, temperature=0.0, **kw)
+def cluster(real_model_dir, launch_module):
+    return launch_module(real_model_dir, "SmolLM2-135M-Instruct", worker_args=WORKER_ARGS)
 
 
 def test_model_info(cluster):
@@ -98,6 +69,7 @@ def test_concurrent_requests_match_hf(cluster, tokenizer, real_model_dir):
 def test_short_request_overtakes_long_one(cluster):
     """Continuous batching: a short request arriving while a long one decodes joins the running batch and
     finishes first; the decode worker's step log shows both joining and the short one leaving."""
+
     async def main():
         async with AsyncClient(cluster.address) as c:
             finished = []
@@ -199,31 +171,6 @@ def test_cancel_and_abort_free_every_block(cluster):
     assert_idle(cluster)
 
 
-def generate_with_random_cancels(address, prompts, rng, max_tokens, cancel_after, concurrency, total_timeout_s,
-                                 id_prefix, call_timeout_s=None) -> None:
-    """Send every prompt once (greedy, ignore_eos, rng.randint(*max_tokens) tokens) with `concurrency` in flight,
-    leaving each stream after rng.choice(cancel_after) chunks (None = read it to the end). Raises TimeoutError
-    unless every stream ended within total_timeout_s."""
-    async def one(c, i, prompt, sem):
-        async with sem:
-            n = rng.randint(*max_tokens)
-            stop_after = rng.choice(cancel_after)
-            got = 0
-            async for _ in c.generate(prompt, greedy(n, ignore_eos=True), request_id=f"{id_prefix}-{i}",
-                                      timeout=call_timeout_s):
-                got += 1
-                if stop_after is not None and got > stop_after:
-                    break
-
-    async def main():
-        sem = asyncio.Semaphore(concurrency)
-        async with AsyncClient(address) as c:
-            await asyncio.wait_for(asyncio.gather(*(one(c, i, p, sem) for i, p in enumerate(prompts))),
-                                   total_timeout_s)
-
-    asyncio.run(main())
-
-
 def test_random_cancellations_do_not_leak(cluster):
     generate_with_random_cancels(cluster.address, [PROMPTS[i % len(PROMPTS)] for i in range(100)], random.Random(7),
                                  max_tokens=(2, 12), cancel_after=[None, 0, 1, 3], concurrency=16,
@@ -232,7 +179,7 @@ def test_random_cancellations_do_not_leak(cluster):
 
 
 @pytest.mark.parametrize("mode", ["ucx", "tcp", "nccl", "colocated", "tcp+layerwise", "nccl+layerwise"])
-def test_tiny_model_cluster_matches_hf(tiny_model_dir, tmp_path, mode):
+def test_tiny_model_cluster_matches_hf(tiny_model_dir, mode, launch):
     """A random-weight Llama built from a config, through each topology / connector (whole blocks after the first
     token, or layer-wise streaming during the last prefill chunk), equals HF greedy. A budget of 32 tokens makes
     the 40- and 64-token prompts chunked, so layer-wise streaming sends earlier chunks' blocks too; the last
@@ -242,110 +189,93 @@ def test_tiny_model_cluster_matches_hf(tiny_model_dir, tmp_path, mode):
     connector, _, layerwise = mode.partition("+")
     args = ["--dtype", "float32", "--kv-tokens", "2048", "--max-model-len", "512", "--max-num-batched-tokens", "32",
             "--connector", "tcp" if mode == "colocated" else connector, *(["--kv-layerwise"] if layerwise else [])]
-    c = start_cluster(str(tiny_model_dir), "tiny", ServeConfig(log_dir=str(tmp_path)), colocated=mode == "colocated",
-                      worker_args=args)
-    try:
-        rng = random.Random(1)
-        prompts = [[rng.randrange(3, 49152) for _ in range(n)] for n in (3, 17, 40, 64, 20)]
-        lengths = [6, 7, 8, 9, 1]
+    c = launch(tiny_model_dir, colocated=mode == "colocated", worker_args=args)
+    rng = random.Random(1)
+    prompts = [[rng.randrange(3, 49152) for _ in range(n)] for n in (3, 17, 40, 64, 20)]
+    lengths = [6, 7, 8, 9, 1]
 
-        async def main():
-            async with AsyncClient(c.address) as client:
-                return await asyncio.gather(*(client.complete(p, greedy(n, ignore_eos=True))
-                                              for p, n in zip(prompts, lengths)))
+    async def main():
+        async with AsyncClient(c.address) as client:
+            return await asyncio.gather(*(client.complete(p, greedy(n, ignore_eos=True))
+                                          for p, n in zip(prompts, lengths)))
 
-        outs = asyncio.run(main())
-        for p, n, out in zip(prompts, lengths, outs):
-            assert out.token_ids == hf_greedy(tiny_model_dir, p, n)
-        again = prompts[3][:49]
-        with Client(c.address) as client:
-            client.complete(again, greedy(3, ignore_eos=True))
-            repeat = client.complete(again, greedy(3, ignore_eos=True), timeout=60)
-            info = client.model_info()
-        assert repeat.cached_prompt_tokens == 48 and repeat.token_ids == hf_greedy(tiny_model_dir, again, 3)
-        assert info.topology == ("colocated" if mode == "colocated" else "disaggregated")
-        assert info.kv_connector == ("" if mode == "colocated" else connector)
-        assert_idle(c)
-    finally:
-        c.stop()
+    outs = asyncio.run(main())
+    for p, n, out in zip(prompts, lengths, outs):
+        assert out.token_ids == hf_greedy(tiny_model_dir, p, n)
+    again = prompts[3][:49]
+    with Client(c.address) as client:
+        client.complete(again, greedy(3, ignore_eos=True))
+        repeat = client.complete(again, greedy(3, ignore_eos=True), timeout=60)
+        info = client.model_info()
+    assert repeat.cached_prompt_tokens == 48 and repeat.token_ids == hf_greedy(tiny_model_dir, again, 3)
+    assert info.topology == ("colocated" if mode == "colocated" else "disaggregated")
+    assert info.kv_connector == ("" if mode == "colocated" else connector)
+    assert_idle(c)
 
 
-def test_two_prefill_two_decode_workers_all_take_requests(tiny_model_dir, tmp_path):
+def test_two_prefill_two_decode_workers_all_take_requests(tiny_model_dir, launch):
     """Routing spreads load per role: sequential requests alternate, concurrent ones spread by load."""
-    c = start_cluster(str(tiny_model_dir), "tiny", ServeConfig(num_prefill=2, num_decode=2, log_dir=str(tmp_path)),
-                      worker_args=["--dtype", "float32", "--kv-tokens", "2048", "--max-model-len", "512",
-                                   "--connector", "tcp"])
-    try:
-        def steps():
-            return {name: worker_stats(c, name).num_steps for name in c.worker_addresses}
+    c = launch(tiny_model_dir, worker_args=["--dtype", "float32", "--kv-tokens", "2048", "--max-model-len", "512",
+                                            "--connector", "tcp"], num_prefill=2, num_decode=2)
 
-        with Client(c.address) as client:
-            for i in range(2):
-                client.complete([5 + i] * 20, greedy(4, ignore_eos=True))
-        after_sequential = steps()
-        assert all(n > 0 for n in after_sequential.values()), after_sequential
+    def steps():
+        return {name: worker_stats(c, name).num_steps for name in c.worker_addresses}
 
-        async def burst():
-            async with AsyncClient(c.address) as client:
-                await asyncio.gather(*(client.complete([7 + i] * 30, greedy(6, ignore_eos=True)) for i in range(8)))
+    with Client(c.address) as client:
+        for i in range(2):
+            client.complete([5 + i] * 20, greedy(4, ignore_eos=True))
+    after_sequential = steps()
+    assert all(n > 0 for n in after_sequential.values()), after_sequential
 
-        asyncio.run(burst())
-        after_burst = steps()
-        assert all(after_burst[n] > after_sequential[n] for n in after_burst), (after_sequential, after_burst)
-        assert_idle(c)
-    finally:
-        c.stop()
+    async def burst():
+        async with AsyncClient(c.address) as client:
+            await asyncio.gather(*(client.complete([7 + i] * 30, greedy(6, ignore_eos=True)) for i in range(8)))
+
+    asyncio.run(burst())
+    after_burst = steps()
+    assert all(after_burst[n] > after_sequential[n] for n in after_burst), (after_sequential, after_burst)
+    assert_idle(c)
 
 
-def test_shared_system_prompt_goes_to_the_prefill_worker_that_holds_it(tiny_model_dir, tmp_path):
+def test_shared_system_prompt_goes_to_the_prefill_worker_that_holds_it(tiny_model_dir, launch):
     """Prefix-aware routing: the second request with the same 256-token system prompt lands on the prefill worker
     that computed it and reports those tokens as cached; plain rotation would have sent it to the other one."""
-    c = start_cluster(str(tiny_model_dir), "tiny", ServeConfig(num_prefill=2, log_dir=str(tmp_path)),
-                      worker_args=["--dtype", "float32", "--kv-tokens", "4096", "--max-model-len", "512",
-                                   "--connector", "tcp"])
-    try:
-        system = list(range(2000, 2256))
-        with Client(c.address) as client:
-            first = client.complete(system + [7, 8, 9], greedy(4, ignore_eos=True))
-            second = client.complete(system + [10, 11], greedy(4, ignore_eos=True))
-            third = client.complete(system + [12], greedy(4, ignore_eos=True))
-        assert first.cached_prompt_tokens == 0
-        assert second.cached_prompt_tokens == 256 and third.cached_prompt_tokens == 256
-        queried = [worker_stats(c, name).prefix_cache_query_tokens for name in ("prefill-0", "prefill-1")]
-        assert sorted(queried) == [0, 259 + 258 + 257]  # every request went to the one worker
-        assert second.token_ids == hf_greedy(tiny_model_dir, system + [10, 11], 4)
-    finally:
-        c.stop()
+    c = launch(tiny_model_dir, worker_args=["--dtype", "float32", "--kv-tokens", "4096", "--max-model-len", "512",
+                                            "--connector", "tcp"], num_prefill=2)
+    system = list(range(2000, 2256))
+    with Client(c.address) as client:
+        first = client.complete(system + [7, 8, 9], greedy(4, ignore_eos=True))
+        second = client.complete(system + [10, 11], greedy(4, ignore_eos=True))
+        third = client.complete(system + [12], greedy(4, ignore_eos=True))
+    assert first.cached_prompt_tokens == 0
+    assert second.cached_prompt_tokens == 256 and third.cached_prompt_tokens == 256
+    queried = [worker_stats(c, name).prefix_cache_query_tokens for name in ("prefill-0", "prefill-1")]
+    assert sorted(queried) == [0, 259 + 258 + 257]  # every request went to the one worker
+    assert second.token_ids == hf_greedy(tiny_model_dir, system + [10, 11], 4)
 
 
 @pytest.mark.parametrize("layerwise", [False, True])
-def test_decode_workers_cached_prefix_shrinks_the_transfer(tiny_model_dir, tmp_path, layerwise):
+def test_decode_workers_cached_prefix_shrinks_the_transfer(tiny_model_dir, layerwise, launch):
     """Only what is missing moves: a second request sharing a 64-token prefix with the first finds those 4 blocks
     (block size 16) in the decode worker's prefix cache, so the prefill worker sends 1 block instead of 5, whole
     or layer by layer; greedy output still equals HF's."""
-    from test_observability import scrape, total
+    c = launch(tiny_model_dir, worker_args=["--dtype", "float32", "--kv-tokens", "2048", "--max-model-len", "512",
+                                            "--connector", "tcp", "--metrics-port", "0",
+                                            *(["--kv-layerwise"] if layerwise else [])])
+    shared = list(range(3000, 3064))
 
-    c = start_cluster(str(tiny_model_dir), "tiny", ServeConfig(log_dir=str(tmp_path)),
-                      worker_args=["--dtype", "float32", "--kv-tokens", "2048", "--max-model-len", "512",
-                                   "--connector", "tcp",
-                                   "--metrics-port", "0", *(["--kv-layerwise"] if layerwise else [])])
-    try:
-        shared = list(range(3000, 3064))
+    mode = "layers" if layerwise else "blocks"
 
-        mode = "layers" if layerwise else "blocks"
+    def sent_bytes() -> float:
+        return total(scrape(c.metrics_urls["prefill-0"]), "pdserve:kv_transfer_bytes_sum", mode=mode)
 
-        def sent_bytes() -> float:
-            return total(scrape(c.metrics_urls["prefill-0"]), "pdserve:kv_transfer_bytes_sum", mode=mode)
-
-        with Client(c.address) as client:
-            first = client.complete(shared + [7, 8, 9], greedy(5, ignore_eos=True))
-            first_bytes = sent_bytes()
-            second = client.complete(shared + [10, 11], greedy(5, ignore_eos=True))
-            second_bytes = sent_bytes() - first_bytes
-        assert first_bytes > 0 and second_bytes == first_bytes / 5  # 67 tokens = 5 blocks; then 1 of 5
-        assert worker_stats(c, "decode-0").prefix_cache_hit_tokens == 64
-        assert first.token_ids == hf_greedy(tiny_model_dir, shared + [7, 8, 9], 5)
-        assert second.token_ids == hf_greedy(tiny_model_dir, shared + [10, 11], 5)
-        assert_idle(c)
-    finally:
-        c.stop()
+    with Client(c.address) as client:
+        first = client.complete(shared + [7, 8, 9], greedy(5, ignore_eos=True))
+        first_bytes = sent_bytes()
+        second = client.complete(shared + [10, 11], greedy(5, ignore_eos=True))
+        second_bytes = sent_bytes() - first_bytes
+    assert first_bytes > 0 and second_bytes == first_bytes / 5  # 67 tokens = 5 blocks; then 1 of 5
+    assert worker_stats(c, "decode-0").prefix_cache_hit_tokens == 64
+    assert first.token_ids == hf_greedy(tiny_model_dir, shared + [7, 8, 9], 5)
+    assert second.token_ids == hf_greedy(tiny_model_dir, shared + [10, 11], 5)
+    assert_idle(c)

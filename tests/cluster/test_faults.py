@@ -8,24 +8,20 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
-from pdserve_server.cli.launcher import ServeConfig, start_cluster
 from conftest import hf_greedy
 from pdserve import AsyncClient, Client, SamplingParams
 from pdserve.v1 import generate_pb2, worker_pb2, worker_pb2_grpc
-from test_e2e import assert_idle, greedy
+from helpers import assert_idle, greedy
 
 pytestmark = pytest.mark.e2e
 LEASE_S = 2
 
 
 @pytest.fixture(scope="module")
-def cluster(tiny_model_dir, tmp_path_factory):
-    c = start_cluster(str(tiny_model_dir), "tiny", ServeConfig(log_dir=str(tmp_path_factory.mktemp("logs"))),
-                      worker_args=["--dtype", "float32", "--kv-tokens", "2048", "--max-model-len", "512",
-                                   "--connector", "tcp",
-                                   "--kv-timeout-s", str(LEASE_S)])
-    yield c
-    c.stop()
+def cluster(tiny_model_dir, launch_module):
+    return launch_module(tiny_model_dir, worker_args=["--dtype", "float32", "--kv-tokens", "2048",
+                                                      "--max-model-len", "512", "--connector", "tcp",
+                                                      "--kv-timeout-s", str(LEASE_S)])
 
 
 PROMPTS = [[5 + i, 17, 300 + i, 4000, 9 + i] * (i + 1) for i in range(6)]

@@ -8,7 +8,7 @@ import pytest
 
 from conftest import hf_greedy, save_with_tokenizer
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
-from test_e2e import assert_idle, greedy, worker_stats
+from helpers import assert_idle, greedy, worker_stats
 
 WINDOW = 8  # one 8-token block: prompts of 38+ tokens leave several blocks behind it before the transfer
 
@@ -29,11 +29,10 @@ def mistral_window_dir(tmp_path_factory, real_model_dir):
 
 
 @pytest.mark.e2e
-def test_disaggregated_sliding_window_matches_hf_and_frees_old_blocks(mistral_window_dir, tokenizer, tmp_path):
+def test_disaggregated_sliding_window_matches_hf_and_frees_old_blocks(mistral_window_dir, tokenizer, launch):
     """Three prompts of 38+ tokens, the first sent twice more (a prefix-cache hit on the prefill worker, whose
     given-back blocks stay cached with their real contents) and once cut in half (a hit on part of a prompt whose
     window reaches into blocks the first request gave back): 40 greedy tokens each, every one equal to HF's."""
-    from pdserve_server.cli.launcher import ServeConfig, start_cluster
     from pdserve import AsyncClient
 
     base = ["The history of the printing press begins in the fifteenth century, when movable type changed how "
@@ -47,67 +46,58 @@ def test_disaggregated_sliding_window_matches_hf_and_frees_old_blocks(mistral_wi
     assert min(map(len, ids)) >= 3 * WINDOW
     half = tokenizer.decode(ids[0][:len(ids[0]) // 2])
     prompts = base + [base[0], half]
-    cluster = start_cluster(str(mistral_window_dir), "tiny-mistral", ServeConfig(log_dir=str(tmp_path / "logs")),
-                            worker_args=["--dtype", "float32", "--kv-tokens", "4096", "--max-model-len", "512",
-                                         "--block-size", "8"],
-                            coordinator_args=["--no-local-prefill-queue"])  # every prompt through the transfer
-    try:
-        async def send(batch):
-            async with AsyncClient(cluster.address) as c:
-                return await asyncio.gather(*(c.complete(p, greedy(40, ignore_eos=True)) for p in batch))
+    cluster = launch(mistral_window_dir, "tiny-mistral", worker_args=["--dtype", "float32", "--kv-tokens", "4096",
+                                                                      "--max-model-len", "512", "--block-size", "8"],
+                     coordinator_args=["--no-local-prefill-queue"])  # every prompt through the transfer
 
-        outs = asyncio.run(send(prompts[:3])) + asyncio.run(send(prompts[3:]))
-        for prompt, out in zip(prompts, outs):
-            assert out.timings["transfer_ms"] > 0  # the KV crossed between the workers
-            assert out.token_ids == hf_greedy(mistral_window_dir, tokenizer(prompt)["input_ids"], 40), prompt
-        assert outs[3].cached_prompt_tokens > 0  # the repeat hit the prefill worker's prefix cache
-        assert_idle(cluster)
-        assert all(worker_stats(cluster, name).num_total_blocks == 4096 // 8 - 1  # the null block held back
-                   for name in cluster.worker_addresses)
-        for address in cluster.worker_addresses.values():  # the capacity the coordinator is told: what requests hold
-            with grpc.insecure_channel(address) as ch:
-                info = worker_pb2_grpc.WorkerStub(ch).GetInfo(worker_pb2.WorkerInfoRequest(), timeout=10,
-                                                              metadata=cluster.worker_metadata)
-            assert info.num_blocks == 4096 // 8 - 1 and info.kv_sliding_window == WINDOW
-    finally:
-        cluster.stop()
+    async def send(batch):
+        async with AsyncClient(cluster.address) as c:
+            return await asyncio.gather(*(c.complete(p, greedy(40, ignore_eos=True)) for p in batch))
+
+    outs = asyncio.run(send(prompts[:3])) + asyncio.run(send(prompts[3:]))
+    for prompt, out in zip(prompts, outs):
+        assert out.timings["transfer_ms"] > 0  # the KV crossed between the workers
+        assert out.token_ids == hf_greedy(mistral_window_dir, tokenizer(prompt)["input_ids"], 40), prompt
+    assert outs[3].cached_prompt_tokens > 0  # the repeat hit the prefill worker's prefix cache
+    assert_idle(cluster)
+    assert all(worker_stats(cluster, name).num_total_blocks == 4096 // 8 - 1  # the null block held back
+               for name in cluster.worker_addresses)
+    for address in cluster.worker_addresses.values():  # the capacity the coordinator is told: what requests hold
+        with grpc.insecure_channel(address) as ch:
+            info = worker_pb2_grpc.WorkerStub(ch).GetInfo(worker_pb2.WorkerInfoRequest(), timeout=10,
+                                                          metadata=cluster.worker_metadata)
+        assert info.num_blocks == 4096 // 8 - 1 and info.kv_sliding_window == WINDOW
 
 
 @pytest.mark.e2e
-def test_requests_longer_than_the_kv_pool_pass_through_a_disaggregated_cluster(mistral_window_dir, tokenizer,
-                                                                                 tmp_path):
+def test_requests_longer_than_the_kv_pool_pass_through_a_disaggregated_cluster(mistral_window_dir, tokenizer, launch):
     """Pools of 7 usable 8-token blocks (56 tokens) on both workers and prompts of about 60 and 150 tokens with 40
     outputs each: the workers advertise their whole context (512 tokens) to the coordinator, the prefill worker
     computes each prompt in chunks that fit beside the window, the decode worker reserves only the window's blocks,
     and both streams equal HF's greedy output; every block is back after."""
-    from pdserve_server.cli.launcher import ServeConfig, start_cluster
     from pdserve import AsyncClient
 
     text = ("Rivers carry water from high ground to the sea; along the way they cut valleys, move sand and stones, "
             "feed lakes and wetlands, and give towns their water, their trade routes and sometimes their floods. ")
     long_ids = tokenizer(text * 5)["input_ids"][:150]
     prompts = [tokenizer.decode(tokenizer(text)["input_ids"][:60]), tokenizer.decode(long_ids)]
-    cluster = start_cluster(str(mistral_window_dir), "tiny-mistral", ServeConfig(log_dir=str(tmp_path / "logs")),
-                            worker_args=["--dtype", "float32", "--kv-tokens", "64", "--max-model-len", "512",
-                                         "--block-size", "8"],
-                            coordinator_args=["--no-local-prefill-queue"])  # every prompt through the transfer
-    try:
-        for address in cluster.worker_addresses.values():
-            with grpc.insecure_channel(address) as ch:
-                info = worker_pb2_grpc.WorkerStub(ch).GetInfo(worker_pb2.WorkerInfoRequest(), timeout=10,
-                                                              metadata=cluster.worker_metadata)
-            # a request holds at most its window (8) and a chunk capped to 42 tokens: 7 blocks of 8
-            assert info.num_blocks == 7 and info.max_request_tokens == 512 and info.max_request_blocks == 7
+    cluster = launch(mistral_window_dir, "tiny-mistral", worker_args=["--dtype", "float32", "--kv-tokens", "64",
+                                                                      "--max-model-len", "512", "--block-size", "8"],
+                     coordinator_args=["--no-local-prefill-queue"])  # every prompt through the transfer
+    for address in cluster.worker_addresses.values():
+        with grpc.insecure_channel(address) as ch:
+            info = worker_pb2_grpc.WorkerStub(ch).GetInfo(worker_pb2.WorkerInfoRequest(), timeout=10,
+                                                          metadata=cluster.worker_metadata)
+        # a request holds at most its window (8) and a chunk capped to 42 tokens: 7 blocks of 8
+        assert info.num_blocks == 7 and info.max_request_tokens == 512 and info.max_request_blocks == 7
 
-        async def send():
-            async with AsyncClient(cluster.address) as c:
-                return await asyncio.gather(*(c.complete(p, greedy(40, ignore_eos=True)) for p in prompts))
+    async def send():
+        async with AsyncClient(cluster.address) as c:
+            return await asyncio.gather(*(c.complete(p, greedy(40, ignore_eos=True)) for p in prompts))
 
-        outs = asyncio.run(send())
-        for prompt, out in zip(prompts, outs):
-            ids = tokenizer(prompt)["input_ids"]
-            assert len(ids) + 40 > 56 and out.timings["transfer_ms"] > 0
-            assert out.token_ids == hf_greedy(mistral_window_dir, ids, 40), prompt
-        assert_idle(cluster)
-    finally:
-        cluster.stop()
+    outs = asyncio.run(send())
+    for prompt, out in zip(prompts, outs):
+        ids = tokenizer(prompt)["input_ids"]
+        assert len(ids) + 40 > 56 and out.timings["transfer_ms"] > 0
+        assert out.token_ids == hf_greedy(mistral_window_dir, ids, 40), prompt
+    assert_idle(cluster)

@@ -14,9 +14,8 @@ import pytest
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from pdserve_server.cli.launcher import ServeConfig, start_cluster
 from pdserve import Client, SamplingParams
-from test_e2e import assert_idle
+from helpers import assert_idle
 
 pytestmark = pytest.mark.e2e
 
@@ -27,11 +26,8 @@ GREEDY = {"max_tokens": 12, "temperature": 0, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
-def cluster(tiny_model_dir, tmp_path_factory):
-    c = start_cluster(str(tiny_model_dir), "tiny", ServeConfig(log_dir=str(tmp_path_factory.mktemp("logs"))),
-                      worker_args=WORKER_ARGS, coordinator_args=["--scheduling-policy", "priority"])
-    yield c
-    c.stop()
+def cluster(tiny_model_dir, launch_module):
+    return launch_module(tiny_model_dir, worker_args=WORKER_ARGS, coordinator_args=["--scheduling-policy", "priority"])
 
 
 @pytest.fixture(scope="module")

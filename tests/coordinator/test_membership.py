@@ -13,56 +13,12 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from pdserve_server.cli.launcher import ServeConfig, _spawn, start_cluster, wait_ready
+from helpers import TINY_WORKER, Processes, children_of, gone, readiness, wait_for
 from pdserve import Client, SamplingParams
 
 pytestmark = pytest.mark.e2e
 GREEDY = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
-WORKER = ["--dtype", "float32", "--kv-tokens", "1024", "--max-model-len", "256", "--connector", "tcp", "--log-level",
-          "INFO"]
-
-
-class Processes:
-    """Workers and a coordinator started one by one, as an operator (or compose) would, sharing one secret."""
-
-    def __init__(self, model_dir: Path, workdir: Path):
-        self.model_dir, self.workdir = str(model_dir), workdir
-        self.secret = workdir / "cluster.secret"
-        self.secret.write_text("membership-test-secret")
-        self.procs: dict[str, object] = {}
-        self.env = dict(os.environ)
-
-    def start(self, name: str, *args: str) -> str:
-        ready = self.workdir / f"{name}.ready"
-        ready.unlink(missing_ok=True)
-        proc, ready, _ = _spawn([*args, "--model", self.model_dir, "--cluster-secret-file", str(self.secret)], name,
-                                self.workdir, self.workdir, self.env)
-        self.procs[name] = proc
-        return wait_ready([(name, proc, ready)], 180)[0]["address"]
-
-    def kill(self, name: str) -> None:
-        self.procs[name].kill()
-        self.procs[name].wait()
-
-    def stop(self) -> None:
-        for p in self.procs.values():
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-
-
-def readiness(address: str) -> int:
-    with grpc.insecure_channel(address) as ch:
-        return health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5).status
-
-
-def wait_for(predicate, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if value := predicate():
-            return value
-        time.sleep(0.1)
-    pytest.fail(f"{what} within {timeout_s}s")
+WORKER = [*TINY_WORKER, "--log-level", "INFO"]
 
 
 def test_dead_restarted_and_new_decode_workers(tiny_model_dir, tmp_path):
@@ -109,11 +65,11 @@ def test_dead_restarted_and_new_decode_workers(tiny_model_dir, tmp_path):
         p.stop()
 
 
-def test_serve_restart_brings_a_dead_worker_back_and_stop_ends_it(tiny_model_dir, tmp_path, capsys):
+def test_serve_restart_brings_a_dead_worker_back_and_stop_ends_it(tiny_model_dir, capsys, launch):
     """`pdserve serve --restart` (`Cluster.supervise`): a worker that exits, killed here (a worker whose engine
     faulted exits non-zero the same way: test_worker_health), is started again on its gRPC port and the cluster
     serves through it; `stop`, from another thread, ends the supervision and leaves no process behind."""
-    cluster = start_cluster(str(tiny_model_dir), "tiny", ServeConfig(log_dir=str(tmp_path)), worker_args=WORKER)
+    cluster = launch(tiny_model_dir, worker_args=WORKER)
     supervisor = threading.Thread(target=cluster.supervise, args=(True, 0.1))
     try:
         supervisor.start()
@@ -137,28 +93,6 @@ def test_serve_restart_brings_a_dead_worker_back_and_stop_ends_it(tiny_model_dir
     assert "pdserve: decode-0 exited with code -9" in out and "pdserve: restarted decode-0 on" in out
 
 
-def children_of(pid: int) -> list[int]:
-    """Process ids whose parent is pid (from /proc)."""
-    out = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                out.append(int(entry.name))
-    return out
-
-
-def alive(pid: int) -> bool:
-    """Running (not gone, not a zombie)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 @pytest.mark.parametrize("ending", ["sigterm", "coordinator_killed"])
 def test_serve_leaves_no_process_behind(tiny_model_dir, tmp_path, ending):
     """SIGTERM used to kill `pdserve serve` alone and orphan its coordinator and workers; a dead coordinator used to
@@ -174,7 +108,7 @@ def test_serve_leaves_no_process_behind(tiny_model_dir, tmp_path, ending):
                 break
         children = children_of(proc.pid)
         assert len(children) == 3  # coordinator, prefill, decode
-        family = children + [g for c in children for g in children_of(c)]
+        family = children | {g for c in children for g in children_of(c)}
         assert len(family) >= 5  # and the two workers' engine processes
         if ending == "sigterm":
             proc.send_signal(signal.SIGTERM)
@@ -185,7 +119,7 @@ def test_serve_leaves_no_process_behind(tiny_model_dir, tmp_path, ending):
             assert proc.wait(60) == 1
             assert "the coordinator exited" in proc.stdout.read()
         deadline = time.monotonic() + 30
-        while any(alive(c) for c in family):
+        while any(not gone(c) for c in family):
             assert time.monotonic() < deadline, "processes of the cluster outlived serve"
             time.sleep(0.2)
     finally:

@@ -20,7 +20,8 @@ from conftest import hf_greedy
 from pdserve_server.engine.mock.runner import continuation
 from pdserve import Client, SamplingParams
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
-from test_membership import WORKER, Processes, wait_for
+from helpers import Processes, wait_for
+from test_membership import WORKER
 
 pytestmark = pytest.mark.e2e
 PROMPT = [11, 22, 33, 44, 55, 66, 77, 88, 99, 111]

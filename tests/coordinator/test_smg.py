@@ -24,9 +24,8 @@ import grpc
 import pytest
 from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2 as pb, vllm_engine_pb2_grpc as pb_grpc
 
-from pdserve_server.cli.launcher import ServeConfig, start_cluster
 from pdserve import Client, SamplingParams
-from test_e2e import assert_idle
+from helpers import assert_idle
 
 pytestmark = pytest.mark.e2e
 
@@ -36,11 +35,8 @@ CALL_TIMEOUT_S = 120.0
 
 
 @pytest.fixture(scope="module")
-def cluster(tiny_model_dir, tmp_path_factory):
-    c = start_cluster(str(tiny_model_dir), "tiny", ServeConfig(log_dir=str(tmp_path_factory.mktemp("logs"))),
-                      worker_args=WORKER_ARGS)
-    yield c
-    c.stop()
+def cluster(tiny_model_dir, launch_module):
+    return launch_module(tiny_model_dir, worker_args=WORKER_ARGS)
 
 
 @pytest.fixture(scope="module")
@@ -396,7 +392,7 @@ def test_client_disconnect_through_smg_frees_the_request(cluster, openai_client)
     gone client), which ends it early and frees it on the workers. The decode worker's engine process runs a tenth
     of the time meanwhile, so the 300 tokens take seconds and the abort, not the last token, ends the request
     however loaded the machine (the clean-clone CI of d9f8b6b, under load, once saw them all come first)."""
-    from test_engine_process import engine_processes
+    from helpers import engine_processes
 
     access = re.compile(r"request (chatcmpl-\S+) (\w+): \d+ prompt \+ (\d+) output tokens, finish (\w+)")
     log_file = Path(cluster.log_files["coordinator"])

@@ -17,7 +17,6 @@ from pathlib import Path
 
 import pytest
 
-from pdserve_server.cli.launcher import ServeConfig, start_cluster
 from pdserve import Client, SamplingParams
 
 pytestmark = pytest.mark.e2e
@@ -67,11 +66,10 @@ def prometheus_binary() -> str:
     return path
 
 
-def test_every_panel_shows_data_for_the_model_it_offers(prometheus_binary, tiny_model_dir, tmp_path):
-    cluster = start_cluster(str(tiny_model_dir), "tiny", ServeConfig(log_dir=str(tmp_path / "logs")),
-                            worker_args=["--dtype", "float32", "--kv-tokens", "1024", "--max-model-len", "256",
-                                         "--connector", "tcp", "--metrics-port", "0"],
-                            coordinator_args=["--metrics-port", "0"])
+def test_every_panel_shows_data_for_the_model_it_offers(prometheus_binary, tiny_model_dir, tmp_path, launch):
+    cluster = launch(tiny_model_dir, worker_args=["--dtype", "float32", "--kv-tokens", "1024", "--max-model-len",
+                                                  "256", "--connector", "tcp", "--metrics-port", "0"],
+                     coordinator_args=["--metrics-port", "0"])
     prom = None
     try:
         targets = [urllib.parse.urlsplit(u) for u in cluster.metrics_urls.values()]
@@ -128,4 +126,3 @@ def test_every_panel_shows_data_for_the_model_it_offers(prometheus_binary, tiny_
         if prom is not None:
             prom.terminate()
             prom.wait(30)
-        cluster.stop()

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers import engine_processes, gone
 from pdserve_server.engine.args import EngineArgs
 from pdserve_server.engine.async_engine import AsyncEngine
 from pdserve_server.engine.builder import build_engine
@@ -80,6 +81,7 @@ def test_process_engine_matches_thread_engine(tiny_model_dir):
 def test_kv_cache_is_shared_with_the_worker(tiny_model_dir):
     """The worker's view of the cache is the engine's memory: what a request's prefill wrote is visible here, in
     the request's blocks, without a copy (the KV connectors read and write it in place)."""
+
     async def scenario(engine):
         (shard,) = engine.kv.shards
         assert shard.is_shared()
@@ -112,6 +114,7 @@ def test_layerwise_progress_crosses_the_process(tiny_model_dir):
 def test_reused_request_id_never_gets_the_old_requests_events(tiny_model_dir):
     """An owner that leaves early aborts its request; a new request under the same id must not receive the events
     the engine made for the old one before the abort reached it (issue 30 item 5)."""
+
     async def scenario(engine):
         results = []
         for round_ in range(20):
@@ -129,6 +132,7 @@ def test_reused_request_id_never_gets_the_old_requests_events(tiny_model_dir):
 def test_killed_engine_fails_every_stream_at_once(tiny_model_dir):
     """kill -9 of the engine process: every open stream ends with ENGINE_DIED (the worker maps it to UNAVAILABLE),
     a new request is refused the same way, and the fault listeners hear why."""
+
     async def scenario(engine):
         faults: list[str] = []
         engine.add_fault_listener(faults.append)
@@ -275,31 +279,6 @@ def test_worker_survives_its_engine_process_being_killed(tiny_model_dir, tmp_pat
 
     asyncio.run(main())
     assert engine_children() - before == set()
-
-
-def children_of(pid: int) -> set[int]:
-    out = set()
-    for task in os.listdir(f"/proc/{pid}/task"):
-        with open(f"/proc/{pid}/task/{task}/children") as f:
-            out.update(int(p) for p in f.read().split())
-    return out
-
-
-def engine_processes(worker_pid: int) -> list[int]:
-    """The engine-core processes a worker spawned (multiprocessing's spawn children, not its resource tracker)."""
-    def cmdline(pid: int) -> bytes:
-        return Path(f"/proc/{pid}/cmdline").read_bytes()
-    return [p for p in children_of(worker_pid)
-            if b"multiprocessing.spawn" in cmdline(p) and b"resource_tracker" not in cmdline(p)]
-
-
-def gone(pid: int) -> bool:
-    """The process has exited (reaped, or a zombie nobody waits for: re-parented to init, it is reaped soon)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except FileNotFoundError:
-        return True
 
 
 @pytest.mark.parametrize("how", ["SIGTERM", "SIGINT to the group", "SIGKILL"])

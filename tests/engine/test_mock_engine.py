@@ -189,59 +189,50 @@ def test_mock_engine_refusals_are_clear(config_dir):
 
 @pytest.mark.e2e
 @pytest.mark.parametrize("layerwise", [False, True], ids=["whole-blocks", "layerwise"])
-def test_a_cluster_of_mock_workers_streams_the_derived_tokens(tiny_model_dir, tmp_path, layerwise):
+def test_a_cluster_of_mock_workers_streams_the_derived_tokens(tiny_model_dir, layerwise, launch):
     """`--mock-engine` on real worker processes: prefill worker -> KV over tcp (whole blocks after the first token,
     or layer by layer as the modelled step passes) -> decode worker -> coordinator -> SDK; every stream is the
     chain derived from its prompt, and every pool is idle after."""
-    from test_e2e import assert_idle, greedy
+    from helpers import assert_idle, greedy
 
-    from pdserve_server.cli.launcher import ServeConfig, start_cluster
     from pdserve import AsyncClient
 
     args = ["--mock-engine", "llama-3.1-8b-h200", "--mock-speedup", "20", "--kv-tokens", "2048",
             "--max-model-len", "512", "--max-num-batched-tokens", "32", "--connector", "tcp",
             *(["--kv-layerwise"] if layerwise else [])]
-    c = start_cluster(str(tiny_model_dir), "tiny", ServeConfig(log_dir=str(tmp_path)), worker_args=args)
-    try:
-        rng = random.Random(2)
-        prompts = [[rng.randrange(3, VOCAB) for _ in range(n)] for n in (3, 17, 40, 64, 20, 100)]
+    c = launch(tiny_model_dir, worker_args=args)
+    rng = random.Random(2)
+    prompts = [[rng.randrange(3, VOCAB) for _ in range(n)] for n in (3, 17, 40, 64, 20, 100)]
 
-        async def main():
-            async with AsyncClient(c.address) as client:
-                return await asyncio.gather(*(client.complete(p, greedy(9)) for p in prompts))
+    async def main():
+        async with AsyncClient(c.address) as client:
+            return await asyncio.gather(*(client.complete(p, greedy(9)) for p in prompts))
 
-        for p, out in zip(prompts, asyncio.run(main())):
-            assert out.token_ids == chain(p, 9)
-        assert_idle(c)
-    finally:
-        c.stop()
+    for p, out in zip(prompts, asyncio.run(main())):
+        assert out.token_ids == chain(p, 9)
+    assert_idle(c)
 
 
 @pytest.mark.e2e
-def test_stream_interval_sends_tokens_n_at_a_time(tiny_model_dir, tmp_path):
+def test_stream_interval_sends_tokens_n_at_a_time(tiny_model_dir, launch):
     """--stream-interval 4 on a (mock) colocated worker: the first message at once, then chunks of at least 4
     tokens, and the same tokens as the derived chain."""
-    from test_e2e import greedy
+    from helpers import greedy
 
-    from pdserve_server.cli.launcher import ServeConfig, start_cluster
     from pdserve import Client
 
     args = ["--mock-engine", "smollm2-135m-h200", "--mock-speedup", "20", "--kv-tokens", "2048",
             "--max-model-len", "512", "--stream-interval", "4"]
-    c = start_cluster(str(tiny_model_dir), "tiny", ServeConfig(log_dir=str(tmp_path)), colocated=True,
-                      worker_args=args)
-    try:
-        prompt = list(range(100, 130))
-        with Client(c.address) as client:
-            chunks = [ch.token_ids for ch in client.generate(prompt, greedy(14)) if ch.token_ids]
-        assert [t for ch in chunks for t in ch] == chain(prompt, 14)
-        # The first message goes at once with the tokens the worker has (one, unless a loaded machine let the engine
-        # run ahead of the stream: the clean-clone CI of e940d8a saw [3, 4, 4, 3]); every later one but the last
-        # waits for 4.
-        assert all(len(ch) >= 4 for ch in chunks[1:-1]), [len(ch) for ch in chunks]
-        assert len(chunks) <= 5, [len(ch) for ch in chunks]  # 1 + ceil(13 / 4)
-    finally:
-        c.stop()
+    c = launch(tiny_model_dir, colocated=True, worker_args=args)
+    prompt = list(range(100, 130))
+    with Client(c.address) as client:
+        chunks = [ch.token_ids for ch in client.generate(prompt, greedy(14)) if ch.token_ids]
+    assert [t for ch in chunks for t in ch] == chain(prompt, 14)
+    # The first message goes at once with the tokens the worker has (one, unless a loaded machine let the engine
+    # run ahead of the stream: the clean-clone CI of e940d8a saw [3, 4, 4, 3]); every later one but the last
+    # waits for 4.
+    assert all(len(ch) >= 4 for ch in chunks[1:-1]), [len(ch) for ch in chunks]
+    assert len(chunks) <= 5, [len(ch) for ch in chunks]  # 1 + ceil(13 / 4)
 
 
 # ---- the planner ---------------------------------------------------------------------------------------------------

@@ -146,34 +146,30 @@ def test_drafts_only_take_blocks_no_other_request_could_need(tiny_model_dir):
 
 @pytest.mark.e2e
 @pytest.mark.parametrize("colocated", [False, True])
-def test_cluster_with_speculation_matches_hf_and_reports_acceptance(real_model_dir, tokenizer, tmp_path, colocated):
+def test_cluster_with_speculation_matches_hf_and_reports_acceptance(real_model_dir, tokenizer, colocated, launch):
     """Real processes with --speculative-ngram-tokens: three concurrent greedy requests (under the batch limit)
     equal HF, their final usage counts drafts and accepted drafts, and the decode worker's Prometheus counters hold
     the same sums."""
     import asyncio
 
-    from pdserve_server.cli.launcher import ServeConfig, start_cluster
     from pdserve import AsyncClient
     from pdserve import SamplingParams as Params
-    from test_observability import scrape, total
+    from helpers import scrape, total
 
-    c = start_cluster(str(real_model_dir), "SmolLM2-135M-Instruct", ServeConfig(log_dir=str(tmp_path)),
-                      colocated=colocated, worker_args=["--dtype", "float32", "--kv-tokens", "4096",
-                                                        "--max-model-len", "512",
-                                                        "--speculative-ngram-tokens", "4", "--metrics-port", "0"])
-    try:
-        async def main():
-            async with AsyncClient(c.address) as client:
-                return await asyncio.gather(*(client.complete(t, Params(max_tokens=20, temperature=0.0))
-                                              for t in TEXTS[:3]))
+    c = launch(real_model_dir, "SmolLM2-135M-Instruct", colocated=colocated,
+               worker_args=["--dtype", "float32", "--kv-tokens", "4096", "--max-model-len", "512",
+                            "--speculative-ngram-tokens", "4", "--metrics-port", "0"])
 
-        outs = asyncio.run(main())
-        for text, out in zip(TEXTS, outs):
-            assert out.token_ids == hf_greedy(real_model_dir, tokenizer(text).input_ids, 20), text
-        assert outs[0].spec_accepted_tokens >= 8 and outs[0].spec_draft_tokens >= outs[0].spec_accepted_tokens
-        decode = scrape(c.metrics_urls["colocated-0" if colocated else "decode-0"])
-        assert total(decode, "pdserve:spec_decode_num_draft_tokens_total") == sum(o.spec_draft_tokens for o in outs)
-        assert total(decode, "pdserve:spec_decode_num_accepted_tokens_total") == sum(
-            o.spec_accepted_tokens for o in outs)
-    finally:
-        c.stop()
+    async def main():
+        async with AsyncClient(c.address) as client:
+            return await asyncio.gather(*(client.complete(t, Params(max_tokens=20, temperature=0.0))
+                                          for t in TEXTS[:3]))
+
+    outs = asyncio.run(main())
+    for text, out in zip(TEXTS, outs):
+        assert out.token_ids == hf_greedy(real_model_dir, tokenizer(text).input_ids, 20), text
+    assert outs[0].spec_accepted_tokens >= 8 and outs[0].spec_draft_tokens >= outs[0].spec_accepted_tokens
+    decode = scrape(c.metrics_urls["colocated-0" if colocated else "decode-0"])
+    assert total(decode, "pdserve:spec_decode_num_draft_tokens_total") == sum(o.spec_draft_tokens for o in outs)
+    assert total(decode, "pdserve:spec_decode_num_accepted_tokens_total") == sum(
+        o.spec_accepted_tokens for o in outs)

@@ -253,14 +253,9 @@ def test_compiled_once_per_text_and_masks_batched(tiny_model_dir):
 
 
 @pytest.fixture(scope="module")
-def cluster(tiny_model_dir, tmp_path_factory):
-    from pdserve_server.cli.launcher import ServeConfig, start_cluster
-
-    c = start_cluster(str(tiny_model_dir), "tiny", ServeConfig(log_dir=str(tmp_path_factory.mktemp("logs"))),
-                      worker_args=["--dtype", "float32", "--kv-tokens", "4096", "--max-model-len", "512",
-                                   "--connector", "tcp"])
-    yield c
-    c.stop()
+def cluster(tiny_model_dir, launch_module):
+    return launch_module(tiny_model_dir, worker_args=["--dtype", "float32", "--kv-tokens", "4096",
+                                                      "--max-model-len", "512", "--connector", "tcp"])
 
 
 @pytest.mark.e2e
@@ -269,7 +264,7 @@ def test_cluster_samples_validate_and_bad_schemas_are_invalid_argument(cluster):
     other) parse and validate; a regex and a grammar hold; a schema that does not compile and one that is no JSON
     are INVALID_ARGUMENT naming the problem, and leave every worker idle."""
     from pdserve import Client, SamplingParams as Public, StructuredOutput as Constraint
-    from test_e2e import assert_idle
+    from helpers import assert_idle
 
     prompt = "Describe a user as JSON:"
     with Client(cluster.address) as c:

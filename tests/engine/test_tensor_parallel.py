@@ -15,7 +15,8 @@ from pdserve_server.engine.errors import EngineError, ErrorKind
 from pdserve_server.engine.models.sharding import shard, vocab_per_rank
 from pdserve_server.engine.parallel import TensorParallel
 from pdserve_server.engine.process_engine import ProcessEngine
-from test_engine_process import PROMPTS, children_of, generate, gone, greedy
+from helpers import children_of, gone
+from test_engine_process import PROMPTS, generate, greedy
 
 pytestmark = pytest.mark.e2e  # starts real rank processes
 
@@ -268,6 +269,7 @@ def test_indivisible_heads_refused_at_start(tiny_model_dir):
 def test_clean_stop_exits_zero_and_leaves_no_rank(tiny_model_dir):
     """Stopping a TP 2 engine: rank 1 leaves its loop when told, and the engine process exits 0 (its rank watcher
     must not take that exit for a death)."""
+
     async def scenario(engine):
         await generate(engine, greedy("s", PROMPTS[0], 4))
         (rank,) = children_of(engine.pid)
@@ -283,6 +285,7 @@ def test_clean_stop_exits_zero_and_leaves_no_rank(tiny_model_dir):
 def test_killing_a_rank_fails_requests_and_leaves_no_process(tiny_model_dir):
     """kill -9 of rank 1 under 4 streams: every stream fails with ENGINE_DIED (UNAVAILABLE at the worker), and the
     engine process and every rank are gone (no hang in a collective, no orphan)."""
+
     async def scenario(engine):
         tasks = [asyncio.ensure_future(generate(engine, greedy(f"k{i}", p, 400))) for i, p in enumerate(PROMPTS)]
         while engine.stats.num_steps < 3:  # decoding
@@ -300,61 +303,59 @@ def test_killing_a_rank_fails_requests_and_leaves_no_process(tiny_model_dir):
     assert gone(engine_pid) and gone(rank_pid)
 
 
-def _cluster_outputs(model_dir, name: str, tp: int, prompts: list[str], n: int, log_dir,
+def _cluster_outputs(launch, model_dir, name: str, tp: int, prompts: list[str], n: int,
                      layerwise: bool = False) -> tuple[list, list, float]:
     """Greedy completions from a disaggregated cluster (one prefill, one decode worker) whose workers run `tp`
     ranks each, the workers' GetInfo answers, and the KV bytes the prefill worker sent layer by layer (with
-    `layerwise`: --kv-layerwise; else 0)."""
-    from pdserve_server.cli.launcher import ServeConfig, start_cluster
+    `layerwise`: --kv-layerwise; else 0). The cluster is stopped before this returns."""
     from pdserve import AsyncClient, SamplingParams
     from pdserve.v1 import worker_pb2, worker_pb2_grpc
-    from test_observability import scrape, total
+    from helpers import scrape, total
     import grpc
 
-    cluster = start_cluster(str(model_dir), name, ServeConfig(log_dir=str(log_dir)), worker_args=[
-        "--dtype", "float32", "--kv-tokens", "2048", "--max-model-len", "512", "--tensor-parallel-size", str(tp),
-        *(["--kv-layerwise", "--metrics-port", "0"] if layerwise else [])])
-    try:
-        async def main():
-            async with AsyncClient(cluster.address) as c:
-                return await asyncio.gather(*(c.complete(p, SamplingParams(max_tokens=n, temperature=0.0,
-                                                                           ignore_eos=True)) for p in prompts))
-        outs = asyncio.run(main())
-        infos = []
-        for address in cluster.worker_addresses.values():
-            with grpc.insecure_channel(address) as ch:
-                infos.append(worker_pb2_grpc.WorkerStub(ch).GetInfo(worker_pb2.WorkerInfoRequest(), timeout=10,
-                                                                     metadata=cluster.worker_metadata))
-        layer_bytes = (total(scrape(cluster.metrics_urls["prefill-0"]), "pdserve:kv_transfer_bytes_sum",
-                             mode="layers") if layerwise else 0.0)
-        return outs, infos, layer_bytes
-    finally:
-        cluster.stop()
+    cluster = launch(model_dir, name, worker_args=["--dtype", "float32", "--kv-tokens", "2048", "--max-model-len",
+                                                   "512", "--tensor-parallel-size", str(tp),
+                                                   *(["--kv-layerwise", "--metrics-port", "0"] if layerwise else [])])
+
+    async def main():
+        async with AsyncClient(cluster.address) as c:
+            return await asyncio.gather(*(c.complete(p, SamplingParams(max_tokens=n, temperature=0.0,
+                                                                       ignore_eos=True)) for p in prompts))
+    outs = asyncio.run(main())
+    infos = []
+    for address in cluster.worker_addresses.values():
+        with grpc.insecure_channel(address) as ch:
+            infos.append(worker_pb2_grpc.WorkerStub(ch).GetInfo(worker_pb2.WorkerInfoRequest(), timeout=10,
+                                                                 metadata=cluster.worker_metadata))
+    layer_bytes = (total(scrape(cluster.metrics_urls["prefill-0"]), "pdserve:kv_transfer_bytes_sum",
+                         mode="layers") if layerwise else 0.0)
+    cluster.stop()
+    return outs, infos, layer_bytes
 
 
 CLUSTER_PROMPTS = ["The capital of France is", "def fibonacci(n):", "List three colors:", "Once upon a time"]
 
 
-def test_disaggregated_tp2_cluster_equals_tp1(tiny_model_dir, tmp_path):
+def test_disaggregated_tp2_cluster_equals_tp1(tiny_model_dir, launch):
     """TP 2 prefill worker -> KV of both ranks' shards over the connector -> TP 2 decode worker: 64 greedy tokens per
     prompt, four at once, identical to a TP 1 cluster's."""
-    two, infos, _ = _cluster_outputs(tiny_model_dir, "tiny", 2, CLUSTER_PROMPTS, 64, tmp_path / "tp2")
+    two, infos, _ = _cluster_outputs(launch, tiny_model_dir, "tiny", 2, CLUSTER_PROMPTS, 64)
     assert sorted(i.role for i in infos) == ["decode", "prefill"] and {i.tensor_parallel_size for i in infos} == {2}
-    one, _, _ = _cluster_outputs(tiny_model_dir, "tiny", 1, CLUSTER_PROMPTS, 64, tmp_path / "tp1")
+    one, _, _ = _cluster_outputs(launch, tiny_model_dir, "tiny", 1, CLUSTER_PROMPTS, 64)
     assert all(o.timings["transfer_ms"] > 0 for o in two)  # the KV crossed between the workers
     assert [o.token_ids for o in two] == [o.token_ids for o in one]
     assert all(len(o.token_ids) == 64 for o in two)
 
 
-def test_packaged_model_tp2_cluster_matches_hf(real_model_dir, tokenizer, tmp_path):
+def test_packaged_model_tp2_cluster_matches_hf(real_model_dir, tokenizer, launch):
     """SmolLM2-135M's 9 query / 3 KV heads on 2 ranks: rank 1 holds one KV group of zero padding heads
     (`engine.parallel.head_split`), and the padded KV shards cross between the workers layer by layer
     (--kv-layerwise: each layer's slice of both ranks' shards). A disaggregated TP 2 cluster's greedy tokens equal
     HF transformers' (which TP 1's do, test_e2e)."""
     from conftest import hf_greedy
 
-    outs, infos, layer_bytes = _cluster_outputs(real_model_dir, "SmolLM2-135M-Instruct", 2, CLUSTER_PROMPTS[:2], 24,
-                                                tmp_path / "tp2", layerwise=True)
+    outs, infos, layer_bytes = _cluster_outputs(launch, real_model_dir, "SmolLM2-135M-Instruct", 2,
+                                                CLUSTER_PROMPTS[:2], 24, layerwise=True)
     assert {i.tensor_parallel_size for i in infos} == {2}
     assert layer_bytes > 0
     for prompt, out in zip(CLUSTER_PROMPTS[:2], outs):

@@ -6,10 +6,9 @@ import random
 
 import pytest
 
-from pdserve_server.cli.launcher import ServeConfig, start_cluster
 from conftest import hf_greedy
 from pdserve import AsyncClient
-from test_e2e import assert_idle, generate_with_random_cancels, greedy
+from helpers import assert_idle, generate_with_random_cancels, greedy
 
 pytestmark = pytest.mark.e2e
 
@@ -17,12 +16,9 @@ MAX_TOKENS = 24
 
 
 @pytest.fixture(scope="module")
-def ucx_cluster(tiny_model_dir, tmp_path_factory):
-    c = start_cluster(str(tiny_model_dir), "tiny", ServeConfig(log_dir=str(tmp_path_factory.mktemp("logs"))),
-                      worker_args=["--connector", "ucx", "--dtype", "float32", "--kv-tokens", "8192",
-                                   "--max-model-len", "256"])
-    yield c
-    c.stop()
+def ucx_cluster(tiny_model_dir, launch_module):
+    return launch_module(tiny_model_dir, worker_args=["--connector", "ucx", "--dtype", "float32", "--kv-tokens",
+                                                      "8192", "--max-model-len", "256"])
 
 
 def _prompts(n: int, seed: int) -> list[list[int]]:

@@ -6,7 +6,6 @@ from pathlib import Path
 
 import pytest
 
-from pdserve_server.cli.launcher import ServeConfig, start_cluster
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.e2e
@@ -23,7 +22,7 @@ print("OK", sum(len(ch.token_ids) for ch in chunks))
 """
 
 
-def test_sdk_installed_alone_streams_a_completion(tiny_model_dir, tmp_path):
+def test_sdk_installed_alone_streams_a_completion(tiny_model_dir, tmp_path, launch):
     env_dir = tmp_path / "sdk-venv"
     venv.create(env_dir, with_pip=True)
     python = env_dir / "bin" / "python"
@@ -34,12 +33,8 @@ def test_sdk_installed_alone_streams_a_completion(tiny_model_dir, tmp_path):
     names = {line.split("==")[0].lower() for line in installed.stdout.split()}
     assert "pdserve-client" in names and not names & {"torch", "pdserve", "transformers", "numpy"}
 
-    cluster = start_cluster(str(tiny_model_dir), "tiny", ServeConfig(log_dir=str(tmp_path / "logs")),
-                            worker_args=["--dtype", "float32", "--kv-tokens", "1024", "--max-model-len", "256",
-                                         "--connector", "tcp"])
-    try:
-        run = subprocess.run([str(python), "-c", CLIENT, cluster.address], capture_output=True, text=True,
-                             timeout=120, cwd=tmp_path)  # not the repository root: nothing importable by accident
-    finally:
-        cluster.stop()
+    cluster = launch(tiny_model_dir, worker_args=["--dtype", "float32", "--kv-tokens", "1024", "--max-model-len",
+                                                  "256", "--connector", "tcp"])
+    run = subprocess.run([str(python), "-c", CLIENT, cluster.address], capture_output=True, text=True,
+                         timeout=120, cwd=tmp_path)  # not the repository root: nothing importable by accident
     assert run.returncode == 0 and run.stdout.startswith("OK 5"), run.stdout + run.stderr

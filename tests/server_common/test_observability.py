@@ -3,15 +3,13 @@ receives the spans), Prometheus counts that match what was sent, and a JSON acce
 import json
 import os
 import time
-import urllib.request
 from concurrent import futures
 
 import grpc
 import pytest
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
-from prometheus_client.parser import text_string_to_metric_families
 
-from pdserve_server.cli.launcher import ServeConfig, start_cluster
+from helpers import scrape_when, total
 from pdserve import Client, SamplingParams
 
 pytestmark = pytest.mark.e2e
@@ -86,19 +84,16 @@ def abandon_streams(cluster, count: int, concurrency: int = 16) -> None:
         list(pool.map(one, range(count)))
 
 
-def test_one_trace_across_every_hop(tiny_model_dir, tmp_path, collector):
-    cluster = start_cluster(str(tiny_model_dir), "tiny", ServeConfig(log_dir=str(tmp_path)), worker_args=WORKER,
-                            env=collector.env)
-    try:
-        spans = traced_request(cluster, collector, {GENERATE, "route decode", "route prefill", PREFILL, DECODE,
-                                                     "queue", "prefill", "kv transfer", "kv receive", "wait for kv",
-                                                     "decode"})
-        # Cancelled streams end their server spans in their own task: the instrumentation's stream wrapper left
-        # the generator to be closed from another one, which logged "Failed to detach context" with a traceback
-        # (6 times in 80 abandoned streams before `tracing._written`).
-        abandon_streams(cluster, 64)
-    finally:
-        cluster.stop()
+def test_one_trace_across_every_hop(tiny_model_dir, tmp_path, collector, launch):
+    cluster = launch(tiny_model_dir, worker_args=WORKER, env=collector.env, log_dir=str(tmp_path))
+    spans = traced_request(cluster, collector, {GENERATE, "route decode", "route prefill", PREFILL, DECODE,
+                                                 "queue", "prefill", "kv transfer", "kv receive", "wait for kv",
+                                                 "decode"})
+    # Cancelled streams end their server spans in their own task: the instrumentation's stream wrapper left
+    # the generator to be closed from another one, which logged "Failed to detach context" with a traceback
+    # (6 times in 80 abandoned streams before `tracing._written`).
+    abandon_streams(cluster, 64)
+    cluster.stop()  # every log complete
     for name in ("coordinator", "prefill-0", "decode-0"):
         assert "Failed to detach context" not in (tmp_path / f"{name}.log").read_text(), name
 
@@ -137,68 +132,32 @@ def test_one_trace_across_every_hop(tiny_model_dir, tmp_path, collector):
     assert any("pdserve.access" in line and line.endswith(f"[trace {TRACE_ID}]") for line in log.splitlines())
 
 
-def test_colocated_trace_has_no_transfer(tiny_model_dir, tmp_path, collector):
-    cluster = start_cluster(str(tiny_model_dir), "tiny", ServeConfig(log_dir=str(tmp_path)), colocated=True,
-                            worker_args=WORKER, env=collector.env)
-    try:
-        spans = traced_request(cluster, collector, {GENERATE, DECODE, "decode"})
-    finally:
-        cluster.stop()
+def test_colocated_trace_has_no_transfer(tiny_model_dir, collector, launch):
+    cluster = launch(tiny_model_dir, colocated=True, worker_args=WORKER, env=collector.env)
+    spans = traced_request(cluster, collector, {GENERATE, DECODE, "decode"})
     assert "kv transfer" not in spans and "kv receive" not in spans and PREFILL not in spans
     assert spans["decode"][0] == "pdserve-colocated"
 
 
-PROMETHEUS_ACCEPT = ("application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;q=0.75,"
-                     "text/plain;version=0.0.4;q=0.5,*/*;q=0.1")  # what Prometheus 2.x sends
-
-
-def scrape(url: str) -> dict[tuple[str, tuple], float]:
-    """{(sample name, sorted labels): value} of a /metrics page fetched as Prometheus does, parsed by
-    prometheus-client's parser (the names must keep their 'pdserve:' prefix)."""
-    request = urllib.request.Request(url, headers={"Accept": PROMETHEUS_ACCEPT})
-    text = urllib.request.urlopen(request, timeout=10).read().decode()
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
-
-
-def total(samples: dict, name: str, **labels) -> float:
-    return sum(v for (n, ls), v in samples.items() if n == name and all((k, val) in ls for k, val in labels.items()))
-
-
-def scrape_when(url: str, name: str, value: float, timeout_s: float = 30.0, **labels) -> dict[tuple[str, tuple], float]:
-    """scrape(url) once total(name, **labels) == value, or the last scrape after timeout_s. A request is recorded
-    after its last message is sent, so a client that has its answer can scrape before the server has counted it."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        samples = scrape(url)
-        if total(samples, name, **labels) == value or time.monotonic() > deadline:
-            return samples
-        time.sleep(0.05)
-
-
-def test_metrics_count_what_was_sent_and_access_log_is_json(tiny_model_dir, tmp_path):
-    cluster = start_cluster(str(tiny_model_dir), "tiny", ServeConfig(log_dir=str(tmp_path)),
-                            worker_args=[*WORKER, "--max-model-len", "512", "--metrics-port", "0"],
-                            coordinator_args=["--metrics-port", "0", "--log-format", "json"])
-    try:
-        assert set(cluster.metrics_urls) == {"coordinator", "prefill-0", "decode-0"}
-        outs = []
-        with Client(cluster.address) as c:
-            for i in range(5):
-                outs.append(c.complete([5 + i] * (8 + i), SamplingParams(max_tokens=3 + i, temperature=0,
-                                                                         ignore_eos=True)))
-        coordinator = scrape_when(cluster.metrics_urls["coordinator"], "pdserve:e2e_request_latency_seconds_count",
-                                  len(outs))
-        prefill = scrape_when(cluster.metrics_urls["prefill-0"], "pdserve:kv_transfer_time_seconds_count", len(outs))
-        decode = scrape_when(cluster.metrics_urls["decode-0"], "pdserve:num_requests_running", 0)
-        with Client(cluster.address) as c, pytest.raises(grpc.RpcError) as late:  # after the scrapes: not counted
-            # 0.25 s: past the reservation and the prefill of 12 tokens (the access log must name both workers),
-            # before 490 tokens are decoded. 240 tokens within 0.4 s was too few on a fast VM: it finished first
-            c.complete([9] * 12, SamplingParams(max_tokens=490, temperature=0, ignore_eos=True), request_id="late",
-                       timeout=0.25)
-        assert late.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    finally:
-        cluster.stop()
+def test_metrics_count_what_was_sent_and_access_log_is_json(tiny_model_dir, launch):
+    cluster = launch(tiny_model_dir, worker_args=[*WORKER, "--max-model-len", "512", "--metrics-port", "0"],
+                     coordinator_args=["--metrics-port", "0", "--log-format", "json"])
+    assert set(cluster.metrics_urls) == {"coordinator", "prefill-0", "decode-0"}
+    outs = []
+    with Client(cluster.address) as c:
+        for i in range(5):
+            outs.append(c.complete([5 + i] * (8 + i), SamplingParams(max_tokens=3 + i, temperature=0,
+                                                                     ignore_eos=True)))
+    coordinator = scrape_when(cluster.metrics_urls["coordinator"], "pdserve:e2e_request_latency_seconds_count",
+                              len(outs))
+    prefill = scrape_when(cluster.metrics_urls["prefill-0"], "pdserve:kv_transfer_time_seconds_count", len(outs))
+    decode = scrape_when(cluster.metrics_urls["decode-0"], "pdserve:num_requests_running", 0)
+    with Client(cluster.address) as c, pytest.raises(grpc.RpcError) as late:  # after the scrapes: not counted
+        # 0.25 s: past the reservation and the prefill of 12 tokens (the access log must name both workers),
+        # before 490 tokens are decoded. 240 tokens within 0.4 s was too few on a fast VM: it finished first
+        c.complete([9] * 12, SamplingParams(max_tokens=490, temperature=0, ignore_eos=True), request_id="late",
+                   timeout=0.25)
+    assert late.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     n = len(outs)
     assert total(coordinator, "pdserve:time_to_first_token_seconds_count") == n
     assert total(coordinator, "pdserve:e2e_request_latency_seconds_count") == n
@@ -219,6 +178,7 @@ def test_metrics_count_what_was_sent_and_access_log_is_json(tiny_model_dir, tmp_
     ttft_labels = next(labels for (name, labels) in coordinator if name == "pdserve:time_to_first_token_seconds_count")
     assert ("model_name", "tiny") in ttft_labels  # vLLM's label, so dashboards filter the same way
 
+    cluster.stop()  # the log complete
     lines = [json.loads(line) for line in open(cluster.log_files["coordinator"]) if line.startswith("{")]
     access = [line["access"] for line in lines if line.get("name") == "pdserve.access"]
     late = next(a for a in access if a["request_id"] == "late")  # a failed request still says where it was

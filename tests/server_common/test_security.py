@@ -11,7 +11,7 @@ from google.rpc import error_details_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_status import rpc_status
 
-from pdserve_server.cli.launcher import ServeConfig, _spawn, start_cluster, wait_ready
+from pdserve_server.cli.launcher import _spawn, wait_ready
 from pdserve_server.coordinator.ratelimit import RateLimiter
 from pdserve_server.engine.errors import ErrorKind
 from pdserve_server.kv_transfer import get_backend
@@ -225,14 +225,12 @@ def pki(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def workers(tiny_model_dir, tmp_path_factory):
-    c = start_cluster(str(tiny_model_dir), "tiny", ServeConfig(log_dir=str(tmp_path_factory.mktemp("logs"))),
-                      worker_args=["--dtype", "float32", "--kv-tokens", "1024", "--max-model-len", "256",
-                                   "--connector", "tcp"])
+def workers(tiny_model_dir, launch_module):
+    c = launch_module(tiny_model_dir, worker_args=["--dtype", "float32", "--kv-tokens", "1024", "--max-model-len",
+                                                   "256", "--connector", "tcp"])
     yield c
     for p in getattr(c, "extra", []):
         p.terminate()
-    c.stop()
 
 
 def coordinator(workers, tiny_model_dir, name, *flags) -> str:
@@ -279,6 +277,7 @@ def test_a_client_built_only_from_reflection_works_with_tls_and_key(workers, tin
         auth = (("authorization", f"Bearer {KEY}"),)
 
         class AuthedChannel:  # the reflection client takes a channel; it must send the key too
+
             def stream_stream(self, *a, **k):
                 call = ch.stream_stream(*a, **k)
                 return lambda requests, **kw: call(requests, metadata=auth, **kw)
