@@ -11,7 +11,8 @@ from concurrent.futures import Future
 from typing import Any, Callable, Protocol
 
 from pdserve_server.engine.args import DEFAULT_MAX_UNREAD_TOKENS
-from pdserve_server.engine.engine_core import Abort, AddRequest, Call, EngineCore, KvArrived, Pause
+from pdserve_server.engine.commands import Abort, AddRequest, Call, Command, KvArrived, Pause
+from pdserve_server.engine.engine_core import EngineCore
 from pdserve_server.engine.errors import EngineError, ErrorKind
 from pdserve_server.engine.outputs import Forgotten, RequestFailed, Reserved, SchedulerStats, TokenOutput
 from pdserve_server.engine.request import FinishReason, Request
@@ -232,7 +233,7 @@ class AsyncEngine:
         self.requests = RequestStreams(self.submit, max_unread_tokens)
         self.core = core_factory(self._emit, self._fault)
 
-    def submit(self, command: AddRequest | Abort | KvArrived | Pause | Call) -> None:
+    def submit(self, command: Command) -> None:
         """Queue a command for the engine's loop (any thread)."""
         self.core.submit(command)
 

@@ -27,9 +27,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from pdserve_server.engine.args import EngineArgs
-from pdserve_server.engine.engine_core import Abort, AddRequest, Call, EngineCore, KvArrived, Pause
-from pdserve_server.engine.ipc import (AbortRequest, BuildFailed, Codec, Fault, KvArrivedMsg, LayerBegin, LayerWritten,
-                                       NewRequest, Outputs, PauseMsg, Query, QueryResult, Ready, Shutdown, StatsUpdate)
+from pdserve_server.engine.commands import Abort, AddRequest, Call, KvArrived, Pause
+from pdserve_server.engine.engine_core import EngineCore
+from pdserve_server.engine.ipc import (BuildFailed, Codec, Fault, LayerBegin, LayerWritten, NewRequest, Outputs, Query,
+                                       QueryResult, Ready, Shutdown, StatsUpdate)
 from pdserve_server.engine.kv_cache import export_shard, share
 from pdserve_server.engine.lifetime import die_with_parent, exit_now
 from pdserve_server.engine.request import Request
@@ -149,12 +150,8 @@ def _to_core_command(cmd, core: EngineCore, send: Callable[[object], None]):
             prefill_only=cmd.prefill_only, remote_kv=cmd.remote_kv, arrival_time=cmd.arrival_time,
             output_token_ids=cmd.output_token_ids, scheduling=cmd.scheduling,
             kv_layers=_LayerProgressProxy(cmd.request_id, send) if cmd.stream_layers else None))
-    if isinstance(cmd, AbortRequest):
-        return Abort(cmd.request_id, notify=cmd.notify, ack=cmd.ack)
-    if isinstance(cmd, PauseMsg):
-        return Pause(cmd.request_id, cmd.resume)
-    if isinstance(cmd, KvArrivedMsg):
-        return KvArrived(cmd.request_id, cmd.first_token)
+    if isinstance(cmd, (Abort, KvArrived, Pause)):
+        return cmd  # the same command on both sides (`engine.commands`)
     assert isinstance(cmd, Query)
     future: Future = Future()
     future.add_done_callback(lambda f: send(_answer(cmd, f)))  # runs where the result is set: the loop's thread

@@ -12,60 +12,17 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future
-from dataclasses import dataclass
 from typing import Any
 
+from pdserve_server.engine.commands import Abort, AddRequest, Call, Command, KvArrived, Pause
 from pdserve_server.engine.errors import ErrorKind
 from pdserve_server.engine.hardware import set_threads
 from pdserve_server.engine.model_runner import ModelRunner
 from pdserve_server.engine.outputs import Forgotten, RequestFailed, SchedulerOutput, SchedulerStats, StepRecord
-from pdserve_server.engine.request import Request, RequestStatus
+from pdserve_server.engine.request import RequestStatus
 from pdserve_server.engine.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class AddRequest:
-    request: Request
-
-
-@dataclass
-class Abort:
-    """Drop a request and free its blocks. notify: tell its owner with RequestFailed(ABORTED) (an abort from
-    outside, e.g. Worker.Abort); the owner's own cleanup aborts silently (it stopped listening). An abort from
-    outside leaves a prefill-done request (HELD) alone: its blocks are being read by its KV transfer, and freeing
-    them under it would let another request overwrite KV in flight; its owner frees them when the send ends.
-    ack: emit `Forgotten` once applied, known request or not (an owner that stops listening drops the request's
-    events until then, so a new request under the same id never receives the old one's)."""
-
-    request_id: str
-    notify: bool = False
-    ack: bool = False
-
-
-@dataclass
-class KvArrived:
-    request_id: str
-    first_token: int
-
-
-@dataclass
-class Pause:
-    """Hold a request out of the batch (its reader fell behind: `Scheduler.pause`), or with resume=True let it
-    back in (`Scheduler.resume`). Unknown or finished requests are ignored."""
-
-    request_id: str
-    resume: bool = False
-
-
-@dataclass
-class Call:
-    """Run fn(scheduler) on the engine thread and resolve future with its result (stats, integrity checks)."""
-
-    fn: Callable[[Scheduler], Any]
-    future: Future
 
 
 class EngineCore:
@@ -102,7 +59,7 @@ class EngineCore:
         self.step_log: deque[StepRecord] = deque(maxlen=step_log_size)
         self._running: set[str] = set()
 
-    def submit(self, command: AddRequest | Abort | KvArrived | Pause | Call) -> None:
+    def submit(self, command: Command) -> None:
         """Thread-safe: queue a command for the next loop iteration."""
         self._commands.put(command)
 

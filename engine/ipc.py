@@ -1,8 +1,9 @@
 """The messages between a worker process and its engine-core process, and their codec.
 
 Two ZMQ PUSH/PULL pipes over ipc:// sockets, one each way, each message one msgpack frame (msgspec, tagged
-Structs: one decode per message however many events it carries). Commands go in (`NewRequest`, `AbortRequest`,
-`KvArrivedMsg`, `Query`, `Shutdown`); outputs come out (`Outputs`, `LayerBegin`, `LayerWritten`, `StatsUpdate`,
+Structs: one decode per message however many events it carries). Commands go in: the engine's own
+(`engine.commands`: `Abort`, `KvArrived`, `Pause` as they are; `AddRequest` as `NewRequest`, its request's fields;
+`Call` as `Query`) and `Shutdown`; outputs come out (`Outputs`, `LayerBegin`, `LayerWritten`, `StatsUpdate`,
 `QueryResult`, `Fault`). Sequence: the worker spawns the process, which builds the engine and answers on a
 multiprocessing pipe once, with `Ready` or a build error (`Ready` also carries every rank's KV shard as handle
 bytes: CPU shared memory, CUDA IPC on GPU); then only the ZMQ pipes are used. Order is kept within each
@@ -18,8 +19,8 @@ from typing import Union
 
 import msgspec
 
+from pdserve_server.engine.commands import Abort, KvArrived, Pause
 from pdserve_server.engine.config import CacheConfig, SchedulerConfig
-
 from pdserve_server.engine.models.config import ModelConfig
 from pdserve_server.engine.outputs import Forgotten, RequestFailed, Reserved, SchedulerStats, TokenOutput
 from pdserve_server.engine.request import SamplingParams, SchedulingParams
@@ -27,8 +28,9 @@ from pdserve_server.engine.request import SamplingParams, SchedulingParams
 
 # ---- commands: worker -> engine ---------------------------------------------------------------------------------
 class NewRequest(msgspec.Struct, tag=True, array_like=True):
-    """`engine.request.Request` as submitted; stream_layers: the engine reports the last prefill chunk's KV layer by
-    layer (`LayerBegin`, `LayerWritten`) for a layer-wise KV send."""
+    """`commands.AddRequest` across the boundary: its `engine.request.Request` as submitted. stream_layers: the
+    engine reports the last prefill chunk's KV layer by layer (`LayerBegin`, `LayerWritten`) for a layer-wise KV
+    send (in place of the request's layer-progress sink, which stays with the worker)."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -40,28 +42,6 @@ class NewRequest(msgspec.Struct, tag=True, array_like=True):
     output_token_ids: list[int]
     stream_layers: bool
     scheduling: SchedulingParams
-
-
-class AbortRequest(msgspec.Struct, tag=True, array_like=True):
-    """`engine_core.Abort`."""
-
-    request_id: str
-    notify: bool
-    ack: bool
-
-
-class KvArrivedMsg(msgspec.Struct, tag=True, array_like=True):
-    """`engine_core.KvArrived`."""
-
-    request_id: str
-    first_token: int
-
-
-class PauseMsg(msgspec.Struct, tag=True, array_like=True):
-    """`engine_core.Pause`."""
-
-    request_id: str
-    resume: bool
 
 
 class Query(msgspec.Struct, tag=True, array_like=True):
@@ -77,7 +57,7 @@ class Shutdown(msgspec.Struct, tag=True, array_like=True):
     """Stop the loop and exit 0."""
 
 
-Command = Union[NewRequest, AbortRequest, KvArrivedMsg, PauseMsg, Query, Shutdown]
+Command = Union[NewRequest, Abort, KvArrived, Pause, Query, Shutdown]
 
 
 # ---- outputs: engine -> worker ----------------------------------------------------------------------------------

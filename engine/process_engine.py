@@ -26,10 +26,10 @@ from pdserve_server.engine.async_engine import RequestStream, RequestStreams
 from pdserve_server.engine.config import CacheConfig, SchedulerConfig
 from pdserve_server.engine.models.config import ModelConfig
 from pdserve_server.engine.core_process import EngineProcessSpec, run_engine_process
-from pdserve_server.engine.engine_core import Abort, AddRequest, KvArrived, Pause
+from pdserve_server.engine.commands import Abort, AddRequest, KvArrived, Pause
 from pdserve_server.engine.errors import EngineError, ErrorKind
-from pdserve_server.engine.ipc import (AbortRequest, BuildFailed, Codec, Fault, KvArrivedMsg, LayerBegin, LayerWritten,
-                                       NewRequest, Outputs, PauseMsg, Query, QueryResult, Ready, Shutdown, StatsUpdate)
+from pdserve_server.engine.ipc import (BuildFailed, Codec, Fault, LayerBegin, LayerWritten, NewRequest, Outputs, Query,
+                                       QueryResult, Ready, Shutdown, StatsUpdate)
 from pdserve_server.engine.kv_cache import KvShards, import_shard
 from pdserve_server.engine.kv_stream import KvLayerProgress
 from pdserve_server.engine.outputs import SchedulerStats
@@ -204,12 +204,8 @@ class ProcessEngine:
                              r.remote_kv, r.arrival_time, r.output_token_ids, r.kv_layers is not None, r.scheduling)
             if r.kv_layers is not None:
                 self._layers[r.request_id] = r.kv_layers
-        elif isinstance(command, Abort):
-            msg = AbortRequest(command.request_id, command.notify, command.ack)
-        elif isinstance(command, KvArrived):
-            msg = KvArrivedMsg(command.request_id, command.first_token)
-        elif isinstance(command, Pause):
-            msg = PauseMsg(command.request_id, command.resume)
+        elif isinstance(command, (Abort, KvArrived, Pause)):
+            msg = command  # crosses as it is
         else:
             raise TypeError(f"{type(command).__name__} cannot cross to an engine process")
         self._commands.send(self._codec.encode(msg))
