@@ -88,7 +88,7 @@ class EngineCore:
         """Engine thread (a `Call`): whether an outside abort would drop the request (it is known and not HELD;
         see `Abort`)."""
         req = self.scheduler.requests.get(request_id)
-        return (req is not None and req.status != RequestStatus.HELD) or bool(self.scheduler.samples.get(request_id))
+        return (req is not None and req.status != RequestStatus.HELD) or self.scheduler.families.has_samples(request_id)
 
     def _publish_stats(self) -> None:
         stats = self.scheduler.make_stats(self.num_steps)

@@ -1,7 +1,7 @@
-"""Continuous-batching step scheduler with a token budget, chunked prefill, prefix caching, remote-KV
-reservations, preemption by recompute (the vLLM v1 scheme: count tokens, not phases) and n-gram speculative
-decoding. Which request goes first is the policy's (`engine.policy`: priority, fair share between tenants,
-arrival); this module applies it.
+"""Continuous-batching step scheduler with a token budget (`engine.step_budget`), chunked prefill, prefix caching,
+remote-KV reservations (`engine.reservations`), parallel sampling's fork (`engine.sample_fork`), preemption by
+recompute (the vLLM v1 scheme: count tokens, not phases) and n-gram speculative decoding. Which request goes first
+is the policy's (`engine.policy`: priority, fair share between tenants, arrival); this module applies it.
 
 Each step: queued requests past their first-token deadline are refused; running requests go first, in policy order
 (one token each for decodes, plus n-gram drafts while the batch is small; the next chunk for partial prefills, unless
@@ -14,7 +14,6 @@ only the prefill tokens its measured costs allow (`engine.step_cost`). Owned by 
 from __future__ import annotations
 
 import bisect
-import dataclasses
 import logging
 import time
 from typing import TYPE_CHECKING
@@ -24,9 +23,11 @@ from pdserve_server.engine.config import SchedulerConfig
 from pdserve_server.engine.errors import EngineError, ErrorKind
 from pdserve_server.engine.kv_cache_manager import KVCacheManager
 from pdserve_server.engine.policy import RequestQueue, SchedulingPolicy
+from pdserve_server.engine.reservations import Reservations
 from pdserve_server.engine.outputs import (Reserved, RequestFailed, RunnerOutput, SampledToken, ScheduledRequest,
                                            SchedulerOutput, SchedulerStats, TokenOutput)
-from pdserve_server.engine.request import SAMPLE_ID_SEPARATOR, FinishReason, Request, RequestStatus
+from pdserve_server.engine.request import FinishReason, Request, RequestStatus
+from pdserve_server.engine.sample_fork import SampleFamilies
 from pdserve_server.engine.speculative import propose_ngram
 from pdserve_server.engine.step_budget import StepBudget
 from pdserve_server.engine.stops import stop_after
@@ -56,9 +57,9 @@ class Scheduler:
         self.policy = SchedulingPolicy()
         self.waiting = RequestQueue(self.policy)
         self.running: list[Request] = []  # in policy order (`SchedulingPolicy.static_key`): the last gives way first
-        self.reserving = RequestQueue(self.policy)
+        self.reservations = Reservations(self.policy, self.kv)  # remote-KV requests waiting for blocks
         self.paused: dict[str, Request] = {}  # out of the batch while their reader is behind (`pause`)
-        self.samples: dict[str, list[str]] = {}  # parallel sampling: parent id -> its forked samples' ids
+        self.families = SampleFamilies()  # parallel sampling: the samples forked from each request
         self._block_copies: list[tuple[int, int]] = []  # copy-on-write owed before the next step's forward
         self.step_cost = StepCost()  # fed by the engine loop (`observe_step`), read by the prefill cap
         self.num_preemptions = 0
@@ -78,8 +79,7 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.policy.admit(request)
         if request.remote_kv:
-            request.status = RequestStatus.WAITING_FOR_BLOCKS
-            self.reserving.push(request)
+            self.reservations.push(request)
         else:
             request.status = RequestStatus.WAITING
             self.waiting.push(request)
@@ -103,36 +103,22 @@ class Scheduler:
         return None
 
     def reserve(self) -> list[Reserved]:
-        """Reserve blocks for queued remote-KV requests, in policy order, while the pool allows.
+        """Reserve blocks for queued remote-KV requests (`engine.reservations`), in policy order, while the pool
+        allows.
 
         Requests already waiting to run come first: a reservation never takes the blocks they still need (for
         their first step: one more block after their KV arrived, everything after a preemption). Without that, a
         burst of reservations filled the pool, each request needed one block more once its KV arrived, and the
         worker stalled until leases lapsed."""
-        out: list[Reserved] = []
-        if not self.reserving:  # called every engine loop: skip the queue scan when nothing waits to reserve
-            return out
+        if not self.reservations:  # called every engine loop: skip the scan when nothing waits to reserve
+            return []
         owed = sum(max(0, min(self.kv.blocks_needed(r.num_tokens) - len(self.kv.get_block_table(r.request_id)),
                               self.kv.peak_blocks(r.num_tokens, self._chunk_limit(r))))
                    for r in self.waiting)
         # A request longer than the pool (under a sliding window) needs up to its whole window's peak as it runs: a
         # reservation that took those blocks would have it preempt itself and recompute from its first token.
         owed += sum(self._window_growth(r) for r in self.running)
-        while (req := self.reserving.peek()) is not None:
-            cached = self.kv.get_computed_blocks(req)  # KV this worker already holds need not be sent again
-            # Under a sliding window the blocks behind the window of the first token decoded here take none of the
-            # pool: null from the start, never hashed, never sent (the prefill worker gives back the same ones:
-            # same tokens, window and block size, the cluster's layout hash, and sends only the rest).
-            take = self.kv.num_blocks_to_allocate(req.request_id, req.num_tokens, cached, req.num_tokens)
-            if self.kv.pool.num_free_blocks - take < owed \
-                    or not self.kv.allocate_slots(req.request_id, req.num_tokens, cached, req.num_tokens):
-                break
-            self.reserving.remove(req)
-            self.kv.record_prefix_query(req.num_tokens, len(cached) * self.kv.block_size)
-            req.status = RequestStatus.WAITING_FOR_KV
-            skip = max(len(cached), self.kv.num_released(req.request_id))
-            out.append(Reserved(req.request_id, list(self.kv.get_block_table(req.request_id)), skip))
-        return out
+        return self.reservations.reserve(owed)
 
     def kv_arrived(self, request_id: str, first_token: int) -> RequestFailed | None:
         """The prompt's KV landed in the reserved blocks: the request joins the batch with its first token.
@@ -164,13 +150,9 @@ class Scheduler:
         them up, and recomputes on `resume`). Only a request producing tokens here (running or waiting to run, not
         prefill-only) can be paused; the samples forked from it (n > 1) pause with it. Returns whether any was."""
         paused = False
-        for rid in self._family(request_id):
+        for rid in self.families.family(request_id):
             paused |= self._pause_one(rid)
         return paused
-
-    def _family(self, request_id: str) -> list[str]:
-        """The request and the samples forked from it (n > 1), parent first; a new list (callers may remove them)."""
-        return [request_id, *self.samples.get(request_id, ())]
 
     def _pause_one(self, request_id: str) -> bool:
         req = self.requests.get(request_id)
@@ -187,7 +169,7 @@ class Scheduler:
         """Let a paused request (and its samples) back into the queue (its reader caught up), in policy order.
         Returns whether any was paused."""
         resumed = False
-        for rid in self._family(request_id):
+        for rid in self.families.family(request_id):
             req = self.paused.pop(rid, None)
             if req is not None:
                 req.status = RequestStatus.WAITING
@@ -337,33 +319,16 @@ class Scheduler:
         return req.num_tokens - 1 if req.fork_pending else req.num_tokens
 
     def _fork(self, req: Request) -> bool:
-        """Fork a parallel-sampling request whose prompt but the last token is computed into its n samples: req
-        is sample 0; samples 1..n-1 are new requests sharing its full blocks, each with a copy of its partial last
-        block (`KVCacheManager.fork`), queued in policy order. Returns False, changing nothing, when the pool lacks
-        a block for each copy."""
-        num = req.num_computed_tokens
-        n = req.sampling.n
-        if num % self.kv.block_size and self.kv.pool.num_free_blocks < n - 1:
+        """Fork a parallel-sampling request into its samples (`SampleFamilies.fork`) and queue them in policy
+        order. Returns False, changing nothing, when the pool lacks a block for each partial-block copy."""
+        fork = self.families.fork(req, self.kv, self.grammars)
+        if fork is None:
             return False
-        for i in range(1, n):
-            seed = None if req.sampling.seed is None else req.sampling.seed + i
-            sample = Request(f"{req.request_id}{SAMPLE_ID_SEPARATOR}{i}", req.prompt_token_ids,
-                             dataclasses.replace(req.sampling, seed=seed), eos_token_ids=req.eos_token_ids,
-                             arrival_time=req.arrival_time, scheduling=req.scheduling, parent_id=req.request_id,
-                             sample_index=i)
-            if (copy := self.kv.fork(req.request_id, sample.request_id, num)) is not None:
-                self._block_copies.append(copy)
-            sample.num_computed_tokens = num
-            sample.num_cached_tokens = req.num_cached_tokens
-            sample.first_scheduled_time = req.first_scheduled_time
-            if req.matcher is not None:
-                sample.matcher = self.grammars.matcher(req.sampling.structured_output)  # compiled once, cached
-            sample.status = RequestStatus.WAITING
+        self._block_copies += fork.block_copies
+        for sample in fork.samples:
             self.requests[sample.request_id] = sample
             self.policy.admit(sample)
             self.waiting.push(sample)
-            self.samples.setdefault(req.request_id, []).append(sample.request_id)
-        req.fork_pending = False
         return True
 
     def _expire(self, out: SchedulerOutput) -> None:
@@ -437,7 +402,8 @@ class Scheduler:
 
     def _preempt_waiting(self, head: Request) -> bool:
         """Free the blocks of the last waiting request in policy order (lowest priority, newest) that holds any (not
-        `head`): it recomputes later, from its place in the queue. Returns False when no waiting request holds blocks."""
+        `head`): it recomputes later, from its place in the queue. Returns False when no waiting request holds
+        blocks."""
         for req in self.waiting.worst_first():
             if req is not head and self.kv.get_block_table(req.request_id):
                 self._release_for_recompute(req)
@@ -523,13 +489,7 @@ class Scheduler:
         self.kv.free(req.request_id)
         del self.requests[req.request_id]
         self.policy.release(req)
-        owner = req.external_id  # parallel sampling: forget the parent's sample list once all of them are done
-        siblings = self.samples.get(owner)
-        if siblings is not None:
-            if req.parent_id is not None:
-                siblings.remove(req.request_id)
-            if not siblings and owner not in self.requests:
-                del self.samples[owner]
+        self.families.finished(req, owner_known=req.external_id in self.requests)
 
     def _remove_running(self, req: Request) -> bool:
         """Take req out of the running batch (by identity: a dataclass's == compares every field)."""
@@ -544,7 +504,7 @@ class Scheduler:
         """Drop a request wherever it is and free its blocks, with every sample forked from it (n > 1). Returns
         False if unknown (idempotent)."""
         found = False
-        for rid in reversed(self._family(request_id)):  # the samples before the request they were forked from
+        for rid in reversed(self.families.family(request_id)):  # samples before the request they came from
             found |= self._abort_one(rid)
         return found
 
@@ -553,7 +513,7 @@ class Scheduler:
         if req is None:
             return False
         self.waiting.remove(req)
-        self.reserving.remove(req)
+        self.reservations.remove(req)
         self.paused.pop(request_id, None)
         self._remove_running(req)
         if req.finish_reason is None:
@@ -568,7 +528,7 @@ class Scheduler:
         """A snapshot of load and cache counters (O(1): safe to make every step)."""
         pool = self.kv.pool
         return SchedulerStats(
-            num_running=len(self.running), num_waiting=len(self.waiting) + len(self.reserving),
+            num_running=len(self.running), num_waiting=len(self.waiting) + len(self.reservations),
             num_requests=len(self.requests), num_total_blocks=self.kv.num_usable_blocks,
             num_free_blocks=pool.num_free_blocks,
             num_cached_blocks=pool.num_cached_free_blocks, prefix_cache_query_tokens=self.kv.prefix_query_tokens,

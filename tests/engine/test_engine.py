@@ -111,7 +111,7 @@ def test_reservations_that_fill_the_pool_cannot_deadlock_the_decode_worker(tiny_
         assert s.add_request(r) is None
     reserved = []
     steps = 0
-    while s.has_work() or s.reserving or reserved:
+    while s.has_work() or s.reservations or reserved:
         for ev in s.reserve():
             reserved.append(ev.request_id)
         for rid in reserved:  # every reserved request's KV "arrives" at once (content irrelevant here)

@@ -47,7 +47,7 @@ def test_greedy_samples_are_equal_to_each_other_and_to_hf(tiny_model_dir, engine
     assert all(tokens == expected for tokens in outputs.values())
     pool = parts.scheduler.kv.pool
     assert pool.num_free_blocks == pool.num_blocks and not pool.integrity_errors()
-    assert parts.scheduler.samples == {} and parts.scheduler.requests == {}
+    assert parts.scheduler.families.children == {} and parts.scheduler.requests == {}
 
 
 def test_seeded_samples_differ_and_each_equals_a_single_request_with_its_seed(engine_args):
@@ -73,13 +73,13 @@ def test_the_prompt_blocks_are_held_once_and_shared_by_every_sample(engine_args)
     assert sched.add_request(sampled("r", prompt, n=4)) is None
     computed_prompt_tokens = 0
     copies = []
-    while not sched.samples:
+    while not sched.families.children:
         out = sched.schedule()
         computed_prompt_tokens += sum(s.num_new_tokens for s in out.prefills + out.decodes)
         copies += out.block_copies
         sched.update(out, parts.runner.execute(out))
     assert computed_prompt_tokens == 20  # all but the last token, once
-    tables = [sched.kv.get_block_table(rid) for rid in ["r", *sched.samples["r"]]]
+    tables = [sched.kv.get_block_table(rid) for rid in ["r", *sched.families.children["r"]]]
     shared = tables[0][:2]
     assert all(t[:2] == shared for t in tables)
     assert [sched.kv.pool.ref_counts[b] for b in shared] == [4, 4]
@@ -122,7 +122,7 @@ def test_aborting_the_request_drops_every_sample(engine_args):
         sched.update(out, parts.runner.execute(out))
     assert len(sched.requests) == 3
     assert sched.abort("r")
-    assert sched.requests == {} and sched.samples == {}
+    assert sched.requests == {} and sched.families.children == {}
     assert sched.kv.pool.num_free_blocks == sched.kv.pool.num_blocks
 
 
