@@ -20,7 +20,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from pdserve_server.engine.cuda_graphs import capture_sizes  # noqa: E402
+from pdserve_server.engine.execution.cuda_graphs import capture_sizes  # noqa: E402
 from pdserve_server.engine.mock.step_model import StepShape, fit, prediction_error  # noqa: E402
 
 SHAPE_FIELDS = ("prefill_tokens", "prefill_attn", "decode_seqs", "decode_ctx", "decode_ctx_max")

@@ -55,7 +55,7 @@ def bench(fn) -> float:
 
 def bench_graph(fn) -> float:
     """Median milliseconds of fn() replayed from a CUDA graph: the device time without the host's launch cost
-    (what the engine's captured decode steps see, `engine.cuda_graphs`)."""
+    (what the engine's captured decode steps see, `engine.execution.cuda_graphs`)."""
     from triton.testing import do_bench_cudagraph
 
     return do_bench_cudagraph(fn, rep=500, return_mode="median")

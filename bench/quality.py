@@ -1,7 +1,7 @@
 """What a lossy lever costs in accuracy: perplexity on a fixed text and greedy token agreement, per precision.
 
 - Perplexity: HF transformers' LlamaForCausalLM on the packaged model, fp32 / bf16 / bf16 with int8 or int4
-  weight-only linears (`engine.quantization`, the same modules the engine uses), over a fixed window of
+  weight-only linears (`engine.execution.quantization`, the same modules the engine uses), over a fixed window of
   real English text (bench/prompts.py's corpus, --ppl-tokens tokens from its start), one forward pass.
 - Agreement: pdserve's engine, greedy, 32 tokens on each of the 8 PROMPTS (shared with
   tests/engine/test_dtype.py), against the engine in fp32 (tokens before the first divergence over the stream's
@@ -32,7 +32,7 @@ def perplexity(model_dir: str, ids: list[int], dtype: str, quantization: str) ->
     import torch
     from transformers import AutoModelForCausalLM
 
-    from pdserve_server.engine.quantization import quantize_weight_only
+    from pdserve_server.engine.execution.quantization import quantize_weight_only
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
     if quantization != "none":

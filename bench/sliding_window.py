@@ -27,7 +27,7 @@ import torch  # noqa: E402
 
 from pdserve_server.engine.args import EngineArgs  # noqa: E402
 from pdserve_server.engine.builder import build_engine  # noqa: E402
-from pdserve_server.engine.kv_cache_manager import KVCacheManager  # noqa: E402
+from pdserve_server.engine.scheduling.kv_cache_manager import KVCacheManager  # noqa: E402
 from pdserve_server.engine.offline import run_until_idle  # noqa: E402
 from pdserve_server.engine.request import Request, SamplingParams  # noqa: E402
 from hostinfo import commit, machine  # noqa: E402

@@ -56,7 +56,7 @@ from pdserve_server.engine.args import EngineArgs  # noqa: E402
 from pdserve_server.engine.builder import build_engine  # noqa: E402
 from pdserve_server.engine.hardware import set_threads  # noqa: E402
 from pdserve_server.engine.hardware import cpu_flags  # noqa: E402
-from pdserve_server.engine.packing import packing_supported  # noqa: E402
+from pdserve_server.engine.execution.packing import packing_supported  # noqa: E402
 from pdserve_server.engine.request import Request, SamplingParams  # noqa: E402
 from hostinfo import FLAGS_SHOWN, commit, machine  # noqa: E402
 
@@ -101,7 +101,7 @@ def config_linear_shapes(mc) -> list[tuple[int, int]]:
 def gemm_rate(shapes: list[tuple[int, int]], rows: int, dtype: torch.dtype) -> float:
     """FLOP/s of the best dense GEMM torch has for `dtype` over the model's linear shapes at `rows` rows (each
     distinct shape once, weighted by how often the model uses it): torch.mm, and for bf16 on CPU the oneDNN
-    prepacked op pdserve runs (`engine.packing`) when it is faster."""
+    prepacked op pdserve runs (`engine.execution.packing`) when it is faster."""
     counts: dict[tuple[int, int], int] = {}
     for s in shapes:
         counts[s] = counts.get(s, 0) + 1
@@ -236,10 +236,10 @@ def main(argv=None) -> int:
     p.add_argument("--backends", default="auto",
                    help="comma-separated attention backends to compare (auto, torch, cpu; see kernels.select_ops)")
     p.add_argument("--packed-weights", default="on",
-                   help="comma-separated on/off: bf16 linears prepacked for oneDNN (engine.packing) or plain")
+                   help="comma-separated on/off: bf16 linears prepacked for oneDNN (engine.execution.packing) or plain")
     p.add_argument("--enforce-eager", default="off",
                    help="comma-separated off/on: on runs every layer's ops from Python instead of the cpu backend's "
-                        "one-call decode loop (engine.cpu_decode_stack)")
+                        "one-call decode loop (engine.execution.cpu_decode_stack)")
     p.add_argument("--batches", default="1,16,64")
     p.add_argument("--context", type=int, default=256, help="prompt tokens per request")
     p.add_argument("--steps", type=int, default=10, help="decode steps timed (and profiled) per point")
@@ -271,7 +271,7 @@ def main(argv=None) -> int:
             torch_dtype = getattr(torch, dt)  # the GEMM baseline stays the dense one: what int8 must beat
             point["dtype"], point["attention_backend"] = name, point.pop("backend")
             point["enforce_eager"] = eager == "on"
-            # bf16: oneDNN-prepacked weights; fp32: the cpu backend's small-batch kernel (engine.packing)
+            # bf16: oneDNN-prepacked weights; fp32: the cpu backend's small-batch kernel (engine.execution.packing)
             point["packed_weights"] = packing == "on" and dt in ("bfloat16", "float32") and quant in ("", "none")
             point["gemm_flop_s"] = gemm_rate(point.pop("shapes"), b, torch_dtype)
             point["fraction"] = point["model_flop_s"] / point["gemm_flop_s"]

@@ -127,7 +127,7 @@ def run(lib, batch: int, vocab: int, steps: int) -> dict:
     import torch
 
     from pdserve_server.engine.request import Request, SamplingParams
-    from pdserve_server.engine.sampler import Sampler
+    from pdserve_server.engine.execution.sampler import Sampler
 
     sampler = Sampler(vocab)
     ms = lib.matchers(batch)

@@ -267,8 +267,8 @@ def weight_bytes_per_token(fmt: str | None, shapes: list[tuple[int, int]]) -> fl
     is left out. None where the format is unknown.
 
     Dense: 4 or 2 bytes a weight; int8 one byte plus a 2-byte scale per output channel; int4 half a byte plus a
-    2-byte scale and zero per group of 32 (`engine.quantization`); gguf:<type>: that file's 2-D tensors at their
-    stored sizes, the token embedding counted as the tied LM head (the packaged Q4_1 file: Q4_1 layers, a Q8_0
+    2-byte scale and zero per group of 32 (`engine.execution.quantization`); gguf:<type>: that file's 2-D tensors at
+    their stored sizes, the token embedding counted as the tied LM head (the packaged Q4_1 file: Q4_1 layers, a Q8_0
     head)."""
     params = sum(k * n for k, n in shapes)
     if fmt in DENSE_BYTES:

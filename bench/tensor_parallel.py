@@ -10,8 +10,8 @@ ignore_eos, so the weights' values do not matter for timing):
     active features per token, as the dense MLP), so per-token FLOPs match and 4x the MLP weights exist.
 Workloads: decode at batch 1 (32-token prompt, 128 out: TPOT), decode at batch 16 (16 x 64 out: output tokens/s),
 prefill (4 x 512-token prompts, 1 out: prompt tokens/s). Also the latency of one all-reduce of a decode step's
-hidden state between two processes, gloo's and the shared-memory one TP uses (`engine.shm_collectives`; TP pays two
-per layer).
+hidden state between two processes, gloo's and the shared-memory one TP uses (`engine.parallel.shm_collectives`; TP pays
+two per layer).
 
     .venv/bin/python bench/tensor_parallel.py          # about 4 minutes on 2 cores
 """
@@ -54,7 +54,7 @@ def _allreduce_rank(rank: int, init: str, rounds: int, shm_buffers, out) -> None
     import torch
     import torch.distributed as dist
 
-    from pdserve_server.engine.shm_collectives import ShmCollectives
+    from pdserve_server.engine.parallel.shm_collectives import ShmCollectives
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
@@ -76,10 +76,10 @@ def _allreduce_rank(rank: int, init: str, rounds: int, shm_buffers, out) -> None
 
 def allreduce_us(rounds: int = 2000) -> dict[str, float]:
     """Mean microseconds of one all-reduce of [1, hidden] fp32 between two single-thread processes: gloo's and
-    `engine.shm_collectives`'s."""
+    `engine.parallel.shm_collectives`'s."""
     import multiprocessing
 
-    from pdserve_server.engine.shm_collectives import ShmCollectives
+    from pdserve_server.engine.parallel.shm_collectives import ShmCollectives
 
     ctx = multiprocessing.get_context("spawn")
     out = ctx.Queue()
@@ -113,7 +113,7 @@ async def _one(engine, rid: str, prompt: list[int], n: int) -> tuple[float, floa
 
 async def measure(model_dir: Path, tp: int, threads: int) -> dict[str, float]:
     from pdserve_server.engine.args import EngineArgs
-    from pdserve_server.engine.process_engine import ProcessEngine
+    from pdserve_server.engine.core.process_engine import ProcessEngine
 
     args = EngineArgs(model_dir=str(model_dir), random_weights=True, kv_tokens=16384, max_num_seqs=16,
                       max_num_batched_tokens=512, tensor_parallel_size=tp, enable_prefix_caching=False)

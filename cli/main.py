@@ -59,7 +59,7 @@ def _resolved(args: argparse.Namespace) -> tuple[str, str]:
 
 def _run_server(coro: Coroutine) -> None:
     """Run a server coroutine until SIGINT or SIGTERM, or until the launcher that started it is gone
-    (`cli.launcher.PARENT_PID_ENV`), then let it shut down cleanly and exit 0 (`engine.lifetime.exit_now`).
+    (`cli.launcher.PARENT_PID_ENV`), then let it shut down cleanly and exit 0 (`engine.core.lifetime.exit_now`).
     An exception (a CommandError, say) leaves as before, for `main` to report."""
     from pdserve_server.cli.launcher import PARENT_PID_ENV
 
@@ -78,7 +78,7 @@ def _run_server(coro: Coroutine) -> None:
             if watch is not None:
                 watch.cancel()
     asyncio.run(main())
-    from pdserve_server.engine.lifetime import exit_now
+    from pdserve_server.engine.core.lifetime import exit_now
 
     exit_now(0)  # the server has shut down: skip the interpreter's teardown (torch's alone is ~0.5 s)
 

@@ -106,7 +106,7 @@ def choose_topology(hw: Hardware, forced: str | None = None, num_prefill: int | 
     workers = prefill + num_decode
     devices: tuple[str, ...] = ()
     if gpu and hw.num_gpus >= workers * tensor_parallel_size:
-        from pdserve_server.engine.parallel import rank_device  # torch: only on the GPU path
+        from pdserve_server.engine.parallel.tensor_parallel import rank_device  # torch: only on the GPU path
 
         # Worker i's ranks come next in line, as one worker's ranks do (rank_device's rule).
         devices = tuple(rank_device(hw.device, i * tensor_parallel_size) for i in range(workers))

@@ -1,6 +1,6 @@
 """A request's scheduling at the coordinator: who it is for (its tenant and that tenant's weight), its priority, and
 its deadlines, turned into the `worker_pb2.SchedulingHints` the workers' engines order their queues by
-(`engine.request.SchedulingParams`, applied by `engine.policy`).
+(`engine.request.SchedulingParams`, applied by `engine.scheduling.policy`).
 
 - Tenant: the caller's API key id ("key:<id>") when the port requires keys (a request's `tenant` field cannot pick
   another's share), else the request's `tenant` field when set, else the peer ("peer:ipv4:<ip>", gRPC's peer

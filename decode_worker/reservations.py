@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from pdserve_server.engine.async_engine import RequestStream
+from pdserve_server.engine.core.async_engine import RequestStream
 from pdserve_server.server_common.tracing import extract_context, record_span
 
 

@@ -9,7 +9,7 @@ from pdserve_server.kernels import BACKENDS as ATTENTION_BACKENDS
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 DTYPE_CHOICES = ("auto",) + DTYPE_NAMES
 QUANTIZATION_CHOICES = ("none", "int8", "int4")
-# Tokens a request's stream may hold unread before the request is paused (`engine.async_engine.RequestStream`): far
+# Tokens a request's stream may hold unread before the request is paused (`engine.core.async_engine.RequestStream`): far
 # more than a reader that keeps up ever leaves (it takes every queued token at each read), small enough that a
 # stalled client costs little memory.
 DEFAULT_MAX_UNREAD_TOKENS = 256
@@ -23,7 +23,7 @@ class EngineArgs:
         model_dir: resolved HF-format directory (see `cli.models.resolve_model`).
         dtype: weights and KV dtype, or "auto" (the default: `engine.hardware.resolve_dtype`, the fastest dtype the
             device computes well, as vLLM's default is).
-        quantization: "none", "int8" or "int4": weight-only quantized linears (`engine.quantization`; int4 in
+        quantization: "none", "int8" or "int4": weight-only quantized linears (`engine.execution.quantization`; int4 in
             groups of 32 input channels; both need a bf16/fp16 dtype).
         block_size: tokens per KV block.
         kv_tokens: KV budget in tokens; ignored when kv_bytes is set.
@@ -35,7 +35,8 @@ class EngineArgs:
         enable_prefix_caching: reuse cached full KV blocks with the same chained token hash.
         device: torch device of weights and KV cache.
         seed: sampler seed for unseeded requests (and random weights).
-        packed_weights: the linears' CPU forms (`engine.packing`): bf16 prepacked for oneDNN, fp32 decode batches
+        packed_weights: the linears' CPU forms (`engine.execution.packing`): bf16 prepacked for oneDNN, fp32 decode
+        batches
             through the cpu backend's small-batch kernel.
         attention_backend: "auto" (Triton kernels on CUDA, the C decode kernel on CPU), "triton", "cpu" or "torch".
         speculative_ngram_tokens: n-gram (prompt-lookup) draft tokens per decode step; 0 = off
@@ -44,15 +45,16 @@ class EngineArgs:
         speculative_disable_batch_size: no drafts while more requests than this are running.
         threads: torch intra-op threads for the process; 0 = one per CPU the process may run on
             (`engine.hardware.set_threads`). `pdserve serve` splits its host's CPUs among its workers instead.
-        tensor_parallel_size: ranks, one process each, that split the model (`engine.parallel`); 1 = none. On CUDA
-            rank r runs on the device's index + r (`engine.parallel.rank_device`).
+        tensor_parallel_size: ranks, one process each, that split the model (`engine.parallel.tensor_parallel`); 1 =
+        none. On CUDA
+            rank r runs on the device's index + r (`engine.parallel.tensor_parallel.rank_device`).
         random_weights: build the model from its config with random weights (tests, GPU-less benchmarks).
         mock_engine: "" for the real model; else a step-time profile (`engine.mock.step_model.load_profile`): the
             runner computes nothing and sleeps each step's modelled time (`engine.mock.runner.MockRunner`).
         mock_speedup: the mock engine's time runs this many times faster than its profile's device.
         enforce_eager: run every step eagerly, op by op from Python: on CUDA instead of replaying captured graphs of
-            all-decode steps (`engine.cuda_graphs`; vLLM's flag of the same name), on CPU instead of the cpu
-            backend's one-call decode loop (`engine.cpu_decode_stack`).
+            all-decode steps (`engine.execution.cuda_graphs`; vLLM's flag of the same name), on CPU instead of the cpu
+            backend's one-call decode loop (`engine.execution.cpu_decode_stack`).
     """
 
     model_dir: str = field(metadata={"cli": False})
@@ -65,8 +67,8 @@ class EngineArgs:
         "help": "int8 / int4 = weight-only int8 / int4 (groups of 32) linears (bf16/fp16 dtypes): faster "
                 "small-batch decode on CPU, slower at large batches"})
     packed_weights: bool = field(default=True, metadata={
-        "help": "CPU linears (engine.packing): bf16 weights reordered once at load into oneDNN's blocked layout, fp32 "
-                "decode batches through the cpu backend's small-batch kernel; no effect elsewhere"})
+        "help": "CPU linears (engine.execution.packing): bf16 weights reordered once at load into oneDNN's blocked "
+                "layout, fp32 decode batches through the cpu backend's small-batch kernel; no effect elsewhere"})
     block_size: int = field(default=16, metadata={"min": 1, "help": "tokens per KV block"})
     kv_tokens: int = field(default=16384, metadata={
         "min": 1, "help": "KV budget in tokens (ignored when --kv-bytes is set)"})

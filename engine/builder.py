@@ -11,15 +11,16 @@ import torch
 from pdserve_server.engine.args import EngineArgs
 from pdserve_server.engine.config import CacheConfig, SchedulerConfig, num_blocks_for_budget
 from pdserve_server.engine.models.config import ModelConfig
-from pdserve_server.engine.cuda_graphs import capture_sizes
+from pdserve_server.engine.execution.cuda_graphs import capture_sizes
 from pdserve_server.engine.hardware import resolve_dtype
-from pdserve_server.engine.kv_cache_manager import KVCacheManager, sliding_kv_window
-from pdserve_server.engine.loader import load_state_dict
+from pdserve_server.engine.scheduling.kv_cache_manager import KVCacheManager, sliding_kv_window
+from pdserve_server.engine.execution.loader import load_state_dict
 from pdserve_server.engine.mock.runner import MockRunner
 from pdserve_server.engine.mock.step_model import load_profile
-from pdserve_server.engine.model_runner import ModelRunner
-from pdserve_server.engine.parallel import SINGLE, TensorParallel, check_devices, head_split, rank_device
-from pdserve_server.engine.scheduler import Scheduler
+from pdserve_server.engine.execution.model_runner import ModelRunner
+from pdserve_server.engine.parallel.tensor_parallel import (SINGLE, TensorParallel, check_devices, head_split,
+                                                            rank_device)
+from pdserve_server.engine.scheduling.scheduler import Scheduler
 from pdserve_server.engine.speculative import SpeculativeConfig
 from pdserve_server.engine.structured import GrammarCompiler
 
@@ -42,7 +43,7 @@ def resolve_configs(args: EngineArgs) -> tuple[ModelConfig, CacheConfig, Schedul
         FileNotFoundError / ValueError: from reading and validating the model config (unsupported architecture or
             feature, named), a mock engine's profile that does not load or with TP, a KV budget under one block,
             inconsistent speculative-decoding flags, or more tensor-parallel ranks than GPUs
-            (`engine.parallel.check_devices`).
+            (`engine.parallel.tensor_parallel.check_devices`).
     """
     from transformers import AutoConfig
 
@@ -76,8 +77,8 @@ def resolve_configs(args: EngineArgs) -> tuple[ModelConfig, CacheConfig, Schedul
 def build_runner(args: EngineArgs, model_config: ModelConfig, cache_config: CacheConfig, max_model_len: int,
                  tp: TensorParallel = SINGLE) -> ModelRunner | MockRunner:
     """Load the weights (this rank's share under tensor parallelism) and build the model runner, with this rank's
-    shard of the KV cache on this rank's device (`engine.parallel.rank_device`); or, with `args.mock_engine`, the
-    mock engine's runner (no weights).
+    shard of the KV cache on this rank's device (`engine.parallel.tensor_parallel.rank_device`); or, with
+    `args.mock_engine`, the mock engine's runner (no weights).
 
     Raises:
         FileNotFoundError / ValueError: from weight loading and `ModelRunner`.
@@ -97,7 +98,7 @@ def build_runner(args: EngineArgs, model_config: ModelConfig, cache_config: Cach
 def build_engine(args: EngineArgs, tp: TensorParallel = SINGLE,
                  configs: tuple[ModelConfig, CacheConfig, SchedulerConfig] | None = None) -> EngineParts:
     """Load config + weights (or random weights when `args.random_weights`) and build the scheduler and runner.
-    Under tensor parallelism this is rank 0 (`engine.tp_ranks` builds the others), given its group and the configs
+    Under tensor parallelism this is rank 0 (`engine.core.ranks` builds the others), given its group and the configs
     it resolved first.
 
     Raises:

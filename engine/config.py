@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from pdserve_server.engine.models.config import ModelConfig
-from pdserve_server.engine.parallel import kv_heads_per_rank
+from pdserve_server.engine.parallel.tensor_parallel import kv_heads_per_rank
 from pdserve_server.engine.speculative import SpeculativeConfig
 
 
@@ -20,7 +20,7 @@ class CacheConfig:
     Attributes:
         block_size: tokens per KV block.
         num_blocks: blocks in the pool (the KV budget). Derive it with `num_blocks_for_budget`.
-        tensor_parallel_size: ranks the KV heads of every block are split across (`engine.kv_cache` layout).
+        tensor_parallel_size: ranks the KV heads of every block are split across (`engine.execution.kv_cache` layout).
     """
 
     block_size: int
@@ -71,8 +71,8 @@ class SchedulerConfig:
         vocab_size: token ids a request may carry are [0, vocab_size).
         speculative: n-gram speculative decoding (off by default).
         itl_target_ms: while requests are decoding, cap each step's prefill tokens so the step is predicted to
-            take at most this long, ms (`engine.step_cost`; at least a block of prefill a step); 0 = no cap beyond
-            max_num_batched_tokens.
+            take at most this long, ms (`engine.scheduling.step_cost`; at least a block of prefill a step); 0 = no cap
+            beyond max_num_batched_tokens.
     """
 
     max_num_batched_tokens: int
@@ -87,9 +87,9 @@ class SchedulerConfig:
 def compat_hash(model: ModelConfig, cache: CacheConfig) -> str:
     """Hash that two workers must share to exchange KV blocks: model shapes, dtype, block size and layout.
 
-    The layout tag names the KV layout in `engine.kv_cache` (a shard per rank, [num_blocks, layers, 2, block_size,
-    kv_heads_per_rank, head_dim], block-major; a block travels as each rank's region); change it whenever that
-    layout changes. Two workers of different tensor parallel sizes hash differently: a block's bytes are split by
+    The layout tag names the KV layout in `engine.execution.kv_cache` (a shard per rank, [num_blocks, layers, 2,
+    block_size, kv_heads_per_rank, head_dim], block-major; a block travels as each rank's region); change it whenever
+    that layout changes. Two workers of different tensor parallel sizes hash differently: a block's bytes are split by
     rank (no resharding on transfer).
     """
     fields = asdict(model)

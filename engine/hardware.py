@@ -58,7 +58,7 @@ def set_threads(num_threads: int) -> None:
 
     With OpenMP (torch's CPU build) the count is per thread, and each thread that starts parallel regions keeps its
     own pool of OpenMP threads. A served worker therefore gives its threads to the engine thread alone
-    (`engine.engine_core.EngineCore`'s `threads`) and keeps every other thread at 1: once a process holds more
+    (`engine.core.engine_core.EngineCore`'s `threads`) and keeps every other thread at 1: once a process holds more
     OpenMP threads than CPUs, libgomp stops spin-waiting between regions and every parallel op pays a futex sleep
     and wake.
     Measured (AMD EPYC VM, 2 cores, int4 batch-1 decode step, 2 threads): 7.6 ms run from the thread that built the

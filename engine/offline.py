@@ -1,7 +1,7 @@
 """Offline generation on a built engine, in the calling thread: no server, no engine thread, no transfer.
 
 What tests and benchmarks use to run the scheduler and model runner directly (vLLM's `LLM.generate` plays this
-role there). A worker never calls it: `engine.engine_core.EngineCore` owns the loop in a serving process.
+role there). A worker never calls it: `engine.core.engine_core.EngineCore` owns the loop in a serving process.
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Plain records that cross the engine's boundaries: scheduler -> runner -> scheduler -> server.
 
 The events an engine hands its owner (`Reserved`, `TokenOutput`, `RequestFailed`) and its `SchedulerStats` are
-msgspec Structs, tagged: they cross the engine-core process boundary as they are (`engine.ipc`; msgpack, about
+msgspec Structs, tagged: they cross the engine-core process boundary as they are (`engine.core.ipc`; msgpack, about
 13x cheaper than pickle at a 64-request step). The step's internals stay dataclasses: they never leave the engine.
 """
 from __future__ import annotations
@@ -19,8 +19,8 @@ class ScheduledRequest:
     """One request's share of a step: compute tokens [num_computed_tokens, num_computed_tokens + num_new_tokens).
 
     sample is True when the chunk reaches the last known token, so the step yields a new token for it.
-    spec_token_ids: n-gram draft tokens (`engine.speculative`) computed after the last known token; they are the
-    last len(spec_token_ids) of the num_new_tokens, and the step verifies them (a decode, filed under prefills
+    spec_token_ids: n-gram draft tokens (`engine.speculative`) computed after the last known token; they are
+    the last len(spec_token_ids) of the num_new_tokens, and the step verifies them (a decode, filed under prefills
     as its chunk has several tokens).
     """
 

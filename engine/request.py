@@ -113,7 +113,7 @@ class SamplingParams:
 
 @dataclass(frozen=True)
 class SchedulingParams:
-    """How a request is scheduled beside others (`engine.policy` applies it).
+    """How a request is scheduled beside others (`engine.scheduling.policy` applies it).
 
     Attributes:
         priority: lower runs sooner (vLLM's convention); requests of a lower value are admitted first and may

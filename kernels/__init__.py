@@ -7,7 +7,7 @@ anywhere), `kernels.triton_*` (Triton; CUDA, or CPU under TRITON_INTERPRET=1 for
 setup.py) with `kernels.cpu_prefill` (prefill attention as blocked GEMMs). The model gets one
 `AttentionOps` from `select_ops` and never imports any of them directly.
 
-Layout shared by all ops (see `engine.kv_cache`):
+Layout shared by all ops (see `engine.execution.kv_cache`):
     k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], one layer's view (may be strided in dim 0)
     block_tables:     [num_seqs, max_blocks_per_seq] int32, physical block ids, padded with 0
     slot_mapping:     [num_tokens] int64, block_id * block_size + offset for each new token
@@ -35,7 +35,7 @@ class AttentionOps:
     """The three paged-KV ops of one backend (RoPE with the KV write, decode and prefill attention) and the
     per-token ops its layers call around them (see
     `kernels.reference` for their contracts), and whether its decode path can be captured in a CUDA graph
-    (`engine.cuda_graphs`)."""
+    (`engine.execution.cuda_graphs`)."""
 
     name: str
     rotary_and_write_kv: Callable[..., torch.Tensor]
@@ -47,10 +47,10 @@ class AttentionOps:
     # reference reads context_lens.max() on the host).
     capturable: bool = False
     # fp32 y = x W^T (+ b) for the few rows of a decode step, (x [M, K], weight [N, K], bias [N] | None) -> [M, N]
-    # (the cpu backend's `kernels/cpu_linear.c`; `engine.packing.SmallBatchLinear` decides when), or None.
+    # (the cpu backend's `kernels/cpu_linear.c`; `engine.execution.packing.SmallBatchLinear` decides when), or None.
     small_batch_linear: Callable[..., torch.Tensor] | None = None
     # Every decoder layer of an all-decode step in one call (the cpu backend's `pdserve::decode_layers`;
-    # `engine.cpu_decode_stack` calls it), or None.
+    # `engine.execution.cpu_decode_stack` calls it), or None.
     decode_layers: Callable[..., torch.Tensor] | None = None
 
 
@@ -111,7 +111,8 @@ def select_ops(backend: str, device: torch.device | str) -> AttentionOps:
 
 def _cpu_ops() -> AttentionOps:
     """The "cpu" backend: the C decode kernel, KV write, per-token ops and small-batch fp32 linear
-    (`kernels.cpu_ops`), and blocked-GEMM prefill attention for 16-bit caches (`kernels.cpu_prefill`, its softmax in C; fp32 takes the reference's).
+    (`kernels.cpu_ops`), and blocked-GEMM prefill attention for 16-bit caches (`kernels.cpu_prefill`, its softmax in C;
+    fp32 takes the reference's).
 
     Raises:
         KernelLoadError: the compiled kernels are missing or do not load.

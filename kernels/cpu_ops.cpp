@@ -296,11 +296,11 @@ at::Tensor linear_small_m(const at::Tensor &x, const at::Tensor &weight, const s
                              at::get_num_threads());
     return out;
 }
-// The linear forms decode_layers applies (engine.packing, engine.quantization): torch's own, oneDNN's prepacked
-// bf16, our fp32 kernel, torch's int8 and int4 weight-only packed ops.
+// The linear forms decode_layers applies (engine.execution.packing, engine.execution.quantization): torch's own,
+// oneDNN's prepacked bf16, our fp32 kernel, torch's int8 and int4 weight-only packed ops.
 enum LinearForm : int64_t { kTorchLinear = 0, kPackedLinear = 1, kSmallMLinear = 2, kInt8Linear = 3, kInt4Linear = 4 };
 
-// y = x W^T + b through oneDNN with W prepacked (torch.ops.mkldnn._linear_pointwise, the op engine.packing calls),
+// y = x W^T + b through oneDNN with W prepacked (torch.ops.mkldnn._linear_pointwise, the op engine.execution.packing calls),
 // boxed through the dispatcher: it is registered by libtorch and has no C++ header.
 at::Tensor packed_linear(const at::Tensor &x, const at::Tensor &packed_weight, const std::optional<at::Tensor> &bias) {
     static const c10::OperatorHandle op =
@@ -312,7 +312,7 @@ at::Tensor packed_linear(const at::Tensor &x, const at::Tensor &packed_weight, c
 }
 
 // One linear of form `form`: weight is the form's weight tensor (plain [N, K], oneDNN-packed, int8 [N, K] or the int4
-// pack), aux the int8 scales [N] or the int4 scales and zeros [K / group, N, 2] (engine.quantization).
+// pack), aux the int8 scales [N] or the int4 scales and zeros [K / group, N, 2] (engine.execution.quantization).
 at::Tensor apply_linear(int64_t form, const at::Tensor &x, const at::Tensor &weight, const std::optional<at::Tensor> &aux,
                         const std::optional<at::Tensor> &bias) {
     switch (form) {

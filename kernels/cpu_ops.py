@@ -154,10 +154,12 @@ class CpuKernels:
         self._rotary_and_write_kv = ops.rotary_and_write_kv.default
         self._causal_softmax = ops.causal_softmax_.default
         # fp32 (x [M, K], weight [N, K], bias [N] or None) -> x W^T + b [M, N] (`kernels/cpu_linear.c`); raises
-        # ValueError on another dtype or mismatched shapes. Fast for small M only: `engine.packing.SmallBatchLinear`.
+        # ValueError on another dtype or mismatched shapes. Fast for small M only:
+        # `engine.execution.packing.SmallBatchLinear`.
         self.linear_small_m = ops.linear_small_m.default
         # Every layer of a dense pre-norm decoder over an all-decode step in one call, the same ops as the model's
-        # forward; its arguments are `engine.cpu_decode_stack.CpuDecodeStack`'s (kernels/cpu_ops.cpp documents them).
+        # forward; its arguments are `engine.execution.cpu_decode_stack.CpuDecodeStack`'s (kernels/cpu_ops.cpp documents
+        # them).
         self.decode_layers = ops.decode_layers.default
 
     @classmethod

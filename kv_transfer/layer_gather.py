@@ -19,8 +19,8 @@ class LayerGather:
     device. On CUDA it is ordered on the current stream and waited for (a CUDA event, off the event loop) before a
     transport reads the buffer or the next group overwrites it.
 
-    Under tensor parallelism a block is one region per rank (`engine.kv_cache.KvShards`), possibly on different
-    devices, so a group's layer is one message per rank, rank order (ranks on several GPUs: unverified).
+    Under tensor parallelism a block is one region per rank (`engine.execution.kv_cache.KvShards`), possibly on
+    different devices, so a group's layer is one message per rank, rank order (ranks on several GPUs: unverified).
 
     Args:
         blocks: each block's regions (1-D uint8, one per rank, `KvShards.block_regions`), in transfer order.

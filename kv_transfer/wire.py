@@ -17,9 +17,9 @@ handshake, then one transfer at a time:
     num_layers == L (layer-wise streaming, sent as the prefill's last chunk writes each layer):
       layer{0}, layer 0 of blocks 0 .. n-1, ..., layer{L-1}, layer L-1 of blocks 0 .. n-1
 
-    Every raw message holds one tensor-parallel rank's bytes (`engine.kv_cache.KvShards`: a block is one region per
-    rank, each on its rank's device): a whole block is num_ranks messages, rank order; a layer of a group of blocks
-    (`layer_gather.LayerGather`) is num_ranks messages, rank order, each that rank's slices in block order.
+    Every raw message holds one tensor-parallel rank's bytes (`engine.execution.kv_cache.KvShards`: a block is one
+    region per rank, each on its rank's device): a whole block is num_ranks messages, rank order; a layer of a group of
+    blocks (`layer_gather.LayerGather`) is num_ranks messages, rank order, each that rank's slices in block order.
     end{ok, first_token | error}  ───►       the request may decode (ok) or is dropped (the prefill gave up)
                                   ◄───       done{ok, error}
 
@@ -72,8 +72,8 @@ class Offer:
     """One request's KV, announced by the sender (validated: a malformed offer drops the channel).
 
     num_layers: 0 = whole blocks follow. > 0 = layer-wise: the blocks come layer by layer, each layer after a
-    header (each rank's region of a block is num_layers equal slices, `engine.kv_cache`'s layout; a layer is one
-    slice per rank, `layer_gather.LayerGather`). Either way an end message follows with the prefill's first
+    header (each rank's region of a block is num_layers equal slices, `engine.execution.kv_cache`'s layout; a layer is
+    one slice per rank, `layer_gather.LayerGather`). Either way an end message follows with the prefill's first
     token (a layer-wise offer goes out before it is sampled).
     block_nbytes: bytes of one block, all ranks' regions together.
     num_ranks: tensor-parallel ranks, so regions, of each block (1 without TP).

@@ -28,12 +28,12 @@ class WorkerConfig:
         kv_layerwise: prefill: stream each layer's KV as the last prefill chunk writes it, overlapping the
             transfer with the forward, instead of sending whole blocks after the first token.
         engine_process: run the engine core (scheduler, model, KV cache) in a process of its own
-            (`engine.process_engine`), else on a thread of the worker's process.
+            (`engine.core.process_engine`), else on a thread of the worker's process.
         engine_restart: when the engine process dies, restart it in place (`worker_common.supervisor`) instead of
             exiting non-zero for the orchestrator (or `serve --restart`) to restart the worker.
         max_unread_tokens: tokens a request may have waiting unread (its client reads slower than it decodes)
             before it is paused: out of the batch, its KV kept while blocks allow; resumed when the reader catches
-            up (`engine.async_engine.RequestStream`). 0 = never pause.
+            up (`engine.core.async_engine.RequestStream`). 0 = never pause.
         stream_interval: a decode stream's tokens are sent N at a time (the first token and a finish at once).
         log_level / log_format: the process's logging (the global --log-level / --log-format), which an engine
             process is given too.

@@ -8,7 +8,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from pdserve_server.engine.async_engine import Engine
+from pdserve_server.engine.core.async_engine import Engine
 from pdserve_server.server_common.metrics import BYTE_BUCKETS, LATENCY_BUCKETS
 
 LABELS = ["model_name", "role"]

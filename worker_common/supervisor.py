@@ -7,8 +7,8 @@ import time
 import uuid
 from collections.abc import Callable
 
-from pdserve_server.engine.kv_cache import KvShards
-from pdserve_server.engine.process_engine import ProcessEngine
+from pdserve_server.engine.execution.kv_cache import KvShards
+from pdserve_server.engine.core.process_engine import ProcessEngine
 
 log = logging.getLogger(__name__)
 

@@ -11,17 +11,18 @@ from dataclasses import dataclass, replace
 import grpc
 from prometheus_client import CollectorRegistry
 
-from pdserve_server.engine.async_engine import AsyncEngine, Engine
+from pdserve_server.engine.core.async_engine import AsyncEngine, Engine
 from pdserve_server.engine.builder import build_engine
 from pdserve_server.engine.config import CacheConfig, SchedulerConfig, compat_hash, kv_bytes_per_block
 from pdserve_server.engine.models.config import ModelConfig
-from pdserve_server.engine.engine_core import EngineCore
+from pdserve_server.engine.core.engine_core import EngineCore
 from pdserve_server.engine.errors import EngineError, ErrorKind
 from pdserve_server.engine.hardware import resolve_threads, set_threads
-from pdserve_server.engine.kv_cache import KvShards
-from pdserve_server.engine.kv_cache_manager import (max_request_blocks, max_request_tokens, sliding_kv_window,
+from pdserve_server.engine.execution.kv_cache import KvShards
+from pdserve_server.engine.scheduling.kv_cache_manager import (max_request_blocks, max_request_tokens,
+                                                               sliding_kv_window,
                                                     usable_blocks)
-from pdserve_server.engine.process_engine import EngineBuildError, ProcessEngine
+from pdserve_server.engine.core.process_engine import EngineBuildError, ProcessEngine
 from pdserve.v1 import generate_pb2, worker_pb2, worker_pb2_grpc
 from pdserve_server.server_common.addresses import advertise_host
 from pdserve_server.server_common.errors import CommandError
@@ -92,7 +93,7 @@ async def start_engine(config: WorkerConfig) -> WorkerEngine:
         model, cache, sched = engine.model_config, engine.cache_config, engine.scheduler_config
         kv_cache = engine.kv
     else:
-        if args.tensor_parallel_size > 1:  # the ranks are the engine process's children (`engine.tp_ranks`)
+        if args.tensor_parallel_size > 1:  # the ranks are the engine process's children (`engine.core.ranks`)
             raise CommandError("--tensor-parallel-size > 1 needs the engine process (drop --no-engine-process)")
         try:
             parts = build_engine(args)

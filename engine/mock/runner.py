@@ -21,10 +21,10 @@ import torch
 from pdserve_server.engine.config import CacheConfig
 
 from pdserve_server.engine.models.config import ModelConfig
-from pdserve_server.engine.kv_cache import KVCache
+from pdserve_server.engine.execution.kv_cache import KVCache
 from pdserve_server.engine.mock.step_model import StepShape, StepTimeModel
 from pdserve_server.engine.outputs import RunnerOutput, SampledToken, SchedulerOutput
-from pdserve_server.engine.sampler import Sampler
+from pdserve_server.engine.execution.sampler import Sampler
 from pdserve_server.engine.speculative import accept_greedy
 
 _MASK = (1 << 64) - 1
@@ -70,7 +70,8 @@ def _next(length: int, tail: Sequence[int], vocab_size: int, eos_token_ids: froz
 
 
 class MockRunner:
-    """`engine.model_runner.ModelRunner`'s interface (execute, kv_cache, follow, close) over a performance model.
+    """`engine.execution.model_runner.ModelRunner`'s interface (execute, kv_cache, follow, close) over a performance
+    model.
 
     Args:
         model_config, cache_config: the model's geometry (vocabulary, EOS ids, layers; the KV cache's shape).

@@ -35,7 +35,7 @@ from pdserve_server.engine.models.decoder import StrictWeights
 from pdserve_server.engine.models.interface import ArchFlags, CheckpointNames
 from pdserve_server.engine.models.layers import Attention, GatedMLP, RMSNorm, RotaryEmbedding
 from pdserve_server.engine.models.sharding import shard, vocab_parallel_embed, vocab_parallel_logits, vocab_per_rank
-from pdserve_server.engine.parallel import SINGLE, TensorParallel
+from pdserve_server.engine.parallel.tensor_parallel import SINGLE, TensorParallel
 from pdserve_server.kernels import AttentionOps
 
 _NAME = "gemma3_text"
@@ -160,7 +160,8 @@ class Model(nn.Module):
     TP one rank's share, as `engine.models.decoder.DecoderModel`.
 
     Raises (constructor):
-        ValueError: tp.size does not divide the heads (`engine.parallel.head_split`) or intermediate size.
+        ValueError: tp.size does not divide the heads (`engine.parallel.tensor_parallel.head_split`) or intermediate
+        size.
     """
 
     CHECKPOINT: ClassVar[CheckpointNames] = CheckpointNames()

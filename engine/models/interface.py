@@ -22,8 +22,8 @@ then prefill chunks), with `engine.attention.AttentionMetadata` saying where eac
 cache; there is no batch dimension and no padding. Weight loading is strict: every parameter supplied, every
 tensor of the checkpoint consumed (`engine.models.decoder.StrictWeights`).
 
-Tensor parallelism (`engine.parallel`): `Model(cfg, ops, tp)` builds one rank's share. The projections are plain
-`nn.Linear`s sized for the rank; q/k/v, gate/up and the experts' gate/up are column-parallel (split on output
+Tensor parallelism (`engine.parallel.tensor_parallel`): `Model(cfg, ops, tp)` builds one rank's share. The projections
+are plain `nn.Linear`s sized for the rank; q/k/v, gate/up and the experts' gate/up are column-parallel (split on output
 features), o_proj, down_proj and the experts' down row-parallel (split on input features, the layer all-reduces
 its output), embedding and LM head vocab-parallel, as in Megatron-LM (Shoeybi et al. 2019);
 `engine.models.sharding` is the table of which parameter splits how, applied by the loader.
@@ -136,7 +136,7 @@ class CheckpointNames:
 class CausalLM(Protocol):
     """The network an architecture module exports as `Model` (an `nn.Module`), built as `Model(cfg, ops, tp)` from
     an `engine.models.config.ModelConfig`, the worker's `kernels.AttentionOps` and the rank's
-    `engine.parallel.TensorParallel` (default: no tensor parallelism)."""
+    `engine.parallel.tensor_parallel.TensorParallel` (default: no tensor parallelism)."""
 
     CHECKPOINT: ClassVar[CheckpointNames]
 

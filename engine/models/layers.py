@@ -16,7 +16,7 @@ from torch import nn
 from pdserve_server.engine.attention import AttentionMetadata
 from pdserve_server.engine.models.config import ModelConfig
 from pdserve_server.engine.models.interface import Llama3RopeScaling
-from pdserve_server.engine.parallel import SINGLE, TensorParallel
+from pdserve_server.engine.parallel.tensor_parallel import SINGLE, TensorParallel
 from pdserve_server.kernels import AttentionOps
 
 

@@ -6,8 +6,8 @@ Numerics follow HF transformers' `MixtralSparseMoeBlock` / `Qwen3MoeSparseMoeBlo
 renormalisation, each expert's output scaled by its weight and summed per token in ascending expert order), so greedy
 output equals HF's in fp32.
 
-Weight-only int8 / int4 (`engine.quantization`): each expert's two projections become quantized linears of their
-own (`Experts.quantize`); the router stays in the model dtype (its choices are discrete, a rounding can flip them;
+Weight-only int8 / int4 (`engine.execution.quantization`): each expert's two projections become quantized linears of
+their own (`Experts.quantize`); the router stays in the model dtype (its choices are discrete, a rounding can flip them;
 vLLM leaves the gate unquantized as well).
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve_server.engine.models.interface import MoEConfig
-from pdserve_server.engine.parallel import SINGLE, TensorParallel
+from pdserve_server.engine.parallel.tensor_parallel import SINGLE, TensorParallel
 from pdserve_server.kernels import AttentionOps
 
 
@@ -47,7 +47,8 @@ class Experts(nn.Module):
 
     def quantize(self, make: Callable[[nn.Linear], nn.Module]) -> int:
         """Replace the stacked weights by `make(linear)` of each expert's gate_up and down projection (weight-only
-        int8 / int4 from `engine.quantization`); the stacked tensors are dropped. Returns the linears made (2 E).
+        int8 / int4 from `engine.execution.quantization`); the stacked tensors are dropped. Returns the linears made (2
+        E).
 
         Raises:
             ValueError: from `make` (a float32 model, shapes int4 cannot pack).
@@ -71,7 +72,7 @@ class SparseMoE(nn.Module):
 
     The grouping reads the per-expert token counts on the host (one sync a layer): cheap on a CPU, a stall on a
     GPU, where a fused MoE kernel (vLLM's `fused_moe`) would take over; decode steps of an MoE model are therefore
-    not captured in CUDA graphs (`engine.model_runner`).
+    not captured in CUDA graphs (`engine.execution.model_runner`).
     """
 
     def __init__(self, hidden_size: int, moe: MoEConfig, ops: AttentionOps, tp: TensorParallel = SINGLE):
@@ -85,8 +86,8 @@ class SparseMoE(nn.Module):
         self.experts = Experts(moe.num_experts, hidden_size, local)
 
     def quantize_weight_only(self, make: Callable[[nn.Linear], nn.Module]) -> int:
-        """`engine.quantization.quantize_weight_only`'s hook: the experts are quantized, the router is not (see
-        the module docstring). Returns the linears made."""
+        """`engine.execution.quantization.quantize_weight_only`'s hook: the experts are quantized, the router is not
+        (see the module docstring). Returns the linears made."""
         return self.experts.quantize(make)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -2,7 +2,8 @@
 
 Our parameter names (`engine.models.decoder`), by suffix:
 
-    by attention head (`engine.parallel.head_split`: a rank's query heads with their kv heads, padding heads zero):
+    by attention head (`engine.parallel.tensor_parallel.head_split`: a rank's query heads with their kv heads, padding
+    heads zero):
         self_attn.qkv_proj.{weight,bias}   rows: the rank's q heads, then its k heads, then its v heads
         self_attn.o_proj.weight            columns: the rank's q heads (row-parallel: the output is all-reduced)
     column-parallel (output features split; each fused segment split on its own):
@@ -18,14 +19,14 @@ Our parameter names (`engine.models.decoder`), by suffix:
 
 Splitting heads keeps each rank's attention self-contained (its own q heads with their kv heads), so the paged KV
 cache splits the same way: a rank stores its kv heads of every block, ceil(num_kv_heads / size) of them
-(`engine.parallel.kv_heads_per_rank`).
+(`engine.parallel.tensor_parallel.kv_heads_per_rank`).
 """
 from __future__ import annotations
 
 import torch
 
 from pdserve_server.engine.models.config import ModelConfig
-from pdserve_server.engine.parallel import TensorParallel
+from pdserve_server.engine.parallel.tensor_parallel import TensorParallel
 
 
 def vocab_per_rank(vocab_size: int, size: int) -> int:
@@ -75,7 +76,7 @@ def shard(name: str, full: torch.Tensor, cfg: ModelConfig, tp: TensorParallel) -
 
     Raises:
         ValueError: a split dimension is not divisible by the group size, or the heads do not split
-            (`TensorParallel.split` and `engine.parallel.head_split` name the quantity).
+            (`TensorParallel.split` and `engine.parallel.tensor_parallel.head_split` name the quantity).
     """
     if tp.size == 1:
         return full

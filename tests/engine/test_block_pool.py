@@ -1,7 +1,7 @@
 import pytest
 
-from pdserve_server.engine.block_pool import BlockPool, hash_block_tokens
-from pdserve_server.engine.kv_cache_manager import KVCacheManager, window_chunk_cap, window_peak_blocks
+from pdserve_server.engine.scheduling.block_pool import BlockPool, hash_block_tokens
+from pdserve_server.engine.scheduling.kv_cache_manager import KVCacheManager, window_chunk_cap, window_peak_blocks
 from pdserve_server.engine.request import Request, SamplingParams
 
 

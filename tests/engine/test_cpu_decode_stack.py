@@ -1,6 +1,6 @@
-"""The cpu backend's one-call decode loop (`engine.cpu_decode_stack`, `pdserve::decode_layers`): the same ops in the
-same order as the model's forward, so the same logits bit for bit, in every linear form it runs; and the models it
-must leave to their own forward."""
+"""The cpu backend's one-call decode loop (`engine.execution.cpu_decode_stack`, `pdserve::decode_layers`): the same ops
+in the same order as the model's forward, so the same logits bit for bit, in every linear form it runs; and the models
+it must leave to their own forward."""
 from __future__ import annotations
 
 import pytest
@@ -9,10 +9,10 @@ import torch
 from pdserve_server.engine.config import CacheConfig
 
 from pdserve_server.engine.models.config import ModelConfig
-from pdserve_server.engine.cpu_decode_stack import (INT4_LINEAR, INT8_LINEAR, PACKED_LINEAR, SMALL_M_LINEAR,
+from pdserve_server.engine.execution.cpu_decode_stack import (INT4_LINEAR, INT8_LINEAR, PACKED_LINEAR, SMALL_M_LINEAR,
                                                     TORCH_LINEAR, CpuDecodeStack)
-from pdserve_server.engine.model_runner import ModelRunner
-from pdserve_server.engine.packing import packing_supported
+from pdserve_server.engine.execution.model_runner import ModelRunner
+from pdserve_server.engine.execution.packing import packing_supported
 from test_tp_heads import BLOCK, _gemma, _llama, greedy_steps
 
 

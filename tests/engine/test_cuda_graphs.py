@@ -1,4 +1,4 @@
-"""The padded static-buffer decode step of `engine.cuda_graphs`, checked on CPU with `capture=False` (the same
+"""The padded static-buffer decode step of `engine.execution.cuda_graphs`, checked on CPU with `capture=False` (the same
 buffers and padding, no graph; the capture itself needs CUDA and was checked on an H100 with bench/gpu_check.py)."""
 import random
 
@@ -6,7 +6,7 @@ import torch
 
 from pdserve_server.engine.args import EngineArgs
 from pdserve_server.engine.builder import build_engine
-from pdserve_server.engine.cuda_graphs import DecodeGraphs, capture_sizes
+from pdserve_server.engine.execution.cuda_graphs import DecodeGraphs, capture_sizes
 from pdserve_server.engine.request import Request, SamplingParams
 
 

@@ -12,7 +12,7 @@ from conftest import hf_greedy, hf_next_logits
 from pdserve_server.engine.args import EngineArgs
 from pdserve_server.engine.builder import build_engine
 from pdserve_server.engine.hardware import cpu_flags, resolve_dtype
-from pdserve_server.engine.quantization import (Int4WeightOnlyLinear, Int8WeightOnlyLinear, dequantize_int4,
+from pdserve_server.engine.execution.quantization import (Int4WeightOnlyLinear, Int8WeightOnlyLinear, dequantize_int4,
                                                 quantize_int4)
 from pdserve_server.engine.offline import generate
 from pdserve_server.engine.request import SamplingParams
@@ -172,7 +172,7 @@ def test_weight_only_quantization_needs_a_16_bit_dtype(tiny_model_dir, quantizat
 def test_packed_linear_computes_the_same_linear_and_packs_only_bf16():
     """PackedLinear (oneDNN's prepacked bf16 weights) is the same y = x W^T + b as F.linear, within bf16's
     rounding of the output, for any number of rows; fp32 layers and models are left as they are."""
-    from pdserve_server.engine.packing import PackedLinear, pack_linears, packing_supported
+    from pdserve_server.engine.execution.packing import PackedLinear, pack_linears, packing_supported
 
     if not packing_supported(torch.device("cpu"), torch.bfloat16):
         pytest.skip("this CPU's oneDNN has no bf16 support")
@@ -197,7 +197,7 @@ def test_packed_linear_computes_the_same_linear_and_packs_only_bf16():
 def test_small_batch_linear_sends_decode_batches_to_the_kernel_and_prefill_to_torch():
     """SmallBatchLinear: up to SMALL_BATCH_ROWS rows through its kernel, more through F.linear, both on the layer's
     own weight (no copy), 3-D input reshaped; pack_linears swaps in fp32 CPU linears only when given a kernel."""
-    from pdserve_server.engine.packing import SMALL_BATCH_ROWS, SmallBatchLinear, pack_linears
+    from pdserve_server.engine.execution.packing import SMALL_BATCH_ROWS, SmallBatchLinear, pack_linears
 
     calls = []
 
@@ -226,7 +226,7 @@ def test_an_fp32_engine_on_the_cpu_backend_runs_the_small_batch_kernel(tiny_mode
     """The cpu backend's fp32 engine swaps its linears (LM head included) for SmallBatchLinear over the compiled
     kernel, and gives the greedy tokens of the plain nn.Linear engine (decode batches of 1-6 rows through the kernel,
     the prompts through torch's GEMM)."""
-    from pdserve_server.engine.packing import SmallBatchLinear
+    from pdserve_server.engine.execution.packing import SmallBatchLinear
 
     parts = build_engine(EngineArgs(model_dir=str(tiny_model_dir), dtype="float32", attention_backend="cpu"))
     assert isinstance(parts.runner.model.lm_head, SmallBatchLinear)

@@ -13,7 +13,7 @@ from pdserve_server.engine.errors import ErrorKind
 from pdserve_server.engine.offline import run_until_idle
 from pdserve_server.engine.outputs import TokenOutput
 from pdserve_server.engine.request import Request, RequestStatus, SamplingParams
-from pdserve_server.engine.sampler import greedy_argmax
+from pdserve_server.engine.execution.sampler import greedy_argmax
 
 
 def run_to_completion(parts, requests, max_steps=10_000):
@@ -236,8 +236,8 @@ def test_a_one_token_last_chunk_streams_its_layers_too(tiny_model_dir, prompts):
 
 @pytest.mark.parametrize("vocab", [100, 3000, 32000, 49152, 151936])
 def test_greedy_argmax_equals_torch_argmax(vocab):
-    """The sampler's two-pass argmax (engine.sampler.greedy_argmax) gives torch's answer, first index on ties and
-    NaN as the maximum included, for vocabularies with and without a partial last chunk, fp32 and bf16."""
+    """The sampler's two-pass argmax (engine.execution.sampler.greedy_argmax) gives torch's answer, first index on ties
+    and NaN as the maximum included, for vocabularies with and without a partial last chunk, fp32 and bf16."""
     g = torch.Generator().manual_seed(vocab)
     cases = [torch.randn(9, vocab, generator=g), torch.zeros(3, vocab), torch.randn(4, vocab, generator=g).bfloat16()]
     edges = torch.randn(5, vocab, generator=g)
@@ -253,7 +253,7 @@ def test_sampler_reads_bf16_logits_as_their_fp32_widening():
     """compute_logits hands the sampler the model's own dtype; greedy rows take the argmax of bf16 as it is and the
     other rows (seeded draws, penalties, logprobs) are widened to fp32 first, so every token and logprob equals what
     the same logits widened to fp32 give."""
-    from pdserve_server.engine.sampler import Sampler
+    from pdserve_server.engine.execution.sampler import Sampler
 
     logits = (torch.randn(4, 3000, generator=torch.Generator().manual_seed(0)) * 4).bfloat16()
     logits[0, [11, 2500]] = 40.0  # a tie for the greedy row: the first index wins in both dtypes

@@ -1,4 +1,4 @@
-"""The engine core in a process of its own (`engine.process_engine`): the same results as the engine on a thread,
+"""The engine core in a process of its own (`engine.core.process_engine`): the same results as the engine on a thread,
 the KV cache shared with the worker, and a dead engine process noticed at once, every request failed cleanly."""
 import asyncio
 import os
@@ -10,13 +10,13 @@ import torch
 
 from helpers import engine_processes, gone
 from pdserve_server.engine.args import EngineArgs
-from pdserve_server.engine.async_engine import AsyncEngine
+from pdserve_server.engine.core.async_engine import AsyncEngine
 from pdserve_server.engine.builder import build_engine
-from pdserve_server.engine.engine_core import EngineCore
+from pdserve_server.engine.core.engine_core import EngineCore
 from pdserve_server.engine.errors import EngineError, ErrorKind
 from pdserve_server.engine.kv_stream import KvLayerProgress
 from pdserve_server.engine.outputs import TokenOutput
-from pdserve_server.engine.process_engine import EngineBuildError, ProcessEngine
+from pdserve_server.engine.core.process_engine import EngineBuildError, ProcessEngine
 from pdserve_server.engine.request import FinishReason, Request, SamplingParams
 
 pytestmark = pytest.mark.e2e  # starts real engine processes

@@ -11,7 +11,7 @@ import torch
 
 from conftest import hf_greedy, hf_next_logits
 from pdserve_server.engine.models.config import ModelConfig
-from pdserve_server.engine.loader import load_state_dict
+from pdserve_server.engine.execution.loader import load_state_dict
 from pdserve_server.engine.models.gemma3 import Model
 from pdserve_server.engine.offline import run_until_idle
 from pdserve_server.engine.request import Request, SamplingParams

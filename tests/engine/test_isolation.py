@@ -7,9 +7,9 @@ import pytest
 
 from conftest import hf_greedy
 from pdserve_server.engine.args import EngineArgs
-from pdserve_server.engine.async_engine import AsyncEngine
+from pdserve_server.engine.core.async_engine import AsyncEngine
 from pdserve_server.engine.builder import build_engine
-from pdserve_server.engine.engine_core import EngineCore
+from pdserve_server.engine.core.engine_core import EngineCore
 from pdserve_server.engine.errors import EngineError, ErrorKind
 from pdserve_server.engine.offline import run_until_idle
 from pdserve_server.engine.outputs import RequestFailed

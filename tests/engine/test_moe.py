@@ -162,7 +162,7 @@ def test_experts_load_from_either_layout(qwen3_moe_dir):
     the same parameters; a missing expert is named."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from pdserve_server.engine.loader import load_state_dict
+    from pdserve_server.engine.execution.loader import load_state_dict
 
     cfg = ModelConfig.from_hf(AutoConfig.from_pretrained(qwen3_moe_dir), name="m", path="")
     ops = select_ops("torch", "cpu")
@@ -184,7 +184,7 @@ def test_dense_checkpoint_refused_by_moe_config(qwen3_moe_dir):
     """A dense layer's tensors where the config says experts: the router is missing, named."""
     from transformers import AutoConfig
 
-    from pdserve_server.engine.loader import load_state_dict
+    from pdserve_server.engine.execution.loader import load_state_dict
 
     cfg = ModelConfig.from_hf(AutoConfig.from_pretrained(qwen3_moe_dir), name="m", path="")
     state = load_state_dict(Path(qwen3_moe_dir))
@@ -215,7 +215,8 @@ def test_quantized_experts_compute_their_dequantized_weights_and_the_router_stay
     bf16's rounding of the op's output and of the activations between the projections."""
     from torch import nn
 
-    from pdserve_server.engine.quantization import (Int4WeightOnlyLinear, Int8WeightOnlyLinear, dequantize_int4,
+    from pdserve_server.engine.execution.quantization import (Int4WeightOnlyLinear, Int8WeightOnlyLinear,
+                                                              dequantize_int4,
                                                     quantize_int4, quantize_weight_only)
 
     torch.manual_seed(0)
@@ -267,7 +268,7 @@ def test_int4_moe_engine_computes_its_dequantized_model(qwen3_moe_dir):
     from pdserve_server.engine.args import EngineArgs
     from pdserve_server.engine.builder import build_engine
     from pdserve_server.engine.offline import generate
-    from pdserve_server.engine.quantization import dequantize_int4, quantize_int4
+    from pdserve_server.engine.execution.quantization import dequantize_int4, quantize_int4
     from pdserve_server.engine.request import SamplingParams
     from test_dtype import agreement
 

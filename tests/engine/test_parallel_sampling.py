@@ -8,11 +8,11 @@ from pdserve_server.engine.args import EngineArgs
 from pdserve_server.engine.builder import build_engine
 from pdserve_server.engine.config import SchedulerConfig
 from pdserve_server.engine.errors import ErrorKind
-from pdserve_server.engine.kv_cache_manager import KVCacheManager
+from pdserve_server.engine.scheduling.kv_cache_manager import KVCacheManager
 from pdserve_server.engine.offline import run_until_idle
 from pdserve_server.engine.outputs import RequestFailed, RunnerOutput, SampledToken, TokenOutput
 from pdserve_server.engine.request import Request, SamplingParams
-from pdserve_server.engine.scheduler import Scheduler
+from pdserve_server.engine.scheduling.scheduler import Scheduler
 
 BLOCK = 8
 

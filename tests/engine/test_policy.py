@@ -12,11 +12,11 @@ import pytest
 
 from pdserve_server.engine.config import SchedulerConfig
 from pdserve_server.engine.errors import ErrorKind
-from pdserve_server.engine.kv_cache_manager import KVCacheManager
+from pdserve_server.engine.scheduling.kv_cache_manager import KVCacheManager
 from pdserve_server.engine.outputs import RequestFailed, RunnerOutput, SampledToken, SchedulerOutput
-from pdserve_server.engine.policy import RequestQueue, SchedulingPolicy
+from pdserve_server.engine.scheduling.policy import RequestQueue, SchedulingPolicy
 from pdserve_server.engine.request import Request, RequestStatus, SamplingParams, SchedulingParams
-from pdserve_server.engine.scheduler import Scheduler
+from pdserve_server.engine.scheduling.scheduler import Scheduler
 
 BLOCK = 4
 

@@ -4,12 +4,12 @@ preemptions and the block accounting the scheduler decides."""
 import pytest
 
 from pdserve_server.engine.config import SchedulerConfig
-from pdserve_server.engine.kv_cache_manager import KVCacheManager
+from pdserve_server.engine.scheduling.kv_cache_manager import KVCacheManager
 from pdserve_server.engine.outputs import RunnerOutput, SampledToken, SchedulerOutput
 from pdserve_server.engine.request import FinishReason, Request, RequestStatus, SamplingParams
-from pdserve_server.engine.scheduler import Scheduler
+from pdserve_server.engine.scheduling.scheduler import Scheduler
 from pdserve_server.engine.speculative import SpeculativeConfig
-from pdserve_server.engine.step_cost import StepCost
+from pdserve_server.engine.scheduling.step_cost import StepCost
 
 BLOCK = 4
 
@@ -381,7 +381,7 @@ def test_reservations_leave_a_long_windowed_request_the_blocks_its_window_needs(
 
 
 def test_the_step_budget_caps_prefill_chunks_never_decodes():
-    from pdserve_server.engine.step_budget import StepBudget
+    from pdserve_server.engine.scheduling.step_budget import StepBudget
 
     budget = StepBudget(max_tokens=100, prefill=40)
     assert budget.chunk(1, limit=100) == 1  # a decode token

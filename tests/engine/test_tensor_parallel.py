@@ -1,6 +1,6 @@
-"""Tensor parallelism inside a worker (`engine.parallel`, `engine.tp_ranks`): two gloo ranks of one thread each give
-the same greedy tokens as one rank, for a dense model and a mixture-of-experts model; the weights are cut as
-`engine.models.sharding` says; a rank's death ends its engine process at once, leaving no rank behind."""
+"""Tensor parallelism inside a worker (`engine.parallel.tensor_parallel`, `engine.core.ranks`): two gloo ranks of
+one thread each give the same greedy tokens as one rank, for a dense model and a mixture-of-experts model; the weights
+are cut as `engine.models.sharding` says; a rank's death ends its engine process at once, leaving no rank behind."""
 import asyncio
 import os
 import signal
@@ -13,8 +13,8 @@ from pdserve_server.engine.args import EngineArgs
 from pdserve_server.engine.models.config import ModelConfig
 from pdserve_server.engine.errors import EngineError, ErrorKind
 from pdserve_server.engine.models.sharding import shard, vocab_per_rank
-from pdserve_server.engine.parallel import TensorParallel
-from pdserve_server.engine.process_engine import ProcessEngine
+from pdserve_server.engine.parallel.tensor_parallel import TensorParallel
+from pdserve_server.engine.core.process_engine import ProcessEngine
 from helpers import children_of, gone
 from test_engine_process import PROMPTS, generate, greedy
 
@@ -75,7 +75,7 @@ def test_each_rank_shares_its_own_kv_shard_with_the_worker(tiny_model_dir):
 def test_ranks_get_one_gpu_each_and_too_few_gpus_are_refused(monkeypatch):
     """Rank r of a worker on cuda:k runs on cuda:k+r; CPU ranks share the CPU; a group needing more GPUs than
     there are is refused before anything starts, naming the GPUs asked for and those present."""
-    from pdserve_server.engine.parallel import check_devices, rank_device
+    from pdserve_server.engine.parallel.tensor_parallel import check_devices, rank_device
 
     assert [rank_device("cuda", r) for r in range(2)] == ["cuda:0", "cuda:1"]
     assert [rank_device("cuda:2", r) for r in range(3)] == ["cuda:2", "cuda:3", "cuda:4"]
@@ -95,7 +95,7 @@ def test_rank_that_never_sends_its_shard_fails_the_build_with_its_name(second):
     build error that names it (with its exit code), not a wait without end; rank 1's shard came first."""
     import multiprocessing
 
-    from pdserve_server.engine.tp_ranks import receive_shards
+    from pdserve_server.engine.core.ranks import receive_shards
     from stub_ranks import shard_rank
 
     ctx = multiprocessing.get_context("spawn")
@@ -197,7 +197,7 @@ def _shm_rank(rank: int, buffers, flags, rounds: int, results) -> None:
     """One rank: round i all-reduces, all-gathers or broadcasts (rank 0's bytes) round i's data; reports each
     result as bytes (a tensor crosses a queue as a shared-memory handle, gone once this process exits), None where
     the op refused it."""
-    from pdserve_server.engine.shm_collectives import ShmCollectives
+    from pdserve_server.engine.parallel.shm_collectives import ShmCollectives
 
     torch.set_num_threads(1)
     shm = ShmCollectives(buffers, flags, rank)
@@ -224,7 +224,7 @@ def test_shm_collectives_match_on_every_rank():
     3 KiB) is refused on every rank alike (the caller then uses gloo)."""
     import multiprocessing
 
-    from pdserve_server.engine.shm_collectives import ShmCollectives
+    from pdserve_server.engine.parallel.shm_collectives import ShmCollectives
 
     rounds = 300
     ctx = multiprocessing.get_context("spawn")
@@ -260,7 +260,7 @@ def test_shm_collectives_match_on_every_rank():
 def test_indivisible_heads_refused_at_start(tiny_model_dir):
     """The tiny Llama's 2 kv heads cannot be replicated evenly over 3 ranks: the engine refuses to start and says
     why."""
-    from pdserve_server.engine.process_engine import EngineBuildError
+    from pdserve_server.engine.core.process_engine import EngineBuildError
 
     with pytest.raises(EngineBuildError, match=r"--tensor-parallel-size 3 is larger than num_key_value_heads \(2\)"):
         run_engine(engine_args(tiny_model_dir, 3), lambda engine: asyncio.sleep(0))
@@ -349,7 +349,7 @@ def test_disaggregated_tp2_cluster_equals_tp1(tiny_model_dir, launch):
 
 def test_packaged_model_tp2_cluster_matches_hf(real_model_dir, tokenizer, launch):
     """SmolLM2-135M's 9 query / 3 KV heads on 2 ranks: rank 1 holds one KV group of zero padding heads
-    (`engine.parallel.head_split`), and the padded KV shards cross between the workers layer by layer
+    (`engine.parallel.tensor_parallel.head_split`), and the padded KV shards cross between the workers layer by layer
     (--kv-layerwise: each layer's slice of both ranks' shards). A disaggregated TP 2 cluster's greedy tokens equal
     HF transformers' (which TP 1's do, test_e2e)."""
     from conftest import hf_greedy

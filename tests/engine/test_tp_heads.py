@@ -1,7 +1,7 @@
-"""Tensor parallelism's head placement (`engine.parallel.head_split`): heads that split evenly, kv heads padded with
-zero heads when the ranks do not divide them (SmolLM2-135M's 3 kv heads on 2 ranks), kv heads replicated when the
-ranks outnumber them; and every rank's share of a model (Llama-shaped, Gemma 3) computing, together, the logits of
-the whole model. The ranks run as threads of this process whose collectives meet in memory (`ThreadRank`), so the
+"""Tensor parallelism's head placement (`engine.parallel.tensor_parallel.head_split`): heads that split evenly, kv heads
+padded with zero heads when the ranks do not divide them (SmolLM2-135M's 3 kv heads on 2 ranks), kv heads replicated
+when the ranks outnumber them; and every rank's share of a model (Llama-shaped, Gemma 3) computing, together, the logits
+of the whole model. The ranks run as threads of this process whose collectives meet in memory (`ThreadRank`), so the
 sharded models and the KV layout are the engine's own, without processes or gloo."""
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ import torch
 from pdserve_server.engine.config import CacheConfig
 
 from pdserve_server.engine.models.config import ModelConfig
-from pdserve_server.engine.model_runner import ModelRunner, StepInputs
-from pdserve_server.engine.parallel import HeadSplit, TensorParallel, head_split, kv_heads_per_rank
+from pdserve_server.engine.execution.model_runner import ModelRunner, StepInputs
+from pdserve_server.engine.parallel.tensor_parallel import HeadSplit, TensorParallel, head_split, kv_heads_per_rank
 
 
 @pytest.mark.parametrize("heads,kv,size,expected", [

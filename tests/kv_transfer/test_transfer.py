@@ -386,7 +386,7 @@ def test_layerwise_stream_sends_each_layer_once_written(backend, ranks, monkeypa
     just before each signal, so an early read would send zeros), the receiver does not finish before the first
     token, and the bytes land intact past the decode side's cached blocks. Groups of 2 blocks per message make
     the 3 blocks two messages per layer (per rank). With 2 tensor-parallel ranks a block is two regions
-    (`engine.kv_cache.KvShards`): layer l is two slices, one in each rank's region."""
+    (`engine.execution.kv_cache.KvShards`): layer l is two slices, one in each rank's region."""
     monkeypatch.setattr(layer_gather, "LAYER_GROUP_BLOCKS", 2)
 
     async def main():
@@ -593,7 +593,7 @@ def test_kv_cache_blocks_are_tensors_on_the_cache_device(tiny_model_dir):
     on its device; shards of another count or block out of range are refused."""
     from pdserve_server.engine.config import CacheConfig
     from pdserve_server.engine.models.config import ModelConfig
-    from pdserve_server.engine.kv_cache import KVCache, KvShards
+    from pdserve_server.engine.execution.kv_cache import KVCache, KvShards
     from transformers import AutoConfig
 
     cfg = ModelConfig.from_hf(AutoConfig.from_pretrained(str(tiny_model_dir)), name="t", path="t")

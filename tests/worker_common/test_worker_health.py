@@ -11,7 +11,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdserve_server.decode_worker.server import serve
 from pdserve_server.engine.args import EngineArgs
-from pdserve_server.engine.model_runner import ModelRunner
+from pdserve_server.engine.execution.model_runner import ModelRunner
 from pdserve.v1 import generate_pb2, worker_pb2, worker_pb2_grpc
 from pdserve_server.server_common.config import ServerArgs
 from pdserve_server.worker_common.config import WorkerConfig

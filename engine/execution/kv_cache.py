@@ -2,12 +2,12 @@
 rank's shards as a worker's KV connectors see them (`KvShards`).
 
 Layout of a shard (block-major): kv[num_blocks + 1, num_layers, 2, block_size, kv_heads, head_dim], kv_heads those
-the rank stores, ceil(num_kv_heads / tp) (`engine.parallel.head_split`: num_kv_heads / tp when it divides). One
-block's K and V for every layer of a rank are a single contiguous region, so the connectors send and receive whole
-blocks straight from/into the cache (no staging copies), one region per rank (`KvShards.block_regions`): each rank
-allocates its shard on its own device (CPU shared memory, or its GPU) and hands it to the worker (`export_shard`).
-The attention ops see per-layer views k_cache/v_cache of shape [num_blocks, block_size, kv_heads, head_dim]
-(strided in dim 0). Layer-wise streaming needs one layer of many blocks: kv[block, layer] (K then V) is slice
+the rank stores, ceil(num_kv_heads / tp) (`engine.parallel.tensor_parallel.head_split`: num_kv_heads / tp when it
+divides). One block's K and V for every layer of a rank are a single contiguous region, so the connectors send and
+receive whole blocks straight from/into the cache (no staging copies), one region per rank (`KvShards.block_regions`):
+each rank allocates its shard on its own device (CPU shared memory, or its GPU) and hands it to the worker
+(`export_shard`). The attention ops see per-layer views k_cache/v_cache of shape [num_blocks, block_size, kv_heads,
+head_dim] (strided in dim 0). Layer-wise streaming needs one layer of many blocks: kv[block, layer] (K then V) is slice
 `layer` of the block's region, and `kv_transfer/layer_gather.py` gathers a layer's slices of many blocks into
 one message per rank, layer and group of blocks (a copy: a message per slice cost more than the copy).
 """
@@ -22,13 +22,13 @@ import torch  # registers torch.multiprocessing's reductions with ForkingPickler
 from pdserve_server.engine.config import CacheConfig
 
 from pdserve_server.engine.models.config import ModelConfig
-from pdserve_server.engine.parallel import kv_heads_per_rank
+from pdserve_server.engine.parallel.tensor_parallel import kv_heads_per_rank
 
 
 def kv_shape(model: ModelConfig, cache: CacheConfig) -> tuple[int, ...]:
     """One rank's shard: [num_blocks + 1, num_layers, 2, block_size, kv_heads_per_rank, head_dim]. The extra block
     is outside the pool (no request owns it): the padded rows of a captured decode step write there
-    (`engine.cuda_graphs`)."""
+    (`engine.execution.cuda_graphs`)."""
     return (cache.num_blocks + 1, model.num_layers, 2, cache.block_size,
             kv_heads_per_rank(model.num_kv_heads, cache.tensor_parallel_size), model.head_dim)
 
@@ -39,7 +39,7 @@ class KVCache:
     Attributes:
         kv: the shard (`kv_shape`), zeros at start.
         layers: each layer's (k_cache, v_cache), for the attention ops.
-        scratch_slot: a KV slot in a block past the pool's, written only by padding (`engine.cuda_graphs`).
+        scratch_slot: a KV slot in a block past the pool's, written only by padding (`engine.execution.cuda_graphs`).
 
     Args:
         model: shapes and dtype.

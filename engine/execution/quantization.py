@@ -79,7 +79,7 @@ class Int8WeightOnlyLinear(_WeightOnlyLinear):
         # fp32 scale and then storing it in bf16 nearly doubled the worst error (127 steps x bf16's 2^-8).
         scale = (w.abs().amax(dim=1).clamp(min=1e-12) / 127.0).to(linear.weight.dtype)  # [out]
         q = torch.round(w / scale.float()[:, None]).clamp(-128, 127)
-        # Plain attributes, not buffers (as engine.packing's packed weights): a buffer is read through
+        # Plain attributes, not buffers (as engine.execution.packing's packed weights): a buffer is read through
         # nn.Module.__getattr__ on every call, about 0.5 us each, at 121 calls per batch-1 step. They are made on
         # the weight's device after loading and never move.
         self.weight_int8, self.scale = q.to(torch.int8), scale

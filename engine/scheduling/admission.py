@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pdserve_server.engine.config import SchedulerConfig
 from pdserve_server.engine.errors import ErrorKind
-from pdserve_server.engine.kv_cache_manager import KVCacheManager
+from pdserve_server.engine.scheduling.kv_cache_manager import KVCacheManager
 from pdserve_server.engine.outputs import RequestFailed
 from pdserve_server.engine.request import SAMPLE_ID_SEPARATOR, Request
 

@@ -6,9 +6,9 @@ waits for its KV (`Scheduler.kv_arrived`) and joins the batch with its first tok
 """
 from __future__ import annotations
 
-from pdserve_server.engine.kv_cache_manager import KVCacheManager
+from pdserve_server.engine.scheduling.kv_cache_manager import KVCacheManager
 from pdserve_server.engine.outputs import Reserved
-from pdserve_server.engine.policy import RequestQueue, SchedulingPolicy
+from pdserve_server.engine.scheduling.policy import RequestQueue, SchedulingPolicy
 from pdserve_server.engine.request import Request, RequestStatus
 
 

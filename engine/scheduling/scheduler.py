@@ -1,7 +1,8 @@
-"""Continuous-batching step scheduler with a token budget (`engine.step_budget`), chunked prefill, prefix caching,
-remote-KV reservations (`engine.reservations`), parallel sampling's fork (`engine.sample_fork`), preemption by
-recompute (the vLLM v1 scheme: count tokens, not phases) and n-gram speculative decoding. Which request goes first
-is the policy's (`engine.policy`: priority, fair share between tenants, arrival); this module applies it.
+"""Continuous-batching step scheduler with a token budget (`engine.scheduling.step_budget`), chunked prefill, prefix
+caching, remote-KV reservations (`engine.scheduling.reservations`), parallel sampling's fork
+(`engine.scheduling.sample_fork`), preemption by recompute (the vLLM v1 scheme: count tokens, not phases) and n-gram
+speculative decoding. Which request goes first is the policy's (`engine.scheduling.policy`: priority, fair share between
+tenants, arrival); this module applies it.
 
 Each step: queued requests past their first-token deadline are refused; running requests go first, in policy order
 (one token each for decodes, plus n-gram drafts while the batch is small; the next chunk for partial prefills, unless
@@ -9,7 +10,8 @@ a request of higher priority is waiting: then the chunk yields its budget), pree
 (lowest priority, newest) when blocks run out; then waiting requests join in policy order while budget, batch slots
 and blocks allow, preempting running requests of lower priority for a slot or blocks. A preempted request frees its
 blocks and recomputes its prompt and output later: no token is lost. With an ITL target, a step that decodes takes
-only the prefill tokens its measured costs allow (`engine.step_cost`). Owned by the engine thread; not thread-safe.
+only the prefill tokens its measured costs allow (`engine.scheduling.step_cost`). Owned by the engine thread; not
+thread-safe.
 """
 from __future__ import annotations
 
@@ -18,20 +20,20 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
-from pdserve_server.engine.admission import max_context, refusal
+from pdserve_server.engine.scheduling.admission import max_context, refusal
 from pdserve_server.engine.config import SchedulerConfig
 from pdserve_server.engine.errors import EngineError, ErrorKind
-from pdserve_server.engine.kv_cache_manager import KVCacheManager
-from pdserve_server.engine.policy import RequestQueue, SchedulingPolicy
-from pdserve_server.engine.reservations import Reservations
+from pdserve_server.engine.scheduling.kv_cache_manager import KVCacheManager
+from pdserve_server.engine.scheduling.policy import RequestQueue, SchedulingPolicy
+from pdserve_server.engine.scheduling.reservations import Reservations
 from pdserve_server.engine.outputs import (Reserved, RequestFailed, RunnerOutput, SampledToken, ScheduledRequest,
                                            SchedulerOutput, SchedulerStats, TokenOutput)
 from pdserve_server.engine.request import FinishReason, Request, RequestStatus
-from pdserve_server.engine.sample_fork import SampleFamilies
+from pdserve_server.engine.scheduling.sample_fork import SampleFamilies
 from pdserve_server.engine.speculative import propose_ngram
-from pdserve_server.engine.step_budget import StepBudget
-from pdserve_server.engine.stops import stop_after
-from pdserve_server.engine.step_cost import StepCost
+from pdserve_server.engine.scheduling.step_budget import StepBudget
+from pdserve_server.engine.scheduling.stops import stop_after
+from pdserve_server.engine.scheduling.step_cost import StepCost
 
 if TYPE_CHECKING:
     from pdserve_server.engine.structured import GrammarCompiler
@@ -103,8 +105,8 @@ class Scheduler:
         return None
 
     def reserve(self) -> list[Reserved]:
-        """Reserve blocks for queued remote-KV requests (`engine.reservations`), in policy order, while the pool
-        allows.
+        """Reserve blocks for queued remote-KV requests (`engine.scheduling.reservations`), in policy order, while the
+        pool allows.
 
         Requests already waiting to run come first: a reservation never takes the blocks they still need (for
         their first step: one more block after their KV arrived, everything after a preemption). Without that, a
@@ -357,9 +359,9 @@ class Scheduler:
         return True
 
     def _propose(self, req: Request, budget: int) -> list[int]:
-        """n-gram drafts for a running decode (`engine.speculative`), as many as the step's budget, the request's
-        max_tokens and the context window leave room to emit; none unless its next token is a plain argmax, which
-        the step can verify without changing the output."""
+        """n-gram drafts for a running decode (`engine.speculative`), as many as the step's budget, the
+        request's max_tokens and the context window leave room to emit; none unless its next token is a plain argmax,
+        which the step can verify without changing the output."""
         spec = self.config.speculative
         if req.prefill_only or not req.argmax_next or req.matcher is not None:  # a draft would skip the mask
             return []

@@ -1,11 +1,11 @@
-"""An `Engine` (`engine.async_engine`) with the engine core in a process of its own (vLLM V1's split): this process
-keeps gRPC, KV transfer control and streaming; the engine process (`engine.core_process`) owns the scheduler, the
-model and the KV cache memory. Commands and outputs cross as typed messages (`engine.ipc`).
+"""An `Engine` (`engine.core.async_engine`) with the engine core in a process of its own (vLLM V1's split): this process
+keeps gRPC, KV transfer control and streaming; the engine process (`engine.core.core_process`) owns the scheduler, the
+model and the KV cache memory. Commands and outputs cross as typed messages (`engine.core.ipc`).
 
 Supervision: the engine process is watched through its sentinel. If it dies (kill -9, a segfault in a kernel),
 every request in flight fails at once with ENGINE_DIED (gRPC UNAVAILABLE: the coordinator retries or migrates it)
 and the fault listeners hear why, as after a faulted step (the worker then stops taking traffic). `stop` ends it
-cleanly; a worker killed outright takes it along (`engine.lifetime.die_with_parent`).
+cleanly; a worker killed outright takes it along (`engine.core.lifetime.die_with_parent`).
 """
 from __future__ import annotations
 
@@ -22,15 +22,16 @@ from collections.abc import Callable
 import torch
 
 from pdserve_server.engine.args import DEFAULT_MAX_UNREAD_TOKENS, EngineArgs
-from pdserve_server.engine.async_engine import RequestStream, RequestStreams
+from pdserve_server.engine.core.async_engine import RequestStream, RequestStreams
 from pdserve_server.engine.config import CacheConfig, SchedulerConfig
 from pdserve_server.engine.models.config import ModelConfig
-from pdserve_server.engine.core_process import EngineProcessSpec, run_engine_process
-from pdserve_server.engine.commands import Abort, AddRequest, KvArrived, Pause
+from pdserve_server.engine.core.core_process import EngineProcessSpec, run_engine_process
+from pdserve_server.engine.core.commands import Abort, AddRequest, KvArrived, Pause
 from pdserve_server.engine.errors import EngineError, ErrorKind
-from pdserve_server.engine.ipc import (BuildFailed, Codec, Fault, LayerBegin, LayerWritten, NewRequest, Outputs, Query,
+from pdserve_server.engine.core.ipc import (BuildFailed, Codec, Fault, LayerBegin, LayerWritten, NewRequest, Outputs,
+                                            Query,
                                        QueryResult, Ready, Shutdown, StatsUpdate)
-from pdserve_server.engine.kv_cache import KvShards, import_shard
+from pdserve_server.engine.execution.kv_cache import KvShards, import_shard
 from pdserve_server.engine.kv_stream import KvLayerProgress
 from pdserve_server.engine.outputs import SchedulerStats
 from pdserve_server.engine.request import Request
@@ -52,7 +53,7 @@ class ProcessEngine:
     """An engine core in a child process, behind the `Engine` interface. `await start()` before use.
 
     After start: `model_config`, `cache_config`, `scheduler_config` describe the engine, and `kv` is its KV cache,
-    every rank's shard mapped into this process (`engine.kv_cache.KvShards`; see `engine.ipc.Ready`).
+    every rank's shard mapped into this process (`engine.execution.kv_cache.KvShards`; see `engine.core.ipc.Ready`).
 
     Args:
         args: the engine to build there.
@@ -320,7 +321,7 @@ def _receive_answer(conn, process) -> Ready | BuildFailed:
 
 
 def _open_kv(answer: Ready) -> KvShards:
-    """Map every rank's KV shard of `answer` into this process (`engine.kv_cache.import_shard`)."""
+    """Map every rank's KV shard of `answer` into this process (`engine.execution.kv_cache.import_shard`)."""
     return KvShards(answer.model_config, answer.cache_config, [import_shard(b) for b in answer.kv])
 
 

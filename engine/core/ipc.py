@@ -2,7 +2,7 @@
 
 Two ZMQ PUSH/PULL pipes over ipc:// sockets, one each way, each message one msgpack frame (msgspec, tagged
 Structs: one decode per message however many events it carries). Commands go in: the engine's own
-(`engine.commands`: `Abort`, `KvArrived`, `Pause` as they are; `AddRequest` as `NewRequest`, its request's fields;
+(`engine.core.commands`: `Abort`, `KvArrived`, `Pause` as they are; `AddRequest` as `NewRequest`, its request's fields;
 `Call` as `Query`) and `Shutdown`; outputs come out (`Outputs`, `LayerBegin`, `LayerWritten`, `StatsUpdate`,
 `QueryResult`, `Fault`). Sequence: the worker spawns the process, which builds the engine and answers on a
 multiprocessing pipe once, with `Ready` or a build error (`Ready` also carries every rank's KV shard as handle
@@ -19,7 +19,7 @@ from typing import Union
 
 import msgspec
 
-from pdserve_server.engine.commands import Abort, KvArrived, Pause
+from pdserve_server.engine.core.commands import Abort, KvArrived, Pause
 from pdserve_server.engine.config import CacheConfig, SchedulerConfig
 from pdserve_server.engine.models.config import ModelConfig
 from pdserve_server.engine.outputs import Forgotten, RequestFailed, Reserved, SchedulerStats, TokenOutput
@@ -110,9 +110,9 @@ Output = Union[Outputs, LayerBegin, LayerWritten, StatsUpdate, QueryResult, Faul
 class Ready:
     """The engine process's first answer (multiprocessing pipe): what the worker needs to serve and transfer KV.
 
-    kv: every tensor-parallel rank's KV shard (`engine.kv_cache.kv_shape`), rank order, as
-    `engine.kv_cache.export_shard` bytes (CPU shared memory / CUDA IPC) for the worker to open: the KV connectors
-    read and write its blocks in place.
+    kv: every tensor-parallel rank's KV shard (`engine.execution.kv_cache.kv_shape`), rank order, as
+    `engine.execution.kv_cache.export_shard` bytes (CPU shared memory / CUDA IPC) for the worker to open: the KV
+    connectors read and write its blocks in place.
     stats: the engine's stats before its first step.
     """
 

@@ -13,15 +13,15 @@ import torch
 from pdserve_server.engine.attention import AttentionMetadata, fill_block_tables
 from pdserve_server.engine.config import CacheConfig
 from pdserve_server.engine.models.config import ModelConfig
-from pdserve_server.engine.cpu_decode_stack import CpuDecodeStack
-from pdserve_server.engine.cuda_graphs import DecodeGraphs
-from pdserve_server.engine.kv_cache import KVCache
+from pdserve_server.engine.execution.cpu_decode_stack import CpuDecodeStack
+from pdserve_server.engine.execution.cuda_graphs import DecodeGraphs
+from pdserve_server.engine.execution.kv_cache import KVCache
 from pdserve_server.engine.models.registry import architecture
 from pdserve_server.engine.outputs import RunnerOutput, SampledToken, ScheduledRequest, SchedulerOutput
-from pdserve_server.engine.packing import pack_linears
-from pdserve_server.engine.parallel import SINGLE, TensorParallel
-from pdserve_server.engine.quantization import quantize_weight_only
-from pdserve_server.engine.sampler import Sampler
+from pdserve_server.engine.execution.packing import pack_linears
+from pdserve_server.engine.parallel.tensor_parallel import SINGLE, TensorParallel
+from pdserve_server.engine.execution.quantization import quantize_weight_only
+from pdserve_server.engine.execution.sampler import Sampler
 from pdserve_server.engine.speculative import accept_greedy
 from pdserve_server.kernels import select_ops
 
@@ -68,16 +68,19 @@ class ModelRunner:
         device: torch device.
         seed: seed for unseeded sampling and random init.
         attention_backend: "auto" (Triton on CUDA, the C decode kernel on CPU), "triton", "cpu" or "torch".
-        quantization: "none", "int8" or "int4" (weight-only linears, `engine.quantization`; int4 in groups of 32).
-        packed_weights: CPU forms of the linears (`engine.packing`): bf16 prepacked for oneDNN, fp32 small batches
+        quantization: "none", "int8" or "int4" (weight-only linears, `engine.execution.quantization`; int4 in groups of
+        32). packed_weights: CPU forms of the linears (`engine.execution.packing`): bf16 prepacked for oneDNN, fp32
+        small batches
             through the cpu backend's kernel (quantized layers are packed by their own op).
-        cuda_graph_sizes: batch sizes of all-decode steps to capture as CUDA graphs (`engine.cuda_graphs`);
+        cuda_graph_sizes: batch sizes of all-decode steps to capture as CUDA graphs (`engine.execution.cuda_graphs`);
             None = every step eager; ignored, with a warning, for an attention backend that cannot be captured.
         max_model_len: longest context in tokens; sizes the captured block tables (needed with graphs).
-        tp: this rank's place in its tensor-parallel group (`engine.parallel`); the model holds the rank's share,
-            and the runner allocates the rank's shard of the KV cache on `device` (`engine.kv_cache.KVCache`).
+        tp: this rank's place in its tensor-parallel group (`engine.parallel.tensor_parallel`); the model holds the
+        rank's share,
+            and the runner allocates the rank's shard of the KV cache on `device` (`engine.execution.kv_cache.KVCache`).
         cpu_decode_stack: run all-decode steps' layers in one C++ call where the model and backend allow it
-            (`engine.cpu_decode_stack`); False runs every step through the model's forward (benchmarks compare).
+            (`engine.execution.cpu_decode_stack`); False runs every step through the model's forward (benchmarks
+            compare).
 
     Raises:
         ValueError: an unknown or unusable attention backend (`kernels.select_ops`), quantization of a float32
@@ -245,8 +248,8 @@ class ModelRunner:
 
 
 def _verify_drafts(verify: list[tuple[ScheduledRequest, int]], logits: torch.Tensor, result: RunnerOutput) -> None:
-    """Greedy verification of n-gram drafts (`engine.speculative.accept_greedy`): each request's k + 1 rows of
-    logits ([sum(k + 1), vocab], in `verify` order) give the model's own token after the last known token and
+    """Greedy verification of n-gram drafts (`engine.speculative.accept_greedy`): each request's k + 1 rows
+    of logits ([sum(k + 1), vocab], in `verify` order) give the model's own token after the last known token and
     after each draft; the emitted tokens go into `result` (the first as sampled, the rest as spec_tokens)."""
     targets = logits.argmax(dim=-1).tolist()  # the sampler's greedy path takes the same argmax
     at = 0

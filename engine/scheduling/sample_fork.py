@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING
 
-from pdserve_server.engine.kv_cache_manager import KVCacheManager
+from pdserve_server.engine.scheduling.kv_cache_manager import KVCacheManager
 from pdserve_server.engine.request import SAMPLE_ID_SEPARATOR, Request, RequestStatus
 
 if TYPE_CHECKING:

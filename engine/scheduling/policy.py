@@ -1,5 +1,6 @@
 """Scheduling policy: which queued request goes next, which running request gives way, and how the token budget is
-shared between tenants. The scheduler (`engine.scheduler`) asks; this module decides. No model, no clock of its own.
+shared between tenants. The scheduler (`engine.scheduling.scheduler`) asks; this module decides. No model, no clock of
+its own.
 
 Order between requests, most important first:
 1. priority: lower value sooner (vLLM's convention). A request may preempt running requests of a higher value

@@ -1,13 +1,13 @@
-"""The tensor-parallel ranks 1..N-1 of an engine process (rank 0 is the engine process itself, `engine.core_process`):
-one process each, spawned by the engine process, each holding its share of the model and its shard of the KV cache
-on its own device (`engine.parallel.rank_device`), which it shares with the worker (`engine.kv_cache.export_shard`,
-passed on by rank 0 unopened). They run whatever step rank 0 broadcasts (`ModelRunner.follow`) until rank 0 tells
-them to stop.
+"""The tensor-parallel ranks 1..N-1 of an engine process (rank 0 is the engine process itself,
+`engine.core.core_process`): one process each, spawned by the engine process, each holding its share of the model and
+its shard of the KV cache on its own device (`engine.parallel.tensor_parallel.rank_device`), which it shares with the
+worker (`engine.execution.kv_cache.export_shard`, passed on by rank 0 unopened). They run whatever step rank 0
+broadcasts (`ModelRunner.follow`) until rank 0 tells them to stop.
 
 Lifetimes: a rank dies with the engine process (PR_SET_PDEATHSIG), and the engine process stops the moment a rank
-dies (`RankProcesses.start`'s watcher: the other ranks would block in their next collective), so its worker sees its engine
-die and fails the requests in flight with UNAVAILABLE. Scheduling, sampling and the KV connectors stay with rank 0
-and the worker; a rank only runs forwards.
+dies (`RankProcesses.start`'s watcher: the other ranks would block in their next collective), so its worker sees its
+engine die and fails the requests in flight with UNAVAILABLE. Scheduling, sampling and the KV connectors stay with rank
+0 and the worker; a rank only runs forwards.
 """
 from __future__ import annotations
 
@@ -30,12 +30,12 @@ from pdserve_server.engine.args import EngineArgs
 from pdserve_server.engine.config import CacheConfig, SchedulerConfig
 from pdserve_server.engine.models.config import ModelConfig
 from pdserve_server.engine.hardware import set_threads
-from pdserve_server.engine.kv_cache import export_shard, share
-from pdserve_server.engine.lifetime import die_with_parent, exit_now
+from pdserve_server.engine.execution.kv_cache import export_shard, share
+from pdserve_server.engine.core.lifetime import die_with_parent, exit_now
 from pdserve_server.engine.models.sharding import vocab_per_rank
-from pdserve_server.engine.parallel import TensorParallel, init_group, rank_device
-from pdserve_server.engine.shm_collectives import ShmCollectives
-from pdserve_server.engine.shm_collectives import usable as shm_usable
+from pdserve_server.engine.parallel.tensor_parallel import TensorParallel, init_group, rank_device
+from pdserve_server.engine.parallel.shm_collectives import ShmCollectives
+from pdserve_server.engine.parallel.shm_collectives import usable as shm_usable
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ class RankSpec:
     Attributes:
         args: the engine's arguments (model, dtype, backend, device).
         model_config, cache_config, max_model_len: resolved by rank 0, so every rank builds the same shapes.
-        shard_out: where the rank sends its KV shard, once built (`engine.kv_cache.export_shard` bytes).
+        shard_out: where the rank sends its KV shard, once built (`engine.execution.kv_cache.export_shard` bytes).
         rank, size: this rank and the group size.
         init_method: the `file://` rendezvous of the group.
         shm_buffers: the group's shared-memory collectives' buffers (`ShmCollectives.allocate`), or None for gloo.
@@ -152,7 +152,7 @@ class RankProcesses:
         return self.tp
 
     def wait_built(self) -> list[bytes]:
-        """Rank 0 is built: receive every other rank's KV shard, rank order (`engine.kv_cache.export_shard`
+        """Rank 0 is built: receive every other rank's KV shard, rank order (`engine.execution.kv_cache.export_shard`
         bytes, for the worker to open), then wait at the barrier until every rank is built (a rank that fails
         exits, and `watch` ends this process).
 

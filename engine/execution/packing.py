@@ -74,7 +74,8 @@ class SmallBatchLinear(nn.Module):
 
     Args:
         linear: a loaded fp32 `nn.Linear` on CPU (weight [out, in]).
-        small_m: (x [M, in], weight [out, in], bias [out] | None) -> [M, out] (`kernels.AttentionOps.small_batch_linear`).
+        small_m: (x [M, in], weight [out, in], bias [out] | None) -> [M, out]
+        (`kernels.AttentionOps.small_batch_linear`).
     """
 
     def __init__(self, linear: nn.Linear, small_m: Callable[..., torch.Tensor]):

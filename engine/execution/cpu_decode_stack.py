@@ -1,4 +1,5 @@
-"""The all-decode step's layer loop in one C++ call on CPU: what CUDA graphs (`engine.cuda_graphs`) do for a GPU.
+"""The all-decode step's layer loop in one C++ call on CPU: what CUDA graphs (`engine.execution.cuda_graphs`) do for a
+GPU.
 
 Why: at batch 1 a decode step of a small model is ~10 op calls per layer, and on a CPU each costs Python dispatch
 on top of its arithmetic. Measured with `bench/step_profile.py` (SmolLM2-135M, bf16, 2 threads, AMD EPYC with
@@ -7,9 +8,9 @@ AVX512-BF16): 20% of a 9.4 ms step was Python between the ops, more than the att
 
 Which steps: all-decode steps (no prefill chunk, no n-gram drafts, no layer-wise KV streaming) of a dense
 pre-norm decoder (`engine.models.decoder.DecoderModel`'s own forward: Llama, Mistral, Qwen2, Phi-3) without tensor
-parallelism, sliding windows per layer allowed, whose linears are all one CPU form: `engine.packing`'s (oneDNN
-prepacked bf16, or fp32 through the small-batch kernel), `engine.quantization`'s (int8, int4) or plain `nn.Linear`.
-Everything else runs the model's forward (`CpuDecodeStack.build` returns None for a model it cannot run).
+parallelism, sliding windows per layer allowed, whose linears are all one CPU form: `engine.execution.packing`'s (oneDNN
+prepacked bf16, or fp32 through the small-batch kernel), `engine.execution.quantization`'s (int8, int4) or plain
+`nn.Linear`. Everything else runs the model's forward (`CpuDecodeStack.build` returns None for a model it cannot run).
 """
 from __future__ import annotations
 
@@ -20,8 +21,8 @@ from torch import nn
 
 from pdserve_server.engine.attention import AttentionMetadata
 from pdserve_server.engine.models.decoder import DecoderModel
-from pdserve_server.engine.packing import SMALL_BATCH_ROWS, PackedLinear, SmallBatchLinear
-from pdserve_server.engine.quantization import Int4WeightOnlyLinear, Int8WeightOnlyLinear
+from pdserve_server.engine.execution.packing import SMALL_BATCH_ROWS, PackedLinear, SmallBatchLinear
+from pdserve_server.engine.execution.quantization import Int4WeightOnlyLinear, Int8WeightOnlyLinear
 from pdserve_server.kernels import AttentionOps
 
 # `pdserve::decode_layers`'s linear_form (kernels/cpu_ops.cpp).

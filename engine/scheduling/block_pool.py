@@ -1,6 +1,6 @@
 """Ref-counted pool of KV cache blocks with a prefix cache keyed by chained block hashes.
 
-Lives off the device: it only hands out block ids; `engine.kv_cache.KVCache` owns the memory. Owned by the
+Lives off the device: it only hands out block ids; `engine.execution.kv_cache.KVCache` owns the memory. Owned by the
 engine thread; not thread-safe.
 
 Free blocks sit in an LRU queue. A free block may still hold prefix-cache content (it has a hash): a later

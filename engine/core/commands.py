@@ -1,6 +1,6 @@
 """The commands an engine takes (`EngineCore.submit`): one vocabulary on both sides of the process boundary.
 
-`Abort`, `KvArrived` and `Pause` are msgspec Structs that cross to an engine process as they are (`engine.ipc`'s
+`Abort`, `KvArrived` and `Pause` are msgspec Structs that cross to an engine process as they are (`engine.core.ipc`'s
 command pipe). Two carry what cannot cross as it is: `AddRequest` holds a live `Request` (its layer-progress sink
 among it), which crosses as `ipc.NewRequest`, the request's fields; `Call` runs a function on the engine thread and
 crosses as `ipc.Query`, one of the named questions an engine process answers.
@@ -17,7 +17,7 @@ import msgspec
 from pdserve_server.engine.request import Request
 
 if TYPE_CHECKING:
-    from pdserve_server.engine.scheduler import Scheduler
+    from pdserve_server.engine.scheduling.scheduler import Scheduler
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """asyncio facade over an engine: one owner object per request, commands forwarded to the engine's loop.
 
-`AsyncEngine` runs the `EngineCore` on a thread of this process; `engine.process_engine.ProcessEngine` runs it in
+`AsyncEngine` runs the `EngineCore` on a thread of this process; `engine.core.process_engine.ProcessEngine` runs it in
 a process of its own. Both are `Engine`s (the interface the workers use), and both keep their requests' owners in a
 `RequestStreams` of their own: composed, not inherited, so neither carries a method the other cannot serve
 (`AsyncEngine.call`, a function run on the engine thread, exists in-process only)."""
@@ -11,12 +11,12 @@ from concurrent.futures import Future
 from typing import Any, Callable, Protocol
 
 from pdserve_server.engine.args import DEFAULT_MAX_UNREAD_TOKENS
-from pdserve_server.engine.commands import Abort, AddRequest, Call, Command, KvArrived, Pause
-from pdserve_server.engine.engine_core import EngineCore
+from pdserve_server.engine.core.commands import Abort, AddRequest, Call, Command, KvArrived, Pause
+from pdserve_server.engine.core.engine_core import EngineCore
 from pdserve_server.engine.errors import EngineError, ErrorKind
 from pdserve_server.engine.outputs import Forgotten, RequestFailed, Reserved, SchedulerStats, TokenOutput
 from pdserve_server.engine.request import FinishReason, Request
-from pdserve_server.engine.scheduler import Scheduler
+from pdserve_server.engine.scheduling.scheduler import Scheduler
 
 # Finish reasons after which the engine has already dropped the request (PREFILL_DONE still holds its blocks).
 _DROPPED = (FinishReason.STOP, FinishReason.LENGTH)

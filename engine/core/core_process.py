@@ -27,14 +27,15 @@ from typing import TYPE_CHECKING
 import torch
 
 from pdserve_server.engine.args import EngineArgs
-from pdserve_server.engine.commands import Abort, AddRequest, Call, KvArrived, Pause
-from pdserve_server.engine.engine_core import EngineCore
-from pdserve_server.engine.ipc import (BuildFailed, Codec, Fault, LayerBegin, LayerWritten, NewRequest, Outputs, Query,
+from pdserve_server.engine.core.commands import Abort, AddRequest, Call, KvArrived, Pause
+from pdserve_server.engine.core.engine_core import EngineCore
+from pdserve_server.engine.core.ipc import (BuildFailed, Codec, Fault, LayerBegin, LayerWritten, NewRequest, Outputs,
+                                            Query,
                                        QueryResult, Ready, Shutdown, StatsUpdate)
-from pdserve_server.engine.kv_cache import export_shard, share
-from pdserve_server.engine.lifetime import die_with_parent, exit_now
+from pdserve_server.engine.execution.kv_cache import export_shard, share
+from pdserve_server.engine.core.lifetime import die_with_parent, exit_now
 from pdserve_server.engine.request import Request
-from pdserve_server.engine.tp_ranks import RankProcesses, rank_threads
+from pdserve_server.engine.core.ranks import RankProcesses, rank_threads
 
 if TYPE_CHECKING:
     from pdserve_server.engine.builder import EngineParts
@@ -151,7 +152,7 @@ def _to_core_command(cmd, core: EngineCore, send: Callable[[object], None]):
             output_token_ids=cmd.output_token_ids, scheduling=cmd.scheduling,
             kv_layers=_LayerProgressProxy(cmd.request_id, send) if cmd.stream_layers else None))
     if isinstance(cmd, (Abort, KvArrived, Pause)):
-        return cmd  # the same command on both sides (`engine.commands`)
+        return cmd  # the same command on both sides (`engine.core.commands`)
     assert isinstance(cmd, Query)
     future: Future = Future()
     future.add_done_callback(lambda f: send(_answer(cmd, f)))  # runs where the result is set: the loop's thread
@@ -173,8 +174,8 @@ def _answer(query: Query, future: Future) -> QueryResult:
 def _build(spec: EngineProcessSpec) -> tuple[EngineParts, RankProcesses | None, list[bytes]]:
     """Build the engine; under tensor parallelism, with its other ranks: they are spawned and joined, this process
     builds rank 0, and each rank sends the shard of the KV cache it allocated on its device. Returns the parts, the
-    ranks (None without TP) and every rank's shard for the worker (`engine.kv_cache.export_shard`, rank order; this
-    process's own moved into shared memory first on CPU).
+    ranks (None without TP) and every rank's shard for the worker (`engine.execution.kv_cache.export_shard`, rank order;
+    this process's own moved into shared memory first on CPU).
 
     Raises:
         whatever building raised (the caller reports it as `BuildFailed`).

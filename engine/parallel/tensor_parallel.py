@@ -2,11 +2,11 @@
 holding 1/N of the attention heads, of the MLP's (and each expert's) intermediate features and of the vocabulary;
 an all-reduce after each row-parallel projection (o_proj, down_proj) and after the vocab-parallel embedding, an
 all-gather of the vocab-parallel logits, and rank 0's broadcast of each step's inputs. On CPU they go through shared
-memory where they fit (`engine.shm_collectives`), else torch.distributed (gloo); on GPUs, one per rank
+memory where they fit (`engine.parallel.shm_collectives`), else torch.distributed (gloo); on GPUs, one per rank
 (`rank_device`), through NCCL (the step's inputs through gloo).
 
 `TensorParallel` is what the model sees; `engine.models.sharding` cuts the checkpoint's tensors to a rank's share;
-`engine.tp_ranks` runs the ranks other than 0 and feeds them each step.
+`engine.core.ranks` runs the ranks other than 0 and feeds them each step.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from pdserve_server.engine.shm_collectives import ShmCollectives
+from pdserve_server.engine.parallel.shm_collectives import ShmCollectives
 
 
 @dataclass(frozen=True)
@@ -26,7 +26,8 @@ class TensorParallel:
         rank: 0 .. size - 1; rank 0 is the engine process (it schedules and samples).
         size: ranks in the group (1 = no tensor parallelism: every collective is the identity).
         group: the torch.distributed process group (None when size is 1).
-        shm: the group's shared-memory collectives (`engine.shm_collectives`), or None for torch.distributed only
+        shm: the group's shared-memory collectives (`engine.parallel.shm_collectives`), or None for torch.distributed
+        only
             (always on GPUs).
     """
 
@@ -95,7 +96,7 @@ SINGLE = TensorParallel()
 class HeadSplit:
     """The attention heads one tensor-parallel rank computes, as global head indices in the order the rank holds
     them; None marks a padding head (all-zero weights, so it contributes exactly nothing). Every rank of a group
-    holds the same number of each, so the paged KV cache keeps one shape per rank (`engine.kv_cache`).
+    holds the same number of each, so the paged KV cache keeps one shape per rank (`engine.execution.kv_cache`).
 
     Attributes:
         q_heads: the query heads; each uses the kv head its GQA group names (q // (num_heads / num_kv_heads)).

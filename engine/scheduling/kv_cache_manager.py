@@ -1,7 +1,7 @@
 """Per-request block tables on top of the block pool, with prefix-cache lookup and registration."""
 from __future__ import annotations
 
-from pdserve_server.engine.block_pool import BlockPool, hash_block_tokens
+from pdserve_server.engine.scheduling.block_pool import BlockPool, hash_block_tokens
 from pdserve_server.engine.request import Request
 
 
@@ -68,7 +68,8 @@ class KVCacheManager:
     attention kernels never read positions outside the window (`kernels.reference`), so the null block's contents
     do not matter. In disaggregation the decode worker never takes those blocks (its reservation starts them as the
     null block: `allocate_slots`' next_position) and the prefill worker skips them (`Scheduler.reserve`). The null
-    block is taken from the pool at construction and never freed: every table entry that names it holds one reference, so `free` and `fork` treat it as any shared block.
+    block is taken from the pool at construction and never freed: every table entry that names it holds one reference,
+    so `free` and `fork` treat it as any shared block.
 
     Args:
         num_blocks: pool size.

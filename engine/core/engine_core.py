@@ -1,6 +1,6 @@
 """The engine loop: drain commands, reserve, schedule, execute, update, emit. It runs on a thread of its own,
-either in the worker's process (`AsyncEngine`) or as the main loop of an engine-core process (`engine.core_process`),
-so the asyncio loop (gRPC, KV transfers) stays responsive while torch computes.
+either in the worker's process (`AsyncEngine`) or as the main loop of an engine-core process
+(`engine.core.core_process`), so the asyncio loop (gRPC, KV transfers) stays responsive while torch computes.
 
 Only the loop's thread touches the scheduler, block pool and model. Other threads talk to it through `submit`.
 """
@@ -14,13 +14,13 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from pdserve_server.engine.commands import Abort, AddRequest, Call, Command, KvArrived, Pause
+from pdserve_server.engine.core.commands import Abort, AddRequest, Call, Command, KvArrived, Pause
 from pdserve_server.engine.errors import ErrorKind
 from pdserve_server.engine.hardware import set_threads
-from pdserve_server.engine.model_runner import ModelRunner
+from pdserve_server.engine.execution.model_runner import ModelRunner
 from pdserve_server.engine.outputs import Forgotten, RequestFailed, SchedulerOutput, SchedulerStats, StepRecord
 from pdserve_server.engine.request import RequestStatus
-from pdserve_server.engine.scheduler import Scheduler
+from pdserve_server.engine.scheduling.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
 
