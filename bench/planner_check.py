@@ -1,4 +1,4 @@
-"""The planner's P:D split against an exhaustive sweep in the simulator (issue 45 item 4's check).
+"""The planner's P:D split against an exhaustive sweep in the simulator (the planner's acceptance check).
 
 For each trace (a mix of prompt and output lengths, `bench/cluster_sim.py`'s generator), the planner
 (`engine.mock.planner.best_split`, fed the trace's mean prompt and output lengths and its 99th-percentile context,

@@ -1,4 +1,4 @@
-"""Where a decode step's time goes, and what fraction of the machine it uses (issue 13's steering number).
+"""Where a decode step's time goes, and what fraction of the machine it uses (the steering number for CPU work).
 
     python bench/step_profile.py                          # packaged model, fp32 + bf16, batch 1/16/64, ctx 256
     python bench/step_profile.py --dtypes float32 --batches 64 --steps 20

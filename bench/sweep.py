@@ -293,7 +293,7 @@ def _gguf_matmul_bytes(kind: str) -> float:
 
 
 def add_machine_fraction(results: dict, model_dir: str, threads: int, formats: dict[str, str | None]) -> None:
-    """Add the fraction of the machine to every level row (issue 13's steering number), both against baselines
+    """Add the fraction of the machine to every level row (the steering number for CPU work), both against baselines
     measured now with the sweep's thread count:
 
     - `machine_fraction`: achieved model FLOP/s over the dense GEMM rate in the system's dtype at M = the level's

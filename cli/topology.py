@@ -6,7 +6,7 @@ The rule (docs/architecture.md, "Which topology `serve` picks"):
      disaggregated.
   2. On CPU: colocated. Every worker of a host shares its cores and its memory bandwidth, so a split gives each phase
      a fraction of the same machine and adds the KV transfer: measured on 2 cores (AVX2, fp32), the disaggregated
-     default gave 0.63-0.70x the colocated engine's output tok/s at every level of the sweep (issue 42's table,
+     default gave 0.63-0.70x the colocated engine's output tok/s at every level of the sweep (the performance table's measurement,
      docs/benchmarks.md), and the AVX512-BF16 host's run is in docs/benchmarks.md too. Disaggregation pays where
      the phases get hardware of their own, as on GPUs.
   3. On CUDA: disaggregated when the visible GPUs give each worker devices of its own (one prefill and one decode

@@ -1,5 +1,5 @@
 """Layer-wise KV streaming: the engine thread tells the KV sender, layer by layer, that a request's last prefill
-chunk has written its K/V, so the transfer of layer l overlaps the forward of layers l+1.. (issue 12, item 5).
+chunk has written its K/V, so the transfer of layer l overlaps the forward of layers l+1..
 
 Earlier chunks' KV is complete for every layer when the last chunk starts, so once layer l of the last chunk is
 written, layer l of every block of the request is final and can go.

@@ -57,7 +57,7 @@ class KvSender:
     a channel (a UCX endpoint takes 0.4-1 s and a two-way exchange) runs in a task of its own that a cancelled
     caller leaves to finish into the pool, and once an offer is on the wire the transfer runs to its end (bounded
     by `timeout_s`) even if `send` is cancelled: cancelling a transfer mid-message meant aborting the endpoint
-    with operations in flight, which crashed ucxx (a segfault in `create_endpoint` and lost completions, issue 12).
+    with operations in flight, which crashed ucxx (a segfault in `create_endpoint` and lost completions).
     Only a transfer that fails or times out closes its channel.
 
     A pooled channel may be dead: the decode worker behind the address restarted (same KV port) since it was last
@@ -113,7 +113,7 @@ class KvSender:
 
     async def send_layers(self, address: str, request_id: str, progress: KvLayerProgress, first_block: int = 0,
                           trace_context: dict[str, str] | None = None) -> TransferStats:
-        """Layer-wise streaming of one request's KV (issue 12, item 5). Waits for its last prefill chunk to start
+        """Layer-wise streaming of one request's KV. Waits for its last prefill chunk to start
         (`progress.started`), offers the request's blocks from `first_block` on, sends layer l of every one of
         them as soon as the forward has written it (`progress.written`), and ends with the first token
         (`progress.first_token`). The decode worker uses the KV only once that end message arrived.

@@ -1,4 +1,4 @@
-"""Regression tests for issue 9's findings, on a real cluster (tiny random-weight model): what one caller sends
+"""Regression tests for a hardening review's findings, on a real cluster (tiny random-weight model): what one caller sends
 cannot fail another caller's request, and bad input gets a status a caller can act on."""
 import asyncio
 import signal

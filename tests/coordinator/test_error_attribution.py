@@ -1,7 +1,7 @@
 """Which worker a failed call blames: a worker's own report carries its kind (google.rpc.ErrorInfo, worker.proto's
 WorkerErrorReason), so a TRANSFER_FAILED from a live prefill worker blames the decode worker it was sending to, while
 a lost connection blames the worker called. Before, a decode worker killed mid-transfer took the healthy prefill
-worker out of routing (issue 28)."""
+worker out of routing."""
 import asyncio
 import socket
 
@@ -67,7 +67,7 @@ def test_a_lost_connection_blames_the_worker_called():
     assert worker_reason(error) == worker_pb2.WORKER_ERROR_REASON_UNSPECIFIED
     blamed = from_rpc_error(error, "prefill", address, peer=PEER)
     assert blamed.worker == address and address in blamed.message
-    # gRPC's and the transport's text stays in the log (issue 43 item 6: "decode worker 127.0.0.1:PORT: Stream
+    # gRPC's and the transport's text stays in the log ("decode worker 127.0.0.1:PORT: Stream
     # removed (recvmsg:Connection reset by peer (104))" reached the client)
     assert blamed.client_message == "the prefill worker serving this request was lost (UNAVAILABLE)"
 

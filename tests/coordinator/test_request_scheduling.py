@@ -1,4 +1,4 @@
-"""The front end of the scheduling policy (issue 31), without servers or a model: the public fields reach the
+"""The front end of the scheduling policy, without servers or a model: the public fields reach the
 workers' SchedulingHints and the engine's SchedulingParams; the tenant is the key, else the tenant field, else the
 peer; per-caller limits answer RESOURCE_EXHAUSTED with a retry hint and the queued-token count is freed on every
 exit; a request whose first token cannot come in time is refused before any worker is called."""
@@ -595,7 +595,7 @@ def test_request_ids_with_control_characters_are_refused_and_logged_escaped(rid,
 
 @pytest.mark.parametrize("fail_after_tokens", [False, True])
 def test_n_samples_are_retried_elsewhere_while_none_has_streamed(fail_after_tokens):
-    """Issue 43 item 6: after kill -9 of a decode worker an n=2 request with nothing sent failed with the worker's
+    """After kill -9 of a decode worker an n=2 request with nothing sent failed with the worker's
     address and transport text. Now it runs again on another worker; once a sample has streamed it cannot (the
     samples sent different tokens) and fails with a message naming no internals."""
     lost = RequestError(grpc.StatusCode.UNAVAILABLE, "decode worker 10.0.0.5:7000: Stream removed (recvmsg:reset)",
@@ -630,7 +630,7 @@ def test_n_samples_are_retried_elsewhere_while_none_has_streamed(fail_after_toke
 
 
 def test_the_access_log_tells_a_refused_prompt_size_and_a_cancelled_n_request_unfinished(caplog):
-    """Issue 43 item 8: a refused 10,001-token prompt was logged with 0 prompt tokens, and a cancelled n = 2 request
+    """A refused 10,001-token prompt was logged with 0 prompt tokens, and a cancelled n = 2 request
     with sample 0's "finish length"."""
     import logging
 

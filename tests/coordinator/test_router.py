@@ -178,7 +178,7 @@ def test_prefill_queue_measures_its_rate_and_predicts_the_wait():
 
 
 def test_local_prefill_while_the_prefill_queue_is_slower_and_back_once_it_drains():
-    """Conditional disaggregation on live queue state (issue 26): with prompts queued on the prefill worker, a
+    """Conditional disaggregation on live queue state: with prompts queued on the prefill worker, a
     decode worker that would give the first token sooner prefills locally; once the prefill queue drains (or the
     decode worker's own local backlog makes it the slower one) requests are disaggregated again."""
     router = Router([handle("p0", "prefill")], [handle("d0", "decode")])

@@ -1,7 +1,7 @@
 """The shipped Grafana dashboard (`deploy/grafana/pdserve-dashboard.json`) against a real Prometheus: a disaggregated
 cluster serves traffic while Prometheus scrapes its three processes; the dashboard's `model` variable offers the
 served model, and every panel's queries, with that model and Grafana's rate interval filled in, return data
-(issue 28: the worker panels were once empty for the model the dashboard offered).
+(the worker panels were once empty for the model the dashboard offered).
 
 Needs the `prometheus` server binary (Debian's package; scripts/test.sh installs it where it can); skipped, saying
 so, without it."""

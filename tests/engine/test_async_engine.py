@@ -163,7 +163,7 @@ def test_the_engine_thread_runs_torch_on_its_own_thread_count(tiny_model_dir):
 
 
 def test_a_stream_left_unread_pauses_its_request_and_resumes_with_every_token(run):
-    """Back-pressure (issue 31 item 4): a reader that stops taking tokens gets its request paused once 8 wait
+    """Back-pressure: a reader that stops taking tokens gets its request paused once 8 wait
     unread: it decodes no more while another request runs 40 steps, and, read again, it resumes and finishes with
     the tokens of an undisturbed run."""
     async def undisturbed(engine):

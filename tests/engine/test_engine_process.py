@@ -113,7 +113,7 @@ def test_layerwise_progress_crosses_the_process(tiny_model_dir):
 
 def test_reused_request_id_never_gets_the_old_requests_events(tiny_model_dir):
     """An owner that leaves early aborts its request; a new request under the same id must not receive the events
-    the engine made for the old one before the abort reached it (issue 30 item 5)."""
+    the engine made for the old one before the abort reached it."""
 
     async def scenario(engine):
         results = []

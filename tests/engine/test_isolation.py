@@ -1,5 +1,5 @@
 """No request can fail another inside an engine: parameters that overflow, a row whose sampling raises, bad token
-ids and a faulting step each stay with the request(s) that caused them (issue 9, finding 2)."""
+ids and a faulting step each stay with the request(s) that caused them."""
 import asyncio
 import random
 

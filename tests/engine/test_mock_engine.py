@@ -73,7 +73,7 @@ def test_decode_batches_pad_to_captured_sizes():
 @pytest.mark.parametrize("name", profile_names())
 def test_shipped_profiles_predict_steps_they_were_not_fitted_on_within_15_percent(name):
     """Recomputed from the raw step times in docs/benchmarks (measured on the device the profile names): the
-    checked trace's total time and its median step within 15% (issue 45's goal for the mock engine)."""
+    checked trace's total time and its median step within 15% (the mock engine's goal)."""
     sys.path.insert(0, str(ROOT / "bench"))
     from fit_step_model import load
 

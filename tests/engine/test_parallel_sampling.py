@@ -1,4 +1,4 @@
-"""Parallel sampling (n > 1, issue 27 item 4) in the engine: the prompt is computed once (all but its last token),
+"""Parallel sampling (n > 1) in the engine: the prompt is computed once (all but its last token),
 the request forks into n samples that share its full KV blocks, each with a copy of the partial last block
 (copy-on-write), and every sample computes the last prompt token and decodes on its own."""
 import pytest

@@ -1,4 +1,4 @@
-"""The scheduling policy (issue 31: priorities, fairness between tenants, deadlines), driven without a model.
+"""The scheduling policy (priorities, fairness between tenants, deadlines), driven without a model.
 
 A fake step stands in for the model: each request that samples gets `fake_token(context)`, a deterministic function
 of its tokens so far, as greedy decoding is of the context. A request preempted and recomputed must therefore emit the

@@ -1,4 +1,4 @@
-"""The scheduler as pure policy (issue 30 item 3): no model, no thread. Each test feeds requests and fake step
+"""The scheduler as pure policy: no model, no thread. Each test feeds requests and fake step
 results (`RunnerOutput` with a made-up token for every request the step samples) and checks the batches, the
 preemptions and the block accounting the scheduler decides."""
 import pytest

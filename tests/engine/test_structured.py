@@ -1,4 +1,4 @@
-"""Structured outputs (issue 27 item 3): a random-weight model's samples, which are garbage unconstrained, must belong
+"""Structured outputs: a random-weight model's samples, which are garbage unconstrained, must belong
 to the constraint's language: every sample of a JSON schema with nested objects, enums and arrays validates
 (jsonschema), a regex matches, a GBNF grammar parses; a constraint that does not compile is refused before any
 compute; the constraint survives migration (replayed outputs) and the prefill -> decode split; speculative drafts

@@ -212,7 +212,7 @@ async def _restart_receiver(backend, receiver, address, sink, dst):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("layerwise", [False, True])
 def test_pooled_channel_to_a_restarted_receiver_is_replaced_once(backend, layerwise):
-    """Issue 28 item 11: the decode worker behind an address restarts (same KV port): the sender's pooled channel
+    """The decode worker behind an address restarts (same KV port): the sender's pooled channel
     is dead. Its offer fails before anything was accepted, so the transfer is retried once on a fresh channel and
     succeeds; the dead channel is dropped and the fresh one pooled."""
     if backend == "ucx":  # the retry is the shared protocol's, the same for every backend; only the setup differs
@@ -272,7 +272,7 @@ def _receiver_process(backend: str, port: int, events) -> None:
 @pytest.mark.e2e  # a receiver process, killed
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_receiver_killed_with_channels_open_rebinds_its_port(backend):
-    """Issue 28: a decode worker killed (-9) while a prefill worker's channel to its fixed KV port is open leaves that
+    """A decode worker killed (-9) while a prefill worker's channel to its fixed KV port is open leaves that
     connection in TIME-WAIT on the port; the restarted worker must bind it again at once (over ucx this needs
     UCX_CM_REUSEADDR, which `kv_transfer.ucx` sets), while a second live listener on it is still refused."""
     import multiprocessing
@@ -344,7 +344,7 @@ def test_fresh_channel_failing_before_the_accept_is_not_retried(backend):
 
 
 def test_retry_refused_after_a_dead_channel_is_a_failed_transfer(monkeypatch):
-    """Issue 28 item 11: the pooled channel died after the receiver had accepted the offer (its reservation is
+    """The pooled channel died after the receiver had accepted the offer (its reservation is
     receiving, and that receive failed with the channel), so the retry's offer is refused. The transfer failed:
     TRANSFER_FAILED, which the coordinator retries or migrates, not TRANSFER_REJECTED, which ended the request."""
     from pdserve_server.kv_transfer import sender as sender_module

@@ -1,4 +1,4 @@
-"""A cluster on the ucx connector under mass and random cancellation (issue 12 item 1): before KvSender stopped
+"""A cluster on the ucx connector under mass and random cancellation: before KvSender stopped
 tearing channels down mid-operation, the prefill worker segfaulted inside ucxx when 64 in-flight requests were
 cancelled at once, and requests stalled to their deadline under random cancellations."""
 import asyncio

@@ -1,5 +1,5 @@
 """Log lines an operator reads: a failed request's access line is a warning (a client's cancel is not), and a line
-logged inside a traced request names its trace in text and JSON output (issue 28 item 11)."""
+logged inside a traced request names its trace in text and JSON output."""
 import json
 import logging
 
@@ -36,7 +36,7 @@ def test_a_line_logged_inside_a_span_names_its_trace_in_text_and_json():
 
 
 def test_a_worker_says_what_it_resolved_at_start(tiny_model_dir):
-    """`--dtype auto`, a threads count of 0 and the KV pool were logged nowhere (issue 43 item 15): the start-up
+    """`--dtype auto`, a threads count of 0 and the KV pool were logged nowhere: the start-up
     line says what they resolved to."""
     import os
     from types import SimpleNamespace

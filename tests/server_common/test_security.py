@@ -1,5 +1,5 @@
 """Strangers are kept out: API keys and TLS (and mTLS) on the public port, the cluster secret on worker APIs and on
-the KV channel, per-key rate limits with a retry hint (issue 9, findings 3-4 and "TLS and authentication")."""
+the KV channel, per-key rate limits with a retry hint."""
 import asyncio
 import subprocess
 import time
@@ -430,7 +430,7 @@ def test_refusals_say_whether_a_retry_can_help(workers, tiny_model_dir, pki):
 
 
 def test_deadlines_priorities_and_tenants_pass_through_and_refuse_early(workers, tiny_model_dir, tmp_path):
-    """Issue 31's front end on real processes: priority and tenant reach the engines without error; a TTFT objective
+    """The scheduling front end on real processes: priority and tenant reach the engines without error; a TTFT objective
     the measured queue cannot meet is refused with DEADLINE_EXCEEDED before any worker sees the request; the
     per-caller queued-token limit refuses a prompt it can never admit."""
     weights = tmp_path / "weights"

@@ -1,5 +1,5 @@
 """A worker in-process, its engine step patched: a step that faults fails that step's requests and turns the gRPC
-health NOT_SERVING (issue 9, isolation); a step that takes seconds does not make the worker look dead."""
+health NOT_SERVING (isolation); a step that takes seconds does not make the worker look dead."""
 import asyncio
 import contextlib
 import json
