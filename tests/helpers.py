@@ -160,18 +160,29 @@ class Processes:
         self.secret = workdir / "cluster.secret"
         self.secret.write_text("membership-test-secret")
         self.procs: dict[str, object] = {}
+        self._ready: dict[str, Path] = {}  # name -> the ready file its process writes
         self.env = dict(os.environ)
 
     def start(self, name: str, *args: str) -> str:
         """Start a role (`args`: its command and flags) and return its address once it serves (180 s at most)."""
-        from pdserve_server.cli.launcher import _spawn, wait_ready
+        self.spawn(name, *args)
+        return self.wait(name)[0]
 
-        ready = self.workdir / f"{name}.ready"
-        ready.unlink(missing_ok=True)
-        proc, ready, _ = _spawn([*args, "--model", self.model_dir, "--cluster-secret-file", str(self.secret)], name,
-                                self.workdir, self.workdir, self.env)
+    def spawn(self, name: str, *args: str) -> None:
+        """Start a role without waiting for it (several start side by side; `wait` for their addresses)."""
+        from pdserve_server.cli.launcher import _spawn
+
+        (self.workdir / f"{name}.ready").unlink(missing_ok=True)
+        proc, self._ready[name], _ = _spawn([*args, "--model", self.model_dir, "--cluster-secret-file",
+                                             str(self.secret)], name, self.workdir, self.workdir, self.env)
         self.procs[name] = proc
-        return wait_ready([(name, proc, ready)], 180)[0]["address"]
+
+    def wait(self, *names: str) -> list[str]:
+        """The addresses of spawned processes, in `names` order, once all serve (180 s at most)."""
+        from pdserve_server.cli.launcher import wait_ready
+
+        infos = wait_ready([(n, self.procs[n], self._ready[n]) for n in names], 180)
+        return [info["address"] for info in infos]
 
     def kill(self, name: str) -> None:
         """SIGKILL one process and reap it."""

@@ -71,12 +71,16 @@ def test_decode_worker_lost_mid_stream(tiny_model_dir, tmp_path, topology):
     try:
         colocated = topology == "colocated"
         role = "colocated" if colocated else "decode"
-        addresses = {n: p.start(n, role, *SLOW_MOCK) for n in ("d0", "d1")}
+        for n in ("d0", "d1"):
+            p.spawn(n, role, *SLOW_MOCK)
+        if not colocated:
+            p.spawn("p0", "prefill", *SLOW_MOCK)
+        addresses = dict(zip(("d0", "d1"), p.wait("d0", "d1")))
         args = ["coordinator", "--stats-interval-s", "0.5", *(f"--decode={a}" for a in addresses.values())]
         if colocated:
             args.append("--colocated")
         else:
-            args.append(f"--prefill={p.start('p0', 'prefill', *SLOW_MOCK)}")
+            args.append(f"--prefill={p.wait('p0')[0]}")
         coordinator = p.start("coordinator", *args)
         n = 230
         ids, final = stream_with_a_kill(coordinator, n, lambda: kill_the_one_serving(p, ["d0", "d1"], addresses))
@@ -96,10 +100,12 @@ def test_prefill_worker_lost_before_the_first_token(tiny_model_dir, tmp_path):
     the frozen p0 misses enough polls to leave routing) then joins through the address list, and p0 is killed."""
     p = Processes(tiny_model_dir, tmp_path)
     try:
-        prefill = {n: p.start(n, "prefill", *WORKER) for n in ("p0", "p1")}
+        for n, role in (("p0", "prefill"), ("p1", "prefill"), ("d0", "decode")):
+            p.spawn(n, role, *WORKER)
+        p0, p1, decode = p.wait("p0", "p1", "d0")
+        prefill = {"p0": p0, "p1": p1}
         prefill_list = tmp_path / "prefill.list"
         prefill_list.write_text(prefill["p0"] + "\n")
-        decode = p.start("d0", "decode", *WORKER)
         coordinator = p.start("coordinator", "coordinator", "--stats-interval-s", "0.5", "--discovery-interval-s",
                               "0.5", "--no-local-prefill-queue", f"--decode={decode}", f"--prefill=@{prefill_list}")
         prompt = list(range(1000, 1240))
@@ -125,9 +131,12 @@ def test_prefill_worker_lost_before_the_first_token(tiny_model_dir, tmp_path):
 def test_migration_budget_spent_is_a_clean_unavailable(tiny_model_dir, tmp_path):
     p = Processes(tiny_model_dir, tmp_path)
     try:
-        decode = {"d0": p.start("d0", "decode", *SLOW_MOCK)}
+        p.spawn("d0", "decode", *SLOW_MOCK)
+        p.spawn("p0", "prefill", *SLOW_MOCK)
+        d0, p0 = p.wait("d0", "p0")
+        decode = {"d0": d0}
         coordinator = p.start("coordinator", "coordinator", "--max-migrations", "0", "--stats-interval-s", "0.5",
-                              f"--prefill={p.start('p0', 'prefill', *SLOW_MOCK)}", f"--decode={decode['d0']}")
+                              f"--prefill={p0}", f"--decode={decode['d0']}")
         with pytest.raises(grpc.RpcError) as e:
             stream_with_a_kill(coordinator, 230, lambda: kill_the_one_serving(p, ["d0"], decode))
         assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "most allowed" in e.value.details()
@@ -144,8 +153,10 @@ def test_a_decode_worker_lost_mid_transfer_is_blamed_not_the_prefill_worker(tiny
     (first token, then a transfer that cannot finish) and the decode worker is killed."""
     p = Processes(tiny_model_dir, tmp_path)
     try:
-        prefill = p.start("p0", "prefill", *WORKER)
-        decode = {n: p.start(n, "decode", *WORKER) for n in ("d0", "d1")}
+        for n, role in (("p0", "prefill"), ("d0", "decode"), ("d1", "decode")):
+            p.spawn(n, role, *WORKER)
+        prefill, d0, d1 = p.wait("p0", "d0", "d1")
+        decode = {"d0": d0, "d1": d1}
         coordinator = p.start("coordinator", "coordinator", "--stats-interval-s", "60", f"--prefill={prefill}",
                               "--no-local-prefill-queue", *(f"--decode={a}" for a in decode.values()))
         prompt, n = list(range(1000, 1100)), 24
