@@ -33,6 +33,7 @@ class EngineArgs:
         max_num_seqs: most requests in the running batch.
         max_model_len: most prompt + output tokens per request; 0 = the model's max_position_embeddings.
         enable_prefix_caching: reuse cached full KV blocks with the same chained token hash.
+        kv_events: record the prefix cache's block stored / removed events for the worker's KV event stream.
         device: torch device of weights and KV cache.
         seed: sampler seed for unseeded requests (and random weights).
         packed_weights: the linears' CPU forms (`engine.execution.packing`): bf16 prepacked for oneDNN, fp32 decode
@@ -82,6 +83,9 @@ class EngineArgs:
     max_model_len: int = field(default=0, metadata={"min": 0,
         "help": "most prompt + output tokens per request (0 = the model's context length)"})
     enable_prefix_caching: bool = field(default=True, metadata={"help": "reuse cached prefix KV blocks"})
+    kv_events: bool = field(default=False, metadata={
+        "help": "publish KV cache events: each full block entering the prefix cache (its hash, parent and tokens) "
+                "and each evicted, on the worker's SubscribeKvEvents stream"})
     device: str = field(default="cpu", metadata={"help": "torch device, e.g. cpu or cuda:0"})
     seed: int = field(default=0, metadata={"min": 0, "help": "seed for unseeded sampling and random weights"})
     attention_backend: str = field(default="auto", metadata={

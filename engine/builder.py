@@ -110,6 +110,8 @@ def build_engine(args: EngineArgs, tp: TensorParallel = SINGLE,
     runner = build_runner(args, model_config, cache_config, scheduler_config.max_model_len, tp)
     kv_manager = KVCacheManager(cache_config.num_blocks, args.block_size, args.enable_prefix_caching,
                                 sliding_kv_window(model_config.layer_windows))
+    if args.kv_events:
+        kv_manager.pool.kv_events = []
     grammars = GrammarCompiler(Path(args.model_dir) / "tokenizer.json", model_config.vocab_size,
                                model_config.eos_token_ids)
     if grammars.tokenizer_json.is_file():

@@ -123,6 +123,26 @@ class RequestFailed(msgspec.Struct, tag=True, array_like=True):
     message: str
 
 
+class KvBlockStored(msgspec.Struct, tag=True, array_like=True):
+    """A full KV block entered this engine's prefix cache (vLLM's BlockStored, one block): its chained hash
+    (`engine.scheduling.block_pool.hash_block_tokens`, 16 bytes), its parent's (None for a prompt's first block)
+    and its block_size token ids. Emitted only with `EngineArgs.kv_events`."""
+
+    block_hash: bytes
+    parent_hash: bytes | None
+    token_ids: list[int]
+
+
+class KvBlockRemoved(msgspec.Struct, tag=True, array_like=True):
+    """A cached block's content was evicted (its block reused for other KV): the prefix it ended is no longer
+    held here (vLLM's BlockRemoved)."""
+
+    block_hash: bytes
+
+
+KV_EVENTS = (KvBlockStored, KvBlockRemoved)  # the events no request owns: the worker's KV event log takes them
+
+
 class Forgotten(msgspec.Struct, tag=True, array_like=True):
     """The engine applied an owner's abort of request_id (`engine_core.Abort` with ack): no event for that request
     made before it follows, so events for the id after this one belong to a new request under the same id."""

@@ -32,6 +32,7 @@ from pdserve_server.server_common.metrics import metrics_url, start_metrics_serv
 from pdserve_server.server_common.tracing import Tracing
 from pdserve_server.worker_common.config import WorkerConfig
 from pdserve_server.worker_common.errors import abort_with
+from pdserve_server.worker_common.kv_events import KvEventLog, LagError
 from pdserve_server.worker_common.metrics import WorkerMetrics
 from pdserve_server.worker_common.supervisor import EngineRestarter
 
@@ -50,6 +51,7 @@ class WorkerEngine:
     kv_cache: KvShards | None  # None while its engine process restarts
     registry: CollectorRegistry
     metrics: WorkerMetrics
+    publishes_kv_events: bool = False  # the engine records KV events (`EngineArgs.kv_events`)
 
     @property
     def compat_hash(self) -> str:
@@ -108,7 +110,7 @@ async def start_engine(config: WorkerConfig) -> WorkerEngine:
     registry = CollectorRegistry()
     name = config.served_model_name or model.name
     return WorkerEngine(engine, model, cache, sched, kv_cache, registry,
-                        WorkerMetrics(registry, engine, name, config.role))
+                        WorkerMetrics(registry, engine, name, config.role), publishes_kv_events=args.kv_events)
 
 
 def describe(config: WorkerConfig, worker: WorkerEngine, ready: dict[str, str]) -> str:
@@ -130,12 +132,19 @@ def describe(config: WorkerConfig, worker: WorkerEngine, ready: dict[str, str]) 
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
-    """GetInfo / GetStats / Abort over a worker's engine."""
+    """GetInfo / GetStats / Abort / SubscribeKvEvents over a worker's engine.
+
+    kv_events: the worker's KV event log, fed from its engine (`EngineArgs.kv_events`); None when it publishes
+    none."""
 
     def __init__(self, role: str, worker: WorkerEngine, kv_address: str = "", kv_connector: str = ""):
         self.role, self.worker = role, worker
         self.kv_address, self.kv_connector = kv_address, kv_connector
         self.instance_id = uuid.uuid4().hex  # tells a restart at the same address from a long-lived process
+        self.kv_events: KvEventLog | None = None
+        if worker.publishes_kv_events:
+            self.kv_events = KvEventLog(worker.cache_config.block_size, lambda: self.instance_id)
+            worker.engine.add_kv_event_listener(self.kv_events.publish)
 
     def info(self) -> worker_pb2.WorkerInfo:
         m, c, s = self.worker.model_config, self.worker.cache_config, self.worker.scheduler_config
@@ -189,6 +198,19 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         engine.abort(rid)
         return generate_pb2.AbortResponse(found=found)
 
+    async def SubscribeKvEvents(self, request, context):
+        """The worker's KV event batches from request.start_sequence_number on (`KvEventLog.subscribe`), until the
+        caller leaves. FAILED_PRECONDITION on a worker started without --kv-events; OUT_OF_RANGE when the batches
+        asked for are gone or the caller fell too far behind (resubscribe)."""
+        if self.kv_events is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                "this worker publishes no KV events: start it with --kv-events")
+        try:
+            async for batch in self.kv_events.subscribe(request.start_sequence_number):
+                yield batch
+        except LagError as e:
+            await context.abort(grpc.StatusCode.OUT_OF_RANGE, str(e))
+
 
 async def serve_worker(config: WorkerConfig, worker: WorkerEngine, servicer: WorkerServicer,
                        add_role: Callable[[grpc.aio.Server], None], role_service: str, secret: str | None,
@@ -222,7 +244,12 @@ async def serve_worker(config: WorkerConfig, worker: WorkerEngine, servicer: Wor
     assert serving_task is not None
     faults: list[str] = []
     engine = worker.engine
-    restarter = (EngineRestarter(engine, running.set_serving, lambda kv: setattr(worker, "kv_cache", kv),
+    def set_kv_cache(kv: KvShards | None) -> None:
+        worker.kv_cache = kv
+        if kv is None and servicer.kv_events is not None:
+            servicer.kv_events.cleared()  # the restarted engine starts with an empty prefix cache
+
+    restarter = (EngineRestarter(engine, running.set_serving, set_kv_cache,
                                  lambda instance: setattr(servicer, "instance_id", instance),
                                  stopping=lambda: serving_task.cancelling() > 0)
                  if config.engine_restart and isinstance(engine, ProcessEngine) else None)

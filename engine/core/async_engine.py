@@ -14,7 +14,7 @@ from pdserve_server.engine.args import DEFAULT_MAX_UNREAD_TOKENS
 from pdserve_server.engine.core.commands import Abort, AddRequest, Call, Command, KvArrived, Pause
 from pdserve_server.engine.core.engine_core import EngineCore
 from pdserve_server.engine.errors import EngineError, ErrorKind
-from pdserve_server.engine.outputs import Forgotten, RequestFailed, Reserved, SchedulerStats, TokenOutput
+from pdserve_server.engine.outputs import KV_EVENTS, Forgotten, RequestFailed, Reserved, SchedulerStats, TokenOutput
 from pdserve_server.engine.request import FinishReason, Request
 from pdserve_server.engine.scheduling.scheduler import Scheduler
 
@@ -128,6 +128,7 @@ class RequestStreams:
         # Ids whose owner left with an abort the engine has not acknowledged yet: their events are stale.
         self._stale: dict[str, int] = {}
         self._fault_listeners: list[Callable[[str], None]] = []
+        self._kv_listeners: list[Callable[[list], None]] = []
 
     def request(self, request: Request) -> RequestStream:
         return RequestStream(self, request)
@@ -154,8 +155,12 @@ class RequestStreams:
         return request_id in self._stale
 
     def dispatch(self, events: list) -> None:
-        """Route the engine's events to their owners (event loop thread)."""
+        """Route the engine's events to their owners, KV events to the KV event listeners (event loop thread)."""
+        kv_events = []
         for ev in events:
+            if isinstance(ev, KV_EVENTS):
+                kv_events.append(ev)
+                continue
             rid = ev.request_id
             if rid in self._stale:  # made before the engine applied the abort of a former owner of this id
                 if isinstance(ev, Forgotten):
@@ -165,6 +170,9 @@ class RequestStreams:
             stream = self.owners.get(rid)
             if stream is not None:
                 stream._put(ev)
+        if kv_events:
+            for listener in self._kv_listeners:
+                listener(kv_events)
 
     def fail_all(self, kind: ErrorKind, message: str) -> None:
         """The engine is gone: every owner's stream ends with EngineError(kind); nothing is stale any more."""
@@ -177,6 +185,11 @@ class RequestStreams:
 
     def add_fault_listener(self, listener: Callable[[str], None]) -> None:
         self._fault_listeners.append(listener)
+
+    def add_kv_event_listener(self, listener: Callable[[list], None]) -> None:
+        """Call listener(events) on the event loop with each batch of KV events (`outputs.KV_EVENTS`) the engine
+        emits (only with `EngineArgs.kv_events`), in the order it made them."""
+        self._kv_listeners.append(listener)
 
     def fault(self, message: str) -> None:
         """Tell the fault listeners (event loop thread)."""
@@ -202,6 +215,9 @@ class Engine(Protocol):
 
     def add_fault_listener(self, listener: Callable[[str], None]) -> None:
         """Call listener(message) on the event loop when the engine faults (once)."""
+
+    def add_kv_event_listener(self, listener: Callable[[list], None]) -> None:
+        """Call listener(events) on the event loop with each batch of KV events (`RequestStreams`')."""
 
     def request(self, request: Request) -> RequestStream:
         """The owner of `request` in this engine; entering it submits the request (see `RequestStream`)."""
@@ -251,6 +267,9 @@ class AsyncEngine:
     def add_fault_listener(self, listener: Callable[[str], None]) -> None:
         """Call listener(message) on the event loop when an engine step faults (once; see EngineCore.on_fault)."""
         self.requests.add_fault_listener(listener)
+
+    def add_kv_event_listener(self, listener: Callable[[list], None]) -> None:
+        self.requests.add_kv_event_listener(listener)
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()

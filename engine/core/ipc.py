@@ -22,7 +22,8 @@ import msgspec
 from pdserve_server.engine.core.commands import Abort, KvArrived, Pause
 from pdserve_server.engine.config import CacheConfig, SchedulerConfig
 from pdserve_server.engine.models.config import ModelConfig
-from pdserve_server.engine.outputs import Forgotten, RequestFailed, Reserved, SchedulerStats, TokenOutput
+from pdserve_server.engine.outputs import (Forgotten, KvBlockRemoved, KvBlockStored, RequestFailed, Reserved,
+                                          SchedulerStats, TokenOutput)
 from pdserve_server.engine.request import SamplingParams, SchedulingParams
 
 
@@ -64,7 +65,7 @@ Command = Union[NewRequest, Abort, KvArrived, Pause, Query, Shutdown]
 class Outputs(msgspec.Struct, tag=True, array_like=True):
     """A batch of request events, in the order the engine made them."""
 
-    events: list[Union[Reserved, TokenOutput, RequestFailed, Forgotten]]
+    events: list[Union[Reserved, TokenOutput, RequestFailed, Forgotten, KvBlockStored, KvBlockRemoved]]
 
 
 class LayerBegin(msgspec.Struct, tag=True, array_like=True):

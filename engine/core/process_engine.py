@@ -227,6 +227,9 @@ class ProcessEngine:
         """Call listener(message) on the event loop when an engine step faults or the engine process dies."""
         self.requests.add_fault_listener(listener)
 
+    def add_kv_event_listener(self, listener: Callable[[list], None]) -> None:
+        self.requests.add_kv_event_listener(listener)
+
     def request(self, request: Request) -> RequestStream:
         return self.requests.request(request)
 

@@ -14,6 +14,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from pdserve_server.engine.outputs import KvBlockRemoved, KvBlockStored
+
 
 def hash_block_tokens(parent_hash: bytes | None, token_ids: Sequence[int]) -> bytes:
     """Chained hash of one full block: blake2b(parent hash || token ids as int64). 16 bytes.
@@ -43,6 +45,7 @@ class BlockPool:
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._cached: dict[bytes, int] = {}
         self._num_cached_free = 0  # free blocks that still carry a hash, kept current for O(1) stats
+        self.kv_events: list | None = None  # a list: what entered and left the prefix cache is recorded here
 
     @property
     def num_free_blocks(self) -> int:
@@ -69,6 +72,8 @@ class BlockPool:
                 self._num_cached_free -= 1
                 if self._cached.get(old) == block:
                     del self._cached[old]
+                    if self.kv_events is not None:
+                        self.kv_events.append(KvBlockRemoved(old))
                 self.block_hashes[block] = None
             self.ref_counts[block] = 1
             out.append(block)
@@ -102,14 +107,25 @@ class BlockPool:
                 self._num_cached_free -= self.block_hashes[block] is not None
             self.ref_counts[block] += 1
 
-    def cache_block(self, block_id: int, block_hash: bytes) -> None:
-        """Record that block_id holds the full block identified by block_hash (first writer wins)."""
+    def cache_block(self, block_id: int, block_hash: bytes, parent_hash: bytes | None = None,
+                    token_ids: Sequence[int] = ()) -> None:
+        """Record that block_id holds the full block identified by block_hash (first writer wins); parent_hash and
+        token_ids (the block's tokens) go into its `KvBlockStored` when events are recorded."""
         if self.block_hashes[block_id] is not None:
             return
         if block_hash in self._cached:
             return  # same content computed twice by concurrent requests; keep the first copy
         self.block_hashes[block_id] = block_hash
         self._cached[block_hash] = block_id
+        if self.kv_events is not None:
+            self.kv_events.append(KvBlockStored(block_hash, parent_hash, list(token_ids)))
+
+    def take_kv_events(self) -> list:
+        """The KV events recorded since the last call (none unless `kv_events` is a list)."""
+        if not self.kv_events:
+            return []
+        out, self.kv_events = self.kv_events, []
+        return out
 
     def integrity_errors(self) -> list[str]:
         """The violated invariants, one message each; an empty list means the pool is consistent."""

@@ -208,10 +208,11 @@ class KVCacheManager:
         tokens = request.all_token_ids
         for i in range(len(hashes), num_full):
             parent = hashes[-1] if hashes else None
-            h = hash_block_tokens(parent, tokens[i * self.block_size:(i + 1) * self.block_size])
+            block_tokens = tokens[i * self.block_size:(i + 1) * self.block_size]
+            h = hash_block_tokens(parent, block_tokens)
             hashes.append(h)
             if table[i] != self.null_block:  # a prefix-cache hit must never return the null block
-                self.pool.cache_block(table[i], h)
+                self.pool.cache_block(table[i], h, parent, block_tokens)
 
     def release_out_of_window(self, request_id: str, num_computed_tokens: int) -> int:
         """Give back the request's leading blocks that no later token can attend to (see the class docstring).
