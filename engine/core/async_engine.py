@@ -234,7 +234,38 @@ class Engine(Protocol):
         """Stop the engine."""
 
 
-class AsyncEngine:
+class EngineStreams:
+    """What both engines serve alike through their `RequestStreams` (`self.requests`) and their own `submit`:
+    requests' owners, aborts from outside, and the fault and KV event listeners."""
+
+    requests: RequestStreams
+
+    def submit(self, command: Command) -> None:  # each engine's own
+        raise NotImplementedError
+
+    def request(self, request: Request) -> RequestStream:
+        """An owner for a new request (`RequestStream`; entering it submits the request)."""
+        return self.requests.request(request)
+
+    @property
+    def streams(self) -> dict[str, RequestStream]:
+        """Request id -> its owner, for the requests in flight."""
+        return self.requests.owners
+
+    def abort(self, request_id: str) -> None:
+        """Abort from outside (Worker.Abort): the owner hears RequestFailed(ABORTED)."""
+        self.submit(Abort(request_id, notify=True))
+
+    def add_fault_listener(self, listener: Callable[[str], None]) -> None:
+        """Call listener(message) on the event loop when an engine step faults, or its process dies (once)."""
+        self.requests.add_fault_listener(listener)
+
+    def add_kv_event_listener(self, listener: Callable[[list], None]) -> None:
+        """Call listener(events) on the event loop with each batch of KV events (`RequestStreams`')."""
+        self.requests.add_kv_event_listener(listener)
+
+
+class AsyncEngine(EngineStreams):
     """An `Engine` whose core runs on a thread of this process, bridged to the asyncio loop it was started on.
     Requests enter through `request()`.
 
@@ -264,29 +295,12 @@ class AsyncEngine:
     async def abortable(self, request_id: str) -> bool:
         return await self.call(lambda s: self.core.abortable(request_id))
 
-    def add_fault_listener(self, listener: Callable[[str], None]) -> None:
-        """Call listener(message) on the event loop when an engine step faults (once; see EngineCore.on_fault)."""
-        self.requests.add_fault_listener(listener)
-
-    def add_kv_event_listener(self, listener: Callable[[list], None]) -> None:
-        self.requests.add_kv_event_listener(listener)
-
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         self.core.start()
 
     def stop(self) -> None:
         self.core.stop()
-
-    def request(self, request: Request) -> RequestStream:
-        return self.requests.request(request)
-
-    @property
-    def streams(self) -> dict[str, RequestStream]:
-        return self.requests.owners
-
-    def abort(self, request_id: str) -> None:
-        self.submit(Abort(request_id, notify=True))
 
     async def call(self, fn: Callable[[Scheduler], Any]) -> Any:
         """Run fn(scheduler) on the engine thread (consistent snapshot) and return its result (tests, and the typed

@@ -22,7 +22,7 @@ from collections.abc import Callable
 import torch
 
 from pdserve_server.engine.args import DEFAULT_MAX_UNREAD_TOKENS, EngineArgs
-from pdserve_server.engine.core.async_engine import RequestStream, RequestStreams
+from pdserve_server.engine.core.async_engine import EngineStreams, RequestStreams
 from pdserve_server.engine.config import CacheConfig, SchedulerConfig
 from pdserve_server.engine.models.config import ModelConfig
 from pdserve_server.engine.core.core_process import EngineProcessSpec, run_engine_process
@@ -34,7 +34,6 @@ from pdserve_server.engine.core.ipc import (BuildFailed, Codec, Fault, LayerBegi
 from pdserve_server.engine.execution.kv_cache import KvShards, import_shard
 from pdserve_server.engine.kv_stream import KvLayerProgress
 from pdserve_server.engine.outputs import SchedulerStats
-from pdserve_server.engine.request import Request
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +48,7 @@ class EngineBuildError(RuntimeError):
         self.error_type = error_type
 
 
-class ProcessEngine:
+class ProcessEngine(EngineStreams):
     """An engine core in a child process, behind the `Engine` interface. `await start()` before use.
 
     After start: `model_config`, `cache_config`, `scheduler_config` describe the engine, and `kv` is its KV cache,
@@ -222,23 +221,6 @@ class ProcessEngine:
 
     async def abortable(self, request_id: str) -> bool:
         return (await self._query("abortable", request_id)).flag
-
-    def add_fault_listener(self, listener: Callable[[str], None]) -> None:
-        """Call listener(message) on the event loop when an engine step faults or the engine process dies."""
-        self.requests.add_fault_listener(listener)
-
-    def add_kv_event_listener(self, listener: Callable[[list], None]) -> None:
-        self.requests.add_kv_event_listener(listener)
-
-    def request(self, request: Request) -> RequestStream:
-        return self.requests.request(request)
-
-    @property
-    def streams(self) -> dict[str, RequestStream]:
-        return self.requests.owners
-
-    def abort(self, request_id: str) -> None:
-        self.submit(Abort(request_id, notify=True))
 
     async def _query(self, name: str, request_id: str = "") -> QueryResult:
         """Raises: EngineError(ENGINE_DIED) when the engine process is gone; RuntimeError when the query raised."""
