@@ -23,8 +23,8 @@ pytestmark = pytest.mark.e2e  # starts real engine processes
 
 
 def args(model_dir, **kw) -> EngineArgs:
-    return EngineArgs(dtype="float32", model_dir=str(model_dir), block_size=8, kv_tokens=1024, max_model_len=512,
-                      threads=1, **kw)
+    return EngineArgs(**{"dtype": "float32", "model_dir": str(model_dir), "block_size": 8, "kv_tokens": 1024,
+                         "max_model_len": 512, "threads": 1, **kw})
 
 
 def greedy(rid, prompt, n=12, **kw):
@@ -232,7 +232,11 @@ def test_worker_survives_its_engine_process_being_killed(tiny_model_dir, tmp_pat
     serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
     before = engine_children()
     ready = tmp_path / "ready.json"
-    config = WorkerConfig(role="colocated", engine=args(tiny_model_dir), engine_restart=restart,
+    # The mock engine at a tenth of an H200's speed (steps of tens of ms, the same scheduler and process): the kill
+    # comes once every stream has a token, and the real tiny model's 400 steps once all ended before the test's
+    # event loop (the worker's too) got there on a loaded machine.
+    engine = args(tiny_model_dir, mock_engine="smollm2-135m-h200", mock_speedup=0.1)
+    config = WorkerConfig(role="colocated", engine=engine, engine_restart=restart,
                           server=ServerArgs(ready_file=str(ready), drain_timeout_s=5))
 
     async def main():
