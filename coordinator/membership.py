@@ -21,6 +21,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdserve_server.coordinator.errors import RequestError
 from pdserve_server.coordinator.flow import Flow
+from pdserve_server.coordinator.kv_events import follow as follow_kv_events
 from pdserve_server.coordinator.config import CoordinatorConfig
 from pdserve_server.coordinator.router import LocalPrefillPolicy, Router, WorkerHandle
 from pdserve_server.coordinator.validation import Limits
@@ -115,6 +116,7 @@ class Membership:
         self.secret = read_secret(config.server.cluster_secret_file)
         self._last_discovery = float("-inf")
         self._changed = False
+        self._followers: dict[str, asyncio.Task] = {}  # worker address -> its KV event follower (`kv_events`)
 
     # ---- discovery ----------------------------------------------------------------------------------------------
     def _discover(self) -> None:
@@ -135,13 +137,18 @@ class Membership:
                                                options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                                                         *CLIENT_KEEPALIVE, *self._reconnect_backoff()],
                                                interceptors=self.interceptors)
-                    handles.append(WorkerHandle.connect(address, channel))
+                    handle = WorkerHandle.connect(address, channel)
+                    handles.append(handle)
+                    self._followers[address] = asyncio.get_running_loop().create_task(
+                        follow_kv_events(handle, router.prefixes, max(1.0, self.config.stats_interval_s)))
                     log.info("%s endpoint %s discovered", role, address)
             for h in [h for h in handles if h.address not in found]:
                 h.live = False  # gone from discovery: no new requests; the channel closes once idle
                 if h.in_flight == 0:
                     handles.remove(h)
-                    self.cluster.router.prefixes.forget(h.address)
+                    if (follower := self._followers.pop(h.address, None)) is not None:
+                        follower.cancel()
+                    self.cluster.router.prefixes.unfollow(h.address)
                     asyncio.get_running_loop().create_task(h.channel.close())
                     log.info("%s endpoint %s removed (no longer discovered)", role, h.address)
 
@@ -276,5 +283,8 @@ class Membership:
                 log.exception("membership refresh failed; retrying next interval")
 
     async def close(self) -> None:
+        for follower in self._followers.values():
+            follower.cancel()
+        self._followers.clear()
         for w in self.cluster.router.workers:
             await w.channel.close()

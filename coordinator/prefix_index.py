@@ -1,7 +1,8 @@
-"""Which prompt prefixes each worker probably holds in its prefix cache, from what this coordinator sent it.
+"""Which prompt prefixes each worker holds in its prefix cache: from its own KV events where it publishes them
+(`--kv-events`, followed by `coordinator.kv_events`), else from what this coordinator sent it.
 
-Like SGLang's cache-aware router, the index is the coordinator's own record of the prompts it routed (no event
-stream from the workers): each worker's entries are chained hashes of full `block_size`-token blocks (a block's
+Without events, like SGLang's cache-aware router, the index is the coordinator's own record of the prompts it
+routed: each worker's entries are chained hashes of full `block_size`-token blocks (a block's
 hash covers everything before it, as the engine's prefix cache keys do), kept in LRU order and bounded by that
 worker's KV pool. It can be wrong both ways (the worker evicted a block; another coordinator filled one); it only
 steers routing, never correctness. A worker that restarts, or leaves, starts again from nothing (`forget`).
@@ -29,10 +30,34 @@ def block_hashes(token_ids: Sequence[int], block_size: int) -> list[bytes]:
 
 
 class PrefixIndex:
-    """Per worker address, an LRU set of the block hashes routed to it."""
+    """Per worker address, an LRU set of the block hashes routed to it, or, for a worker whose KV events this
+    coordinator follows (`coordinator.kv_events`), exactly the blocks the worker reported holding."""
 
     def __init__(self) -> None:
         self._by_worker: dict[str, OrderedDict[bytes, None]] = {}
+        self._followed: set[str] = set()  # workers indexed from their own events: routing records nothing
+
+    def follow(self, worker: str) -> None:
+        """From now on the worker's entries come from its events (`stored`, `removed`), starting from none."""
+        self._by_worker.pop(worker, None)
+        self._followed.add(worker)
+
+    def unfollow(self, worker: str) -> None:
+        """Back to inferring the worker's entries from routing (its event stream is gone), starting from none."""
+        self._by_worker.pop(worker, None)
+        self._followed.discard(worker)
+
+    def stored(self, worker: str, block_hash: bytes) -> None:
+        """The worker reported holding this block."""
+        held = self._by_worker.setdefault(worker, OrderedDict())
+        held[block_hash] = None
+        held.move_to_end(block_hash)
+
+    def removed(self, worker: str, block_hash: bytes) -> None:
+        """The worker reported evicting this block."""
+        held = self._by_worker.get(worker)
+        if held is not None:
+            held.pop(block_hash, None)
 
     def overlap(self, worker: str, hashes: list[bytes]) -> int:
         """How many leading blocks of the prompt the worker probably has cached."""
@@ -47,7 +72,10 @@ class PrefixIndex:
         return n
 
     def record(self, worker: str, hashes: list[bytes], capacity_blocks: int) -> None:
-        """The worker was given these blocks (its prefix cache will hold them); the oldest fall out past capacity."""
+        """The worker was given these blocks (its prefix cache will hold them); the oldest fall out past capacity.
+        Nothing for a followed worker: its events say what it holds."""
+        if worker in self._followed:
+            return
         held = self._by_worker.setdefault(worker, OrderedDict())
         for h in hashes:
             held[h] = None
@@ -56,5 +84,5 @@ class PrefixIndex:
             held.popitem(last=False)
 
     def forget(self, worker: str) -> None:
-        """The worker's cache is gone (it restarted or left)."""
+        """The worker's cache is gone (it restarted or left); whether it is followed stays as it was."""
         self._by_worker.pop(worker, None)

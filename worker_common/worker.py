@@ -157,7 +157,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             kv_connector=self.kv_connector,
             max_request_tokens=max_request_tokens(c.num_blocks, c.block_size, window, s.max_model_len),
             instance_id=self.instance_id, tensor_parallel_size=c.tensor_parallel_size, kv_sliding_window=window,
-            max_request_blocks=max_request_blocks(c.num_blocks, c.block_size, window, s.max_num_batched_tokens))
+            max_request_blocks=max_request_blocks(c.num_blocks, c.block_size, window, s.max_num_batched_tokens),
+            kv_events=self.kv_events is not None)
 
     async def GetInfo(self, request, context):
         return self.info()

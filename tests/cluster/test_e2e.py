@@ -8,7 +8,7 @@ import grpc
 import pytest
 
 from conftest import hf_greedy
-from helpers import assert_idle, generate_with_random_cancels, greedy, scrape, total, worker_stats
+from helpers import assert_idle, generate_with_random_cancels, greedy, scrape, total, wait_for, worker_stats
 from pdserve import AsyncClient, Client, SamplingParams
 
 pytestmark = pytest.mark.e2e
@@ -237,11 +237,22 @@ def test_two_prefill_two_decode_workers_all_take_requests(tiny_model_dir, launch
     assert_idle(c)
 
 
-def test_shared_system_prompt_goes_to_the_prefill_worker_that_holds_it(tiny_model_dir, launch):
+@pytest.mark.parametrize("kv_events", [False, True], ids=["inferred", "kv-events"])
+def test_shared_system_prompt_goes_to_the_prefill_worker_that_holds_it(tiny_model_dir, launch, kv_events):
     """Prefix-aware routing: the second request with the same 256-token system prompt lands on the prefill worker
-    that computed it and reports those tokens as cached; plain rotation would have sent it to the other one."""
+    that computed it and reports those tokens as cached; plain rotation would have sent it to the other one. The
+    coordinator's index comes from its own routing, or from the workers' KV events (`--kv-events`: routing records
+    nothing for a followed worker, so only the events can steer the second request)."""
     c = launch(tiny_model_dir, worker_args=["--dtype", "float32", "--kv-tokens", "4096", "--max-model-len", "512",
-                                            "--connector", "tcp"], num_prefill=2)
+                                            "--connector", "tcp", *(["--kv-events"] if kv_events else [])],
+               num_prefill=2)
+
+    def followed() -> bool:
+        log = Path(c.log_files["coordinator"]).read_text()
+        return all(f"following the KV events of worker {a}" in log for a in c.worker_addresses.values())
+
+    if kv_events:  # before the first request, so that nothing but the events can fill the index
+        wait_for(followed, 60, "the coordinator following every worker's KV events")
     system = list(range(2000, 2256))
     with Client(c.address) as client:
         first = client.complete(system + [7, 8, 9], greedy(4, ignore_eos=True))
@@ -252,6 +263,7 @@ def test_shared_system_prompt_goes_to_the_prefill_worker_that_holds_it(tiny_mode
     queried = [worker_stats(c, name).prefix_cache_query_tokens for name in ("prefill-0", "prefill-1")]
     assert sorted(queried) == [0, 259 + 258 + 257]  # every request went to the one worker
     assert second.token_ids == hf_greedy(tiny_model_dir, system + [10, 11], 4)
+    assert followed() == kv_events
 
 
 @pytest.mark.parametrize("layerwise", [False, True])
