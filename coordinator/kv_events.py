@@ -52,8 +52,8 @@ async def follow(handle: WorkerHandle, index: PrefixIndex, retry_s: float) -> No
             instance, cursor = info.instance_id, 1
             index.follow(handle.address)
             log.info("following the KV events of worker %s (instance %s)", handle.address, instance)
+        call = handle.worker.SubscribeKvEvents(worker_pb2.KvEventsRequest(start_sequence_number=cursor))
         try:
-            call = handle.worker.SubscribeKvEvents(worker_pb2.KvEventsRequest(start_sequence_number=cursor))
             async for batch in call:
                 if batch.instance_id != instance:
                     break  # a restarted worker: its info is re-read by the next poll, then we start again
@@ -64,4 +64,6 @@ async def follow(handle: WorkerHandle, index: PrefixIndex, retry_s: float) -> No
                 log.warning("KV events of worker %s: %s", handle.address, e.details())
                 index.follow(handle.address)
                 cursor = 0
+        finally:
+            call.cancel()  # a stream left by `break` (or by this task's cancellation) would stay open on the worker
         await asyncio.sleep(retry_s)
