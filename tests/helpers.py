@@ -48,6 +48,16 @@ def assert_idle(cluster, timeout_s: float = 30.0) -> None:
         time.sleep(0.2)
 
 
+def complete_all(address: str, requests) -> list:
+    """Send every (prompt, SamplingParams) of `requests` at once over one channel; their completions, in order
+    (`AsyncClient.complete`)."""
+    async def main():
+        async with AsyncClient(address) as client:
+            return await asyncio.gather(*(client.complete(prompt, params) for prompt, params in requests))
+
+    return asyncio.run(main())
+
+
 def generate_with_random_cancels(address, prompts, rng, max_tokens, cancel_after, concurrency, total_timeout_s,
                                  id_prefix, call_timeout_s=None) -> None:
     """Send every prompt once (greedy, ignore_eos, rng.randint(*max_tokens) tokens) with `concurrency` in flight,
@@ -167,6 +177,13 @@ class Processes:
         """Start a role (`args`: its command and flags) and return its address once it serves (180 s at most)."""
         self.spawn(name, *args)
         return self.wait(name)[0]
+
+    def start_all(self, *specs: tuple[str, ...]) -> list[str]:
+        """Start several processes side by side, each spec (name, role command, flags...); their addresses, in
+        order, once all serve."""
+        for name, *args in specs:
+            self.spawn(name, *args)
+        return self.wait(*(spec[0] for spec in specs))
 
     def spawn(self, name: str, *args: str) -> None:
         """Start a role without waiting for it (several start side by side; `wait` for their addresses)."""

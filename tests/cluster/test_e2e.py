@@ -8,7 +8,8 @@ import grpc
 import pytest
 
 from conftest import hf_greedy
-from helpers import assert_idle, generate_with_random_cancels, greedy, scrape, total, wait_for, worker_stats
+from helpers import (assert_idle, complete_all, generate_with_random_cancels, greedy, scrape, total, wait_for,
+                     worker_stats)
 from pdserve import AsyncClient, Client, SamplingParams
 
 pytestmark = pytest.mark.e2e
@@ -55,12 +56,7 @@ def test_greedy_matches_hf_on_real_model(cluster, tokenizer, real_model_dir):
 def test_concurrent_requests_match_hf(cluster, tokenizer, real_model_dir):
     lengths = [5, 30, 12, 40, 8, 20, 3, 16]
 
-    async def main():
-        async with AsyncClient(cluster.address) as c:
-            return await asyncio.gather(*(c.complete(p, greedy(n, ignore_eos=True))
-                                          for p, n in zip(PROMPTS, lengths)))
-
-    outs = asyncio.run(main())
+    outs = complete_all(cluster.address, [(p, greedy(n, ignore_eos=True)) for p, n in zip(PROMPTS, lengths)])
     for p, n, out in zip(PROMPTS, lengths, outs):
         assert out.token_ids == hf_greedy(real_model_dir, tokenizer(p)["input_ids"], n), p
     assert_idle(cluster)
@@ -194,12 +190,7 @@ def test_tiny_model_cluster_matches_hf(tiny_model_dir, mode, launch):
     prompts = [[rng.randrange(3, 49152) for _ in range(n)] for n in (3, 17, 40, 64, 20)]
     lengths = [6, 7, 8, 9, 1]
 
-    async def main():
-        async with AsyncClient(c.address) as client:
-            return await asyncio.gather(*(client.complete(p, greedy(n, ignore_eos=True))
-                                          for p, n in zip(prompts, lengths)))
-
-    outs = asyncio.run(main())
+    outs = complete_all(c.address, [(p, greedy(n, ignore_eos=True)) for p, n in zip(prompts, lengths)])
     for p, n, out in zip(prompts, lengths, outs):
         assert out.token_ids == hf_greedy(tiny_model_dir, p, n)
     again = prompts[3][:49]
@@ -227,11 +218,7 @@ def test_two_prefill_two_decode_workers_all_take_requests(tiny_model_dir, launch
     after_sequential = steps()
     assert all(n > 0 for n in after_sequential.values()), after_sequential
 
-    async def burst():
-        async with AsyncClient(c.address) as client:
-            await asyncio.gather(*(client.complete([7 + i] * 30, greedy(6, ignore_eos=True)) for i in range(8)))
-
-    asyncio.run(burst())
+    complete_all(c.address, [([7 + i] * 30, greedy(6, ignore_eos=True)) for i in range(8)])
     after_burst = steps()
     assert all(after_burst[n] > after_sequential[n] for n in after_burst), (after_sequential, after_burst)
     assert_idle(c)

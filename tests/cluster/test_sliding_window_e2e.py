@@ -1,14 +1,12 @@
 """A sliding-window model through a disaggregated cluster: blocks behind the window leave both workers' tables
 (the decode worker's as it reserves, so they are not sent; the prefill worker's after its last step) and greedy
 output is still HF's."""
-import asyncio
-
 import grpc
 import pytest
 
 from conftest import hf_greedy, save_with_tokenizer
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
-from helpers import assert_idle, greedy, worker_stats
+from helpers import assert_idle, complete_all, greedy, worker_stats
 
 WINDOW = 8  # one 8-token block: prompts of 38+ tokens leave several blocks behind it before the transfer
 
@@ -33,8 +31,6 @@ def test_disaggregated_sliding_window_matches_hf_and_frees_old_blocks(mistral_wi
     """Three prompts of 38+ tokens, the first sent twice more (a prefix-cache hit on the prefill worker, whose
     given-back blocks stay cached with their real contents) and once cut in half (a hit on part of a prompt whose
     window reaches into blocks the first request gave back): 40 greedy tokens each, every one equal to HF's."""
-    from pdserve import AsyncClient
-
     base = ["The history of the printing press begins in the fifteenth century, when movable type changed how "
             "books were made, sold and read across Europe, and within fifty years presses ran in most large cities.",
             "def merge_sort(items):\n    if len(items) <= 1:\n        return items\n    middle = len(items) // 2\n"
@@ -50,11 +46,10 @@ def test_disaggregated_sliding_window_matches_hf_and_frees_old_blocks(mistral_wi
                                                                       "--max-model-len", "512", "--block-size", "8"],
                      coordinator_args=["--no-local-prefill-queue"])  # every prompt through the transfer
 
-    async def send(batch):
-        async with AsyncClient(cluster.address) as c:
-            return await asyncio.gather(*(c.complete(p, greedy(40, ignore_eos=True)) for p in batch))
+    def send(batch):
+        return complete_all(cluster.address, [(p, greedy(40, ignore_eos=True)) for p in batch])
 
-    outs = asyncio.run(send(prompts[:3])) + asyncio.run(send(prompts[3:]))
+    outs = send(prompts[:3]) + send(prompts[3:])
     for prompt, out in zip(prompts, outs):
         assert out.timings["transfer_ms"] > 0  # the KV crossed between the workers
         assert out.token_ids == hf_greedy(mistral_window_dir, tokenizer(prompt)["input_ids"], 40), prompt
@@ -75,8 +70,6 @@ def test_requests_longer_than_the_kv_pool_pass_through_a_disaggregated_cluster(m
     outputs each: the workers advertise their whole context (512 tokens) to the coordinator, the prefill worker
     computes each prompt in chunks that fit beside the window, the decode worker reserves only the window's blocks,
     and both streams equal HF's greedy output; every block is back after."""
-    from pdserve import AsyncClient
-
     text = ("Rivers carry water from high ground to the sea; along the way they cut valleys, move sand and stones, "
             "feed lakes and wetlands, and give towns their water, their trade routes and sometimes their floods. ")
     long_ids = tokenizer(text * 5)["input_ids"][:150]
@@ -91,11 +84,7 @@ def test_requests_longer_than_the_kv_pool_pass_through_a_disaggregated_cluster(m
         # a request holds at most its window (8) and a chunk capped to 42 tokens: 7 blocks of 8
         assert info.num_blocks == 7 and info.max_request_tokens == 512 and info.max_request_blocks == 7
 
-    async def send():
-        async with AsyncClient(cluster.address) as c:
-            return await asyncio.gather(*(c.complete(p, greedy(40, ignore_eos=True)) for p in prompts))
-
-    outs = asyncio.run(send())
+    outs = complete_all(cluster.address, [(p, greedy(40, ignore_eos=True)) for p in prompts])
     for prompt, out in zip(prompts, outs):
         ids = tokenizer(prompt)["input_ids"]
         assert len(ids) + 40 > 56 and out.timings["transfer_ms"] > 0

@@ -24,9 +24,7 @@ WORKER = [*TINY_WORKER, "--log-level", "INFO"]
 def test_dead_restarted_and_new_decode_workers(tiny_model_dir, tmp_path):
     p = Processes(tiny_model_dir, tmp_path)
     try:
-        p.spawn("prefill", "prefill", *WORKER)
-        p.spawn("decode-a", "decode", *WORKER)
-        prefill, decode = p.wait("prefill", "decode-a")
+        prefill, decode = p.start_all(("prefill", "prefill", *WORKER), ("decode-a", "decode", *WORKER))
         decode_list = tmp_path / "decode.list"
         decode_list.write_text(decode + "\n")
         coordinator = p.start("coordinator", "coordinator", "--prefill", prefill, "--decode", f"@{decode_list}",
@@ -149,9 +147,7 @@ def test_conditional_disaggregation_and_decode_workers_prefilling_without_a_pref
 
     p = Processes(tiny_model_dir, tmp_path)
     try:
-        p.spawn("prefill", "prefill", *WORKER)
-        p.spawn("decode", "decode", *WORKER)
-        prefill, decode = p.wait("prefill", "decode")
+        prefill, decode = p.start_all(("prefill", "prefill", *WORKER), ("decode", "decode", *WORKER))
         coordinator = p.start("coordinator", "coordinator", "--prefill", prefill, "--decode", decode,
                               "--stats-interval-s", "0.5", "--local-prefill-tokens", "8", "--metrics-port", "0")
         metrics_url = json.loads((tmp_path / "coordinator.ready").read_text())["metrics_url"]
@@ -192,9 +188,8 @@ def test_a_decode_worker_prefills_while_the_prefill_queue_is_long_then_disaggreg
 
     p = Processes(tiny_model_dir, tmp_path)
     try:
-        p.spawn("prefill", "prefill", *WORKER, "--max-num-batched-tokens", "4")
-        p.spawn("decode", "decode", *WORKER)
-        prefill, decode = p.wait("prefill", "decode")
+        prefill, decode = p.start_all(("prefill", "prefill", *WORKER, "--max-num-batched-tokens", "4"),
+                                      ("decode", "decode", *WORKER))
         coordinator = p.start("coordinator", "coordinator", "--prefill", prefill, "--decode", decode,
                               "--metrics-port", "0")
         metrics_url = json.loads((tmp_path / "coordinator.ready").read_text())["metrics_url"]
@@ -225,9 +220,7 @@ def test_a_worker_lost_under_load_turns_readiness_off_at_once(tiny_model_dir, tm
     saw no change, and load balancers kept sending traffic that was refused."""
     p = Processes(tiny_model_dir, tmp_path)
     try:
-        p.spawn("prefill", "prefill", *WORKER)
-        p.spawn("decode", "decode", *WORKER)
-        prefill, decode = p.wait("prefill", "decode")
+        prefill, decode = p.start_all(("prefill", "prefill", *WORKER), ("decode", "decode", *WORKER))
         coordinator = p.start("coordinator", "coordinator", "--prefill", prefill, "--decode", decode,
                               "--stats-interval-s", "60", "--no-local-prefill-fallback")
         with grpc.insecure_channel(coordinator) as ch, Client(coordinator) as c:
@@ -260,9 +253,7 @@ def test_a_slow_poll_keeps_a_worker_and_a_long_dead_one_rejoins_soon_after_it_se
     backoff (the channels' backoff is held near the poll interval)."""
     p = Processes(tiny_model_dir, tmp_path)
     try:
-        p.spawn("prefill", "prefill", *WORKER)
-        p.spawn("decode", "decode", *WORKER)
-        prefill, decode = p.wait("prefill", "decode")
+        prefill, decode = p.start_all(("prefill", "prefill", *WORKER), ("decode", "decode", *WORKER))
         coordinator = p.start("coordinator", "coordinator", "--prefill", prefill, "--decode", decode,
                               "--stats-interval-s", "0.5", "--no-local-prefill-fallback")
         with Client(coordinator) as c:
@@ -303,9 +294,8 @@ def test_sigterm_drains_the_coordinator(tiny_model_dir, tmp_path, drain_s):
 
     p = Processes(tiny_model_dir, tmp_path)
     try:
-        p.spawn("prefill", "prefill", *WORKER)
-        p.spawn("decode", "decode", *WORKER, "--max-num-seqs", "1")
-        prefill, decode = p.wait("prefill", "decode")
+        prefill, decode = p.start_all(("prefill", "prefill", *WORKER),
+                                      ("decode", "decode", *WORKER, "--max-num-seqs", "1"))
         coordinator = p.start("coordinator", "coordinator", "--prefill", prefill, "--decode", decode,
                               "--drain-timeout-s", str(drain_s), "--metrics-port", "0")
         metrics_url = json.loads((tmp_path / "coordinator.ready").read_text())["metrics_url"]

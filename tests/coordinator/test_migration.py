@@ -100,9 +100,7 @@ def test_prefill_worker_lost_before_the_first_token(tiny_model_dir, tmp_path):
     the frozen p0 misses enough polls to leave routing) then joins through the address list, and p0 is killed."""
     p = Processes(tiny_model_dir, tmp_path)
     try:
-        for n, role in (("p0", "prefill"), ("p1", "prefill"), ("d0", "decode")):
-            p.spawn(n, role, *WORKER)
-        p0, p1, decode = p.wait("p0", "p1", "d0")
+        p0, p1, decode = p.start_all(("p0", "prefill", *WORKER), ("p1", "prefill", *WORKER), ("d0", "decode", *WORKER))
         prefill = {"p0": p0, "p1": p1}
         prefill_list = tmp_path / "prefill.list"
         prefill_list.write_text(prefill["p0"] + "\n")
@@ -131,9 +129,7 @@ def test_prefill_worker_lost_before_the_first_token(tiny_model_dir, tmp_path):
 def test_migration_budget_spent_is_a_clean_unavailable(tiny_model_dir, tmp_path):
     p = Processes(tiny_model_dir, tmp_path)
     try:
-        p.spawn("d0", "decode", *SLOW_MOCK)
-        p.spawn("p0", "prefill", *SLOW_MOCK)
-        d0, p0 = p.wait("d0", "p0")
+        d0, p0 = p.start_all(("d0", "decode", *SLOW_MOCK), ("p0", "prefill", *SLOW_MOCK))
         decode = {"d0": d0}
         coordinator = p.start("coordinator", "coordinator", "--max-migrations", "0", "--stats-interval-s", "0.5",
                               f"--prefill={p0}", f"--decode={decode['d0']}")
@@ -153,9 +149,7 @@ def test_a_decode_worker_lost_mid_transfer_is_blamed_not_the_prefill_worker(tiny
     (first token, then a transfer that cannot finish) and the decode worker is killed."""
     p = Processes(tiny_model_dir, tmp_path)
     try:
-        for n, role in (("p0", "prefill"), ("d0", "decode"), ("d1", "decode")):
-            p.spawn(n, role, *WORKER)
-        prefill, d0, d1 = p.wait("p0", "d0", "d1")
+        prefill, d0, d1 = p.start_all(("p0", "prefill", *WORKER), ("d0", "decode", *WORKER), ("d1", "decode", *WORKER))
         decode = {"d0": d0, "d1": d1}
         coordinator = p.start("coordinator", "coordinator", "--stats-interval-s", "60", f"--prefill={prefill}",
                               "--no-local-prefill-queue", *(f"--decode={a}" for a in decode.values()))

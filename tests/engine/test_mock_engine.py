@@ -3,7 +3,6 @@ from, and a mock runner inside the real scheduler (deterministic streams, the re
 time on a fake clock); end to end, a disaggregated cluster of mock workers streams the derived tokens."""
 from __future__ import annotations
 
-import asyncio
 import json
 import random
 import sys
@@ -193,9 +192,7 @@ def test_a_cluster_of_mock_workers_streams_the_derived_tokens(tiny_model_dir, la
     """`--mock-engine` on real worker processes: prefill worker -> KV over tcp (whole blocks after the first token,
     or layer by layer as the modelled step passes) -> decode worker -> coordinator -> SDK; every stream is the
     chain derived from its prompt, and every pool is idle after."""
-    from helpers import assert_idle, greedy
-
-    from pdserve import AsyncClient
+    from helpers import assert_idle, complete_all, greedy
 
     args = ["--mock-engine", "llama-3.1-8b-h200", "--mock-speedup", "20", "--kv-tokens", "2048",
             "--max-model-len", "512", "--max-num-batched-tokens", "32", "--connector", "tcp",
@@ -204,11 +201,7 @@ def test_a_cluster_of_mock_workers_streams_the_derived_tokens(tiny_model_dir, la
     rng = random.Random(2)
     prompts = [[rng.randrange(3, VOCAB) for _ in range(n)] for n in (3, 17, 40, 64, 20, 100)]
 
-    async def main():
-        async with AsyncClient(c.address) as client:
-            return await asyncio.gather(*(client.complete(p, greedy(9)) for p in prompts))
-
-    for p, out in zip(prompts, asyncio.run(main())):
+    for p, out in zip(prompts, complete_all(c.address, [(p, greedy(9)) for p in prompts])):
         assert out.token_ids == chain(p, 9)
     assert_idle(c)
 

@@ -150,22 +150,14 @@ def test_cluster_with_speculation_matches_hf_and_reports_acceptance(real_model_d
     """Real processes with --speculative-ngram-tokens: three concurrent greedy requests (under the batch limit)
     equal HF, their final usage counts drafts and accepted drafts, and the decode worker's Prometheus counters hold
     the same sums."""
-    import asyncio
-
-    from pdserve import AsyncClient
     from pdserve import SamplingParams as Params
-    from helpers import scrape, total
+    from helpers import complete_all, scrape, total
 
     c = launch(real_model_dir, "SmolLM2-135M-Instruct", colocated=colocated,
                worker_args=["--dtype", "float32", "--kv-tokens", "4096", "--max-model-len", "512",
                             "--speculative-ngram-tokens", "4", "--metrics-port", "0"])
 
-    async def main():
-        async with AsyncClient(c.address) as client:
-            return await asyncio.gather(*(client.complete(t, Params(max_tokens=20, temperature=0.0))
-                                          for t in TEXTS[:3]))
-
-    outs = asyncio.run(main())
+    outs = complete_all(c.address, [(t, Params(max_tokens=20, temperature=0.0)) for t in TEXTS[:3]])
     for text, out in zip(TEXTS, outs):
         assert out.token_ids == hf_greedy(real_model_dir, tokenizer(text).input_ids, 20), text
     assert outs[0].spec_accepted_tokens >= 8 and outs[0].spec_draft_tokens >= outs[0].spec_accepted_tokens

@@ -308,20 +308,17 @@ def _cluster_outputs(launch, model_dir, name: str, tp: int, prompts: list[str], 
     """Greedy completions from a disaggregated cluster (one prefill, one decode worker) whose workers run `tp`
     ranks each, the workers' GetInfo answers, and the KV bytes the prefill worker sent layer by layer (with
     `layerwise`: --kv-layerwise; else 0). The cluster is stopped before this returns."""
-    from pdserve import AsyncClient, SamplingParams
+    from pdserve import SamplingParams
     from pdserve.v1 import worker_pb2, worker_pb2_grpc
-    from helpers import scrape, total
+    from helpers import complete_all, scrape, total
     import grpc
 
     cluster = launch(model_dir, name, worker_args=["--dtype", "float32", "--kv-tokens", "2048", "--max-model-len",
                                                    "512", "--tensor-parallel-size", str(tp),
                                                    *(["--kv-layerwise", "--metrics-port", "0"] if layerwise else [])])
 
-    async def main():
-        async with AsyncClient(cluster.address) as c:
-            return await asyncio.gather(*(c.complete(p, SamplingParams(max_tokens=n, temperature=0.0,
-                                                                       ignore_eos=True)) for p in prompts))
-    outs = asyncio.run(main())
+    outs = complete_all(cluster.address,
+                        [(p, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)) for p in prompts])
     infos = []
     for address in cluster.worker_addresses.values():
         with grpc.insecure_channel(address) as ch:
