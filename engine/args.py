@@ -34,6 +34,8 @@ class EngineArgs:
         max_model_len: most prompt + output tokens per request; 0 = the model's max_position_embeddings.
         enable_prefix_caching: reuse cached full KV blocks with the same chained token hash.
         kv_events: record the prefix cache's block stored / removed events for the worker's KV event stream.
+        kv_offload_cpu_bytes: a host-memory tier under the KV pool, bytes (0 = none; `engine.offload`).
+        kv_offload_disk_dir / kv_offload_disk_bytes: a disk tier in this directory ("" = none), bounded in bytes.
         device: torch device of weights and KV cache.
         seed: sampler seed for unseeded requests (and random weights).
         packed_weights: the linears' CPU forms (`engine.execution.packing`): bf16 prepacked for oneDNN, fp32 decode
@@ -86,6 +88,14 @@ class EngineArgs:
     kv_events: bool = field(default=False, metadata={
         "help": "publish KV cache events: each full block entering the prefix cache (its hash, parent and tokens) "
                 "and each evicted, on the worker's SubscribeKvEvents stream"})
+    kv_offload_cpu_bytes: int = field(default=0, metadata={"min": 0,
+        "help": "KV offload: a host-memory tier of this many bytes under the KV pool; full prefix-cache blocks the "
+                "pool evicts are kept there and loaded back instead of recomputed (meant for a GPU pool), 0 = none"})
+    kv_offload_disk_dir: str = field(default="", metadata={
+        "help": "KV offload: a disk tier in this directory (evicted prefix-cache blocks, checksummed, kept across "
+                "restarts; workers may share one), empty = none"})
+    kv_offload_disk_bytes: int = field(default=16 * 2**30, metadata={"min": 1,
+        "help": "the disk tier's size in bytes; the least recently used blocks are deleted beyond it"})
     device: str = field(default="cpu", metadata={"help": "torch device, e.g. cpu or cuda:0"})
     seed: int = field(default=0, metadata={"min": 0, "help": "seed for unseeded sampling and random weights"})
     attention_backend: str = field(default="auto", metadata={

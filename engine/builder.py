@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from pdserve_server.engine.args import EngineArgs
-from pdserve_server.engine.config import CacheConfig, SchedulerConfig, num_blocks_for_budget
+from pdserve_server.engine.config import CacheConfig, SchedulerConfig, compat_hash, num_blocks_for_budget
 from pdserve_server.engine.models.config import ModelConfig
 from pdserve_server.engine.execution.cuda_graphs import capture_sizes
 from pdserve_server.engine.hardware import resolve_dtype
@@ -17,6 +17,7 @@ from pdserve_server.engine.scheduling.kv_cache_manager import KVCacheManager, sl
 from pdserve_server.engine.execution.loader import load_state_dict
 from pdserve_server.engine.mock.runner import MockRunner
 from pdserve_server.engine.mock.step_model import load_profile
+from pdserve_server.engine.offload.offloader import build_offloader
 from pdserve_server.engine.execution.model_runner import ModelRunner
 from pdserve_server.engine.parallel.tensor_parallel import (SINGLE, TensorParallel, check_devices, head_split,
                                                             rank_device)
@@ -108,8 +109,9 @@ def build_engine(args: EngineArgs, tp: TensorParallel = SINGLE,
     """
     model_config, cache_config, scheduler_config = configs or resolve_configs(args)
     runner = build_runner(args, model_config, cache_config, scheduler_config.max_model_len, tp)
+    offload = build_offloader(args, compat_hash(model_config, cache_config), runner.kv_cache.kv)
     kv_manager = KVCacheManager(cache_config.num_blocks, args.block_size, args.enable_prefix_caching,
-                                sliding_kv_window(model_config.layer_windows))
+                                sliding_kv_window(model_config.layer_windows), offload)
     if args.kv_events:
         kv_manager.pool.kv_events = []
     grammars = GrammarCompiler(Path(args.model_dir) / "tokenizer.json", model_config.vocab_size,

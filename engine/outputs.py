@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from pdserve_server.engine.errors import EngineError, ErrorKind
+from pdserve_server.engine.offload.stats import TierStats
 from pdserve_server.engine.request import FinishReason, Request
 
 
@@ -165,6 +166,7 @@ class SchedulerStats(msgspec.Struct, frozen=True, tag=True, array_like=True):
         num_steps: engine steps run.
         spec_draft_tokens / spec_accepted_tokens: cumulative n-gram draft tokens verified / accepted.
         num_paused: requests held out of the batch because their reader fell behind (`Scheduler.pause`).
+        kv_offload: each offload tier's cumulative counters, fastest first (`engine.offload`); empty without tiers.
     """
 
     num_running: int = 0
@@ -180,6 +182,7 @@ class SchedulerStats(msgspec.Struct, frozen=True, tag=True, array_like=True):
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
     num_paused: int = 0
+    kv_offload: tuple[TierStats, ...] = ()
 
     @property
     def kv_cache_usage(self) -> float:

@@ -43,6 +43,25 @@ class EngineStatsCollector(Collector):
             metric = family(f"pdserve:{name}", doc, labels=LABELS)
             metric.add_metric(self.labels, value)
             yield metric
+        yield from self._tiers(s.kv_offload)
+
+    def _tiers(self, tiers) -> Iterator[Metric]:
+        """The KV offload tiers' counters, one series per tier (`engine.offload`); none without tiers."""
+        if not tiers:
+            return
+        for name, doc, field in (
+                ("kv_offload_hit_blocks", "KV blocks loaded back from an offload tier instead of recomputed.", "hits"),
+                ("kv_offload_loaded_bytes", "Bytes loaded from an offload tier into the KV cache.", "loaded_bytes"),
+                ("kv_offload_stored_bytes", "Bytes of evicted KV blocks written to an offload tier.", "stored_bytes"),
+                ("kv_offload_load_seconds", "Time spent loading blocks from an offload tier.", "load_seconds"),
+                ("kv_offload_evicted_blocks", "Blocks an offload tier deleted to stay within its size.", "evictions"),
+                ("kv_offload_corrupt_blocks", "Offload tier entries found truncated or corrupt (recomputed).",
+                 "corrupt"),
+                ("kv_offload_dropped_blocks", "Evicted blocks not stored: the tier's writer was behind.", "dropped")):
+            metric = CounterMetricFamily(f"pdserve:{name}", doc, labels=[*LABELS, "tier"])
+            for tier in tiers:
+                metric.add_metric([*self.labels, tier.tier], getattr(tier, field))
+            yield metric
 
 
 class WorkerMetrics:

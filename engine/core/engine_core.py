@@ -121,6 +121,7 @@ class EngineCore:
             events.extend(self.scheduler.kv.pool.take_kv_events())  # what entered and left the prefix cache
             if events:
                 self.emit(events)
+        self.scheduler.kv.close()  # the offload tiers' queued writes land before the process ends
 
     def _fail_step(self, out: SchedulerOutput | None, error: Exception) -> list[RequestFailed]:
         """A step raised outside per-request sampling: fail the requests it ran (all of them when the scheduler

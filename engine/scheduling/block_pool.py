@@ -4,13 +4,14 @@ Lives off the device: it only hands out block ids; `engine.execution.kv_cache.KV
 engine thread; not thread-safe.
 
 Free blocks sit in an LRU queue. A free block may still hold prefix-cache content (it has a hash): a later
-request with the same prefix revives it (`touch`), and `allocate` evicts the least recently freed first.
+request with the same prefix revives it (`touch`), and `allocate` evicts the least recently freed first, handing
+the evicted block to `on_evict` (the offload tiers, `engine.offload`) while its contents are still intact.
 """
 from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -46,6 +47,8 @@ class BlockPool:
         self._cached: dict[bytes, int] = {}
         self._num_cached_free = 0  # free blocks that still carry a hash, kept current for O(1) stats
         self.kv_events: list | None = None  # a list: what entered and left the prefix cache is recorded here
+        # Called with (block id, prefix hash) for each cached block allocate() evicts, before it is handed out.
+        self.on_evict: Callable[[int, bytes], None] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -72,6 +75,8 @@ class BlockPool:
                 self._num_cached_free -= 1
                 if self._cached.get(old) == block:
                     del self._cached[old]
+                    if self.on_evict is not None:
+                        self.on_evict(block, old)
                     if self.kv_events is not None:
                         self.kv_events.append(KvBlockRemoved(old))
                 self.block_hashes[block] = None

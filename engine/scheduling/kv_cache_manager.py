@@ -1,8 +1,13 @@
 """Per-request block tables on top of the block pool, with prefix-cache lookup and registration."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from pdserve_server.engine.scheduling.block_pool import BlockPool, hash_block_tokens
 from pdserve_server.engine.request import Request
+
+if TYPE_CHECKING:
+    from pdserve_server.engine.offload.offloader import KvOffloader
 
 
 def sliding_kv_window(layer_windows: tuple[int, ...] | None) -> int:
@@ -76,12 +81,15 @@ class KVCacheManager:
         block_size: tokens per block.
         enable_prefix_caching: look up and register full blocks by chained hash.
         sliding_window: W >= 1 when every layer slides over at most W keys; 0 keeps every block to the end.
+        offload: tiers under the pool (`engine.offload`): blocks the pool evicts go there, and a lookup that runs
+            past the pool continues there (`get_computed_blocks`); None = evicted blocks are dropped.
 
     Raises:
         ValueError: num_blocks < 2 with a sliding window (one block is the null block).
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool, sliding_window: int = 0):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool, sliding_window: int = 0,
+                 offload: KvOffloader | None = None):
         if sliding_window and num_blocks < 2:
             raise ValueError(f"a sliding-window KV cache needs at least 2 blocks (one is the null block), "
                              f"got {num_blocks}")
@@ -95,6 +103,9 @@ class KVCacheManager:
         self._released: dict[str, int] = {}  # leading table entries already swapped for the null block
         self.prefix_hit_tokens = 0
         self.prefix_query_tokens = 0
+        self.offload = offload
+        if offload is not None:
+            self.pool.on_evict = offload.save
 
     @property
     def num_usable_blocks(self) -> int:
@@ -145,18 +156,55 @@ class KVCacheManager:
 
     def get_computed_blocks(self, request: Request) -> list[int]:
         """Longest run of cached full blocks matching the request's tokens (at least one token is left to compute,
-        so the step still produces logits). Does not take references; see `allocate_slots`."""
+        so the step still produces logits). Does not take references; see `allocate_slots`.
+
+        With offload tiers the run continues past the pool: each next block a tier holds is loaded into a free
+        block and registered in the prefix cache, as if it had never left (`_load_from_tiers`)."""
         if not self.enable_prefix_caching:
             return []
         tokens = request.all_token_ids
         max_blocks = (len(tokens) - 1) // self.block_size
-        hits, parent = [], None
+        hits: list[int] = []
+        parent = None
         for i in range(max_blocks):
-            parent = hash_block_tokens(parent, tokens[i * self.block_size:(i + 1) * self.block_size])
-            block = self.pool.lookup(parent)
+            block_hash = hash_block_tokens(parent, tokens[i * self.block_size:(i + 1) * self.block_size])
+            block = self.pool.lookup(block_hash)
             if block is None:
+                if self.offload is not None:
+                    return self._load_from_tiers(tokens, hits, parent, max_blocks)
                 break
             hits.append(block)
+            parent = block_hash
+        return hits
+
+    def _load_from_tiers(self, tokens: list[int], hits: list[int], parent: bytes | None,
+                         max_blocks: int) -> list[int]:
+        """Extend `hits` (pool blocks for the first len(hits) blocks of `tokens`, the last with hash `parent`) with
+        blocks found in the pool or loaded from a tier, until one is in neither or no block is free. The blocks
+        found are held while later ones are loaded (a load allocates, which may evict a free cached block), then
+        released: they stay in the prefix cache, free and most recently used, for `allocate_slots` to take."""
+        held = list(hits)
+        self.pool.touch(held)
+        try:
+            for i in range(len(hits), max_blocks):
+                block_tokens = tokens[i * self.block_size:(i + 1) * self.block_size]
+                block_hash = hash_block_tokens(parent, block_tokens)
+                block = self.pool.lookup(block_hash)
+                if block is None:
+                    if not self.pool.num_free_blocks or not self.offload.contains(block_hash):
+                        break
+                    (block,) = self.pool.allocate(1)
+                    held.append(block)
+                    if not self.offload.load(block, block_hash):  # a bad disk entry: recompute from here
+                        break
+                    self.pool.cache_block(block, block_hash, parent, block_tokens)
+                else:
+                    self.pool.touch([block])
+                    held.append(block)
+                hits.append(block)
+                parent = block_hash
+        finally:
+            self.pool.free(held)
         return hits
 
     def allocate_slots(self, request_id: str, num_total_tokens: int, computed_blocks: list[int] | None = None,
@@ -273,3 +321,8 @@ class KVCacheManager:
 
     def get_block_table(self, request_id: str) -> list[int]:
         return self.block_tables.get(request_id, [])
+
+    def close(self) -> None:
+        """Finish the offload tiers' pending writes (the engine loop's end)."""
+        if self.offload is not None:
+            self.offload.close()

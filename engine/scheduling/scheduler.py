@@ -536,4 +536,5 @@ class Scheduler:
             num_cached_blocks=pool.num_cached_free_blocks, prefix_cache_query_tokens=self.kv.prefix_query_tokens,
             prefix_cache_hit_tokens=self.kv.prefix_hit_tokens, num_preemptions=self.num_preemptions,
             num_steps=num_steps, spec_draft_tokens=self.spec_draft_tokens,
-            spec_accepted_tokens=self.spec_accepted_tokens, num_paused=len(self.paused))
+            spec_accepted_tokens=self.spec_accepted_tokens, num_paused=len(self.paused),
+            kv_offload=self.kv.offload.stats() if self.kv.offload is not None else ())

@@ -1,0 +1,156 @@
+"""KV offload tiers (`engine.offload`) on returning multi-turn conversations whose combined context exceeds the KV pool
+several times: TTFT of a returning turn and the prefill tokens it computes, tiers off against a host-memory tier and a
+disk tier, and a restarted engine served from the disk tier.
+
+    .venv/bin/python bench/kv_tiers.py [--conversations 12] [--turns 3] [--first 768] [--kv-tokens 2048]
+
+Engine-level (`engine.builder.build_engine`, no gRPC), the packaged SmolLM2-135M-Instruct, one request at a time so
+TTFT is the engine's own. Conversation c's first turn is a `--first`-token window of real prose (`prompts.py`'s
+corpus, a different window each); every later turn appends the previous answer (`--out` tokens, greedy) and `--turn`
+new tokens. Turns go round-robin (every conversation's turn 1, then every turn 2, ...), so by the time a conversation
+returns the pool has been filled by the others. Each system runs the same turns on a fresh engine after an untimed
+warm-up; greedy outputs must be equal in every system. Prints one JSON line per system and the ratios against tiers
+off (same run).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from pdserve_server.cli.models import resolve_model  # noqa: E402
+from pdserve_server.engine.args import EngineArgs  # noqa: E402
+from pdserve_server.engine.builder import build_engine  # noqa: E402
+from pdserve_server.engine.offline import run_until_idle  # noqa: E402
+from pdserve_server.engine.request import Request, SamplingParams  # noqa: E402
+from hostinfo import commit, machine  # noqa: E402
+from prompts import corpus_text  # noqa: E402
+
+
+def conversations(model_dir: Path, args) -> list[list[list[int]]]:
+    """For each conversation, the new tokens of each turn (the first turn's prompt, then each later turn's user
+    text): windows of the tokenized corpus at distinct offsets."""
+    from transformers import AutoTokenizer
+
+    ids = AutoTokenizer.from_pretrained(str(model_dir))(corpus_text(), add_special_tokens=False)["input_ids"]
+    need = args.first + (args.turns - 1) * args.turn
+    if len(ids) < need + args.conversations:
+        raise SystemExit(f"the corpus has {len(ids)} tokens, fewer than one conversation needs ({need})")
+    rng = random.Random(0)
+    out = []
+    for _ in range(args.conversations):
+        start = rng.randrange(0, len(ids) - need)
+        window = ids[start:start + need]
+        out.append([window[:args.first]] + [window[args.first + t * args.turn:args.first + (t + 1) * args.turn]
+                                            for t in range(args.turns - 1)])
+    return out
+
+
+def engine(model_dir: Path, args, **offload):
+    return build_engine(EngineArgs(model_dir=str(model_dir), dtype=args.dtype, kv_tokens=args.kv_tokens,
+                                   max_model_len=args.first + args.turns * (args.turn + args.out) + 16,
+                                   threads=args.threads, **offload))
+
+
+def turn(parts, rid: str, prompt: list[int], out: int) -> Request:
+    req = Request(rid, prompt, SamplingParams(temperature=0.0, max_tokens=out, ignore_eos=True),
+                  eos_token_ids=parts.model_config.eos_token_ids)
+    run_until_idle(parts, [req])
+    return req
+
+
+def run(model_dir: Path, convs, args, name: str, **offload) -> tuple[dict, list[list[int]]]:
+    """Every turn of every conversation, round-robin, on a fresh engine; figures of the returning turns."""
+    parts = engine(model_dir, args, **offload)
+    turn(parts, "warm-up", list(range(1000, 1000 + args.turn)), 2)
+    contexts = [[] for _ in convs]
+    outputs, ttft, computed = [], [], []
+    start = time.perf_counter()
+    for t in range(args.turns):
+        for c, conv in enumerate(convs):
+            contexts[c] += conv[t]
+            req = turn(parts, f"c{c}-t{t}", contexts[c], args.out)
+            contexts[c] += req.output_token_ids
+            outputs.append(req.output_token_ids)
+            if t:
+                ttft.append((req.first_token_time - req.arrival_time) * 1e3)
+                computed.append(req.num_prompt_tokens - req.num_cached_tokens)
+    wall = time.perf_counter() - start
+    stats = parts.scheduler.make_stats(0)
+    parts.scheduler.kv.close()
+    figures = {
+        "system": name, "returning_turns": len(ttft),
+        "ttft_ms_p50": round(statistics.median(ttft), 1), "ttft_ms_p90": round(statistics.quantiles(ttft, n=10)[-1], 1),
+        "prefill_tokens_per_returning_turn": round(statistics.mean(computed), 1),
+        "mean_context_tokens": round(statistics.mean(len(c) for c in contexts), 1),
+        "wall_s": round(wall, 2), "output_tok_s": round(len(outputs) * args.out / wall, 2),
+        "tiers": {s.tier: {"hits": s.hits, "loaded_MiB": round(s.loaded_bytes / 2**20, 1),
+                           "stored_MiB": round(s.stored_bytes / 2**20, 1), "load_s": round(s.load_seconds, 3),
+                           "evictions": s.evictions, "dropped": s.dropped} for s in stats.kv_offload},
+    }
+    return figures, outputs
+
+
+def restart(model_dir: Path, convs, args, directory: str) -> dict:
+    """A fresh engine on the disk tier the last run left: each conversation's context so far (its first turn), sent
+    once: how much of it came from disk."""
+    parts = engine(model_dir, args, kv_offload_disk_dir=directory)
+    ttft, computed = [], []
+    for c, conv in enumerate(convs):
+        req = turn(parts, f"restart-c{c}", conv[0], args.out)
+        ttft.append((req.first_token_time - req.arrival_time) * 1e3)
+        computed.append(req.num_prompt_tokens - req.num_cached_tokens)
+    (disk,) = parts.scheduler.make_stats(0).kv_offload
+    parts.scheduler.kv.close()
+    return {"system": "disk-after-restart", "first_turns": len(convs), "ttft_ms_p50": round(statistics.median(ttft), 1),
+            "prefill_tokens_per_turn": round(statistics.mean(computed), 1), "disk_hits": disk.hits,
+            "first_turn_tokens": args.first}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--conversations", type=int, default=12)
+    p.add_argument("--turns", type=int, default=3)
+    p.add_argument("--first", type=int, default=768, help="tokens of a conversation's first turn")
+    p.add_argument("--turn", type=int, default=64, help="new user tokens of each later turn")
+    p.add_argument("--out", type=int, default=16, help="output tokens of every turn")
+    p.add_argument("--kv-tokens", type=int, default=2048, help="the KV pool, tokens")
+    p.add_argument("--tier-bytes", type=int, default=2 * 2**30, help="each tier's size, bytes")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--threads", type=int, default=0)
+    args = p.parse_args()
+    model_dir = resolve_model(None)
+    convs = conversations(model_dir, args)
+    print(json.dumps({"machine": machine(), "commit": commit(), "date": time.strftime("%Y-%m-%d"),
+                      "args": vars(args)}), flush=True)
+    off, expected = run(model_dir, convs, args, "tiers-off")
+    print(json.dumps(off), flush=True)
+    results = [off]
+    with tempfile.TemporaryDirectory(prefix="kv-tier-") as directory:
+        for name, offload in (("cpu-tier", {"kv_offload_cpu_bytes": args.tier_bytes}),
+                              ("disk-tier", {"kv_offload_disk_dir": directory,
+                                             "kv_offload_disk_bytes": args.tier_bytes})):
+            figures, outputs = run(model_dir, convs, args, name, **offload)
+            figures["outputs_equal_tiers_off"] = outputs == expected
+            print(json.dumps(figures), flush=True)
+            results.append(figures)
+        print(json.dumps(restart(model_dir, convs, args, directory)), flush=True)
+    for r in results[1:]:
+        print(json.dumps({
+            "system": r["system"], "vs": "tiers-off",
+            "returning_ttft_p50_x": round(off["ttft_ms_p50"] / r["ttft_ms_p50"], 2),
+            "prefill_tokens_fewer_x": round(off["prefill_tokens_per_returning_turn"]
+                                            / max(r["prefill_tokens_per_returning_turn"], 1), 2),
+            "throughput_x": round(r["output_tok_s"] / off["output_tok_s"], 2)}), flush=True)
+
+
+if __name__ == "__main__":
+    main()

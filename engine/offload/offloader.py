@@ -1,0 +1,130 @@
+"""Moves one full KV block at a time between the KV cache tensor and the offload tiers, and builds the tiers a worker
+asked for."""
+from __future__ import annotations
+
+import hashlib
+import time
+from pathlib import Path
+
+import torch
+
+from pdserve_server.engine.args import EngineArgs
+from pdserve_server.engine.offload.disk import HEADER, DiskTier
+from pdserve_server.engine.offload.memory import MemoryTier
+from pdserve_server.engine.offload.stats import TierStats
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+
+
+class KvOffloader:
+    """The tiers under one KV pool, fastest first. Engine thread only.
+
+    A block the pool evicts is copied to host memory once and handed to every tier (write-through: the disk tier
+    keeps what the host tier drops, and survives a restart). A load takes the block from the fastest tier that has
+    it and hands it to the faster ones too, so the next load is quicker.
+
+    Args:
+        kv: the KV cache shard, [num_blocks + 1, num_layers, 2, block_size, kv_heads, head_dim] of the model's dtype
+            (`engine.execution.kv_cache.KVCache.kv`, block-major: one block is one contiguous region).
+        tiers: `MemoryTier` / `DiskTier` objects, fastest first (at least one).
+    """
+
+    def __init__(self, kv: torch.Tensor, tiers: list):
+        if not tiers:
+            raise ValueError("a KV offloader needs at least one tier")
+        self.kv = kv
+        self.tiers = tiers
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block's payload."""
+        return self.kv[0].nbytes
+
+    def _region(self, block_id: int) -> torch.Tensor:
+        return self.kv[block_id].view(-1).view(torch.uint8)
+
+    def save(self, block_id: int, key: bytes) -> None:
+        """Keep the block the pool is evicting (its contents still intact) under its prefix hash `key`."""
+        if all(tier.contains(key) for tier in self.tiers):
+            return
+        payload = self._region(block_id).to("cpu", copy=True)
+        for tier in self.tiers:
+            tier.put(key, payload)
+
+    def contains(self, key: bytes) -> bool:
+        """Whether some tier holds the block with prefix hash `key` (a disk entry may still fail its checksum)."""
+        return any(tier.contains(key) for tier in self.tiers)
+
+    def load(self, block_id: int, key: bytes) -> bool:
+        """Copy the block with prefix hash `key` from the fastest tier holding it into pool block `block_id`.
+        Returns False (the block untouched) when no tier has a good copy."""
+        start = time.perf_counter()
+        for i, tier in enumerate(self.tiers):
+            payload = tier.get(key)
+            if payload is None:
+                continue
+            self._region(block_id).copy_(payload)
+            for faster in self.tiers[:i]:
+                faster.put(key, payload)
+            counters = tier.counters
+            counters.hits += 1
+            counters.loaded_bytes += payload.nbytes
+            counters.load_seconds += time.perf_counter() - start
+            return True
+        return False
+
+    def stats(self) -> tuple[TierStats, ...]:
+        """Every tier's counters now, fastest first."""
+        return tuple(tier.counters.snapshot(tier.name) for tier in self.tiers)
+
+    def close(self) -> None:
+        """Finish the tiers' pending writes (a disk tier's queue), so a restart finds them."""
+        for tier in self.tiers:
+            tier.close()
+
+
+def tier_namespace(compat: str, args: EngineArgs) -> str:
+    """What a disk tier's entries are, as a 16-hex-digit name: the KV geometry and dtype (`engine.config.compat_hash`),
+    the quantization, and the weights (each weight file's name, size and modification time; the seed for random
+    weights). Different weights of the same shape never share entries; re-copied weights start a fresh namespace,
+    which costs a cold cache, never a wrong one."""
+    h = hashlib.sha256(f"{compat}|{args.quantization}".encode())
+    if args.random_weights:
+        h.update(f"|random:{args.seed}".encode())
+    else:
+        for path in sorted(p for p in Path(args.model_dir).iterdir() if p.suffix in WEIGHT_SUFFIXES):
+            st = path.stat()
+            h.update(f"|{path.name}:{st.st_size}:{st.st_mtime_ns}".encode())
+    return h.hexdigest()[:16]
+
+
+def build_offloader(args: EngineArgs, compat: str, kv: torch.Tensor) -> KvOffloader | None:
+    """The tiers `args` asks for (`kv_offload_cpu_bytes`, `kv_offload_disk_dir`) under the KV shard `kv`, or None
+    when it asks for none.
+
+    Raises:
+        ValueError: tiers without prefix caching (they hold prefix-cache blocks), or with tensor parallelism (a
+            block is split across ranks' shards: not supported yet), or a size that cannot hold one block.
+        OSError: the disk tier's directory cannot be created.
+    """
+    if not args.kv_offload_cpu_bytes and not args.kv_offload_disk_dir:
+        return None
+    if not args.enable_prefix_caching:
+        raise ValueError("KV offload tiers keep prefix-cache blocks: they need prefix caching "
+                         "(drop --no-enable-prefix-caching)")
+    if args.tensor_parallel_size > 1:
+        raise ValueError("KV offload tiers do not support --tensor-parallel-size > 1 yet")
+    block_bytes = kv[0].nbytes
+    tiers: list = []
+    if args.kv_offload_cpu_bytes:
+        if args.kv_offload_cpu_bytes < block_bytes:
+            raise ValueError(f"--kv-offload-cpu-bytes {args.kv_offload_cpu_bytes} cannot hold one KV block "
+                             f"({block_bytes} bytes)")
+        tiers.append(MemoryTier(args.kv_offload_cpu_bytes))
+    if args.kv_offload_disk_dir:
+        if args.kv_offload_disk_bytes < HEADER.size + block_bytes:
+            raise ValueError(f"--kv-offload-disk-bytes {args.kv_offload_disk_bytes} cannot hold a KV block "
+                             f"({block_bytes} bytes) and its header")
+        tiers.append(DiskTier(args.kv_offload_disk_dir, args.kv_offload_disk_bytes, tier_namespace(compat, args),
+                              block_bytes))
+    return KvOffloader(kv, tiers)

@@ -1,0 +1,185 @@
+"""KV offload tiers (`engine.offload`): blocks the pool evicts go to a host-memory or disk tier and come back instead
+of being recomputed, with HF's greedy tokens; a disk entry that is truncated or corrupt is caught by its length or
+checksum and recomputed; the disk tier outlives its engine (a warm restart) and is bounded in bytes."""
+import random
+
+import pytest
+import torch
+from conftest import hf_greedy
+
+from pdserve_server.engine.args import EngineArgs
+from pdserve_server.engine.builder import build_engine
+from pdserve_server.engine.offline import run_until_idle
+from pdserve_server.engine.offload.disk import HEADER, DiskTier
+from pdserve_server.engine.offload.memory import MemoryTier
+from pdserve_server.engine.offload.offloader import KvOffloader
+from pdserve_server.engine.request import Request, SamplingParams
+from pdserve_server.engine.scheduling.block_pool import hash_block_tokens
+from pdserve_server.engine.scheduling.kv_cache_manager import KVCacheManager
+
+
+def payload(n: int, fill: int) -> torch.Tensor:
+    return torch.full((n,), fill, dtype=torch.uint8)
+
+
+def key(i: int) -> bytes:
+    return hash_block_tokens(None, [i])
+
+
+def test_memory_tier_keeps_the_most_recent_within_its_bytes():
+    tier = MemoryTier(capacity_bytes=300)
+    for i in range(3):
+        tier.put(key(i), payload(100, i))
+    assert tier.get(key(0)) is not None  # now the most recently used
+    tier.put(key(3), payload(100, 3))
+    assert [tier.contains(key(i)) for i in range(4)] == [True, False, True, True]
+    assert tier.counters.evictions == 1 and tier.counters.stored_bytes == 400
+    tier.put(key(9), payload(301, 9))  # larger than the tier: not kept, nothing else lost
+    assert not tier.contains(key(9)) and tier.contains(key(3))
+
+
+def test_disk_tier_round_trip_bound_and_warm_restart(tmp_path):
+    entry = HEADER.size + 64
+    tier = DiskTier(tmp_path, capacity_bytes=3 * entry, namespace="ns", entry_bytes=64)
+    for i in range(4):
+        tier.put(key(i), payload(64, i))
+        assert tier.contains(key(i))  # readable while queued for the writer
+    tier.close()
+    assert sorted(p.name for p in (tmp_path / "ns").glob("*/*.kv")) == sorted(f"{key(i).hex()}.kv" for i in (1, 2, 3))
+    assert tier.counters.evictions == 1 and tier.counters.stored_bytes == 4 * 64
+
+    again = DiskTier(tmp_path, capacity_bytes=3 * entry, namespace="ns", entry_bytes=64)  # a restarted worker
+    assert torch.equal(again.get(key(2)), payload(64, 2))
+    assert again.get(key(0)) is None
+    other = DiskTier(tmp_path, capacity_bytes=3 * entry, namespace="other-model", entry_bytes=64)
+    assert not other.contains(key(2)) and other.get(key(2)) is None  # another namespace shares nothing
+    again.close()
+    other.close()
+
+
+@pytest.mark.parametrize("damage", ["flipped byte", "truncated", "wrong size"])
+def test_disk_tier_catches_a_bad_entry_and_deletes_it(tmp_path, damage):
+    tier = DiskTier(tmp_path, capacity_bytes=10_000, namespace="ns", entry_bytes=64)
+    tier.put(key(1), payload(64, 7))
+    tier.close()
+    (path,) = (tmp_path / "ns").glob("*/*.kv")
+    data = bytearray(path.read_bytes())
+    if damage == "flipped byte":
+        data[-1] ^= 0xFF
+    elif damage == "truncated":
+        data = data[:-10]
+    path.write_bytes(bytes(data))
+    reader = DiskTier(tmp_path, capacity_bytes=10_000, namespace="ns", entry_bytes=64 if damage != "wrong size" else 32)
+    assert reader.get(key(1)) is None
+    assert reader.counters.corrupt == 1 and not path.exists() and not reader.contains(key(1))
+    reader.close()
+
+
+def test_offloader_saves_an_evicted_block_and_loads_it_into_another():
+    kv = torch.randn(5, 2, 2, 4, 1, 8)  # [blocks + 1, layers, K/V, block_size, kv_heads, head_dim]
+    offloader = KvOffloader(kv, [MemoryTier(10_000)])
+    manager = KVCacheManager(4, 4, enable_prefix_caching=True, offload=offloader)
+    prompt = list(range(100, 113))  # 3 full blocks + 1 token
+    req = Request("a", prompt, SamplingParams(max_tokens=1))
+    assert manager.allocate_slots("a", len(prompt))
+    req.num_computed_tokens = len(prompt)
+    manager.cache_full_blocks(req)
+    table = manager.get_block_table("a")
+    saved = kv[table[:3]].clone()
+    manager.free("a")
+
+    assert manager.allocate_slots("b", 16)  # takes all 4 blocks: the 3 cached ones are evicted, and saved
+    kv[:4] = 0.0  # "b" overwrites them
+    assert offloader.stats()[0].stored_bytes == 3 * kv[0].nbytes
+    manager.free("b")
+
+    hits = manager.get_computed_blocks(Request("c", prompt, SamplingParams(max_tokens=1)))
+    assert len(hits) == 3 and torch.equal(kv[hits], saved)
+    assert offloader.stats()[0].hits == 3
+    assert manager.pool.integrity_errors() == [] and manager.pool.num_free_blocks == 4
+    assert manager.get_computed_blocks(Request("d", prompt, SamplingParams(max_tokens=1))) == hits  # now pool hits
+    assert offloader.stats()[0].hits == 3
+
+
+def engine(model_dir, **offload):
+    # 8 blocks of 8 tokens: a 40-token conversation and a 60-token other one cannot both stay in the pool.
+    return build_engine(EngineArgs(dtype="float32", model_dir=str(model_dir), block_size=8, kv_tokens=64,
+                                   max_model_len=64, **offload))
+
+
+def run(parts, rid, prompt, n):
+    req = Request(rid, prompt, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True), eos_token_ids=(2,))
+    run_until_idle(parts, [req])
+    return req
+
+
+@pytest.mark.parametrize("tiers", ["cpu", "disk", "cpu+disk"])
+def test_an_evicted_prefix_comes_back_from_a_tier_with_hfs_tokens(tiny_model_dir, tmp_path, tiers):
+    offload = {}
+    if "cpu" in tiers:
+        offload["kv_offload_cpu_bytes"] = 2**20
+    if "disk" in tiers:
+        offload["kv_offload_disk_dir"] = str(tmp_path)
+    parts = engine(tiny_model_dir, **offload)
+    rng = random.Random(1)
+    conversation = [rng.randrange(3, 49152) for _ in range(41)]
+    other = [rng.randrange(3, 49152) for _ in range(60)]
+    first = run(parts, "turn-1", conversation, 6).output_token_ids
+    run(parts, "other", other, 1)  # evicts every block of the conversation
+    again = run(parts, "turn-2", conversation, 6)
+    assert first == again.output_token_ids == hf_greedy(tiny_model_dir, conversation, 6)
+    assert again.num_cached_tokens == 40  # all 5 full blocks, none recomputed
+    stats = {t.tier: t for t in parts.scheduler.make_stats(0).kv_offload}
+    fastest = tiers.split("+")[0]
+    assert stats[fastest].hits == 5 and stats[fastest].loaded_bytes == 5 * parts.runner.kv_cache.kv[0].nbytes
+    assert sum(t.hits for t in stats.values()) == 5
+    assert parts.scheduler.kv.pool.integrity_errors() == []
+    parts.scheduler.kv.close()
+
+
+def test_without_tiers_the_evicted_prefix_is_recomputed(tiny_model_dir):
+    parts = engine(tiny_model_dir)
+    rng = random.Random(1)
+    conversation = [rng.randrange(3, 49152) for _ in range(41)]
+    run(parts, "turn-1", conversation, 6)
+    run(parts, "other", [rng.randrange(3, 49152) for _ in range(60)], 1)
+    assert run(parts, "turn-2", conversation, 6).num_cached_tokens == 0
+    assert parts.scheduler.make_stats(0).kv_offload == ()
+
+
+def test_a_restarted_engine_serves_a_prefix_from_disk_and_recomputes_a_corrupt_one(tiny_model_dir, tmp_path):
+    rng = random.Random(2)
+    conversation = [rng.randrange(3, 49152) for _ in range(41)]
+    parts = engine(tiny_model_dir, kv_offload_disk_dir=str(tmp_path))
+    first = run(parts, "turn-1", conversation, 6).output_token_ids
+    run(parts, "other", [rng.randrange(3, 49152) for _ in range(60)], 1)
+    parts.scheduler.kv.close()  # what the engine loop does as it ends
+    files = sorted(tmp_path.glob("*/*/*.kv"))
+    assert len(files) >= 5
+
+    restarted = engine(tiny_model_dir, kv_offload_disk_dir=str(tmp_path))
+    again = run(restarted, "turn-2", conversation, 6)
+    assert again.output_token_ids == first and again.num_cached_tokens == 40
+    (disk,) = restarted.scheduler.make_stats(0).kv_offload
+    assert disk.hits == 5 and disk.corrupt == 0
+    restarted.scheduler.kv.close()
+
+    for path in files:  # every entry damaged: each is caught, deleted and its block recomputed
+        data = bytearray(path.read_bytes())
+        data[HEADER.size + 3] ^= 0x55
+        path.write_bytes(bytes(data))
+    damaged = engine(tiny_model_dir, kv_offload_disk_dir=str(tmp_path))
+    third = run(damaged, "turn-3", conversation, 6)
+    assert third.output_token_ids == first and third.num_cached_tokens == 0
+    (disk,) = damaged.scheduler.make_stats(0).kv_offload
+    assert disk.hits == 0 and disk.corrupt == 1  # the first block's entry: the lookup stops there
+    damaged.scheduler.kv.close()
+
+
+def test_tiers_refuse_what_they_cannot_serve(tiny_model_dir, tmp_path):
+    with pytest.raises(ValueError, match="prefix caching"):
+        engine(tiny_model_dir, kv_offload_cpu_bytes=2**20, enable_prefix_caching=False)
+    with pytest.raises(ValueError, match="cannot hold one KV block"):
+        engine(tiny_model_dir, kv_offload_cpu_bytes=100)
+    with pytest.raises(ValueError, match="kv-offload-disk-bytes"):
+        engine(tiny_model_dir, kv_offload_disk_dir=str(tmp_path), kv_offload_disk_bytes=100)
