@@ -22,4 +22,7 @@ if ! command -v prometheus >/dev/null && command -v apt-get >/dev/null && [ "$(i
     || echo "prometheus could not be installed: tests/deploy/test_dashboard.py will skip"
 fi
 export UCX_TLS=tcp,self UCX_NET_DEVICES=lo UCX_WARN_UNUSED_ENV_VARS=n TRITON_INTERPRET=1
-exec .venv/bin/python -m pytest -q "$@"
+# Two pytest processes (pytest-xdist), each module on one of them (its module-scoped clusters start once): the
+# end-to-end tests spend much of their time waiting on processes they started, which the other process fills.
+# PDSERVE_TEST_PROCESSES=0 runs everything in this process (as does `-p no:xdist`).
+exec .venv/bin/python -m pytest -q -n "${PDSERVE_TEST_PROCESSES:-2}" --dist loadscope "$@"
