@@ -6,8 +6,9 @@ bytes for every transfer it completed, and that one more transfer still works.
 
 The receiver runs in a child process (as a decode worker does) with its own free list of blocks; the sender runs
 here (as a prefill worker does). Block j of transfer i carries the bytes of source block (i + j) % SOURCE_BLOCKS,
-each source block filled with one byte value, so the receiver checks content without being told it. Cancel moments
-are scaled to this machine's own median transfer time (`--cancel-window`), measured first on uncancelled transfers.
+each source block filled with one byte value, so the receiver checks content without being told it. A quarter of
+the cancels come at once (they always land mid-transfer); the other moments are scaled to this machine's own median
+transfer time (`--cancel-window`), measured first on uncancelled transfers.
 tests/kv_transfer/test_transfer.py::test_transfer_stress_with_random_cancellations runs a short form of it in CI.
 """
 from __future__ import annotations
@@ -26,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 SOURCE_BLOCKS = 97
 COMPAT = "stress"
+EARLY_CANCELS = 0.25  # share of the cancels issued at the transfer's first await rather than at a random moment
 
 
 def _block_value(source_block: int) -> int:
@@ -124,7 +126,9 @@ async def _sender(backend_name: str, address: str, transfers: int, concurrency: 
             ids = [(i + j) % SOURCE_BLOCKS for j in range(n)]
             task = asyncio.create_task(sender.send(address, f"r{i}", i, ids, num_tokens=n * 16))
             if rng.random() < cancel_fraction:
-                await asyncio.sleep(rng.uniform(0, max_cancel_s))
+                # A quarter of the cancels come at the first await (the send has at least a network round trip to
+                # go, so they always land mid-transfer, however busy the machine); the rest at random moments.
+                await asyncio.sleep(0 if rng.random() < EARLY_CANCELS else rng.uniform(0, max_cancel_s))
                 task.cancel()
             try:
                 await task

@@ -129,9 +129,12 @@ def children_of(pid: int) -> set[int]:
 def engine_processes(worker_pid: int) -> list[int]:
     """The engine-core processes a worker spawned (multiprocessing's spawn children, not its resource tracker)."""
     def cmdline(pid: int) -> bytes:
-        return Path(f"/proc/{pid}/cmdline").read_bytes()
+        try:
+            return Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            return b""  # exited meanwhile
     return [p for p in children_of(worker_pid)
-            if b"multiprocessing.spawn" in cmdline(p) and b"resource_tracker" not in cmdline(p)]
+            if b"multiprocessing.spawn" in (line := cmdline(p)) and b"resource_tracker" not in line]
 
 
 def gone(pid: int) -> bool:

@@ -6,7 +6,6 @@ import signal
 from pathlib import Path
 
 import pytest
-import torch
 
 from helpers import engine_processes, gone
 from pdserve_server.engine.args import EngineArgs
@@ -183,20 +182,7 @@ def test_stopped_engine_process_is_gone(tiny_model_dir):
 # ---- a worker whose engine process dies ---------------------------------------------------------------------------
 def engine_children() -> set[int]:
     """This process's children that are engine processes (spawned; not multiprocessing's resource tracker)."""
-    pids = set()
-    for task in os.listdir("/proc/self/task"):
-        with open(f"/proc/self/task/{task}/children") as f:
-            pids.update(int(p) for p in f.read().split())
-    engines = set()
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmdline = f.read()
-        except FileNotFoundError:
-            continue
-        if b"multiprocessing.spawn" in cmdline and b"resource_tracker" not in cmdline:
-            engines.add(pid)
-    return engines
+    return set(engine_processes(os.getpid()))
 
 
 async def decode_tokens(channel, rid: str, max_tokens: int, tokens: list | None = None) -> list[int]:

@@ -535,10 +535,10 @@ def test_transfer_stress_with_random_cancellations(tmp_path):
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         report = json.loads(out.read_text())
         assert report["ok"] and report["receiver_exitcode"] == 0
-        # ~280 of the 400 get a cancel, at uniform(0, 2 x the median transfer time measured in the run): about half
-        # land before the transfer ends on a quiet machine (121-150 per connector on an AMD EPYC VM), fewer when
-        # other work shares the cores (51 seen); the test needs some mid-transfer cancels, not a share of them
-        assert report["sender"]["outcomes"].get("cancelled", 0) >= 20 and report["sender"]["outcomes"]["ok"] > 50
+        # ~280 of the 400 get a cancel: a quarter at the transfer's first await, which always lands mid-transfer
+        # (~70, counted, whatever the machine's speed), the rest at uniform(0, 2 x the median transfer time measured
+        # in the run), of which some land in time (10 to 80 seen, fewer when other work shares the cores)
+        assert report["sender"]["outcomes"].get("cancelled", 0) >= 50 and report["sender"]["outcomes"]["ok"] > 50
 
 
 def test_ucx_is_available_here():
