@@ -36,6 +36,12 @@ from pdserve_server.coordinator.prefix_index import PrefixIndex, block_hashes
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 
 
+def index_capacity(info: worker_pb2.WorkerInfo) -> int:
+    """Blocks of a worker the inferred prefix index keeps (`PrefixIndex.record`): its pool and its KV offload tiers,
+    which keep what the pool evicts (`WorkerInfo.kv_offload_blocks`)."""
+    return info.num_blocks + info.kv_offload_blocks
+
+
 @dataclass
 class WorkerHandle:
     """A worker endpoint: address, stubs, its GetInfo answer, whether it is live, and its load.
@@ -149,7 +155,7 @@ class Router:
             worker = min(candidates, key=lambda w: (blocks(w) > w.free_blocks,
                                                     self._prefill_cost(w, len(prompt_token_ids), hashes),
                                                     w.in_flight, -w.free_blocks))
-            self.prefixes.record(worker.address, hashes, worker.info.num_blocks)
+            self.prefixes.record(worker.address, hashes, index_capacity(worker.info))
         worker.blocks_routed += blocks(worker)
         return worker
 
@@ -164,7 +170,7 @@ class Router:
         hashes = block_hashes(prompt_token_ids, candidates[0].info.block_size)
         worker = min(candidates, key=lambda w: (self._prefill_cost(w, len(prompt_token_ids), hashes),
                                                 w.reported_queue))
-        self.prefixes.record(worker.address, hashes, worker.info.num_blocks)
+        self.prefixes.record(worker.address, hashes, index_capacity(worker.info))
         return worker
 
     def record_prefix(self, worker: WorkerHandle, token_ids: list[int], received: bool = False) -> None:
@@ -174,7 +180,8 @@ class Router:
         cache, and lookups start at the first block), so nothing is recorded for it."""
         if received and worker.info.kv_sliding_window:
             return
-        self.prefixes.record(worker.address, block_hashes(token_ids, worker.info.block_size), worker.info.num_blocks)
+        self.prefixes.record(worker.address, block_hashes(token_ids, worker.info.block_size),
+                             index_capacity(worker.info))
 
     def local_prefill(self, context: list[int], policy: LocalPrefillPolicy) -> str | None:
         """Conditional disaggregation: whether a disaggregated request should be prefilled on its decode worker

@@ -9,6 +9,7 @@ from pdserve_server.kernels import BACKENDS as ATTENTION_BACKENDS
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 DTYPE_CHOICES = ("auto",) + DTYPE_NAMES
 QUANTIZATION_CHOICES = ("none", "int8", "int4")
+KV_OFFLOAD_STORE_CHOICES = ("evicted", "computed")
 # Tokens a request's stream may hold unread before the request is paused (`engine.core.async_engine.RequestStream`): far
 # more than a reader that keeps up ever leaves (it takes every queued token at each read), small enough that a
 # stalled client costs little memory.
@@ -36,6 +37,8 @@ class EngineArgs:
         kv_events: record the prefix cache's block stored / removed events for the worker's KV event stream.
         kv_offload_cpu_bytes: a host-memory tier under the KV pool, bytes (0 = none; `engine.offload`).
         kv_offload_disk_dir / kv_offload_disk_bytes: a disk tier in this directory ("" = none), bounded in bytes.
+        kv_offload_store: which blocks the tiers receive: "evicted" (as the pool evicts a cached block) or "computed"
+            (every full block as it enters the prefix cache, so workers sharing a directory find it at once).
         device: torch device of weights and KV cache.
         seed: sampler seed for unseeded requests (and random weights).
         packed_weights: the linears' CPU forms (`engine.execution.packing`): bf16 prepacked for oneDNN, fp32 decode
@@ -96,6 +99,11 @@ class EngineArgs:
                 "restarts; workers may share one), empty = none"})
     kv_offload_disk_bytes: int = field(default=16 * 2**30, metadata={"min": 1,
         "help": "the disk tier's size in bytes; the least recently used blocks are deleted beyond it"})
+    kv_offload_store: str = field(default="evicted", metadata={
+        "choices": KV_OFFLOAD_STORE_CHOICES,
+        "help": "which blocks the KV offload tiers receive: evicted = a prefix-cache block as the pool evicts it; "
+                "computed = every full block as it is computed, so workers sharing a disk directory use each "
+                "other's prefixes at once (more writes)"})
     device: str = field(default="cpu", metadata={"help": "torch device, e.g. cpu or cuda:0"})
     seed: int = field(default=0, metadata={"min": 0, "help": "seed for unseeded sampling and random weights"})
     attention_backend: str = field(default="auto", metadata={

@@ -11,6 +11,7 @@ from dataclasses import dataclass, replace
 import grpc
 from prometheus_client import CollectorRegistry
 
+from pdserve_server.engine.args import EngineArgs
 from pdserve_server.engine.core.async_engine import AsyncEngine, Engine
 from pdserve_server.engine.builder import build_engine
 from pdserve_server.engine.config import CacheConfig, SchedulerConfig, compat_hash, kv_bytes_per_block
@@ -51,7 +52,16 @@ class WorkerEngine:
     kv_cache: KvShards | None  # None while its engine process restarts
     registry: CollectorRegistry
     metrics: WorkerMetrics
-    publishes_kv_events: bool = False  # the engine records KV events (`EngineArgs.kv_events`)
+    args: EngineArgs  # what the engine was built from (its KV events and offload tiers are read here)
+
+    @property
+    def kv_offload_blocks(self) -> int:
+        """Blocks the engine's KV offload tiers hold beyond its pool: the largest tier's (they are write-through),
+        0 without tiers."""
+        tier_bytes = max(self.args.kv_offload_cpu_bytes,
+                         self.args.kv_offload_disk_bytes if self.args.kv_offload_disk_dir else 0)
+        m, c = self.model_config, self.cache_config
+        return tier_bytes // kv_bytes_per_block(m, c.block_size, c.tensor_parallel_size)
 
     @property
     def compat_hash(self) -> str:
@@ -110,7 +120,7 @@ async def start_engine(config: WorkerConfig) -> WorkerEngine:
     registry = CollectorRegistry()
     name = config.served_model_name or model.name
     return WorkerEngine(engine, model, cache, sched, kv_cache, registry,
-                        WorkerMetrics(registry, engine, name, config.role), publishes_kv_events=args.kv_events)
+                        WorkerMetrics(registry, engine, name, config.role), args)
 
 
 def describe(config: WorkerConfig, worker: WorkerEngine, ready: dict[str, str]) -> str:
@@ -123,7 +133,11 @@ def describe(config: WorkerConfig, worker: WorkerEngine, ready: dict[str, str]) 
     if e.mock_engine:  # nothing is computed: say whose step times it plays, and how fast
         weights = f"MOCK ENGINE (step times of {e.mock_engine} x{e.mock_speedup:g} speed), {m.dtype} KV"
     pool_bytes = c.num_blocks * kv_bytes_per_block(m, c.block_size, c.tensor_parallel_size)
-    extra = "".join(f", {k} {v}" for k, v in ready.items() if v)
+    tiers = [f"host memory {e.kv_offload_cpu_bytes / 2**20:.0f} MiB"] if e.kv_offload_cpu_bytes else []
+    if e.kv_offload_disk_dir:
+        tiers.append(f"disk {e.kv_offload_disk_dir} {e.kv_offload_disk_bytes / 2**30:.1f} GiB")
+    extra = (f"; KV offload to {' and '.join(tiers)}" if tiers else "") \
+        + "".join(f", {k} {v}" for k, v in ready.items() if v)
     return (f"model {m.name}, {weights} on {e.device}, {threads} threads"
             f"{f', tensor parallel {c.tensor_parallel_size}' if c.tensor_parallel_size > 1 else ''}; KV pool "
             f"{c.num_blocks} blocks x {c.block_size} tokens = {c.num_blocks * c.block_size} tokens "
@@ -142,7 +156,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.kv_address, self.kv_connector = kv_address, kv_connector
         self.instance_id = uuid.uuid4().hex  # tells a restart at the same address from a long-lived process
         self.kv_events: KvEventLog | None = None
-        if worker.publishes_kv_events:
+        if worker.args.kv_events:
             self.kv_events = KvEventLog(worker.cache_config.block_size, lambda: self.instance_id)
             worker.engine.add_kv_event_listener(self.kv_events.publish)
 
@@ -158,7 +172,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             max_request_tokens=max_request_tokens(c.num_blocks, c.block_size, window, s.max_model_len),
             instance_id=self.instance_id, tensor_parallel_size=c.tensor_parallel_size, kv_sliding_window=window,
             max_request_blocks=max_request_blocks(c.num_blocks, c.block_size, window, s.max_num_batched_tokens),
-            kv_events=self.kv_events is not None)
+            kv_events=self.kv_events is not None, kv_offload_blocks=self.worker.kv_offload_blocks)
 
     async def GetInfo(self, request, context):
         return self.info()

@@ -118,7 +118,7 @@ class EngineCore:
             except Exception as e:  # noqa: BLE001 - a fault must fail loudly, not wedge the loop
                 events.extend(self._fail_step(out, e))
             self._publish_stats()
-            events.extend(self.scheduler.kv.pool.take_kv_events())  # what entered and left the prefix cache
+            events.extend(self.scheduler.kv.take_kv_events())  # what entered and left the prefix cache
             if events:
                 self.emit(events)
         self.scheduler.kv.close()  # the offload tiers' queued writes land before the process ends

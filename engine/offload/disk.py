@@ -17,12 +17,12 @@ import os
 import queue
 import struct
 import threading
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from pathlib import Path
 
 import torch
 
-from pdserve_server.engine.offload.stats import TierCounters
+from pdserve_server.engine.offload.stats import DROPPED_KEYS, TierCounters
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +65,7 @@ class DiskTier:
         self.capacity_bytes = capacity_bytes
         self.entry_bytes = entry_bytes
         self.counters = TierCounters()
+        self.dropped: deque[bytes] = deque(maxlen=DROPPED_KEYS)  # keys let go of (either thread appends)
         self._lock = threading.Lock()  # guards _index, _bytes and _pending between the two threads
         self._index: OrderedDict[bytes, int] = OrderedDict()  # key -> file bytes, least recently used first
         self._bytes = 0
@@ -144,6 +145,7 @@ class DiskTier:
             size = self._index.pop(key, None)
             if size is not None:
                 self._bytes -= size
+        self.dropped.append(key)
 
     def put(self, key: bytes, payload: torch.Tensor) -> None:
         """Queue payload (1-D uint8 CPU tensor of entry_bytes, which the caller no longer writes) to be written under
@@ -193,6 +195,7 @@ class DiskTier:
             self._bytes -= size
             self.counters.evictions += 1
             self._path(key).unlink(missing_ok=True)
+            self.dropped.append(key)
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Write what is queued, then stop the writer (at most timeout_s, seconds)."""

@@ -1,11 +1,11 @@
 """The host-memory KV tier: block payloads by prefix hash, least recently used dropped beyond a byte bound."""
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 
 import torch
 
-from pdserve_server.engine.offload.stats import TierCounters
+from pdserve_server.engine.offload.stats import DROPPED_KEYS, TierCounters
 
 
 class MemoryTier:
@@ -25,6 +25,7 @@ class MemoryTier:
             raise ValueError(f"a host-memory KV tier needs a positive size in bytes, got {capacity_bytes}")
         self.capacity_bytes = capacity_bytes
         self.counters = TierCounters()
+        self.dropped: deque[bytes] = deque(maxlen=DROPPED_KEYS)  # keys let go of, for `KvOffloader.take_dropped`
         self._entries: OrderedDict[bytes, torch.Tensor] = OrderedDict()
         self._bytes = 0
 
@@ -47,9 +48,10 @@ class MemoryTier:
         self._bytes += payload.nbytes
         self.counters.stored_bytes += payload.nbytes
         while self._bytes > self.capacity_bytes:
-            _, old = self._entries.popitem(last=False)
+            old_key, old = self._entries.popitem(last=False)
             self._bytes -= old.nbytes
             self.counters.evictions += 1
+            self.dropped.append(old_key)
 
     def close(self) -> None:
         """Nothing to flush: host memory ends with the process."""

@@ -23,17 +23,22 @@ class KvOffloader:
     keeps what the host tier drops, and survives a restart). A load takes the block from the fastest tier that has
     it and hands it to the faster ones too, so the next load is quicker.
 
+    With `store_computed` every full block is saved as it enters the prefix cache as well (`save`), not only as it
+    is evicted: workers sharing a disk directory then find each other's prefixes without waiting for an eviction.
+
     Args:
         kv: the KV cache shard, [num_blocks + 1, num_layers, 2, block_size, kv_heads, head_dim] of the model's dtype
             (`engine.execution.kv_cache.KVCache.kv`, block-major: one block is one contiguous region).
         tiers: `MemoryTier` / `DiskTier` objects, fastest first (at least one).
+        store_computed: save each block as it is computed too (`KVCacheManager.cache_full_blocks`).
     """
 
-    def __init__(self, kv: torch.Tensor, tiers: list):
+    def __init__(self, kv: torch.Tensor, tiers: list, store_computed: bool = False):
         if not tiers:
             raise ValueError("a KV offloader needs at least one tier")
         self.kv = kv
         self.tiers = tiers
+        self.store_computed = store_computed
 
     @property
     def block_bytes(self) -> int:
@@ -43,13 +48,16 @@ class KvOffloader:
     def _region(self, block_id: int) -> torch.Tensor:
         return self.kv[block_id].view(-1).view(torch.uint8)
 
-    def save(self, block_id: int, key: bytes) -> None:
-        """Keep the block the pool is evicting (its contents still intact) under its prefix hash `key`."""
+    def save(self, block_id: int, key: bytes) -> bool:
+        """Keep pool block `block_id` (full and computed: evicted now, or just registered) under its prefix hash
+        `key` in every tier that lacks it. Returns whether some tier holds it now (a disk tier whose writer is
+        behind may not take it)."""
         if all(tier.contains(key) for tier in self.tiers):
-            return
+            return True
         payload = self._region(block_id).to("cpu", copy=True)
         for tier in self.tiers:
             tier.put(key, payload)
+        return self.contains(key)
 
     def contains(self, key: bytes) -> bool:
         """Whether some tier holds the block with prefix hash `key` (a disk entry may still fail its checksum)."""
@@ -72,6 +80,15 @@ class KvOffloader:
             counters.load_seconds += time.perf_counter() - start
             return True
         return False
+
+    def take_dropped(self) -> list[bytes]:
+        """Prefix hashes that some tier let go of since the last call (evicted to stay within its size, or found
+        corrupt) and that no tier holds any more; for the worker's KV events."""
+        keys: dict[bytes, None] = {}
+        for tier in self.tiers:
+            while tier.dropped:
+                keys[tier.dropped.popleft()] = None
+        return [key for key in keys if not self.contains(key)]
 
     def stats(self) -> tuple[TierStats, ...]:
         """Every tier's counters now, fastest first."""
@@ -127,4 +144,4 @@ def build_offloader(args: EngineArgs, compat: str, kv: torch.Tensor) -> KvOffloa
                              f"({block_bytes} bytes) and its header")
         tiers.append(DiskTier(args.kv_offload_disk_dir, args.kv_offload_disk_bytes, tier_namespace(compat, args),
                               block_bytes))
-    return KvOffloader(kv, tiers)
+    return KvOffloader(kv, tiers, store_computed=args.kv_offload_store == "computed")

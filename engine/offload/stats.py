@@ -5,6 +5,8 @@ from dataclasses import dataclass
 
 import msgspec
 
+DROPPED_KEYS = 65536  # keys a tier remembers letting go of until the engine takes them (the oldest are forgotten)
+
 
 @dataclass
 class TierCounters:

@@ -47,8 +47,9 @@ class BlockPool:
         self._cached: dict[bytes, int] = {}
         self._num_cached_free = 0  # free blocks that still carry a hash, kept current for O(1) stats
         self.kv_events: list | None = None  # a list: what entered and left the prefix cache is recorded here
-        # Called with (block id, prefix hash) for each cached block allocate() evicts, before it is handed out.
-        self.on_evict: Callable[[int, bytes], None] | None = None
+        # Called with (block id, prefix hash) for each cached block allocate() evicts, before it is handed out;
+        # returns whether the content was kept elsewhere (an offload tier), which records no KvBlockRemoved.
+        self.on_evict: Callable[[int, bytes], bool] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -75,9 +76,8 @@ class BlockPool:
                 self._num_cached_free -= 1
                 if self._cached.get(old) == block:
                     del self._cached[old]
-                    if self.on_evict is not None:
-                        self.on_evict(block, old)
-                    if self.kv_events is not None:
+                    kept = self.on_evict is not None and self.on_evict(block, old)
+                    if self.kv_events is not None and not kept:  # a block a tier kept is still this worker's
                         self.kv_events.append(KvBlockRemoved(old))
                 self.block_hashes[block] = None
             self.ref_counts[block] = 1
@@ -113,17 +113,19 @@ class BlockPool:
             self.ref_counts[block] += 1
 
     def cache_block(self, block_id: int, block_hash: bytes, parent_hash: bytes | None = None,
-                    token_ids: Sequence[int] = ()) -> None:
+                    token_ids: Sequence[int] = ()) -> bool:
         """Record that block_id holds the full block identified by block_hash (first writer wins); parent_hash and
-        token_ids (the block's tokens) go into its `KvBlockStored` when events are recorded."""
+        token_ids (the block's tokens) go into its `KvBlockStored` when events are recorded. Returns whether the
+        block was registered (False: it carries a hash already, or another block holds this one)."""
         if self.block_hashes[block_id] is not None:
-            return
+            return False
         if block_hash in self._cached:
-            return  # same content computed twice by concurrent requests; keep the first copy
+            return False  # same content computed twice by concurrent requests; keep the first copy
         self.block_hashes[block_id] = block_hash
         self._cached[block_hash] = block_id
         if self.kv_events is not None:
             self.kv_events.append(KvBlockStored(block_hash, parent_hash, list(token_ids)))
+        return True
 
     def take_kv_events(self) -> list:
         """The KV events recorded since the last call (none unless `kv_events` is a list)."""

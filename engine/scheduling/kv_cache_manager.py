@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from pdserve_server.engine.outputs import KvBlockRemoved
 from pdserve_server.engine.scheduling.block_pool import BlockPool, hash_block_tokens
 from pdserve_server.engine.request import Request
 
@@ -260,7 +261,9 @@ class KVCacheManager:
             h = hash_block_tokens(parent, block_tokens)
             hashes.append(h)
             if table[i] != self.null_block:  # a prefix-cache hit must never return the null block
-                self.pool.cache_block(table[i], h, parent, block_tokens)
+                if self.pool.cache_block(table[i], h, parent, block_tokens) and self.offload is not None \
+                        and self.offload.store_computed:
+                    self.offload.save(table[i], h)
 
     def release_out_of_window(self, request_id: str, num_computed_tokens: int) -> int:
         """Give back the request's leading blocks that no later token can attend to (see the class docstring).
@@ -321,6 +324,17 @@ class KVCacheManager:
 
     def get_block_table(self, request_id: str) -> list[int]:
         return self.block_tables.get(request_id, [])
+
+    def take_kv_events(self) -> list:
+        """What entered and left this worker's KV cache since the last call, pool and tiers together (none unless
+        the pool records events): a block the pool evicts into a tier is still held, and is reported removed once
+        no tier holds it either (`KvOffloader.take_dropped`)."""
+        events = self.pool.take_kv_events()
+        if self.offload is not None:
+            dropped = self.offload.take_dropped()  # taken either way, so the tiers' lists stay short
+            if self.pool.kv_events is not None:
+                events += [KvBlockRemoved(key) for key in dropped if self.pool.lookup(key) is None]
+        return events
 
     def close(self) -> None:
         """Finish the offload tiers' pending writes (the engine loop's end)."""

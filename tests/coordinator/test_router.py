@@ -4,6 +4,7 @@ import pytest
 
 from pdserve_server.coordinator.errors import RequestError
 from pdserve_server.coordinator.membership import Cluster
+from pdserve_server.coordinator.prefix_index import block_hashes
 from pdserve_server.coordinator.router import LocalPrefillPolicy, Router, WorkerHandle
 from pdserve.v1 import worker_pb2
 
@@ -86,6 +87,22 @@ def test_prefill_goes_where_the_prefix_is_cached_unless_that_worker_is_swamped()
     assert router.pick_prefill(list(range(5000, 5016))).address in {first.address, other.address}
     with router.lease(first, num_tokens=40 * 16):  # 40 blocks queued there: recomputing 32 elsewhere is cheaper
         assert router.pick_prefill(system + [99]).address == other.address
+
+
+@pytest.mark.parametrize("offload_blocks", [0, 1000])
+def test_the_inferred_prefix_index_counts_a_workers_offload_tiers(offload_blocks):
+    """A worker whose tiers keep what its 100-block pool evicts (`WorkerInfo.kv_offload_blocks`) still holds a
+    conversation after 200 blocks of other prompts went through it, in the routing's index as in the worker;
+    without tiers the index forgets it, as the worker did."""
+    worker = handle("p0", "prefill")
+    worker.info.kv_offload_blocks = offload_blocks
+    router = Router([worker], [handle("d0", "decode")])
+    conversation = list(range(100, 100 + 20 * 16))
+    router.pick_prefill(conversation)
+    for i in range(10):
+        router.pick_prefill(list(range(10_000 + 320 * i, 10_320 + 320 * i)))
+    held = router.prefixes.overlap("p0", block_hashes(conversation + [1], 16))
+    assert held == (20 if offload_blocks else 0)
 
 
 def test_colocated_choice_is_prefix_aware_too():

@@ -67,8 +67,10 @@ def prometheus_binary() -> str:
 
 
 def test_every_panel_shows_data_for_the_model_it_offers(prometheus_binary, tiny_model_dir, tmp_path, launch):
+    # A host-memory KV tier: its counters exist (at 0) for the KV offload panel.
     cluster = launch(tiny_model_dir, worker_args=["--dtype", "float32", "--kv-tokens", "1024", "--max-model-len",
-                                                  "256", "--connector", "tcp", "--metrics-port", "0"],
+                                                  "256", "--connector", "tcp", "--metrics-port", "0",
+                                                  "--kv-offload-cpu-bytes", str(2**20)],
                      coordinator_args=["--metrics-port", "0"])
     prom = None
     try:

@@ -10,6 +10,7 @@ from conftest import hf_greedy
 from pdserve_server.engine.args import EngineArgs
 from pdserve_server.engine.builder import build_engine
 from pdserve_server.engine.offline import run_until_idle
+from pdserve_server.engine.outputs import KvBlockRemoved, KvBlockStored
 from pdserve_server.engine.offload.disk import HEADER, DiskTier
 from pdserve_server.engine.offload.memory import MemoryTier
 from pdserve_server.engine.offload.offloader import KvOffloader
@@ -183,3 +184,48 @@ def test_tiers_refuse_what_they_cannot_serve(tiny_model_dir, tmp_path):
         engine(tiny_model_dir, kv_offload_cpu_bytes=100)
     with pytest.raises(ValueError, match="kv-offload-disk-bytes"):
         engine(tiny_model_dir, kv_offload_disk_dir=str(tmp_path), kv_offload_disk_bytes=100)
+
+
+@pytest.mark.parametrize("store", ["evicted", "computed"])
+def test_engines_sharing_a_directory_use_each_others_prefixes_when_blocks_are_stored_as_computed(
+        tiny_model_dir, tmp_path, store):
+    """Two engines (two workers on one host) on one disk directory: with `--kv-offload-store computed` the second
+    loads the prefix the first computed, though the first never evicted it; with `evicted` it recomputes."""
+    rng = random.Random(4)
+    conversation = [rng.randrange(3, 49152) for _ in range(41)]
+    a = engine(tiny_model_dir, kv_offload_disk_dir=str(tmp_path), kv_offload_store=store)
+    b = engine(tiny_model_dir, kv_offload_disk_dir=str(tmp_path), kv_offload_store=store)
+    first = run(a, "on-a", conversation, 6).output_token_ids
+    a.scheduler.kv.close()  # the first engine's writer has landed what it queued
+    on_b = run(b, "on-b", conversation, 6)
+    assert on_b.output_token_ids == first
+    (disk,) = b.scheduler.make_stats(0).kv_offload
+    block = b.runner.kv_cache.kv[0].nbytes
+    if store == "computed":
+        assert on_b.num_cached_tokens == 40 and disk.hits == 5
+        assert a.scheduler.make_stats(0).kv_offload[0].stored_bytes == 5 * block  # 46 tokens computed: 5 full blocks
+    else:
+        assert on_b.num_cached_tokens == 0 and disk.hits == 0
+    b.scheduler.kv.close()
+
+
+def test_kv_events_count_a_block_in_a_tier_as_held_until_the_tier_lets_it_go(tiny_model_dir):
+    """With KV events on, a block the pool evicts into a tier is not reported removed (the worker still serves it:
+    the coordinator's prefix index keeps routing its conversation there); once the tier drops it, it is."""
+    probe = engine(tiny_model_dir)
+    block = probe.runner.kv_cache.kv[0].nbytes
+    parts = engine(tiny_model_dir, kv_offload_cpu_bytes=6 * block, kv_events=True)
+    kv = parts.scheduler.kv
+    rng = random.Random(5)
+    conversation, other, third = ([rng.randrange(3, 49152) for _ in range(n)] for n in (41, 60, 60))
+    run(parts, "turn-1", conversation, 6)
+    held = {e.block_hash for e in kv.take_kv_events() if isinstance(e, KvBlockStored)}
+    assert len(held) == 5
+
+    run(parts, "other", other, 1)  # evicts the conversation's 5 blocks into the tier
+    assert not {e.block_hash for e in kv.take_kv_events() if isinstance(e, KvBlockRemoved)}
+
+    run(parts, "third", third, 1)  # evicts the other's 7 blocks into the 6-block tier: it lets the 6 oldest go
+    removed = {e.block_hash for e in kv.take_kv_events() if isinstance(e, KvBlockRemoved)}
+    assert held <= removed and len(removed) == 6
+    assert kv.pool.integrity_errors() == []
