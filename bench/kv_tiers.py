@@ -3,6 +3,7 @@ several times: TTFT of a returning turn and the prefill tokens it computes, tier
 disk tier, and a restarted engine served from the disk tier.
 
     .venv/bin/python bench/kv_tiers.py [--conversations 12] [--turns 3] [--first 768] [--kv-tokens 2048]
+    .venv/bin/python bench/kv_tiers.py --cluster [--conversations 8]    # 2 prefill workers, one shared disk tier
 
 Engine-level (`engine.builder.build_engine`, no gRPC), the packaged SmolLM2-135M-Instruct, one request at a time so
 TTFT is the engine's own. Conversation c's first turn is a `--first`-token window of real prose (`prompts.py`'s
@@ -11,6 +12,15 @@ new tokens. Turns go round-robin (every conversation's turn 1, then every turn 2
 returns the pool has been filled by the others. Each system runs the same turns on a fresh engine after an untimed
 warm-up; greedy outputs must be equal in every system. Prints one JSON line per system and the ratios against tiers
 off (same run).
+
+`--cluster`: prefixes computed once per cluster. A served cluster (coordinator, 2 prefill workers, 1 decode worker,
+one thread each; decode workers never prefill) answers questions about one `--document`: one question alone (its
+prefill worker computes the document), then `--questions` at once (prefix-aware routing sends them to the worker
+that holds the document until its queue makes the other cheaper: that one computes the document again, or loads it),
+then as many again. Prompt tokens computed cluster-wide (the prefill workers' prefix-cache queries less hits) with
+tiers off, and with one disk directory both prefill workers share, storing every block as it is computed
+(`--kv-offload-store computed`); the ideal is one cache for the whole cluster that keeps every prompt block
+(computed from the token ids: each prompt less its leading blocks an earlier wave computed).
 """
 from __future__ import annotations
 
@@ -115,6 +125,106 @@ def restart(model_dir: Path, convs, args, directory: str) -> dict:
             "first_turn_tokens": args.first}
 
 
+def ideal_computed(prompts_in_waves: list[list[list[int]]], block_size: int) -> int:
+    """Prompt tokens a cluster with one shared, unbounded prefix cache computes: each prompt less its leading full
+    blocks that an earlier wave's prompt computed (requests of one wave run at once), as the engine's lookup counts
+    (at least one token is computed)."""
+    from pdserve_server.engine.scheduling.block_pool import hash_block_tokens
+
+    cached: set[bytes] = set()
+    total = 0
+    for wave in prompts_in_waves:
+        new: set[bytes] = set()
+        for prompt in wave:
+            parent, hit, hits = None, True, 0
+            for i in range(len(prompt) // block_size):
+                parent = hash_block_tokens(parent, prompt[i * block_size:(i + 1) * block_size])
+                new.add(parent)
+                if hit and parent in cached and i < (len(prompt) - 1) // block_size:
+                    hits += 1
+                else:
+                    hit = False
+            total += len(prompt) - hits * block_size
+        cached |= new
+    return total
+
+
+def documents(model_dir: Path, args) -> tuple[list[int], list[list[int]]]:
+    """A `--document`-token window of the corpus and 2 x `--questions` distinct `--turn`-token windows after it."""
+    from transformers import AutoTokenizer
+
+    ids = AutoTokenizer.from_pretrained(str(model_dir))(corpus_text(), add_special_tokens=False)["input_ids"]
+    doc, rest = ids[:args.document], ids[args.document:]
+    return doc, [rest[i * args.turn:(i + 1) * args.turn] for i in range(2 * args.questions + 1)]
+
+
+def cluster_run(model_dir: Path, waves: list[list[list[int]]], args, name: str,
+                offload: list[str]) -> tuple[dict, list[list[int]]]:
+    """Each wave's prompts at once, wave after wave, on a fresh cluster; figures from the prefill workers."""
+    import asyncio
+    import urllib.request
+
+    import grpc
+
+    from pdserve import AsyncClient, SamplingParams
+    from pdserve.v1 import worker_pb2, worker_pb2_grpc
+    from pdserve_server.cli.launcher import ServeConfig, start_cluster
+
+    logs = tempfile.mkdtemp(prefix=f"kv-tiers-{name}-")
+    longest = max(len(p) for w in waves for p in w)
+    worker = ["--kv-tokens", str(args.kv_tokens), "--max-model-len", str(longest + args.out + 16), "--threads", "1",
+              "--dtype", args.dtype, "--metrics-port", "0", *offload]
+    cluster = start_cluster(str(model_dir), "smol", ServeConfig(num_prefill=2, num_decode=1, log_dir=logs),
+                            worker_args=worker, coordinator_args=["--no-local-prefill-queue"])
+    outputs = []
+    sampling = SamplingParams(max_tokens=args.out, temperature=0.0, ignore_eos=True)
+    try:
+        async def send(prompts: list[list[int]]) -> list:
+            async with AsyncClient(cluster.address) as client:
+                return await asyncio.gather(*(client.complete(p, sampling) for p in prompts))
+
+        start = time.perf_counter()
+        for prompts in waves:
+            outputs += [list(done.token_ids) for done in asyncio.run(send(prompts))]
+        wall = time.perf_counter() - start
+        per_worker = {}
+        for worker_name, address in sorted(cluster.worker_addresses.items()):
+            if not worker_name.startswith("prefill"):
+                continue
+            with grpc.insecure_channel(address) as channel:
+                s = worker_pb2_grpc.WorkerStub(channel).GetStats(worker_pb2.WorkerStatsRequest(), timeout=10,
+                                                                 metadata=cluster.worker_metadata)
+            page = urllib.request.urlopen(cluster.metrics_urls[worker_name], timeout=10).read().decode()
+            disk_hits = sum(float(line.rsplit(" ", 1)[1]) for line in page.splitlines()
+                            if line.startswith("pdserve:kv_offload_hit_blocks_total"))
+            per_worker[worker_name] = {"queried": s.prefix_cache_query_tokens,
+                                       "computed": s.prefix_cache_query_tokens - s.prefix_cache_hit_tokens,
+                                       "tier_hit_blocks": int(disk_hits)}
+    finally:
+        cluster.stop()
+    computed = sum(w["computed"] for w in per_worker.values())
+    ideal = ideal_computed(waves, 16)
+    return {"system": name, "requests": len(outputs), "prompt_tokens": sum(len(p) for w in waves for p in w),
+            "computed_cluster_wide": computed, "ideal_single_cache": ideal, "vs_ideal": round(computed / ideal, 3),
+            "per_prefill_worker": per_worker, "wall_s": round(wall, 2), "logs": logs}, outputs
+
+
+def cluster_main(args, model_dir: Path) -> None:
+    doc, questions = documents(model_dir, args)
+    n = args.questions
+    waves = [[doc + questions[0]], [doc + q for q in questions[1:n + 1]], [doc + q for q in questions[n + 1:]]]
+    off, expected = cluster_run(model_dir, waves, args, "tiers-off", [])
+    print(json.dumps(off), flush=True)
+    with tempfile.TemporaryDirectory(prefix="kv-tier-shared-") as directory:
+        shared, outputs = cluster_run(model_dir, waves, args, "shared-disk-computed",
+                                      ["--kv-offload-disk-dir", directory, "--kv-offload-store", "computed",
+                                       "--kv-offload-disk-bytes", str(args.tier_bytes)])
+    shared["outputs_equal_tiers_off"] = outputs == expected
+    print(json.dumps(shared), flush=True)
+    print(json.dumps({"computed_cluster_wide_x_fewer": round(off["computed_cluster_wide"]
+                                                             / shared["computed_cluster_wide"], 2)}), flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--conversations", type=int, default=12)
@@ -126,11 +236,17 @@ def main() -> None:
     p.add_argument("--tier-bytes", type=int, default=2 * 2**30, help="each tier's size, bytes")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--cluster", action="store_true", help="2 prefill workers sharing a disk tier (see above)")
+    p.add_argument("--document", type=int, default=1536, help="--cluster: the shared document's tokens")
+    p.add_argument("--questions", type=int, default=8, help="--cluster: questions per wave")
     args = p.parse_args()
     model_dir = resolve_model(None)
-    convs = conversations(model_dir, args)
     print(json.dumps({"machine": machine(), "commit": commit(), "date": time.strftime("%Y-%m-%d"),
                       "args": vars(args)}), flush=True)
+    if args.cluster:
+        cluster_main(args, model_dir)
+        return
+    convs = conversations(model_dir, args)
     off, expected = run(model_dir, convs, args, "tiers-off")
     print(json.dumps(off), flush=True)
     results = [off]
