@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from pdserve_server.engine.offload.stats import DROPPED_KEYS, TierCounters
+from pdserve_server.engine.offload.stats import DROPPED_KEYS, TierStats
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ class DiskTier:
         self.root.mkdir(parents=True, exist_ok=True)
         self.capacity_bytes = capacity_bytes
         self.entry_bytes = entry_bytes
-        self.counters = TierCounters()
+        self.counters = TierStats(self.name)
         self.dropped: deque[bytes] = deque(maxlen=DROPPED_KEYS)  # keys let go of (either thread appends)
         self._lock = threading.Lock()  # guards _index, _bytes and _pending between the two threads
         self._index: OrderedDict[bytes, int] = OrderedDict()  # key -> file bytes, least recently used first

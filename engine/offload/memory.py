@@ -5,7 +5,7 @@ from collections import OrderedDict, deque
 
 import torch
 
-from pdserve_server.engine.offload.stats import DROPPED_KEYS, TierCounters
+from pdserve_server.engine.offload.stats import DROPPED_KEYS, TierStats
 
 
 class MemoryTier:
@@ -24,7 +24,7 @@ class MemoryTier:
         if capacity_bytes < 1:
             raise ValueError(f"a host-memory KV tier needs a positive size in bytes, got {capacity_bytes}")
         self.capacity_bytes = capacity_bytes
-        self.counters = TierCounters()
+        self.counters = TierStats(self.name)
         self.dropped: deque[bytes] = deque(maxlen=DROPPED_KEYS)  # keys let go of, for `KvOffloader.take_dropped`
         self._entries: OrderedDict[bytes, torch.Tensor] = OrderedDict()
         self._bytes = 0

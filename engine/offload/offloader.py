@@ -6,6 +6,7 @@ import hashlib
 import time
 from pathlib import Path
 
+import msgspec
 import torch
 
 from pdserve_server.engine.args import EngineArgs
@@ -92,7 +93,7 @@ class KvOffloader:
 
     def stats(self) -> tuple[TierStats, ...]:
         """Every tier's counters now, fastest first."""
-        return tuple(tier.counters.snapshot(tier.name) for tier in self.tiers)
+        return tuple(msgspec.structs.replace(tier.counters) for tier in self.tiers)
 
     def close(self) -> None:
         """Finish the tiers' pending writes (a disk tier's queue), so a restart finds them."""

@@ -1,16 +1,15 @@
-"""What each KV tier did, as counters the tier keeps and a snapshot the engine publishes."""
+"""What each KV tier did: counters the tier keeps, and copies of them the engine publishes."""
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import msgspec
 
 DROPPED_KEYS = 65536  # keys a tier remembers letting go of until the engine takes them (the oldest are forgotten)
 
 
-@dataclass
-class TierCounters:
-    """A tier's running counts, updated by the tier (a disk tier's writer thread included: plain int updates).
+class TierStats(msgspec.Struct, array_like=True):
+    """One tier's cumulative counters, named by its tier ("cpu" or "disk"). The tier updates its own (a disk tier's
+    writer thread too: plain number updates); `KvOffloader.stats` publishes copies, which cross the engine process
+    boundary inside `SchedulerStats.kv_offload`.
 
     Attributes:
         hits: blocks loaded from the tier into the pool.
@@ -20,23 +19,6 @@ class TierCounters:
         corrupt: entries found truncated or failing their checksum (dropped, their block recomputed).
         dropped: blocks not stored because the tier's writer was behind.
     """
-
-    hits: int = 0
-    loaded_bytes: int = 0
-    stored_bytes: int = 0
-    load_seconds: float = 0.0
-    evictions: int = 0
-    corrupt: int = 0
-    dropped: int = 0
-
-    def snapshot(self, tier: str) -> TierStats:
-        return TierStats(tier, self.hits, self.loaded_bytes, self.stored_bytes, self.load_seconds, self.evictions,
-                         self.corrupt, self.dropped)
-
-
-class TierStats(msgspec.Struct, frozen=True, array_like=True):
-    """One tier's counters at one moment (`TierCounters`' fields, cumulative), named by its tier: "cpu" or
-    "disk". Crosses the engine process boundary inside `SchedulerStats.kv_offload`."""
 
     tier: str
     hits: int = 0
