@@ -105,9 +105,12 @@ def _run_worker(role: str) -> Callable[[argparse.Namespace], None]:
     def run(args: argparse.Namespace) -> None:
         from pdserve_server.worker_common.config import WorkerConfig
 
+        from pdserve_server.cli.models import default_cache_dir
+
         model_dir, name = _resolved(args)
         config = dataclass_from_args(WorkerConfig, args, role=role, model_dir=model_dir, served_model_name=name,
-                                     log_level=args.log_level, log_format=args.log_format)
+                                     log_level=args.log_level, log_format=args.log_format,
+                                     model_cache_dir=str(default_cache_dir() / "model-configs"))
         if role == "prefill":
             from pdserve_server.prefill_worker.server import serve
         else:

@@ -38,7 +38,8 @@ def default_model_path() -> Path:
 
 
 def default_cache_dir() -> Path:
-    """Where converted models live: $PDSERVE_CACHE_DIR, else ~/.cache/pdserve."""
+    """pdserve's cache: $PDSERVE_CACHE_DIR, else ~/.cache/pdserve (converted models; the workers' model configs,
+    `engine.models.config_cache`)."""
     return Path(os.environ.get("PDSERVE_CACHE_DIR", Path.home() / ".cache" / "pdserve"))
 
 

@@ -22,6 +22,8 @@ class EngineArgs:
 
     Attributes:
         model_dir: resolved HF-format directory (see `cli.models.resolve_model`).
+        model_cache_dir: where the engine keeps what it reads from the model directory once (its ModelConfig:
+            `engine.models.config_cache`); "" keeps nothing (engines built directly, as tests do).
         dtype: weights and KV dtype, or "auto" (the default: `engine.hardware.resolve_dtype`, the fastest dtype the
             device computes well, as vLLM's default is).
         quantization: "none", "int8" or "int4": weight-only quantized linears (`engine.execution.quantization`; int4 in
@@ -64,6 +66,7 @@ class EngineArgs:
     """
 
     model_dir: str = field(metadata={"cli": False})
+    model_cache_dir: str = field(default="", metadata={"cli": False})
     dtype: str = field(default="auto", metadata={
         "choices": DTYPE_CHOICES,
         "help": "weights and KV dtype; auto = bfloat16 on CPUs with AVX512_BF16/AMX and bf16 GPUs, else float32 "

@@ -11,6 +11,7 @@ import torch
 from pdserve_server.engine.args import EngineArgs
 from pdserve_server.engine.config import CacheConfig, SchedulerConfig, compat_hash, num_blocks_for_budget
 from pdserve_server.engine.models.config import ModelConfig
+from pdserve_server.engine.models.config_cache import read_model_config
 from pdserve_server.engine.execution.cuda_graphs import capture_sizes
 from pdserve_server.engine.hardware import resolve_dtype
 from pdserve_server.engine.scheduling.kv_cache_manager import KVCacheManager, sliding_kv_window
@@ -46,8 +47,6 @@ def resolve_configs(args: EngineArgs) -> tuple[ModelConfig, CacheConfig, Schedul
             inconsistent speculative-decoding flags, or more tensor-parallel ranks than GPUs
             (`engine.parallel.tensor_parallel.check_devices`).
     """
-    from transformers import AutoConfig
-
     if args.mock_engine:  # refused now, before anything is built
         load_profile(args.mock_engine)
         if args.tensor_parallel_size > 1:
@@ -55,9 +54,8 @@ def resolve_configs(args: EngineArgs) -> tuple[ModelConfig, CacheConfig, Schedul
         if not args.mock_speedup > 0:
             raise ValueError(f"--mock-speedup must be > 0, got {args.mock_speedup}")
     path = Path(args.model_dir)
-    hf_config = AutoConfig.from_pretrained(str(path))
-    model_config = ModelConfig.from_hf(hf_config, name=path.name, path=str(path),
-                                       dtype=resolve_dtype(args.dtype, args.device))
+    model_config = read_model_config(path, path.name, resolve_dtype(args.dtype, args.device),
+                                     Path(args.model_cache_dir) if args.model_cache_dir else None)
     tp = args.tensor_parallel_size
     check_devices(args.device, tp)
     head_split(model_config.num_heads, model_config.num_kv_heads, tp, 0)  # heads that do not split: refused now
