@@ -22,6 +22,9 @@ if ! command -v prometheus >/dev/null && command -v apt-get >/dev/null && [ "$(i
     || echo "prometheus could not be installed: tests/deploy/test_dashboard.py will skip"
 fi
 export UCX_TLS=tcp,self UCX_NET_DEVICES=lo UCX_WARN_UNUSED_ENV_VARS=n TRITON_INTERPRET=1
+# OpenMP threads that wait asleep, not spinning: the test processes and the servers they start share 2 cores, and a
+# spinning thread takes the CPU the others need (the model tier in two processes: 104 s spinning, 34 s asleep).
+export OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-PASSIVE}"
 # Two pytest processes (pytest-xdist), each module on one of them (its module-scoped clusters start once): the
 # end-to-end tests spend much of their time waiting on processes they started, which the other process fills.
 # PDSERVE_TEST_PROCESSES=0 runs everything in this process (as does `-p no:xdist`).
