@@ -406,9 +406,12 @@ def test_refusals_say_whether_a_retry_can_help(workers, tiny_model_dir, pki):
     """'Server at capacity' carries a RetryInfo; a request bigger than the key's whole token burst is
     INVALID_ARGUMENT (it can never pass, a retryable RESOURCE_EXHAUSTED said otherwise); a refused key is logged."""
     address = coordinator(workers, tiny_model_dir, "refusing-coordinator", "--max-in-flight", "1",
-                          "--rate-limit-tokens-per-s", "20", "--api-keys-file", str(pki / "keys"))
+                          "--rate-limit-tokens-per-s", "20", "--rate-limit-burst-s", "5", "--api-keys-file",
+                          str(pki / "keys"))
     with Client(address, api_key=KEY) as c:
-        stream = c.generate([5, 6, 7], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+        # 90 tokens to generate keep the one slot taken for far longer than the next call takes to arrive (with 12,
+        # a fast run finished the stream first, and the next call met the token limit instead of the slot limit)
+        stream = c.generate([5, 6, 7], SamplingParams(max_tokens=90, temperature=0, ignore_eos=True))
         next(stream)
         with pytest.raises(grpc.RpcError) as e:
             c.complete([5, 6, 7], GREEDY)
@@ -417,8 +420,8 @@ def test_refusals_say_whether_a_retry_can_help(workers, tiny_model_dir, pki):
         info = error_details_pb2.RetryInfo()
         assert rpc_status.from_call(e.value).details[0].Unpack(info) and info.retry_delay.ToTimedelta().seconds >= 1
         for _ in range(300):  # until the closed stream has left the coordinator (its cancel is asynchronous)
-            with pytest.raises(grpc.RpcError) as e:
-                c.complete([5, 6, 7], SamplingParams(max_tokens=100, temperature=0))
+            with pytest.raises(grpc.RpcError) as e:  # 203 tokens: more than the key's whole burst of 100
+                c.complete([5, 6, 7], SamplingParams(max_tokens=200, temperature=0))
             if "at capacity" not in e.value.details():
                 break
             time.sleep(0.1)
