@@ -59,7 +59,8 @@ class DiskTier:
 
     def __init__(self, directory: str | Path, capacity_bytes: int, namespace: str, entry_bytes: int):
         if capacity_bytes < HEADER.size + entry_bytes:
-            raise ValueError(f"a disk KV tier of {capacity_bytes} bytes cannot hold one {entry_bytes}-byte block")
+            raise ValueError(f"a disk KV tier of {capacity_bytes} bytes (--kv-offload-disk-bytes) cannot hold one "
+                             f"{entry_bytes}-byte KV block and its header")
         self.root = Path(directory) / namespace
         self.root.mkdir(parents=True, exist_ok=True)
         self.capacity_bytes = capacity_bytes
@@ -147,12 +148,13 @@ class DiskTier:
                 self._bytes -= size
         self.dropped.append(key)
 
-    def put(self, key: bytes, payload: torch.Tensor) -> None:
+    def put(self, key: bytes, payload: torch.Tensor) -> bool:
         """Queue payload (1-D uint8 CPU tensor of entry_bytes, which the caller no longer writes) to be written under
-        key; nothing when the key is held already, or when the writer is QUEUE_BLOCKS behind (counted as dropped)."""
+        key; nothing when the key is held already, or when the writer is QUEUE_BLOCKS behind (counted as dropped).
+        Returns whether the tier holds key now (queued entries are read from the queue)."""
         with self._lock:
             if key in self._pending or key in self._index:
-                return
+                return True
             self._pending[key] = payload
         try:
             self._queue.put_nowait((key, payload))
@@ -160,6 +162,8 @@ class DiskTier:
             with self._lock:
                 self._pending.pop(key, None)
             self.counters.dropped += 1
+            return False
+        return True
 
     def _write_loop(self) -> None:
         while (item := self._queue.get()) is not None:

@@ -39,11 +39,13 @@ class MemoryTier:
             self._entries.move_to_end(key)
         return payload
 
-    def put(self, key: bytes, payload: torch.Tensor) -> None:
+    def put(self, key: bytes, payload: torch.Tensor) -> bool:
         """Keep payload (1-D uint8 CPU tensor the caller no longer writes) under key; a payload larger than the
-        whole tier is not kept."""
-        if key in self._entries or payload.nbytes > self.capacity_bytes:
-            return
+        whole tier is not kept. Returns whether the tier holds key now."""
+        if key in self._entries:
+            return True
+        if payload.nbytes > self.capacity_bytes:
+            return False
         self._entries[key] = payload
         self._bytes += payload.nbytes
         self.counters.stored_bytes += payload.nbytes
@@ -52,6 +54,7 @@ class MemoryTier:
             self._bytes -= old.nbytes
             self.counters.evictions += 1
             self.dropped.append(old_key)
+        return True
 
     def close(self) -> None:
         """Nothing to flush: host memory ends with the process."""

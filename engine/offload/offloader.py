@@ -10,7 +10,7 @@ import msgspec
 import torch
 
 from pdserve_server.engine.args import EngineArgs
-from pdserve_server.engine.offload.disk import HEADER, DiskTier
+from pdserve_server.engine.offload.disk import DiskTier
 from pdserve_server.engine.offload.memory import MemoryTier
 from pdserve_server.engine.offload.stats import TierStats
 
@@ -41,11 +41,6 @@ class KvOffloader:
         self.tiers = tiers
         self.store_computed = store_computed
 
-    @property
-    def block_bytes(self) -> int:
-        """Bytes of one block's payload."""
-        return self.kv[0].nbytes
-
     def _region(self, block_id: int) -> torch.Tensor:
         return self.kv[block_id].view(-1).view(torch.uint8)
 
@@ -53,12 +48,15 @@ class KvOffloader:
         """Keep pool block `block_id` (full and computed: evicted now, or just registered) under its prefix hash
         `key` in every tier that lacks it. Returns whether some tier holds it now (a disk tier whose writer is
         behind may not take it)."""
-        if all(tier.contains(key) for tier in self.tiers):
-            return True
-        payload = self._region(block_id).to("cpu", copy=True)
+        payload, held = None, False
         for tier in self.tiers:
-            tier.put(key, payload)
-        return self.contains(key)
+            if tier.contains(key):
+                held = True
+                continue
+            if payload is None:  # one copy off the pool for every tier that lacks the block
+                payload = self._region(block_id).to("cpu", copy=True)
+            held = tier.put(key, payload) or held
+        return held
 
     def contains(self, key: bytes) -> bool:
         """Whether some tier holds the block with prefix hash `key` (a disk entry may still fail its checksum)."""
@@ -122,7 +120,8 @@ def build_offloader(args: EngineArgs, compat: str, kv: torch.Tensor) -> KvOffloa
 
     Raises:
         ValueError: tiers without prefix caching (they hold prefix-cache blocks), or with tensor parallelism (a
-            block is split across ranks' shards: not supported yet), or a size that cannot hold one block.
+            block is split across ranks' shards: not supported yet), or a size that cannot hold one block (the disk
+            tier's own check, `DiskTier`).
         OSError: the disk tier's directory cannot be created.
     """
     if not args.kv_offload_cpu_bytes and not args.kv_offload_disk_dir:
@@ -140,9 +139,6 @@ def build_offloader(args: EngineArgs, compat: str, kv: torch.Tensor) -> KvOffloa
                              f"({block_bytes} bytes)")
         tiers.append(MemoryTier(args.kv_offload_cpu_bytes))
     if args.kv_offload_disk_dir:
-        if args.kv_offload_disk_bytes < HEADER.size + block_bytes:
-            raise ValueError(f"--kv-offload-disk-bytes {args.kv_offload_disk_bytes} cannot hold a KV block "
-                             f"({block_bytes} bytes) and its header")
         tiers.append(DiskTier(args.kv_offload_disk_dir, args.kv_offload_disk_bytes, tier_namespace(compat, args),
                               block_bytes))
     return KvOffloader(kv, tiers, store_computed=args.kv_offload_store == "computed")
