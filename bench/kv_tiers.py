@@ -42,15 +42,20 @@ from pdserve_server.engine.builder import build_engine  # noqa: E402
 from pdserve_server.engine.offline import run_until_idle  # noqa: E402
 from pdserve_server.engine.request import Request, SamplingParams  # noqa: E402
 from hostinfo import commit, machine  # noqa: E402
-from prompts import corpus_text  # noqa: E402
+from prompts import corpus_ids as _corpus_ids  # noqa: E402
+
+
+def corpus_ids(model_dir: Path) -> list[int]:
+    """The bench corpus tokenized by the model's own tokenizer (`prompts.corpus_ids`)."""
+    from transformers import AutoTokenizer
+
+    return _corpus_ids(AutoTokenizer.from_pretrained(str(model_dir)))
 
 
 def conversations(model_dir: Path, args) -> list[list[list[int]]]:
     """For each conversation, the new tokens of each turn (the first turn's prompt, then each later turn's user
     text): windows of the tokenized corpus at distinct offsets."""
-    from transformers import AutoTokenizer
-
-    ids = AutoTokenizer.from_pretrained(str(model_dir))(corpus_text(), add_special_tokens=False)["input_ids"]
+    ids = corpus_ids(model_dir)
     need = args.first + (args.turns - 1) * args.turn
     if len(ids) < need + args.conversations:
         raise SystemExit(f"the corpus has {len(ids)} tokens, fewer than one conversation needs ({need})")
@@ -151,9 +156,7 @@ def ideal_computed(prompts_in_waves: list[list[list[int]]], block_size: int) -> 
 
 def documents(model_dir: Path, args) -> tuple[list[int], list[list[int]]]:
     """A `--document`-token window of the corpus and 2 x `--questions` distinct `--turn`-token windows after it."""
-    from transformers import AutoTokenizer
-
-    ids = AutoTokenizer.from_pretrained(str(model_dir))(corpus_text(), add_special_tokens=False)["input_ids"]
+    ids = corpus_ids(model_dir)
     doc, rest = ids[:args.document], ids[args.document:]
     return doc, [rest[i * args.turn:(i + 1) * args.turn] for i in range(2 * args.questions + 1)]
 

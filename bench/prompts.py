@@ -36,6 +36,11 @@ def corpus_text() -> str:
     return "\n\n".join(parts)
 
 
+def corpus_ids(tokenizer) -> list[int]:
+    """The corpus as token ids (no special tokens): what prompts are cut from."""
+    return tokenizer(corpus_text(), add_special_tokens=False)["input_ids"]
+
+
 SEED_CHAT_PROMPT = "Explain how transformers work"  # seed 004's example prompt
 
 
@@ -64,7 +69,7 @@ def make_requests(tokenizer, num: int, input_len: int, output_len: int, range_ra
         raise ValueError(f"range_ratio must be in [0, 1), got {range_ratio}")
     if input_len < 1 or output_len < 1:
         raise ValueError(f"input_len and output_len must be >= 1, got {input_len}, {output_len}")
-    ids = tokenizer(corpus_text(), add_special_tokens=False)["input_ids"]
+    ids = corpus_ids(tokenizer)
     rng = random.Random(seed)
 
     def length(n: int) -> int:
