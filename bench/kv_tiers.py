@@ -4,14 +4,19 @@ disk tier, and a restarted engine served from the disk tier.
 
     .venv/bin/python bench/kv_tiers.py [--conversations 12] [--turns 3] [--first 768] [--kv-tokens 2048]
     .venv/bin/python bench/kv_tiers.py --cluster [--conversations 8]    # 2 prefill workers, one shared disk tier
+    python bench/kv_tiers.py --device cuda --model llama-3.1-8b=builtin  # on a GPU, random weights
 
-Engine-level (`engine.builder.build_engine`, no gRPC), the packaged SmolLM2-135M-Instruct, one request at a time so
-TTFT is the engine's own. Conversation c's first turn is a `--first`-token window of real prose (`prompts.py`'s
-corpus, a different window each); every later turn appends the previous answer (`--out` tokens, greedy) and `--turn`
-new tokens. Turns go round-robin (every conversation's turn 1, then every turn 2, ...), so by the time a conversation
+Engine-level (`engine.builder.build_engine`, no gRPC), the packaged SmolLM2-135M-Instruct (or `--model NAME=DIR` with
+random weights from DIR's config.json, `NAME=builtin` for `step_times.BUILTIN`'s configs: what a GPU machine without
+the packaged model runs), one request at a time so TTFT is the engine's own. Conversation c's first turn is a
+`--first`-token window of real prose (`prompts.py`'s corpus, a different window each; seeded random token ids when
+the model directory has no tokenizer); every later turn appends the previous answer (`--out` tokens, greedy) and
+`--turn` new tokens. Turns go round-robin (every conversation's turn 1, then every turn 2, ...), so by the time a conversation
 returns the pool has been filled by the others. Each system runs the same turns on a fresh engine after an untimed
-warm-up; greedy outputs must be equal in every system. Prints one JSON line per system and the ratios against tiers
-off (same run).
+warm-up; greedy outputs must be equal in every system. The tiers load by the cost rule (`--kv-offload-load cost`:
+a block whose tier loads it slower than its measured prefill is recomputed); `disk-tier-always` loads every block a
+tier holds, to show what the rule saves where it matters (a fast GPU over a slow disk). Prints one JSON line per
+system and the ratios against tiers off (same run).
 
 `--cluster`: prefixes computed once per cluster. A served cluster (coordinator, 2 prefill workers, 1 decode worker,
 one thread each; decode workers never prefill) answers questions about one `--document`: one question alone (its
@@ -46,7 +51,12 @@ from prompts import corpus_ids as _corpus_ids  # noqa: E402
 
 
 def corpus_ids(model_dir: Path) -> list[int]:
-    """The bench corpus tokenized by the model's own tokenizer (`prompts.corpus_ids`)."""
+    """The bench corpus tokenized by the model's own tokenizer (`prompts.corpus_ids`); without a tokenizer (a config
+    alone, random weights), 200k seeded random token ids from the middle of the vocabulary."""
+    if not (model_dir / "tokenizer.json").is_file():
+        vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+        rng = random.Random(1)
+        return [rng.randrange(1000, vocab - 1000) for _ in range(200_000)]
     from transformers import AutoTokenizer
 
     return _corpus_ids(AutoTokenizer.from_pretrained(str(model_dir)))
@@ -72,7 +82,8 @@ def conversations(model_dir: Path, args) -> list[list[list[int]]]:
 def engine(model_dir: Path, args, **offload):
     return build_engine(EngineArgs(model_dir=str(model_dir), dtype=args.dtype, kv_tokens=args.kv_tokens,
                                    max_model_len=args.first + args.turns * (args.turn + args.out) + 16,
-                                   threads=args.threads, **offload))
+                                   threads=args.threads, device=args.device, random_weights=args.random_weights,
+                                   max_num_seqs=8, **offload))
 
 
 def turn(parts, rid: str, prompt: list[int], out: int) -> Request:
@@ -107,9 +118,12 @@ def run(model_dir: Path, convs, args, name: str, **offload) -> tuple[dict, list[
         "prefill_tokens_per_returning_turn": round(statistics.mean(computed), 1),
         "mean_context_tokens": round(statistics.mean(len(c) for c in contexts), 1),
         "wall_s": round(wall, 2), "output_tok_s": round(len(outputs) * args.out / wall, 2),
+        "prefill_tok_s": round(sum(computed) / sum(ttft) * 1e3, 1),
         "tiers": {s.tier: {"hits": s.hits, "loaded_MiB": round(s.loaded_bytes / 2**20, 1),
                            "stored_MiB": round(s.stored_bytes / 2**20, 1), "load_s": round(s.load_seconds, 3),
-                           "evictions": s.evictions, "dropped": s.dropped} for s in stats.kv_offload},
+                           "load_GB_s": round(s.loaded_bytes / s.load_seconds / 1e9, 2) if s.load_seconds else None,
+                           "declined": s.declined, "evictions": s.evictions, "dropped": s.dropped}
+                  for s in stats.kv_offload},
     }
     return figures, outputs
 
@@ -239,12 +253,40 @@ def main() -> None:
     p.add_argument("--tier-bytes", type=int, default=2 * 2**30, help="each tier's size, bytes")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--model", metavar="NAME=DIR", help="random weights from DIR's config.json (NAME=builtin: "
+                   "step_times.BUILTIN's); default: the packaged model's weights")
     p.add_argument("--cluster", action="store_true", help="2 prefill workers sharing a disk tier (see above)")
     p.add_argument("--document", type=int, default=1536, help="--cluster: the shared document's tokens")
     p.add_argument("--questions", type=int, default=8, help="--cluster: questions per wave")
     args = p.parse_args()
-    model_dir = resolve_model(None)
-    print(json.dumps({"machine": machine(), "commit": commit(), "date": time.strftime("%Y-%m-%d"),
+    args.random_weights = args.model is not None
+    if args.cluster and args.random_weights:
+        p.error("--cluster serves the packaged model; --model is for the engine-level run")
+    with tempfile.TemporaryDirectory(prefix="kv-tiers-model-") as tmp:
+        main_on(args, model_dir(args.model, Path(tmp)))
+
+
+def model_dir(spec: str | None, tmp: Path) -> Path:
+    """The packaged model, or `--model NAME=DIR` / `NAME=builtin` (a config.json written to `tmp`)."""
+    if spec is None:
+        return resolve_model(None)
+    name, _, where = spec.partition("=")
+    if where != "builtin":
+        return Path(where)
+    from step_times import BUILTIN
+
+    (tmp / "config.json").write_text(json.dumps(BUILTIN[name]))
+    return tmp
+
+
+def main_on(args, model_dir: Path) -> None:
+    where = machine()
+    if args.device.startswith("cuda"):
+        import torch
+
+        where += f"; {torch.cuda.get_device_name(args.device)}, torch {torch.__version__}"
+    print(json.dumps({"machine": where, "commit": commit(), "date": time.strftime("%Y-%m-%d"),
                       "args": vars(args)}), flush=True)
     if args.cluster:
         cluster_main(args, model_dir)
@@ -256,7 +298,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="kv-tier-") as directory:
         for name, offload in (("cpu-tier", {"kv_offload_cpu_bytes": args.tier_bytes}),
                               ("disk-tier", {"kv_offload_disk_dir": directory,
-                                             "kv_offload_disk_bytes": args.tier_bytes})):
+                                             "kv_offload_disk_bytes": args.tier_bytes}),
+                              ("disk-tier-always", {"kv_offload_disk_dir": directory + "/always",
+                                                    "kv_offload_disk_bytes": args.tier_bytes,
+                                                    "kv_offload_load": "always"})):
             figures, outputs = run(model_dir, convs, args, name, **offload)
             figures["outputs_equal_tiers_off"] = outputs == expected
             print(json.dumps(figures), flush=True)

@@ -10,6 +10,7 @@ DTYPE_NAMES = ("float32", "bfloat16", "float16")
 DTYPE_CHOICES = ("auto",) + DTYPE_NAMES
 QUANTIZATION_CHOICES = ("none", "int8", "int4")
 KV_OFFLOAD_STORE_CHOICES = ("evicted", "computed")
+KV_OFFLOAD_LOAD_CHOICES = ("cost", "always")
 # Tokens a request's stream may hold unread before the request is paused (`engine.core.async_engine.RequestStream`): far
 # more than a reader that keeps up ever leaves (it takes every queued token at each read), small enough that a
 # stalled client costs little memory.
@@ -41,6 +42,8 @@ class EngineArgs:
         kv_offload_disk_dir / kv_offload_disk_bytes: a disk tier in this directory ("" = none), bounded in bytes.
         kv_offload_store: which blocks the tiers receive: "evicted" (as the pool evicts a cached block) or "computed"
             (every full block as it enters the prefix cache, so workers sharing a directory find it at once).
+        kv_offload_load: when a tier's block is loaded rather than recomputed: "cost" (when its measured load time
+            is under the measured prefill time of a block, `engine.offload.offloader.KvOffloader.load`) or "always".
         device: torch device of weights and KV cache.
         seed: sampler seed for unseeded requests (and random weights).
         packed_weights: the linears' CPU forms (`engine.execution.packing`): bf16 prepacked for oneDNN, fp32 decode
@@ -107,6 +110,11 @@ class EngineArgs:
         "help": "which blocks the KV offload tiers receive: evicted = a prefix-cache block as the pool evicts it; "
                 "computed = every full block as it is computed, so workers sharing a disk directory use each "
                 "other's prefixes at once (more writes)"})
+    kv_offload_load: str = field(default="cost", metadata={
+        "choices": KV_OFFLOAD_LOAD_CHOICES,
+        "help": "when a block an offload tier holds is loaded back: cost = when the tier's measured load time per "
+                "block is under what prefilling the block measurably costs (a slow disk under a fast GPU is "
+                "recomputed instead); always = whenever a tier holds it"})
     device: str = field(default="cpu", metadata={"help": "torch device, e.g. cpu or cuda:0"})
     seed: int = field(default=0, metadata={"min": 0, "help": "seed for unseeded sampling and random weights"})
     attention_backend: str = field(default="auto", metadata={

@@ -5,6 +5,7 @@ role there). A worker never calls it: `engine.core.engine_core.EngineCore` owns 
 """
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 
 from pdserve_server.engine.builder import EngineParts
@@ -45,7 +46,9 @@ def run_until_idle(parts: EngineParts, requests: Sequence[Request] = (),
             raise RuntimeError(f"the scheduler stalled with work left after {steps} steps")
         if on_step is not None:
             on_step(out)
+        start = time.perf_counter()
         events += sched.update(out, runner.execute(out))
+        sched.observe_step(out, (time.perf_counter() - start) * 1e3)  # as the engine loop does: step costs learnt
         steps += 1
         if max_steps is not None and steps >= max_steps and sched.has_work():
             raise RuntimeError(f"work left after max_steps={max_steps} steps")

@@ -57,7 +57,9 @@ class EngineStatsCollector(Collector):
                 ("kv_offload_evicted_blocks", "Blocks an offload tier deleted to stay within its size.", "evictions"),
                 ("kv_offload_corrupt_blocks", "Offload tier entries found truncated or corrupt (recomputed).",
                  "corrupt"),
-                ("kv_offload_dropped_blocks", "Evicted blocks not stored: the tier's writer was behind.", "dropped")):
+                ("kv_offload_dropped_blocks", "Evicted blocks not stored: the tier's writer was behind.", "dropped"),
+                ("kv_offload_declined_blocks", "Blocks a tier held but recomputed: loading measured slower.",
+                 "declined")):
             metric = CounterMetricFamily(f"pdserve:{name}", doc, labels=[*LABELS, "tier"])
             for tier in tiers:
                 metric.add_metric([*self.labels, tier.tier], getattr(tier, field))

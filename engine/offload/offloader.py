@@ -15,6 +15,11 @@ from pdserve_server.engine.offload.memory import MemoryTier
 from pdserve_server.engine.offload.stats import TierStats
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+# Weight of the newest load in a tier's moving mean of load time per block: about the last 10 loads count.
+LOAD_EWMA_ALPHA = 0.2
+# Under the cost rule, one block in this many that a tier measured too slow for is loaded anyway: the only way to
+# notice that the tier got faster (a warm page cache, a quieter disk) once its loads stop.
+PROBE_EVERY = 32
 
 
 class KvOffloader:
@@ -27,19 +32,30 @@ class KvOffloader:
     With `store_computed` every full block is saved as it enters the prefix cache as well (`save`), not only as it
     is evicted: workers sharing a disk directory then find each other's prefixes without waiting for an eviction.
 
+    The cost rule (`load_rule="cost"`): a load runs on the engine thread, between steps, so it is only worth doing
+    when it takes less time than computing the block in a prefill chunk. Each tier's load time per block is
+    measured (a moving mean over its recent loads: read, checksum, copy into the KV cache); a tier measured slower
+    than the caller's recompute cost is passed over (its block recomputed, counted as `declined`), except one load
+    in `PROBE_EVERY`, which keeps measuring it. On a CPU a block's prefill costs milliseconds and every tier pays;
+    under a GPU, a disk tier read at well under a GB/s can cost several times the prefill it would save.
+
     Args:
         kv: the KV cache shard, [num_blocks + 1, num_layers, 2, block_size, kv_heads, head_dim] of the model's dtype
             (`engine.execution.kv_cache.KVCache.kv`, block-major: one block is one contiguous region).
         tiers: `MemoryTier` / `DiskTier` objects, fastest first (at least one).
         store_computed: save each block as it is computed too (`KVCacheManager.cache_full_blocks`).
+        load_rule: "cost" (above) or "always" (load whenever a tier holds the block).
     """
 
-    def __init__(self, kv: torch.Tensor, tiers: list, store_computed: bool = False):
+    def __init__(self, kv: torch.Tensor, tiers: list, store_computed: bool = False, load_rule: str = "cost"):
         if not tiers:
             raise ValueError("a KV offloader needs at least one tier")
         self.kv = kv
         self.tiers = tiers
         self.store_computed = store_computed
+        self.load_rule = load_rule
+        self.load_ms: list[float | None] = [None] * len(tiers)  # each tier's moving mean, ms per block
+        self._declined_since_probe = [0] * len(tiers)
 
     def _region(self, block_id: int) -> torch.Tensor:
         return self.kv[block_id].view(-1).view(torch.uint8)
@@ -62,23 +78,46 @@ class KvOffloader:
         """Whether some tier holds the block with prefix hash `key` (a disk entry may still fail its checksum)."""
         return any(tier.contains(key) for tier in self.tiers)
 
-    def load(self, block_id: int, key: bytes) -> bool:
+    def load(self, block_id: int, key: bytes, recompute_ms: float | None = None) -> bool:
         """Copy the block with prefix hash `key` from the fastest tier holding it into pool block `block_id`.
-        Returns False (the block untouched) when no tier has a good copy."""
-        start = time.perf_counter()
+
+        Args:
+            recompute_ms: what prefilling this block would cost, ms (`StepCost.ms_per_prefill_token` x block size);
+                None = not measured yet: load. Used by the cost rule only.
+
+        Returns False (the block untouched) when no tier has a good copy, or none is worth loading from."""
         for i, tier in enumerate(self.tiers):
+            if self._too_slow(i, recompute_ms) and tier.contains(key):
+                tier.counters.declined += 1
+                continue
+            start = time.perf_counter()
             payload = tier.get(key)
             if payload is None:
                 continue
             self._region(block_id).copy_(payload)
+            seconds = time.perf_counter() - start
             for faster in self.tiers[:i]:
                 faster.put(key, payload)
             counters = tier.counters
             counters.hits += 1
             counters.loaded_bytes += payload.nbytes
-            counters.load_seconds += time.perf_counter() - start
+            counters.load_seconds += seconds
+            old = self.load_ms[i]
+            self.load_ms[i] = seconds * 1e3 if old is None else old + LOAD_EWMA_ALPHA * (seconds * 1e3 - old)
             return True
         return False
+
+    def _too_slow(self, i: int, recompute_ms: float | None) -> bool:
+        """Whether the cost rule passes tier `i` over for a block that costs `recompute_ms` to prefill (every
+        `PROBE_EVERY`-th such block is loaded anyway, to keep measuring the tier)."""
+        if self.load_rule != "cost" or recompute_ms is None or self.load_ms[i] is None \
+                or self.load_ms[i] <= recompute_ms:
+            return False
+        self._declined_since_probe[i] += 1
+        if self._declined_since_probe[i] >= PROBE_EVERY:
+            self._declined_since_probe[i] = 0
+            return False
+        return True
 
     def take_dropped(self) -> list[bytes]:
         """Prefix hashes that some tier let go of since the last call (evicted to stay within its size, or found
@@ -141,4 +180,4 @@ def build_offloader(args: EngineArgs, compat: str, kv: torch.Tensor) -> KvOffloa
     if args.kv_offload_disk_dir:
         tiers.append(DiskTier(args.kv_offload_disk_dir, args.kv_offload_disk_bytes, tier_namespace(compat, args),
                               block_bytes))
-    return KvOffloader(kv, tiers, store_computed=args.kv_offload_store == "computed")
+    return KvOffloader(kv, tiers, store_computed=args.kv_offload_store == "computed", load_rule=args.kv_offload_load)

@@ -18,6 +18,8 @@ class TierStats(msgspec.Struct, array_like=True):
         evictions: entries the tier dropped to stay within its size.
         corrupt: entries found truncated or failing their checksum (dropped, their block recomputed).
         dropped: blocks not stored because the tier's writer was behind.
+        declined: blocks the tier held that a lookup recomputed instead: loading them measured slower than
+            prefilling them (`KvOffloader.load`'s cost rule).
     """
 
     tier: str
@@ -28,3 +30,4 @@ class TierStats(msgspec.Struct, array_like=True):
     evictions: int = 0
     corrupt: int = 0
     dropped: int = 0
+    declined: int = 0

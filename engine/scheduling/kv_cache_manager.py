@@ -155,12 +155,13 @@ class KVCacheManager:
         _, shared, need = self._plan(request_id, num_total_tokens, computed_blocks, next_position)
         return max(need, 0) + sum(1 for b in shared if self.pool.ref_counts[b] == 0)
 
-    def get_computed_blocks(self, request: Request) -> list[int]:
+    def get_computed_blocks(self, request: Request, ms_per_prefill_token: float | None = None) -> list[int]:
         """Longest run of cached full blocks matching the request's tokens (at least one token is left to compute,
         so the step still produces logits). Does not take references; see `allocate_slots`.
 
         With offload tiers the run continues past the pool: each next block a tier holds is loaded into a free
-        block and registered in the prefix cache, as if it had never left (`_load_from_tiers`)."""
+        block and registered in the prefix cache, as if it had never left (`_load_from_tiers`), unless the tiers'
+        cost rule finds loading it slower than prefilling it at `ms_per_prefill_token` (ms; None = unmeasured)."""
         if not self.enable_prefix_caching:
             return []
         tokens = request.all_token_ids
@@ -172,14 +173,15 @@ class KVCacheManager:
             block = self.pool.lookup(block_hash)
             if block is None:
                 if self.offload is not None:
-                    return self._load_from_tiers(tokens, hits, parent, max_blocks)
+                    recompute_ms = None if ms_per_prefill_token is None else ms_per_prefill_token * self.block_size
+                    return self._load_from_tiers(tokens, hits, parent, max_blocks, recompute_ms)
                 break
             hits.append(block)
             parent = block_hash
         return hits
 
-    def _load_from_tiers(self, tokens: list[int], hits: list[int], parent: bytes | None,
-                         max_blocks: int) -> list[int]:
+    def _load_from_tiers(self, tokens: list[int], hits: list[int], parent: bytes | None, max_blocks: int,
+                         recompute_ms: float | None) -> list[int]:
         """Extend `hits` (pool blocks for the first len(hits) blocks of `tokens`, the last with hash `parent`) with
         blocks found in the pool or loaded from a tier, until one is in neither or no block is free. The blocks
         found are held while later ones are loaded (a load allocates, which may evict a free cached block), then
@@ -196,7 +198,7 @@ class KVCacheManager:
                         break
                     (block,) = self.pool.allocate(1)
                     held.append(block)
-                    if not self.offload.load(block, block_hash):  # a bad disk entry: recompute from here
+                    if not self.offload.load(block, block_hash, recompute_ms):  # bad entry or not worth it
                         break
                     self.pool.cache_block(block, block_hash, parent, block_tokens)
                 else:

@@ -13,7 +13,7 @@ from pdserve_server.engine.offline import run_until_idle
 from pdserve_server.engine.outputs import KvBlockRemoved, KvBlockStored
 from pdserve_server.engine.offload.disk import HEADER, DiskTier
 from pdserve_server.engine.offload.memory import MemoryTier
-from pdserve_server.engine.offload.offloader import KvOffloader
+from pdserve_server.engine.offload.offloader import PROBE_EVERY, KvOffloader
 from pdserve_server.engine.request import Request, SamplingParams
 from pdserve_server.engine.scheduling.block_pool import hash_block_tokens
 from pdserve_server.engine.scheduling.kv_cache_manager import KVCacheManager
@@ -102,8 +102,68 @@ def test_offloader_saves_an_evicted_block_and_loads_it_into_another():
     assert offloader.stats()[0].hits == 3
 
 
+def test_the_cost_rule_recomputes_a_block_its_tier_loads_slower_than_a_prefill_and_probes_it_again():
+    """Under the cost rule a tier whose measured load time per block exceeds the block's measured prefill cost is
+    passed over (counted as declined), except every PROBE_EVERY-th block; "always" loads whatever the times."""
+    kv = torch.randn(5, 2, 2, 4, 1, 8)
+    offloader = KvOffloader(kv, [MemoryTier(10_000)])
+    offloader.tiers[0].put(key(1), kv[1].reshape(-1).view(torch.uint8).clone())
+    assert offloader.load(2, key(1), recompute_ms=0.001)  # unmeasured tier: loaded, and now measured
+    assert offloader.load_ms[0] is not None and torch.equal(kv[2], kv[1])
+    offloader.load_ms[0] = 5.0  # as if its loads had measured 5 ms a block
+    assert offloader.load(3, key(1), recompute_ms=None)  # prefill cost unmeasured: loaded
+    offloader.load_ms[0] = 5.0
+    assert offloader.load(3, key(1), recompute_ms=6.0)  # cheaper than prefilling: loaded
+    offloader.load_ms[0] = 5.0
+    declined = [not offloader.load(3, key(1), recompute_ms=1.0) for _ in range(PROBE_EVERY)]
+    assert declined == [True] * (PROBE_EVERY - 1) + [False]  # the last one probes the tier
+    assert offloader.stats()[0].declined == PROBE_EVERY - 1 and offloader.stats()[0].hits == 4
+    always = KvOffloader(kv, offloader.tiers, load_rule="always")
+    always.load_ms[0] = 5.0
+    assert always.load(4, key(1), recompute_ms=1.0)
+
+
+def test_a_declined_load_leaves_the_pool_whole_and_the_block_recomputed():
+    kv = torch.randn(5, 2, 2, 4, 1, 8)
+    offloader = KvOffloader(kv, [MemoryTier(10_000)])
+    manager = KVCacheManager(4, 4, enable_prefix_caching=True, offload=offloader)
+    prompt = list(range(100, 113))
+    req = Request("a", prompt, SamplingParams(max_tokens=1))
+    assert manager.allocate_slots("a", len(prompt))
+    req.num_computed_tokens = len(prompt)
+    manager.cache_full_blocks(req)
+    manager.free("a")
+    assert manager.allocate_slots("b", 16)  # evicts the 3 cached blocks into the tier
+    manager.free("b")
+    offloader.load_ms[0] = 5.0  # 5 ms a block, against 0.1 ms a token x 4 tokens to prefill it
+    assert manager.get_computed_blocks(Request("c", prompt, SamplingParams(max_tokens=1)), 0.1) == []
+    assert offloader.stats()[0].declined == 1 and offloader.stats()[0].hits == 0
+    assert manager.pool.integrity_errors() == [] and manager.pool.num_free_blocks == 4
+    assert len(manager.get_computed_blocks(Request("d", prompt, SamplingParams(max_tokens=1)), 10.0)) == 3
+
+
+def test_the_engine_applies_the_cost_rule_with_its_measured_prefill_cost(tiny_model_dir):
+    """The scheduler hands its measured prefill cost (`StepCost`) to the lookup: a tier measured slower than it is
+    not loaded from, and the tokens are HF's either way."""
+    parts = engine(tiny_model_dir, kv_offload_cpu_bytes=2**20, kv_offload_load="cost")
+    rng = random.Random(6)
+    conversation = [rng.randrange(3, 49152) for _ in range(41)]
+    first = run(parts, "turn-1", conversation, 6).output_token_ids
+    run(parts, "other", [rng.randrange(3, 49152) for _ in range(60)], 1)
+    assert parts.scheduler.step_cost.ms_per_prefill_token is not None  # measured on the 41- and 60-token prompts
+    parts.scheduler.kv.offload.load_ms[0] = 1e6  # a tier far slower than any prefill
+    again = run(parts, "turn-2", conversation, 6)
+    assert again.output_token_ids == first == hf_greedy(tiny_model_dir, conversation, 6)
+    assert again.num_cached_tokens == 0
+    (tier,) = parts.scheduler.make_stats(0).kv_offload
+    assert tier.declined == 1 and tier.hits == 0
+    assert parts.scheduler.kv.pool.integrity_errors() == []
+
+
 def engine(model_dir, **offload):
-    # 8 blocks of 8 tokens: a 40-token conversation and a 60-token other one cannot both stay in the pool.
+    # 8 blocks of 8 tokens: a 40-token conversation and a 60-token other one cannot both stay in the pool. Loads
+    # always (not by the measured cost rule, which a busy machine's timings could tip): the counts below are exact.
+    offload.setdefault("kv_offload_load", "always")
     return build_engine(EngineArgs(dtype="float32", model_dir=str(model_dir), block_size=8, kv_tokens=64,
                                    max_model_len=64, **offload))
 

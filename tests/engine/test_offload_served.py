@@ -16,7 +16,7 @@ def test_a_served_worker_reloads_an_evicted_prefix_from_disk_and_after_a_restart
     # 8 blocks of 16 tokens: the 100-token conversation (6 full blocks) and a 120-token other request do not fit
     # together, so the other one evicts the conversation's blocks to the disk tier.
     worker = ["--dtype", "float32", "--kv-tokens", "128", "--max-model-len", "128", "--connector", "tcp",
-              "--kv-offload-disk-dir", str(tmp_path), "--metrics-port", "0"]
+              "--kv-offload-disk-dir", str(tmp_path), "--kv-offload-load", "always", "--metrics-port", "0"]
     rng = random.Random(3)
     conversation = [rng.randrange(3, 49152) for _ in range(100)]
     other = [rng.randrange(3, 49152) for _ in range(120)]
