@@ -11,11 +11,15 @@ random weights from DIR's config.json, `NAME=builtin` for `step_times.BUILTIN`'s
 the packaged model runs), one request at a time so TTFT is the engine's own. Conversation c's first turn is a
 `--first`-token window of real prose (`prompts.py`'s corpus, a different window each; seeded random token ids when
 the model directory has no tokenizer); every later turn appends the previous answer (`--out` tokens, greedy) and
-`--turn` new tokens. Turns go round-robin (every conversation's turn 1, then every turn 2, ...), so by the time a conversation
-returns the pool has been filled by the others. Each system runs the same turns on a fresh engine after an untimed
+`--turn` new tokens. Turns go round-robin (every conversation's turn 1, then every turn 2, ...), so by the time a
+conversation returns the pool has been filled by the others. Each system runs the same turns on a fresh engine after an untimed
 warm-up; greedy outputs must be equal in every system. The tiers load by the cost rule (`--kv-offload-load cost`:
 a block whose tier loads it slower than its measured prefill is recomputed); `disk-tier-always` loads every block a
-tier holds, to show what the rule saves where it matters (a fast GPU over a slow disk). Prints one JSON line per
+tier holds, to show what the rule saves where it matters (a fast GPU over a slow disk). `pool-holds-all` is the
+control for exactness: a pool large enough to keep every conversation, tiers off, so its returning turns hit the
+same prefix blocks and compute the same suffix chunks as a tier that loads them all; a tier's outputs must equal it
+bit for bit (equality with tiers off also holds on a CPU, but a GPU's bf16 GEMMs round differently for a 900-token
+chunk than for a 96-token one, so greedy paths on random weights part there). Prints one JSON line per
 system and the ratios against tiers off (same run).
 
 `--cluster`: prefixes computed once per cluster. A served cluster (coordinator, 2 prefill workers, 1 decode worker,
@@ -79,8 +83,8 @@ def conversations(model_dir: Path, args) -> list[list[list[int]]]:
     return out
 
 
-def engine(model_dir: Path, args, **offload):
-    return build_engine(EngineArgs(model_dir=str(model_dir), dtype=args.dtype, kv_tokens=args.kv_tokens,
+def engine(model_dir: Path, args, kv_tokens: int | None = None, **offload):
+    return build_engine(EngineArgs(model_dir=str(model_dir), dtype=args.dtype, kv_tokens=kv_tokens or args.kv_tokens,
                                    max_model_len=args.first + args.turns * (args.turn + args.out) + 16,
                                    threads=args.threads, device=args.device, random_weights=args.random_weights,
                                    max_num_seqs=8, **offload))
@@ -93,9 +97,10 @@ def turn(parts, rid: str, prompt: list[int], out: int) -> Request:
     return req
 
 
-def run(model_dir: Path, convs, args, name: str, **offload) -> tuple[dict, list[list[int]]]:
+def run(model_dir: Path, convs, args, name: str, kv_tokens: int | None = None,
+        **offload) -> tuple[dict, list[list[int]]]:
     """Every turn of every conversation, round-robin, on a fresh engine; figures of the returning turns."""
-    parts = engine(model_dir, args, **offload)
+    parts = engine(model_dir, args, kv_tokens, **offload)
     turn(parts, "warm-up", list(range(1000, 1000 + args.turn)), 2)
     contexts = [[] for _ in convs]
     outputs, ttft, computed = [], [], []
@@ -294,6 +299,10 @@ def main_on(args, model_dir: Path) -> None:
     convs = conversations(model_dir, args)
     off, expected = run(model_dir, convs, args, "tiers-off")
     print(json.dumps(off), flush=True)
+    every = args.conversations * (args.first + args.turns * (args.turn + args.out)) + 64 * args.turn
+    held, exact = run(model_dir, convs, args, "pool-holds-all", kv_tokens=every)
+    held["outputs_equal_tiers_off"] = exact == expected
+    print(json.dumps(held), flush=True)
     results = [off]
     with tempfile.TemporaryDirectory(prefix="kv-tier-") as directory:
         for name, offload in (("cpu-tier", {"kv_offload_cpu_bytes": args.tier_bytes}),
@@ -304,6 +313,7 @@ def main_on(args, model_dir: Path) -> None:
                                                     "kv_offload_load": "always"})):
             figures, outputs = run(model_dir, convs, args, name, **offload)
             figures["outputs_equal_tiers_off"] = outputs == expected
+            figures["outputs_equal_pool_holds_all"] = outputs == exact
             print(json.dumps(figures), flush=True)
             results.append(figures)
         print(json.dumps(restart(model_dir, convs, args, directory)), flush=True)

@@ -60,6 +60,17 @@ class KvOffloader:
     def _region(self, block_id: int) -> torch.Tensor:
         return self.kv[block_id].view(-1).view(torch.uint8)
 
+    def _copy_out(self, block_id: int) -> torch.Tensor:
+        """A host copy of pool block `block_id` (1-D uint8). From a GPU pool it lands in pinned memory: the copy
+        runs at DMA speed both ways (a 2 MiB Llama-3.1-8B block from pageable memory loaded at 5.5 GB/s on an H200),
+        and torch's caching host allocator reuses the pinned buffers of entries the tiers let go of."""
+        region = self._region(block_id)
+        if not region.is_cuda:
+            return region.clone()
+        out = torch.empty(region.numel(), dtype=torch.uint8, pin_memory=True)
+        out.copy_(region)
+        return out
+
     def save(self, block_id: int, key: bytes) -> bool:
         """Keep pool block `block_id` (full and computed: evicted now, or just registered) under its prefix hash
         `key` in every tier that lacks it. Returns whether some tier holds it now (a disk tier whose writer is
@@ -70,7 +81,7 @@ class KvOffloader:
                 held = True
                 continue
             if payload is None:  # one copy off the pool for every tier that lacks the block
-                payload = self._region(block_id).to("cpu", copy=True)
+                payload = self._copy_out(block_id)
             held = tier.put(key, payload) or held
         return held
 
