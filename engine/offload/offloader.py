@@ -93,8 +93,8 @@ class KvOffloader:
         """Copy the block with prefix hash `key` from the fastest tier holding it into pool block `block_id`.
 
         Args:
-            recompute_ms: what prefilling this block would cost, ms (`StepCost.ms_per_prefill_token` x block size);
-                None = not measured yet: load. Used by the cost rule only.
+            recompute_ms: what prefilling this block would cost, ms (`StepCost.marginal_ms_per_prefill_token` x
+                block size); None = not measured yet: load. Used by the cost rule only.
 
         Returns False (the block untouched) when no tier has a good copy, or none is worth loading from."""
         for i, tier in enumerate(self.tiers):

@@ -243,7 +243,7 @@ class Scheduler:
                 continue
             computed_blocks: list[int] = []
             if req.num_computed_tokens == 0:
-                computed_blocks = self.kv.get_computed_blocks(req, self.step_cost.ms_per_prefill_token)
+                computed_blocks = self.kv.get_computed_blocks(req, self.step_cost.marginal_ms_per_prefill_token)
             num_computed = req.num_computed_tokens or len(computed_blocks) * self.kv.block_size
             n = budget.chunk(self._target(req) - num_computed, self._chunk_limit(req))
             if n is None:  # the decodes' latency target is spent: admissions wait for the next step

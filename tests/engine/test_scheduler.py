@@ -234,6 +234,24 @@ def test_step_cost_learns_the_decode_step_and_the_prefill_token():
     assert cost.decode_ms == pytest.approx(40.0, abs=0.1)
 
 
+def test_step_cost_separates_a_prefill_tokens_marginal_cost_from_the_steps_fixed_part():
+    """A GPU's eager prefill step: 24 ms of launches whatever its size plus 0.0167 ms a token (Llama-3.1-8B on an
+    H200: 64 tokens 25 ms, 904 tokens 39 ms). The mean ratio blames the fixed part on the tokens; the slope does
+    not, once the chunk sizes differ; while they do not, the slope is the ratio."""
+    cost = StepCost()
+    assert cost.marginal_ms_per_prefill_token is None
+    cost.observe(num_decode_tokens=0, num_prefill_tokens=64, step_ms=24.0 + 64 / 60)
+    assert cost.marginal_ms_per_prefill_token == cost.ms_per_prefill_token == pytest.approx((24 + 64 / 60) / 64)
+    for n in (904, 96, 768, 128, 904, 64):
+        cost.observe(num_decode_tokens=0, num_prefill_tokens=n, step_ms=24.0 + n / 60)
+    assert cost.marginal_ms_per_prefill_token == pytest.approx(1 / 60, rel=1e-6)
+    assert cost.ms_per_prefill_token > 5 / 60  # the ratio: the fixed 24 ms spread over the tokens
+    flat = StepCost()  # a CPU: no fixed part, so slope and ratio agree
+    for n in (64, 904, 96, 768):
+        flat.observe(num_decode_tokens=0, num_prefill_tokens=n, step_ms=0.4 * n)
+    assert flat.marginal_ms_per_prefill_token == pytest.approx(0.4, rel=1e-6)
+
+
 def test_an_itl_target_caps_the_prefill_chunk_while_requests_decode():
     s = scheduler(num_blocks=128, budget=128, itl_target_ms=60.0)
     s.add_request(request("a", 40, max_tokens=30))
