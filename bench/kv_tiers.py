@@ -12,8 +12,8 @@ the packaged model runs), one request at a time so TTFT is the engine's own. Con
 `--first`-token window of real prose (`prompts.py`'s corpus, a different window each; seeded random token ids when
 the model directory has no tokenizer); every later turn appends the previous answer (`--out` tokens, greedy) and
 `--turn` new tokens. Turns go round-robin (every conversation's turn 1, then every turn 2, ...), so by the time a
-conversation returns the pool has been filled by the others. Each system runs the same turns on a fresh engine after an untimed
-warm-up; greedy outputs must be equal in every system. The tiers load by the cost rule (`--kv-offload-load cost`:
+conversation returns the pool has been filled by the others. Each system runs the same turns on a fresh engine
+after an untimed warm-up; greedy outputs must be equal in every system. The tiers load by the cost rule (`--kv-offload-load cost`:
 a block whose tier loads it slower than its measured prefill is recomputed); `disk-tier-always` loads every block a
 tier holds, to show what the rule saves where it matters (a fast GPU over a slow disk). `pool-holds-all` is the
 control for exactness: a pool large enough to keep every conversation, tiers off, so its returning turns hit the

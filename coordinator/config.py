@@ -30,6 +30,8 @@ class CoordinatorConfig:
             (`coordinator.scheduling.read_tenants`); unnamed tenants weigh 1.
         scheduling_policy: "fcfs" (every request priority 0; a nonzero priority is refused) or "priority" (requests
             run at their priority, bounded by their tenant's floor: `coordinator.scheduling.grant_priority`).
+        isolate_prefix_cache_by_tenant: each tenant's prompts share prefix-cache blocks (pool, offload tiers) only
+            with that tenant's (the tenant is the workers' cache salt, `SchedulingHints.cache_salt`).
         reuse_port: bind the public port with SO_REUSEPORT, so several coordinator processes serve one address.
         request_timeout_s: deadline of each worker call, seconds.
         connect_timeout_s: at start, how long to wait for a live worker of every role, seconds.
@@ -82,6 +84,10 @@ class CoordinatorConfig:
         "help": "fcfs: requests run in arrival order within their tenant's share, a nonzero priority is refused; "
                 "priority: lower priority runs sooner (and may preempt), bounded by each tenant's floor in "
                 "--tenant-weights"})
+    isolate_prefix_cache_by_tenant: bool = field(default=False, metadata={
+        "help": "a tenant's cached prompt blocks (KV pool and offload tiers) serve only that tenant's requests, so "
+                "no tenant can learn from TTFT whether another sent a prompt; as strong as the tenant's identity: "
+                "with API keys the key decides, without them the request's tenant field or the peer address"})
     reuse_port: bool = field(default=False, metadata={
         "help": "share the port with other coordinators that ask for it too (SO_REUSEPORT: the kernel spreads "
                 "client connections among them; vLLM's --api-server-count); each keeps its own routing view"})

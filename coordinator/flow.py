@@ -180,16 +180,17 @@ async def _decode_stream(call: WorkerCall, num_samples: int = 1) -> AsyncIterato
                 return
 
 
-def _pick_decode(router: Router, num_tokens: int, prompt: list[int] | None = None) -> WorkerHandle:
+def _pick_decode(router: Router, num_tokens: int, prompt: list[int] | None = None,
+                 cache_salt: str = "") -> WorkerHandle:
     with tracer().start_as_current_span("route decode") as span:
-        worker = router.pick_decode(num_tokens, prompt)
+        worker = router.pick_decode(num_tokens, prompt, cache_salt)
         span.set_attribute("pdserve.decode_worker", worker.address)
         return worker
 
 
-def _pick_prefill(router: Router, prompt: list[int]) -> WorkerHandle:
+def _pick_prefill(router: Router, prompt: list[int], cache_salt: str = "") -> WorkerHandle:
     with tracer().start_as_current_span("route prefill") as span:
-        worker = router.pick_prefill(prompt)
+        worker = router.pick_prefill(prompt, cache_salt)
         span.set_attribute("pdserve.prefill_worker", worker.address)
         return worker
 
@@ -236,7 +237,8 @@ async def run_colocated(router: Router, flow: Flow, request_id: str, prompt: lis
     worker, or a decode worker prefilling locally (`Router.local_prefill`). scheduling: the engine's hints; due:
     when the first token must come (refused before the call when the worker's predicted wait passes it)."""
     context = prompt + generated
-    with router.lease(_pick_decode(router, len(prompt) + sampling.max_tokens, context), len(context)) as worker:
+    salt = scheduling.cache_salt if scheduling is not None else ""
+    with router.lease(_pick_decode(router, len(prompt) + sampling.max_tokens, context, salt), len(context)) as worker:
         _check_due(worker, len(context), due)  # before the prompt joins its queue: the wait ahead of it
         with worker.prefill_queue.track(len(context)) as first_token:
             flow.prefill_worker = flow.decode_worker = worker.address
@@ -262,11 +264,12 @@ async def run_disaggregated(router: Router, flow: Flow, request_id: str, prompt:
     when the first token must come (refused before either call when the prefill worker's predicted wait passes it).
     """
     context = prompt + generated  # what the prefill worker computes (and then holds in its prefix cache)
+    salt = scheduling.cache_salt if scheduling is not None else ""
     with router.lease(_pick_decode(router, len(prompt) + sampling.max_tokens)) as decode:
         # The prefill worker is chosen before the reservation's round trip, so the prompt is in its queue
         # (`lease`, `prefill_queue`) from the moment it is routed: a burst of requests sees the queue it builds.
         # Chosen before the Decode call starts, too: a request that cannot meet its deadline calls no worker.
-        prefill_choice = _pick_prefill(router, context)
+        prefill_choice = _pick_prefill(router, context, salt)
         _check_due(prefill_choice, len(context), due)
         flow.decode_worker = decode.address
         decode_scheduling = without_deadline(scheduling) if scheduling is not None else None
@@ -319,7 +322,7 @@ async def run_disaggregated(router: Router, flow: Flow, request_id: str, prompt:
                 recorded = False
                 async for item in _decode_stream(dcall):
                     if not recorded:  # the KV arrived and joined the batch: its blocks enter that prefix cache
-                        router.record_prefix(decode, context, received=True)
+                        router.record_prefix(decode, context, received=True, cache_salt=salt)
                         recorded = True
                     if isinstance(item, WorkerFinish) and not watcher.done():
                         await asyncio.wait({watcher}, timeout=TRANSFER_REPORT_WAIT_S)

@@ -146,7 +146,9 @@ class RequestPath:
             tenant = resolve_tenant(caller, ask.tenant, self.keys_required)
             entry = self.tenants.get(tenant, Tenant())
             ask = grant_priority(ask, entry, self.config.scheduling_policy, self.keys_required)
-            flow.scheduling = RequestScheduling(ask, tenant, entry.weight, arrival, deadline_why)
+            flow.scheduling = RequestScheduling(ask, tenant, entry.weight, arrival, deadline_why,
+                                                cache_salt=tenant if self.config.isolate_prefix_cache_by_tenant
+                                                else "")
             _trace_request(request.operation, sampling, self.config.model_name, rid)
             samples = sampling.n or 1
             self.admission.take_slots(flow, samples)
@@ -319,7 +321,8 @@ class RequestPath:
         due = sched.first_token_due(flow.deadline, first_sent) if sched is not None else None
         if self.config.colocated or sampling.n > 1:  # samples fork from a prompt computed where they decode
             return flows.run_colocated(router, flow, worker_rid, prompt, p.generated, sampling, timeout_s, hints, due)
-        local = router.local_prefill(prompt + p.generated, self.cluster.local_prefill)
+        local = router.local_prefill(prompt + p.generated, self.cluster.local_prefill,
+                                     hints.cache_salt if hints is not None else "")
         if local is not None:
             self.metrics.local_prefills.labels(self.config.model_name, local).inc()
             return flows.run_colocated(router, flow, worker_rid, prompt, p.generated, sampling, timeout_s, hints, due)

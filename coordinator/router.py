@@ -136,10 +136,12 @@ class Router:
         start = next(self._turns[role]) % len(workers)
         return workers[start:] + workers[:start]
 
-    def pick_decode(self, num_tokens: int, prompt_token_ids: list[int] | None = None) -> WorkerHandle:
+    def pick_decode(self, num_tokens: int, prompt_token_ids: list[int] | None = None,
+                    cache_salt: str = "") -> WorkerHandle:
         """The decode worker for a request of `num_tokens` (prompt + max_tokens); counts its blocks against that
         worker's headroom until the next poll. With `prompt_token_ids` (colocated: the worker also prefills) the
         prefix-aware prefill cost decides among the workers with headroom, and the prompt is recorded there.
+        `cache_salt`: the request's (`SchedulingHints.cache_salt`): its blocks are keyed apart, here as there.
 
         Raises:
             RequestError: UNAVAILABLE when there is no decode worker.
@@ -151,7 +153,7 @@ class Router:
         if prompt_token_ids is None:
             worker = min(candidates, key=lambda w: (blocks(w) > w.free_blocks, w.in_flight, -w.free_blocks))
         else:
-            hashes = block_hashes(prompt_token_ids, candidates[0].info.block_size)
+            hashes = block_hashes(prompt_token_ids, candidates[0].info.block_size, cache_salt)
             worker = min(candidates, key=lambda w: (blocks(w) > w.free_blocks,
                                                     self._prefill_cost(w, len(prompt_token_ids), hashes),
                                                     w.in_flight, -w.free_blocks))
@@ -159,37 +161,39 @@ class Router:
         worker.blocks_routed += blocks(worker)
         return worker
 
-    def pick_prefill(self, prompt_token_ids: list[int]) -> WorkerHandle:
+    def pick_prefill(self, prompt_token_ids: list[int], cache_salt: str = "") -> WorkerHandle:
         """The prefill worker for a prompt: least new work (prompt blocks it does not hold, plus blocks queued
-        there), then its reported queue; the prompt is recorded as held there.
+        there), then its reported queue; the prompt is recorded as held there (`cache_salt` as in `pick_decode`).
 
         Raises:
             RequestError: UNAVAILABLE when there is no prefill worker.
         """
         candidates = self._rotated("prefill", self.prefill)
-        hashes = block_hashes(prompt_token_ids, candidates[0].info.block_size)
+        hashes = block_hashes(prompt_token_ids, candidates[0].info.block_size, cache_salt)
         worker = min(candidates, key=lambda w: (self._prefill_cost(w, len(prompt_token_ids), hashes),
                                                 w.reported_queue))
         self.prefixes.record(worker.address, hashes, index_capacity(worker.info))
         return worker
 
-    def record_prefix(self, worker: WorkerHandle, token_ids: list[int], received: bool = False) -> None:
-        """The worker will hold these tokens' full blocks in its prefix cache: it computes them, or (`received`) it
-        receives their KV. A worker that gives back blocks behind a sliding window (`WorkerInfo.kv_sliding_window`)
-        caches none of a received prompt that a lookup could reach (the blocks behind the window never enter its
-        cache, and lookups start at the first block), so nothing is recorded for it."""
+    def record_prefix(self, worker: WorkerHandle, token_ids: list[int], received: bool = False,
+                      cache_salt: str = "") -> None:
+        """The worker will hold these tokens' full blocks in its prefix cache (keyed with `cache_salt`): it computes
+        them, or (`received`) it receives their KV. A worker that gives back blocks behind a sliding window
+        (`WorkerInfo.kv_sliding_window`) caches none of a received prompt that a lookup could reach (the blocks
+        behind the window never enter its cache, and lookups start at the first block), so nothing is recorded."""
         if received and worker.info.kv_sliding_window:
             return
-        self.prefixes.record(worker.address, block_hashes(token_ids, worker.info.block_size),
+        self.prefixes.record(worker.address, block_hashes(token_ids, worker.info.block_size, cache_salt),
                              index_capacity(worker.info))
 
-    def local_prefill(self, context: list[int], policy: LocalPrefillPolicy) -> str | None:
+    def local_prefill(self, context: list[int], policy: LocalPrefillPolicy, cache_salt: str = "") -> str | None:
         """Conditional disaggregation: whether a disaggregated request should be prefilled on its decode worker
         instead of a prefill worker (`LocalPrefillPolicy`), and why.
 
         Args:
             context: the tokens to compute (prompt, plus the tokens already sent when a request resumes).
             policy: when to.
+            cache_salt: the request's, as in `pick_decode`.
 
         Returns:
             "no_prefill_worker", "short" or "queue" to prefill locally, None to go to a prefill worker. With no live
@@ -203,7 +207,7 @@ class Router:
             return "no_prefill_worker"
         if policy.max_uncached_tokens > 0:
             block_size = decode[0].info.block_size
-            hashes = block_hashes(context, block_size)
+            hashes = block_hashes(context, block_size, cache_salt)
             cached = max(self.prefixes.overlap(w.address, hashes) for w in decode) * block_size
             if len(context) - cached <= policy.max_uncached_tokens:
                 return "short"

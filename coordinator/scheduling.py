@@ -74,6 +74,8 @@ class RequestScheduling:
         arrival: time.monotonic() at the coordinator, seconds.
         deadline_why: what sets the request's own deadline (`Flow.deadline`), for messages: "the call's deadline"
             (the client's gRPC deadline) or "the request timeout".
+        cache_salt: the workers' prefix-cache salt (`SchedulingHints.cache_salt`): the tenant under
+            --isolate-prefix-cache-by-tenant, else "" (one cache for everyone).
     """
 
     ask: SchedulingAsk
@@ -81,10 +83,13 @@ class RequestScheduling:
     weight: float
     arrival: float
     deadline_why: str = "the call's deadline"
+    cache_salt: str = ""
 
     def hints(self, first_token_sent: bool, now: float | None = None) -> worker_pb2.SchedulingHints:
-        """The workers' hints for one attempt (`hints`)."""
-        return hints(self.ask, self.tenant, self.weight, self.arrival, first_token_sent, now)
+        """The workers' hints for one attempt (`hints`), with the cache salt."""
+        msg = hints(self.ask, self.tenant, self.weight, self.arrival, first_token_sent, now)
+        msg.cache_salt = self.cache_salt
+        return msg
 
     def first_token_due(self, request_deadline: float, first_token_sent: bool) -> tuple[float, str]:
         """When the next token must come, and why (`first_token_due`)."""

@@ -124,12 +124,16 @@ class SchedulingParams:
             have work queued.
         deadline: Unix seconds (wall clock) by which the first token is due; a request still queued then, nothing
             computed for it, is refused (DEADLINE) rather than prefilled. None = no deadline.
+        cache_salt: prefix-cache isolation: non-empty, the request's block hashes chain from this salt's own root
+            (`engine.scheduling.block_pool.chain_root`), so its prefix-cache blocks serve only requests of the same
+            salt (vLLM's `cache_salt`). "" shares with every request without one.
     """
 
     priority: int = 0
     tenant: str = ""
     weight: float = 1.0
     deadline: float | None = None
+    cache_salt: str = ""
 
     def __post_init__(self) -> None:
         """Raises:

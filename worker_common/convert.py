@@ -55,7 +55,8 @@ def scheduling_from_proto(msg: worker_pb2.SchedulingHints | None, now: float,
         return SchedulingParams()
     deadline = now + msg.ttft_deadline_ms / 1e3 if with_deadline and msg.ttft_deadline_ms else None
     return SchedulingParams(priority=msg.priority, tenant=msg.tenant,
-                            weight=msg.weight if msg.HasField("weight") else 1.0, deadline=deadline)
+                            weight=msg.weight if msg.HasField("weight") else 1.0, deadline=deadline,
+                            cache_salt=msg.cache_salt)
 
 
 def structured_from_proto(c: generate_pb2.StructuredOutput) -> StructuredOutput | None:

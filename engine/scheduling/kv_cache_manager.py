@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from pdserve_server.engine.outputs import KvBlockRemoved
-from pdserve_server.engine.scheduling.block_pool import BlockPool, hash_block_tokens
+from pdserve_server.engine.scheduling.block_pool import BlockPool, chain_root, hash_block_tokens
 from pdserve_server.engine.request import Request
 
 if TYPE_CHECKING:
@@ -167,31 +167,32 @@ class KVCacheManager:
         tokens = request.all_token_ids
         max_blocks = (len(tokens) - 1) // self.block_size
         hits: list[int] = []
-        parent = None
+        parent, root = None, chain_root(request.scheduling.cache_salt)
         for i in range(max_blocks):
-            block_hash = hash_block_tokens(parent, tokens[i * self.block_size:(i + 1) * self.block_size])
+            block_hash = hash_block_tokens(parent, tokens[i * self.block_size:(i + 1) * self.block_size], root)
             block = self.pool.lookup(block_hash)
             if block is None:
                 if self.offload is not None:
                     recompute_ms = None if ms_per_prefill_token is None else ms_per_prefill_token * self.block_size
-                    return self._load_from_tiers(tokens, hits, parent, max_blocks, recompute_ms)
+                    return self._load_from_tiers(tokens, hits, parent, root, max_blocks, recompute_ms)
                 break
             hits.append(block)
             parent = block_hash
         return hits
 
-    def _load_from_tiers(self, tokens: list[int], hits: list[int], parent: bytes | None, max_blocks: int,
-                         recompute_ms: float | None) -> list[int]:
-        """Extend `hits` (pool blocks for the first len(hits) blocks of `tokens`, the last with hash `parent`) with
-        blocks found in the pool or loaded from a tier, until one is in neither or no block is free. The blocks
-        found are held while later ones are loaded (a load allocates, which may evict a free cached block), then
-        released: they stay in the prefix cache, free and most recently used, for `allocate_slots` to take."""
+    def _load_from_tiers(self, tokens: list[int], hits: list[int], parent: bytes | None, root: bytes | None,
+                         max_blocks: int, recompute_ms: float | None) -> list[int]:
+        """Extend `hits` (pool blocks for the first len(hits) blocks of `tokens`, the last with hash `parent`; the
+        chain starts at `root`, `chain_root`'s) with blocks found in the pool or loaded from a tier, until one is in
+        neither or no block is free. The blocks found are held while later ones are loaded (a load allocates, which
+        may evict a free cached block), then released: they stay in the prefix cache, free and most recently used,
+        for `allocate_slots` to take."""
         held = list(hits)
         self.pool.touch(held)
         try:
             for i in range(len(hits), max_blocks):
                 block_tokens = tokens[i * self.block_size:(i + 1) * self.block_size]
-                block_hash = hash_block_tokens(parent, block_tokens)
+                block_hash = hash_block_tokens(parent, block_tokens, root)
                 block = self.pool.lookup(block_hash)
                 if block is None:
                     if not self.pool.num_free_blocks or not self.offload.contains(block_hash):
@@ -257,10 +258,11 @@ class KVCacheManager:
         hashes = self._hashes.setdefault(request.request_id, [])
         num_full = min(request.num_computed_tokens // self.block_size, len(table))
         tokens = request.all_token_ids
+        root = chain_root(request.scheduling.cache_salt)
         for i in range(len(hashes), num_full):
             parent = hashes[-1] if hashes else None
             block_tokens = tokens[i * self.block_size:(i + 1) * self.block_size]
-            h = hash_block_tokens(parent, block_tokens)
+            h = hash_block_tokens(parent, block_tokens, root)
             hashes.append(h)
             if table[i] != self.null_block:  # a prefix-cache hit must never return the null block
                 if self.pool.cache_block(table[i], h, parent, block_tokens) and self.offload is not None \

@@ -1,6 +1,7 @@
 import pytest
 
-from pdserve_server.engine.scheduling.block_pool import BlockPool, hash_block_tokens
+from pdserve_server.coordinator.prefix_index import block_hashes
+from pdserve_server.engine.scheduling.block_pool import BlockPool, chain_root, hash_block_tokens
 from pdserve_server.engine.scheduling.kv_cache_manager import KVCacheManager, window_chunk_cap, window_peak_blocks
 from pdserve_server.engine.request import Request, SamplingParams
 
@@ -29,6 +30,20 @@ def test_chained_hash_depends_on_parent():
     a = hash_block_tokens(None, [1, 2])
     assert hash_block_tokens(a, [3, 4]) != hash_block_tokens(None, [3, 4])
     assert hash_block_tokens(a, [3, 4]) == hash_block_tokens(hash_block_tokens(None, [1, 2]), [3, 4])
+
+
+@pytest.mark.parametrize("salt", ["", "key:0a1b2c3d", "tenant-é"])
+def test_the_coordinators_block_hashes_are_the_engines_keys_salted_or_not(salt):
+    """The coordinator routes by the keys workers cache under (and report in KV events): same chain, same root."""
+    tokens = list(range(100, 150))  # 3 full blocks of 16, and 2 tokens
+    parent, root, engine_keys = None, chain_root(salt), []
+    for i in range(3):
+        parent = hash_block_tokens(parent, tokens[i * 16:(i + 1) * 16], root)
+        engine_keys.append(parent)
+    assert block_hashes(tokens, 16, salt) == engine_keys
+    if salt:
+        assert engine_keys[0] != hash_block_tokens(None, tokens[:16])  # the salt changes every key of the chain
+        assert block_hashes(tokens, 16, salt + "x")[2] != engine_keys[2]
 
 
 def _req(rid, tokens):

@@ -14,7 +14,7 @@ from pdserve_server.engine.outputs import KvBlockRemoved, KvBlockStored
 from pdserve_server.engine.offload.disk import HEADER, DiskTier
 from pdserve_server.engine.offload.memory import MemoryTier
 from pdserve_server.engine.offload.offloader import PROBE_EVERY, KvOffloader
-from pdserve_server.engine.request import Request, SamplingParams
+from pdserve_server.engine.request import Request, SamplingParams, SchedulingParams
 from pdserve_server.engine.scheduling.block_pool import hash_block_tokens
 from pdserve_server.engine.scheduling.kv_cache_manager import KVCacheManager
 
@@ -194,6 +194,33 @@ def test_an_evicted_prefix_comes_back_from_a_tier_with_hfs_tokens(tiny_model_dir
     fastest = tiers.split("+")[0]
     assert stats[fastest].hits == 5 and stats[fastest].loaded_bytes == 5 * parts.runner.kv_cache.kv[0].nbytes
     assert sum(t.hits for t in stats.values()) == 5
+    assert parts.scheduler.kv.pool.integrity_errors() == []
+    parts.scheduler.kv.close()
+
+
+def test_a_cache_salt_keeps_a_tenants_prefix_from_another_in_the_pool_and_in_a_tier(tiny_model_dir):
+    """Requests with different cache salts (tenants under --isolate-prefix-cache-by-tenant) never share a block,
+    neither in the pool nor from a tier; the same salt shares both; tokens are HF's throughout."""
+    parts = engine(tiny_model_dir, kv_offload_cpu_bytes=2**20)
+    rng = random.Random(7)
+    prompt = [rng.randrange(3, 49152) for _ in range(41)]
+    expected = hf_greedy(tiny_model_dir, prompt, 6)
+
+    def send(rid: str, salt: str, tokens=prompt, n=6):
+        req = Request(rid, tokens, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True),
+                      eos_token_ids=(2,), scheduling=SchedulingParams(tenant=salt, cache_salt=salt))
+        run_until_idle(parts, [req])
+        return req
+
+    first = send("a-1", "tenant-a")
+    assert first.output_token_ids == expected and first.num_cached_tokens == 0
+    assert send("b-1", "tenant-b").num_cached_tokens == 0  # in the pool, but tenant a's
+    assert send("none", "").num_cached_tokens == 0  # unsalted requests share only among themselves
+    assert send("a-2", "tenant-a").num_cached_tokens == 40
+    send("other", "", [rng.randrange(3, 49152) for _ in range(60)], n=1)  # evicts everything into the tier
+    assert send("b-2", "tenant-b").num_cached_tokens == 40  # b's own blocks, from the tier
+    back = send("a-3", "tenant-a")
+    assert back.output_token_ids == expected and back.num_cached_tokens == 40
     assert parts.scheduler.kv.pool.integrity_errors() == []
     parts.scheduler.kv.close()
 
