@@ -7,20 +7,20 @@ disk tier, and a restarted engine served from the disk tier.
     python bench/kv_tiers.py --device cuda --model llama-3.1-8b=builtin  # on a GPU, random weights
 
 Engine-level (`engine.builder.build_engine`, no gRPC), the packaged SmolLM2-135M-Instruct (or `--model NAME=DIR` with
-random weights from DIR's config.json, `NAME=builtin` for `step_times.BUILTIN`'s configs: what a GPU machine without
-the packaged model runs), one request at a time so TTFT is the engine's own. Conversation c's first turn is a
-`--first`-token window of real prose (`prompts.py`'s corpus, a different window each; seeded random token ids when
-the model directory has no tokenizer); every later turn appends the previous answer (`--out` tokens, greedy) and
-`--turn` new tokens. Turns go round-robin (every conversation's turn 1, then every turn 2, ...), so by the time a
-conversation returns the pool has been filled by the others. Each system runs the same turns on a fresh engine
-after an untimed warm-up; greedy outputs must be equal in every system. The tiers load by the cost rule (`--kv-offload-load cost`:
-a block whose tier loads it slower than its measured prefill is recomputed); `disk-tier-always` loads every block a
-tier holds, to show what the rule saves where it matters (a fast GPU over a slow disk). `pool-holds-all` is the
-control for exactness: a pool large enough to keep every conversation, tiers off, so its returning turns hit the
-same prefix blocks and compute the same suffix chunks as a tier that loads them all; a tier's outputs must equal it
-bit for bit (equality with tiers off also holds on a CPU, but a GPU's bf16 GEMMs round differently for a 900-token
-chunk than for a 96-token one, so greedy paths on random weights part there). Prints one JSON line per
-system and the ratios against tiers off (same run).
+random weights from DIR's config.json, `NAME=builtin` for `step_times.BUILTIN`'s configs: what a GPU machine without the
+packaged model runs), one request at a time so TTFT is the engine's own. Conversation c's first turn is a
+`--first`-token window of real prose (`prompts.py`'s corpus, a different window each; seeded random token ids when the
+model directory has no tokenizer); every later turn appends the previous answer (`--out` tokens, greedy) and `--turn`
+new tokens. Turns go round-robin (every conversation's turn 1, then every turn 2, ...), so by the time a conversation
+returns the pool has been filled by the others. Each system runs the same turns on a fresh engine after an untimed
+warm-up; greedy outputs must be equal in every system. The tiers load by the cost rule (`--kv-offload-load cost`: a
+block whose tier loads it slower than its measured prefill is recomputed); `disk-tier-always` loads every block a tier
+holds, to show what the rule saves where it matters (a fast GPU over a slow disk). `pool-holds-all` is the control for
+exactness: a pool large enough to keep every conversation, tiers off, so its returning turns hit the same prefix blocks
+and compute the same suffix chunks as a tier that loads them all; a tier's outputs must equal it bit for bit (equality
+with tiers off also holds on a CPU, but a GPU's bf16 GEMMs round differently for a 900-token chunk than for a 96-token
+one, so greedy paths on random weights part there). Prints one JSON line per system and the ratios against tiers off
+(same run).
 
 `--cluster`: prefixes computed once per cluster. A served cluster (coordinator, 2 prefill workers, 1 decode worker,
 one thread each; decode workers never prefill) answers questions about one `--document`: one question alone (its
