@@ -18,9 +18,9 @@ block whose tier loads it slower than its measured prefill is recomputed); `disk
 holds, to show what the rule saves where it matters (a fast GPU over a slow disk). `pool-holds-all` is the control for
 exactness: a pool large enough to keep every conversation, tiers off, so its returning turns hit the same prefix blocks
 and compute the same suffix chunks as a tier that loads them all; a tier's outputs must equal it bit for bit (equality
-with tiers off also holds on a CPU, but a GPU's bf16 GEMMs round differently for a 900-token chunk than for a 96-token
-one, so greedy paths on random weights part there). Prints one JSON line per system and the ratios against tiers off
-(same run).
+with tiers off holds on a CPU; on an H200 a random-weight Llama-3.1-8B's outputs parted from tiers off, believed to be
+bf16 GEMMs rounding a 900-token chunk differently from a 96-token one: this control tells). Prints one JSON line per
+system and the ratios against tiers off (same run).
 
 `--cluster`: prefixes computed once per cluster. A served cluster (coordinator, 2 prefill workers, 1 decode worker,
 one thread each; decode workers never prefill) answers questions about one `--document`: one question alone (its
