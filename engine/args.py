@@ -40,6 +40,7 @@ class EngineArgs:
         kv_events: record the prefix cache's block stored / removed events for the worker's KV event stream.
         kv_offload_cpu_bytes: a host-memory tier under the KV pool, bytes (0 = none; `engine.offload`).
         kv_offload_disk_dir / kv_offload_disk_bytes: a disk tier in this directory ("" = none), bounded in bytes.
+        kv_offload_redis_url: a shared tier on this Redis server ("" = none; `engine.offload.redis_tier`).
         kv_offload_store: which blocks the tiers receive: "evicted" (as the pool evicts a cached block) or "computed"
             (every full block as it enters the prefix cache, so workers sharing a directory find it at once).
         kv_offload_load: when a tier's block is loaded rather than recomputed: "cost" (when its measured load time
@@ -105,6 +106,10 @@ class EngineArgs:
                 "restarts; workers may share one), empty = none"})
     kv_offload_disk_bytes: int = field(default=16 * 2**30, metadata={"min": 1,
         "help": "the disk tier's size in bytes; the least recently used blocks are deleted beyond it"})
+    kv_offload_redis_url: str = field(default="", metadata={
+        "help": "KV offload: a tier on this Redis server (redis://[:password@]host:port/db, rediss:// for TLS), "
+                "shared by every worker of the same model that names it, on any host; run Redis with maxmemory and "
+                "maxmemory-policy allkeys-lru; empty = none"})
     kv_offload_store: str = field(default="evicted", metadata={
         "choices": KV_OFFLOAD_STORE_CHOICES,
         "help": "which blocks the KV offload tiers receive: evicted = a prefix-cache block as the pool evicts it; "

@@ -13,14 +13,18 @@ if [ "${PDSERVE_REINSTALL:-0}" = 1 ] || [ ! -x .venv/bin/python ] || [ "$(cat "$
 else
   echo "test.sh: .venv is current (PDSERVE_REINSTALL=1 reinstalls)"
 fi
-# A real Prometheus for tests/deploy/test_dashboard.py: Debian's package, where apt is there and we may use it (the test
-# skips, saying why, where it is not).
-if ! command -v prometheus >/dev/null && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
-  echo "test.sh: installing Debian's prometheus for tests/deploy/test_dashboard.py"
-  { timeout 300 apt-get install -y -q --no-install-recommends prometheus >/dev/null 2>&1 \
-    || { timeout 300 apt-get update -q >/dev/null 2>&1 && timeout 300 apt-get install -y -q --no-install-recommends prometheus >/dev/null 2>&1; }; } \
-    || echo "prometheus could not be installed: tests/deploy/test_dashboard.py will skip"
-fi
+# Real servers the tests start: Prometheus (tests/deploy/test_dashboard.py) and Redis (the shared KV offload tier's
+# tests): Debian's packages, where apt is there and we may use it (those tests skip, saying why, where it is not).
+for pkg in prometheus:prometheus redis-server:redis-server; do
+  binary=${pkg%%:*}; package=${pkg##*:}
+  if ! command -v "$binary" >/dev/null && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+    echo "test.sh: installing Debian's $package for the tests that start one"
+    { timeout 300 apt-get install -y -q --no-install-recommends "$package" >/dev/null 2>&1 \
+      || { timeout 300 apt-get update -q >/dev/null 2>&1 \
+           && timeout 300 apt-get install -y -q --no-install-recommends "$package" >/dev/null 2>&1; }; } \
+      || echo "$package could not be installed: the tests that need it will skip"
+  fi
+done
 export UCX_TLS=tcp,self UCX_NET_DEVICES=lo UCX_WARN_UNUSED_ENV_VARS=n TRITON_INTERPRET=1
 # OpenMP threads that wait asleep, not spinning: the test processes and the servers they start share 2 cores, and a
 # spinning thread takes the CPU the others need (the model tier in two processes: 104 s spinning, 34 s asleep).

@@ -25,6 +25,39 @@ def pytest_collection_modifyitems(items):
             item.add_marker(pytest.mark.model)
 
 
+@pytest.fixture
+def redis_url(tmp_path):
+    """A real Redis server for this test (Debian's redis-server, which scripts/test.sh installs where it can), on a
+    free port, bounded and LRU as docs/deploy.md says to run it; skipped, saying why, without the binary."""
+    import subprocess
+
+    from helpers import free_port, wait_for
+
+    binary = shutil.which("redis-server")
+    if binary is None:
+        pytest.skip("no redis-server on PATH (Debian: apt-get install redis-server; scripts/test.sh tries)")
+    import redis
+
+    port = free_port()
+    server = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                               "--dir", str(tmp_path), "--maxmemory", "256mb", "--maxmemory-policy", "allkeys-lru"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"redis://127.0.0.1:{port}/0"
+
+    def answers() -> bool:
+        try:
+            with redis.Redis.from_url(url, socket_timeout=1) as client:
+                return client.ping()
+        except redis.ConnectionError:
+            return server.poll() is not None  # it exited: stop waiting, the assert below says so
+
+    wait_for(answers, 30, "redis-server to answer")
+    assert server.poll() is None, f"redis-server exited with {server.returncode}"
+    yield url
+    server.terminate()
+    server.wait(10)
+
+
 @pytest.fixture(scope="session")
 def real_model_dir() -> Path:
     """The packaged SmolLM2-135M-Instruct, converted once to safetensors."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import socket
 import time
 import urllib.request
 from pathlib import Path
@@ -18,6 +19,13 @@ from pdserve import AsyncClient, SamplingParams
 TINY_WORKER = ["--dtype", "float32", "--kv-tokens", "1024", "--max-model-len", "256", "--connector", "tcp"]
 PROMETHEUS_ACCEPT = ("application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;q=0.75,"
                      "text/plain;version=0.0.4;q=0.5,*/*;q=0.1")  # what Prometheus 2.x sends
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (for servers started by a test: Prometheus, smg, Redis)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def greedy(n: int, **kw) -> SamplingParams:

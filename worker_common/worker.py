@@ -19,6 +19,7 @@ from pdserve_server.engine.models.config import ModelConfig
 from pdserve_server.engine.core.engine_core import EngineCore
 from pdserve_server.engine.errors import EngineError, ErrorKind
 from pdserve_server.engine.hardware import resolve_threads, set_threads
+from pdserve_server.engine.offload.redis_tier import public_url
 from pdserve_server.engine.execution.kv_cache import KvShards
 from pdserve_server.engine.scheduling.kv_cache_manager import (max_request_blocks, max_request_tokens,
                                                                sliding_kv_window,
@@ -56,8 +57,8 @@ class WorkerEngine:
 
     @property
     def kv_offload_blocks(self) -> int:
-        """Blocks the engine's KV offload tiers hold beyond its pool: the largest tier's (they are write-through),
-        0 without tiers."""
+        """Blocks the engine's KV offload tiers hold beyond its pool: the largest bounded tier's (they are
+        write-through; a Redis tier's bound is the server's, unknown here), 0 without tiers."""
         tier_bytes = max(self.args.kv_offload_cpu_bytes,
                          self.args.kv_offload_disk_bytes if self.args.kv_offload_disk_dir else 0)
         m, c = self.model_config, self.cache_config
@@ -136,6 +137,8 @@ def describe(config: WorkerConfig, worker: WorkerEngine, ready: dict[str, str]) 
     tiers = [f"host memory {e.kv_offload_cpu_bytes / 2**20:.0f} MiB"] if e.kv_offload_cpu_bytes else []
     if e.kv_offload_disk_dir:
         tiers.append(f"disk {e.kv_offload_disk_dir} {e.kv_offload_disk_bytes / 2**30:.1f} GiB")
+    if e.kv_offload_redis_url:
+        tiers.append(f"Redis {public_url(e.kv_offload_redis_url)}")
     extra = (f"; KV offload to {' and '.join(tiers)}" if tiers else "") \
         + "".join(f", {k} {v}" for k, v in ready.items() if v)
     return (f"model {m.name}, {weights} on {e.device}, {threads} threads"

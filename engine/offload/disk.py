@@ -1,9 +1,9 @@
 """The disk KV tier: one file per block under a directory, bounded in bytes, each entry checksummed, kept across
 worker restarts.
 
-An entry is `<dir>/<namespace>/<hh>/<key hex>.kv`: a header (magic, payload length, BLAKE2b-128 of the payload)
-then the block's bytes as the KV cache holds them (`engine.execution.kv_cache`: one block of every layer's K and V,
-contiguous). The namespace names the model, its weights, dtype and KV layout (`offloader.tier_namespace`), so an entry
+An entry is `<dir>/<namespace>/<hh>/<key hex>.kv`, in `entry`'s format: a header (magic, payload length, BLAKE2b-128
+of the payload) then the block's bytes as the KV cache holds them (`engine.execution.kv_cache`: one block of every
+layer's K and V, contiguous). The namespace names the model, its weights, dtype and KV layout (`offloader.tier_namespace`), so an entry
 is only ever read back into a cache of the same geometry computed by the same weights. Files are written to a
 temporary name and renamed (a reader never sees half an entry); a truncated or corrupted one fails its length or
 checksum, is deleted and counts as a miss (its block is recomputed). Writes run on a thread of their own, so the
@@ -11,29 +11,22 @@ engine thread only copies the block; a block evicted again before its write land
 """
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import queue
-import struct
 import threading
 from collections import OrderedDict, deque
 from pathlib import Path
 
 import torch
 
+from pdserve_server.engine.offload import entry
+from pdserve_server.engine.offload.entry import HEADER
 from pdserve_server.engine.offload.stats import DROPPED_KEYS, TierStats
 
 log = logging.getLogger(__name__)
 
-MAGIC = b"PDKV1\n"
-HEADER = struct.Struct("<6sQ16s")  # magic, payload bytes, BLAKE2b-128 of the payload
 QUEUE_BLOCKS = 256  # blocks waiting for the writer at most; more are not stored (counted as dropped)
-
-
-def checksum(data: memoryview | bytes) -> bytes:
-    """BLAKE2b with a 16-byte digest (hashlib)."""
-    return hashlib.blake2b(data, digest_size=16).digest()
 
 
 class DiskTier:
@@ -117,7 +110,7 @@ class DiskTier:
         except FileNotFoundError:
             self._forget(key)
             return None
-        if not self._valid(data):
+        if entry.payload(data, self.entry_bytes) is None:
             log.warning("disk KV tier: %s is truncated or corrupt; deleted (its block is recomputed)", path.name)
             self.counters.corrupt += 1
             path.unlink(missing_ok=True)
@@ -133,13 +126,6 @@ class DiskTier:
         except OSError:
             pass
         return torch.frombuffer(bytearray(data), dtype=torch.uint8, offset=HEADER.size)
-
-    def _valid(self, data: bytes) -> bool:
-        if len(data) < HEADER.size:
-            return False
-        magic, length, digest = HEADER.unpack_from(data)
-        body = memoryview(data)[HEADER.size:]
-        return magic == MAGIC and length == self.entry_bytes == len(body) and checksum(body) == digest
 
     def _forget(self, key: bytes) -> None:
         with self._lock:
@@ -187,7 +173,7 @@ class DiskTier:
         path.parent.mkdir(exist_ok=True)
         tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
         with open(tmp, "wb") as f:
-            f.write(HEADER.pack(MAGIC, len(body), checksum(body)))
+            f.write(entry.header(body))
             f.write(body)
         os.replace(tmp, path)
         return HEADER.size + len(body)

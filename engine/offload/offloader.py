@@ -12,6 +12,7 @@ import torch
 from pdserve_server.engine.args import EngineArgs
 from pdserve_server.engine.offload.disk import DiskTier
 from pdserve_server.engine.offload.memory import MemoryTier
+from pdserve_server.engine.offload.redis_tier import RedisTier
 from pdserve_server.engine.offload.stats import TierStats
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
@@ -150,31 +151,44 @@ class KvOffloader:
 
 
 def tier_namespace(compat: str, args: EngineArgs) -> str:
-    """What a disk tier's entries are, as a 16-hex-digit name: the KV geometry and dtype (`engine.config.compat_hash`),
-    the quantization, and the weights (each weight file's name, size and modification time; the seed for random
-    weights). Different weights of the same shape never share entries; re-copied weights start a fresh namespace,
-    which costs a cold cache, never a wrong one."""
+    """What a tier's entries are, as a 16-hex-digit name: the KV geometry and dtype (`engine.config.compat_hash`),
+    the quantization, and the weights (each weight file's name, size and sampled content, `_file_fingerprint`; the
+    seed for random weights). Different weights of the same shape never share entries; the same files copied to
+    another host share them (a shared Redis tier)."""
     h = hashlib.sha256(f"{compat}|{args.quantization}".encode())
     if args.random_weights:
         h.update(f"|random:{args.seed}".encode())
     else:
         for path in sorted(p for p in Path(args.model_dir).iterdir() if p.suffix in WEIGHT_SUFFIXES):
-            st = path.stat()
-            h.update(f"|{path.name}:{st.st_size}:{st.st_mtime_ns}".encode())
+            h.update(f"|{path.name}:{path.stat().st_size}:{_file_fingerprint(path)}".encode())
     return h.hexdigest()[:16]
 
 
+def _file_fingerprint(path: Path, sample: int = 2**20) -> str:
+    """BLAKE2b of a weight file's first and last MiB and one MiB at every GiB: ~18 MiB read for a 16 GB model
+    (hashing all of it would take most of a minute at start). Two trainings of one shape differ in nearly every
+    tensor, so in every sample; a file's modification time would differ between two copies of the same weights."""
+    h = hashlib.blake2b(digest_size=16)
+    size = path.stat().st_size
+    with path.open("rb") as f:
+        for offset in sorted({0, *range(2**30, size, 2**30), max(0, size - sample)}):
+            f.seek(offset)
+            h.update(f.read(sample))
+    return h.hexdigest()
+
+
 def build_offloader(args: EngineArgs, compat: str, kv: torch.Tensor) -> KvOffloader | None:
-    """The tiers `args` asks for (`kv_offload_cpu_bytes`, `kv_offload_disk_dir`) under the KV shard `kv`, or None
-    when it asks for none.
+    """The tiers `args` asks for (`kv_offload_cpu_bytes`, `kv_offload_disk_dir`, `kv_offload_redis_url`), fastest
+    first, under the KV shard `kv`, or None when it asks for none.
 
     Raises:
         ValueError: tiers without prefix caching (they hold prefix-cache blocks), or with tensor parallelism (a
             block is split across ranks' shards: not supported yet), or a size that cannot hold one block (the disk
             tier's own check, `DiskTier`).
         OSError: the disk tier's directory cannot be created.
+        ConnectionError: the Redis tier's server does not answer (`RedisTier`).
     """
-    if not args.kv_offload_cpu_bytes and not args.kv_offload_disk_dir:
+    if not args.kv_offload_cpu_bytes and not args.kv_offload_disk_dir and not args.kv_offload_redis_url:
         return None
     if not args.enable_prefix_caching:
         raise ValueError("KV offload tiers keep prefix-cache blocks: they need prefix caching "
@@ -188,7 +202,9 @@ def build_offloader(args: EngineArgs, compat: str, kv: torch.Tensor) -> KvOffloa
             raise ValueError(f"--kv-offload-cpu-bytes {args.kv_offload_cpu_bytes} cannot hold one KV block "
                              f"({block_bytes} bytes)")
         tiers.append(MemoryTier(args.kv_offload_cpu_bytes))
+    namespace = tier_namespace(compat, args) if args.kv_offload_disk_dir or args.kv_offload_redis_url else ""
     if args.kv_offload_disk_dir:
-        tiers.append(DiskTier(args.kv_offload_disk_dir, args.kv_offload_disk_bytes, tier_namespace(compat, args),
-                              block_bytes))
+        tiers.append(DiskTier(args.kv_offload_disk_dir, args.kv_offload_disk_bytes, namespace, block_bytes))
+    if args.kv_offload_redis_url:
+        tiers.append(RedisTier(args.kv_offload_redis_url, namespace, block_bytes))
     return KvOffloader(kv, tiers, store_computed=args.kv_offload_store == "computed", load_rule=args.kv_offload_load)

@@ -11,7 +11,6 @@ import random
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -25,7 +24,7 @@ import pytest
 from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2 as pb, vllm_engine_pb2_grpc as pb_grpc
 
 from pdserve import Client, SamplingParams
-from helpers import assert_idle
+from helpers import assert_idle, free_port
 
 pytestmark = pytest.mark.e2e
 
@@ -210,12 +209,6 @@ def test_standard_health_and_reflection_know_the_service(cluster):
 
 
 # ---- through the smg gateway, with the openai client ------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,6 @@ so, without it."""
 import json
 import math
 import shutil
-import socket
 import subprocess
 import time
 import urllib.parse
@@ -17,17 +16,12 @@ from pathlib import Path
 
 import pytest
 
+from helpers import free_port
 from pdserve import Client, SamplingParams
 
 pytestmark = pytest.mark.e2e
 DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "pdserve-dashboard.json"
 RATE_INTERVAL = "1m"  # $__rate_interval at a 1 s scrape interval: several samples in every window
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _get(url: str) -> dict:
@@ -81,7 +75,7 @@ def test_every_panel_shows_data_for_the_model_it_offers(prometheus_binary, tiny_
             "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
             "scrape_configs": [{"job_name": "pdserve", "metrics_path": targets[0].path,
                                 "static_configs": [{"targets": [t.netloc for t in targets]}]}]}))
-        port = _free_port()
+        port = free_port()
         base = f"http://127.0.0.1:{port}"
         prom = subprocess.Popen([prometheus_binary, f"--config.file={config}",
                                  f"--storage.tsdb.path={tmp_path / 'tsdb'}", f"--web.listen-address=127.0.0.1:{port}"],

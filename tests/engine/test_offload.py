@@ -11,7 +11,8 @@ from pdserve_server.engine.args import EngineArgs
 from pdserve_server.engine.builder import build_engine
 from pdserve_server.engine.offline import run_until_idle
 from pdserve_server.engine.outputs import KvBlockRemoved, KvBlockStored
-from pdserve_server.engine.offload.disk import HEADER, DiskTier
+from pdserve_server.engine.offload.disk import DiskTier
+from pdserve_server.engine.offload.entry import HEADER
 from pdserve_server.engine.offload.memory import MemoryTier
 from pdserve_server.engine.offload.offloader import PROBE_EVERY, KvOffloader
 from pdserve_server.engine.request import Request, SamplingParams, SchedulingParams

@@ -1,0 +1,181 @@
+"""The shared KV tier on a Redis server: blocks any worker of the same model, weights and KV layout can load, on this
+host or another (`--kv-offload-redis-url`), so a prefix one worker computed is not computed again by the others.
+
+A block is one Redis string under `pdserve:kv:<namespace>:<prefix hash hex>` in `entry`'s format (header with length
+and checksum, then the block's bytes): a truncated, corrupted or foreign value is deleted and recomputed, never
+served. Redis bounds and evicts the store itself: run it with `maxmemory` and `maxmemory-policy allkeys-lru`
+(docs/deploy.md). Writes go through a thread of their own with a bounded queue, so the engine thread never waits
+on the network to store; a load is one GET on the engine thread (the `contains` that precedes it fetches the value
+and keeps it for the `get`). A Redis that cannot be reached costs misses (blocks recomputed, warned once per
+outage), never a request: after a failed command the tier is left alone for RETRY_S, so a server that hangs stalls
+the engine thread for one TIMEOUT_S at most in that time, not once per block.
+
+Only for a store every worker that uses it trusts: a value written under a key is served to whoever asks for that
+key (the checksum catches damage, not a writer that lies), as the KV transfer network is trusted.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import deque
+
+import torch
+
+from pdserve_server.engine.offload import entry
+from pdserve_server.engine.offload.stats import DROPPED_KEYS, TierStats
+
+log = logging.getLogger(__name__)
+
+QUEUE_BLOCKS = 256  # blocks waiting for the writer at most; more are not stored (counted as dropped)
+TIMEOUT_S = 2.0  # connect and per-command socket timeout: a stuck server must not hang the engine thread longer
+RETRY_S = 10.0  # after a failed command the tier is skipped (misses, writes dropped) this long before trying again
+
+
+class RedisTier:
+    """KV blocks in a Redis server, shared by every worker that names it.
+
+    Args:
+        url: the server, `redis://[:password@]host:port/db` (`rediss://` for TLS), as redis-py reads it.
+        namespace: what the entries are (`offloader.tier_namespace`): part of every key, so workers of other
+            models or weights share the server without sharing entries.
+        entry_bytes: the payload size of one block; a value of any other size is treated as corrupt.
+
+    Raises:
+        ValueError: the URL is not one redis-py understands.
+        ConnectionError: the server does not answer a PING within TIMEOUT_S (a worker refuses to start on a tier
+            it cannot reach, saying which).
+    """
+
+    name = "redis"
+
+    def __init__(self, url: str, namespace: str, entry_bytes: int):
+        import redis  # only workers that use this tier need the client
+
+        self.url = url
+        self.entry_bytes = entry_bytes
+        self.counters = TierStats(self.name)
+        # Redis evicts on its own and tells no one: nothing is ever reported let go of (the KV events then count
+        # a block stored here as held while any worker may still load it).
+        self.dropped: deque[bytes] = deque(maxlen=DROPPED_KEYS)
+        self._prefix = f"pdserve:kv:{namespace}:".encode()
+        self._errors = redis.RedisError
+        self._client = redis.Redis.from_url(url, socket_timeout=TIMEOUT_S, socket_connect_timeout=TIMEOUT_S)
+        try:
+            self._client.ping()
+        except redis.RedisError as e:
+            self._client.close()
+            raise ConnectionError(f"the Redis KV tier at {public_url(url)} does not answer: {e}") from None
+        self._lock = threading.Lock()  # guards _pending between the engine thread and the writer
+        self._pending: dict[bytes, torch.Tensor] = {}  # queued for the writer, readable meanwhile
+        self._peeked: tuple[bytes, bytes] | None = None  # the value `contains` fetched, for the `get` that follows
+        self._failing = False  # warned about an outage already
+        self._retry_at = 0.0  # time.monotonic() before which the server is not asked (an outage's back-off)
+        self._queue: queue.Queue = queue.Queue(QUEUE_BLOCKS)
+        self._writer = threading.Thread(target=self._write_loop, name="kv-redis-tier", daemon=True)
+        self._writer.start()
+
+    def _key(self, key: bytes) -> bytes:
+        return self._prefix + key.hex().encode()
+
+    def _fetch(self, key: bytes) -> bytes | None:
+        if time.monotonic() < self._retry_at:
+            return None
+        try:
+            data = self._client.get(self._key(key))
+        except self._errors as e:
+            self._warn(e)
+            return None
+        self._failing = False
+        return data
+
+    def _warn(self, e: Exception) -> None:
+        """A command failed: back off for RETRY_S; warn once per outage."""
+        self._retry_at = time.monotonic() + RETRY_S
+        if not self._failing:
+            log.warning("Redis KV tier %s: %s (its blocks are recomputed until it answers; next try in %.0f s)",
+                        public_url(self.url), e, RETRY_S)
+            self._failing = True
+
+    def contains(self, key: bytes) -> bool:
+        with self._lock:
+            if key in self._pending:
+                return True
+        data = self._fetch(key)
+        self._peeked = (key, data) if data is not None else None
+        return data is not None
+
+    def get(self, key: bytes) -> torch.Tensor | None:
+        """The payload stored under key (1-D uint8 CPU tensor), or None when absent, unreachable, truncated or
+        corrupt (a bad value is deleted and counted)."""
+        with self._lock:
+            pending = self._pending.get(key)
+        if pending is not None:
+            return pending
+        peeked, self._peeked = self._peeked, None
+        data = peeked[1] if peeked is not None and peeked[0] == key else self._fetch(key)
+        if data is None:
+            return None
+        body = entry.payload(data, self.entry_bytes)
+        if body is None:
+            log.warning("Redis KV tier: the value of %s is truncated or corrupt; deleted (its block is recomputed)",
+                        key.hex())
+            self.counters.corrupt += 1
+            try:
+                self._client.delete(self._key(key))
+            except self._errors as e:
+                self._warn(e)
+            return None
+        return torch.frombuffer(bytearray(body), dtype=torch.uint8)
+
+    def put(self, key: bytes, payload: torch.Tensor) -> bool:
+        """Queue payload (1-D uint8 CPU tensor of entry_bytes, which the caller no longer writes) to be stored under
+        key; dropped (counted) when the writer is QUEUE_BLOCKS behind. Returns whether the tier holds key now as
+        far as this worker knows (queued entries are read from the queue)."""
+        with self._lock:
+            if key in self._pending:
+                return True
+            self._pending[key] = payload
+        try:
+            self._queue.put_nowait((key, payload))
+        except queue.Full:
+            with self._lock:
+                self._pending.pop(key, None)
+            self.counters.dropped += 1
+            return False
+        return True
+
+    def _write_loop(self) -> None:
+        while (item := self._queue.get()) is not None:
+            key, payload = item
+            body = payload.numpy().data
+            if time.monotonic() < self._retry_at:  # an outage: not stored
+                self.counters.dropped += 1
+                with self._lock:
+                    self._pending.pop(key, None)
+                continue
+            try:
+                # NX: a block is the same whoever computed it; the first copy stands (no rewrite, and its LRU age
+                # in Redis is refreshed by the GETs that use it)
+                self._client.set(self._key(key), entry.header(body) + bytes(body), nx=True)
+                self.counters.stored_bytes += len(body)
+            except self._errors as e:
+                self._warn(e)
+                self.counters.dropped += 1
+            with self._lock:
+                self._pending.pop(key, None)
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Store what is queued, then stop the writer (at most timeout_s, seconds) and disconnect."""
+        self._queue.put(None)
+        self._writer.join(timeout_s)
+        self._client.close()
+
+
+def public_url(url: str) -> str:
+    """The URL without its password, for messages."""
+    scheme, sep, rest = url.partition("://")
+    if sep and "@" in rest:
+        return f"{scheme}://***@{rest.split('@', 1)[1]}"
+    return url

@@ -1,0 +1,96 @@
+"""The shared KV tier on a real Redis server (`engine.offload.redis_tier`, `--kv-offload-redis-url`): entries round
+trip under their namespace, a damaged value is caught by its checksum and recomputed, two engines share each
+other's prefixes through it with HF's greedy tokens, a server that cannot be reached refuses the worker's start,
+and an outage mid-run costs only recomputed blocks."""
+import random
+
+import pytest
+import torch
+from conftest import hf_greedy
+
+from pdserve_server.engine.args import EngineArgs
+from pdserve_server.engine.builder import build_engine
+from pdserve_server.engine.offline import run_until_idle
+from pdserve_server.engine.offload import entry
+from pdserve_server.engine.offload.redis_tier import RedisTier, public_url
+from pdserve_server.engine.request import Request, SamplingParams
+from pdserve_server.engine.scheduling.block_pool import hash_block_tokens
+
+
+def key(i: int) -> bytes:
+    return hash_block_tokens(None, [i])
+
+
+def test_redis_tier_round_trip_namespaces_and_a_damaged_value(redis_url):
+    import redis
+
+    tier = RedisTier(redis_url, "ns", entry_bytes=64)
+    tier.put(key(1), torch.full((64,), 7, dtype=torch.uint8))
+    assert tier.contains(key(1))  # readable while queued for the writer
+    tier.close()  # the writer has stored it
+    reader = RedisTier(redis_url, "ns", entry_bytes=64)  # another worker, on this host or another
+    assert reader.contains(key(1)) and torch.equal(reader.get(key(1)), torch.full((64,), 7, dtype=torch.uint8))
+    assert reader.get(key(2)) is None and not reader.contains(key(2))
+    other = RedisTier(redis_url, "other-model", entry_bytes=64)
+    assert not other.contains(key(1))  # another namespace shares nothing
+    other.close()
+
+    client = redis.Redis.from_url(redis_url)
+    name = b"pdserve:kv:ns:" + key(1).hex().encode()
+    value = bytearray(client.get(name))
+    value[entry.HEADER.size + 5] ^= 0xFF
+    client.set(name, bytes(value))
+    assert reader.get(key(1)) is None  # caught, deleted, counted: the block is recomputed
+    assert reader.counters.corrupt == 1 and client.get(name) is None
+    reader.close()
+    client.close()
+
+
+def engine(model_dir, url, **kw):
+    # 8 blocks of 8 tokens; loads always (the counts below are exact, not left to measured costs)
+    return build_engine(EngineArgs(dtype="float32", model_dir=str(model_dir), block_size=8, kv_tokens=64,
+                                   max_model_len=64, kv_offload_redis_url=url, kv_offload_load="always", **kw))
+
+
+def run(parts, rid, prompt, n):
+    req = Request(rid, prompt, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True), eos_token_ids=(2,))
+    run_until_idle(parts, [req])
+    return req
+
+
+def test_two_engines_share_each_others_prefixes_through_redis(tiny_model_dir, redis_url):
+    """Two workers (on two hosts, as far as Redis can tell) with `--kv-offload-store computed`: the second serves
+    the prefix the first computed, never evicted there, from Redis."""
+    rng = random.Random(8)
+    conversation = [rng.randrange(3, 49152) for _ in range(41)]
+    a = engine(tiny_model_dir, redis_url, kv_offload_store="computed")
+    first = run(a, "on-a", conversation, 6)
+    a.scheduler.kv.close()  # the writer has stored what it queued
+    b = engine(tiny_model_dir, redis_url, kv_offload_store="computed")
+    on_b = run(b, "on-b", conversation, 6)
+    assert first.output_token_ids == on_b.output_token_ids == hf_greedy(tiny_model_dir, conversation, 6)
+    assert first.num_cached_tokens == 0 and on_b.num_cached_tokens == 40
+    (tier,) = b.scheduler.make_stats(0).kv_offload
+    assert tier.tier == "redis" and tier.hits == 5 and tier.corrupt == 0
+    assert b.scheduler.kv.pool.integrity_errors() == []
+    b.scheduler.kv.close()
+
+
+def test_an_unreachable_redis_refuses_the_start_and_an_outage_costs_only_recompute(tiny_model_dir, redis_url):
+    import redis
+
+    with pytest.raises(ConnectionError, match="127.0.0.1:1/0 does not answer"):
+        engine(tiny_model_dir, "redis://:secret@127.0.0.1:1/0")
+    assert public_url("redis://:secret@host:6379/0") == "redis://***@host:6379/0"
+
+    rng = random.Random(9)
+    conversation = [rng.randrange(3, 49152) for _ in range(41)]
+    parts = engine(tiny_model_dir, redis_url, kv_offload_store="computed")
+    expected = run(parts, "before", conversation, 6).output_token_ids
+    with redis.Redis.from_url(redis_url) as client:
+        client.shutdown(nosave=True)
+    run(parts, "other", [rng.randrange(3, 49152) for _ in range(60)], 1)  # evicts the conversation: stores fail
+    again = run(parts, "during", conversation, 6)  # Redis is gone: every block recomputed, same tokens
+    assert again.output_token_ids == expected and again.num_cached_tokens == 0
+    assert parts.scheduler.kv.pool.integrity_errors() == []
+    parts.scheduler.kv.close()
