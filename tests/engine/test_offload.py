@@ -317,3 +317,24 @@ def test_kv_events_count_a_block_in_a_tier_as_held_until_the_tier_lets_it_go(tin
     removed = {e.block_hash for e in kv.take_kv_events() if isinstance(e, KvBlockRemoved)}
     assert held <= removed and len(removed) == 6
     assert kv.pool.integrity_errors() == []
+
+
+def test_a_tier_namespace_follows_the_weights_content_not_their_copy(tmp_path):
+    """Two copies of the same weights (two hosts, or a re-copy: other modification times) share a namespace, so
+    they share a Redis tier's entries; other weights of the same shape do not."""
+    import os
+    import shutil
+
+    from pdserve_server.engine.offload.offloader import tier_namespace
+
+    a, b, c = (tmp_path / n for n in "abc")
+    for d in (a, b, c):
+        d.mkdir()
+    data = random.Random(0).randbytes(3 * 2**20)
+    (a / "model.safetensors").write_bytes(data)
+    shutil.copy(a / "model.safetensors", b / "model.safetensors")
+    os.utime(b / "model.safetensors", (1, 1))
+    (c / "model.safetensors").write_bytes(data[:-1] + bytes([data[-1] ^ 1]))  # one byte in the last MiB differs
+    ns = {d.name: tier_namespace("compat", EngineArgs(model_dir=str(d))) for d in (a, b, c)}
+    assert ns["a"] == ns["b"] != ns["c"]
+    assert tier_namespace("other-layout", EngineArgs(model_dir=str(a))) != ns["a"]
