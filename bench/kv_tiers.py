@@ -27,13 +27,15 @@ one thread each; decode workers never prefill) answers questions about one `--do
 prefill worker computes the document), then `--questions` at once (prefix-aware routing sends them to the worker
 that holds the document until its queue makes the other cheaper: that one computes the document again, or loads it),
 then as many again. Prompt tokens computed cluster-wide (the prefill workers' prefix-cache queries less hits) with
-tiers off, and with one disk directory both prefill workers share, storing every block as it is computed
+tiers off, with one disk directory both prefill workers share, and with one Redis server they share (the tier that
+spans hosts; started on a free port when `redis-server` is on PATH), each storing every block as it is computed
 (`--kv-offload-store computed`); the ideal is one cache for the whole cluster that keeps every prompt block
 (computed from the token ids: each prompt less its leading blocks an earlier wave computed).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import random
 import statistics
@@ -245,6 +247,45 @@ def cluster_main(args, model_dir: Path) -> None:
     print(json.dumps(shared), flush=True)
     print(json.dumps({"computed_cluster_wide_x_fewer": round(off["computed_cluster_wide"]
                                                              / shared["computed_cluster_wide"], 2)}), flush=True)
+    with redis_server() as url:  # the tier two hosts would share (here both workers are on this one)
+        if url is None:
+            print(json.dumps({"system": "shared-redis-computed", "skipped": "no redis-server on PATH"}), flush=True)
+            return
+        on_redis, outputs = cluster_run(model_dir, waves, args, "shared-redis-computed",
+                                        ["--kv-offload-redis-url", url, "--kv-offload-store", "computed"])
+    on_redis["outputs_equal_tiers_off"] = outputs == expected
+    print(json.dumps(on_redis), flush=True)
+
+
+@contextlib.contextmanager
+def redis_server():
+    """A Redis server on a free local port for the run (Debian's redis-server, bounded and LRU as docs/deploy.md
+    runs it), yielding its URL; None when there is no redis-server."""
+    import shutil
+    import socket
+    import subprocess
+
+    binary = shutil.which("redis-server")
+    if binary is None:
+        yield None
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory(prefix="kv-tier-redis-") as workdir:
+        server = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly",
+                                   "no", "--dir", workdir, "--maxmemory", "2gb", "--maxmemory-policy", "allkeys-lru"],
+                                  stdout=subprocess.DEVNULL)
+        try:
+            for _ in range(100):  # up to 10 s for it to listen
+                with socket.socket() as s:
+                    if s.connect_ex(("127.0.0.1", port)) == 0:
+                        break
+                time.sleep(0.1)
+            yield f"redis://127.0.0.1:{port}/0"
+        finally:
+            server.terminate()
+            server.wait(10)
 
 
 def main() -> None:
