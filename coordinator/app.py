@@ -11,6 +11,7 @@ import grpc
 from prometheus_client import CollectorRegistry
 
 from pdserve_server.coordinator.config import CoordinatorConfig
+from pdserve_server.coordinator.kv_relay import KvEventRelay
 from pdserve_server.coordinator.membership import Cluster, Membership
 from pdserve_server.coordinator.metrics import CoordinatorMetrics
 from pdserve_server.coordinator.router import LocalPrefillPolicy, Router
@@ -57,6 +58,8 @@ async def serve(config: CoordinatorConfig) -> None:
     cluster = Cluster(Router(), config.colocated,
                       LocalPrefillPolicy(config.local_prefill_tokens, config.local_prefill_fallback,
                                          config.local_prefill_queue))
+    if config.kv_events_relay:  # before the followers start: the relay sees every batch they apply
+        cluster.router.prefixes.relay = KvEventRelay()
     membership = Membership(config, cluster, interceptors=tracing.client_interceptors())
     await membership.wait_ready(config.connect_timeout_s)
     tokenizer = await asyncio.to_thread(Tokenizer, config.model_dir)

@@ -32,6 +32,8 @@ class CoordinatorConfig:
             run at their priority, bounded by their tenant's floor: `coordinator.scheduling.grant_priority`).
         isolate_prefix_cache_by_tenant: each tenant's prompts share prefix-cache blocks (pool, offload tiers) only
             with that tenant's (the tenant is the workers' cache salt, `SchedulingHints.cache_salt`).
+        kv_events_relay: serve the followed workers' KV events on the vLLM door's SubscribeKvEvents
+            (`coordinator.kv_relay`), for a gateway's event-driven cache-aware routing.
         reuse_port: bind the public port with SO_REUSEPORT, so several coordinator processes serve one address.
         request_timeout_s: deadline of each worker call, seconds.
         connect_timeout_s: at start, how long to wait for a live worker of every role, seconds.
@@ -88,6 +90,10 @@ class CoordinatorConfig:
         "help": "a tenant's cached prompt blocks (KV pool and offload tiers) serve only that tenant's requests, so "
                 "no tenant can learn from TTFT whether another sent a prompt; as strong as the tenant's identity: "
                 "with API keys the key decides, without them the request's tenant field or the peer address"})
+    kv_events_relay: bool = field(default=False, metadata={
+        "help": "relay the workers' KV events (workers started with --kv-events) on the vLLM door's "
+                "SubscribeKvEvents, as vLLM's, for smg's event-driven cache-aware routing; the stream shows every "
+                "cached prompt's tokens, so only for a port whose callers are trusted (the gateway)"})
     reuse_port: bool = field(default=False, metadata={
         "help": "share the port with other coordinators that ask for it too (SO_REUSEPORT: the kernel spreads "
                 "client connections among them; vLLM's --api-server-count); each keeps its own routing view"})

@@ -26,11 +26,12 @@ def apply(index: PrefixIndex, worker: str, batch: worker_pb2.KvEventBatch) -> No
     for event in batch.events:
         kind = event.WhichOneof("data")
         if kind == "stored":
-            index.stored(worker, event.stored.block_hash)
+            index.stored(worker, event.stored.block_hash, event.stored.parent_hash, event.stored.token_ids)
         elif kind == "removed":
             index.removed(worker, event.removed.block_hash)
         elif kind == "cleared":
             index.follow(worker)
+    index.events_applied()
 
 
 async def follow(handle: WorkerHandle, index: PrefixIndex, retry_s: float) -> None:

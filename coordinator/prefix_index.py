@@ -34,33 +34,55 @@ def block_hashes(token_ids: Sequence[int], block_size: int, cache_salt: str = ""
 
 class PrefixIndex:
     """Per worker address, an LRU set of the block hashes routed to it, or, for a worker whose KV events this
-    coordinator follows (`coordinator.kv_events`), exactly the blocks the worker reported holding."""
+    coordinator follows (`coordinator.kv_events`), exactly the blocks the worker reported holding.
+
+    Attributes:
+        relay: where the followed workers' reported blocks are relayed to a gateway (`kv_relay.KvEventRelay`,
+            `--kv-events-relay`); None = not relayed.
+    """
 
     def __init__(self) -> None:
         self._by_worker: dict[str, OrderedDict[bytes, None]] = {}
         self._followed: set[str] = set()  # workers indexed from their own events: routing records nothing
+        self.relay = None
 
     def follow(self, worker: str) -> None:
         """From now on the worker's entries come from its events (`stored`, `removed`), starting from none."""
         self._by_worker.pop(worker, None)
         self._followed.add(worker)
+        self._relay_forget(worker)
 
     def unfollow(self, worker: str) -> None:
         """Back to inferring the worker's entries from routing (its event stream is gone), starting from none."""
         self._by_worker.pop(worker, None)
         self._followed.discard(worker)
+        self._relay_forget(worker)
 
-    def stored(self, worker: str, block_hash: bytes) -> None:
-        """The worker reported holding this block."""
+    def _relay_forget(self, worker: str) -> None:
+        if self.relay is not None:
+            self.relay.forget(worker)
+            self.relay.flush()
+
+    def stored(self, worker: str, block_hash: bytes, parent_hash: bytes = b"", token_ids: Sequence[int] = ()) -> None:
+        """The worker reported holding this block (child of `parent_hash`, b"" for a prompt's first block)."""
         held = self._by_worker.setdefault(worker, OrderedDict())
         held[block_hash] = None
         held.move_to_end(block_hash)
+        if self.relay is not None:
+            self.relay.stored(worker, block_hash, parent_hash, token_ids)
 
     def removed(self, worker: str, block_hash: bytes) -> None:
         """The worker reported evicting this block."""
         held = self._by_worker.get(worker)
         if held is not None:
             held.pop(block_hash, None)
+        if self.relay is not None:
+            self.relay.removed(worker, block_hash)
+
+    def events_applied(self) -> None:
+        """A worker's batch of events is in: the relay sends what it changed as one batch."""
+        if self.relay is not None:
+            self.relay.flush()
 
     def overlap(self, worker: str, hashes: list[bytes]) -> int:
         """How many leading blocks of the prompt the worker probably has cached."""
@@ -89,3 +111,4 @@ class PrefixIndex:
     def forget(self, worker: str) -> None:
         """The worker's cache is gone (it restarted or left); whether it is followed stays as it was."""
         self._by_worker.pop(worker, None)
+        self._relay_forget(worker)

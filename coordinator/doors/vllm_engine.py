@@ -21,6 +21,7 @@ import asyncio
 import hashlib
 import io
 import json
+import logging
 import time
 import uuid
 import zipfile
@@ -39,6 +40,7 @@ from pdserve_server.coordinator.validation import check_prompt, check_prompt_len
 from pdserve.v1 import generate_pb2
 from pdserve_server.server_common.grpc_server import unimplemented_quietly
 
+log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["VllmEngine"].full_name  # "vllm.grpc.engine.VllmEngine"
 FINISH_REASON = {generate_pb2.FINISH_REASON_STOP: "stop", generate_pb2.FINISH_REASON_LENGTH: "length",
@@ -160,8 +162,8 @@ class _Reply:
 @unimplemented_quietly("pdserve's coordinator")
 class VllmEngineServicer(pb_grpc.VllmEngineServicer):
     """`vllm.grpc.engine.VllmEngine` over the coordinator's request path (see the module docstring). RPCs not
-    defined here (Embed, FlushCache, profiling, SubscribeKvEvents) answer UNIMPLEMENTED quietly
-    (`unimplemented_quietly`).
+    defined here (Embed, FlushCache, profiling) answer UNIMPLEMENTED quietly (`unimplemented_quietly`), and
+    SubscribeKvEvents does without `--kv-events-relay`.
 
     Args:
         path: the coordinator's request path (shared by every door).
@@ -276,6 +278,20 @@ class VllmEngineServicer(pb_grpc.VllmEngineServicer):
             token_usage=used / total if total else 0.0, cache_hit_rate=hits / queried if queried else 0.0)
         return pb.GetLoadsResponse(timestamp=datetime.now(timezone.utc).isoformat(), version=_version(),
                                    dp_rank_count=1, loads=[load])
+
+    async def SubscribeKvEvents(self, request: common_pb2.SubscribeKvEventsRequest, context):
+        """The workers' KV events as one engine's (`coordinator.kv_relay`), from `start_sequence_number` (0: a
+        snapshot of the live blocks first). UNIMPLEMENTED unless the coordinator runs with --kv-events-relay."""
+        relay = self.cluster.router.prefixes.relay
+        if relay is None:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED,
+                                "KV events are not relayed here: start the coordinator with --kv-events-relay "
+                                "(and its workers with --kv-events)")
+        agent = dict(context.invocation_metadata() or ()).get("user-agent", "")
+        log.info("KV events: a subscriber at %s (%s) from sequence %d", context.peer(), agent,
+                 request.start_sequence_number)
+        async for batch in relay.subscribe(request.start_sequence_number):
+            yield batch
 
     async def GetTokenizer(self, request, context):
         """The model directory's tokenizer files (tokenizer.json, configs, chat templates) as a zip, streamed in

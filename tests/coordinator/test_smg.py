@@ -28,14 +28,17 @@ from helpers import assert_idle, free_port
 
 pytestmark = pytest.mark.e2e
 
-WORKER_ARGS = ["--dtype", "float32", "--kv-tokens", "2048", "--max-model-len", "512", "--connector", "tcp"]
+# Workers publish KV events and the coordinator relays them (`coordinator.kv_relay`): smg subscribes as it connects,
+# so every gateway test below runs with smg reading the relayed stream.
+WORKER_ARGS = ["--dtype", "float32", "--kv-tokens", "2048", "--max-model-len", "512", "--connector", "tcp",
+               "--kv-events"]
 SMG_START_TIMEOUT_S = 180.0  # generous: the gateway starts in seconds, but this machine may be busy
 CALL_TIMEOUT_S = 120.0
 
 
 @pytest.fixture(scope="module")
 def cluster(tiny_model_dir, launch_module):
-    return launch_module(tiny_model_dir, worker_args=WORKER_ARGS)
+    return launch_module(tiny_model_dir, worker_args=WORKER_ARGS, coordinator_args=["--kv-events-relay"])
 
 
 @pytest.fixture(scope="module")
@@ -185,12 +188,61 @@ def test_info_health_loads_and_tokenizer(cluster, engine, tiny_model_dir):
     with pytest.raises(grpc.RpcError) as e:
         engine.Embed(pb.EmbedRequest(request_id="e"), timeout=30)
     assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED
-    # smg subscribes to KV events as it connects: a quiet UNIMPLEMENTED, no ERROR with a traceback in our log
+    # an RPC we do not serve: a quiet UNIMPLEMENTED, no ERROR with a traceback in our log
     with pytest.raises(grpc.RpcError) as e:
-        list(engine.SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest(), timeout=30))
-    assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED and "SubscribeKvEvents is not served" in e.value.details()
+        engine.FlushCache(common_pb2.FlushCacheRequest(), timeout=30)
+    assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED and "FlushCache is not served" in e.value.details()
     log = Path(cluster.log_files["coordinator"]).read_text()
     assert "NotImplementedError" not in log and "Traceback" not in log
+
+
+def test_kv_events_reach_an_smg_client_as_vllms(cluster, engine):
+    """A worker's KV events (--kv-events), relayed by the coordinator (--kv-events-relay) on the vLLM door as one
+    engine's: every full block of a prompt arrives stored once (the prefill and the decode worker both hold it),
+    with vLLM's int64 hash of our key, its parent's and its tokens; a resubscription from 0 gets them in a
+    snapshot."""
+    import random
+
+    from pdserve_server.coordinator.kv_relay import int64_hash
+    from pdserve_server.coordinator.prefix_index import block_hashes
+
+    block = engine.GetServerInfo(pb.GetServerInfoRequest(), timeout=30).block_size
+    prompt = [random.Random(17).randrange(3, 49152) for _ in range(100)]
+    keys = [int64_hash(h) for h in block_hashes(prompt, block)]
+    expected = {k: prompt[i * block:(i + 1) * block] for i, k in enumerate(keys)}
+    parents = {k: keys[i - 1] for i, k in enumerate(keys) if i}
+
+    def stored_until_complete(call) -> tuple[dict, list]:
+        seen, batches = {}, []
+        for batch in call:
+            batches.append(batch)
+            for event in batch.events:
+                if event.WhichOneof("data") == "stored":
+                    for b in event.stored.blocks:
+                        if b.block_hash in expected:
+                            assert b.block_hash not in seen or batch.HasField("snapshot"), "stored twice"
+                            seen[b.block_hash] = (list(b.token_ids), b.block_size,
+                                                  event.stored.parent_block_hash
+                                                  if event.stored.HasField("parent_block_hash") else None)
+            if len(seen) == len(expected):
+                call.cancel()
+                return seen, batches
+        raise AssertionError(f"the stream ended with {len(seen)} of {len(expected)} blocks")
+
+    live = engine.SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest(start_sequence_number=0), timeout=60)
+    with Client(cluster.address) as client:
+        client.complete(prompt, greedy(2))
+    seen, batches = stored_until_complete(live)
+    assert {k: v[0] for k, v in seen.items()} == expected and {v[1] for v in seen.values()} == {block}
+    assert {k: v[2] for k, v in seen.items() if k in parents} == parents and seen[keys[0]][2] is None
+    numbers = [b.sequence_number for b in batches]
+    assert numbers == sorted(numbers) and len(set(numbers)) == len(numbers)
+
+    again = engine.SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest(start_sequence_number=0), timeout=60)
+    seen, batches = stored_until_complete(again)  # held by the workers still: in the snapshot
+    first = batches[0]
+    assert first.HasField("snapshot") and first.snapshot.index == 0 and first.events[0].WhichOneof("data") == "cleared"
+    assert {k: v[0] for k, v in seen.items()} == expected
 
 
 def test_standard_health_and_reflection_know_the_service(cluster):
@@ -263,6 +315,18 @@ def openai_client(gateway):
 
 
 MESSAGES = [{"role": "user", "content": "Count from 1 to 10."}]
+
+
+def test_smg_subscribes_to_the_relayed_kv_events(cluster, gateway):
+    """The real gateway follows the coordinator's relayed KV events (`--kv-events-relay`): a subscriber that is not
+    this test's Python client appears in the coordinator's log once smg is up."""
+    from helpers import wait_for
+
+    def smg_subscribed() -> bool:
+        lines = Path(cluster.log_files["coordinator"]).read_text().splitlines()
+        return any("KV events: a subscriber" in line and "grpc-python" not in line for line in lines)
+
+    wait_for(smg_subscribed, 60, "smg to subscribe to the relayed KV events")
 
 
 def test_chat_through_smg_equals_our_api(cluster, openai_client):
