@@ -14,8 +14,11 @@ as in multi-turn chat. Every request is checked:
 
 Reports the counts, throughput, goodput (requests/s within --ttft-slo-ms and --tpot-slo-ms), TTFT / TPOT
 percentiles, the first token's relay (the coordinator's TTFT less the queue and prefill times the prefill worker
-reports: from the token sampled to it sent to the client), the prompt tokens the workers' prefix caches served,
-and the coordinator's CPU per 1,000 streamed tokens.
+reports: from the token sampled to it sent to the client), the prompt tokens the workers' prefix caches served
+(`prefix_hit`) against an oracle's (`oracle_hit`: the leading full blocks of each prompt that some earlier
+request's prompt computed before this one was sent, i.e. one unbounded cache for the cluster and routing that
+always finds it; `prefix_hit_of_oracle` is the ratio), and the coordinator's CPU per 1,000 streamed tokens.
+`--worker-args "--kv-events"` routes by the workers' KV events instead of the coordinator's inferred index.
 
     python bench/cluster_sim.py [--prefill 8] [--decode 24] [--rate 20] [--duration-s 600] [--out FILE]
 """
@@ -70,20 +73,26 @@ async def main_async(a, address: str, plan: list[tuple[float, list[int], int, li
     from pdserve import AsyncClient, SamplingParams
 
     clients = [AsyncClient(address) for _ in range(a.channels)]
+    ok: list[int] = []
     stats = dict(requests=len(plan), ok=0, wrong=0, failed=0, hung=0, tokens=0, prompt_tokens=0, cached_tokens=0,
                  within_slo=0)
     ttft, tpot, errors, added = [], [], [], []
+    computed_at: list[float | None] = [None] * len(plan)  # each request's first token (its prompt cached), s
+    sent_at: list[float] = [0.0] * len(plan)
     t0 = time.perf_counter()
 
     async def one(i: int, prompt: list[int], n: int, expected: list[int]) -> None:
         start, first, got = time.perf_counter(), None, []
+        sent_at[i] = start - t0
         try:
             async def stream():
                 nonlocal first
                 async for chunk in clients[i % len(clients)].generate(prompt, SamplingParams(max_tokens=n,
                                                                                            temperature=0.0)):
                     if chunk.token_ids:
-                        first = first or time.perf_counter()
+                        if first is None:
+                            first = time.perf_counter()
+                            computed_at[i] = first - t0
                         got.extend(chunk.token_ids)
                     if chunk.final is not None:
                         stats["cached_tokens"] += chunk.final.cached_prompt_tokens
@@ -102,6 +111,7 @@ async def main_async(a, address: str, plan: list[tuple[float, list[int], int, li
             stats["wrong"] += 1
             return
         stats["ok"] += 1
+        ok.append(i)
         stats["tokens"] += n
         stats["prompt_tokens"] += len(prompt)
         ttft.append((first - start) * 1e3)
@@ -126,10 +136,36 @@ async def main_async(a, address: str, plan: list[tuple[float, list[int], int, li
     stats.update(wall_s=wall, tok_per_s=stats["tokens"] / wall, req_per_s=stats["ok"] / wall,
                  goodput=stats["within_slo"] / wall,
                  prefix_hit=stats["cached_tokens"] / max(stats["prompt_tokens"], 1),
+                 oracle_hit=oracle_hit(plan, ok, sent_at, computed_at, a.block_size),
                  ttft_ms_p50=pct(ttft, 0.5), ttft_ms_p99=pct(ttft, 0.99), tpot_ms_p50=pct(tpot, 0.5),
                  tpot_ms_p99=pct(tpot, 0.99), relay_ttft_ms_p50=pct(added, 0.5),
                  relay_ttft_ms_p99=pct(added, 0.99), errors=errors[:20])
     return stats
+
+
+def oracle_hit(plan, ok: list[int], sent_at: list[float], computed_at: list[float | None],
+               block_size: int) -> float:
+    """The share of the ok requests' prompt tokens an oracle serves from cache (module docstring): per request, its
+    leading full blocks (at most (len - 1) // block_size, as the engine leaves a token to compute) whose chained
+    hash some request computed before this one was sent (that request's first token came earlier)."""
+    from pdserve_server.coordinator.prefix_index import block_hashes
+
+    order = sorted((t, i) for i, t in enumerate(computed_at) if t is not None)
+    cached: set[bytes] = set()
+    served = total = j = 0
+    for i in sorted(ok, key=lambda k: sent_at[k]):
+        while j < len(order) and order[j][0] < sent_at[i]:
+            cached.update(block_hashes(plan[order[j][1]][1], block_size))
+            j += 1
+        prompt = plan[i][1]
+        hits = 0
+        for h in block_hashes(prompt, block_size)[:(len(prompt) - 1) // block_size]:
+            if h not in cached:
+                break
+            hits += 1
+        served += hits * block_size
+        total += len(prompt)
+    return served / max(total, 1)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -154,6 +190,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--progress", action="store_true")
     p.add_argument("--coordinator-args", default="", help="extra coordinator flags, space separated")
+    p.add_argument("--worker-args", default="", help="extra worker flags, space separated (e.g. --kv-events)")
+    p.add_argument("--block-size", type=int, default=16, help="the workers' KV block size (for the oracle)")
     p.add_argument("--out", type=Path)
     return p
 
@@ -173,7 +211,8 @@ def main(argv: list[str] | None = None) -> int:
     worker_args = ["--mock-engine", a.profile, "--mock-speedup", str(a.speedup), "--no-engine-process",
                    "--kv-tokens", str(a.kv_tokens), "--max-num-seqs", "256", "--max-num-batched-tokens", "4096",
                    "--max-model-len", str(a.max_prompt + a.output_max + 16), "--threads", "1",
-                   "--connector", "tcp", "--stream-interval", str(a.stream_interval)]
+                   "--connector", "tcp", "--stream-interval", str(a.stream_interval), "--block-size",
+                   str(a.block_size), *a.worker_args.split()]
     print(f"starting 1 coordinator + {a.prefill} prefill + {a.decode} decode mock workers ({a.profile}, "
           f"x{a.speedup:g}); {a.rate:g} req/s for {a.duration_s:g} s", flush=True)
     started = time.perf_counter()
@@ -194,6 +233,7 @@ def main(argv: list[str] | None = None) -> int:
         stats.update(coord_cpu_s_per_1k_tokens=(after[0] - before[0]) / max(stats["tokens"], 1) * 1e3,
                      coord_core=(after[0] - before[0]) / stats["wall_s"],
                      workers_core=(after[1] - before[1]) / stats["wall_s"])
+        stats["prefix_hit_of_oracle"] = stats["prefix_hit"] / stats["oracle_hit"] if stats["oracle_hit"] else None
         doc.update(stats)
     finally:
         cluster.stop()
