@@ -18,7 +18,7 @@ reports: from the token sampled to it sent to the client), the prompt tokens the
 (`prefix_hit`) against an oracle's (`oracle_hit`: the leading full blocks of each prompt that some earlier
 request's prompt computed before this one was sent, i.e. one unbounded cache for the cluster and routing that
 always finds it; `prefix_hit_of_oracle` is the ratio), and the coordinator's CPU per 1,000 streamed tokens.
-`--worker-args "--kv-events"` routes by the workers' KV events instead of the coordinator's inferred index.
+`--worker-args=--kv-events` routes by the workers' KV events instead of the coordinator's inferred index.
 
     python bench/cluster_sim.py [--prefill 8] [--decode 24] [--rate 20] [--duration-s 600] [--out FILE]
 """
