@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import logging
 import os
-import queue
-import threading
 from collections import OrderedDict, deque
 from pathlib import Path
 
@@ -23,10 +21,9 @@ import torch
 from pdserve_server.engine.offload import entry
 from pdserve_server.engine.offload.entry import HEADER
 from pdserve_server.engine.offload.stats import DROPPED_KEYS, TierStats
+from pdserve_server.engine.offload.writes import WriteQueue
 
 log = logging.getLogger(__name__)
-
-QUEUE_BLOCKS = 256  # blocks waiting for the writer at most; more are not stored (counted as dropped)
 
 
 class DiskTier:
@@ -60,14 +57,11 @@ class DiskTier:
         self.entry_bytes = entry_bytes
         self.counters = TierStats(self.name)
         self.dropped: deque[bytes] = deque(maxlen=DROPPED_KEYS)  # keys let go of (either thread appends)
-        self._lock = threading.Lock()  # guards _index, _bytes and _pending between the two threads
         self._index: OrderedDict[bytes, int] = OrderedDict()  # key -> file bytes, least recently used first
         self._bytes = 0
-        self._pending: dict[bytes, torch.Tensor] = {}  # queued for the writer, readable meanwhile
-        self._queue: queue.Queue = queue.Queue(QUEUE_BLOCKS)
         self._scan()
-        self._writer = threading.Thread(target=self._write_loop, name="kv-disk-tier", daemon=True)
-        self._writer.start()
+        self._writes = WriteQueue("kv-disk-tier", self._store, self.counters)
+        self._lock = self._writes.lock  # guards _index and _bytes too, between the engine thread and the writer
 
     def _path(self, key: bytes) -> Path:
         name = key.hex()
@@ -92,15 +86,14 @@ class DiskTier:
 
     def contains(self, key: bytes) -> bool:
         with self._lock:
-            if key in self._pending or key in self._index:
+            if self._writes.holds(key) or key in self._index:
                 return True
         return self._path(key).is_file()
 
     def get(self, key: bytes) -> torch.Tensor | None:
         """The payload stored under key (1-D uint8 CPU tensor), or None when absent, truncated or corrupt (a bad
         entry is deleted and counted)."""
-        with self._lock:
-            payload = self._pending.get(key)
+        payload = self._writes.queued(key)
         if payload is not None:
             return payload
         path = self._path(key)
@@ -136,36 +129,23 @@ class DiskTier:
 
     def put(self, key: bytes, payload: torch.Tensor) -> bool:
         """Queue payload (1-D uint8 CPU tensor of entry_bytes, which the caller no longer writes) to be written under
-        key; nothing when the key is held already, or when the writer is QUEUE_BLOCKS behind (counted as dropped).
+        key; nothing when the key is held already, or when the writer is behind (`WriteQueue`, counted as dropped).
         Returns whether the tier holds key now (queued entries are read from the queue)."""
-        with self._lock:
-            if key in self._pending or key in self._index:
-                return True
-            self._pending[key] = payload
-        try:
-            self._queue.put_nowait((key, payload))
-        except queue.Full:
-            with self._lock:
-                self._pending.pop(key, None)
-            self.counters.dropped += 1
-            return False
-        return True
+        return self._writes.put(key, payload, held=lambda k: k in self._index)
 
-    def _write_loop(self) -> None:
-        while (item := self._queue.get()) is not None:
-            key, payload = item
-            try:
-                size = self._write(key, payload)
-            except OSError as e:  # a full or read-only disk: the block is simply not kept
-                log.warning("disk KV tier: cannot write a block (%s)", e)
-                size = None
-            with self._lock:
-                self._pending.pop(key, None)
-                if size is not None and key not in self._index:
-                    self._index[key] = size
-                    self._bytes += size
-                    self.counters.stored_bytes += payload.nbytes
-                self._trim()
+    def _store(self, key: bytes, payload: torch.Tensor) -> None:
+        """The writer thread's: write one entry, then index it and keep the tier within its size."""
+        try:
+            size = self._write(key, payload)
+        except OSError as e:  # a full or read-only disk: the block is simply not kept
+            log.warning("disk KV tier: cannot write a block (%s)", e)
+            return
+        with self._lock:
+            if key not in self._index:
+                self._index[key] = size
+                self._bytes += size
+                self.counters.stored_bytes += payload.nbytes
+            self._trim()
 
     def _write(self, key: bytes, payload: torch.Tensor) -> int:
         body = payload.numpy().data
@@ -189,5 +169,4 @@ class DiskTier:
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Write what is queued, then stop the writer (at most timeout_s, seconds)."""
-        self._queue.put(None)
-        self._writer.join(timeout_s)
+        self._writes.close(timeout_s)

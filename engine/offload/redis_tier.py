@@ -16,8 +16,6 @@ key (the checksum catches damage, not a writer that lies), as the KV transfer ne
 from __future__ import annotations
 
 import logging
-import queue
-import threading
 import time
 from collections import deque
 
@@ -25,10 +23,10 @@ import torch
 
 from pdserve_server.engine.offload import entry
 from pdserve_server.engine.offload.stats import DROPPED_KEYS, TierStats
+from pdserve_server.engine.offload.writes import WriteQueue
 
 log = logging.getLogger(__name__)
 
-QUEUE_BLOCKS = 256  # blocks waiting for the writer at most; more are not stored (counted as dropped)
 TIMEOUT_S = 2.0  # connect and per-command socket timeout: a stuck server must not hang the engine thread longer
 RETRY_S = 10.0  # after a failed command the tier is skipped (misses, writes dropped) this long before trying again
 
@@ -67,14 +65,10 @@ class RedisTier:
         except redis.RedisError as e:
             self._client.close()
             raise ConnectionError(f"the Redis KV tier at {public_url(url)} does not answer: {e}") from None
-        self._lock = threading.Lock()  # guards _pending between the engine thread and the writer
-        self._pending: dict[bytes, torch.Tensor] = {}  # queued for the writer, readable meanwhile
         self._peeked: tuple[bytes, bytes] | None = None  # the value `contains` fetched, for the `get` that follows
         self._failing = False  # warned about an outage already
         self._retry_at = 0.0  # time.monotonic() before which the server is not asked (an outage's back-off)
-        self._queue: queue.Queue = queue.Queue(QUEUE_BLOCKS)
-        self._writer = threading.Thread(target=self._write_loop, name="kv-redis-tier", daemon=True)
-        self._writer.start()
+        self._writes = WriteQueue("kv-redis-tier", self._store, self.counters)
 
     def _key(self, key: bytes) -> bytes:
         return self._prefix + key.hex().encode()
@@ -99,9 +93,8 @@ class RedisTier:
             self._failing = True
 
     def contains(self, key: bytes) -> bool:
-        with self._lock:
-            if key in self._pending:
-                return True
+        if self._writes.queued(key) is not None:
+            return True
         data = self._fetch(key)
         self._peeked = (key, data) if data is not None else None
         return data is not None
@@ -109,8 +102,7 @@ class RedisTier:
     def get(self, key: bytes) -> torch.Tensor | None:
         """The payload stored under key (1-D uint8 CPU tensor), or None when absent, unreachable, truncated or
         corrupt (a bad value is deleted and counted)."""
-        with self._lock:
-            pending = self._pending.get(key)
+        pending = self._writes.queued(key)
         if pending is not None:
             return pending
         peeked, self._peeked = self._peeked, None
@@ -131,45 +123,28 @@ class RedisTier:
 
     def put(self, key: bytes, payload: torch.Tensor) -> bool:
         """Queue payload (1-D uint8 CPU tensor of entry_bytes, which the caller no longer writes) to be stored under
-        key; dropped (counted) when the writer is QUEUE_BLOCKS behind. Returns whether the tier holds key now as
+        key; dropped (counted) when the writer is behind (`WriteQueue`). Returns whether the tier holds key now as
         far as this worker knows (queued entries are read from the queue)."""
-        with self._lock:
-            if key in self._pending:
-                return True
-            self._pending[key] = payload
-        try:
-            self._queue.put_nowait((key, payload))
-        except queue.Full:
-            with self._lock:
-                self._pending.pop(key, None)
-            self.counters.dropped += 1
-            return False
-        return True
+        return self._writes.put(key, payload)
 
-    def _write_loop(self) -> None:
-        while (item := self._queue.get()) is not None:
-            key, payload = item
-            body = payload.numpy().data
-            if time.monotonic() < self._retry_at:  # an outage: not stored
-                self.counters.dropped += 1
-                with self._lock:
-                    self._pending.pop(key, None)
-                continue
-            try:
-                # NX: a block is the same whoever computed it; the first copy stands (no rewrite, and its LRU age
-                # in Redis is refreshed by the GETs that use it)
-                self._client.set(self._key(key), entry.header(body) + bytes(body), nx=True)
-                self.counters.stored_bytes += len(body)
-            except self._errors as e:
-                self._warn(e)
-                self.counters.dropped += 1
-            with self._lock:
-                self._pending.pop(key, None)
+    def _store(self, key: bytes, payload: torch.Tensor) -> None:
+        """The writer thread's: one SET, unless the server is in its outage back-off (then the block is dropped)."""
+        if time.monotonic() < self._retry_at:
+            self.counters.dropped += 1
+            return
+        body = payload.numpy().data
+        try:
+            # NX: a block is the same whoever computed it; the first copy stands (no rewrite, and its LRU age in
+            # Redis is refreshed by the GETs that use it)
+            self._client.set(self._key(key), entry.header(body) + bytes(body), nx=True)
+            self.counters.stored_bytes += len(body)
+        except self._errors as e:
+            self._warn(e)
+            self.counters.dropped += 1
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Store what is queued, then stop the writer (at most timeout_s, seconds) and disconnect."""
-        self._queue.put(None)
-        self._writer.join(timeout_s)
+        self._writes.close(timeout_s)
         self._client.close()
 
 

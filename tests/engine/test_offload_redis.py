@@ -7,6 +7,7 @@ import random
 import pytest
 import torch
 from conftest import hf_greedy
+from helpers import wait_for
 
 from pdserve_server.engine.args import EngineArgs
 from pdserve_server.engine.builder import build_engine
@@ -90,6 +91,10 @@ def test_an_unreachable_redis_refuses_the_start_and_an_outage_costs_only_recompu
     with redis.Redis.from_url(redis_url) as client:
         client.shutdown(nosave=True)
     run(parts, "other", [rng.randrange(3, 49152) for _ in range(60)], 1)  # evicts the conversation: stores fail
+    (tier,) = parts.scheduler.kv.offload.tiers
+    # the writer has given up on the conversation's 5 evicted blocks (a block still queued would be served from the
+    # queue, correctly, but this checks the outage's path)
+    wait_for(lambda: tier.counters.dropped >= 5, 30, "the writer to drop the blocks it cannot store")
     again = run(parts, "during", conversation, 6)  # Redis is gone: every block recomputed, same tokens
     assert again.output_token_ids == expected and again.num_cached_tokens == 0
     assert parts.scheduler.kv.pool.integrity_errors() == []
