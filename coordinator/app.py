@@ -10,6 +10,7 @@ import logging
 import grpc
 from prometheus_client import CollectorRegistry
 
+from pdserve_server.coordinator.capacity import CapacityPlanner
 from pdserve_server.coordinator.config import CoordinatorConfig
 from pdserve_server.coordinator.kv_relay import KvEventRelay
 from pdserve_server.coordinator.membership import Cluster, Membership
@@ -24,6 +25,7 @@ from pdserve_server.coordinator.doors.generation import GenerationServicer
 from pdserve_server.coordinator.doors.vllm_engine import SERVICE_NAME as VLLM_ENGINE_SERVICE, VllmEngineServicer
 from pdserve.v1 import generate_pb2_grpc
 from pdserve_server.server_common.addresses import advertise_host
+from pdserve_server.server_common.errors import CommandError
 from pdserve_server.server_common.grpc_server import start_grpc_server, write_ready_file
 from pdserve_server.server_common.metrics import metrics_url, start_metrics_server
 from pdserve_server.server_common.security import key_id, read_api_keys
@@ -41,6 +43,21 @@ def _add_servicers(server: grpc.aio.Server, path: RequestPath) -> None:
     kserve.add_to_server(kserve.KServeServicer(path), server)
 
 
+def _capacity_planner(config: CoordinatorConfig, registry: CollectorRegistry) -> CapacityPlanner | None:
+    """The planner's gauges for an autoscaler (`coordinator.capacity`) when --planner-profile names a profile.
+
+    Raises:
+        CommandError: an unknown profile (the message lists the shipped ones).
+    """
+    if not config.planner_profile:
+        return None
+    try:
+        return CapacityPlanner(config.planner_profile, config.planner_ttft_ms, config.planner_itl_ms,
+                               config.planner_max_workers, config.planner_window_s, registry, config.model_name)
+    except ValueError as e:
+        raise CommandError(f"--planner-profile: {e}") from None
+
+
 async def serve(config: CoordinatorConfig) -> None:
     """Find live workers, then serve the public API until cancelled (SIGTERM drains).
 
@@ -54,6 +71,8 @@ async def serve(config: CoordinatorConfig) -> None:
         CommandError: no live worker of a needed role within config.connect_timeout_s.
     """
     tenants = read_tenants(config.tenant_weights)  # a typo fails the start, before any wait
+    registry = CollectorRegistry()
+    capacity = _capacity_planner(config, registry)  # likewise an unknown profile
     tracing = Tracing.from_env("pdserve-coordinator")
     cluster = Cluster(Router(), config.colocated,
                       LocalPrefillPolicy(config.local_prefill_tokens, config.local_prefill_fallback,
@@ -63,10 +82,10 @@ async def serve(config: CoordinatorConfig) -> None:
     membership = Membership(config, cluster, interceptors=tracing.client_interceptors())
     await membership.wait_ready(config.connect_timeout_s)
     tokenizer = await asyncio.to_thread(Tokenizer, config.model_dir)
-    registry = CollectorRegistry()
     api_keys = read_api_keys(config.api_keys_file)
     path = RequestPath(config, cluster, tokenizer, CoordinatorMetrics(registry, config.model_name),
-                       on_worker_lost=membership.report_lost, keys_required=bool(api_keys), tenants=tenants)
+                       on_worker_lost=membership.report_lost, keys_required=bool(api_keys), tenants=tenants,
+                       on_finished=capacity.observe if capacity is not None else lambda record: None)
     if api_keys:  # the names --tenant-weights (and the access log's refusals) know the keys by
         log.info("API keys: %d, ids %s", len(api_keys), ", ".join(sorted({key_id(k) for k in api_keys})))
     metrics = (start_metrics_server(config.server.host, config.server.metrics_port, registry)
@@ -99,13 +118,16 @@ async def serve(config: CoordinatorConfig) -> None:
     write_ready_file(config.server.ready_file, address, tls=config.server.tls,
                      **metrics_url(config.server, metrics))
     poller = asyncio.create_task(membership.run())
+    planner = asyncio.create_task(capacity.run()) if capacity is not None else None
     try:
         await running.serve_until_cancelled(config.server.drain_timeout_s, in_flight=lambda: len(cluster.flows),
                                             cut=lambda: [f.shut_down() for f in list(cluster.flows.values())])
     finally:
-        poller.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await poller
+        for task in (poller, planner):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         await membership.close()
         if metrics is not None:
             metrics.close()

@@ -34,6 +34,10 @@ class CoordinatorConfig:
             with that tenant's (the tenant is the workers' cache salt, `SchedulingHints.cache_salt`).
         kv_events_relay: serve the followed workers' KV events on the vLLM door's SubscribeKvEvents
             (`coordinator.kv_relay`), for a gateway's event-driven cache-aware routing.
+        planner_profile: a step-time profile of the workers' device and model; with it the coordinator exports the
+            planner's worker counts for the traffic it sees (`coordinator.capacity`); "" = off.
+        planner_ttft_ms / planner_itl_ms: the objectives it plans for, ms. planner_max_workers: the most workers a
+            plan may use. planner_window_s: seconds of finished requests a plan is for.
         reuse_port: bind the public port with SO_REUSEPORT, so several coordinator processes serve one address.
         request_timeout_s: deadline of each worker call, seconds.
         connect_timeout_s: at start, how long to wait for a live worker of every role, seconds.
@@ -94,6 +98,15 @@ class CoordinatorConfig:
         "help": "relay the workers' KV events (workers started with --kv-events) on the vLLM door's "
                 "SubscribeKvEvents, as vLLM's, for smg's event-driven cache-aware routing; the stream shows every "
                 "cached prompt's tokens, so only for a port whose callers are trusted (the gateway)"})
+    planner_profile: str = field(default="", metadata={
+        "help": "export how many prefill and decode workers the traffic seen needs (pdserve:planner_recommended_"
+                "workers{role}, for an autoscaler), planned on this step-time profile of the workers' device and "
+                "model: a shipped name (llama-3.1-8b-h200, smollm2-135m-h200) or a profile file; empty = off"})
+    planner_ttft_ms: float = field(default=2000.0, metadata={"gt": 0, "help": "the planner's TTFT objective, ms"})
+    planner_itl_ms: float = field(default=50.0, metadata={"gt": 0, "help": "the planner's ITL objective, ms"})
+    planner_max_workers: int = field(default=64, metadata={"min": 2, "help": "the most workers a plan may use"})
+    planner_window_s: float = field(default=60.0, metadata={"gt": 0,
+        "help": "seconds of finished requests the plan is for (re-planned every quarter of it)"})
     reuse_port: bool = field(default=False, metadata={
         "help": "share the port with other coordinators that ask for it too (SO_REUSEPORT: the kernel spreads "
                 "client connections among them; vLLM's --api-server-count); each keeps its own routing view"})

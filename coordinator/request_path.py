@@ -102,13 +102,16 @@ class RequestPath:
         keys_required: the port authenticates API keys (a presented key then names the caller and the tenant).
         tenants: tenant -> weight and priority floor (`scheduling.read_tenants`); others weigh 1 with the default
             floor.
+        on_finished: called with each request's record as it ends (`capacity.CapacityPlanner.observe`).
     """
 
     def __init__(self, config: CoordinatorConfig, cluster: Cluster, tokenizer: Tokenizer,
                  metrics: CoordinatorMetrics, on_worker_lost: Callable[[str, str], None] = lambda address, why: None,
-                 keys_required: bool = False, tenants: Mapping[str, Tenant] | None = None):
+                 keys_required: bool = False, tenants: Mapping[str, Tenant] | None = None,
+                 on_finished: Callable[[RequestRecord], None] = lambda record: None):
         self.config, self.cluster, self.tokenizer, self.metrics = config, cluster, tokenizer, metrics
         self.on_worker_lost = on_worker_lost
+        self.on_finished = on_finished
         self.keys_required = keys_required
         self.tenants = dict(tenants or {})
         self.admission = Admission(config, cluster.flows)
@@ -209,6 +212,7 @@ class RequestPath:
     def _finished(self, record: RequestRecord, error: str) -> None:
         """Metrics, trace attributes and the access log line, once per request however it ended."""
         self.metrics.observe(record)
+        self.on_finished(record)
         span = trace.get_current_span()
         if span.is_recording():
             span.set_attributes({

@@ -148,6 +148,32 @@ def recommend(prefill_model: StepTimeModel, decode_model: StepTimeModel, traffic
     return estimate(prefill_model, decode_model, traffic, objectives, p, d, budget, max_batch), table
 
 
+def minimal_split(prefill_model: StepTimeModel, decode_model: StepTimeModel, traffic: Traffic,
+                  objectives: Objectives, max_workers: int, budget: int = 4096,
+                  max_batch: int = 256) -> SplitEstimate | None:
+    """The cheapest split that meets the objectives at `traffic.rate`, with at most `max_workers` workers, or None.
+
+    In this model the phases are independent (TTFT depends on P alone, ITL on D alone), so the cheapest split is
+    the fewest prefill workers whose TTFT holds with the fewest decode workers whose ITL holds: O(max_workers)
+    estimates, not `recommend`'s sweep of every split's goodput (what a running coordinator can afford every few
+    seconds, `coordinator.capacity`). Same choice as `recommend`'s (the split of that size is unique).
+
+    Raises:
+        ValueError: max_workers < 2.
+    """
+    if max_workers < 2:
+        raise ValueError("a disaggregated split needs at least 2 workers")
+    prefill = next((p for p in range(1, max_workers) if estimate(prefill_model, decode_model, traffic, objectives, p,
+                                                                 1, budget, max_batch).ttft_ms <= objectives.ttft_ms),
+                   None)
+    decode = next((d for d in range(1, max_workers) if estimate(prefill_model, decode_model, traffic, objectives, 1,
+                                                                d, budget, max_batch).itl_ms <= objectives.itl_ms),
+                  None)
+    if prefill is None or decode is None or prefill + decode > max_workers:
+        return None
+    return estimate(prefill_model, decode_model, traffic, objectives, prefill, decode, budget, max_batch)
+
+
 def best_split(prefill_model: StepTimeModel, decode_model: StepTimeModel, traffic: Traffic, objectives: Objectives,
                workers: int, budget: int = 4096, max_batch: int = 256) -> tuple[int, int, float]:
     """Of the splits of exactly `workers` workers, the one with the most goodput: (P, D, requests/s).

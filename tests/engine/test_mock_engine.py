@@ -252,13 +252,17 @@ def test_planner_goodput_matches_the_hand_computed_queueing_model():
 
 
 def test_planner_recommends_the_cheapest_split_that_meets_the_objectives():
-    from pdserve_server.engine.mock.planner import Objectives, Traffic, best_split, recommend
+    from pdserve_server.engine.mock.planner import Objectives, Traffic, best_split, minimal_split, recommend
 
     objectives = Objectives(ttft_ms=20.0, itl_ms=12.0)
     choice, table = recommend(FLAT, FLAT, Traffic(100.0, 1000, 100), objectives, max_workers=4)
     assert (choice.prefill, choice.decode) == (2, 1) and choice.meets
     assert len(table) == 6 and (1, 1, pytest.approx(200 / 3, rel=1e-6)) in table
     assert recommend(FLAT, FLAT, Traffic(1000.0, 1000, 100), objectives, max_workers=4)[0] is None
+    for rate in (1.0, 100.0, 150.0, 300.0, 1000.0):  # the fast search a coordinator runs agrees with the sweep
+        swept = recommend(FLAT, FLAT, Traffic(rate, 1000, 100), objectives, max_workers=6)[0]
+        fast = minimal_split(FLAT, FLAT, Traffic(rate, 1000, 100), objectives, max_workers=6)
+        assert (fast.prefill, fast.decode) == (swept.prefill, swept.decode) if swept else fast is None
     assert best_split(FLAT, FLAT, Traffic(100.0, 1000, 100), objectives, 4)[:2] == (3, 1)
     with pytest.raises(ValueError):
         recommend(FLAT, FLAT, Traffic(1.0, 10, 10), objectives, max_workers=1)
