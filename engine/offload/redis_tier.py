@@ -5,8 +5,7 @@ A block is one Redis string under `pdserve:kv:<namespace>:<prefix hash hex>` in 
 and checksum, then the block's bytes): a truncated, corrupted or foreign value is deleted and recomputed, never
 served. Redis bounds and evicts the store itself: run it with `maxmemory` and `maxmemory-policy allkeys-lru`
 (docs/deploy.md). Writes go through a thread of their own with a bounded queue, so the engine thread never waits
-on the network to store; a load is one GET on the engine thread (the `contains` that precedes it fetches the value
-and keeps it for the `get`). A Redis that cannot be reached costs misses (blocks recomputed, warned once per
+on the network to store; a load is an EXISTS and a GET on the engine thread. A Redis that cannot be reached costs misses (blocks recomputed, warned once per
 outage), never a request: after a failed command the tier is left alone for RETRY_S, so a server that hangs stalls
 the engine thread for one TIMEOUT_S at most in that time, not once per block.
 
@@ -65,7 +64,6 @@ class RedisTier:
         except redis.RedisError as e:
             self._client.close()
             raise ConnectionError(f"the Redis KV tier at {public_url(url)} does not answer: {e}") from None
-        self._peeked: tuple[bytes, bytes] | None = None  # the value `contains` fetched, for the `get` that follows
         self._failing = False  # warned about an outage already
         self._retry_at = 0.0  # time.monotonic() before which the server is not asked (an outage's back-off)
         self._writes = WriteQueue("kv-redis-tier", self._store, self.counters)
@@ -73,16 +71,17 @@ class RedisTier:
     def _key(self, key: bytes) -> bytes:
         return self._prefix + key.hex().encode()
 
-    def _fetch(self, key: bytes) -> bytes | None:
+    def _ask(self, command: str, key: bytes):
+        """One command on the block's key (GET, EXISTS); None during an outage's back-off or when it fails."""
         if time.monotonic() < self._retry_at:
             return None
         try:
-            data = self._client.get(self._key(key))
+            answer = getattr(self._client, command)(self._key(key))
         except self._errors as e:
             self._warn(e)
             return None
         self._failing = False
-        return data
+        return answer
 
     def _warn(self, e: Exception) -> None:
         """A command failed: back off for RETRY_S; warn once per outage."""
@@ -93,11 +92,9 @@ class RedisTier:
             self._failing = True
 
     def contains(self, key: bytes) -> bool:
-        if self._writes.queued(key) is not None:
-            return True
-        data = self._fetch(key)
-        self._peeked = (key, data) if data is not None else None
-        return data is not None
+        """Whether the server (or the write queue) holds key: an EXISTS, no payload (the offloader asks before
+        every save of an evicted block, and before every load)."""
+        return self._writes.queued(key) is not None or bool(self._ask("exists", key))
 
     def get(self, key: bytes) -> torch.Tensor | None:
         """The payload stored under key (1-D uint8 CPU tensor), or None when absent, unreachable, truncated or
@@ -105,8 +102,7 @@ class RedisTier:
         pending = self._writes.queued(key)
         if pending is not None:
             return pending
-        peeked, self._peeked = self._peeked, None
-        data = peeked[1] if peeked is not None and peeked[0] == key else self._fetch(key)
+        data = self._ask("get", key)
         if data is None:
             return None
         body = entry.payload(data, self.entry_bytes)
