@@ -90,34 +90,49 @@ class KvOffloader:
         """Whether some tier holds the block with prefix hash `key` (a disk entry may still fail its checksum)."""
         return any(tier.contains(key) for tier in self.tiers)
 
-    def load(self, block_id: int, key: bytes, recompute_ms: float | None = None) -> bool:
-        """Copy the block with prefix hash `key` from the fastest tier holding it into pool block `block_id`.
+    def source(self, key: bytes, recompute_ms: float | None = None) -> int | None:
+        """The tier a load of the block with prefix hash `key` reads: the fastest that holds it and that the cost
+        rule does not pass over (each tier passed over counts the block as declined); None when there is none. The
+        KV cache manager asks before it takes a pool block for the load (taking one may evict a cached block).
 
         Args:
             recompute_ms: what prefilling this block would cost, ms (`StepCost.marginal_ms_per_prefill_token` x
                 block size); None = not measured yet: load. Used by the cost rule only.
-
-        Returns False (the block untouched) when no tier has a good copy, or none is worth loading from."""
+        """
         for i, tier in enumerate(self.tiers):
-            if self._too_slow(i, recompute_ms) and tier.contains(key):
+            if not tier.contains(key):
+                continue
+            if self._too_slow(i, recompute_ms):
                 tier.counters.declined += 1
                 continue
-            start = time.perf_counter()
-            payload = tier.get(key)
-            if payload is None:
-                continue
-            self._region(block_id).copy_(payload)
-            seconds = time.perf_counter() - start
-            for faster in self.tiers[:i]:
-                faster.put(key, payload)
-            counters = tier.counters
-            counters.hits += 1
-            counters.loaded_bytes += payload.nbytes
-            counters.load_seconds += seconds
-            old = self.load_ms[i]
-            self.load_ms[i] = seconds * 1e3 if old is None else old + LOAD_EWMA_ALPHA * (seconds * 1e3 - old)
-            return True
-        return False
+            return i
+        return None
+
+    def load_from(self, i: int, block_id: int, key: bytes) -> bool:
+        """Copy the block with prefix hash `key` from tier `i` (`source`'s) into pool block `block_id`, and hand it
+        to the faster tiers. Returns False (the block untouched) when the tier has no good copy after all (a disk
+        or Redis entry that failed its checksum, or was deleted meanwhile)."""
+        tier = self.tiers[i]
+        start = time.perf_counter()
+        payload = tier.get(key)
+        if payload is None:
+            return False
+        self._region(block_id).copy_(payload)
+        seconds = time.perf_counter() - start
+        for faster in self.tiers[:i]:
+            faster.put(key, payload)
+        counters = tier.counters
+        counters.hits += 1
+        counters.loaded_bytes += payload.nbytes
+        counters.load_seconds += seconds
+        old = self.load_ms[i]
+        self.load_ms[i] = seconds * 1e3 if old is None else old + LOAD_EWMA_ALPHA * (seconds * 1e3 - old)
+        return True
+
+    def load(self, block_id: int, key: bytes, recompute_ms: float | None = None) -> bool:
+        """`source`, then `load_from`: False when no tier has a good copy, or none is worth loading from."""
+        i = self.source(key, recompute_ms)
+        return i is not None and self.load_from(i, block_id, key)
 
     def _too_slow(self, i: int, recompute_ms: float | None) -> bool:
         """Whether the cost rule passes tier `i` over for a block that costs `recompute_ms` to prefill (every

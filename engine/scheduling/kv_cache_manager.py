@@ -195,11 +195,12 @@ class KVCacheManager:
                 block_hash = hash_block_tokens(parent, block_tokens, root)
                 block = self.pool.lookup(block_hash)
                 if block is None:
-                    if not self.pool.num_free_blocks or not self.offload.contains(block_hash):
+                    tier = self.offload.source(block_hash, recompute_ms) if self.pool.num_free_blocks else None
+                    if tier is None:  # in no tier, or not worth loading: recomputed from here
                         break
                     (block,) = self.pool.allocate(1)
                     held.append(block)
-                    if not self.offload.load(block, block_hash, recompute_ms):  # bad entry or not worth it
+                    if not self.offload.load_from(tier, block, block_hash):  # a bad entry: recomputed from here
                         break
                     self.pool.cache_block(block, block_hash, parent, block_tokens)
                 else:
