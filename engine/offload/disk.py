@@ -46,6 +46,7 @@ class DiskTier:
     """
 
     name = "disk"
+    local = True  # this host's: its blocks count as held in the worker's KV events
 
     def __init__(self, directory: str | Path, capacity_bytes: int, namespace: str, entry_bytes: int):
         if capacity_bytes < HEADER.size + entry_bytes:

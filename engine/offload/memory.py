@@ -19,6 +19,7 @@ class MemoryTier:
     """
 
     name = "cpu"
+    local = True  # this worker's own: its blocks count as held in the worker's KV events
 
     def __init__(self, capacity_bytes: int):
         if capacity_bytes < 1:

@@ -74,16 +74,18 @@ class KvOffloader:
 
     def save(self, block_id: int, key: bytes) -> bool:
         """Keep pool block `block_id` (full and computed: evicted now, or just registered) under its prefix hash
-        `key` in every tier that lacks it. Returns whether some tier holds it now (a disk tier whose writer is
-        behind may not take it)."""
+        `key` in every tier that lacks it. Returns whether a tier of this worker's own (host memory, disk: not a
+        shared Redis, which any worker reads and which never reports what it evicts) holds it now, i.e. whether the
+        worker's KV events should still count the block as held (a disk tier whose writer is behind may not take
+        it)."""
         payload, held = None, False
         for tier in self.tiers:
             if tier.contains(key):
-                held = True
+                held = held or tier.local
                 continue
             if payload is None:  # one copy off the pool for every tier that lacks the block
                 payload = self._copy_out(block_id)
-            held = tier.put(key, payload) or held
+            held = (tier.put(key, payload) and tier.local) or held
         return held
 
     def contains(self, key: bytes) -> bool:
@@ -148,12 +150,12 @@ class KvOffloader:
 
     def take_dropped(self) -> list[bytes]:
         """Prefix hashes that some tier let go of since the last call (evicted to stay within its size, or found
-        corrupt) and that no tier holds any more; for the worker's KV events."""
+        corrupt) and that no tier of this worker's own holds any more (`save`); for the worker's KV events."""
         keys: dict[bytes, None] = {}
         for tier in self.tiers:
             while tier.dropped:
                 keys[tier.dropped.popleft()] = None
-        return [key for key in keys if not self.contains(key)]
+        return [key for key in keys if not any(t.local and t.contains(key) for t in self.tiers)]
 
     def stats(self) -> tuple[TierStats, ...]:
         """Every tier's counters now, fastest first."""

@@ -46,6 +46,9 @@ class RedisTier:
     """
 
     name = "redis"
+    # Shared by every worker, and silent about what it evicts: a block only here is not this worker's in its KV
+    # events (reported removed as the pool evicts it), or the coordinator's index of the worker would only grow.
+    local = False
 
     def __init__(self, url: str, namespace: str, entry_bytes: int):
         import redis  # only workers that use this tier need the client
@@ -53,8 +56,7 @@ class RedisTier:
         self.url = url
         self.entry_bytes = entry_bytes
         self.counters = TierStats(self.name)
-        # Redis evicts on its own and tells no one: nothing is ever reported let go of (the KV events then count
-        # a block stored here as held while any worker may still load it).
+        # Redis evicts on its own and tells no one: nothing is ever reported let go of (see `local`)
         self.dropped: deque[bytes] = deque(maxlen=DROPPED_KEYS)
         self._prefix = f"pdserve:kv:{namespace}:".encode()
         self._errors = redis.RedisError

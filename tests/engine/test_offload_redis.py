@@ -99,3 +99,21 @@ def test_an_unreachable_redis_refuses_the_start_and_an_outage_costs_only_recompu
     assert again.output_token_ids == expected and again.num_cached_tokens == 0
     assert parts.scheduler.kv.pool.integrity_errors() == []
     parts.scheduler.kv.close()
+
+
+def test_a_block_evicted_into_redis_alone_is_reported_removed_by_the_kv_events(tiny_model_dir, redis_url):
+    """A shared tier is not this worker's cache: a block the pool evicts into Redis only is reported removed (the
+    coordinator's index of the worker must not keep every block Redis ever got), one also in host memory is not."""
+    from pdserve_server.engine.outputs import KvBlockRemoved, KvBlockStored
+
+    rng = random.Random(10)
+    conversation, other = ([rng.randrange(3, 49152) for _ in range(n)] for n in (41, 60))
+    for host_tier, reported in ((0, True), (2**20, False)):
+        parts = engine(tiny_model_dir, redis_url, kv_events=True, kv_offload_cpu_bytes=host_tier)
+        kv = parts.scheduler.kv
+        run(parts, "turn-1", conversation, 6)
+        held = {e.block_hash for e in kv.take_kv_events() if isinstance(e, KvBlockStored)}
+        run(parts, "other", other, 1)  # evicts the conversation's blocks into the tiers
+        removed = {e.block_hash for e in kv.take_kv_events() if isinstance(e, KvBlockRemoved)}
+        assert len(held) == 5 and (held <= removed) is reported and (not held & removed) is not reported
+        kv.close()
