@@ -2,7 +2,7 @@
 
 For each trace (a mix of prompt and output lengths, `bench/cluster_sim.py`'s generator), the planner
 (`engine.mock.planner.best_split`, fed the trace's mean prompt and output lengths and its 99th-percentile context,
-no prefix hits assumed) picks the
+no prefix hits assumed, and the batch a decode worker's KV pool holds, `kv_batch_limit`) picks the
 split of `--workers` workers with the most goodput at the objectives; then `cluster_sim.py` runs every split
 (1..N-1 prefill workers, the rest decode) on the same trace and measures goodput: requests/s that met both the TTFT
 and the TPOT objective, with the coordinator's local prefill off (every prompt goes to a prefill worker: the split
@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path)
     a = p.parse_args(argv)
 
-    from pdserve_server.engine.mock.planner import Objectives, Traffic, best_split, split_goodputs
+    from pdserve_server.engine.mock.planner import Objectives, Traffic, best_split, kv_batch_limit, split_goodputs
     from pdserve_server.engine.mock.step_model import load_profile
 
     model = load_profile(a.profile).scaled(a.speedup)
@@ -70,9 +70,12 @@ def main(argv: list[str] | None = None) -> int:
         output = statistics.fmean(r[2] for r in reqs)
         longest = statistics.quantiles([len(r[1]) + r[2] for r in reqs], n=100)[98]  # p99 context
         traffic = Traffic(1.0, prompt, output, max_context=longest)
-        predicted = {p_: g for p_, _, g in split_goodputs(model, model, traffic, objectives, a.workers)}
+        limit = kv_batch_limit(probe.kv_tokens, traffic)  # the workers' pools: cluster_sim's --kv-tokens
+        predicted = {p_: g for p_, _, g in split_goodputs(model, model, traffic, objectives, a.workers,
+                                                         max_batch=limit)}
         rate = a.load * max(predicted.values())
-        choice = best_split(model, model, Traffic(rate, prompt, output, max_context=longest), objectives, a.workers)
+        choice = best_split(model, model, Traffic(rate, prompt, output, max_context=longest), objectives, a.workers,
+                            max_batch=limit)
         print(f"{name}: mean prompt {prompt:.0f}, output {output:.0f} tokens; predicted goodput by prefill workers "
               f"{ {k: round(v, 2) for k, v in predicted.items()} }; offered {rate:.2f} req/s; planner: "
               f"{choice[0]} prefill + {choice[1]} decode", flush=True)
@@ -89,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         best = max(measured.values())
         share = measured[choice[0]] / best if best else 0.0
         print(f"  planner's split: {share:.2f} of the best measured goodput", flush=True)
-        doc["traces"][name] = dict(prompt=prompt, output=output, rate=rate, predicted=predicted,
+        doc["traces"][name] = dict(prompt=prompt, output=output, rate=rate, predicted=predicted, max_batch=limit,
                                    planner=list(choice[:2]), measured=measured, share=share)
         if a.out:
             a.out.write_text(json.dumps(doc, indent=1))

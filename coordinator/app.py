@@ -43,7 +43,8 @@ def _add_servicers(server: grpc.aio.Server, path: RequestPath) -> None:
     kserve.add_to_server(kserve.KServeServicer(path), server)
 
 
-def _capacity_planner(config: CoordinatorConfig, registry: CollectorRegistry) -> CapacityPlanner | None:
+def _capacity_planner(config: CoordinatorConfig, registry: CollectorRegistry,
+                      cluster: Cluster) -> CapacityPlanner | None:
     """The planner's gauges for an autoscaler (`coordinator.capacity`) when --planner-profile names a profile.
 
     Raises:
@@ -53,9 +54,16 @@ def _capacity_planner(config: CoordinatorConfig, registry: CollectorRegistry) ->
         return None
     try:
         return CapacityPlanner(config.planner_profile, config.planner_ttft_ms, config.planner_itl_ms,
-                               config.planner_max_workers, config.planner_window_s, registry, config.model_name)
+                               config.planner_max_workers, config.planner_window_s, registry, config.model_name,
+                               pool_tokens=lambda: _decode_pool_tokens(cluster))
     except ValueError as e:
         raise CommandError(f"--planner-profile: {e}") from None
+
+
+def _decode_pool_tokens(cluster: Cluster) -> int | None:
+    """The smallest live decode worker's KV pool, tokens; None while no decode worker's info is known."""
+    pools = [w.info.num_blocks * w.info.block_size for w in cluster.router.live("decode") if w.info is not None]
+    return min(pools) if pools else None
 
 
 async def serve(config: CoordinatorConfig) -> None:
@@ -71,12 +79,12 @@ async def serve(config: CoordinatorConfig) -> None:
         CommandError: no live worker of a needed role within config.connect_timeout_s.
     """
     tenants = read_tenants(config.tenant_weights)  # a typo fails the start, before any wait
-    registry = CollectorRegistry()
-    capacity = _capacity_planner(config, registry)  # likewise an unknown profile
     tracing = Tracing.from_env("pdserve-coordinator")
     cluster = Cluster(Router(), config.colocated,
                       LocalPrefillPolicy(config.local_prefill_tokens, config.local_prefill_fallback,
                                          config.local_prefill_queue))
+    registry = CollectorRegistry()
+    capacity = _capacity_planner(config, registry, cluster)  # likewise an unknown profile
     if config.kv_events_relay:  # before the followers start: the relay sees every batch they apply
         cluster.router.prefixes.relay = KvEventRelay()
     membership = Membership(config, cluster, interceptors=tracing.client_interceptors())

@@ -6,7 +6,8 @@ re-planned every quarter window.
 Prometheus gauges (labelled by model_name, as every coordinator metric):
 
 - `pdserve:planner_recommended_workers{role="prefill"|"decode"}`: the cheapest split that meets
-  `--planner-ttft-ms` and `--planner-itl-ms` at the observed rate; -1 while no split of at most
+  `--planner-ttft-ms` and `--planner-itl-ms` at the observed rate, each decode worker's batch within the smallest
+  live decode worker's KV pool; -1 while no split of at most
   `--planner-max-workers` does; 0 before the window holds `MIN_REQUESTS` finished requests.
 - `pdserve:planner_arrival_rate`: the observed rate the split is for, requests/s.
 
@@ -20,6 +21,7 @@ import logging
 import statistics
 import time
 from collections import deque
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Gauge
 
@@ -73,19 +75,23 @@ class CapacityPlanner:
             shipped name or a file).
         ttft_ms / itl_ms: the objectives, ms. max_workers: the most workers a plan may use.
         window_s: seconds of finished requests the plan is for. registry / model_name: where the gauges go.
+        pool_tokens: the smallest live decode worker's KV pool, tokens (None while none is known): a decode batch
+            the pool cannot hold does not count as meeting the objectives (`planner.kv_batch_limit`).
 
     Raises:
         ValueError: an unknown profile (its message lists the shipped ones).
     """
 
     def __init__(self, profile: str, ttft_ms: float, itl_ms: float, max_workers: int, window_s: float,
-                 registry: CollectorRegistry, model_name: str):
+                 registry: CollectorRegistry, model_name: str,
+                 pool_tokens: Callable[[], int | None] = lambda: None):
         from pdserve_server.engine.mock.planner import Objectives
         from pdserve_server.engine.mock.step_model import load_profile
 
         self.model = load_profile(profile)
         self.objectives = Objectives(ttft_ms, itl_ms)
         self.max_workers = max_workers
+        self.pool_tokens = pool_tokens
         self.window = TrafficWindow(window_s)
         workers = Gauge("pdserve:planner_recommended_workers", "Workers the planner finds the observed traffic "
                         "needs, by role (-1: no split of at most --planner-max-workers meets the objectives; 0: too "
@@ -98,13 +104,16 @@ class CapacityPlanner:
         """One finished request (`RequestPath`)."""
         self.window.add(record)
 
-    def _split(self, traffic) -> tuple[int, int]:
-        """The plan for `traffic` (None: too few requests) as the gauges show it."""
-        from pdserve_server.engine.mock.planner import minimal_split
+    def _split(self, traffic, pool_tokens: int | None) -> tuple[int, int]:
+        """The plan for `traffic` (None: too few requests) with decode pools of `pool_tokens`, as the gauges show
+        it."""
+        from pdserve_server.engine.mock.planner import kv_batch_limit, minimal_split
 
         if traffic is None:
             return 0, 0
-        split = minimal_split(self.model, self.model, traffic, self.objectives, self.max_workers)
+        max_batch = kv_batch_limit(pool_tokens, traffic) if pool_tokens else 256
+        split = minimal_split(self.model, self.model, traffic, self.objectives, self.max_workers,
+                              max_batch=max_batch)
         return (split.prefill, split.decode) if split is not None else (-1, -1)
 
     def _show(self, counts: tuple[int, int], traffic) -> None:
@@ -115,7 +124,7 @@ class CapacityPlanner:
     def plan(self, now: float | None = None) -> tuple[int, int]:
         """Re-plan from the window and set the gauges; returns (prefill, decode) as the gauges show them."""
         traffic = self.window.traffic(now)
-        counts = self._split(traffic)
+        counts = self._split(traffic, self.pool_tokens())
         self._show(counts, traffic)
         return counts
 
@@ -126,6 +135,6 @@ class CapacityPlanner:
             await asyncio.sleep(self.window.window_s / 4)
             try:
                 traffic = self.window.traffic()
-                self._show(await asyncio.to_thread(self._split, traffic), traffic)
+                self._show(await asyncio.to_thread(self._split, traffic, self.pool_tokens()), traffic)
             except Exception:  # noqa: BLE001 - a planning fault must not end the coordinator: logged, retried
                 log.exception("capacity planner: re-planning failed")

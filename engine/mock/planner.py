@@ -11,8 +11,9 @@ Per split (P prefill workers, D decode workers), at an arrival rate of r request
 - decode: by Little's law a decode worker holds n = r / D * O * t(n) requests (O output tokens each, t(n) the
   decode step at batch n, the batch's mean context and its longest), solved by fixed-point iteration; ITL = t(n).
 
-A split meets the objectives when rho < 1, TTFT <= the TTFT objective, n fits the batch and ITL <= the ITL
-objective. Its goodput is the highest rate at which it still does (bisection). Plain functions on plain data.
+A split meets the objectives when rho < 1, TTFT <= the TTFT objective, n fits the batch (the engine's
+max_num_seqs, and the decode worker's KV pool: `kv_batch_limit`) and ITL <= the ITL objective. Its goodput is
+the highest rate at which it still does (bisection). Plain functions on plain data.
 """
 from __future__ import annotations
 
@@ -66,6 +67,16 @@ def prefill_service_ms(model: StepTimeModel, prompt_tokens: float, prefix_hit: f
         ms += model.predict_ms(StepShape.of_step([(q, done)], []))
         left, done = left - q, done + q
     return ms
+
+
+def kv_batch_limit(kv_tokens: int, traffic: Traffic, max_num_seqs: int = 256) -> int:
+    """The most requests a decode worker's KV pool of `kv_tokens` holds at once for this traffic: each holds its
+    prompt and, on average, half its output (the `max_batch` to plan with). A batch the pool cannot hold does not
+    run at the predicted step time: requests wait for blocks or are preempted and recomputed, which stalls their
+    TPOT (bench/planner_check.py's chat trace: one decode worker was planned a mean batch of ~72 requests, ~69k
+    tokens, in a 65,536-token pool)."""
+    per_request = traffic.prompt_tokens + traffic.output_tokens / 2
+    return max(1, min(max_num_seqs, int(kv_tokens // max(per_request, 1.0))))
 
 
 def decode_batch(model: StepTimeModel, per_worker_rate: float, traffic: Traffic, max_batch: int,

@@ -268,6 +268,20 @@ def test_planner_recommends_the_cheapest_split_that_meets_the_objectives():
         recommend(FLAT, FLAT, Traffic(1.0, 10, 10), objectives, max_workers=1)
 
 
+def test_the_planner_keeps_a_decode_batch_within_the_workers_kv_pool():
+    """A decode worker whose predicted batch would not fit its KV pool does not meet the objectives (it would wait
+    for blocks or preempt): with FLAT, 1,000-token prompts and 100 output tokens a request holds ~1,050 tokens, so a
+    10,500-token pool holds 10 of them and caps one decode worker at r = 10 requests/s (n = r / D)."""
+    from pdserve_server.engine.mock.planner import Objectives, Traffic, goodput, kv_batch_limit
+
+    traffic, objectives = Traffic(1.0, 1000, 100), Objectives(ttft_ms=1e9, itl_ms=12.0)
+    assert kv_batch_limit(10_500, traffic) == 10 and kv_batch_limit(10**9, traffic) == 256
+    assert goodput(FLAT, FLAT, traffic, objectives, 8, 1, max_batch=kv_batch_limit(10_500, traffic)) \
+        == pytest.approx(10, rel=1e-6)
+    assert goodput(FLAT, FLAT, traffic, objectives, 8, 2, max_batch=kv_batch_limit(10_500, traffic)) \
+        == pytest.approx(20, rel=1e-6)
+
+
 def test_scaled_profiles_divide_every_step_by_the_speedup():
     shape = StepShape.of_step([(300, 0)], [100, 200])
     assert TRUE.scaled(0.1).predict_ms(shape) == pytest.approx(10 * TRUE.predict_ms(shape))
