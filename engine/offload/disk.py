@@ -1,13 +1,13 @@
 """The disk KV tier: one file per block under a directory, bounded in bytes, each entry checksummed, kept across
 worker restarts.
 
-An entry is `<dir>/<namespace>/<hh>/<key hex>.kv`, in `entry`'s format: a header (magic, payload length, BLAKE2b-128
-of the payload) then the block's bytes as the KV cache holds them (`engine.execution.kv_cache`: one block of every
-layer's K and V, contiguous). The namespace names the model, its weights, dtype and KV layout (`offloader.tier_namespace`), so an entry
-is only ever read back into a cache of the same geometry computed by the same weights. Files are written to a
+An entry is `<dir>/<namespace>/<hh>/<key hex>.kv`, in `entry`'s format: a header (magic, payload length, BLAKE2b-128 of
+the payload) then the block's bytes as the KV cache holds them (`engine.execution.kv_cache`: one block of every layer's
+K and V, contiguous). The namespace names the model, its weights, dtype and KV layout (`offloader.tier_namespace`), so
+an entry is only ever read back into a cache of the same geometry computed by the same weights. Files are written to a
 temporary name and renamed (a reader never sees half an entry); a truncated or corrupted one fails its length or
-checksum, is deleted and counts as a miss (its block is recomputed). Writes run on a thread of their own, so the
-engine thread only copies the block; a block evicted again before its write lands is served from the queue.
+checksum, is deleted and counts as a miss (its block is recomputed). Writes run on a thread of their own, so the engine
+thread only copies the block; a block evicted again before its write lands is served from the queue.
 """
 from __future__ import annotations
 

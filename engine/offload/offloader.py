@@ -80,17 +80,15 @@ class KvOffloader:
         it)."""
         payload, held = None, False
         for tier in self.tiers:
-            if tier.contains(key):
-                held = held or tier.local
+            # a shared tier is not asked first: a network round trip on the engine thread for every evicted block;
+            # its writer thread asks (`RedisTier._store`)
+            if tier.local and tier.contains(key):
+                held = True
                 continue
             if payload is None:  # one copy off the pool for every tier that lacks the block
                 payload = self._copy_out(block_id)
             held = (tier.put(key, payload) and tier.local) or held
         return held
-
-    def contains(self, key: bytes) -> bool:
-        """Whether some tier holds the block with prefix hash `key` (a disk entry may still fail its checksum)."""
-        return any(tier.contains(key) for tier in self.tiers)
 
     def source(self, key: bytes, recompute_ms: float | None = None) -> int | None:
         """The tier a load of the block with prefix hash `key` reads: the fastest that holds it and that the cost

@@ -1,13 +1,13 @@
 """The shared KV tier on a Redis server: blocks any worker of the same model, weights and KV layout can load, on this
 host or another (`--kv-offload-redis-url`), so a prefix one worker computed is not computed again by the others.
 
-A block is one Redis string under `pdserve:kv:<namespace>:<prefix hash hex>` in `entry`'s format (header with length
-and checksum, then the block's bytes): a truncated, corrupted or foreign value is deleted and recomputed, never
-served. Redis bounds and evicts the store itself: run it with `maxmemory` and `maxmemory-policy allkeys-lru`
-(docs/deploy.md). Writes go through a thread of their own with a bounded queue, so the engine thread never waits
-on the network to store; a load is an EXISTS and a GET on the engine thread. A Redis that cannot be reached costs misses (blocks recomputed, warned once per
-outage), never a request: after a failed command the tier is left alone for RETRY_S, so a server that hangs stalls
-the engine thread for one TIMEOUT_S at most in that time, not once per block.
+A block is one Redis string under `pdserve:kv:<namespace>:<prefix hash hex>` in `entry`'s format (header with length and
+checksum, then the block's bytes): a truncated, corrupted or foreign value is deleted and recomputed, never served.
+Redis bounds and evicts the store itself: run it with `maxmemory` and `maxmemory-policy allkeys-lru` (docs/deploy.md).
+Writes go through a thread of their own with a bounded queue, so the engine thread never waits on the network to store;
+a load is an EXISTS and a GET on the engine thread. A Redis that cannot be reached costs misses (blocks recomputed,
+warned once per outage), never a request: after a failed command the tier is left alone for RETRY_S, so a server that
+hangs stalls the engine thread for one TIMEOUT_S at most in that time, not once per block.
 
 Only for a store every worker that uses it trusts: a value written under a key is served to whoever asks for that
 key (the checksum catches damage, not a writer that lies), as the KV transfer network is trusted.
@@ -94,8 +94,7 @@ class RedisTier:
             self._failing = True
 
     def contains(self, key: bytes) -> bool:
-        """Whether the server (or the write queue) holds key: an EXISTS, no payload (the offloader asks before
-        every save of an evicted block, and before every load)."""
+        """Whether the server (or the write queue) holds key: an EXISTS, no payload (asked before every load)."""
         return self._writes.queued(key) is not None or bool(self._ask("exists", key))
 
     def get(self, key: bytes) -> torch.Tensor | None:
@@ -126,16 +125,20 @@ class RedisTier:
         return self._writes.put(key, payload)
 
     def _store(self, key: bytes, payload: torch.Tensor) -> None:
-        """The writer thread's: one SET, unless the server is in its outage back-off (then the block is dropped)."""
+        """The writer thread's: an EXISTS, then a SET when the server lacks the block (the offloader queues every
+        block it saves here without asking, off the engine thread); nothing during an outage's back-off (then the
+        block is dropped)."""
         if time.monotonic() < self._retry_at:
             self.counters.dropped += 1
             return
         body = payload.numpy().data
         try:
+            if self._client.exists(self._key(key)):
+                return
             # NX: a block is the same whoever computed it; the first copy stands (no rewrite, and its LRU age in
             # Redis is refreshed by the GETs that use it)
-            self._client.set(self._key(key), entry.header(body) + bytes(body), nx=True)
-            self.counters.stored_bytes += len(body)
+            if self._client.set(self._key(key), entry.header(body) + bytes(body), nx=True):
+                self.counters.stored_bytes += len(body)
         except self._errors as e:
             self._warn(e)
             self.counters.dropped += 1
