@@ -15,6 +15,10 @@ the coordinator at each level; per level it reports:
   after the first) and the 99th percentile gap between chunks; the profile's modelled step at the level's batch is
   what the workers alone would give, so the difference bounds what the coordinator, the client and the shared
   cores add;
+- the coordinator's relay (`pdserve:token_relay_latency_seconds`, from its /metrics): per message from a decode
+  worker, the worker's send stamp to the coordinator's hand-off of the chunk to the client's stream, p50 / p99 and
+  the share within 2 ms. A token's added inter-token latency (its gap at the client minus its gap at the worker) is
+  at most its relay, so the relay's p99 bounds the coordinator's added ITL p99;
 - failed: requests that ended in an error (those still in flight when a level's time ran out are not counted).
 
 Every process shares this machine's cores: a level whose workers cannot keep their modelled pace shows it in the
@@ -70,6 +74,40 @@ def cpu_seconds(pid: int) -> float:
     """User + system CPU time of a live process, seconds (/proc/PID/stat fields 14 and 15)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def relay_buckets(urls: list[str]) -> dict[float, float]:
+    """The coordinators' pdserve:token_relay_latency_seconds histogram, summed: upper bound (s) -> cumulative
+    count of relayed messages."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+    out: dict[float, float] = {}
+    for url in urls:
+        with urllib.request.urlopen(url, timeout=10) as r:
+            text = r.read().decode()
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == "pdserve:token_relay_latency_seconds_bucket":
+                    le = float(sample.labels["le"])
+                    out[le] = out.get(le, 0.0) + sample.value
+    return out
+
+
+def histogram_quantile(buckets: dict[float, float], q: float) -> float | None:
+    """Prometheus' histogram_quantile over cumulative buckets (upper bound -> count): linear within the bucket
+    the q-th observation falls in; None without observations."""
+    edges = sorted(buckets)
+    if not edges or buckets[edges[-1]] <= 0:
+        return None
+    rank, lower, below = q * buckets[edges[-1]], 0.0, 0.0
+    for le in edges:
+        if buckets[le] >= rank:
+            if le == float("inf"):
+                return lower
+            return lower + (le - lower) * (rank - below) / max(buckets[le] - below, 1e-12)
+        lower, below = le, buckets[le]
+    return lower
 
 
 def pct(values: list[float], q: float) -> float | None:
@@ -145,26 +183,31 @@ def main(argv: list[str] | None = None) -> int:
     print(f"starting {a.coordinators} coordinator(s) + {a.prefill} prefill + {a.decode} {role} mock workers "
           f"({a.profile}, x{a.speedup:g})", flush=True)
     cluster = start_cluster(str(model), "mock", cfg, colocated=a.prefill == 0, worker_args=worker_args,
-                            coordinator_args=a.coordinator_args.split() or None)
+                            coordinator_args=[*a.coordinator_args.split(), "--metrics-port", "0"])
     doc = dict(machine=dict(cpu=platform.processor() or platform.machine(), cores=os.cpu_count(),
                             python=platform.python_version()),
                args={k: str(v) for k, v in vars(a).items()}, levels=[])
     try:
         coords = [proc.pid for name, proc in cluster.processes.items() if name.startswith("coordinator")]
         workers = [proc.pid for name, proc in cluster.processes.items() if not name.startswith("coordinator")]
+        coord_metrics = [url for name, url in cluster.metrics_urls.items() if name.startswith("coordinator")]
         rng = random.Random(0)
         asyncio.run(level(cluster.address, 4, a.input_len, 8, 5.0, rng, vocab, a.channels))  # warm-up
         print(f"{'C':>5} {'req/s':>7} {'tok/s':>8} {'coord CPU-s/1k tok':>19} {'coord ms/req':>12} "
               f"{'coord core':>10} {'workers core':>12} {'client core':>11} {'TTFT p50/p99 ms':>16} "
-              f"{'TPOT p50/p99 ms':>15} {'gap p99':>7} {'failed':>6}", flush=True)
+              f"{'TPOT p50/p99 ms':>15} {'gap p99':>7} {'relay p50/p99 ms':>16} {'<=2ms':>6} {'failed':>6}",
+              flush=True)
         for c in a.concurrency:
             spy = (subprocess.Popen([a.py_spy, "record", "-p", str(coords[0]), "-f", "raw", "-r", "200", "-d",
                                      str(int(a.duration_s)), "-o", f"{a.out or 'coordinator'}.C{c}.folded"],
                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) if a.py_spy else None)
+            relay_before = relay_buckets(coord_metrics)
             before = (sum(map(cpu_seconds, coords)), sum(map(cpu_seconds, workers)), time.process_time())
             results, wall = asyncio.run(level(cluster.address, c, a.input_len, a.output_len, a.duration_s, rng,
                                               vocab, a.channels))
             after = (sum(map(cpu_seconds, coords)), sum(map(cpu_seconds, workers)), time.process_time())
+            relay = {le: n - relay_before.get(le, 0.0) for le, n in relay_buckets(coord_metrics).items()}
+            relayed = relay.get(float("inf"), 0.0)
             if spy is not None:
                 spy.wait(60)
             ok = [r for r in results if r.ok and r.output_tokens == a.output_len]
@@ -182,14 +225,19 @@ def main(argv: list[str] | None = None) -> int:
                        coord_ms_per_request=coord_cpu / max(len(ok), 1) * 1e3, coord_core=coord_cpu / wall,
                        workers_core=workers_cpu / wall, client_core=client_cpu / wall,
                        ttft_ms_p50=pct(ttft, 0.5), ttft_ms_p99=pct(ttft, 0.99),
-                       tpot_ms_p50=pct(tpot, 0.5), tpot_ms_p99=pct(tpot, 0.99), chunk_gap_ms_p99=pct(gaps, 0.99))
+                       tpot_ms_p50=pct(tpot, 0.5), tpot_ms_p99=pct(tpot, 0.99), chunk_gap_ms_p99=pct(gaps, 0.99),
+                       relayed_messages=relayed,
+                       relay_ms_p50=(histogram_quantile(relay, 0.5) or 0.0) * 1e3,
+                       relay_ms_p99=(histogram_quantile(relay, 0.99) or 0.0) * 1e3,
+                       relay_within_2ms=relay.get(0.002, 0.0) / relayed if relayed else None)
             doc["levels"].append(row)
             print(f"{c:>5} {row['req_per_s']:>7.1f} {row['tok_per_s']:>8.0f} "
                   f"{row['coord_cpu_s_per_1k_tokens']:>19.3f} {row['coord_ms_per_request']:>12.2f} "
                   f"{row['coord_core']:>10.2f} {row['workers_core']:>12.2f} {row['client_core']:>11.2f} "
                   f"{row['ttft_ms_p50'] or 0:>7.1f}/{row['ttft_ms_p99'] or 0:<8.1f} "
                   f"{row['tpot_ms_p50'] or 0:>6.1f}/{row['tpot_ms_p99'] or 0:<8.1f} "
-                  f"{row['chunk_gap_ms_p99'] or 0:>7.1f} {row['failed']:>6}", flush=True)
+                  f"{row['chunk_gap_ms_p99'] or 0:>7.1f} {row['relay_ms_p50']:>7.2f}/{row['relay_ms_p99']:<8.2f} "
+                  f"{row['relay_within_2ms'] or 0:>6.3f} {row['failed']:>6}", flush=True)
             if a.out:
                 a.out.write_text(json.dumps(doc, indent=1))
     finally:

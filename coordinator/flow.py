@@ -34,11 +34,13 @@ log = logging.getLogger(__name__)
 @dataclass
 class Tokens:
     """Sampled tokens from a worker (worker_pb2.SampledToken list), all of one sample (`index`, 0 unless
-    sampling.n > 1); num_cached_tokens is the prefix-cache hit, reported with the first tokens."""
+    sampling.n > 1); num_cached_tokens is the prefix-cache hit, reported with the first tokens; sent_at: when the
+    decode worker sent them (time.time() seconds; 0.0 when unknown: a prefill worker's first token)."""
 
     tokens: list
     num_cached_tokens: int = 0
     index: int = 0
+    sent_at: float = 0.0
 
 
 @dataclass
@@ -170,7 +172,7 @@ async def _decode_stream(call: WorkerCall, num_samples: int = 1) -> AsyncIterato
             for t in msg.tokens.tokens:
                 by_sample.setdefault(t.index, []).append(t)
             for index, tokens in by_sample.items():
-                yield Tokens(tokens, msg.tokens.num_cached_tokens, index)
+                yield Tokens(tokens, msg.tokens.num_cached_tokens, index, msg.tokens.sent_at)
         elif kind == "finished":
             f = msg.finished
             yield WorkerFinish(f.finish_reason, f.stop_token_id if f.HasField("stop_token_id") else None,

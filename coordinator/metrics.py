@@ -8,6 +8,11 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from pdserve_server.coordinator.record import RequestRecord
 from pdserve_server.server_common.metrics import LATENCY_BUCKETS, TOKEN_COUNT_BUCKETS, TOKEN_LATENCY_BUCKETS
 
+# The relay is a fraction of a GPU's 5-50 ms inter-token latency: fine steps to 10 ms (the control plane's 2 ms
+# objective is a bucket edge), coarse beyond (an overloaded coordinator).
+RELAY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0015, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.1, 0.25,
+                 0.5, 1.0, 2.5)
+
 
 class CoordinatorMetrics:
     """Histograms and counters of finished requests, labelled by model_name as vLLM's are.
@@ -30,6 +35,10 @@ class CoordinatorMetrics:
         self.ttft = hist("time_to_first_token_seconds", "Arrival to first token sent, seconds.", LATENCY_BUCKETS)
         self.itl = hist("inter_token_latency_seconds", "Between consecutive output tokens, seconds.",
                         TOKEN_LATENCY_BUCKETS)
+        self.relay = hist("token_relay_latency_seconds", "Decode worker's send of a token message to the coordinator's "
+                          "hand-off of its chunk to the client's stream, seconds: what the coordinator adds to "
+                          "the tokens' latency (one clock on one host; across hosts their skew adds in).",
+                          RELAY_BUCKETS)
         self.tpot = hist("request_time_per_output_token_seconds", "(e2e - TTFT) / (output tokens - 1) per request.",
                          TOKEN_LATENCY_BUCKETS)
         self.e2e = hist("e2e_request_latency_seconds", "Arrival to final message, seconds.", LATENCY_BUCKETS)
@@ -84,5 +93,7 @@ class CoordinatorMetrics:
                 self.transfer.observe(r.transfer_s)
         for gap in r.token_gaps:
             self.itl.observe(gap)
+        for relay in r.relays:
+            self.relay.observe(relay)
         if r.output_tokens > 1:
             self.tpot.observe((r.e2e_s - r.ttft_s) / (r.output_tokens - 1))

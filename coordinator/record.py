@@ -16,6 +16,7 @@ class RequestRecord:
         finish_reason: "stop", "length" or "abort"; error_code: the gRPC status name when the request failed
             ("" when it finished).
         token_gaps: seconds between consecutive output tokens (inter-token latency), one per token after the first.
+        relays: seconds from a decode worker's send to the coordinator's hand-off, one per chunk (`stream.Progress`).
     """
 
     request_id: str
@@ -28,6 +29,7 @@ class RequestRecord:
     prefill_s: float = 0.0
     transfer_s: float = 0.0
     token_gaps: tuple[float, ...] = ()
+    relays: tuple[float, ...] = ()
     finish_reason: str = ""
     error_code: str = ""
     prefill_worker: str = ""
@@ -38,8 +40,10 @@ class RequestRecord:
 def log_access(record: RequestRecord, error: str = "") -> None:
     """One access-log line per request (logger "pdserve.access"): the record's fields as structured `extra`
     attributes (JSON output carries them as keys: --log-format json) and a readable summary as the message."""
-    # shallow: every field but token_gaps is a scalar (asdict's deep copy was 3% of a request's coordinator CPU)
-    fields = {f.name: getattr(record, f.name) for f in dataclass_fields(record) if f.name != "token_gaps"}
+    # shallow: every field but the per-token tuples is a scalar (asdict's deep copy was 3% of a request's
+    # coordinator CPU)
+    fields = {f.name: getattr(record, f.name) for f in dataclass_fields(record)
+              if f.name not in ("token_gaps", "relays")}
     fields.update(ttft_ms=round(record.ttft_s * 1e3, 1), e2e_ms=round(record.e2e_s * 1e3, 1), error=error)
     for k in ("ttft_s", "e2e_s", "queue_s", "prefill_s", "transfer_s"):
         fields.pop(k)

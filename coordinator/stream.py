@@ -4,6 +4,7 @@ what was sent becomes the request's record (metrics, access log). A request has 
 sample with sampling.n > 1 (`coordinator.request_path` relays them)."""
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -22,6 +23,8 @@ class Progress:
         cached: prompt tokens the worker's prefix cache served.
         first_ms / last_ms: when the first and the latest token were sent (coordinator clock, ms).
         gaps: inter-token latencies, seconds. reason: a generate_pb2.FinishReason once it ended.
+        relays: per chunk from a decode worker, seconds from its send (the worker's clock) to the chunk's
+            hand-off to the door (the coordinator's): what the coordinator adds to those tokens' latency.
         stop_string / stop_token_id: what stopped it, when something did.
         migrations: resumptions on other workers so far.
         spec_draft / spec_accepted: speculative-decoding counts of the attempt that finished.
@@ -32,6 +35,7 @@ class Progress:
     first_ms: float | None = None
     last_ms: float = 0.0
     gaps: list[float] = field(default_factory=list)
+    relays: list[float] = field(default_factory=list)
     reason: int = generate_pb2.FINISH_REASON_UNSPECIFIED
     stop_string: str | None = None
     stop_token_id: int | None = None
@@ -52,7 +56,8 @@ def merged(samples: list[Progress]) -> Progress:
     reason = samples[0].reason if all(p.ended for p in samples) else generate_pb2.FINISH_REASON_UNSPECIFIED
     return Progress(generated=[t for p in samples for t in p.generated], cached=max(p.cached for p in samples),
                     first_ms=min(firsts) if firsts else None, last_ms=max(p.last_ms for p in samples),
-                    gaps=[g for p in samples for g in p.gaps], reason=reason,
+                    gaps=[g for p in samples for g in p.gaps], relays=[r for p in samples for r in p.relays],
+                    reason=reason,
                     spec_draft=sum(p.spec_draft for p in samples),
                     spec_accepted=sum(p.spec_accepted for p in samples))
 
@@ -95,6 +100,9 @@ class SampleStream:
         p.last_ms = now
         if p.stop_string is not None:
             p.reason = generate_pb2.FINISH_REASON_STOP
+        if item.sent_at:
+            # clamped: across hosts the two clocks differ by their skew, which may run either way
+            p.relays.append(max(0.0, time.time() - item.sent_at))
         return generate_pb2.GenerateResponse(chunk=chunk)
 
     def finish(self, item: flows.WorkerFinish) -> None:
@@ -149,5 +157,5 @@ def request_record(flow: flows.Flow, num_prompt_tokens: int, p: Progress, t0: fl
         ttft_s=(p.first_ms - t0) / 1e3 if p.first_ms is not None else 0.0,
         e2e_s=((end if end is not None else flows.now_ms()) - t0) / 1e3,
         queue_s=t.queue_ms / 1e3, prefill_s=t.prefill_ms / 1e3, transfer_s=t.transfer_ms / 1e3,
-        token_gaps=tuple(p.gaps), finish_reason=reason, prefill_worker=flow.prefill_worker,
+        token_gaps=tuple(p.gaps), relays=tuple(p.relays), finish_reason=reason, prefill_worker=flow.prefill_worker,
         decode_worker=flow.decode_worker, migrations=p.migrations)

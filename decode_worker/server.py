@@ -82,7 +82,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
                     num_tokens += len(batch)
                     yield worker_pb2.DecodeResponse(tokens=worker_pb2.DecodeTokens(
                         tokens=[token_to_proto(ev.token, ev.index) for ev in batch],
-                        num_cached_tokens=max(ev.num_cached_tokens for ev in batch)))
+                        num_cached_tokens=max(ev.num_cached_tokens for ev in batch), sent_at=time.time()))
                     for done in (ev for ev in batch if ev.finish_reason is not None):
                         samples_left -= 1
                         msg = worker_pb2.DecodeFinished(finish_reason=FINISH_REASON_TO_PROTO[done.finish_reason],

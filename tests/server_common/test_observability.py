@@ -166,6 +166,11 @@ def test_metrics_count_what_was_sent_and_access_log_is_json(tiny_model_dir, laun
     assert total(coordinator, "pdserve:generation_tokens_total") == sum(o.completion_tokens for o in outs)
     assert total(coordinator, "pdserve:inter_token_latency_seconds_count") == sum(o.completion_tokens - 1 for o in outs)
     assert total(coordinator, "pdserve:request_time_per_output_token_seconds_count") == n
+    # one relay per message from the decode worker (the prefill worker's first token carries no send time), each a
+    # wall-clock difference on one clock: more than 0, and seconds at most (mixed clocks give 0 or ~1.7e9 s)
+    relays = total(coordinator, "pdserve:token_relay_latency_seconds_count")
+    assert 1 <= relays <= sum(o.completion_tokens - 1 for o in outs)
+    assert 0 < total(coordinator, "pdserve:token_relay_latency_seconds_sum") < 10 * relays
     assert total(coordinator, "pdserve:num_requests_in_flight") == 0
     assert total(coordinator, "pdserve:num_workers_live", role="prefill") == 1
     assert total(coordinator, "pdserve:num_workers_live", role="decode") == 1
