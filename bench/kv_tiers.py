@@ -22,6 +22,15 @@ with tiers off holds on a CPU; on an H200 a random-weight Llama-3.1-8B's outputs
 bf16 GEMMs rounding a 900-token chunk differently from a 96-token one: this control tells). Prints one JSON line per
 system and the ratios against tiers off (same run).
 
+`--busy`: the tiers' loads under running requests. The same turns arrive one at a time while another request
+decodes (a "neighbour", replaced when it ends), each added while a step runs, as a served engine sees an arrival: a
+returning turn's loads then run in the step that schedules it, on the engine thread, and the neighbour's inter-token
+latency carries them. Systems: tiers off, the disk tier reading a queued request's blocks ahead
+(`--kv-offload-prefetch-bytes`, the default), the disk tier without read-ahead, and both on a local Redis server when
+`redis-server` is on PATH (`--redis-url`: a server elsewhere). Reports the returning turns' TTFT, the neighbour's ITL
+p50 / p99 / max and in the steps that prefill a returning turn (where its loads land without read-ahead), and each
+tier's load time on the engine thread and blocks read ahead.
+
 `--cluster`: prefixes computed once per cluster. A served cluster (coordinator, 2 prefill workers, 1 decode worker,
 one thread each; decode workers never prefill) answers questions about one `--document`: one question alone (its
 prefill worker computes the document), then `--questions` at once (prefix-aware routing sends them to the worker
@@ -51,7 +60,7 @@ from pdserve_server.cli.models import resolve_model  # noqa: E402
 from pdserve_server.engine.args import EngineArgs  # noqa: E402
 from pdserve_server.engine.builder import build_engine  # noqa: E402
 from pdserve_server.engine.offline import run_until_idle  # noqa: E402
-from pdserve_server.engine.request import Request, SamplingParams  # noqa: E402
+from pdserve_server.engine.request import Request, RequestStatus, SamplingParams  # noqa: E402
 from hostinfo import commit, machine  # noqa: E402
 from prompts import corpus_ids as _corpus_ids  # noqa: E402
 
@@ -133,6 +142,103 @@ def run(model_dir: Path, convs, args, name: str, kv_tokens: int | None = None,
                   for s in stats.kv_offload},
     }
     return figures, outputs
+
+
+def run_busy(model_dir: Path, convs, args, name: str, **offload) -> tuple[dict, list[list[int]]]:
+    """`--busy`: every turn, round-robin, added mid-step while a neighbour decodes; figures of the returning turns
+    and of the neighbour's steps."""
+    parts = engine(model_dir, args, **offload)
+    sched, runner = parts.scheduler, parts.runner
+    turn(parts, "warm-up", list(range(1000, 1000 + args.turn)), 2)
+    neighbours = 0
+
+    def neighbour() -> Request:
+        nonlocal neighbours
+        neighbours += 1
+        req = Request(f"neighbour-{neighbours}", list(range(2000, 2000 + args.turn)),
+                      SamplingParams(temperature=0.0, max_tokens=args.first, ignore_eos=True),  # within max_model_len
+                      eos_token_ids=parts.model_config.eos_token_ids)
+        assert sched.add_request(req) is None
+        return req
+
+    current = neighbour()
+    itl: list[float] = []  # the neighbour's gaps between tokens, ms (each a whole iteration: schedule and loads too)
+    last_token = None
+
+    def step(arrival: Request | None = None) -> None:
+        nonlocal current, last_token
+        out = sched.schedule()
+        if arrival is not None:  # arrives while this step computes, as in a served engine
+            arrival.arrival_time = time.time()
+            assert sched.add_request(arrival) is None
+        start = time.perf_counter()
+        sched.update(out, runner.execute(out))
+        sched.observe_step(out, (time.perf_counter() - start) * 1e3)
+        if len(current.output_token_ids) > 1 and last_token is not None:
+            itl.append((time.perf_counter() - last_token) * 1e3)
+        last_token = time.perf_counter()
+        if current.status is RequestStatus.FINISHED:
+            current, last_token = neighbour(), None
+
+    contexts = [[] for _ in convs]
+    outputs, ttft, computed = [], [], []
+    joins: list[float] = []  # the neighbour's gap in each step that prefilled a returning turn, ms
+    joined_at: list[str] = []
+    start = time.perf_counter()
+    for t in range(args.turns):
+        for c, conv in enumerate(convs):
+            contexts[c] += conv[t]
+            req = Request(f"c{c}-t{t}", list(contexts[c]), SamplingParams(temperature=0.0, max_tokens=args.out,
+                                                                           ignore_eos=True),
+                          eos_token_ids=parts.model_config.eos_token_ids)
+            step(arrival=req)
+            while req.status is not RequestStatus.FINISHED:
+                before = len(itl)
+                step()
+                if t and req.first_token_time is not None and not joined_at[-1:] == [req.request_id] \
+                        and len(itl) > before:
+                    joins.append(itl[-1])  # the neighbour's gap in the step that prefilled the returning turn
+                    joined_at.append(req.request_id)
+            contexts[c] += req.output_token_ids
+            outputs.append(req.output_token_ids)
+            if t:
+                ttft.append((req.first_token_time - req.arrival_time) * 1e3)
+                computed.append(req.num_prompt_tokens - req.num_cached_tokens)
+    wall = time.perf_counter() - start
+    stats = sched.make_stats(0)
+    sched.kv.close()
+    itl.sort()
+    return {
+        "system": name, "returning_turns": len(ttft),
+        "ttft_ms_p50": round(statistics.median(ttft), 1), "ttft_ms_p90": round(statistics.quantiles(ttft, n=10)[-1], 1),
+        "prefill_tokens_per_returning_turn": round(statistics.mean(computed), 1),
+        "neighbour_itl_ms_p50": round(itl[len(itl) // 2], 1), "neighbour_itl_ms_p99": round(itl[int(len(itl) * .99)], 1),
+        "neighbour_itl_ms_max": round(itl[-1], 1), "neighbour_tokens": len(itl), "wall_s": round(wall, 2),
+        "neighbour_itl_ms_as_a_returning_turn_joins_p50": round(statistics.median(joins), 1) if joins else None,
+        "neighbour_itl_ms_as_a_returning_turn_joins_max": round(max(joins), 1) if joins else None,
+        "tiers": {s.tier: {"hits": s.hits, "prefetched": s.prefetched, "engine_load_s": round(s.load_seconds, 3),
+                           "declined": s.declined} for s in stats.kv_offload},
+    }, outputs
+
+
+def busy_main(args, model_dir: Path) -> None:
+    """`--busy`: tiers off, disk and Redis with and without read-ahead, under a decoding neighbour."""
+    convs = conversations(model_dir, args)
+    off, expected = run_busy(model_dir, convs, args, "tiers-off")
+    print(json.dumps(off), flush=True)
+    with tempfile.TemporaryDirectory(prefix="kv-tier-") as directory, redis_server(args.redis_url) as url:
+        systems = [("disk-tier", {"kv_offload_disk_dir": directory + "/a"}),
+                   ("disk-tier-no-read-ahead", {"kv_offload_disk_dir": directory + "/b",
+                                                "kv_offload_prefetch_bytes": 0})]
+        if url is not None:
+            systems += [("redis-tier", {"kv_offload_redis_url": url.replace("/0", "/1")}),
+                        ("redis-tier-no-read-ahead", {"kv_offload_redis_url": url.replace("/0", "/2"),
+                                                      "kv_offload_prefetch_bytes": 0})]
+        for name, offload in systems:
+            figures, outputs = run_busy(model_dir, convs, args, name, kv_offload_disk_bytes=args.tier_bytes,
+                                        **offload)
+            figures["outputs_equal_tiers_off"] = outputs == expected
+            print(json.dumps(figures), flush=True)
 
 
 def restart(model_dir: Path, convs, args, directory: str) -> dict:
@@ -258,13 +364,17 @@ def cluster_main(args, model_dir: Path) -> None:
 
 
 @contextlib.contextmanager
-def redis_server():
+def redis_server(url: str | None = None):
     """A Redis server on a free local port for the run (Debian's redis-server, bounded and LRU as docs/deploy.md
-    runs it), yielding its URL; None when there is no redis-server."""
+    runs it), yielding its URL; None when there is no redis-server. `url`: use that server instead (one on another
+    host, or behind an emulated network)."""
     import shutil
     import socket
     import subprocess
 
+    if url:
+        yield url
+        return
     binary = shutil.which("redis-server")
     if binary is None:
         yield None
@@ -302,6 +412,8 @@ def main() -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--model", metavar="NAME=DIR", help="random weights from DIR's config.json (NAME=builtin: "
                    "step_times.BUILTIN's); default: the packaged model's weights")
+    p.add_argument("--busy", action="store_true", help="turns arrive while another request decodes (see above)")
+    p.add_argument("--redis-url", help="--busy: a Redis server to use (db 1 and 2) instead of starting a local one")
     p.add_argument("--cluster", action="store_true", help="2 prefill workers sharing a disk tier (see above)")
     p.add_argument("--document", type=int, default=1536, help="--cluster: the shared document's tokens")
     p.add_argument("--questions", type=int, default=8, help="--cluster: questions per wave")
@@ -336,6 +448,9 @@ def main_on(args, model_dir: Path) -> None:
                       "args": vars(args)}), flush=True)
     if args.cluster:
         cluster_main(args, model_dir)
+        return
+    if args.busy:
+        busy_main(args, model_dir)
         return
     convs = conversations(model_dir, args)
     off, expected = run(model_dir, convs, args, "tiers-off")

@@ -45,6 +45,8 @@ class EngineArgs:
             (every full block as it enters the prefix cache, so workers sharing a directory find it at once).
         kv_offload_load: when a tier's block is loaded rather than recomputed: "cost" (when its measured load time
             is under the measured prefill time of a block, `engine.offload.offloader.KvOffloader.load`) or "always".
+        kv_offload_prefetch_bytes: blocks read ahead from the disk and Redis tiers for queued requests, staged in
+            memory up to this many bytes (`engine.offload.prefetch`); 0 = no read-ahead.
         device: torch device of weights and KV cache.
         seed: sampler seed for unseeded requests (and random weights).
         packed_weights: the linears' CPU forms (`engine.execution.packing`): bf16 prepacked for oneDNN, fp32 decode
@@ -120,6 +122,10 @@ class EngineArgs:
         "help": "when a block an offload tier holds is loaded back: cost = when the tier's measured load time per "
                 "block is under what prefilling the block measurably costs (a slow disk under a fast GPU is "
                 "recomputed instead); always = whenever a tier holds it"})
+    kv_offload_prefetch_bytes: int = field(default=512 * 2**20, metadata={"min": 0,
+        "help": "KV offload: a queued request's blocks in the disk or Redis tier are read ahead on a thread of "
+                "their own and staged in memory, up to this many bytes, so the engine does not read them between "
+                "steps; 0 = read them when the request is scheduled"})
     device: str = field(default="cpu", metadata={"help": "torch device, e.g. cpu or cuda:0"})
     seed: int = field(default=0, metadata={"min": 0, "help": "seed for unseeded sampling and random weights"})
     attention_backend: str = field(default="auto", metadata={

@@ -59,7 +59,9 @@ class EngineStatsCollector(Collector):
                  "corrupt"),
                 ("kv_offload_dropped_blocks", "Evicted blocks not stored: the tier's writer was behind.", "dropped"),
                 ("kv_offload_declined_blocks", "Blocks a tier held but recomputed: loading measured slower.",
-                 "declined")):
+                 "declined"),
+                ("kv_offload_prefetched_blocks", "Of the hit blocks, those read ahead while their request was "
+                 "queued (the engine only copied them).", "prefetched")):
             metric = CounterMetricFamily(f"pdserve:{name}", doc, labels=[*LABELS, "tier"])
             for tier in tiers:
                 metric.add_metric([*self.labels, tier.tier], getattr(tier, field))

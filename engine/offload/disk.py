@@ -47,6 +47,7 @@ class DiskTier:
 
     name = "disk"
     local = True  # this host's: its blocks count as held in the worker's KV events
+    slow = True  # a load reads a file and checks it: read ahead for queued requests (`engine.offload.prefetch`)
 
     def __init__(self, directory: str | Path, capacity_bytes: int, namespace: str, entry_bytes: int):
         if capacity_bytes < HEADER.size + entry_bytes:

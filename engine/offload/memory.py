@@ -20,6 +20,7 @@ class MemoryTier:
 
     name = "cpu"
     local = True  # this worker's own: its blocks count as held in the worker's KV events
+    slow = False  # a load is a memory copy: nothing to read ahead (`engine.offload.prefetch`)
 
     def __init__(self, capacity_bytes: int):
         if capacity_bytes < 1:

@@ -12,6 +12,7 @@ import torch
 from pdserve_server.engine.args import EngineArgs
 from pdserve_server.engine.offload.disk import DiskTier
 from pdserve_server.engine.offload.memory import MemoryTier
+from pdserve_server.engine.offload.prefetch import Prefetcher
 from pdserve_server.engine.offload.redis_tier import RedisTier
 from pdserve_server.engine.offload.stats import TierStats
 
@@ -40,15 +41,22 @@ class KvOffloader:
     in `PROBE_EVERY`, which keeps measuring it. On a CPU a block's prefill costs milliseconds and every tier pays;
     under a GPU, a disk tier read at well under a GB/s can cost several times the prefill it would save.
 
+    Read-ahead (`prefetch`): a queued request's blocks in the slow tiers (disk, Redis) are read by a thread of
+    their own while it waits, and a load of one of those is a memory copy (counted `prefetched`, not timed into the
+    tier's mean: the cost rule judges the loads the engine does itself). A staged block is loaded whatever the
+    cost rule says: its read is paid already.
+
     Args:
         kv: the KV cache shard, [num_blocks + 1, num_layers, 2, block_size, kv_heads, head_dim] of the model's dtype
             (`engine.execution.kv_cache.KVCache.kv`, block-major: one block is one contiguous region).
         tiers: `MemoryTier` / `DiskTier` objects, fastest first (at least one).
         store_computed: save each block as it is computed too (`KVCacheManager.cache_full_blocks`).
         load_rule: "cost" (above) or "always" (load whenever a tier holds the block).
+        prefetch_bytes: most bytes of read-ahead blocks staged (`engine.offload.prefetch`); 0 = no read-ahead.
     """
 
-    def __init__(self, kv: torch.Tensor, tiers: list, store_computed: bool = False, load_rule: str = "cost"):
+    def __init__(self, kv: torch.Tensor, tiers: list, store_computed: bool = False, load_rule: str = "cost",
+                 prefetch_bytes: int = 0):
         if not tiers:
             raise ValueError("a KV offloader needs at least one tier")
         self.kv = kv
@@ -57,6 +65,10 @@ class KvOffloader:
         self.load_rule = load_rule
         self.load_ms: list[float | None] = [None] * len(tiers)  # each tier's moving mean, ms per block
         self._declined_since_probe = [0] * len(tiers)
+        slow = [(i, tier) for i, tier in enumerate(tiers) if tier.slow]
+        self.prefetcher = Prefetcher(slow, prefetch_bytes) if slow and prefetch_bytes else None
+        # what `source` took from the stage for `load_from`: (key, tier index, payload, seconds it waited for it)
+        self._staged: tuple[bytes, int, torch.Tensor, float] | None = None
 
     def _region(self, block_id: int) -> torch.Tensor:
         return self.kv[block_id].view(-1).view(torch.uint8)
@@ -90,6 +102,17 @@ class KvOffloader:
             held = (tier.put(key, payload) and tier.local) or held
         return held
 
+    def prefetch(self, keys: list[bytes]) -> bytes | None:
+        """Read ahead the blocks with these prefix hashes (a queued request's, in chain order, past what its pool
+        holds) that no fast tier holds. Engine thread; does not block. Returns the last key asked for (the reading
+        is done when it is no longer `Prefetcher.pending`), None when nothing was (no read-ahead, nothing to read,
+        or too many requests queued for it)."""
+        if self.prefetcher is None:
+            return None
+        fast = [tier for tier in self.tiers if not tier.slow]
+        keys = [key for key in keys if not any(tier.contains(key) for tier in fast)]
+        return keys[-1] if keys and self.prefetcher.submit(keys) else None
+
     def source(self, key: bytes, recompute_ms: float | None = None) -> int | None:
         """The tier a load of the block with prefix hash `key` reads: the fastest that holds it and that the cost
         rule does not pass over (each tier passed over counts the block as declined); None when there is none. The
@@ -99,6 +122,12 @@ class KvOffloader:
             recompute_ms: what prefilling this block would cost, ms (`StepCost.marginal_ms_per_prefill_token` x
                 block size); None = not measured yet: load. Used by the cost rule only.
         """
+        if self.prefetcher is not None:
+            start = time.perf_counter()
+            staged = self.prefetcher.take(key)
+            if staged is not None:
+                self._staged = (key, *staged, time.perf_counter() - start)
+                return staged[0]
         for i, tier in enumerate(self.tiers):
             if not tier.contains(key):
                 continue
@@ -114,17 +143,22 @@ class KvOffloader:
         or Redis entry that failed its checksum, or was deleted meanwhile)."""
         tier = self.tiers[i]
         start = time.perf_counter()
-        payload = tier.get(key)
+        staged, self._staged = self._staged, None
+        prefetched = staged is not None and staged[:2] == (key, i)
+        payload = staged[2] if prefetched else tier.get(key)
         if payload is None:
             return False
         self._region(block_id).copy_(payload)
-        seconds = time.perf_counter() - start
+        seconds = time.perf_counter() - start + (staged[3] if prefetched else 0.0)  # a wait in `source` too
         for faster in self.tiers[:i]:
             faster.put(key, payload)
         counters = tier.counters
         counters.hits += 1
         counters.loaded_bytes += payload.nbytes
         counters.load_seconds += seconds
+        if prefetched:
+            counters.prefetched += 1
+            return True
         old = self.load_ms[i]
         self.load_ms[i] = seconds * 1e3 if old is None else old + LOAD_EWMA_ALPHA * (seconds * 1e3 - old)
         return True
@@ -160,7 +194,9 @@ class KvOffloader:
         return tuple(msgspec.structs.replace(tier.counters) for tier in self.tiers)
 
     def close(self) -> None:
-        """Finish the tiers' pending writes (a disk tier's queue), so a restart finds them."""
+        """Stop reading ahead and finish the tiers' pending writes (a disk tier's queue), so a restart finds them."""
+        if self.prefetcher is not None:
+            self.prefetcher.close()
         for tier in self.tiers:
             tier.close()
 
@@ -222,4 +258,5 @@ def build_offloader(args: EngineArgs, compat: str, kv: torch.Tensor) -> KvOffloa
         tiers.append(DiskTier(args.kv_offload_disk_dir, args.kv_offload_disk_bytes, namespace, block_bytes))
     if args.kv_offload_redis_url:
         tiers.append(RedisTier(args.kv_offload_redis_url, namespace, block_bytes))
-    return KvOffloader(kv, tiers, store_computed=args.kv_offload_store == "computed", load_rule=args.kv_offload_load)
+    return KvOffloader(kv, tiers, store_computed=args.kv_offload_store == "computed", load_rule=args.kv_offload_load,
+                       prefetch_bytes=args.kv_offload_prefetch_bytes)

@@ -7,7 +7,9 @@ Redis bounds and evicts the store itself: run it with `maxmemory` and `maxmemory
 Writes go through a thread of their own with a bounded queue, so the engine thread never waits on the network to store;
 a load is an EXISTS and a GET on the engine thread. A Redis that cannot be reached costs misses (blocks recomputed,
 warned once per outage), never a request: after a failed command the tier is left alone for RETRY_S, so a server that
-hangs stalls the engine thread for one TIMEOUT_S at most in that time, not once per block.
+hangs stalls the engine thread for one TIMEOUT_S at most in that time, not once per block. A queued request's blocks
+are read ahead by the prefetch thread (`engine.offload.prefetch`), several GETs a round trip (`get_many`); the client
+is thread-safe (a connection pool).
 
 Only for a store every worker that uses it trusts: a value written under a key is served to whoever asks for that
 key (the checksum catches damage, not a writer that lies), as the KV transfer network is trusted.
@@ -49,6 +51,7 @@ class RedisTier:
     # Shared by every worker, and silent about what it evicts: a block only here is not this worker's in its KV
     # events (reported removed as the pool evicts it), or the coordinator's index of the worker would only grow.
     local = False
+    slow = True  # a load is network round trips: read ahead for queued requests (`engine.offload.prefetch`)
 
     def __init__(self, url: str, namespace: str, entry_bytes: int):
         import redis  # only workers that use this tier need the client
@@ -104,8 +107,10 @@ class RedisTier:
         if pending is not None:
             return pending
         data = self._ask("get", key)
-        if data is None:
-            return None
+        return None if data is None else self._payload(key, data)
+
+    def _payload(self, key: bytes, data: bytes) -> torch.Tensor | None:
+        """A stored value's payload, or None (the value deleted and counted) when it is truncated or corrupt."""
         body = entry.payload(data, self.entry_bytes)
         if body is None:
             log.warning("Redis KV tier: the value of %s is truncated or corrupt; deleted (its block is recomputed)",
@@ -117,6 +122,27 @@ class RedisTier:
                 self._warn(e)
             return None
         return torch.frombuffer(bytearray(body), dtype=torch.uint8)
+
+    def get_many(self, keys: list[bytes]) -> list[torch.Tensor | None]:
+        """`get` for several keys in one round trip (a pipeline of GETs): the read-ahead thread's
+        (`engine.offload.prefetch`), where a per-block round trip to a server on another host would dominate."""
+        out: list[torch.Tensor | None] = [self._writes.queued(key) for key in keys]
+        ask = [i for i, payload in enumerate(out) if payload is None]
+        if not ask or time.monotonic() < self._retry_at:
+            return out
+        try:
+            pipe = self._client.pipeline(transaction=False)
+            for i in ask:
+                pipe.get(self._key(keys[i]))
+            answers = pipe.execute()
+        except self._errors as e:
+            self._warn(e)
+            return out
+        self._failing = False
+        for i, data in zip(ask, answers):
+            if data is not None:
+                out[i] = self._payload(keys[i], data)
+        return out
 
     def put(self, key: bytes, payload: torch.Tensor) -> bool:
         """Queue payload (1-D uint8 CPU tensor of entry_bytes, which the caller no longer writes) to be stored under

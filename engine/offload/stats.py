@@ -14,12 +14,15 @@ class TierStats(msgspec.Struct, array_like=True):
     Attributes:
         hits: blocks loaded from the tier into the pool.
         loaded_bytes / stored_bytes: payload bytes read from / written to the tier.
-        load_seconds: time spent loading hits (read, checksum, copy into the KV cache), seconds.
+        load_seconds: engine-thread time spent loading hits (read, checksum, copy into the KV cache; for a block
+            read ahead, the copy and any wait for its read), seconds.
         evictions: entries the tier dropped to stay within its size.
         corrupt: entries found truncated or failing their checksum (dropped, their block recomputed).
         dropped: blocks not stored because the tier's writer was behind.
         declined: blocks the tier held that a lookup recomputed instead: loading them measured slower than
             prefilling them (`KvOffloader.load`'s cost rule).
+        prefetched: of the hits, blocks read ahead while their request was queued (`engine.offload.prefetch`): the
+            engine only copied them.
     """
 
     tier: str
@@ -31,3 +34,4 @@ class TierStats(msgspec.Struct, array_like=True):
     corrupt: int = 0
     dropped: int = 0
     declined: int = 0
+    prefetched: int = 0

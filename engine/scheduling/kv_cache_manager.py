@@ -102,6 +102,7 @@ class KVCacheManager:
         self.block_tables: dict[str, list[int]] = {}
         self._hashes: dict[str, list[bytes]] = {}  # chained hashes of each request's registered full blocks
         self._released: dict[str, int] = {}  # leading table entries already swapped for the null block
+        self._reading: dict[str, bytes] = {}  # queued request -> the last key of its read-ahead (`prefetch`)
         self.prefix_hit_tokens = 0
         self.prefix_query_tokens = 0
         self.offload = offload
@@ -154,6 +155,31 @@ class KVCacheManager:
         """Free blocks `allocate_slots` with these arguments would take (new ones and revived cached ones)."""
         _, shared, need = self._plan(request_id, num_total_tokens, computed_blocks, next_position)
         return max(need, 0) + sum(1 for b in shared if self.pool.ref_counts[b] == 0)
+
+    def prefetch(self, request: Request) -> None:
+        """Have the offload tiers read ahead the request's full blocks that the pool lacks (`KvOffloader.prefetch`),
+        while it is queued; nothing without tiers or prefix caching."""
+        if self.offload is None or self.offload.prefetcher is None or not self.enable_prefix_caching:
+            return
+        tokens = request.all_token_ids
+        keys: list[bytes] = []
+        parent, root = None, chain_root(request.scheduling.cache_salt)
+        for i in range((len(tokens) - 1) // self.block_size):  # as `get_computed_blocks`: a token is left over
+            parent = hash_block_tokens(parent, tokens[i * self.block_size:(i + 1) * self.block_size], root)
+            if self.pool.lookup(parent) is None:
+                keys.append(parent)
+        if (last := self.offload.prefetch(keys)) is not None:
+            self._reading[request.request_id] = last
+
+    def reading_ahead(self, request: Request) -> bool:
+        """Whether the request's blocks are still being read ahead (`prefetch`)."""
+        last = self._reading.get(request.request_id)
+        if last is None:
+            return False
+        if self.offload.prefetcher.pending(last):
+            return True
+        del self._reading[request.request_id]
+        return False
 
     def get_computed_blocks(self, request: Request, ms_per_prefill_token: float | None = None) -> list[int]:
         """Longest run of cached full blocks matching the request's tokens (at least one token is left to compute,
@@ -322,6 +348,7 @@ class KVCacheManager:
     def free(self, request_id: str) -> None:
         """Release every block of the request (no-op if it holds none)."""
         self._hashes.pop(request_id, None)
+        self._reading.pop(request_id, None)
         self._released.pop(request_id, None)
         table = self.block_tables.pop(request_id, None)
         if table:

@@ -85,6 +85,7 @@ class Scheduler:
         else:
             request.status = RequestStatus.WAITING
             self.waiting.push(request)
+            self.kv.prefetch(request)  # its blocks in slow offload tiers are read while it waits
         return None
 
     def _attach_matcher(self, request: Request) -> RequestFailed | None:
@@ -242,6 +243,8 @@ class Scheduler:
                 budget.recount(out.num_tokens)
                 continue
             computed_blocks: list[int] = []
+            if req.num_computed_tokens == 0 and self.running and self.kv.reading_ahead(req):
+                break  # its blocks are being read from a slow tier: the running requests step without waiting
             if req.num_computed_tokens == 0:
                 computed_blocks = self.kv.get_computed_blocks(req, self.step_cost.marginal_ms_per_prefill_token)
             num_computed = req.num_computed_tokens or len(computed_blocks) * self.kv.block_size

@@ -261,7 +261,8 @@ def test_a_restarted_engine_serves_a_prefix_from_disk_and_recomputes_a_corrupt_o
     third = run(damaged, "turn-3", conversation, 6)
     assert third.output_token_ids == first and third.num_cached_tokens == 0
     (disk,) = damaged.scheduler.make_stats(0).kv_offload
-    assert disk.hits == 0 and disk.corrupt == 1  # the first block's entry: the lookup stops there
+    # the first block's entry stops the lookup (the read-ahead thread may have found the next one bad too)
+    assert disk.hits == 0 and disk.corrupt >= 1
     damaged.scheduler.kv.close()
 
 

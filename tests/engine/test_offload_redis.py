@@ -47,6 +47,44 @@ def test_redis_tier_round_trip_namespaces_and_a_damaged_value(redis_url):
     client.close()
 
 
+def test_get_many_reads_a_batch_in_one_round_trip_and_catches_a_damaged_value(redis_url):
+    import redis
+
+    writer = RedisTier(redis_url, "batch", entry_bytes=64)
+    for i in (1, 2, 4):
+        writer.put(key(i), torch.full((64,), i, dtype=torch.uint8))
+    writer.close()
+    client = redis.Redis.from_url(redis_url)
+    name = b"pdserve:kv:batch:" + key(4).hex().encode()
+    client.set(name, client.get(name)[:-1])  # truncated
+    reader = RedisTier(redis_url, "batch", entry_bytes=64)
+    got = reader.get_many([key(1), key(2), key(3), key(4)])
+    assert [None if g is None else int(g[0]) for g in got] == [1, 2, None, None]
+    assert reader.counters.corrupt == 1 and client.get(name) is None  # caught and deleted, as by `get`
+    assert reader.get_many([]) == []
+    reader.close()
+    client.close()
+
+
+def test_a_returning_conversation_is_read_ahead_from_redis_with_the_same_tokens(tiny_model_dir, redis_url):
+    parts = engine(tiny_model_dir, redis_url)
+    rng = random.Random(5)
+    conversation = [rng.randrange(3, 49152) for _ in range(41)]
+    first = run(parts, "turn-1", conversation, 6)
+    run(parts, "other", [rng.randrange(3, 49152) for _ in range(60)], 1)  # evicts the conversation into Redis
+    prefetcher = parts.scheduler.kv.offload.prefetcher
+    assert prefetcher.batch > 1  # Redis first among the slow tiers: several blocks a round trip
+    again = Request("turn-2", conversation, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True),
+                    eos_token_ids=(2,))
+    assert parts.scheduler.add_request(again) is None
+    wait_for(lambda: not parts.scheduler.kv.reading_ahead(again), 30, "turn-2's blocks read ahead")
+    run_until_idle(parts)
+    (tier,) = parts.scheduler.make_stats(0).kv_offload
+    assert again.output_token_ids == first.output_token_ids == hf_greedy(tiny_model_dir, conversation, 6)
+    assert again.num_cached_tokens == 40 and tier.hits == 5 and tier.prefetched == 5
+    parts.scheduler.kv.close()
+
+
 def engine(model_dir, url, **kw):
     # 8 blocks of 8 tokens; loads always (the counts below are exact, not left to measured costs)
     return build_engine(EngineArgs(dtype="float32", model_dir=str(model_dir), block_size=8, kv_tokens=64,
