@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections import OrderedDict, deque
 from pathlib import Path
 
@@ -24,6 +25,10 @@ from pdserve_server.engine.offload.stats import DROPPED_KEYS, TierStats
 from pdserve_server.engine.offload.writes import WriteQueue
 
 log = logging.getLogger(__name__)
+
+# A temporary file is renamed within milliseconds of its creation; one this old was left by a writer that died
+# mid-write (a crash, a killed worker) and is deleted at start. Younger ones may be another live worker's.
+STALE_TMP_S = 3600.0
 
 
 class DiskTier:
@@ -70,7 +75,15 @@ class DiskTier:
         return self.root / name[:2] / f"{name}.kv"
 
     def _scan(self) -> None:
-        """Index a previous run's entries, oldest access first, and trim to capacity."""
+        """Index a previous run's entries, oldest access first, and trim to capacity; delete temporary files a
+        dead writer left (older than STALE_TMP_S)."""
+        stale = time.time() - STALE_TMP_S
+        for path in self.root.glob("*/*.tmp"):
+            try:
+                if path.stat().st_mtime < stale:
+                    path.unlink()
+            except OSError:
+                continue  # renamed or deleted meanwhile
         found = []
         for path in self.root.glob("*/*.kv"):
             try:

@@ -66,7 +66,7 @@ class KvOffloader:
         self.load_ms: list[float | None] = [None] * len(tiers)  # each tier's moving mean, ms per block
         self._declined_since_probe = [0] * len(tiers)
         slow = [(i, tier) for i, tier in enumerate(tiers) if tier.slow]
-        self.prefetcher = Prefetcher(slow, prefetch_bytes) if slow and prefetch_bytes else None
+        self.prefetcher = Prefetcher(slow, prefetch_bytes, pin=kv.is_cuda) if slow and prefetch_bytes else None
         # what `source` took from the stage for `load_from`: (key, tier index, payload, seconds it waited for it)
         self._staged: tuple[bytes, int, torch.Tensor, float] | None = None
 

@@ -33,10 +33,13 @@ class Prefetcher:
             and may have `get_many(keys) -> list[tensor | None]`, several blocks a round trip (`RedisTier`).
         capacity_bytes: payload bytes staged at most; the oldest staged blocks (never taken: their request was
             cancelled, or found them in the pool after all) are dropped beyond it.
+        pin: stage in pinned host memory (a GPU pool: the engine's copy to the device then runs at DMA speed, as
+            `KvOffloader._copy_out`'s copies the other way). Unverified on a GPU.
     """
 
-    def __init__(self, tiers: Sequence[tuple[int, object]], capacity_bytes: int):
+    def __init__(self, tiers: Sequence[tuple[int, object]], capacity_bytes: int, pin: bool = False):
         self.tiers = list(tiers)
+        self.pin = pin
         # blocks read at once: a batch a round trip where the first slow tier is remote, else one at a time (a
         # take waits for the whole batch it is in; a file read gains nothing from company)
         self.batch = READ_BATCH if self.tiers and hasattr(self.tiers[0][1], "get_many") else 1
@@ -100,7 +103,8 @@ class Prefetcher:
                             break
                         many = getattr(tier, "get_many", None)
                         payloads = many(missing) if many is not None else [tier.get(k) for k in missing]
-                        found.update((k, (i, p)) for k, p in zip(missing, payloads) if p is not None)
+                        found.update((k, (i, p.pin_memory() if self.pin else p))
+                                     for k, p in zip(missing, payloads) if p is not None)
                 finally:
                     with self._cond:
                         self._reading = set()

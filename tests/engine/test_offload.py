@@ -59,6 +59,24 @@ def test_disk_tier_round_trip_bound_and_warm_restart(tmp_path):
     other.close()
 
 
+def test_a_disk_tier_deletes_what_a_dead_writer_left_at_start_and_keeps_a_live_ones(tmp_path):
+    import os
+    import time
+
+    from pdserve_server.engine.offload.disk import STALE_TMP_S
+
+    DiskTier(tmp_path, capacity_bytes=2**20, namespace="ns", entry_bytes=64).close()
+    (tmp_path / "ns" / "ab").mkdir()
+    dead = tmp_path / "ns" / "ab" / f"{key(1).hex()}.kv.4242.tmp"
+    live = tmp_path / "ns" / "ab" / f"{key(2).hex()}.kv.4343.tmp"
+    for path in (dead, live):
+        path.write_bytes(b"half an entry")
+    old = time.time() - STALE_TMP_S - 60
+    os.utime(dead, (old, old))
+    DiskTier(tmp_path, capacity_bytes=2**20, namespace="ns", entry_bytes=64).close()  # a restart
+    assert not dead.exists() and live.exists()  # a young one may be another worker's write in progress
+
+
 @pytest.mark.parametrize("damage", ["flipped byte", "truncated", "wrong size"])
 def test_disk_tier_catches_a_bad_entry_and_deletes_it(tmp_path, damage):
     tier = DiskTier(tmp_path, capacity_bytes=10_000, namespace="ns", entry_bytes=64)
