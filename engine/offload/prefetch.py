@@ -12,12 +12,15 @@ read at that moment (it would read it itself otherwise), and reads any other its
 """
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 
 import torch
+
+log = logging.getLogger(__name__)
 
 QUEUED_REQUESTS = 256  # requests whose blocks wait to be read at most; more are not prefetched (loaded as before)
 READ_BATCH = 8  # blocks a tier with get_many (Redis) reads per round trip: 16 MiB of Llama-3.1-8B blocks
@@ -105,6 +108,9 @@ class Prefetcher:
                         payloads = many(missing) if many is not None else [tier.get(k) for k in missing]
                         found.update((k, (i, p.pin_memory() if self.pin else p))
                                      for k, p in zip(missing, payloads) if p is not None)
+                except Exception as e:  # noqa: BLE001 - the thread must outlive a failed read (the chain ends there)
+                    log.warning("KV read-ahead: reading %d block(s) failed (%s: %s); they are loaded or recomputed "
+                                "when their request runs", len(batch), type(e).__name__, e)
                 finally:
                     with self._cond:
                         self._reading = set()

@@ -1,6 +1,7 @@
 """Per-request block tables on top of the block pool, with prefix-cache lookup and registration."""
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING
 
 from pdserve_server.engine.outputs import KvBlockRemoved
@@ -10,6 +11,10 @@ from pdserve_server.engine.request import Request
 
 if TYPE_CHECKING:
     from pdserve_server.engine.offload.offloader import KvOffloader
+
+# The longest a queued request is held back while its blocks are read ahead from a slow tier (`reading_ahead`):
+# a read that takes longer (a stalled disk or server) must not keep it waiting behind a busy batch.
+READ_AHEAD_HOLD_S = 2.0
 
 
 def sliding_kv_window(layer_windows: tuple[int, ...] | None) -> int:
@@ -103,7 +108,8 @@ class KVCacheManager:
         self.block_tables: dict[str, list[int]] = {}
         self._hashes: dict[str, list[bytes]] = {}  # chained hashes of each request's registered full blocks
         self._released: dict[str, int] = {}  # leading table entries already swapped for the null block
-        self._reading: dict[str, bytes] = {}  # queued request -> the last key of its read-ahead (`prefetch`)
+        # queued request -> (the last key of its read-ahead, time.monotonic() it was asked for) (`prefetch`)
+        self._reading: dict[str, tuple[bytes, float]] = {}
         self.prefix_hit_tokens = 0
         self.prefix_query_tokens = 0
         self.offload = offload
@@ -170,14 +176,16 @@ class KVCacheManager:
             if self.pool.lookup(parent) is None:
                 keys.append(parent)
         if (last := self.offload.prefetch(keys)) is not None:
-            self._reading[request.request_id] = last
+            self._reading[request.request_id] = (last, time.monotonic())
 
     def reading_ahead(self, request: Request) -> bool:
-        """Whether the request's blocks are still being read ahead (`prefetch`)."""
-        last = self._reading.get(request.request_id)
-        if last is None:
+        """Whether the request's blocks are still being read ahead (`prefetch`), for at most READ_AHEAD_HOLD_S:
+        a read that takes longer (a stalled disk or server) no longer holds the request back."""
+        entry = self._reading.get(request.request_id)
+        if entry is None:
             return False
-        if self.offload.prefetcher.pending(last):
+        last, since = entry
+        if self.offload.prefetcher.pending(last) and time.monotonic() - since < READ_AHEAD_HOLD_S:
             return True
         del self._reading[request.request_id]
         return False

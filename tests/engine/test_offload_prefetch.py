@@ -253,3 +253,57 @@ def test_with_nothing_else_to_run_a_request_does_not_wait_for_its_read_ahead(tin
     assert again.output_token_ids == first.output_token_ids and again.num_cached_tokens == 40
     gated.gate.release(10)
     parts.scheduler.kv.close()
+
+
+def test_a_failing_read_ends_its_chain_and_the_thread_reads_on():
+    class Failing(SlowTier):
+        def get(self, k):
+            if k == key(1):
+                raise PermissionError("no access")
+            return super().get(k)
+
+    tier = Failing({key(i): i for i in range(4)})
+    p = Prefetcher([(0, tier)], capacity_bytes=1024)
+    p.submit([key(0), key(1), key(2)])
+    drain(p)
+    assert [p.take(key(i)) is not None for i in range(3)] == [True, False, False]  # nothing after the failure
+    p.submit([key(3)])  # the thread outlived it
+    drain(p)
+    assert p.take(key(3)) is not None
+    p.close()
+
+
+def test_a_read_that_stalls_holds_its_request_back_no_longer_than_the_bound(tiny_model_dir, tmp_path, monkeypatch):
+    from pdserve_server.engine.scheduling import kv_cache_manager
+
+    monkeypatch.setattr(kv_cache_manager, "READ_AHEAD_HOLD_S", 0.0)  # every hold has run out at once
+    monkeypatch.setattr(prefetch, "WAIT_S", 0.2)
+    parts = build_engine(EngineArgs(dtype="float32", model_dir=str(tiny_model_dir), block_size=8, kv_tokens=128,
+                                    max_model_len=64, kv_offload_disk_dir=str(tmp_path), kv_offload_load="always"))
+    sched = parts.scheduler
+    rng = random.Random(6)
+    conversation = [rng.randrange(3, 49152) for _ in range(41)]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    first = Request("turn-1", conversation, params, eos_token_ids=(2,))
+    one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    for req in (first, *(Request(f"other-{i}", [rng.randrange(3, 49152) for _ in range(60)], one,
+                                 eos_token_ids=(2,)) for i in range(2))):
+        run_until_idle(parts, [req])
+    assert sched.add_request(Request("neighbour", list(range(100, 108)),
+                                     SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True),
+                                     eos_token_ids=(2,))) is None
+    out = sched.schedule()
+    sched.update(out, parts.runner.execute(out))
+    prefetcher = sched.kv.offload.prefetcher
+    (index, disk), = prefetcher.tiers
+    gated = Gated(disk)  # the read stalls
+    prefetcher.tiers = [(index, gated)]
+    again = Request("turn-2", conversation, params, eos_token_ids=(2,))
+    assert sched.add_request(again) is None
+    out = sched.schedule()  # not held back: the stalled read's bound has passed
+    assert "turn-2" in [s.request.request_id for s in out.prefills + out.decodes]
+    sched.update(out, parts.runner.execute(out))
+    run_until_idle(parts)
+    assert again.output_token_ids == first.output_token_ids and again.num_cached_tokens == 40
+    gated.gate.release(10)
+    sched.kv.close()
