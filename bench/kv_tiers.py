@@ -261,7 +261,7 @@ def ideal_computed(prompts_in_waves: list[list[list[int]]], block_size: int) -> 
     """Prompt tokens a cluster with one shared, unbounded prefix cache computes: each prompt less its leading full
     blocks that an earlier wave's prompt computed (requests of one wave run at once), as the engine's lookup counts
     (at least one token is computed)."""
-    from pdserve_server.engine.scheduling.block_hash import hash_block_tokens
+    from pdserve_server.engine.scheduling.block_pool import hash_block_tokens
 
     cached: set[bytes] = set()
     total = 0

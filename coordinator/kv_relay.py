@@ -9,7 +9,7 @@ subscriber that lost its stream resumes from its cursor. A subscriber without a 
 the history) first gets a snapshot of the live blocks (smg's `KvSnapshotChunk`: an `AllBlocksCleared`, then one
 stored event per block, parents first, in chunks ending at the current sequence), then the live batches.
 
-Block hashes are our 16-byte chained hashes (`engine.scheduling.block_hash.block_hashes`) cut to vLLM's int64 (their first 8 bytes,
+Block hashes are our 16-byte chained hashes (`prefix_index.block_hashes`) cut to vLLM's int64 (their first 8 bytes,
 big-endian, signed); each stored event carries its parent's and the block's token ids. No load records: the gateway
 keeps polling `GetLoads`. The stream shows every cached prompt's tokens, so the flag is for a port whose callers are
 trusted (the gateway in front of it), like vLLM's ZMQ event socket.

@@ -9,9 +9,27 @@ steers routing, never correctness. A worker that restarts, or leaves, starts aga
 """
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 
+
+def block_hashes(token_ids: Sequence[int], block_size: int, cache_salt: str = "") -> list[bytes]:
+    """Chained hashes of the full blocks of a prompt: blake2b(previous hash || block tokens as int64), 16 bytes; the
+    first block chains from the cache salt's root where a request has one. The engine's keys, computed the same way
+    (`engine.scheduling.block_pool.hash_block_tokens` and `chain_root`).
+
+    Standard-library `array` rather than numpy: the coordinator process must stay free of numerical libraries.
+    """
+    out: list[bytes] = []
+    parent = (hashlib.blake2b(b"pdserve cache salt\0" + cache_salt.encode(), digest_size=16).digest()
+              if cache_salt else b"")
+    tokens = array("q", token_ids)
+    for start in range(0, len(tokens) - block_size + 1, block_size):
+        parent = hashlib.blake2b(parent + tokens[start:start + block_size].tobytes(), digest_size=16).digest()
+        out.append(parent)
+    return out
 
 
 class PrefixIndex:

@@ -32,8 +32,7 @@ import grpc
 
 from pdserve_server.coordinator.errors import RequestError
 from pdserve_server.coordinator.prefill_queue import PrefillQueue
-from pdserve_server.coordinator.prefix_index import PrefixIndex
-from pdserve_server.engine.scheduling.block_hash import block_hashes
+from pdserve_server.coordinator.prefix_index import PrefixIndex, block_hashes
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 
 

@@ -126,7 +126,7 @@ class RequestFailed(msgspec.Struct, tag=True, array_like=True):
 
 class KvBlockStored(msgspec.Struct, tag=True, array_like=True):
     """A full KV block entered this engine's prefix cache (vLLM's BlockStored, one block): its chained hash
-    (`engine.scheduling.block_hash.hash_block_tokens`, 16 bytes), its parent's (None for a prompt's first block)
+    (`engine.scheduling.block_pool.hash_block_tokens`, 16 bytes), its parent's (None for a prompt's first block)
     and its block_size token ids. Emitted only with `EngineArgs.kv_events`."""
 
     block_hash: bytes

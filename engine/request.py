@@ -125,7 +125,7 @@ class SchedulingParams:
         deadline: Unix seconds (wall clock) by which the first token is due; a request still queued then, nothing
             computed for it, is refused (DEADLINE) rather than prefilled. None = no deadline.
         cache_salt: prefix-cache isolation: non-empty, the request's block hashes chain from this salt's own root
-            (`engine.scheduling.block_hash.chain_root`), so its prefix-cache blocks serve only requests of the same
+            (`engine.scheduling.block_pool.chain_root`), so its prefix-cache blocks serve only requests of the same
             salt (vLLM's `cache_salt`). "" shares with every request without one.
     """
 

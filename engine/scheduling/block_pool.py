@@ -1,4 +1,4 @@
-"""Ref-counted pool of KV cache blocks with a prefix cache keyed by chained block hashes (`block_hash`).
+"""Ref-counted pool of KV cache blocks with a prefix cache keyed by chained block hashes.
 
 Lives off the device: it only hands out block ids; `engine.execution.kv_cache.KVCache` owns the memory. Owned by the
 engine thread; not thread-safe.
@@ -9,10 +9,36 @@ the evicted block to `on_evict` (the offload tiers, `engine.offload`) while its 
 """
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
+import numpy as np
+
 from pdserve_server.engine.outputs import KvBlockRemoved, KvBlockStored
+
+
+def hash_block_tokens(parent_hash: bytes | None, token_ids: Sequence[int], root: bytes | None = None) -> bytes:
+    """Chained hash of one full block: blake2b(parent hash || token ids as int64). 16 bytes.
+
+    Chaining makes a block's hash identify the whole prefix up to and including it, as in vLLM's prefix cache. A
+    prompt's first block (parent_hash None) chains from `root`: a cache salt's (`chain_root`), or nothing.
+    (`coordinator.prefix_index.block_hashes` computes the same without numpy.)
+    """
+    h = hashlib.blake2b(digest_size=16)
+    start = parent_hash if parent_hash is not None else root
+    if start is not None:
+        h.update(start)
+    h.update(np.asarray(token_ids, dtype=np.int64).tobytes())
+    return h.digest()
+
+
+def chain_root(cache_salt: str) -> bytes | None:
+    """Where a request's chain of block hashes starts: None without a salt; with one, blake2b of a fixed label and
+    the salt (16 bytes), which no block's hash equals, so salted chains never meet unsalted or other salts' chains."""
+    if not cache_salt:
+        return None
+    return hashlib.blake2b(b"pdserve cache salt\0" + cache_salt.encode(), digest_size=16).digest()
 
 
 class BlockPool:

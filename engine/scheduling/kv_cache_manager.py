@@ -5,8 +5,7 @@ import time
 from typing import TYPE_CHECKING
 
 from pdserve_server.engine.outputs import KvBlockRemoved
-from pdserve_server.engine.scheduling.block_hash import chain_root, hash_block_tokens
-from pdserve_server.engine.scheduling.block_pool import BlockPool
+from pdserve_server.engine.scheduling.block_pool import BlockPool, chain_root, hash_block_tokens
 from pdserve_server.engine.request import Request
 
 if TYPE_CHECKING:

@@ -7,8 +7,7 @@ import grpc
 
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 from pdserve_server.coordinator.kv_events import apply, follow
-from pdserve_server.coordinator.prefix_index import PrefixIndex
-from pdserve_server.engine.scheduling.block_hash import block_hashes
+from pdserve_server.coordinator.prefix_index import PrefixIndex, block_hashes
 from pdserve_server.coordinator.router import WorkerHandle
 
 H = block_hashes(list(range(48)), 16)  # three chained block hashes, as the engine computes them

@@ -5,8 +5,7 @@ import asyncio
 
 from pdserve_server.coordinator.kv_events import apply
 from pdserve_server.coordinator.kv_relay import KvEventRelay, int64_hash
-from pdserve_server.coordinator.prefix_index import PrefixIndex
-from pdserve_server.engine.scheduling.block_hash import block_hashes
+from pdserve_server.coordinator.prefix_index import PrefixIndex, block_hashes
 from pdserve.v1 import worker_pb2
 
 TOKENS = list(range(100, 148))  # three blocks of 16

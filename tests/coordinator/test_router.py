@@ -4,7 +4,7 @@ import pytest
 
 from pdserve_server.coordinator.errors import RequestError
 from pdserve_server.coordinator.membership import Cluster
-from pdserve_server.engine.scheduling.block_hash import block_hashes
+from pdserve_server.coordinator.prefix_index import block_hashes
 from pdserve_server.coordinator.router import LocalPrefillPolicy, Router, WorkerHandle
 from pdserve.v1 import worker_pb2
 

@@ -204,7 +204,7 @@ def test_kv_events_reach_an_smg_client_as_vllms(cluster, engine):
     import random
 
     from pdserve_server.coordinator.kv_relay import int64_hash
-    from pdserve_server.engine.scheduling.block_hash import block_hashes
+    from pdserve_server.coordinator.prefix_index import block_hashes
 
     block = engine.GetServerInfo(pb.GetServerInfoRequest(), timeout=30).block_size
     prompt = [random.Random(17).randrange(3, 49152) for _ in range(100)]

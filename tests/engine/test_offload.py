@@ -16,7 +16,7 @@ from pdserve_server.engine.offload.entry import HEADER
 from pdserve_server.engine.offload.memory import MemoryTier
 from pdserve_server.engine.offload.offloader import PROBE_EVERY, KvOffloader
 from pdserve_server.engine.request import Request, SamplingParams, SchedulingParams
-from pdserve_server.engine.scheduling.block_hash import hash_block_tokens
+from pdserve_server.engine.scheduling.block_pool import hash_block_tokens
 from pdserve_server.engine.scheduling.kv_cache_manager import KVCacheManager
 
 

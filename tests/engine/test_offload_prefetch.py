@@ -15,7 +15,7 @@ from pdserve_server.engine.offload.offloader import KvOffloader
 from pdserve_server.engine.offload import prefetch
 from pdserve_server.engine.offload.prefetch import Prefetcher
 from pdserve_server.engine.request import Request, SamplingParams
-from pdserve_server.engine.scheduling.block_hash import hash_block_tokens
+from pdserve_server.engine.scheduling.block_pool import hash_block_tokens
 
 
 def key(i: int) -> bytes:

@@ -15,7 +15,7 @@ from pdserve_server.engine.offline import run_until_idle
 from pdserve_server.engine.offload import entry
 from pdserve_server.engine.offload.redis_tier import RedisTier, public_url
 from pdserve_server.engine.request import Request, SamplingParams
-from pdserve_server.engine.scheduling.block_hash import hash_block_tokens
+from pdserve_server.engine.scheduling.block_pool import hash_block_tokens
 
 
 def key(i: int) -> bytes:
