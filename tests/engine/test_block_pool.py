@@ -1,3 +1,6 @@
+import hashlib
+
+import numpy as np
 import pytest
 
 from pdserve_server.coordinator.prefix_index import block_hashes
@@ -30,6 +33,17 @@ def test_chained_hash_depends_on_parent():
     a = hash_block_tokens(None, [1, 2])
     assert hash_block_tokens(a, [3, 4]) != hash_block_tokens(None, [3, 4])
     assert hash_block_tokens(a, [3, 4]) == hash_block_tokens(hash_block_tokens(None, [1, 2]), [3, 4])
+
+
+def test_block_keys_are_the_ones_earlier_releases_stored():
+    """Disk and Redis tier entries outlive a worker (warm restart, other hosts): a block's key must not change
+    between releases. BLAKE2b-128 of the parent's hash and the tokens as little-endian int64, as when numpy made
+    the bytes."""
+    tokens = [0, 1, 49151, 2**31 + 5]
+    first = hashlib.blake2b(np.asarray(tokens, dtype="<i8").tobytes(), digest_size=16).digest()
+    assert hash_block_tokens(None, tokens) == first
+    assert hash_block_tokens(first, [7]) == hashlib.blake2b(first + np.asarray([7], "<i8").tobytes(),
+                                                            digest_size=16).digest()
 
 
 @pytest.mark.parametrize("salt", ["", "key:0a1b2c3d", "tenant-é"])
