@@ -6,6 +6,8 @@ HiCache, Dynamo's KV block manager).
 - `disk`: a directory, bounded in bytes, whose entries carry a checksum and outlive the worker (a warm restart);
 - `redis_tier`: a Redis server that workers on any host share (a prefix computed once per cluster);
 - `entry`: how one block is stored in a file or a Redis value (header with length and checksum, then the bytes);
+- `writes`: the disk and Redis tiers' writer thread, with blocks readable while they wait for it;
+- `prefetch`: a queued request's blocks read ahead from the disk and Redis tiers on a thread of their own;
 - `offloader`: moves one block between the KV cache tensor and the tiers, and counts what each tier did.
 
 The block pool calls the offloader as it evicts (`scheduling.block_pool.BlockPool.on_evict`) and the KV cache

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import time
+import itertools
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from pdserve_server.engine.outputs import KvBlockRemoved
@@ -167,13 +169,7 @@ class KVCacheManager:
         while it is queued; nothing without tiers or prefix caching."""
         if self.offload is None or self.offload.prefetcher is None or not self.enable_prefix_caching:
             return
-        tokens = request.all_token_ids
-        keys: list[bytes] = []
-        parent, root = None, chain_root(request.scheduling.cache_salt)
-        for i in range((len(tokens) - 1) // self.block_size):  # as `get_computed_blocks`: a token is left over
-            parent = hash_block_tokens(parent, tokens[i * self.block_size:(i + 1) * self.block_size], root)
-            if self.pool.lookup(parent) is None:
-                keys.append(parent)
+        keys = [block_hash for _, _, block_hash in self._prefix_blocks(request) if self.pool.lookup(block_hash) is None]
         if (last := self.offload.prefetch(keys)) is not None:
             self._reading[request.request_id] = (last, time.monotonic())
 
@@ -189,6 +185,17 @@ class KVCacheManager:
         del self._reading[request.request_id]
         return False
 
+    def _prefix_blocks(self, request: Request) -> Iterator[tuple[list[int], bytes | None, bytes]]:
+        """(tokens, parent's hash or None, chained hash) of each full block a prefix-cache lookup may match, in
+        order: every full block but one that would hold the last token (the step computing it gives the logits)."""
+        tokens, size = request.all_token_ids, self.block_size
+        parent, root = None, chain_root(request.scheduling.cache_salt)
+        for i in range((len(tokens) - 1) // size):
+            block_tokens = tokens[i * size:(i + 1) * size]
+            block_hash = hash_block_tokens(parent, block_tokens, root)
+            yield block_tokens, parent, block_hash
+            parent = block_hash
+
     def get_computed_blocks(self, request: Request, ms_per_prefill_token: float | None = None) -> list[int]:
         """Longest run of cached full blocks matching the request's tokens (at least one token is left to compute,
         so the step still produces logits). Does not take references; see `allocate_slots`.
@@ -198,35 +205,30 @@ class KVCacheManager:
         cost rule finds loading it slower than prefilling it at `ms_per_prefill_token` (ms; None = unmeasured)."""
         if not self.enable_prefix_caching:
             return []
-        tokens = request.all_token_ids
-        max_blocks = (len(tokens) - 1) // self.block_size
         hits: list[int] = []
-        parent, root = None, chain_root(request.scheduling.cache_salt)
-        for i in range(max_blocks):
-            block_hash = hash_block_tokens(parent, tokens[i * self.block_size:(i + 1) * self.block_size], root)
+        blocks = self._prefix_blocks(request)
+        for block_tokens, parent, block_hash in blocks:
             block = self.pool.lookup(block_hash)
             if block is None:
                 if self.offload is not None:
                     recompute_ms = None if ms_per_prefill_token is None else ms_per_prefill_token * self.block_size
-                    return self._load_from_tiers(tokens, hits, parent, root, max_blocks, recompute_ms)
+                    return self._load_from_tiers(itertools.chain([(block_tokens, parent, block_hash)], blocks), hits,
+                                                 recompute_ms)
                 break
             hits.append(block)
-            parent = block_hash
         return hits
 
-    def _load_from_tiers(self, tokens: list[int], hits: list[int], parent: bytes | None, root: bytes | None,
-                         max_blocks: int, recompute_ms: float | None) -> list[int]:
-        """Extend `hits` (pool blocks for the first len(hits) blocks of `tokens`, the last with hash `parent`; the
-        chain starts at `root`, `chain_root`'s) with blocks found in the pool or loaded from a tier, until one is in
-        neither or no block is free. The blocks found are held while later ones are loaded (a load allocates, which
-        may evict a free cached block), then released: they stay in the prefix cache, free and most recently used,
-        for `allocate_slots` to take."""
+    def _load_from_tiers(self, blocks: Iterator[tuple[list[int], bytes | None, bytes]], hits: list[int],
+                         recompute_ms: float | None) -> list[int]:
+        """Extend `hits` (pool blocks for the request's leading blocks) with the next of `blocks` (`_prefix_blocks`'s,
+        from the first the pool missed) found in the pool or loaded from a tier, until one is in neither or no block
+        is free. The blocks found are held while later ones are loaded (a load allocates, which may evict a free
+        cached block), then released: they stay in the prefix cache, free and most recently used, for
+        `allocate_slots` to take."""
         held = list(hits)
         self.pool.touch(held)
         try:
-            for i in range(len(hits), max_blocks):
-                block_tokens = tokens[i * self.block_size:(i + 1) * self.block_size]
-                block_hash = hash_block_tokens(parent, block_tokens, root)
+            for block_tokens, parent, block_hash in blocks:
                 block = self.pool.lookup(block_hash)
                 if block is None:
                     tier = self.offload.source(block_hash, recompute_ms) if self.pool.num_free_blocks else None
@@ -241,7 +243,6 @@ class KVCacheManager:
                     self.pool.touch([block])
                     held.append(block)
                 hits.append(block)
-                parent = block_hash
         finally:
             self.pool.free(held)
         return hits
