@@ -240,9 +240,10 @@ def busy_main(args, model_dir: Path) -> None:
         systems = [("disk-tier", {"kv_offload_disk_dir": directory + "/a"}),
                    ("disk-tier-no-read-ahead", {"kv_offload_disk_dir": directory + "/b",
                                                 "kv_offload_prefetch_bytes": 0})]
-        if url is not None:
-            systems += [("redis-tier", {"kv_offload_redis_url": url.replace("/0", "/1")}),
-                        ("redis-tier-no-read-ahead", {"kv_offload_redis_url": url.replace("/0", "/2"),
+        if url is not None:  # databases 1 and 2 of the server: the two systems share no entries
+            server = url.rsplit("/", 1)[0]
+            systems += [("redis-tier", {"kv_offload_redis_url": f"{server}/1"}),
+                        ("redis-tier-no-read-ahead", {"kv_offload_redis_url": f"{server}/2",
                                                       "kv_offload_prefetch_bytes": 0})]
         for name, offload in systems:
             figures, outputs = run_busy(model_dir, convs, args, name, kv_offload_disk_bytes=args.tier_bytes,

@@ -14,6 +14,7 @@ from pdserve_server.engine.offload.memory import MemoryTier
 from pdserve_server.engine.offload.offloader import KvOffloader
 from pdserve_server.engine.offload import prefetch
 from pdserve_server.engine.offload.prefetch import Prefetcher
+from pdserve_server.engine.offload.stats import TierStats
 from pdserve_server.engine.request import Request, SamplingParams
 from pdserve_server.engine.scheduling.block_pool import hash_block_tokens
 
@@ -33,7 +34,7 @@ class SlowTier:
         self.reads: list[bytes] = []
         self.gate = threading.Semaphore(0) if gate else None
         self.reading = threading.Event()
-        self.counters = MemoryTier(1).counters  # a TierStats to count into
+        self.counters = TierStats(self.name)
 
     def get(self, k: bytes):
         self.reads.append(k)
