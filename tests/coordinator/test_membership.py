@@ -219,14 +219,17 @@ def test_a_worker_lost_under_load_turns_readiness_off_at_once(tiny_model_dir, tm
     It used to stay SERVING: the request path marked the worker down behind membership's back, the polls then
     saw no change, and load balancers kept sending traffic that was refused."""
     p = Processes(tiny_model_dir, tmp_path)
+    # The longest request the tiny model allows (512 positions), so it is still decoding when the kill lands however
+    # busy the machine: with 200 tokens a CI run once saw the request finish first, and nothing fail.
+    long = [*WORKER, "--max-model-len", "512"]
     try:
-        prefill, decode = p.start_all(("prefill", "prefill", *WORKER), ("decode", "decode", *WORKER))
+        prefill, decode = p.start_all(("prefill", "prefill", *long), ("decode", "decode", *long))
         coordinator = p.start("coordinator", "coordinator", "--prefill", prefill, "--decode", decode,
                               "--stats-interval-s", "60", "--no-local-prefill-fallback")
         with grpc.insecure_channel(coordinator) as ch, Client(coordinator) as c:
             watch = health_pb2_grpc.HealthStub(ch).Watch(health_pb2.HealthCheckRequest(), timeout=50)
             assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
-            stream = c.generate([5, 6, 7], SamplingParams(max_tokens=200, temperature=0, ignore_eos=True))
+            stream = c.generate([5, 6, 7], SamplingParams(max_tokens=505, temperature=0, ignore_eos=True))
             # The first token comes from the prefill worker, before its KV transfer ends; the later ones from the
             # decode worker, so the request is decoding there. (Killed mid-transfer, the prefill worker's report
             # blames its peer: test_migration's mid-transfer case.)
