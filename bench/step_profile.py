@@ -15,6 +15,8 @@ under `torch.profiler` splits the step into:
   einsums);
 - other ops: the per-token ops counted whole (RMSNorm with its residual add, SiLU-and-mul; C or torch) and
   every other aten op (embedding, sampling's argmax, tensor creation);
+- fused: the one-region decode step of bf16 packed weights (`pdserve::decode_layers_packed_bf16`: every layer's
+  linears, attention and per-token ops inside one OpenMP region, which the profiler cannot split);
 - python: the step's wall time minus the time inside any op (packing lists, module dispatch, the scheduler's own
   bookkeeping is outside `execute` and not counted).
 
@@ -62,11 +64,13 @@ from hostinfo import FLAGS_SHOWN, commit, machine  # noqa: E402
 
 GEMM_OPS = {"aten::mm", "aten::addmm", "aten::mkldnn_linear", "mkldnn::_linear_pointwise", "aten::_mkl_linear",
             "mkl::_mkl_linear", "aten::_weight_int8pack_mm",
-            "aten::_weight_int4pack_mm_for_cpu", "pdserve::linear_small_m"}
+            "aten::_weight_int4pack_mm_for_cpu", "pdserve::linear_small_m", "pdserve::linear_packed_bf16"}
 # Ranges counted whole: _instrument's around the ops a Python forward calls, and those pdserve::decode_layers opens
 # around the C calls it makes directly (kernels/cpu_ops.cpp).
 ATTENTION_RANGES = ("attention", "pdserve::decode_layers:attention")
 LAYER_OP_RANGES = ("layer_op", "pdserve::decode_layers:layer_op")
+# The one-region step of bf16 packed weights (kernels/cpu_decode_step.c): every layer's ops inside, not split.
+FUSED_RANGES = ("pdserve::decode_layers_packed_bf16:step",)
 
 
 def _time(fn, min_s: float = 0.3) -> float:
@@ -180,9 +184,11 @@ def measure(args: EngineArgs, batch: int, context: int, steps: int) -> dict:
         prof_wall = 0.0
         for _ in range(steps):
             prof_wall += step()[1]
-    gemm_us = attn_us = ops_us = 0.0
+    gemm_us = attn_us = ops_us = fused_us = 0.0
     for ev in prof.key_averages():
-        if ev.key in ATTENTION_RANGES:
+        if ev.key in FUSED_RANGES:
+            fused_us += ev.cpu_time_total
+        elif ev.key in ATTENTION_RANGES:
             attn_us += ev.cpu_time_total
         elif ev.key in LAYER_OP_RANGES:
             ops_us += ev.cpu_time_total
@@ -191,7 +197,7 @@ def measure(args: EngineArgs, batch: int, context: int, steps: int) -> dict:
         if ev.cpu_parent is None:
             gemm_us, ops_us = _accumulate(ev, gemm_us, ops_us)
     total_us = prof_wall * 1e6
-    python_us = max(total_us - gemm_us - attn_us - ops_us, 0.0)
+    python_us = max(total_us - gemm_us - attn_us - ops_us - fused_us, 0.0)
 
     mc = parts.model_config
     shapes = config_linear_shapes(mc)
@@ -207,14 +213,14 @@ def measure(args: EngineArgs, batch: int, context: int, steps: int) -> dict:
             "model_flop_s": flops / step_s, "weight_bytes_s": weight_bytes / step_s, "flops": flops,
             "bytes": weight_bytes + kv_bytes, "step_s": step_s,
             "split": {"gemm": gemm_us / total_us, "attention": attn_us / total_us, "other_ops": ops_us / total_us,
-                      "python": python_us / total_us},
+                      "fused": fused_us / total_us, "python": python_us / total_us},
             "shapes": shapes}
 
 
 def _accumulate(ev, gemm_us: float, ops_us: float) -> tuple[float, float]:
     """Add self CPU time of ev's subtree to gemm / other ops, skipping the "attention" and "layer_op" ranges (counted
     whole)."""
-    if ev.name in ATTENTION_RANGES or ev.name in LAYER_OP_RANGES:
+    if ev.name in ATTENTION_RANGES or ev.name in LAYER_OP_RANGES or ev.name in FUSED_RANGES:
         return gemm_us, ops_us
     if ev.name in GEMM_OPS:
         gemm_us += ev.self_cpu_time_total
@@ -259,7 +265,7 @@ def main(argv=None) -> int:
           f"{a.threads} thread(s); copy bandwidth {report['copy_bytes_s'] / 1e9:.1f} GB/s, read "
           f"{report['read_bytes_s'] / 1e9:.1f} GB/s")
     print("dtype     attn  pack eager batch  step ms   tok/s  GEMM@B GF/s  model GF/s  frac   wbytes/copy  "
-          "roofline  gemm  attn  other  python")
+          "roofline  gemm  attn  other  fused  python")
     for name, backend, packing, eager in ((n, be, pk, e) for n in a.dtypes.split(",") for be in a.backends.split(",")
                                           for pk in a.packed_weights.split(",") for e in a.enforce_eager.split(",")):
         dt, _, quant = name.partition("+")
@@ -286,7 +292,8 @@ def main(argv=None) -> int:
                   f"{point['step_ms']:8.1f} {point['tok_s']:7.1f} {point['gemm_flop_s'] / 1e9:11.1f} "
                   f"{point['model_flop_s'] / 1e9:11.1f} {point['fraction']:5.2f} {point['bandwidth_fraction']:12.2f}  "
                   f"{point['roofline_fraction']:8.2f}  "
-                  f"{sp['gemm']:4.0%} {sp['attention']:5.0%} {sp['other_ops']:6.0%} {sp['python']:6.0%}", flush=True)
+                  f"{sp['gemm']:4.0%} {sp['attention']:5.0%} {sp['other_ops']:6.0%} {sp['fused']:6.0%} "
+                  f"{sp['python']:6.0%}", flush=True)
             report["points"].append(point)
     if a.out:
         Path(a.out).write_text(json.dumps(report, indent=2))

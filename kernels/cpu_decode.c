@@ -456,6 +456,21 @@ int paged_decode_attention(const void *query, const void *k_cache, const void *v
                            int num_seqs, int num_q_heads, int num_kv_heads, int head_dim, int block_size,
                            int max_blocks, int64_t block_stride, int64_t q_stride, float scale, int sliding_window,
                            int is_bf16, int num_threads, int64_t num_blocks) {
+    const int bad = paged_decode_attention_check(block_tables, context_lens, num_seqs, block_size, max_blocks,
+                                                 sliding_window, num_blocks);
+    if (bad >= 0) return bad;
+    #pragma omp parallel num_threads(num_threads)
+    paged_decode_attention_for(query, k_cache, v_cache, block_tables, context_lens, out, num_seqs, num_q_heads,
+                               num_kv_heads, head_dim, block_size, max_blocks, block_stride, q_stride, scale,
+                               sliding_window, is_bf16);
+    return -1;
+}
+
+/* The first sequence whose context needs more than max_blocks blocks or whose table names a block outside
+ * [0, num_blocks) among those its window reads, or -1: paged_decode_attention's check. With sliding_window 0 it
+ * covers every window (a window reads a subset of the context's blocks). */
+int paged_decode_attention_check(const int32_t *block_tables, const int32_t *context_lens, int num_seqs,
+                                 int block_size, int max_blocks, int sliding_window, int64_t num_blocks) {
     for (int s = 0; s < num_seqs; s++) {
         const int ctx = context_lens[s];
         if (ctx > (int64_t)max_blocks * block_size) return s;
@@ -464,9 +479,20 @@ int paged_decode_attention(const void *query, const void *k_cache, const void *v
             if (block < 0 || block >= num_blocks) return s;
         }
     }
+    return -1;
+}
+
+/* paged_decode_attention's work on tables that passed its check, as an orphaned worksharing loop over the (sequence,
+ * kv head) items: run by every thread of the enclosing OpenMP region (or alone outside one), no barrier at the end
+ * (cpu_decode_step.c holds one region over a whole step). */
+void paged_decode_attention_for(const void *query, const void *k_cache, const void *v_cache,
+                                const int32_t *block_tables, const int32_t *context_lens, void *out, int num_seqs,
+                                int num_q_heads, int num_kv_heads, int head_dim, int block_size, int max_blocks,
+                                int64_t block_stride, int64_t q_stride, float scale, int sliding_window,
+                                int is_bf16) {
     const int group = num_q_heads / num_kv_heads;
     const int64_t token_stride = (int64_t)num_kv_heads * head_dim;
-    #pragma omp parallel for num_threads(num_threads) schedule(static)
+    #pragma omp for schedule(static) nowait
     for (int item = 0; item < num_seqs * num_kv_heads; item++) {
         const int s = item / num_kv_heads, kvh = item % num_kv_heads;
         NextItem next = {NULL, 0, 0};
@@ -502,5 +528,4 @@ int paged_decode_attention(const void *query, const void *k_cache, const void *v
 #undef ATTEND_FIXED
 #undef ATTEND
     }
-    return -1;
 }

@@ -1,4 +1,5 @@
-/* The C kernels' entry points (cpu_decode.c, cpu_layer_ops.c, cpu_linear.c), as the torch ops of cpu_ops.cpp call them.
+/* The C kernels' entry points (cpu_decode.c, cpu_layer_ops.c, cpu_linear.c, cpu_decode_step.c), as the torch ops of
+ * cpu_ops.cpp call them.
  *
  * setup.py compiles the C sources once per ISA level (base, avx2, avx512, avx512_bf16 on x86; base elsewhere), each
  * with that level's -m flags and -DPDSERVE_ISA=<level>, and links every build into the one extension kernels/_C;
@@ -16,6 +17,31 @@
 
 #define PDSERVE_PASTE(name, isa) name##_##isa
 #define PDSERVE_ISA_NAME(name, isa) PDSERVE_PASTE(name, isa)
+
+/* One all-decode step of a dense pre-norm decoder with bf16 weights in oneDNN's packed layout (cpu_linear.c), for
+ * decode_step_bf16 (cpu_decode_step.c). Per layer l the linears are 4 * l + 0..3: qkv, o, gate_up, down; every
+ * tensor bf16 unless named. Shapes: rows tokens (one per sequence), hidden H, num_heads * head_dim = Q,
+ * num_kv_heads * head_dim = KV, intermediate I. */
+typedef struct {
+    int layers, rows, hidden_size, num_heads, num_kv_heads, head_dim, intermediate;
+    int block_size, max_blocks;             /* the caches' block size, the block table's width */
+    int64_t block_stride;                   /* cache elements between blocks (every layer's cache alike) */
+    void *const *k_caches, *const *v_caches;  /* [layers] of [num_blocks, block_size, num_kv_heads, head_dim] */
+    const uint16_t *const *weights;         /* [4 * layers], packed */
+    const int *padded_k;                    /* [4 * layers] */
+    const uint16_t *const *biases;          /* [4 * layers], NULL: none */
+    const uint16_t *const *post_norm;       /* [layers] of [H]: the post-attention norm */
+    const uint16_t *const *next_norm;       /* [layers] of [H]: the next layer's input norm, the final one last */
+    const int *windows;                     /* [layers]: sliding window, 0 = none */
+    const uint16_t *cos, *sin;              /* [rows, head_dim] */
+    const int64_t *slot_mapping;            /* [rows], every slot inside the caches (checked by the caller) */
+    const int32_t *block_tables, *context_lens;  /* [rows, max_blocks], [rows]; checked by the caller */
+    float eps, scale;
+    uint16_t *residual;                     /* [rows, H], in: layer 0's residual stream; out: the last layer's */
+    uint16_t *hidden;                       /* [rows, H], in: layer 0's normalised input; out: the final norm's */
+    uint16_t *qkv, *attn, *proj, *gate_up, *act;  /* scratch: [rows, Q + 2 KV], [rows, Q], [rows, H], [rows, 2I],
+                                                     [rows, I] */
+} PdserveDecodeStep;
 
 /* The prototypes of one level's build. */
 #define PDSERVE_DECLARE_KERNELS(isa)                                                                                 \
@@ -35,7 +61,30 @@
     void PDSERVE_ISA_NAME(causal_softmax_bf16, isa)(uint16_t *scores, int64_t num_rows, int rows, int end,           \
                                                     float scale, int num_threads);                                   \
     void PDSERVE_ISA_NAME(linear_small_m, isa)(const float *x, const float *w, const float *bias, float *y, int M,   \
-                                               int N, int K, int64_t x_stride, int num_threads);
+                                               int N, int K, int64_t x_stride, int num_threads);                     \
+    void PDSERVE_ISA_NAME(linear_packed_bf16, isa)(const uint16_t *x, int64_t x_stride, const uint16_t *w,          \
+                                                   const uint16_t *bias, uint16_t *y, int M, int N, int K,           \
+                                                   int padded_k, int num_threads);                                   \
+    void PDSERVE_ISA_NAME(decode_step_bf16, isa)(const PdserveDecodeStep *step, int num_threads);                    \
+    /* orphaned worksharing versions (no region of their own, no closing barrier): cpu_decode_step.c's parts */      \
+    int PDSERVE_ISA_NAME(paged_decode_attention_check, isa)(const int32_t *block_tables, const int32_t *context_lens, \
+                                                            int num_seqs, int block_size, int max_blocks,            \
+                                                            int sliding_window, int64_t num_blocks);                 \
+    void PDSERVE_ISA_NAME(paged_decode_attention_for, isa)(                                                          \
+        const void *query, const void *k_cache, const void *v_cache, const int32_t *block_tables,                    \
+        const int32_t *context_lens, void *out, int num_seqs, int num_q_heads, int num_kv_heads, int head_dim,       \
+        int block_size, int max_blocks, int64_t block_stride, int64_t q_stride, float scale, int sliding_window,      \
+        int is_bf16);                                                                                                \
+    void PDSERVE_ISA_NAME(rms_norm_for, isa)(const void *x, void *residual, const void *weight, void *out, int rows, \
+                                             int dim, int64_t x_stride, float eps, int is_bf16);                     \
+    void PDSERVE_ISA_NAME(silu_and_mul_for, isa)(const void *gate_up, void *out, int rows, int inter, int is_bf16);  \
+    void PDSERVE_ISA_NAME(rotary_and_write_kv_for, isa)(                                                             \
+        void *qkv, const void *cos_t, const void *sin_t, char *k_cache, char *v_cache, const int64_t *slot_mapping,  \
+        int tokens, int num_heads, int num_kv_heads, int head_dim, int64_t token_stride, int block_size,             \
+        int64_t block_stride, int is_bf16);                                                                          \
+    void PDSERVE_ISA_NAME(linear_packed_bf16_rows, isa)(const uint16_t *x, int64_t x_stride, const uint16_t *w,     \
+                                                        const uint16_t *bias, uint16_t *y, int M, int N, int K,      \
+                                                        int padded_k);
 
 /* The stack arrays of cpu_decode.c bound what it takes; cpu_ops.py sends larger shapes to the torch reference. */
 #define PDSERVE_MAX_GROUP 16    /* query heads per kv head */
@@ -50,6 +99,14 @@ PDSERVE_DECLARE_KERNELS(PDSERVE_ISA)
 #define rotary_and_write_kv PDSERVE_ISA_NAME(rotary_and_write_kv, PDSERVE_ISA)
 #define causal_softmax_bf16 PDSERVE_ISA_NAME(causal_softmax_bf16, PDSERVE_ISA)
 #define linear_small_m PDSERVE_ISA_NAME(linear_small_m, PDSERVE_ISA)
+#define linear_packed_bf16 PDSERVE_ISA_NAME(linear_packed_bf16, PDSERVE_ISA)
+#define linear_packed_bf16_rows PDSERVE_ISA_NAME(linear_packed_bf16_rows, PDSERVE_ISA)
+#define decode_step_bf16 PDSERVE_ISA_NAME(decode_step_bf16, PDSERVE_ISA)
+#define paged_decode_attention_check PDSERVE_ISA_NAME(paged_decode_attention_check, PDSERVE_ISA)
+#define paged_decode_attention_for PDSERVE_ISA_NAME(paged_decode_attention_for, PDSERVE_ISA)
+#define rms_norm_for PDSERVE_ISA_NAME(rms_norm_for, PDSERVE_ISA)
+#define silu_and_mul_for PDSERVE_ISA_NAME(silu_and_mul_for, PDSERVE_ISA)
+#define rotary_and_write_kv_for PDSERVE_ISA_NAME(rotary_and_write_kv_for, PDSERVE_ISA)
 #endif
 
 #endif

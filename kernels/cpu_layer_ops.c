@@ -198,3 +198,56 @@ void causal_softmax_bf16(uint16_t *scores, int64_t num_rows, int rows, int end, 
         memset(s + visible, 0, (size_t)(end - visible) * sizeof *s);
     }
 }
+
+/* ---- The ops above as orphaned worksharing loops over rows (tokens), for cpu_decode_step.c, which holds one
+ * OpenMP region open over a whole decode step: each is run by every thread of the enclosing region (or alone
+ * outside one) and ends without a barrier (the caller places them). Same numerics as the ops above; the slot
+ * checks of rotary_and_write_kv are the caller's. ---- */
+
+ALWAYS_INLINE void rms_norm_shared(const void *x, void *residual, const void *weight, void *out, int rows, int dim,
+                                   int64_t x_stride, float eps, const int is_bf16) {
+    #pragma omp for schedule(static) nowait
+    for (int r = 0; r < rows; r++) rms_norm_row(x, residual, weight, out, r, dim, x_stride, eps, is_bf16);
+}
+
+void rms_norm_for(const void *x, void *residual, const void *weight, void *out, int rows, int dim, int64_t x_stride,
+                  float eps, int is_bf16) {
+    BY_DTYPE(rms_norm_shared, x, residual, weight, out, rows, dim, x_stride, eps);
+}
+
+ALWAYS_INLINE void silu_and_mul_shared(const void *gate_up, void *out, int rows, int inter, const int is_bf16) {
+    /* a decode step's few rows: the row's features are the work, split in chunks of 256 */
+    const int chunks = (inter + 255) / 256;
+    #pragma omp for schedule(static) nowait
+    for (int item = 0; item < rows * chunks; item++) {
+        const int r = item / chunks, i0 = (item % chunks) * 256, n = inter - i0 < 256 ? inter - i0 : 256;
+        const int64_t g = (int64_t)r * 2 * inter + i0, o = (int64_t)r * inter + i0;
+        float silu[256];
+        for (int i = 0; i < n; i++) {
+            const float x = load(gate_up, g + i, is_bf16);
+            silu[i] = round_to(x / (1.0f + expf(-x)), is_bf16);
+        }
+        for (int i = 0; i < n; i++) store(out, o + i, silu[i] * load(gate_up, g + inter + i, is_bf16), is_bf16);
+    }
+}
+
+void silu_and_mul_for(const void *gate_up, void *out, int rows, int inter, int is_bf16) {
+    BY_DTYPE(silu_and_mul_shared, gate_up, out, rows, inter);
+}
+
+/* rotary_and_write_kv's work per token, with every slot already checked to lie inside the cache. */
+void rotary_and_write_kv_for(void *qkv, const void *cos_t, const void *sin_t, char *k_cache, char *v_cache,
+                             const int64_t *slot_mapping, int tokens, int num_heads, int num_kv_heads, int head_dim,
+                             int64_t token_stride, int block_size, int64_t block_stride, int is_bf16) {
+    const int64_t elem = is_bf16 ? 2 : 4, row_bytes = (int64_t)num_kv_heads * head_dim * elem;
+    #pragma omp for schedule(static) nowait
+    for (int t = 0; t < tokens; t++) {
+        if (is_bf16) rotary_token(qkv, cos_t, sin_t, t, num_heads + num_kv_heads, head_dim, token_stride, 1);
+        else rotary_token(qkv, cos_t, sin_t, t, num_heads + num_kv_heads, head_dim, token_stride, 0);
+        const char *key = (const char *)qkv + (t * token_stride + (int64_t)num_heads * head_dim) * elem;
+        const int64_t slot = slot_mapping[t];
+        const int64_t at = (slot / block_size) * block_stride + (slot % block_size) * row_bytes;
+        memcpy(k_cache + at, key, (size_t)row_bytes);
+        memcpy(v_cache + at, key + row_bytes, (size_t)row_bytes);
+    }
+}

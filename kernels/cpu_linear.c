@@ -16,9 +16,16 @@
  * source serves SSE2, AVX2 and AVX-512.
  * fp32 sums are reassociated against torch's (per-lane partial sums): results differ in the last bits.
  */
+#include <omp.h>
 #include <stdint.h>
+#include <string.h>
 
+#include "cpu_bf16.h"
 #include "cpu_kernels.h"
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
 
 #if defined(__AVX512F__)
 #define VW 16
@@ -139,4 +146,122 @@ void linear_small_m(const float *x, const float *w, const float *bias, float *y,
                     y[(int64_t)(m0 + i) * N + n0 + j] = out[i][j] + (bias ? bias[n0 + j] : 0.0f);
         }
     }
+}
+
+
+/* ---- bf16 weights in oneDNN's packed linear layout, for a decode step's few rows ----
+ *
+ * Why: a decode step at batch 1 calls ~120 linears (4 a layer and the LM head); through oneDNN each is a parallel
+ * region of its own, and on 2 AMD EPYC cores the regions' start and end cost ~12 us a call (every bf16 linear of
+ * SmolLM2-135M, distinct weights from DRAM: 6.0-6.7 ms as separate calls, 4.6-5.2 ms as worksharing loops inside one
+ * region, same bytes). This kernel is written to run inside a region that the caller holds open over the whole step
+ * (cpu_decode_step.c); `linear_packed_bf16` below is the same kernel in a region of its own.
+ *
+ * Layout: the weight tensor oneDNN makes of a bf16 nn.Linear weight [N, K] (torch.ops.mkldnn._reorder_linear_weight,
+ * engine.execution.packing.PackedLinear) on the CPUs it was read on (AMD EPYC with AVX512_BF16, torch 2.13's oneDNN):
+ * blocks of 64 output features, N padded with zeros to whole blocks; within a block the K pairs in order, each pair
+ * [64 features][2 consecutive k], K padded to Kp; block b starts at element b * 64 * Kp. So feature n's weights
+ * k, k+1 sit at (n / 64) * 64 * Kp + (k / 2) * 128 + (n % 64) * 2 + k % 2. This is VDPBF16PS's own operand shape:
+ * one 64-byte load holds 16 features' pair, one instruction adds 16 features' two products, and no horizontal sums
+ * are needed. The layout is oneDNN's choice, not a contract: PackedLinear checks this kernel against torch's linear
+ * on each weight it packs and keeps oneDNN where they differ.
+ *
+ * Numerics: fp32 accumulation of exact bf16 products (VDPBF16PS, or widened fp32 products in the other builds), the
+ * bias added in fp32, one rounding to bf16 (nearest even), as oneDNN's bf16 linear; the sum's order is this kernel's
+ * (each output is summed by one thread in K order, whatever the thread count: results do not depend on it). */
+#define PK_BLOCK 64  /* output features per packed block */
+#define PK_VEC 16    /* features per 64-byte column of a block (one AVX-512 vector) */
+#define PK_ROWS 4    /* x rows per pass over a block */
+
+#if defined(__AVX512BF16__)
+/* out[r][16 v + i] = sum over k pairs of x row r . column v's pair, for r < mr, v < nv (constants at each call:
+ * always inlined, so the accumulators stay in registers: 16 + 4 weight vectors + 1 x pair of the 32 zmm). w points at
+ * the first column's first pair; pairs are PK_BLOCK * 2 elements apart. */
+static inline __attribute__((always_inline)) void packed_tile(const uint16_t *x, int64_t xs, const uint16_t *w,
+                                                               int pairs, const int mr, const int nv,
+                                                               float out[PK_ROWS][PK_BLOCK]) {
+    __m512 acc[PK_ROWS][4];
+    for (int r = 0; r < mr; r++)
+        for (int v = 0; v < nv; v++) acc[r][v] = _mm512_setzero_ps();
+    for (int p = 0; p < pairs; p++) {
+        const uint16_t *wp = w + (int64_t)p * (2 * PK_BLOCK);
+        __m512bh wv[4];
+        for (int v = 0; v < nv; v++) wv[v] = (__m512bh)_mm512_loadu_si512(wp + 2 * PK_VEC * v);
+        for (int r = 0; r < mr; r++) {
+            uint32_t pair;
+            memcpy(&pair, x + r * xs + 2 * p, sizeof pair);
+            const __m512bh xv = (__m512bh)_mm512_set1_epi32((int)pair);
+            for (int v = 0; v < nv; v++) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], wv[v], xv);
+        }
+    }
+    for (int r = 0; r < mr; r++)
+        for (int v = 0; v < nv; v++) _mm512_storeu_ps(out[r] + PK_VEC * v, acc[r][v]);
+}
+#else
+/* The same contract in plain loops over the 16 features of a column, which the compiler vectorizes at the build's
+ * width (bf16 widened exactly, fp32 FMAs). */
+static inline __attribute__((always_inline)) void packed_tile(const uint16_t *x, int64_t xs, const uint16_t *w,
+                                                               int pairs, const int mr, const int nv,
+                                                               float out[PK_ROWS][PK_BLOCK]) {
+    for (int r = 0; r < mr; r++)
+        for (int i = 0; i < nv * PK_VEC; i++) out[r][i] = 0.0f;
+    for (int p = 0; p < pairs; p++) {
+        const uint16_t *wp = w + (int64_t)p * (2 * PK_BLOCK);
+        for (int r = 0; r < mr; r++) {
+            const float x0 = bf16_to_f32(x[r * xs + 2 * p]), x1 = bf16_to_f32(x[r * xs + 2 * p + 1]);
+            for (int i = 0; i < nv * PK_VEC; i++)
+                out[r][i] += x0 * bf16_to_f32(wp[2 * i]) + x1 * bf16_to_f32(wp[2 * i + 1]);
+        }
+    }
+}
+#endif
+
+/* y[m, n] = round_bf16(sum_k x[m, k] * w[n, k] + bias[n]) for m < M, n < N, the calling thread's share of the
+ * features: an orphaned worksharing loop, run by every thread of the enclosing OpenMP region (or alone outside
+ * one), with no barrier at the end. x: [M, K] bf16, rows x_stride apart; w: the packed layout above with K padded to
+ * padded_k (K even, padded_k >= K, padded_k even); bias: [N] bf16 or NULL; y: [M, N] bf16 dense. The features are
+ * split in 16-feature columns, evenly over the threads (a 576-feature layer is 9 blocks: whole blocks would leave
+ * one of 2 threads a ninth more to read). */
+void linear_packed_bf16_rows(const uint16_t *x, int64_t x_stride, const uint16_t *w, const uint16_t *bias,
+                             uint16_t *y, int M, int N, int K, int padded_k) {
+    const int columns = (N + PK_VEC - 1) / PK_VEC, per_block = PK_BLOCK / PK_VEC;
+    const int threads = omp_get_num_threads(), tid = omp_get_thread_num();
+    const int c0 = (int)((int64_t)columns * tid / threads), c1 = (int)((int64_t)columns * (tid + 1) / threads);
+    for (int c = c0; c < c1;) {
+        const int block = c / per_block, first = c % per_block;
+        const int nv = per_block - first < c1 - c ? per_block - first : c1 - c;
+        const uint16_t *wb = w + (int64_t)block * PK_BLOCK * padded_k + first * 2 * PK_VEC;
+        const int n0 = block * PK_BLOCK + first * PK_VEC;
+        for (int m0 = 0; m0 < M; m0 += PK_ROWS) {
+            const int mr = M - m0 < PK_ROWS ? M - m0 : PK_ROWS;
+            const uint16_t *xm = x + (int64_t)m0 * x_stride;
+            float out[PK_ROWS][PK_BLOCK];
+#define PK_TILE(MR) switch (nv) {                                                   \
+                case 1: packed_tile(xm, x_stride, wb, K / 2, MR, 1, out); break;     \
+                case 2: packed_tile(xm, x_stride, wb, K / 2, MR, 2, out); break;     \
+                case 3: packed_tile(xm, x_stride, wb, K / 2, MR, 3, out); break;     \
+                default: packed_tile(xm, x_stride, wb, K / 2, MR, 4, out); break;    \
+            }
+            switch (mr) {
+                case 1: PK_TILE(1); break;
+                case 2: PK_TILE(2); break;
+                case 3: PK_TILE(3); break;
+                default: PK_TILE(4); break;
+            }
+#undef PK_TILE
+            for (int r = 0; r < mr; r++) {
+                uint16_t *yr = y + (int64_t)(m0 + r) * N;
+                for (int i = 0; i < nv * PK_VEC && n0 + i < N; i++)
+                    yr[n0 + i] = f32_to_bf16(out[r][i] + (bias ? bf16_to_f32(bias[n0 + i]) : 0.0f));
+            }
+        }
+        c += nv;
+    }
+}
+
+/* linear_packed_bf16_rows in a parallel region of its own, num_threads threads. */
+void linear_packed_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *w, const uint16_t *bias, uint16_t *y,
+                        int M, int N, int K, int padded_k, int num_threads) {
+    #pragma omp parallel num_threads(num_threads)
+    linear_packed_bf16_rows(x, x_stride, w, bias, y, M, N, K, padded_k);
 }

@@ -112,7 +112,15 @@ def _register_fakes() -> None:
     def _(x, weight, bias=None):
         return x.new_empty((x.shape[0], weight.shape[0]))
 
+    @torch.library.register_fake("pdserve::linear_packed_bf16")
+    def _(x, weight_ptr, out_features, padded_k, bias=None):
+        return x.new_empty((x.shape[0], out_features))
+
     @torch.library.register_fake("pdserve::decode_layers")
+    def _(residual, x, *args):
+        return x.new_empty(x.shape)
+
+    @torch.library.register_fake("pdserve::decode_layers_packed_bf16")
     def _(residual, x, *args):
         return x.new_empty(x.shape)
 
@@ -161,6 +169,12 @@ class CpuKernels:
         # forward; its arguments are `engine.execution.cpu_decode_stack.CpuDecodeStack`'s (kernels/cpu_ops.cpp documents
         # them).
         self.decode_layers = ops.decode_layers.default
+        # bf16 (x [M, K], weight_ptr, N, padded_k, bias [N] or None) -> x W^T + b [M, N] over a weight in oneDNN's
+        # packed layout, read in place (`kernels/cpu_linear.c`; `engine.execution.packing.PackedLinear` checks the
+        # layout and keeps the packed tensor alive), and every layer of an all-decode step over such weights in one
+        # OpenMP region (`kernels/cpu_decode_step.c`, `engine.execution.cpu_decode_stack`).
+        self.linear_packed_bf16 = ops.linear_packed_bf16.default
+        self.decode_layers_packed_bf16 = ops.decode_layers_packed_bf16.default
 
     @classmethod
     def load(cls) -> CpuKernels:

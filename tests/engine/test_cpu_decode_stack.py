@@ -12,7 +12,7 @@ from pdserve_server.engine.models.config import ModelConfig
 from pdserve_server.engine.execution.cpu_decode_stack import (INT4_LINEAR, INT8_LINEAR, PACKED_LINEAR, SMALL_M_LINEAR,
                                                     TORCH_LINEAR, CpuDecodeStack)
 from pdserve_server.engine.execution.model_runner import ModelRunner
-from pdserve_server.engine.execution.packing import packing_supported
+from pdserve_server.engine.execution.packing import PACKED_GEMV_ROWS, PackedLinear, packing_supported
 from test_tp_heads import BLOCK, _gemma, _llama, greedy_steps
 
 
@@ -51,20 +51,32 @@ BF16_FORM = PACKED_LINEAR if packing_supported(torch.device("cpu"), torch.bfloat
     (lambda: _llama(num_attention_heads=8, num_key_value_heads=2), torch.float32, True, SMALL_M_LINEAR, 65, "none"),
     (lambda: _llama(num_attention_heads=8, num_key_value_heads=2), torch.float32, False, TORCH_LINEAR, 2, "none"),
     (lambda: _llama(num_attention_heads=8, num_key_value_heads=2), torch.bfloat16, True, BF16_FORM, 3, "none"),
+    (lambda: _llama(num_attention_heads=9, num_key_value_heads=3, hidden_size=72), torch.bfloat16, True, BF16_FORM,
+     2, "none"),  # SmolLM2's head shape, q/k/v biases, in bf16
+    (lambda: _llama(num_attention_heads=8, num_key_value_heads=2), torch.bfloat16, True, BF16_FORM,
+     PACKED_GEMV_ROWS + 1, "none"),  # past the packed-layout kernel's rows: oneDNN in both
     (_mistral_windowed, torch.float32, True, SMALL_M_LINEAR, 2, "none"),  # a sliding window shorter than the prompts
+    (_mistral_windowed, torch.bfloat16, True, BF16_FORM, 2, "none"),
     (lambda: _llama(num_attention_heads=8, num_key_value_heads=2), torch.bfloat16, True, INT8_LINEAR, 2, "int8"),
     (lambda: _llama(num_attention_heads=8, num_key_value_heads=2, vocab_size=256), torch.bfloat16, True, INT4_LINEAR,
      2, "int4"),  # int4 packs 16 output rows at a time: a vocabulary of 256
-], ids=["fp32-small-m-bias", "fp32-65-rows-torch-gemm", "fp32-unpacked", "bf16", "sliding-window", "int8",
-        "int4"])
+], ids=["fp32-small-m-bias", "fp32-65-rows-torch-gemm", "fp32-unpacked", "bf16", "bf16-bias", "bf16-33-rows",
+        "sliding-window", "bf16-sliding-window", "int8", "int4"])
 def test_decode_stack_gives_the_forward_passes_logits_bit_for_bit(build, dtype, packed, form, batch, quantization):
     """Prefill `batch` prompts (lengths 11, 19, ...: across block boundaries), then 6 greedy decode steps through the
     C++ loop and through the model's forward: equal logits at every step. 65 rows go past the fp32 kernel's 64 (the
-    loop then takes torch's GEMM, as SmallBatchLinear does)."""
+    loop then takes torch's GEMM, as SmallBatchLinear does). bf16 packed linears whose layout the backend's kernel
+    reads run the one-region step (`decode_layers_packed_bf16`) up to PACKED_GEMV_ROWS rows, whose linears are the
+    forward's own at those rows."""
     model = build()
     prompts = [[(7 * i + j) % 250 for j in range(11 + 8 * (i % 2))] for i in range(batch)]
     with_stack = _runner(model, dtype, True, packed, batch, quantization)
     assert with_stack.decode_stack is not None and with_stack.decode_stack.form == form
+    packed_linears = [m for m in with_stack.model.modules() if isinstance(m, PackedLinear)]
+    # On a CPU whose oneDNN packs as the kernel reads (every one measured so far), every linear takes it, and the
+    # stack its one-region step; elsewhere none do, and both run oneDNN.
+    assert len({bool(m.weight_ptr) for m in packed_linears}) <= 1
+    assert (with_stack.decode_stack._packed_step is not None) == any(m.weight_ptr for m in packed_linears)
     stacked = greedy_steps(with_stack, prompts, 6)
     eager = greedy_steps(_runner(model, dtype, False, packed, batch, quantization), prompts, 6)
     for a, b in zip(stacked, eager):
@@ -93,3 +105,35 @@ def test_other_backends_and_mixed_linears_keep_the_forward():
     cpu.model.layers[1].mlp.down_proj = torch.nn.Identity()  # a form the loop does not know
     assert CpuDecodeStack.build(cpu.model, cpu.attention_ops) is None
     assert CpuDecodeStack.build(_runner(model, torch.float32, True).model, cpu.attention_ops) is not None
+
+
+def test_one_region_step_refuses_slots_and_blocks_outside_the_cache_and_writes_nothing():
+    """`pdserve::decode_layers_packed_bf16` checks what its C kernel trusts before it starts: a slot past the cache, a
+    block id past it, or a context longer than its table row is a ValueError, with the caches and the residual stream
+    unchanged."""
+    runner = _runner(_llama(num_attention_heads=8, num_key_value_heads=2), torch.bfloat16, True)
+    stack = runner.decode_stack
+    if stack is None or stack._packed_step is None:
+        pytest.skip("this CPU's oneDNN does not pack bf16 weights in the layout the kernel reads")
+    from pdserve_server.engine.attention import AttentionMetadata
+
+    kv = runner.kv_cache.kv
+    num_blocks = kv.shape[0]
+    before = kv.clone()
+    ids, positions = torch.tensor([5, 6]), torch.tensor([3, 4])
+    good_slots, tables = torch.tensor([3, BLOCK + 4]), torch.tensor([[0, 2], [1, 3]], dtype=torch.int32)
+    cases = [
+        ("outside the KV cache", torch.tensor([3, num_blocks * BLOCK]), tables, [4, 5]),
+        ("names a block outside the cache", good_slots, torch.tensor([[0, num_blocks], [1, 3]], dtype=torch.int32),
+         [BLOCK + 1, 5]),
+        ("needs more blocks than the row has", good_slots, tables, [2 * BLOCK + 1, 5]),
+    ]
+    for message, slots, table, lens in cases:
+        empty = torch.zeros(0, dtype=torch.int32)
+        meta = AttentionMetadata(slot_mapping=slots, num_decodes=2, decode_block_tables=table,
+                                 decode_context_lens=torch.tensor(lens, dtype=torch.int32), prefill_cu_seqlens=empty,
+                                 prefill_context_lens=empty, prefill_block_tables=empty.view(0, 2),
+                                 prefill_max_query_len=0)
+        with pytest.raises(ValueError, match=message):
+            stack(ids, positions, meta, runner.kv_cache.layers)
+        assert torch.equal(kv, before)

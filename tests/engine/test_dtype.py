@@ -194,6 +194,41 @@ def test_packed_linear_computes_the_same_linear_and_packs_only_bf16():
         PackedLinear(nn.Linear(4, 4))
 
 
+def test_packed_linear_takes_the_packed_layout_kernel_only_where_it_reads_the_layout():
+    """With the cpu backend's packed-layout kernel, PackedLinear checks it against torch's linear on its own weight at
+    construction: a kernel that reads the layout serves up to PACKED_GEMV_ROWS rows (oneDNN more), within bf16
+    rounding of F.linear; one that misreads it (here: the weight's rows taken in the wrong order) is never used."""
+    from pdserve_server.engine.execution.packing import PACKED_GEMV_ROWS, PackedLinear, packing_supported
+    from pdserve_server.kernels.cpu_ops import CpuKernels
+
+    if not packing_supported(torch.device("cpu"), torch.bfloat16):
+        pytest.skip("this CPU's oneDNN has no bf16 support")
+    gemv = CpuKernels.load().linear_packed_bf16
+    torch.manual_seed(0)
+    lin = nn.Linear(64, 96, bias=True).to(torch.bfloat16)
+    packed = PackedLinear(lin, gemv)
+    if not packed.weight_ptr:
+        pytest.skip("this CPU's oneDNN packs bf16 weights in another layout than the kernel reads")
+    calls = []
+
+    def counting(*args):
+        calls.append(args[0].shape[0])
+        return gemv(*args)
+
+    packed._gemv = counting
+    for rows in (1, PACKED_GEMV_ROWS, PACKED_GEMV_ROWS + 1):
+        x = torch.randn(rows, 64, dtype=torch.bfloat16)
+        torch.testing.assert_close(packed(x).float(), F.linear(x.float(), lin.weight.float(), lin.bias.float()),
+                                   atol=0.05, rtol=0.02)
+    assert calls == [1, PACKED_GEMV_ROWS]
+
+    def misreading(x, ptr, n, padded_k, bias):
+        return gemv(x, ptr, n, padded_k, bias).flip(-1)
+
+    wrong = PackedLinear(lin, misreading)
+    assert wrong.weight_ptr == 0 and wrong._gemv is None
+
+
 def test_small_batch_linear_sends_decode_batches_to_the_kernel_and_prefill_to_torch():
     """SmallBatchLinear: up to SMALL_BATCH_ROWS rows through its kernel, more through F.linear, both on the layer's
     own weight (no copy), 3-D input reshaped; pack_linears swaps in fp32 CPU linears only when given a kernel."""

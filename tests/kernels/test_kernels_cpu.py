@@ -394,3 +394,53 @@ def test_small_batch_linear_refuses_what_it_does_not_compute(kernels):
         kernels.linear_small_m(torch.zeros(2, 8), torch.zeros(4, 9), None)
     with pytest.raises(ValueError, match="bias must be"):
         kernels.linear_small_m(torch.zeros(2, 8), torch.zeros(4, 8), torch.zeros(3))
+
+
+def _pack_bf16(w: torch.Tensor, padded_k: int) -> torch.Tensor:
+    """w [N, K] bf16 in the packed layout kernels/cpu_linear.c reads (oneDNN's for bf16 linear weights, as far as
+    measured): blocks of 64 output features, N zero-padded to whole blocks; within a block the K pairs in order, each
+    [64 features][2 consecutive k]; K zero-padded to padded_k."""
+    n, k = w.shape
+    blocks = -(-n // 64)
+    full = torch.zeros(blocks * 64, padded_k, dtype=torch.bfloat16)
+    full[:n, :k] = w
+    # [blocks, 64, padded_k / 2, 2] -> [blocks, padded_k / 2, 64, 2]
+    return full.view(blocks, 64, padded_k // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+
+@pytest.mark.parametrize("rows,out_features,in_features,padded_k", [
+    (1, 576, 576, 576), (3, 960, 576, 576), (5, 100, 64, 64), (9, 200, 70, 96), (4, 16, 32, 32)])
+def test_packed_bf16_linear_matches_torch(kernels, rows, out_features, in_features, padded_k):
+    """The packed-layout kernel on a buffer packed here, not by oneDNN (the kernel's own contract): x W^T + b within
+    bf16 rounding of torch's, with and without bias, rows through 1-4-row tiles (5, 9 rows), a last block of
+    padded features (100, 200), K padded past the input (70 in 96), strided x rows; the same bits at 1 and 2 threads
+    (each output is one thread's sum)."""
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(out_features, in_features, generator=g).bfloat16()
+    bias = torch.randn(out_features, generator=g).bfloat16()
+    packed = _pack_bf16(w, padded_k)
+    wide = torch.randn(rows, in_features + 6, generator=g).bfloat16()
+    threads = torch.get_num_threads()
+    for x in (wide[:, :in_features].contiguous(), wide[:, :in_features]):
+        for b in (None, bias):
+            ours = kernels.linear_packed_bf16(x, packed.data_ptr(), out_features, padded_k, b)
+            assert ours.shape == (rows, out_features) and ours.dtype == torch.bfloat16
+            want = torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float())
+            torch.testing.assert_close(ours.float(), want, rtol=1e-2, atol=2e-2)
+            torch.set_num_threads(1)
+            try:
+                assert torch.equal(kernels.linear_packed_bf16(x, packed.data_ptr(), out_features, padded_k, b), ours)
+            finally:
+                torch.set_num_threads(threads)
+
+
+def test_packed_bf16_linear_refuses_what_it_does_not_compute(kernels):
+    x = torch.zeros(2, 8).bfloat16()
+    with pytest.raises(ValueError, match=r"takes x \[M, K\] bfloat16"):
+        kernels.linear_packed_bf16(x.float(), 1, 4, 8, None)
+    with pytest.raises(ValueError, match="does not take x of 8 features"):
+        kernels.linear_packed_bf16(x, 1, 4, 6, None)  # padded width narrower than the input
+    with pytest.raises(ValueError, match="does not take x of 7 features"):
+        kernels.linear_packed_bf16(torch.zeros(2, 7).bfloat16(), 1, 4, 8, None)  # odd K
+    with pytest.raises(ValueError, match="bias must be"):
+        kernels.linear_packed_bf16(x, 1, 4, 8, torch.zeros(3).bfloat16())

@@ -1,0 +1,58 @@
+/* A whole all-decode step of a dense pre-norm decoder in one OpenMP region: every layer's ops as worksharing loops
+ * separated by barriers, for bf16 weights in oneDNN's packed layout (cpu_linear.c) at a decode step's few rows.
+ *
+ * Why: at batch 1 a step of SmolLM2-135M is ~270 ops whose arithmetic is small (the linears read 212 MB of layer
+ * weights, the rest is a few KB a layer); each op as a parallel region of its own pays for starting the region's
+ * threads and joining them (about 12 us a linear on 2 AMD EPYC cores with spinning OpenMP threads), ~1.4 ms of a
+ * ~7.8 ms step. Here the threads are started once a step and meet at a barrier between ops (what llama.cpp's CPU
+ * backend does with its thread pool and graph). The ops are the same C bodies the separate ops run
+ * (cpu_layer_ops.c, cpu_decode.c), in the same order as DecoderModel.forward and cpu_ops.cpp's decode_layers:
+ *
+ *   qkv = hidden W_qkv^T; RoPE on q, k and the step's K/V into the cache; attn = paged attention; proj = attn W_o^T;
+ *   residual += proj, hidden = rms_norm(residual) * post_norm; gate_up = hidden W_gu^T; act = silu(gate) * up;
+ *   proj = act W_down^T; residual += proj, hidden = rms_norm(residual) * next_norm.
+ *
+ * The per-row ops (norms, RoPE) have one row per sequence: at batch 1 one thread does them while the others wait at
+ * the barrier (a 576-element norm is well under a microsecond). Numerics are the separate ops' exactly: each output
+ * is computed by one thread in the same order, whatever the thread count.
+ */
+#include <stdint.h>
+
+#include "cpu_kernels.h"
+
+/* One layer, run by every thread of the enclosing region. */
+static void layer(const PdserveDecodeStep *a, int l) {
+    const int rows = a->rows, H = a->hidden_size, D = a->head_dim, Q = a->num_heads * D;
+    const int qkv_width = Q + 2 * a->num_kv_heads * D, I = a->intermediate;
+    const uint16_t *const *w = a->weights + 4 * l, *const *b = a->biases + 4 * l;
+    const int *kp = a->padded_k + 4 * l;
+
+    linear_packed_bf16_rows(a->hidden, H, w[0], b[0], a->qkv, rows, qkv_width, H, kp[0]);
+    #pragma omp barrier
+    rotary_and_write_kv_for(a->qkv, a->cos, a->sin, (char *)a->k_caches[l], (char *)a->v_caches[l], a->slot_mapping,
+                            rows, a->num_heads, a->num_kv_heads, D, qkv_width, a->block_size, a->block_stride * 2, 1);
+    #pragma omp barrier
+    paged_decode_attention_for(a->qkv, a->k_caches[l], a->v_caches[l], a->block_tables, a->context_lens, a->attn,
+                               rows, a->num_heads, a->num_kv_heads, D, a->block_size, a->max_blocks, a->block_stride,
+                               qkv_width, a->scale, a->windows[l], 1);
+    #pragma omp barrier
+    linear_packed_bf16_rows(a->attn, Q, w[1], b[1], a->proj, rows, H, Q, kp[1]);
+    #pragma omp barrier
+    rms_norm_for(a->proj, a->residual, a->post_norm[l], a->hidden, rows, H, H, a->eps, 1);
+    #pragma omp barrier
+    linear_packed_bf16_rows(a->hidden, H, w[2], b[2], a->gate_up, rows, 2 * I, H, kp[2]);
+    #pragma omp barrier
+    silu_and_mul_for(a->gate_up, a->act, rows, I, 1);
+    #pragma omp barrier
+    linear_packed_bf16_rows(a->act, I, w[3], b[3], a->proj, rows, H, I, kp[3]);
+    #pragma omp barrier
+    rms_norm_for(a->proj, a->residual, a->next_norm[l], a->hidden, rows, H, H, a->eps, 1);
+    #pragma omp barrier
+}
+
+/* Every layer of the step described by `step` (cpu_kernels.h: PdserveDecodeStep), num_threads threads. The caller
+ * has checked the slots, block tables and shapes (cpu_ops.cpp). */
+void decode_step_bf16(const PdserveDecodeStep *step, int num_threads) {
+    #pragma omp parallel num_threads(num_threads)
+    for (int l = 0; l < step->layers; l++) layer(step, l);
+}
