@@ -4,7 +4,8 @@ and C beside pure-torch references.
 Each op has one signature and up to three implementations: `kernels.reference` (torch; defines the semantics, runs
 anywhere), `kernels.triton_*` (Triton; CUDA, or CPU under TRITON_INTERPRET=1 for tests) and, for CPU workers,
 `kernels.cpu_ops` (decode attention, the KV write and the per-token ops in C, compiled when pdserve is installed:
-setup.py) with `kernels.cpu_prefill` (prefill attention as blocked GEMMs). The model gets one
+setup.py; bf16 prefill attention too where the CPU has AVX512_BF16) with `kernels.cpu_prefill` (prefill attention as
+blocked GEMMs otherwise). The model gets one
 `AttentionOps` from `select_ops` and never imports any of them directly.
 
 Layout shared by all ops (see `engine.execution.kv_cache`):
@@ -117,8 +118,9 @@ def select_ops(backend: str, device: torch.device | str) -> AttentionOps:
 
 def _cpu_ops() -> AttentionOps:
     """The "cpu" backend: the C decode kernel, KV write, per-token ops and small-batch fp32 linear
-    (`kernels.cpu_ops`), and blocked-GEMM prefill attention for 16-bit caches (`kernels.cpu_prefill`, its softmax in C;
-    fp32 takes the reference's).
+    (`kernels.cpu_ops`), and prefill attention for 16-bit caches: in C for bf16 on a CPU with AVX512_BF16
+    (`kernels/cpu_prefill_attention.c`), else as blocked GEMMs (`kernels.cpu_prefill`, its softmax in C); fp32 takes
+    the reference's.
 
     Raises:
         KernelLoadError: the compiled kernels are missing or do not load.

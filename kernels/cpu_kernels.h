@@ -1,5 +1,5 @@
-/* The C kernels' entry points (cpu_decode.c, cpu_layer_ops.c, cpu_linear.c, cpu_decode_step.c), as the torch ops of
- * cpu_ops.cpp call them.
+/* The C kernels' entry points (cpu_decode.c, cpu_layer_ops.c, cpu_linear.c, cpu_decode_step.c,
+ * cpu_prefill_attention.c), as the torch ops of cpu_ops.cpp call them.
  *
  * setup.py compiles the C sources once per ISA level (base, avx2, avx512, avx512_bf16 on x86; base elsewhere), each
  * with that level's -m flags and -DPDSERVE_ISA=<level>, and links every build into the one extension kernels/_C;
@@ -66,6 +66,11 @@ typedef struct {
                                                    const uint16_t *bias, uint16_t *y, int M, int N, int K,           \
                                                    int padded_k, int num_threads);                                   \
     void PDSERVE_ISA_NAME(decode_step_bf16, isa)(const PdserveDecodeStep *step, int num_threads);                    \
+    int PDSERVE_ISA_NAME(prefill_attention_bf16, isa)(                                                               \
+        const uint16_t *query, const uint16_t *k_cache, const uint16_t *v_cache, const int32_t *cu_seqlens_q,        \
+        const int32_t *context_lens, const int32_t *block_tables, uint16_t *out, int num_seqs, int num_q_heads,      \
+        int num_kv_heads, int head_dim, int block_size, int max_blocks, int64_t block_stride, int64_t q_stride,      \
+        float scale, int num_threads, int64_t num_blocks);                                                           \
     /* orphaned worksharing versions (no region of their own, no closing barrier): cpu_decode_step.c's parts */      \
     int PDSERVE_ISA_NAME(paged_decode_attention_check, isa)(const int32_t *block_tables, const int32_t *context_lens, \
                                                             int num_seqs, int block_size, int max_blocks,            \
@@ -86,6 +91,10 @@ typedef struct {
                                                         const uint16_t *bias, uint16_t *y, int M, int N, int K,      \
                                                         int padded_k);
 
+/* prefill_attention_bf16's refusals (cpu_prefill_attention.c); a sequence index >= 0 names a bad table. */
+#define PREFILL_UNSUPPORTED (-2)  /* a build without AVX512_BF16: the caller keeps the blocked-GEMM path */
+#define PREFILL_NO_MEMORY (-3)
+
 /* The stack arrays of cpu_decode.c bound what it takes; cpu_ops.py sends larger shapes to the torch reference. */
 #define PDSERVE_MAX_GROUP 16    /* query heads per kv head */
 #define PDSERVE_MAX_HEAD_DIM 256
@@ -102,6 +111,7 @@ PDSERVE_DECLARE_KERNELS(PDSERVE_ISA)
 #define linear_packed_bf16 PDSERVE_ISA_NAME(linear_packed_bf16, PDSERVE_ISA)
 #define linear_packed_bf16_rows PDSERVE_ISA_NAME(linear_packed_bf16_rows, PDSERVE_ISA)
 #define decode_step_bf16 PDSERVE_ISA_NAME(decode_step_bf16, PDSERVE_ISA)
+#define prefill_attention_bf16 PDSERVE_ISA_NAME(prefill_attention_bf16, PDSERVE_ISA)
 #define paged_decode_attention_check PDSERVE_ISA_NAME(paged_decode_attention_check, PDSERVE_ISA)
 #define paged_decode_attention_for PDSERVE_ISA_NAME(paged_decode_attention_for, PDSERVE_ISA)
 #define rms_norm_for PDSERVE_ISA_NAME(rms_norm_for, PDSERVE_ISA)

@@ -55,12 +55,13 @@ struct Build {
     decltype(&linear_packed_bf16_base) linear_packed_bf16;
     decltype(&decode_step_bf16_base) decode_step_bf16;
     decltype(&paged_decode_attention_check_base) paged_decode_attention_check;
+    decltype(&prefill_attention_bf16_base) prefill_attention_bf16;
 };
 
 #define PDSERVE_BUILD(isa, runs_here)                                                                            \
     Build { #isa, runs_here, paged_decode_attention_##isa, rms_norm_##isa, silu_and_mul_##isa,                   \
             rotary_and_write_kv_##isa, causal_softmax_bf16_##isa, linear_small_m_##isa, linear_packed_bf16_##isa,  \
-            decode_step_bf16_##isa, paged_decode_attention_check_##isa }
+            decode_step_bf16_##isa, paged_decode_attention_check_##isa, prefill_attention_bf16_##isa }
 
 bool always() { return true; }
 
@@ -187,6 +188,57 @@ at::Tensor paged_decode_attention(const at::Tensor &query, const at::Tensor &k_c
                       " tokens over block table row ", row_text(tables, bad),
                       " needs more blocks than the row has or names a block outside the cache (", num_blocks,
                       " blocks of ", block_size, " tokens)");
+    return out;
+}
+
+// Causal prefill attention for bf16 caches in one pass per tile of query rows (cpu_prefill_attention.c): the contract
+// of kernels.reference.prefill_attention without a sliding window. Returns an undefined tensor where the running
+// build has no AVX512_BF16 (the caller keeps the blocked-GEMM path, kernels/cpu_prefill.py).
+at::Tensor prefill_attention_bf16(const at::Tensor &query, const at::Tensor &k_cache, const at::Tensor &v_cache,
+                                  const at::Tensor &cu_seqlens_q, const at::Tensor &context_lens,
+                                  const at::Tensor &block_tables, double scale) {
+    check_cpu(query, "query");
+    TORCH_CHECK_VALUE(query.scalar_type() == at::kBFloat16 && query.dim() == 3 && query.stride(2) == 1 &&
+                      query.stride(1) == query.size(2), "query must be [num_tokens, num_q_heads, head_dim] bfloat16 "
+                      "with heads dense, got ", query.scalar_type(), " of shape ", query.sizes(), " strides ",
+                      query.strides());
+    check_caches(k_cache, v_cache);
+    check_same_dtype(k_cache, "k_cache", query, "query");
+    const int64_t tokens = query.size(0), num_q_heads = query.size(1), head_dim = query.size(2);
+    const int64_t num_blocks = k_cache.size(0), block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
+    TORCH_CHECK_VALUE(k_cache.size(3) == head_dim && num_q_heads % num_kv_heads == 0 && head_dim % 64 == 0 &&
+                      head_dim <= PDSERVE_MAX_HEAD_DIM, "prefill_attention_bf16 takes head_dim a multiple of 64 up to ",
+                      PDSERVE_MAX_HEAD_DIM, " and whole GQA groups; got query ", query.sizes(), " and cache ",
+                      k_cache.sizes());
+    for (const auto &[t, name] : {std::pair{&cu_seqlens_q, "cu_seqlens_q"}, std::pair{&context_lens, "context_lens"},
+                                  std::pair{&block_tables, "block_tables"}}) {
+        check_cpu(*t, name);
+        TORCH_CHECK_VALUE(t->scalar_type() == at::kInt, name, " must be int32, got ", t->scalar_type());
+    }
+    const int64_t num_seqs = context_lens.numel();
+    TORCH_CHECK_VALUE(cu_seqlens_q.dim() == 1 && cu_seqlens_q.numel() == num_seqs + 1 && block_tables.dim() == 2 &&
+                      block_tables.size(0) == num_seqs, "cu_seqlens_q must be [num_seqs + 1] and block_tables "
+                      "[num_seqs, max_blocks] for ", num_seqs, " sequences, got ", cu_seqlens_q.sizes(), " and ",
+                      block_tables.sizes());
+    const at::Tensor cu = cu_seqlens_q.contiguous(), lens = context_lens.contiguous();
+    const at::Tensor tables = block_tables.contiguous();
+    const int32_t *c = cu.data_ptr<int32_t>();
+    TORCH_CHECK_VALUE(c[0] == 0 && c[num_seqs] == tokens, "cu_seqlens_q must run from 0 to the ", tokens,
+                      " query tokens, got ", c[0], " to ", c[num_seqs]);
+    at::Tensor out = at::empty(query.sizes(), query.options());
+    if (tokens == 0) return out;
+    const int bad = kernels().prefill_attention_bf16(
+        static_cast<const uint16_t *>(query.data_ptr()), static_cast<const uint16_t *>(k_cache.data_ptr()),
+        static_cast<const uint16_t *>(v_cache.data_ptr()), c, lens.data_ptr<int32_t>(), tables.data_ptr<int32_t>(),
+        static_cast<uint16_t *>(out.data_ptr()), num_seqs, num_q_heads, num_kv_heads, head_dim, block_size,
+        tables.size(1), k_cache.stride(0), query.stride(0), static_cast<float>(scale), at::get_num_threads(),
+        num_blocks);
+    if (bad == PREFILL_UNSUPPORTED) return at::Tensor();
+    TORCH_CHECK(bad != PREFILL_NO_MEMORY, "prefill_attention_bf16: out of memory for its scratch");
+    TORCH_CHECK_VALUE(bad < 0, "sequence ", bad, ": a chunk of ", c[bad + 1] - c[bad], " tokens in a context of ",
+                      lens.data_ptr<int32_t>()[bad], " over block table row ", row_text(tables, bad),
+                      " is longer than its context, needs more blocks than the row has or names a block outside "
+                      "the cache (", num_blocks, " blocks of ", block_size, " tokens)");
     return out;
 }
 
@@ -604,6 +656,8 @@ TORCH_LIBRARY(pdserve, m) {
     m.def("causal_softmax_(Tensor(a!) scores, int rows, float scale) -> ()");
     m.def("linear_small_m(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor");
     m.def("linear_packed_bf16(Tensor x, int weight_ptr, int out_features, int padded_k, Tensor? bias=None) -> Tensor");
+    m.def("prefill_attention_bf16(Tensor query, Tensor k_cache, Tensor v_cache, Tensor cu_seqlens_q, "
+          "Tensor context_lens, Tensor block_tables, float scale) -> Tensor");
     m.def("decode_layers_packed_bf16(Tensor(a!) residual, Tensor x, Tensor cos, Tensor sin, Tensor slot_mapping, "
           "Tensor block_tables, Tensor context_lens, Tensor(b!)[] k_caches, Tensor(c!)[] v_caches, int[] weight_ptrs, "
           "int[] padded_k, Tensor?[] linear_biases, Tensor[] post_norm, Tensor[] next_norm, int[] windows, "
@@ -627,6 +681,7 @@ TORCH_LIBRARY_IMPL(pdserve, CPU, m) {
     m.impl("causal_softmax_", &causal_softmax_);
     m.impl("linear_small_m", &linear_small_m);
     m.impl("linear_packed_bf16", &linear_packed_bf16);
+    m.impl("prefill_attention_bf16", &prefill_attention_bf16);
     m.impl("decode_layers_packed_bf16", &decode_layers_packed_bf16);
     m.impl("decode_layers", &decode_layers);
 }

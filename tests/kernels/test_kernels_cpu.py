@@ -444,3 +444,34 @@ def test_packed_bf16_linear_refuses_what_it_does_not_compute(kernels):
         kernels.linear_packed_bf16(torch.zeros(2, 7).bfloat16(), 1, 4, 8, None)  # odd K
     with pytest.raises(ValueError, match="bias must be"):
         kernels.linear_packed_bf16(x, 1, 4, 8, torch.zeros(3).bfloat16())
+
+
+def test_prefill_attention_in_c_where_the_build_has_avx512_bf16(kernels):
+    """`pdserve::prefill_attention_bf16` (kernels/cpu_prefill_attention.c) computes in the avx512_bf16 build, within
+    bf16 rounding of the reference (chunks of 1 to 40 tokens after prefixes, GQA groups of 4, head_dim 64 and 128;
+    test_blocked_prefill_matches_reference runs it on longer chunks through the backend's prefill), refuses tables
+    it would read outside of, and returns None from the other builds (the backend then runs the blocked GEMMs)."""
+    op = torch.ops.pdserve.prefill_attention_bf16.default
+    for d in (64, 128):
+        seqs = [(1, 1), (40, 40), (23 + 5, 5), (100 + 16, 16)]  # (ctx, chunk)
+        k_cache, v_cache, table, lens = _paged([c for c, _ in seqs], 16, 2, d, torch.bfloat16, seed=d)
+        q_lens = [q for _, q in seqs]
+        cu = torch.tensor([0] + q_lens).cumsum(0).to(torch.int32)
+        q = torch.randn(sum(q_lens), 8, d, generator=torch.Generator().manual_seed(1)).bfloat16()
+        out = op(q, k_cache, v_cache, cu, lens, table, d ** -0.5)
+        if cpu_isa() != "avx512_bf16":
+            assert out is None
+            return
+        ref = reference.prefill_attention(q, k_cache, v_cache, cu, lens, table, d ** -0.5)
+        for i, (s, e) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+            err = float((out[s:e].double() - ref[s:e].double()).norm() / ref[s:e].double().norm())
+            assert err < 1e-2, (d, seqs[i], err)
+    with pytest.raises(ValueError, match="longer than its context"):
+        op(q, k_cache, v_cache, cu, torch.tensor([1, 40, 4, 116], dtype=torch.int32), table, 0.1)
+    bad = table.clone()
+    bad[1, 0] = k_cache.shape[0]
+    with pytest.raises(ValueError, match="names a block outside"):
+        op(q, k_cache, v_cache, cu, lens, bad, 0.1)
+    with pytest.raises(ValueError, match="head_dim a multiple of 64"):
+        op(q[..., :32].contiguous(), k_cache[..., :32].contiguous(), v_cache[..., :32].contiguous(), cu, lens, table,
+           0.1)
