@@ -15,7 +15,7 @@ under `torch.profiler` splits the step into:
   einsums);
 - other ops: the per-token ops counted whole (RMSNorm with its residual add, SiLU-and-mul; C or torch) and
   every other aten op (embedding, sampling's argmax, tensor creation);
-- fused: the one-region decode step of bf16 packed weights (`pdserve::decode_layers_packed_bf16`: every layer's
+- fused: the one-region decode step (`pdserve::decode_layers_fused`, bf16 packed or fp32 weights: every layer's
   linears, attention and per-token ops inside one OpenMP region, which the profiler cannot split);
 - python: the step's wall time minus the time inside any op (packing lists, module dispatch, the scheduler's own
   bookkeeping is outside `execute` and not counted).
@@ -69,8 +69,8 @@ GEMM_OPS = {"aten::mm", "aten::addmm", "aten::mkldnn_linear", "mkldnn::_linear_p
 # around the C calls it makes directly (kernels/cpu_ops.cpp).
 ATTENTION_RANGES = ("attention", "pdserve::decode_layers:attention")
 LAYER_OP_RANGES = ("layer_op", "pdserve::decode_layers:layer_op")
-# The one-region step of bf16 packed weights (kernels/cpu_decode_step.c): every layer's ops inside, not split.
-FUSED_RANGES = ("pdserve::decode_layers_packed_bf16:step",)
+# The one-region decode step (kernels/cpu_decode_step.c): every layer's ops inside, not split.
+FUSED_RANGES = ("pdserve::decode_layers_fused:step",)
 
 
 def _time(fn, min_s: float = 0.3) -> float:

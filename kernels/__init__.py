@@ -55,10 +55,10 @@ class AttentionOps:
     decode_layers: Callable[..., torch.Tensor] | None = None
     # bf16 y = x W^T (+ b) for a decode step's rows over a weight in oneDNN's packed layout, (x [M, K], weight_ptr,
     # N, padded_k, bias [N] | None) -> [M, N] (the cpu backend's `kernels/cpu_linear.c`; `engine.execution.packing.
-    # PackedLinear` checks the layout and decides when), and the all-decode step over such weights in one call
-    # (`pdserve::decode_layers_packed_bf16`), or None.
+    # PackedLinear` checks the layout and decides when), and the all-decode step over such weights or fp32 ones in
+    # one OpenMP region (`pdserve::decode_layers_fused`), or None.
     packed_bf16_linear: Callable[..., torch.Tensor] | None = None
-    decode_layers_packed_bf16: Callable[..., torch.Tensor] | None = None
+    decode_layers_fused: Callable[..., torch.Tensor] | None = None
 
 
 def triton_usable(device: torch.device | str) -> bool:
@@ -130,4 +130,4 @@ def _cpu_ops() -> AttentionOps:
     c = CpuKernels.load()
     return AttentionOps("cpu", c.rotary_and_write_kv, c.paged_decode_attention, c.prefill_attention, c.rms_norm,
                         c.silu_and_mul, small_batch_linear=c.linear_small_m, decode_layers=c.decode_layers,
-                        packed_bf16_linear=c.linear_packed_bf16, decode_layers_packed_bf16=c.decode_layers_packed_bf16)
+                        packed_bf16_linear=c.linear_packed_bf16, decode_layers_fused=c.decode_layers_fused)

@@ -1,5 +1,6 @@
 /* A whole all-decode step of a dense pre-norm decoder in one OpenMP region: every layer's ops as worksharing loops
- * separated by barriers, for bf16 weights in oneDNN's packed layout (cpu_linear.c) at a decode step's few rows.
+ * separated by barriers, at a decode step's few rows: bf16 with weights in oneDNN's packed layout, or fp32 with
+ * nn.Linear's own weights through the small-M kernel (both cpu_linear.c).
  *
  * Why: at batch 1 a step of SmolLM2-135M is ~270 ops whose arithmetic is small (the linears read 212 MB of layer
  * weights, the rest is a few KB a layer); each op as a parallel region of its own pays for starting the region's
@@ -20,39 +21,46 @@
 
 #include "cpu_kernels.h"
 
+/* y [rows, N] = x [rows, K] W^T + b in the step's form; x rows K apart. The calling thread's share. */
+static inline void linear(const PdserveDecodeStep *a, int i, const void *x, void *y, int N, int K) {
+    if (a->is_bf16)
+        linear_packed_bf16_rows(x, K, a->weights[i], a->biases[i], y, a->rows, N, K, a->padded_k[i]);
+    else
+        linear_small_m_rows(x, a->weights[i], a->biases[i], y, a->rows, N, K, K);
+}
+
 /* One layer, run by every thread of the enclosing region. */
 static void layer(const PdserveDecodeStep *a, int l) {
-    const int rows = a->rows, H = a->hidden_size, D = a->head_dim, Q = a->num_heads * D;
+    const int rows = a->rows, H = a->hidden_size, D = a->head_dim, Q = a->num_heads * D, bf = a->is_bf16;
     const int qkv_width = Q + 2 * a->num_kv_heads * D, I = a->intermediate;
-    const uint16_t *const *w = a->weights + 4 * l, *const *b = a->biases + 4 * l;
-    const int *kp = a->padded_k + 4 * l;
 
-    linear_packed_bf16_rows(a->hidden, H, w[0], b[0], a->qkv, rows, qkv_width, H, kp[0]);
+    linear(a, 4 * l, a->hidden, a->qkv, qkv_width, H);
     #pragma omp barrier
     rotary_and_write_kv_for(a->qkv, a->cos, a->sin, (char *)a->k_caches[l], (char *)a->v_caches[l], a->slot_mapping,
-                            rows, a->num_heads, a->num_kv_heads, D, qkv_width, a->block_size, a->block_stride * 2, 1);
+                            rows, a->num_heads, a->num_kv_heads, D, qkv_width, a->block_size,
+                            a->block_stride * (bf ? 2 : 4), bf);
     #pragma omp barrier
     paged_decode_attention_for(a->qkv, a->k_caches[l], a->v_caches[l], a->block_tables, a->context_lens, a->attn,
                                rows, a->num_heads, a->num_kv_heads, D, a->block_size, a->max_blocks, a->block_stride,
-                               qkv_width, a->scale, a->windows[l], 1);
+                               qkv_width, a->scale, a->windows[l], bf);
     #pragma omp barrier
-    linear_packed_bf16_rows(a->attn, Q, w[1], b[1], a->proj, rows, H, Q, kp[1]);
+    linear(a, 4 * l + 1, a->attn, a->proj, H, Q);
     #pragma omp barrier
-    rms_norm_for(a->proj, a->residual, a->post_norm[l], a->hidden, rows, H, H, a->eps, 1);
+    rms_norm_for(a->proj, a->residual, a->post_norm[l], a->hidden, rows, H, H, a->eps, bf);
     #pragma omp barrier
-    linear_packed_bf16_rows(a->hidden, H, w[2], b[2], a->gate_up, rows, 2 * I, H, kp[2]);
+    linear(a, 4 * l + 2, a->hidden, a->gate_up, 2 * I, H);
     #pragma omp barrier
-    silu_and_mul_for(a->gate_up, a->act, rows, I, 1);
+    silu_and_mul_for(a->gate_up, a->act, rows, I, bf);
     #pragma omp barrier
-    linear_packed_bf16_rows(a->act, I, w[3], b[3], a->proj, rows, H, I, kp[3]);
+    linear(a, 4 * l + 3, a->act, a->proj, H, I);
     #pragma omp barrier
-    rms_norm_for(a->proj, a->residual, a->next_norm[l], a->hidden, rows, H, H, a->eps, 1);
+    rms_norm_for(a->proj, a->residual, a->next_norm[l], a->hidden, rows, H, H, a->eps, bf);
     #pragma omp barrier
 }
 
 /* Every layer of the step described by `step` (cpu_kernels.h: PdserveDecodeStep), num_threads threads. The caller
  * has checked the slots, block tables and shapes (cpu_ops.cpp). */
-void decode_step_bf16(const PdserveDecodeStep *step, int num_threads) {
+void decode_step(const PdserveDecodeStep *step, int num_threads) {
     #pragma omp parallel num_threads(num_threads)
     for (int l = 0; l < step->layers; l++) layer(step, l);
 }

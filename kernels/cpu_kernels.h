@@ -18,29 +18,30 @@
 #define PDSERVE_PASTE(name, isa) name##_##isa
 #define PDSERVE_ISA_NAME(name, isa) PDSERVE_PASTE(name, isa)
 
-/* One all-decode step of a dense pre-norm decoder with bf16 weights in oneDNN's packed layout (cpu_linear.c), for
- * decode_step_bf16 (cpu_decode_step.c). Per layer l the linears are 4 * l + 0..3: qkv, o, gate_up, down; every
- * tensor bf16 unless named. Shapes: rows tokens (one per sequence), hidden H, num_heads * head_dim = Q,
- * num_kv_heads * head_dim = KV, intermediate I. */
+/* One all-decode step of a dense pre-norm decoder, for decode_step (cpu_decode_step.c): bf16 with weights in oneDNN's
+ * packed layout (linear_packed_bf16_rows), or fp32 with nn.Linear's own [N, K] weights (linear_small_m_rows). Per
+ * layer l the linears are 4 * l + 0..3: qkv, o, gate_up, down; every tensor in the step's dtype unless named. Shapes:
+ * rows tokens (one per sequence), hidden H, num_heads * head_dim = Q, num_kv_heads * head_dim = KV, intermediate I. */
 typedef struct {
+    int is_bf16;                            /* 1: bf16, packed weights; 0: fp32, plain weights */
     int layers, rows, hidden_size, num_heads, num_kv_heads, head_dim, intermediate;
     int block_size, max_blocks;             /* the caches' block size, the block table's width */
     int64_t block_stride;                   /* cache elements between blocks (every layer's cache alike) */
     void *const *k_caches, *const *v_caches;  /* [layers] of [num_blocks, block_size, num_kv_heads, head_dim] */
-    const uint16_t *const *weights;         /* [4 * layers], packed */
-    const int *padded_k;                    /* [4 * layers] */
-    const uint16_t *const *biases;          /* [4 * layers], NULL: none */
-    const uint16_t *const *post_norm;       /* [layers] of [H]: the post-attention norm */
-    const uint16_t *const *next_norm;       /* [layers] of [H]: the next layer's input norm, the final one last */
+    const void *const *weights;             /* [4 * layers]: packed (bf16) or [N, K] (fp32) */
+    const int *padded_k;                    /* [4 * layers]: the packed weights' K padded (bf16 only) */
+    const void *const *biases;              /* [4 * layers], NULL: none */
+    const void *const *post_norm;           /* [layers] of [H]: the post-attention norm */
+    const void *const *next_norm;           /* [layers] of [H]: the next layer's input norm, the final one last */
     const int *windows;                     /* [layers]: sliding window, 0 = none */
-    const uint16_t *cos, *sin;              /* [rows, head_dim] */
+    const void *cos, *sin;                  /* [rows, head_dim] */
     const int64_t *slot_mapping;            /* [rows], every slot inside the caches (checked by the caller) */
     const int32_t *block_tables, *context_lens;  /* [rows, max_blocks], [rows]; checked by the caller */
     float eps, scale;
-    uint16_t *residual;                     /* [rows, H], in: layer 0's residual stream; out: the last layer's */
-    uint16_t *hidden;                       /* [rows, H], in: layer 0's normalised input; out: the final norm's */
-    uint16_t *qkv, *attn, *proj, *gate_up, *act;  /* scratch: [rows, Q + 2 KV], [rows, Q], [rows, H], [rows, 2I],
-                                                     [rows, I] */
+    void *residual;                         /* [rows, H], in: layer 0's residual stream; out: the last layer's */
+    void *hidden;                           /* [rows, H], in: layer 0's normalised input; out: the final norm's */
+    void *qkv, *attn, *proj, *gate_up, *act;  /* scratch: [rows, Q + 2 KV], [rows, Q], [rows, H], [rows, 2I],
+                                                 [rows, I] */
 } PdserveDecodeStep;
 
 /* The prototypes of one level's build. */
@@ -65,7 +66,7 @@ typedef struct {
     void PDSERVE_ISA_NAME(linear_packed_bf16, isa)(const uint16_t *x, int64_t x_stride, const uint16_t *w,          \
                                                    const uint16_t *bias, uint16_t *y, int M, int N, int K,           \
                                                    int padded_k, int num_threads);                                   \
-    void PDSERVE_ISA_NAME(decode_step_bf16, isa)(const PdserveDecodeStep *step, int num_threads);                    \
+    void PDSERVE_ISA_NAME(decode_step, isa)(const PdserveDecodeStep *step, int num_threads);                         \
     int PDSERVE_ISA_NAME(prefill_attention_bf16, isa)(                                                               \
         const uint16_t *query, const uint16_t *k_cache, const uint16_t *v_cache, const int32_t *cu_seqlens_q,        \
         const int32_t *context_lens, const int32_t *block_tables, uint16_t *out, int num_seqs, int num_q_heads,      \
@@ -89,7 +90,9 @@ typedef struct {
         int64_t block_stride, int is_bf16);                                                                          \
     void PDSERVE_ISA_NAME(linear_packed_bf16_rows, isa)(const uint16_t *x, int64_t x_stride, const uint16_t *w,     \
                                                         const uint16_t *bias, uint16_t *y, int M, int N, int K,      \
-                                                        int padded_k);
+                                                        int padded_k);                                               \
+    void PDSERVE_ISA_NAME(linear_small_m_rows, isa)(const float *x, const float *w, const float *bias, float *y,     \
+                                                    int M, int N, int K, int64_t x_stride);
 
 /* prefill_attention_bf16's refusals (cpu_prefill_attention.c); a sequence index >= 0 names a bad table. */
 #define PREFILL_UNSUPPORTED (-2)  /* a build without AVX512_BF16: the caller keeps the blocked-GEMM path */
@@ -110,7 +113,8 @@ PDSERVE_DECLARE_KERNELS(PDSERVE_ISA)
 #define linear_small_m PDSERVE_ISA_NAME(linear_small_m, PDSERVE_ISA)
 #define linear_packed_bf16 PDSERVE_ISA_NAME(linear_packed_bf16, PDSERVE_ISA)
 #define linear_packed_bf16_rows PDSERVE_ISA_NAME(linear_packed_bf16_rows, PDSERVE_ISA)
-#define decode_step_bf16 PDSERVE_ISA_NAME(decode_step_bf16, PDSERVE_ISA)
+#define linear_small_m_rows PDSERVE_ISA_NAME(linear_small_m_rows, PDSERVE_ISA)
+#define decode_step PDSERVE_ISA_NAME(decode_step, PDSERVE_ISA)
 #define prefill_attention_bf16 PDSERVE_ISA_NAME(prefill_attention_bf16, PDSERVE_ISA)
 #define paged_decode_attention_check PDSERVE_ISA_NAME(paged_decode_attention_check, PDSERVE_ISA)
 #define paged_decode_attention_for PDSERVE_ISA_NAME(paged_decode_attention_for, PDSERVE_ISA)

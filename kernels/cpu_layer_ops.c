@@ -59,10 +59,24 @@ ALWAYS_INLINE void rms_norm_row(const void *x, void *residual, const void *weigh
         store(out, ri + i, load(weight, i, is_bf16) * round_to(s[i] * inv, is_bf16), is_bf16);
 }
 
+/* The row bodies the ops and their orphaned versions (end of file) share, compiled once per dtype and never inlined:
+ * inlined into two callers, the compiler may vectorize a sum or contract a multiply-add differently in each, and fp32
+ * results must not depend on which of the two ran (cpu_decode_step.c's logits equal the forward's). */
+static __attribute__((noinline)) void rms_norm_row_bf16(const void *x, void *residual, const void *weight, void *out,
+                                                        int r, int dim, int64_t x_stride, float eps) {
+    rms_norm_row(x, residual, weight, out, r, dim, x_stride, eps, 1);
+}
+
+static __attribute__((noinline)) void rms_norm_row_f32(const void *x, void *residual, const void *weight, void *out,
+                                                       int r, int dim, int64_t x_stride, float eps) {
+    rms_norm_row(x, residual, weight, out, r, dim, x_stride, eps, 0);
+}
+
 ALWAYS_INLINE void rms_norm_rows(const void *x, void *residual, const void *weight, void *out, int rows, int dim,
                                  int64_t x_stride, float eps, int num_threads, const int is_bf16) {
     #pragma omp parallel for num_threads(num_threads) schedule(static) if (rows >= 16)
-    for (int r = 0; r < rows; r++) rms_norm_row(x, residual, weight, out, r, dim, x_stride, eps, is_bf16);
+    for (int r = 0; r < rows; r++)
+        (is_bf16 ? rms_norm_row_bf16 : rms_norm_row_f32)(x, residual, weight, out, r, dim, x_stride, eps);
 }
 
 /* out[r] = weight * (s * rsqrt(mean(s^2) + eps)), s = x[r], or with a residual: residual[r] += x[r] (rounded to
@@ -97,10 +111,21 @@ ALWAYS_INLINE void rotary_token(void *qk, const void *cos_t, const void *sin_t, 
     }
 }
 
+static __attribute__((noinline)) void rotary_token_bf16(void *qk, const void *cos_t, const void *sin_t, int t,
+                                                        int heads, int head_dim, int64_t token_stride) {
+    rotary_token(qk, cos_t, sin_t, t, heads, head_dim, token_stride, 1);
+}
+
+static __attribute__((noinline)) void rotary_token_f32(void *qk, const void *cos_t, const void *sin_t, int t,
+                                                       int heads, int head_dim, int64_t token_stride) {
+    rotary_token(qk, cos_t, sin_t, t, heads, head_dim, token_stride, 0);
+}
+
 ALWAYS_INLINE void rotary_tokens(void *qk, const void *cos_t, const void *sin_t, int tokens, int heads, int head_dim,
                                  int64_t token_stride, int num_threads, const int is_bf16) {
     #pragma omp parallel for num_threads(num_threads) schedule(static) if (tokens >= 16)
-    for (int t = 0; t < tokens; t++) rotary_token(qk, cos_t, sin_t, t, heads, head_dim, token_stride, is_bf16);
+    for (int t = 0; t < tokens; t++)
+        (is_bf16 ? rotary_token_bf16 : rotary_token_f32)(qk, cos_t, sin_t, t, heads, head_dim, token_stride);
 }
 
 /* Rotate-half RoPE in place: for each token t and head h, with x = qk[t, h, :], half = head_dim / 2,
@@ -113,18 +138,31 @@ static void rotary_embedding(void *qk, const void *cos_t, const void *sin_t, int
     BY_DTYPE(rotary_tokens, qk, cos_t, sin_t, tokens, heads, head_dim, token_stride, num_threads);
 }
 
+/* One row of silu_and_mul, not inlined (as rms_norm_row_bf16 above): the op and its orphaned version run the same
+ * machine code. */
+static __attribute__((noinline)) void silu_and_mul_row(const void *gate_up, void *out, int r, int inter,
+                                                       const int is_bf16) {
+    const int64_t g = (int64_t)r * 2 * inter, o = (int64_t)r * inter;
+    float silu[inter];
+    if (is_bf16) {
+        for (int i = 0; i < inter; i++) {  /* a loop of its own so that expf vectorizes (libmvec) */
+            const float x = load(gate_up, g + i, 1);
+            silu[i] = round_to(x / (1.0f + expf(-x)), 1);
+        }
+        for (int i = 0; i < inter; i++) store(out, o + i, silu[i] * load(gate_up, g + inter + i, 1), 1);
+    } else {
+        for (int i = 0; i < inter; i++) {
+            const float x = load(gate_up, g + i, 0);
+            silu[i] = x / (1.0f + expf(-x));
+        }
+        for (int i = 0; i < inter; i++) store(out, o + i, silu[i] * load(gate_up, g + inter + i, 0), 0);
+    }
+}
+
 ALWAYS_INLINE void silu_and_mul_rows(const void *gate_up, void *out, int rows, int inter, int num_threads,
                                      const int is_bf16) {
     #pragma omp parallel for num_threads(num_threads) schedule(static) if (rows >= 16)
-    for (int r = 0; r < rows; r++) {
-        const int64_t g = (int64_t)r * 2 * inter, o = (int64_t)r * inter;
-        float silu[inter];
-        for (int i = 0; i < inter; i++) {  /* a loop of its own so that expf vectorizes (libmvec) */
-            const float x = load(gate_up, g + i, is_bf16);
-            silu[i] = round_to(x / (1.0f + expf(-x)), is_bf16);
-        }
-        for (int i = 0; i < inter; i++) store(out, o + i, silu[i] * load(gate_up, g + inter + i, is_bf16), is_bf16);
-    }
+    for (int r = 0; r < rows; r++) silu_and_mul_row(gate_up, out, r, inter, is_bf16);
 }
 
 /* out[r, i] = silu(gate_up[r, i]) * gate_up[r, inter + i], silu(g) = g / (1 + exp(-g)) rounded to the dtype first
@@ -207,7 +245,8 @@ void causal_softmax_bf16(uint16_t *scores, int64_t num_rows, int rows, int end, 
 ALWAYS_INLINE void rms_norm_shared(const void *x, void *residual, const void *weight, void *out, int rows, int dim,
                                    int64_t x_stride, float eps, const int is_bf16) {
     #pragma omp for schedule(static) nowait
-    for (int r = 0; r < rows; r++) rms_norm_row(x, residual, weight, out, r, dim, x_stride, eps, is_bf16);
+    for (int r = 0; r < rows; r++)
+        (is_bf16 ? rms_norm_row_bf16 : rms_norm_row_f32)(x, residual, weight, out, r, dim, x_stride, eps);
 }
 
 void rms_norm_for(const void *x, void *residual, const void *weight, void *out, int rows, int dim, int64_t x_stride,
@@ -216,19 +255,8 @@ void rms_norm_for(const void *x, void *residual, const void *weight, void *out, 
 }
 
 ALWAYS_INLINE void silu_and_mul_shared(const void *gate_up, void *out, int rows, int inter, const int is_bf16) {
-    /* a decode step's few rows: the row's features are the work, split in chunks of 256 */
-    const int chunks = (inter + 255) / 256;
     #pragma omp for schedule(static) nowait
-    for (int item = 0; item < rows * chunks; item++) {
-        const int r = item / chunks, i0 = (item % chunks) * 256, n = inter - i0 < 256 ? inter - i0 : 256;
-        const int64_t g = (int64_t)r * 2 * inter + i0, o = (int64_t)r * inter + i0;
-        float silu[256];
-        for (int i = 0; i < n; i++) {
-            const float x = load(gate_up, g + i, is_bf16);
-            silu[i] = round_to(x / (1.0f + expf(-x)), is_bf16);
-        }
-        for (int i = 0; i < n; i++) store(out, o + i, silu[i] * load(gate_up, g + inter + i, is_bf16), is_bf16);
-    }
+    for (int r = 0; r < rows; r++) silu_and_mul_row(gate_up, out, r, inter, is_bf16);
 }
 
 void silu_and_mul_for(const void *gate_up, void *out, int rows, int inter, int is_bf16) {
@@ -242,8 +270,8 @@ void rotary_and_write_kv_for(void *qkv, const void *cos_t, const void *sin_t, ch
     const int64_t elem = is_bf16 ? 2 : 4, row_bytes = (int64_t)num_kv_heads * head_dim * elem;
     #pragma omp for schedule(static) nowait
     for (int t = 0; t < tokens; t++) {
-        if (is_bf16) rotary_token(qkv, cos_t, sin_t, t, num_heads + num_kv_heads, head_dim, token_stride, 1);
-        else rotary_token(qkv, cos_t, sin_t, t, num_heads + num_kv_heads, head_dim, token_stride, 0);
+        (is_bf16 ? rotary_token_bf16 : rotary_token_f32)(qkv, cos_t, sin_t, t, num_heads + num_kv_heads, head_dim,
+                                                         token_stride);
         const char *key = (const char *)qkv + (t * token_stride + (int64_t)num_heads * head_dim) * elem;
         const int64_t slot = slot_mapping[t];
         const int64_t at = (slot / block_size) * block_stride + (slot % block_size) * row_bytes;

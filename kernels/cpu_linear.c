@@ -114,11 +114,11 @@ static inline void tile_4x3(const float *x, int64_t xs, int rows, const float *w
  * pass off the FMA latency; 3 streams were ~10% slower at M = 1), else blocks of 3 through the 4 x 3 tile (1.1-1.3x
  * the 2 x 4 tile at M = 16-32, 2-core AMD EPYC VM, AVX2), the last M % 4 rows as a tile of repeated rows; the last
  * N % 3 features (one block) through the general tile. */
-void linear_small_m(const float *x, const float *w, const float *bias, float *y, int M, int N, int K,
-                    int64_t x_stride, int num_threads) {
+void linear_small_m_rows(const float *x, const float *w, const float *bias, float *y, int M, int N, int K,
+                         int64_t x_stride) {
     const int nbk = M < 4 ? NB : 3;
     const int blocks = (N + nbk - 1) / nbk;
-    #pragma omp parallel for num_threads(num_threads) schedule(static)
+    #pragma omp for schedule(static) nowait
     for (int b = 0; b < blocks; b++) {
         const int n0 = b * nbk, nb = N - n0 < nbk ? N - n0 : nbk;
         const float *wb = w + (int64_t)n0 * K;
@@ -146,6 +146,14 @@ void linear_small_m(const float *x, const float *w, const float *bias, float *y,
                     y[(int64_t)(m0 + i) * N + n0 + j] = out[i][j] + (bias ? bias[n0 + j] : 0.0f);
         }
     }
+}
+
+/* linear_small_m_rows (above) as the calling thread's share of an enclosing OpenMP region's work (an orphaned
+ * worksharing loop, no barrier at the end: cpu_decode_step.c), and linear_small_m as a region of its own. */
+void linear_small_m(const float *x, const float *w, const float *bias, float *y, int M, int N, int K,
+                    int64_t x_stride, int num_threads) {
+    #pragma omp parallel num_threads(num_threads)
+    linear_small_m_rows(x, w, bias, y, M, N, K, x_stride);
 }
 
 

@@ -53,7 +53,7 @@ struct Build {
     decltype(&causal_softmax_bf16_base) causal_softmax_bf16;
     decltype(&linear_small_m_base) linear_small_m;
     decltype(&linear_packed_bf16_base) linear_packed_bf16;
-    decltype(&decode_step_bf16_base) decode_step_bf16;
+    decltype(&decode_step_base) decode_step;
     decltype(&paged_decode_attention_check_base) paged_decode_attention_check;
     decltype(&prefill_attention_bf16_base) prefill_attention_bf16;
 };
@@ -61,7 +61,7 @@ struct Build {
 #define PDSERVE_BUILD(isa, runs_here)                                                                            \
     Build { #isa, runs_here, paged_decode_attention_##isa, rms_norm_##isa, silu_and_mul_##isa,                   \
             rotary_and_write_kv_##isa, causal_softmax_bf16_##isa, linear_small_m_##isa, linear_packed_bf16_##isa,  \
-            decode_step_bf16_##isa, paged_decode_attention_check_##isa, prefill_attention_bf16_##isa }
+            decode_step_##isa, paged_decode_attention_check_##isa, prefill_attention_bf16_##isa }
 
 bool always() { return true; }
 
@@ -488,12 +488,14 @@ at::Tensor decode_layers(const at::Tensor &residual, const at::Tensor &x, const 
     return hidden;
 }
 
-// decode_layers for bf16 weights in oneDNN's packed layout, the whole step in one OpenMP region
-// (cpu_decode_step.c): the same ops in the same order, with linear_packed_bf16's linears. weight_ptrs / padded_k: 4 a
-// layer (qkv, o, gate_up, down) as linear_packed_bf16 takes them; num_heads: query heads; intermediate: the MLP's
-// width. Returns the final norm's output [B, hidden]; residual is updated in place. Everything the kernel trusts is
-// checked here first (ValueError), with nothing written on failure.
-at::Tensor decode_layers_packed_bf16(const at::Tensor &residual, const at::Tensor &x, const at::Tensor &cos,
+// decode_layers with the whole step in one OpenMP region (cpu_decode_step.c): the same ops in the same order, for bf16
+// weights in oneDNN's packed layout (linear_packed_bf16's linears) or fp32 nn.Linear weights (linear_small_m's), by
+// the dtype of x. weight_ptrs / padded_k: 4 a layer (qkv, o, gate_up, down), the packed tensors' addresses and
+// padded K as linear_packed_bf16 takes them, or the fp32 weights' addresses ([N, K] contiguous; padded_k = K); the
+// caller keeps them alive. num_heads: query heads; intermediate: the MLP's width. Returns the final norm's output
+// [B, hidden]; residual is updated in place. Everything the kernel trusts is checked here first (ValueError), with
+// nothing written on failure.
+at::Tensor decode_layers_fused(const at::Tensor &residual, const at::Tensor &x, const at::Tensor &cos,
                                      const at::Tensor &sin, const at::Tensor &slot_mapping,
                                      const at::Tensor &block_tables, const at::Tensor &context_lens,
                                      at::TensorList k_caches, at::TensorList v_caches, at::IntArrayRef weight_ptrs,
@@ -502,78 +504,84 @@ at::Tensor decode_layers_packed_bf16(const at::Tensor &residual, const at::Tenso
                                      at::TensorList post_norm, at::TensorList next_norm, at::IntArrayRef windows,
                                      int64_t num_heads, int64_t intermediate, double eps, double scale) {
     const size_t layers = k_caches.size();
-    TORCH_CHECK_VALUE(layers > 0, "decode_layers_packed_bf16: no layers");
+    TORCH_CHECK_VALUE(layers > 0, "decode_layers_fused: no layers");
     for (const size_t n : {v_caches.size(), post_norm.size(), next_norm.size(), windows.size()})
-        TORCH_CHECK_VALUE(n == layers, "decode_layers_packed_bf16: every per-layer list must have ", layers,
+        TORCH_CHECK_VALUE(n == layers, "decode_layers_fused: every per-layer list must have ", layers,
                           " entries, got one of ", n);
     for (const size_t n : {weight_ptrs.size(), padded_k.size(), linear_biases.size()})
-        TORCH_CHECK_VALUE(n == 4 * layers, "decode_layers_packed_bf16: the linear lists must have 4 entries a layer (",
+        TORCH_CHECK_VALUE(n == 4 * layers, "decode_layers_fused: the linear lists must have 4 entries a layer (",
                           4 * layers, "), got one of ", n);
     for (const auto &[t, name] : {std::pair{&residual, "residual"}, std::pair{&x, "x"}}) {
         check_cpu(*t, name);
-        TORCH_CHECK_VALUE(t->scalar_type() == at::kBFloat16 && t->dim() == 2 && t->is_contiguous(),
-                          "decode_layers_packed_bf16: ", name, " must be contiguous [num_seqs, hidden] bfloat16, got ",
+        TORCH_CHECK_VALUE(t->scalar_type() == x.scalar_type() && t->dim() == 2 && t->is_contiguous(),
+                          "decode_layers_fused: ", name, " must be contiguous [num_seqs, hidden] in x's dtype, got ",
                           t->scalar_type(), " of shape ", t->sizes());
     }
+    TORCH_CHECK_VALUE(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat, "decode_layers_fused takes "
+                      "bfloat16 (packed weights) or float32, got ", x.scalar_type());
+    const bool bf16 = x.scalar_type() == at::kBFloat16;
+    const at::ScalarType dtype = x.scalar_type();
     TORCH_CHECK_VALUE(residual.sizes() == x.sizes(), "residual ", residual.sizes(), " != x ", x.sizes());
     const int64_t rows = x.size(0), hidden = x.size(1);
     const at::Tensor &k0 = k_caches[0];
     check_caches(k0, v_caches[0]);
-    TORCH_CHECK_VALUE(k0.scalar_type() == at::kBFloat16, "the caches must be bfloat16, got ", k0.scalar_type());
+    TORCH_CHECK_VALUE(k0.scalar_type() == dtype, "the caches must be ", dtype, ", got ", k0.scalar_type());
     for (size_t l = 0; l < layers; l++)
         for (const at::Tensor *c : {&k_caches[l], &v_caches[l]})
-            TORCH_CHECK_VALUE(c->device().is_cpu() && c->scalar_type() == at::kBFloat16 && c->sizes() == k0.sizes() &&
+            TORCH_CHECK_VALUE(c->device().is_cpu() && c->scalar_type() == dtype && c->sizes() == k0.sizes() &&
                               c->strides() == k0.strides(), "layer ", l, "'s cache ", c->sizes(), " ",
                               c->scalar_type(), " differs from layer 0's ", k0.sizes(), " (every layer's alike)");
     const int64_t num_blocks = k0.size(0), block_size = k0.size(1), kv_heads = k0.size(2), head_dim = k0.size(3);
     TORCH_CHECK_VALUE(num_heads > 0 && num_heads % kv_heads == 0 && num_heads / kv_heads <= PDSERVE_MAX_GROUP &&
                       head_dim <= PDSERVE_MAX_HEAD_DIM && head_dim % 2 == 0 && block_size <= PDSERVE_MAX_BLOCK &&
-                      intermediate > 0 && hidden % 2 == 0 && (num_heads * head_dim) % 2 == 0 && intermediate % 2 == 0,
-                      "decode_layers_packed_bf16: ", num_heads, " query heads over ", kv_heads, " kv heads of ",
+                      intermediate > 0 && (!bf16 || (hidden % 2 == 0 && (num_heads * head_dim) % 2 == 0 &&
+                                                     intermediate % 2 == 0)),
+                      "decode_layers_fused: ", num_heads, " query heads over ", kv_heads, " kv heads of ",
                       head_dim, ", blocks of ", block_size, " tokens, hidden ", hidden, ", intermediate ",
                       intermediate, " are outside what its kernels take");
     const int64_t q_width = num_heads * head_dim, qkv_width = q_width + 2 * kv_heads * head_dim;
     const int64_t in_features[4] = {hidden, q_width, hidden, intermediate};
     const int64_t out_features[4] = {qkv_width, hidden, 2 * intermediate, hidden};
-    std::vector<const uint16_t *> weights(4 * layers), biases(4 * layers);
+    std::vector<const void *> weights(4 * layers), biases(4 * layers);
     std::vector<int> padded(4 * layers);
     std::vector<at::Tensor> keep;  // contiguous copies of any strided bias, alive through the call
     for (size_t i = 0; i < 4 * layers; i++) {
         const int64_t k = in_features[i % 4], n = out_features[i % 4];
-        TORCH_CHECK_VALUE(weight_ptrs[i] != 0 && padded_k[i] >= k && padded_k[i] % 2 == 0 && padded_k[i] <= INT32_MAX,
-                          "decode_layers_packed_bf16: linear ", i, " has padded width ", padded_k[i], " for ", k,
+        TORCH_CHECK_VALUE(weight_ptrs[i] != 0 && padded_k[i] >= k && (!bf16 || padded_k[i] % 2 == 0) &&
+                          padded_k[i] <= INT32_MAX,
+                          "decode_layers_fused: linear ", i, " has padded width ", padded_k[i], " for ", k,
                           " input features");
-        weights[i] = reinterpret_cast<const uint16_t *>(weight_ptrs[i]);
+        weights[i] = reinterpret_cast<const void *>(weight_ptrs[i]);
         padded[i] = static_cast<int>(padded_k[i]);
         const std::optional<at::Tensor> bias = linear_biases.get(i);
         biases[i] = nullptr;
         if (bias) {
-            TORCH_CHECK_VALUE(bias->device().is_cpu() && bias->scalar_type() == at::kBFloat16 && bias->dim() == 1 &&
-                              bias->size(0) == n, "linear ", i, "'s bias must be [", n, "] bfloat16, got ",
+            TORCH_CHECK_VALUE(bias->device().is_cpu() && bias->scalar_type() == dtype && bias->dim() == 1 &&
+                              bias->size(0) == n, "linear ", i, "'s bias must be [", n, "] ", dtype, ", got ",
                               bias->scalar_type(), " of shape ", bias->sizes());
             keep.push_back(bias->contiguous());
-            biases[i] = static_cast<const uint16_t *>(keep.back().data_ptr());
+            biases[i] = keep.back().data_ptr();
         }
     }
-    std::vector<const uint16_t *> post(layers), next(layers);
+    std::vector<const void *> post(layers), next(layers);
     std::vector<void *> kc(layers), vc(layers);
     std::vector<int> win(layers);
     for (size_t l = 0; l < layers; l++) {
         for (const auto &[t, name] : {std::pair{&post_norm[l], "post_norm"}, std::pair{&next_norm[l], "next_norm"}})
-            TORCH_CHECK_VALUE(t->device().is_cpu() && t->scalar_type() == at::kBFloat16 && t->dim() == 1 &&
+            TORCH_CHECK_VALUE(t->device().is_cpu() && t->scalar_type() == dtype && t->dim() == 1 &&
                               t->size(0) == hidden && t->is_contiguous(), name, "[", l, "] must be contiguous [",
-                              hidden, "] bfloat16, got ", t->scalar_type(), " of shape ", t->sizes());
+                              hidden, "] ", dtype, ", got ", t->scalar_type(), " of shape ", t->sizes());
         TORCH_CHECK_VALUE(windows[l] >= 0 && windows[l] <= INT32_MAX, "windows[", l, "] must be in [0, 2^31)");
-        post[l] = static_cast<const uint16_t *>(post_norm[l].data_ptr());
-        next[l] = static_cast<const uint16_t *>(next_norm[l].data_ptr());
+        post[l] = post_norm[l].data_ptr();
+        next[l] = next_norm[l].data_ptr();
         kc[l] = k_caches[l].data_ptr();
         vc[l] = v_caches[l].data_ptr();
         win[l] = static_cast<int>(windows[l]);
     }
     for (const auto &[t, name] : {std::pair{&cos, "cos"}, std::pair{&sin, "sin"}}) {
         check_cpu(*t, name);
-        TORCH_CHECK_VALUE(t->scalar_type() == at::kBFloat16 && t->numel() == rows * head_dim, name, " must hold [",
-                          rows, ", ", head_dim, "] bfloat16, got ", t->scalar_type(), " of shape ", t->sizes());
+        TORCH_CHECK_VALUE(t->scalar_type() == dtype && t->numel() == rows * head_dim, name, " must hold [",
+                          rows, ", ", head_dim, "] ", dtype, ", got ", t->scalar_type(), " of shape ", t->sizes());
     }
     check_cpu(slot_mapping, "slot_mapping");
     check_cpu(block_tables, "block_tables");
@@ -605,17 +613,18 @@ at::Tensor decode_layers_packed_bf16(const at::Tensor &residual, const at::Tenso
     const at::Tensor qkv = at::empty({rows, qkv_width}, opts), attn = at::empty({rows, q_width}, opts);
     const at::Tensor proj = at::empty({rows, hidden}, opts), gate_up = at::empty({rows, 2 * intermediate}, opts);
     const at::Tensor act = at::empty({rows, intermediate}, opts);
-    const auto bf = [](const at::Tensor &t) { return static_cast<uint16_t *>(t.data_ptr()); };
+    const auto bf = [](const at::Tensor &t) { return t.data_ptr(); };
     const PdserveDecodeStep step{
-        static_cast<int>(layers), static_cast<int>(rows), static_cast<int>(hidden), static_cast<int>(num_heads),
+        bf16 ? 1 : 0, static_cast<int>(layers), static_cast<int>(rows), static_cast<int>(hidden),
+        static_cast<int>(num_heads),
         static_cast<int>(kv_heads), static_cast<int>(head_dim), static_cast<int>(intermediate),
         static_cast<int>(block_size), static_cast<int>(tables.size(1)), k0.stride(0), kc.data(), vc.data(),
         weights.data(), padded.data(), biases.data(), post.data(), next.data(), win.data(),
-        static_cast<const uint16_t *>(c.data_ptr()), static_cast<const uint16_t *>(s.data_ptr()), slot,
+        c.data_ptr(), s.data_ptr(), slot,
         tables.data_ptr<int32_t>(), lens.data_ptr<int32_t>(), static_cast<float>(eps), static_cast<float>(scale),
         bf(residual), bf(out), bf(qkv), bf(attn), bf(proj), bf(gate_up), bf(act)};
-    RECORD_FUNCTION("pdserve::decode_layers_packed_bf16:step", std::vector<c10::IValue>());
-    kernels().decode_step_bf16(&step, at::get_num_threads());
+    RECORD_FUNCTION("pdserve::decode_layers_fused:step", std::vector<c10::IValue>());
+    kernels().decode_step(&step, at::get_num_threads());
     return out;
 }
 
@@ -658,7 +667,7 @@ TORCH_LIBRARY(pdserve, m) {
     m.def("linear_packed_bf16(Tensor x, int weight_ptr, int out_features, int padded_k, Tensor? bias=None) -> Tensor");
     m.def("prefill_attention_bf16(Tensor query, Tensor k_cache, Tensor v_cache, Tensor cu_seqlens_q, "
           "Tensor context_lens, Tensor block_tables, float scale) -> Tensor");
-    m.def("decode_layers_packed_bf16(Tensor(a!) residual, Tensor x, Tensor cos, Tensor sin, Tensor slot_mapping, "
+    m.def("decode_layers_fused(Tensor(a!) residual, Tensor x, Tensor cos, Tensor sin, Tensor slot_mapping, "
           "Tensor block_tables, Tensor context_lens, Tensor(b!)[] k_caches, Tensor(c!)[] v_caches, int[] weight_ptrs, "
           "int[] padded_k, Tensor?[] linear_biases, Tensor[] post_norm, Tensor[] next_norm, int[] windows, "
           "int num_heads, int intermediate, float eps, float scale) -> Tensor");
@@ -682,7 +691,7 @@ TORCH_LIBRARY_IMPL(pdserve, CPU, m) {
     m.impl("linear_small_m", &linear_small_m);
     m.impl("linear_packed_bf16", &linear_packed_bf16);
     m.impl("prefill_attention_bf16", &prefill_attention_bf16);
-    m.impl("decode_layers_packed_bf16", &decode_layers_packed_bf16);
+    m.impl("decode_layers_fused", &decode_layers_fused);
     m.impl("decode_layers", &decode_layers);
 }
 

@@ -125,7 +125,7 @@ def _register_fakes() -> None:
     def _(residual, x, *args):
         return x.new_empty(x.shape)
 
-    @torch.library.register_fake("pdserve::decode_layers_packed_bf16")
+    @torch.library.register_fake("pdserve::decode_layers_fused")
     def _(residual, x, *args):
         return x.new_empty(x.shape)
 
@@ -177,10 +177,10 @@ class CpuKernels:
         self.decode_layers = ops.decode_layers.default
         # bf16 (x [M, K], weight_ptr, N, padded_k, bias [N] or None) -> x W^T + b [M, N] over a weight in oneDNN's
         # packed layout, read in place (`kernels/cpu_linear.c`; `engine.execution.packing.PackedLinear` checks the
-        # layout and keeps the packed tensor alive), and every layer of an all-decode step over such weights in one
-        # OpenMP region (`kernels/cpu_decode_step.c`, `engine.execution.cpu_decode_stack`).
+        # layout and keeps the packed tensor alive), and every layer of an all-decode step over such weights (or fp32
+        # ones) in one OpenMP region (`kernels/cpu_decode_step.c`, `engine.execution.cpu_decode_stack`).
         self.linear_packed_bf16 = ops.linear_packed_bf16.default
-        self.decode_layers_packed_bf16 = ops.decode_layers_packed_bf16.default
+        self.decode_layers_fused = ops.decode_layers_fused.default
 
     @classmethod
     def load(cls) -> CpuKernels:

@@ -12,11 +12,11 @@ parallelism, sliding windows per layer allowed, whose linears are all one CPU fo
 prepacked bf16, or fp32 through the small-batch kernel), `engine.execution.quantization`'s (int8, int4) or plain
 `nn.Linear`. Everything else runs the model's forward (`CpuDecodeStack.build` returns None for a model it cannot run).
 
-bf16 packed linears whose layout the cpu backend's kernel reads (`PackedLinear.weight_ptr`) take a second op for up to
-`PACKED_GEMV_ROWS` sequences, `pdserve::decode_layers_packed_bf16`: the same ops again, but the whole step in one OpenMP
-region, the threads meeting at a barrier between ops instead of starting and joining a region for each of ~270 ops
-(kernels/cpu_decode_step.c). Its linears are `PackedLinear`'s own kernel at those rows, so the logits stay bit-equal
-to the model's forward.
+Two forms take a second op, `pdserve::decode_layers_fused`: bf16 packed linears whose layout the cpu backend's kernel
+reads (`PackedLinear.weight_ptr`) up to `PACKED_GEMV_ROWS` sequences, and fp32 through the small-batch kernel up to
+`SMALL_BATCH_ROWS`. The same ops again, but the whole step in one OpenMP region, the threads meeting at a barrier
+between ops instead of starting and joining a region for each of ~270 ops (kernels/cpu_decode_step.c). Its linears
+are the forward's own kernels at those rows, so the logits stay bit-equal to the model's forward.
 """
 from __future__ import annotations
 
@@ -59,7 +59,7 @@ class CpuDecodeStack:
 
     def __init__(self, model: DecoderModel, decode_layers: Callable[..., torch.Tensor], form: int,
                  linears: list[tuple[nn.Module, torch.Tensor, torch.Tensor | None]],
-                 packed_step: Callable[..., torch.Tensor] | None = None):
+                 fused_step: Callable[..., torch.Tensor] | None = None):
         self.model, self._decode_layers, self.form = model, decode_layers, form
         layers = model.layers
         # 4 a layer, in _LINEARS order
@@ -73,16 +73,20 @@ class CpuDecodeStack:
         self.first_norm = layers[0].input_layernorm.weight.detach()
         self.windows = [layer.self_attn.sliding_window for layer in layers]
         self.eps, self.scale = model.cfg.rms_norm_eps, layers[0].self_attn.scale
-        # The one-region step: every linear packed and read in place by the backend's kernel, else None.
-        self._packed_step = None
+        # The one-region step (None where it does not apply) and the most rows it takes: bf16 linears all read in
+        # place by the backend's packed-layout kernel, or fp32 ones through its small-batch kernel.
+        self._fused_step, self._fused_rows = None, 0
         modules = [m for m, _, _ in linears]
-        if (form == PACKED_LINEAR and packed_step is not None
-                and all(isinstance(m, PackedLinear) and m.weight_ptr for m in modules)):
-            self._packed_step = packed_step
+        if fused_step is not None and form == PACKED_LINEAR and all(m.weight_ptr for m in modules):
+            self._fused_step, self._fused_rows = fused_step, PACKED_GEMV_ROWS
             self.weight_ptrs = [m.weight_ptr for m in modules]
             self.padded_k = [m.padded_k for m in modules]
-            self.num_heads = layers[0].self_attn.num_heads
-            self.intermediate = modules[2].out_features // 2
+        elif fused_step is not None and form == SMALL_M_LINEAR and all(w.is_contiguous() for w in self.linear_weights):
+            self._fused_step, self._fused_rows = fused_step, SMALL_BATCH_ROWS
+            self.weight_ptrs = [w.data_ptr() for w in self.linear_weights]
+            self.padded_k = [m.in_features for m in modules]
+        self.num_heads = layers[0].self_attn.num_heads
+        self.intermediate = modules[2].out_features // 2
 
     @classmethod
     def build(cls, model: nn.Module, ops: AttentionOps) -> CpuDecodeStack | None:
@@ -99,7 +103,7 @@ class CpuDecodeStack:
         if len(forms) != 1 or None in forms:
             return None
         return cls(model, ops.decode_layers, forms.pop(), [(m, w, aux) for m, (_, w, aux) in zip(modules, found)],
-                   ops.decode_layers_packed_bf16)
+                   ops.decode_layers_fused)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                  kv_layers: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
@@ -119,8 +123,8 @@ class CpuDecodeStack:
             # fp32's small-batch kernel takes up to SMALL_BATCH_ROWS rows; beyond, torch's GEMM on the same weights
             # (SmallBatchLinear's own rule).
             form = TORCH_LINEAR if self.form == SMALL_M_LINEAR and x.shape[0] > SMALL_BATCH_ROWS else self.form
-            if self._packed_step is not None and x.shape[0] <= PACKED_GEMV_ROWS:
-                return self._packed_step(
+            if self._fused_step is not None and x.shape[0] <= self._fused_rows:
+                return self._fused_step(
                     h, x, cos, sin, meta.slot_mapping, meta.decode_block_tables, meta.decode_context_lens,
                     [k for k, _ in kv_layers], [v for _, v in kv_layers], self.weight_ptrs, self.padded_k,
                     self.linear_biases, self.post_norm, self.next_norm, self.windows, self.num_heads,

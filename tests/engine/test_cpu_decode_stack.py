@@ -66,17 +66,18 @@ def test_decode_stack_gives_the_forward_passes_logits_bit_for_bit(build, dtype, 
     """Prefill `batch` prompts (lengths 11, 19, ...: across block boundaries), then 6 greedy decode steps through the
     C++ loop and through the model's forward: equal logits at every step. 65 rows go past the fp32 kernel's 64 (the
     loop then takes torch's GEMM, as SmallBatchLinear does). bf16 packed linears whose layout the backend's kernel
-    reads run the one-region step (`decode_layers_packed_bf16`) up to PACKED_GEMV_ROWS rows, whose linears are the
-    forward's own at those rows."""
+    reads run the one-region step (`decode_layers_fused`) up to PACKED_GEMV_ROWS rows, fp32 up to SMALL_BATCH_ROWS,
+    whose linears are the forward's own at those rows."""
     model = build()
     prompts = [[(7 * i + j) % 250 for j in range(11 + 8 * (i % 2))] for i in range(batch)]
     with_stack = _runner(model, dtype, True, packed, batch, quantization)
     assert with_stack.decode_stack is not None and with_stack.decode_stack.form == form
     packed_linears = [m for m in with_stack.model.modules() if isinstance(m, PackedLinear)]
-    # On a CPU whose oneDNN packs as the kernel reads (every one measured so far), every linear takes it, and the
-    # stack its one-region step; elsewhere none do, and both run oneDNN.
+    # The one-region step: fp32 through the small-batch kernel; bf16 on a CPU whose oneDNN packs as the kernel reads
+    # (every one measured so far: every linear takes it), else both run oneDNN.
     assert len({bool(m.weight_ptr) for m in packed_linears}) <= 1
-    assert (with_stack.decode_stack._packed_step is not None) == any(m.weight_ptr for m in packed_linears)
+    fused = form == SMALL_M_LINEAR or (form == PACKED_LINEAR and any(m.weight_ptr for m in packed_linears))
+    assert (with_stack.decode_stack._fused_step is not None) == fused
     stacked = greedy_steps(with_stack, prompts, 6)
     eager = greedy_steps(_runner(model, dtype, False, packed, batch, quantization), prompts, 6)
     for a, b in zip(stacked, eager):
@@ -108,12 +109,12 @@ def test_other_backends_and_mixed_linears_keep_the_forward():
 
 
 def test_one_region_step_refuses_slots_and_blocks_outside_the_cache_and_writes_nothing():
-    """`pdserve::decode_layers_packed_bf16` checks what its C kernel trusts before it starts: a slot past the cache, a
+    """`pdserve::decode_layers_fused` checks what its C kernel trusts before it starts: a slot past the cache, a
     block id past it, or a context longer than its table row is a ValueError, with the caches and the residual stream
     unchanged."""
     runner = _runner(_llama(num_attention_heads=8, num_key_value_heads=2), torch.bfloat16, True)
     stack = runner.decode_stack
-    if stack is None or stack._packed_step is None:
+    if stack is None or stack._fused_step is None:
         pytest.skip("this CPU's oneDNN does not pack bf16 weights in the layout the kernel reads")
     from pdserve_server.engine.attention import AttentionMetadata
 
