@@ -85,8 +85,9 @@ class CpuDecodeStack:
             self._fused_step, self._fused_rows = fused_step, SMALL_BATCH_ROWS
             self.weight_ptrs = [w.data_ptr() for w in self.linear_weights]
             self.padded_k = [m.in_features for m in modules]
-        self.num_heads = layers[0].self_attn.num_heads
-        self.intermediate = modules[2].out_features // 2
+        if self._fused_step is not None:
+            self.num_heads = layers[0].self_attn.num_heads
+            self.intermediate = modules[2].out_features // 2  # gate_up's width: gate and up side by side
 
     @classmethod
     def build(cls, model: nn.Module, ops: AttentionOps) -> CpuDecodeStack | None:
