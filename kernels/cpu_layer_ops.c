@@ -21,7 +21,6 @@
 #include "cpu_bf16.h"
 #include "cpu_kernels.h"
 
-
 /* The value torch would hold after rounding an fp32 result to the tensor's dtype. */
 static inline float round_to(float f, int is_bf16) { return is_bf16 ? bf16_to_f32(f32_to_bf16(f)) : f; }
 
@@ -34,12 +33,14 @@ static inline void store(void *p, int64_t i, float f, int is_bf16) {
     else ((float *)p)[i] = f;
 }
 
-/* Each op below is written once, as an always-inline body taking is_bf16, and exported as a function that calls the
- * body with is_bf16 a constant in each branch. The compiler then drops load/store's dtype branches and vectorizes
- * the loops (libmvec's expf included); with is_bf16 a run-time value they stayed scalar, and RoPE over 64 tokens
- * took 0.4-0.5 ms (one thread, Intel Xeon VM) where its data is 100 KB. */
+/* Each op's row (or token) body below is written once, as an always-inline function taking is_bf16, and compiled
+ * once per dtype into a function that calls it with is_bf16 a constant (rms_norm_row_bf16 / _f32 and the like). The
+ * compiler then drops load/store's dtype branches and vectorizes the loops (libmvec's expf included); with is_bf16 a
+ * run-time value they stayed scalar, and RoPE over 64 tokens took 0.4-0.5 ms (one thread, Intel Xeon VM) where its
+ * data is 100 KB. Those per-dtype functions are never inlined: the ops and their orphaned versions (end of file) call
+ * the same ones, since two inlined copies may vectorize a sum or contract a multiply-add differently, and fp32
+ * results must not depend on which ran (cpu_decode_step.c's logits equal the forward's). */
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
-#define BY_DTYPE(body, ...) do { if (is_bf16) body(__VA_ARGS__, 1); else body(__VA_ARGS__, 0); } while (0)
 
 ALWAYS_INLINE void rms_norm_row(const void *x, void *residual, const void *weight, void *out, int r, int dim,
                                 int64_t x_stride, float eps, const int is_bf16) {
@@ -59,9 +60,6 @@ ALWAYS_INLINE void rms_norm_row(const void *x, void *residual, const void *weigh
         store(out, ri + i, load(weight, i, is_bf16) * round_to(s[i] * inv, is_bf16), is_bf16);
 }
 
-/* The row bodies the ops and their orphaned versions (end of file) share, compiled once per dtype and never inlined:
- * inlined into two callers, the compiler may vectorize a sum or contract a multiply-add differently in each, and fp32
- * results must not depend on which of the two ran (cpu_decode_step.c's logits equal the forward's). */
 static __attribute__((noinline)) void rms_norm_row_bf16(const void *x, void *residual, const void *weight, void *out,
                                                         int r, int dim, int64_t x_stride, float eps) {
     rms_norm_row(x, residual, weight, out, r, dim, x_stride, eps, 1);
@@ -72,20 +70,15 @@ static __attribute__((noinline)) void rms_norm_row_f32(const void *x, void *resi
     rms_norm_row(x, residual, weight, out, r, dim, x_stride, eps, 0);
 }
 
-ALWAYS_INLINE void rms_norm_rows(const void *x, void *residual, const void *weight, void *out, int rows, int dim,
-                                 int64_t x_stride, float eps, int num_threads, const int is_bf16) {
-    #pragma omp parallel for num_threads(num_threads) schedule(static) if (rows >= 16)
-    for (int r = 0; r < rows; r++)
-        (is_bf16 ? rms_norm_row_bf16 : rms_norm_row_f32)(x, residual, weight, out, r, dim, x_stride, eps);
-}
-
 /* out[r] = weight * (s * rsqrt(mean(s^2) + eps)), s = x[r], or with a residual: residual[r] += x[r] (rounded to
  * the dtype) and s = residual[r]. The normalized row is rounded to the dtype before the weight multiplies it, as
  * HF's LlamaRMSNorm does. x: [rows, dim] with row stride x_stride; residual, out: [rows, dim] contiguous;
  * weight: [dim]. */
 void rms_norm(const void *x, void *residual, const void *weight, void *out, int rows, int dim, int64_t x_stride,
               float eps, int is_bf16, int num_threads) {
-    BY_DTYPE(rms_norm_rows, x, residual, weight, out, rows, dim, x_stride, eps, num_threads);
+    #pragma omp parallel for num_threads(num_threads) schedule(static) if (rows >= 16)
+    for (int r = 0; r < rows; r++)
+        (is_bf16 ? rms_norm_row_bf16 : rms_norm_row_f32)(x, residual, weight, out, r, dim, x_stride, eps);
 }
 
 /* One token's heads. Each head's row is read into fp32, rotated into a second array and written back in loops of
@@ -121,13 +114,6 @@ static __attribute__((noinline)) void rotary_token_f32(void *qk, const void *cos
     rotary_token(qk, cos_t, sin_t, t, heads, head_dim, token_stride, 0);
 }
 
-ALWAYS_INLINE void rotary_tokens(void *qk, const void *cos_t, const void *sin_t, int tokens, int heads, int head_dim,
-                                 int64_t token_stride, int num_threads, const int is_bf16) {
-    #pragma omp parallel for num_threads(num_threads) schedule(static) if (tokens >= 16)
-    for (int t = 0; t < tokens; t++)
-        (is_bf16 ? rotary_token_bf16 : rotary_token_f32)(qk, cos_t, sin_t, t, heads, head_dim, token_stride);
-}
-
 /* Rotate-half RoPE in place: for each token t and head h, with x = qk[t, h, :], half = head_dim / 2,
  * x[i] <- x[i] * cos[t, i] - x[i + half] * sin[t, i] and x[i + half] <- x[i + half] * cos[t, i + half] +
  * x[i] * sin[t, i + half], each product rounded to the dtype, then the sum (the reference's x * cos +
@@ -135,40 +121,34 @@ ALWAYS_INLINE void rotary_tokens(void *qk, const void *cos_t, const void *sin_t,
  * cos, sin: [tokens, head_dim] contiguous, in the dtype. */
 static void rotary_embedding(void *qk, const void *cos_t, const void *sin_t, int tokens, int heads, int head_dim,
                              int64_t token_stride, int is_bf16, int num_threads) {
-    BY_DTYPE(rotary_tokens, qk, cos_t, sin_t, tokens, heads, head_dim, token_stride, num_threads);
+    #pragma omp parallel for num_threads(num_threads) schedule(static) if (tokens >= 16)
+    for (int t = 0; t < tokens; t++)
+        (is_bf16 ? rotary_token_bf16 : rotary_token_f32)(qk, cos_t, sin_t, t, heads, head_dim, token_stride);
 }
 
-/* One row of silu_and_mul, not inlined (as rms_norm_row_bf16 above): the op and its orphaned version run the same
- * machine code. */
-static __attribute__((noinline)) void silu_and_mul_row(const void *gate_up, void *out, int r, int inter,
-                                                       const int is_bf16) {
+ALWAYS_INLINE void silu_and_mul_row(const void *gate_up, void *out, int r, int inter, const int is_bf16) {
     const int64_t g = (int64_t)r * 2 * inter, o = (int64_t)r * inter;
     float silu[inter];
-    if (is_bf16) {
-        for (int i = 0; i < inter; i++) {  /* a loop of its own so that expf vectorizes (libmvec) */
-            const float x = load(gate_up, g + i, 1);
-            silu[i] = round_to(x / (1.0f + expf(-x)), 1);
-        }
-        for (int i = 0; i < inter; i++) store(out, o + i, silu[i] * load(gate_up, g + inter + i, 1), 1);
-    } else {
-        for (int i = 0; i < inter; i++) {
-            const float x = load(gate_up, g + i, 0);
-            silu[i] = x / (1.0f + expf(-x));
-        }
-        for (int i = 0; i < inter; i++) store(out, o + i, silu[i] * load(gate_up, g + inter + i, 0), 0);
+    for (int i = 0; i < inter; i++) {  /* a loop of its own so that expf vectorizes (libmvec) */
+        const float x = load(gate_up, g + i, is_bf16);
+        silu[i] = round_to(x / (1.0f + expf(-x)), is_bf16);
     }
+    for (int i = 0; i < inter; i++) store(out, o + i, silu[i] * load(gate_up, g + inter + i, is_bf16), is_bf16);
 }
 
-ALWAYS_INLINE void silu_and_mul_rows(const void *gate_up, void *out, int rows, int inter, int num_threads,
-                                     const int is_bf16) {
-    #pragma omp parallel for num_threads(num_threads) schedule(static) if (rows >= 16)
-    for (int r = 0; r < rows; r++) silu_and_mul_row(gate_up, out, r, inter, is_bf16);
+static __attribute__((noinline)) void silu_and_mul_row_bf16(const void *gate_up, void *out, int r, int inter) {
+    silu_and_mul_row(gate_up, out, r, inter, 1);
+}
+
+static __attribute__((noinline)) void silu_and_mul_row_f32(const void *gate_up, void *out, int r, int inter) {
+    silu_and_mul_row(gate_up, out, r, inter, 0);
 }
 
 /* out[r, i] = silu(gate_up[r, i]) * gate_up[r, inter + i], silu(g) = g / (1 + exp(-g)) rounded to the dtype first
  * (F.silu's output). gate_up: [rows, 2 * inter] contiguous; out: [rows, inter] contiguous. */
 void silu_and_mul(const void *gate_up, void *out, int rows, int inter, int is_bf16, int num_threads) {
-    BY_DTYPE(silu_and_mul_rows, gate_up, out, rows, inter, num_threads);
+    #pragma omp parallel for num_threads(num_threads) schedule(static) if (rows >= 16)
+    for (int r = 0; r < rows; r++) (is_bf16 ? silu_and_mul_row_bf16 : silu_and_mul_row_f32)(gate_up, out, r, inter);
 }
 
 /* Copy each token's K and V rows (row_bytes: num_kv_heads * head_dim elements) into its cache slot,
@@ -242,25 +222,16 @@ void causal_softmax_bf16(uint16_t *scores, int64_t num_rows, int rows, int end, 
  * outside one) and ends without a barrier (the caller places them). Same numerics as the ops above; the slot
  * checks of rotary_and_write_kv are the caller's. ---- */
 
-ALWAYS_INLINE void rms_norm_shared(const void *x, void *residual, const void *weight, void *out, int rows, int dim,
-                                   int64_t x_stride, float eps, const int is_bf16) {
+void rms_norm_for(const void *x, void *residual, const void *weight, void *out, int rows, int dim, int64_t x_stride,
+                  float eps, int is_bf16) {
     #pragma omp for schedule(static) nowait
     for (int r = 0; r < rows; r++)
         (is_bf16 ? rms_norm_row_bf16 : rms_norm_row_f32)(x, residual, weight, out, r, dim, x_stride, eps);
 }
 
-void rms_norm_for(const void *x, void *residual, const void *weight, void *out, int rows, int dim, int64_t x_stride,
-                  float eps, int is_bf16) {
-    BY_DTYPE(rms_norm_shared, x, residual, weight, out, rows, dim, x_stride, eps);
-}
-
-ALWAYS_INLINE void silu_and_mul_shared(const void *gate_up, void *out, int rows, int inter, const int is_bf16) {
-    #pragma omp for schedule(static) nowait
-    for (int r = 0; r < rows; r++) silu_and_mul_row(gate_up, out, r, inter, is_bf16);
-}
-
 void silu_and_mul_for(const void *gate_up, void *out, int rows, int inter, int is_bf16) {
-    BY_DTYPE(silu_and_mul_shared, gate_up, out, rows, inter);
+    #pragma omp for schedule(static) nowait
+    for (int r = 0; r < rows; r++) (is_bf16 ? silu_and_mul_row_bf16 : silu_and_mul_row_f32)(gate_up, out, r, inter);
 }
 
 /* rotary_and_write_kv's work per token, with every slot already checked to lie inside the cache. */

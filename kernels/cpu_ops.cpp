@@ -25,6 +25,7 @@
 #include <torch/library.h>
 
 #include <atomic>
+#include <initializer_list>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -384,6 +385,18 @@ at::Tensor linear_packed_bf16(const at::Tensor &x, int64_t weight_ptr, int64_t o
     return out;
 }
 
+// The list arguments of decode_layers and decode_layers_fused: one entry a layer in each per-layer list, 4 a layer
+// (qkv, o, gate_up, down) in each linear list.
+void check_layer_lists(const char *op, size_t layers, std::initializer_list<size_t> per_layer,
+                       std::initializer_list<size_t> per_linear) {
+    for (const size_t n : per_layer)
+        TORCH_CHECK_VALUE(n == layers, op, ": every per-layer list must have ", layers,
+                          " entries (one per KV cache layer), got one of ", n);
+    for (const size_t n : per_linear)
+        TORCH_CHECK_VALUE(n == 4 * layers, op, ": the linear lists must have 4 entries a layer (", 4 * layers,
+                          "), got one of ", n);
+}
+
 // The linear forms decode_layers applies (engine.execution.packing, engine.execution.quantization): torch's own,
 // oneDNN's prepacked bf16, our fp32 kernel, torch's int8 and int4 weight-only packed ops.
 enum LinearForm : int64_t { kTorchLinear = 0, kPackedLinear = 1, kSmallMLinear = 2, kInt8Linear = 3, kInt4Linear = 4 };
@@ -437,12 +450,8 @@ at::Tensor decode_layers(const at::Tensor &residual, const at::Tensor &x, const 
                          at::TensorList next_norm, at::IntArrayRef windows, int64_t linear_form, double eps,
                          double scale) {
     const size_t layers = k_caches.size();
-    for (const size_t n : {v_caches.size(), post_norm.size(), next_norm.size(), windows.size()})
-        TORCH_CHECK_VALUE(n == layers, "decode_layers: every per-layer list must have ", layers,
-                          " entries (one per KV cache layer), got one of ", n);
-    for (const size_t n : {linear_weights.size(), linear_aux.size(), linear_biases.size()})
-        TORCH_CHECK_VALUE(n == 4 * layers, "decode_layers: the linear lists must have 4 entries a layer (",
-                          4 * layers, "), got one of ", n);
+    check_layer_lists("decode_layers", layers, {v_caches.size(), post_norm.size(), next_norm.size(), windows.size()},
+                      {linear_weights.size(), linear_aux.size(), linear_biases.size()});
     TORCH_CHECK_VALUE(linear_form >= kTorchLinear && linear_form <= kInt4Linear, "decode_layers: linear_form must be "
                       "0 (torch), 1 (oneDNN prepacked), 2 (fp32 small-M kernel), 3 (int8) or 4 (int4), got ",
                       linear_form);
@@ -505,12 +514,9 @@ at::Tensor decode_layers_fused(const at::Tensor &residual, const at::Tensor &x, 
                                      int64_t num_heads, int64_t intermediate, double eps, double scale) {
     const size_t layers = k_caches.size();
     TORCH_CHECK_VALUE(layers > 0, "decode_layers_fused: no layers");
-    for (const size_t n : {v_caches.size(), post_norm.size(), next_norm.size(), windows.size()})
-        TORCH_CHECK_VALUE(n == layers, "decode_layers_fused: every per-layer list must have ", layers,
-                          " entries, got one of ", n);
-    for (const size_t n : {weight_ptrs.size(), padded_k.size(), linear_biases.size()})
-        TORCH_CHECK_VALUE(n == 4 * layers, "decode_layers_fused: the linear lists must have 4 entries a layer (",
-                          4 * layers, "), got one of ", n);
+    check_layer_lists("decode_layers_fused", layers,
+                      {v_caches.size(), post_norm.size(), next_norm.size(), windows.size()},
+                      {weight_ptrs.size(), padded_k.size(), linear_biases.size()});
     for (const auto &[t, name] : {std::pair{&residual, "residual"}, std::pair{&x, "x"}}) {
         check_cpu(*t, name);
         TORCH_CHECK_VALUE(t->scalar_type() == x.scalar_type() && t->dim() == 2 && t->is_contiguous(),
@@ -613,7 +619,7 @@ at::Tensor decode_layers_fused(const at::Tensor &residual, const at::Tensor &x, 
     const at::Tensor qkv = at::empty({rows, qkv_width}, opts), attn = at::empty({rows, q_width}, opts);
     const at::Tensor proj = at::empty({rows, hidden}, opts), gate_up = at::empty({rows, 2 * intermediate}, opts);
     const at::Tensor act = at::empty({rows, intermediate}, opts);
-    const auto bf = [](const at::Tensor &t) { return t.data_ptr(); };
+    const auto ptr = [](const at::Tensor &t) { return t.data_ptr(); };
     const PdserveDecodeStep step{
         bf16 ? 1 : 0, static_cast<int>(layers), static_cast<int>(rows), static_cast<int>(hidden),
         static_cast<int>(num_heads),
@@ -622,7 +628,7 @@ at::Tensor decode_layers_fused(const at::Tensor &residual, const at::Tensor &x, 
         weights.data(), padded.data(), biases.data(), post.data(), next.data(), win.data(),
         c.data_ptr(), s.data_ptr(), slot,
         tables.data_ptr<int32_t>(), lens.data_ptr<int32_t>(), static_cast<float>(eps), static_cast<float>(scale),
-        bf(residual), bf(out), bf(qkv), bf(attn), bf(proj), bf(gate_up), bf(act)};
+        ptr(residual), ptr(out), ptr(qkv), ptr(attn), ptr(proj), ptr(gate_up), ptr(act)};
     RECORD_FUNCTION("pdserve::decode_layers_fused:step", std::vector<c10::IValue>());
     kernels().decode_step(&step, at::get_num_threads());
     return out;

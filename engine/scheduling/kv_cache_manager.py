@@ -1,8 +1,8 @@
 """Per-request block tables on top of the block pool, with prefix-cache lookup and registration."""
 from __future__ import annotations
 
-import time
 import itertools
+import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
