@@ -1,6 +1,8 @@
 """Strangers are kept out: API keys and TLS (and mTLS) on the public port, the cluster secret on worker APIs and on
 the KV channel, per-key rate limits with a retry hint."""
 import asyncio
+import contextlib
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -247,6 +249,18 @@ def coordinator(workers, tiny_model_dir, name, *flags) -> str:
 GREEDY = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
 
 
+@contextlib.contextmanager
+def paused(process: subprocess.Popen):
+    """The process stopped (SIGSTOP) for the block's duration: a worker paused this way cannot end the streams it
+    serves, so a test that needs a request in flight does not count on it outlasting the next call (on a loaded
+    machine it did not)."""
+    process.send_signal(signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        process.send_signal(signal.SIGCONT)
+
+
 def test_tls_and_api_key_on_the_public_port(workers, tiny_model_dir, pki):
     address = coordinator(workers, tiny_model_dir, "tls-coordinator", "--tls-cert", str(pki / "server.pem"),
                           "--tls-key", str(pki / "server.key"), "--api-keys-file", str(pki / "keys"))
@@ -362,8 +376,8 @@ def test_one_caller_cannot_take_every_slot(workers, tiny_model_dir):
     address = coordinator(workers, tiny_model_dir, "fair-coordinator", "--max-in-flight-per-caller", "1")
     with Client(address) as c:
         stream = c.generate([5, 6, 7], SamplingParams(max_tokens=200, temperature=0, ignore_eos=True))
-        next(stream)  # one request in flight
-        with pytest.raises(grpc.RpcError) as e:
+        next(stream)  # one request in flight, held there while the decode worker is paused
+        with paused(workers.processes["decode-0"]), pytest.raises(grpc.RpcError) as e:
             c.complete([5, 6, 7], GREEDY)
         stream.close()
     assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "sequences in flight" in e.value.details()
@@ -375,8 +389,8 @@ def test_without_api_keys_a_presented_key_does_not_make_a_new_caller(workers, ti
     address = coordinator(workers, tiny_model_dir, "keyless-coordinator", "--max-in-flight-per-caller", "1")
     with Client(address, api_key="random-1") as first, Client(address, api_key="random-2") as second:
         stream = first.generate([5, 6, 7], SamplingParams(max_tokens=200, temperature=0, ignore_eos=True))
-        next(stream)  # one request in flight for this peer
-        with pytest.raises(grpc.RpcError) as e:
+        next(stream)  # one request in flight for this peer, held there while the decode worker is paused
+        with paused(workers.processes["decode-0"]), pytest.raises(grpc.RpcError) as e:
             second.complete([5, 6, 7], GREEDY)
         stream.close()
     assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "sequences in flight" in e.value.details()
@@ -409,11 +423,12 @@ def test_refusals_say_whether_a_retry_can_help(workers, tiny_model_dir, pki):
                           "--rate-limit-tokens-per-s", "20", "--rate-limit-burst-s", "5", "--api-keys-file",
                           str(pki / "keys"))
     with Client(address, api_key=KEY) as c:
-        # 90 tokens to generate keep the one slot taken for far longer than the next call takes to arrive (with 12,
-        # a fast run finished the stream first, and the next call met the token limit instead of the slot limit)
+        # The stream must still hold the one slot when the next call arrives. Counting on its 90 tokens taking longer
+        # than that call failed on a loaded CI machine (the stream ended first): the decode worker is paused instead,
+        # so the stream cannot end until it is resumed (its first token already came: it is surely in flight).
         stream = c.generate([5, 6, 7], SamplingParams(max_tokens=90, temperature=0, ignore_eos=True))
         next(stream)
-        with pytest.raises(grpc.RpcError) as e:
+        with paused(workers.processes["decode-0"]), pytest.raises(grpc.RpcError) as e:
             c.complete([5, 6, 7], GREEDY)
         stream.close()
         assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "at capacity" in e.value.details()
