@@ -37,7 +37,7 @@ HEADERS = ["kernels/cpu_bf16.h", "kernels/cpu_kernels.h"]
 # reassociate the kernels' dot products and call glibc's vector expf (libmvec), 2x on the decode kernel.
 C_FLAGS = ["-O3", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11", "-Wall"]
 X86 = platform.machine().lower() in ("x86_64", "amd64")
-_AVX2 = ["-mavx2", "-mfma"]
+_AVX2 = ["-mavx2", "-mfma", "-mf16c"]
 # -mprefer-vector-width=512: GCC otherwise keeps to 256-bit vectors on AVX-512 CPUs (one run, 64 sequences x 272
 # tokens, fp32: 8.2 ms per layer at 256 bits, 4.1 at 512).
 _AVX512 = _AVX2 + ["-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mprefer-vector-width=512"]

@@ -1,6 +1,6 @@
 /* A whole all-decode step of a dense pre-norm decoder in one OpenMP region: every layer's ops as worksharing loops
  * separated by barriers, at a decode step's few rows: bf16 with weights in oneDNN's packed layout, or fp32 with
- * nn.Linear's own weights through the small-M kernel (both cpu_linear.c).
+ * nn.Linear's own weights through the small-M kernel or with the weights as Q4_1 blocks (all cpu_linear.c).
  *
  * Why: at batch 1 a step of SmolLM2-135M is ~270 ops whose arithmetic is small (the linears read 212 MB of layer
  * weights, the rest is a few KB a layer); each op as a parallel region of its own pays for starting the region's
@@ -17,24 +17,28 @@
  * the barrier (a 576-element norm is well under a microsecond). Numerics are the separate ops' exactly: each output
  * is computed by one thread in the same order, whatever the thread count.
  */
+#include <omp.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 #include "cpu_kernels.h"
 
 /* y [rows, N] = x [rows, K] W^T + b in the step's form; x rows K apart. The calling thread's share. */
-static inline void linear(const PdserveDecodeStep *a, int i, const void *x, void *y, int N, int K) {
+static inline void linear(const PdserveDecodeStep *a, int i, const void *x, void *y, int N, int K, float *buf) {
     if (a->is_bf16)
         linear_packed_bf16_rows(x, K, a->weights[i], a->biases[i], y, a->rows, N, K, a->padded_k[i]);
+    else if (a->q4_1)
+        linear_q4_1_rows(x, K, a->weights[i], a->weight_scales[i], a->biases[i], y, a->rows, N, K, buf);
     else
         linear_small_m_rows(x, a->weights[i], a->biases[i], y, a->rows, N, K, K);
 }
 
-/* One layer, run by every thread of the enclosing region. */
-static void layer(const PdserveDecodeStep *a, int l) {
+/* One layer, run by every thread of the enclosing region; buf: the thread's Q4_1 buffer (Q4_1 weights only). */
+static void layer(const PdserveDecodeStep *a, int l, float *buf) {
     const int rows = a->rows, H = a->hidden_size, D = a->head_dim, Q = a->num_heads * D, bf = a->is_bf16;
     const int qkv_width = Q + 2 * a->num_kv_heads * D, I = a->intermediate;
 
-    linear(a, 4 * l, a->hidden, a->qkv, qkv_width, H);
+    linear(a, 4 * l, a->hidden, a->qkv, qkv_width, H, buf);
     #pragma omp barrier
     rotary_and_write_kv_for(a->qkv, a->cos, a->sin, (char *)a->k_caches[l], (char *)a->v_caches[l], a->slot_mapping,
                             rows, a->num_heads, a->num_kv_heads, D, qkv_width, a->block_size,
@@ -44,23 +48,31 @@ static void layer(const PdserveDecodeStep *a, int l) {
                                rows, a->num_heads, a->num_kv_heads, D, a->block_size, a->max_blocks, a->block_stride,
                                qkv_width, a->scale, a->windows[l], bf);
     #pragma omp barrier
-    linear(a, 4 * l + 1, a->attn, a->proj, H, Q);
+    linear(a, 4 * l + 1, a->attn, a->proj, H, Q, buf);
     #pragma omp barrier
     rms_norm_for(a->proj, a->residual, a->post_norm[l], a->hidden, rows, H, H, a->eps, bf);
     #pragma omp barrier
-    linear(a, 4 * l + 2, a->hidden, a->gate_up, 2 * I, H);
+    linear(a, 4 * l + 2, a->hidden, a->gate_up, 2 * I, H, buf);
     #pragma omp barrier
     silu_and_mul_for(a->gate_up, a->act, rows, I, bf);
     #pragma omp barrier
-    linear(a, 4 * l + 3, a->act, a->proj, H, I);
+    linear(a, 4 * l + 3, a->act, a->proj, H, I, buf);
     #pragma omp barrier
     rms_norm_for(a->proj, a->residual, a->next_norm[l], a->hidden, rows, H, H, a->eps, bf);
     #pragma omp barrier
 }
 
 /* Every layer of the step described by `step` (cpu_kernels.h: PdserveDecodeStep), num_threads threads. The caller
- * has checked the slots, block tables and shapes (cpu_ops.cpp). */
-void decode_step(const PdserveDecodeStep *step, int num_threads) {
+ * has checked the slots, block tables and shapes (cpu_ops.cpp). Returns 0, or -1 with nothing computed when the Q4_1
+ * buffers could not be allocated. */
+int decode_step(const PdserveDecodeStep *step, int num_threads) {
+    float *bufs = step->q4_1 ? q4_1_buffers(step->max_k, num_threads) : NULL;
+    if (step->q4_1 && bufs == NULL) return -1;
     #pragma omp parallel num_threads(num_threads)
-    for (int l = 0; l < step->layers; l++) layer(step, l);
+    {
+        float *buf = bufs ? bufs + (size_t)omp_get_thread_num() * Q4_1_BUF_FLOATS(step->max_k) : NULL;
+        for (int l = 0; l < step->layers; l++) layer(step, l, buf);
+    }
+    free(bufs);
+    return 0;
 }

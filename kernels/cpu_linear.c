@@ -18,12 +18,13 @@
  */
 #include <omp.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "cpu_bf16.h"
 #include "cpu_kernels.h"
 
-#if defined(__AVX512BF16__)
+#if defined(__AVX512BF16__) || defined(__F16C__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -108,6 +109,37 @@ static inline void tile_4x3(const float *x, int64_t xs, int rows, const float *w
         }
 }
 
+/* y[m, n0 + j] = sum_k x[m, k] * wb[j, k] + (bias ? bias[n0 + j] : 0) for m < M, j < nb: one block of nb <= nbk
+ * output features (nbk 4 below 4 rows, else 3), its weight rows wb [nb, K] dense. The block's tiles, in the order
+ * linear_small_m_rows documents; the q4_1 kernel runs the same tiles over a block it dequantized, so both sum alike
+ * (one compiled copy for both, never inlined: two inlined copies may be vectorized differently under -ffast-math). */
+static __attribute__((noinline)) void block_rows(const float *x, int64_t x_stride, const float *wb,
+                                                 const float *bias, float *y, int M, int N, int K, int n0, int nb) {
+    int m0 = 0;
+    if (nb == 3 && M >= 4) {
+        for (; m0 < M; m0 += 4) {
+            const int rows = M - m0 < 4 ? M - m0 : 4;
+            float out[4][3];
+            tile_4x3(x + m0 * x_stride, x_stride, rows, wb, K, out);
+            for (int i = 0; i < rows; i++)
+                for (int j = 0; j < 3; j++)
+                    y[(int64_t)(m0 + i) * N + n0 + j] = out[i][j] + (bias ? bias[n0 + j] : 0.0f);
+        }
+    }
+    for (; m0 < M; m0 += MB) {
+        const int mb = M - m0 < MB ? M - m0 : MB;
+        const float *xm = x + m0 * x_stride;
+        float out[MB][NB];
+        if (nb == NB && mb == MB) dot_tile(xm, x_stride, wb, K, out, MB, NB);
+        else if (nb == NB) dot_tile(xm, x_stride, wb, K, out, 1, NB);
+        else if (mb == MB) dot_tile(xm, x_stride, wb, K, out, MB, nb);
+        else dot_tile(xm, x_stride, wb, K, out, 1, nb);
+        for (int i = 0; i < mb; i++)
+            for (int j = 0; j < nb; j++)
+                y[(int64_t)(m0 + i) * N + n0 + j] = out[i][j] + (bias ? bias[n0 + j] : 0.0f);
+    }
+}
+
 /* y[m, n] = sum_k x[m, k] * w[n, k] + (bias ? bias[n] : 0) for m < M, n < N.
  * x: [M, K] fp32, rows x_stride apart (dense within a row); w: [N, K] fp32 dense; bias: [N] or NULL; y: [M, N]
  * dense. Threads split the output features: blocks of 4 for M < 4 (the 2 x 4 tile: 4 weight streams keep a 1-row
@@ -121,30 +153,7 @@ void linear_small_m_rows(const float *x, const float *w, const float *bias, floa
     #pragma omp for schedule(static) nowait
     for (int b = 0; b < blocks; b++) {
         const int n0 = b * nbk, nb = N - n0 < nbk ? N - n0 : nbk;
-        const float *wb = w + (int64_t)n0 * K;
-        int m0 = 0;
-        if (nb == 3 && M >= 4) {
-            for (; m0 < M; m0 += 4) {
-                const int rows = M - m0 < 4 ? M - m0 : 4;
-                float out[4][3];
-                tile_4x3(x + m0 * x_stride, x_stride, rows, wb, K, out);
-                for (int i = 0; i < rows; i++)
-                    for (int j = 0; j < 3; j++)
-                        y[(int64_t)(m0 + i) * N + n0 + j] = out[i][j] + (bias ? bias[n0 + j] : 0.0f);
-            }
-        }
-        for (; m0 < M; m0 += MB) {
-            const int mb = M - m0 < MB ? M - m0 : MB;
-            const float *xm = x + m0 * x_stride;
-            float out[MB][NB];
-            if (nb == NB && mb == MB) dot_tile(xm, x_stride, wb, K, out, MB, NB);
-            else if (nb == NB) dot_tile(xm, x_stride, wb, K, out, 1, NB);
-            else if (mb == MB) dot_tile(xm, x_stride, wb, K, out, MB, nb);
-            else dot_tile(xm, x_stride, wb, K, out, 1, nb);
-            for (int i = 0; i < mb; i++)
-                for (int j = 0; j < nb; j++)
-                    y[(int64_t)(m0 + i) * N + n0 + j] = out[i][j] + (bias ? bias[n0 + j] : 0.0f);
-        }
+        block_rows(x, x_stride, w + (int64_t)n0 * K, bias, y, M, N, K, n0, nb);
     }
 }
 
@@ -154,6 +163,106 @@ void linear_small_m(const float *x, const float *w, const float *bias, float *y,
                     int64_t x_stride, int num_threads) {
     #pragma omp parallel num_threads(num_threads)
     linear_small_m_rows(x, w, bias, y, M, N, K, x_stride);
+}
+
+
+/* ---- fp32 rows against weights held as Q4_1 blocks, for a decode step's few rows ----
+ *
+ * Why: a model that comes as a Q4_1 GGUF (the packaged SmolLM2 does) is served as its fp32 dequantization, so a batch-1
+ * step reads 4 bytes a weight where the file held 5 bits. Each weight is exactly d * q + m (q 0-15, d and m fp16, one
+ * pair per 32 weights along K: engine.execution.packing.q4_1_blocks recovers them from the fp32 tensor and checks
+ * every block reproduces it bit for bit). Read in that form, a step reads 6.4x fewer bytes of those linears and
+ * computes with the very same fp32 weights: a lossless compression, not a quantization.
+ *
+ * Layout: qs [N, K / 2] uint8, 16 bytes a block of 32 weights: byte 8h + j holds weight 16h + j in its low nibble and
+ * weight 16h + 8 + j in its high one (h = 0, 1; j < 8), so 8 bytes zero-extended to 8 lanes give 16 weights with one
+ * mask and one shift (a broadcast and a variable shift for each 8 ran ~1.5x slower at one row); dm [N, K / 32, 2]
+ * fp16, (d, m) of each block. K a multiple of 32.
+ *
+ * Form: each thread dequantizes one block of output features (the small-M kernel's block: 4 features below 4 rows,
+ * else 3) into a buffer of fp32 rows, exactly, then runs the small-M kernel's tiles over it (block_rows): the sums
+ * are the small-M kernel's on the fp32 tensor, bit for bit, and each weight is dequantized once per call whatever M
+ * is. */
+
+/* fp16 bits -> fp32 for n values, exact (every fp16 value is an fp32 one): F16C's conversion where the build has it,
+ * else the bits rearranged (normal and subnormal values; infinities and NaN kept). */
+static inline void f16_to_f32(const uint16_t *h, float *out, int n) {
+    int i = 0;
+#if defined(__F16C__)
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + i))));
+#endif
+    for (; i < n; i++) {
+        const uint32_t sign = (uint32_t)(h[i] & 0x8000u) << 16, exp = (h[i] >> 10) & 0x1fu, man = h[i] & 0x3ffu;
+        uint32_t bits;
+        if (exp == 0) {  /* zero or subnormal: man * 2^-24, exact in fp32 */
+            const float f = (float)man * 0x1p-24f;
+            memcpy(&bits, &f, sizeof bits);
+            bits |= sign;
+        } else {
+            bits = sign | (exp == 31 ? 0x7f800000u : (exp + 112) << 23) | (man << 13);
+        }
+        memcpy(out + i, &bits, sizeof bits);
+    }
+}
+
+typedef uint8_t vq8 __attribute__((vector_size(8), aligned(1), may_alias));  /* unaligned */
+typedef int32_t vqi __attribute__((vector_size(8 * sizeof(int32_t))));
+typedef float vq_f __attribute__((vector_size(8 * sizeof(float)), aligned(4), may_alias));
+
+/* out[k] = d_b * q[k] + m_b for k < K: one row's blocks, exact (d * q is exact in fp32: an 11-bit mantissa times a
+ * 4-bit integer; the sum is one rounding, as the fp32 tensor's own dequantization did). dmf: K / 16 floats of
+ * scratch for the row's scales. */
+static inline void dequant_q4_1_row(const uint8_t *qs, const uint16_t *dm, float *out, int K, float *dmf) {
+    f16_to_f32(dm, dmf, K / 16);
+    for (int b = 0; b < K / 32; b++) {
+        const float d = dmf[2 * b], m = dmf[2 * b + 1];
+        for (int h = 0; h < 2; h++) {
+#if defined(__AVX2__)  /* one vpmovzxbd: GCC 12 turns the generic conversion below into 8 byte loads */
+            const vqi v = (vqi)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qs + 16 * b + 8 * h)));
+#else
+            const vqi v = __builtin_convertvector(*(const vq8 *)(qs + 16 * b + 8 * h), vqi);  /* zero-extended */
+#endif
+            *(vq_f *)(out + 32 * b + 16 * h) = __builtin_convertvector(v & 15, vq_f) * d + m;
+            *(vq_f *)(out + 32 * b + 16 * h + 8) = __builtin_convertvector(v >> 4, vq_f) * d + m;
+        }
+    }
+}
+
+/* y[m, n] = sum_k x[m, k] * W[n, k] + (bias ? bias[n] : 0), W the Q4_1 blocks qs / dm above; x: [M, K] fp32, rows
+ * x_stride apart; bias [N] fp32 or NULL; y [M, N] fp32 dense; buf: the calling thread's own Q4_1_BUF_FLOATS(K)
+ * floats. The calling thread's share of the features, as linear_small_m_rows (an orphaned worksharing loop, no
+ * barrier at the end), and the same sums as that kernel over the dequantized tensor. */
+void linear_q4_1_rows(const float *x, int64_t x_stride, const uint8_t *qs, const uint16_t *dm, const float *bias,
+                      float *y, int M, int N, int K, float *buf) {
+    const int nbk = M < 4 ? NB : 3;
+    const int blocks = (N + nbk - 1) / nbk;
+    #pragma omp for schedule(static) nowait
+    for (int b = 0; b < blocks; b++) {
+        const int n0 = b * nbk, nb = N - n0 < nbk ? N - n0 : nbk;
+        for (int j = 0; j < nb; j++)
+            dequant_q4_1_row(qs + (int64_t)(n0 + j) * (K / 2), dm + (int64_t)(n0 + j) * (K / 16), buf + j * K, K,
+                             buf + NB * (int64_t)K);
+        block_rows(x, x_stride, buf, bias, y, M, N, K, n0, nb);
+    }
+}
+
+/* linear_q4_1_rows in a parallel region of its own, num_threads threads. Returns 0, or -1 with nothing written when
+ * the threads' buffers could not be allocated. */
+int linear_q4_1(const float *x, int64_t x_stride, const uint8_t *qs, const uint16_t *dm, const float *bias, float *y,
+                int M, int N, int K, int num_threads) {
+    float *bufs = q4_1_buffers(K, num_threads);
+    if (bufs == NULL) return -1;
+    #pragma omp parallel num_threads(num_threads)
+    linear_q4_1_rows(x, x_stride, qs, dm, bias, y, M, N, K, bufs + (size_t)omp_get_thread_num() * Q4_1_BUF_FLOATS(K));
+    free(bufs);
+    return 0;
+}
+
+/* One buffer of Q4_1_BUF_FLOATS(max_k) floats for each of num_threads threads, thread t's at
+ * t * Q4_1_BUF_FLOATS(max_k), 64-byte aligned; NULL when out of memory. Freed with free(). */
+float *q4_1_buffers(int max_k, int num_threads) {
+    const size_t bytes = (size_t)num_threads * Q4_1_BUF_FLOATS(max_k) * sizeof(float);
+    return aligned_alloc(64, (bytes + 63) / 64 * 64);
 }
 
 

@@ -54,6 +54,7 @@ struct Build {
     decltype(&causal_softmax_bf16_base) causal_softmax_bf16;
     decltype(&linear_small_m_base) linear_small_m;
     decltype(&linear_packed_bf16_base) linear_packed_bf16;
+    decltype(&linear_q4_1_base) linear_q4_1;
     decltype(&decode_step_base) decode_step;
     decltype(&paged_decode_attention_check_base) paged_decode_attention_check;
     decltype(&prefill_attention_bf16_base) prefill_attention_bf16;
@@ -62,7 +63,7 @@ struct Build {
 #define PDSERVE_BUILD(isa, runs_here)                                                                            \
     Build { #isa, runs_here, paged_decode_attention_##isa, rms_norm_##isa, silu_and_mul_##isa,                   \
             rotary_and_write_kv_##isa, causal_softmax_bf16_##isa, linear_small_m_##isa, linear_packed_bf16_##isa,  \
-            decode_step_##isa, paged_decode_attention_check_##isa, prefill_attention_bf16_##isa }
+            linear_q4_1_##isa, decode_step_##isa, paged_decode_attention_check_##isa, prefill_attention_bf16_##isa }
 
 bool always() { return true; }
 
@@ -71,7 +72,7 @@ bool always() { return true; }
 // library's static initializer, possibly before libgcc's own.
 bool has_avx2() {
     __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
 }
 
 bool has_avx512() {
@@ -353,6 +354,47 @@ at::Tensor linear_small_m(const at::Tensor &x, const at::Tensor &weight, const s
                              at::get_num_threads());
     return out;
 }
+// y = x W^T + b in fp32 with W held as Q4_1 blocks (cpu_linear.c: qs [N, K / 2] uint8, two weights a byte; dm
+// [N, K / 32, 2] float16, each block's scale and minimum; engine.execution.packing.q4_1_blocks makes them). x [M, K]
+// float32 (rows may be strided), bias [N] float32 or None. The same sums as linear_small_m over the dequantized W.
+at::Tensor linear_q4_1(const at::Tensor &x, const at::Tensor &qs, const at::Tensor &dm,
+                       const std::optional<at::Tensor> &bias) {
+    check_cpu(x, "x");
+    check_cpu(qs, "qs");
+    check_cpu(dm, "dm");
+    TORCH_CHECK_VALUE(x.scalar_type() == at::kFloat && x.dim() == 2, "linear_q4_1 takes float32 x [M, K], got ",
+                      x.scalar_type(), " of shape ", x.sizes());
+    const int64_t rows = x.size(0), in_features = x.size(1);
+    TORCH_CHECK_VALUE(qs.scalar_type() == at::kByte && qs.dim() == 2 && qs.size(1) * 2 == in_features &&
+                      in_features % 32 == 0 && qs.is_contiguous(), "linear_q4_1 takes qs [N, K / 2] uint8 contiguous "
+                      "with K a multiple of 32 (x has K = ", in_features, "), got ", qs.scalar_type(), " of shape ",
+                      qs.sizes());
+    const int64_t out_features = qs.size(0);
+    TORCH_CHECK_VALUE(dm.scalar_type() == at::kHalf && dm.is_contiguous() &&
+                      dm.numel() == out_features * in_features / 16, "linear_q4_1 takes dm [N, K / 32, 2] float16 "
+                      "contiguous (", out_features, " x ", in_features / 32,
+                      " x 2), got ", dm.scalar_type(), " of shape ", dm.sizes());
+    TORCH_CHECK_VALUE(rows <= INT32_MAX && out_features <= INT32_MAX && in_features <= INT32_MAX / 4,
+                      "linear_q4_1: dimensions past what it takes (", rows, ", ", out_features, ", ", in_features, ")");
+    at::Tensor b;
+    if (bias) {
+        check_cpu(*bias, "bias");
+        check_same_dtype(*bias, "bias", x, "x");
+        TORCH_CHECK_VALUE(bias->dim() == 1 && bias->size(0) == out_features, "bias must be [out_features=",
+                          out_features, "], got shape ", bias->sizes());
+        b = bias->contiguous();
+    }
+    const at::Tensor xs = x.stride(1) == 1 ? x : x.contiguous();
+    at::Tensor out = at::empty({rows, out_features}, x.options());
+    if (rows == 0 || out_features == 0) return out;
+    const int rc = kernels().linear_q4_1(xs.data_ptr<float>(), xs.stride(0), qs.data_ptr<uint8_t>(),
+                                         static_cast<const uint16_t *>(dm.data_ptr()),
+                                         bias ? b.data_ptr<float>() : nullptr, out.data_ptr<float>(), rows,
+                                         out_features, in_features, at::get_num_threads());
+    TORCH_CHECK(rc == 0, "linear_q4_1: out of memory for the dequantization buffers");
+    return out;
+}
+
 // y = x W^T + b for bf16 weights in oneDNN's packed layout (cpu_linear.c), read in place at the address oneDNN's
 // packed tensor holds (torch.ops.mkldnn.data_ptr): the caller keeps that tensor alive and has checked the layout
 // (engine.execution.packing.PackedLinear). x [M, K] bf16 (rows may be strided), bias [N] bf16 or None.
@@ -499,9 +541,10 @@ at::Tensor decode_layers(const at::Tensor &residual, const at::Tensor &x, const 
 
 // decode_layers with the whole step in one OpenMP region (cpu_decode_step.c): the same ops in the same order, for bf16
 // weights in oneDNN's packed layout (linear_packed_bf16's linears) or fp32 nn.Linear weights (linear_small_m's), by
-// the dtype of x. weight_ptrs / padded_k: 4 a layer (qkv, o, gate_up, down), the packed tensors' addresses and
-// padded K as linear_packed_bf16 takes them, or the fp32 weights' addresses ([N, K] contiguous; padded_k = K); the
-// caller keeps them alive. num_heads: query heads; intermediate: the MLP's width. Returns the final norm's output
+// the dtype of x, or fp32 rows against Q4_1 blocks (linear_q4_1's) when scale_ptrs is given. weight_ptrs / padded_k:
+// 4 a layer (qkv, o, gate_up, down), the packed tensors' addresses and padded K as linear_packed_bf16 takes them, or
+// the fp32 weights' addresses ([N, K] contiguous; padded_k = K), or the Q4_1 qs (scale_ptrs: their dm; padded_k = K);
+// the caller keeps them alive. num_heads: query heads; intermediate: the MLP's width. Returns the final norm's output
 // [B, hidden]; residual is updated in place. Everything the kernel trusts is checked here first (ValueError), with
 // nothing written on failure.
 at::Tensor decode_layers_fused(const at::Tensor &residual, const at::Tensor &x, const at::Tensor &cos,
@@ -511,7 +554,8 @@ at::Tensor decode_layers_fused(const at::Tensor &residual, const at::Tensor &x, 
                                      at::IntArrayRef padded_k,
                                      const c10::List<std::optional<at::Tensor>> &linear_biases,
                                      at::TensorList post_norm, at::TensorList next_norm, at::IntArrayRef windows,
-                                     int64_t num_heads, int64_t intermediate, double eps, double scale) {
+                                     int64_t num_heads, int64_t intermediate, double eps, double scale,
+                                     at::IntArrayRef scale_ptrs) {
     const size_t layers = k_caches.size();
     TORCH_CHECK_VALUE(layers > 0, "decode_layers_fused: no layers");
     check_layer_lists("decode_layers_fused", layers,
@@ -525,8 +569,11 @@ at::Tensor decode_layers_fused(const at::Tensor &residual, const at::Tensor &x, 
     }
     TORCH_CHECK_VALUE(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat, "decode_layers_fused takes "
                       "bfloat16 (packed weights) or float32, got ", x.scalar_type());
-    const bool bf16 = x.scalar_type() == at::kBFloat16;
+    const bool bf16 = x.scalar_type() == at::kBFloat16, q4_1 = !scale_ptrs.empty();
     const at::ScalarType dtype = x.scalar_type();
+    TORCH_CHECK_VALUE(!q4_1 || (!bf16 && scale_ptrs.size() == 4 * layers), "decode_layers_fused: Q4_1 weights take "
+                      "float32 rows and 4 scale pointers a layer (", 4 * layers, "), got ", x.scalar_type(), " and ",
+                      scale_ptrs.size());
     TORCH_CHECK_VALUE(residual.sizes() == x.sizes(), "residual ", residual.sizes(), " != x ", x.sizes());
     const int64_t rows = x.size(0), hidden = x.size(1);
     const at::Tensor &k0 = k_caches[0];
@@ -548,8 +595,9 @@ at::Tensor decode_layers_fused(const at::Tensor &residual, const at::Tensor &x, 
     const int64_t q_width = num_heads * head_dim, qkv_width = q_width + 2 * kv_heads * head_dim;
     const int64_t in_features[4] = {hidden, q_width, hidden, intermediate};
     const int64_t out_features[4] = {qkv_width, hidden, 2 * intermediate, hidden};
-    std::vector<const void *> weights(4 * layers), biases(4 * layers);
+    std::vector<const void *> weights(4 * layers), biases(4 * layers), scales(4 * layers);
     std::vector<int> padded(4 * layers);
+    int64_t max_k = 0;
     std::vector<at::Tensor> keep;  // contiguous copies of any strided bias, alive through the call
     for (size_t i = 0; i < 4 * layers; i++) {
         const int64_t k = in_features[i % 4], n = out_features[i % 4];
@@ -557,8 +605,13 @@ at::Tensor decode_layers_fused(const at::Tensor &residual, const at::Tensor &x, 
                           padded_k[i] <= INT32_MAX,
                           "decode_layers_fused: linear ", i, " has padded width ", padded_k[i], " for ", k,
                           " input features");
+        TORCH_CHECK_VALUE(!q4_1 || (scale_ptrs[i] != 0 && k % 32 == 0 && k <= INT32_MAX / 4),
+                          "decode_layers_fused: Q4_1 linear ", i, " needs its scales and K a multiple of 32, got K = ",
+                          k);
         weights[i] = reinterpret_cast<const void *>(weight_ptrs[i]);
+        scales[i] = q4_1 ? reinterpret_cast<const void *>(scale_ptrs[i]) : nullptr;
         padded[i] = static_cast<int>(padded_k[i]);
+        max_k = std::max(max_k, k);
         const std::optional<at::Tensor> bias = linear_biases.get(i);
         biases[i] = nullptr;
         if (bias) {
@@ -621,16 +674,18 @@ at::Tensor decode_layers_fused(const at::Tensor &residual, const at::Tensor &x, 
     const at::Tensor act = at::empty({rows, intermediate}, opts);
     const auto ptr = [](const at::Tensor &t) { return t.data_ptr(); };
     const PdserveDecodeStep step{
-        bf16 ? 1 : 0, static_cast<int>(layers), static_cast<int>(rows), static_cast<int>(hidden),
+        bf16 ? 1 : 0, q4_1 ? 1 : 0, static_cast<int>(layers), static_cast<int>(rows), static_cast<int>(hidden),
         static_cast<int>(num_heads),
         static_cast<int>(kv_heads), static_cast<int>(head_dim), static_cast<int>(intermediate),
         static_cast<int>(block_size), static_cast<int>(tables.size(1)), k0.stride(0), kc.data(), vc.data(),
-        weights.data(), padded.data(), biases.data(), post.data(), next.data(), win.data(),
+        weights.data(), scales.data(), static_cast<int>(max_k), padded.data(), biases.data(), post.data(),
+        next.data(), win.data(),
         c.data_ptr(), s.data_ptr(), slot,
         tables.data_ptr<int32_t>(), lens.data_ptr<int32_t>(), static_cast<float>(eps), static_cast<float>(scale),
         ptr(residual), ptr(out), ptr(qkv), ptr(attn), ptr(proj), ptr(gate_up), ptr(act)};
     RECORD_FUNCTION("pdserve::decode_layers_fused:step", std::vector<c10::IValue>());
-    kernels().decode_step(&step, at::get_num_threads());
+    TORCH_CHECK(kernels().decode_step(&step, at::get_num_threads()) == 0,
+                "decode_layers_fused: out of memory for the Q4_1 dequantization buffers");
     return out;
 }
 
@@ -671,12 +726,13 @@ TORCH_LIBRARY(pdserve, m) {
     m.def("causal_softmax_(Tensor(a!) scores, int rows, float scale) -> ()");
     m.def("linear_small_m(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor");
     m.def("linear_packed_bf16(Tensor x, int weight_ptr, int out_features, int padded_k, Tensor? bias=None) -> Tensor");
+    m.def("linear_q4_1(Tensor x, Tensor qs, Tensor dm, Tensor? bias=None) -> Tensor");
     m.def("prefill_attention_bf16(Tensor query, Tensor k_cache, Tensor v_cache, Tensor cu_seqlens_q, "
           "Tensor context_lens, Tensor block_tables, float scale) -> Tensor");
     m.def("decode_layers_fused(Tensor(a!) residual, Tensor x, Tensor cos, Tensor sin, Tensor slot_mapping, "
           "Tensor block_tables, Tensor context_lens, Tensor(b!)[] k_caches, Tensor(c!)[] v_caches, int[] weight_ptrs, "
           "int[] padded_k, Tensor?[] linear_biases, Tensor[] post_norm, Tensor[] next_norm, int[] windows, "
-          "int num_heads, int intermediate, float eps, float scale) -> Tensor");
+          "int num_heads, int intermediate, float eps, float scale, int[] scale_ptrs=[]) -> Tensor");
     m.def("decode_layers(Tensor(a!) residual, Tensor x, Tensor cos, Tensor sin, Tensor slot_mapping, "
           "Tensor block_tables, Tensor context_lens, Tensor(b!)[] k_caches, Tensor(c!)[] v_caches, "
           "Tensor[] linear_weights, Tensor?[] linear_aux, Tensor?[] linear_biases, Tensor[] post_norm, "
@@ -696,6 +752,7 @@ TORCH_LIBRARY_IMPL(pdserve, CPU, m) {
     m.impl("causal_softmax_", &causal_softmax_);
     m.impl("linear_small_m", &linear_small_m);
     m.impl("linear_packed_bf16", &linear_packed_bf16);
+    m.impl("linear_q4_1", &linear_q4_1);
     m.impl("prefill_attention_bf16", &prefill_attention_bf16);
     m.impl("decode_layers_fused", &decode_layers_fused);
     m.impl("decode_layers", &decode_layers);
