@@ -66,7 +66,7 @@ from hostinfo import FLAGS_SHOWN, commit, machine  # noqa: E402
 GEMM_OPS = {"aten::mm", "aten::addmm", "aten::mkldnn_linear", "mkldnn::_linear_pointwise", "aten::_mkl_linear",
             "mkl::_mkl_linear", "aten::_weight_int8pack_mm",
             "aten::_weight_int4pack_mm_for_cpu", "pdserve::linear_small_m", "pdserve::linear_packed_bf16",
-            "pdserve::linear_q4_1"}
+            "pdserve::linear_blocks"}
 # Ranges counted whole: _instrument's around the ops a Python forward calls, and those pdserve::decode_layers opens
 # around the C calls it makes directly (kernels/cpu_ops.cpp).
 ATTENTION_RANGES = ("attention", "pdserve::decode_layers:attention")
@@ -156,18 +156,18 @@ def _instrument(model: torch.nn.Module) -> None:
         layer.self_attn.ops = layer.mlp.ops = profiled
 
 
-def drop_q4_1_blocks(runner) -> None:
-    """Make `runner` read its fp32 weights where it holds Q4_1 blocks of them (`SmallBatchLinear.blocks`): the same
+def drop_gguf_blocks(runner) -> None:
+    """Make `runner` read its fp32 weights where it holds GGUF blocks of them (`SmallBatchLinear.blocks`): the same
     numbers through the fp32 small-batch kernel, so the two forms can be timed against each other."""
     for m in runner.model.modules():
         if isinstance(m, SmallBatchLinear):
-            m.blocks = m._q4_1 = None
+            m.blocks = m._blocks_linear = None
     if runner.decode_stack is not None:
         runner.decode_stack = CpuDecodeStack.build(runner.model, runner.attention_ops)
 
 
 def linear_bytes(model: torch.nn.Module) -> int | None:
-    """Bytes of matmul weights one step reads when some linears are held as Q4_1 blocks (their qs and dm, the fp32
+    """Bytes of matmul weights one step reads when some linears are held as GGUF blocks (their qs and scales, the fp32
     tensor for the others), else None (the dtype's bytes per weight then apply)."""
     linears = [m for m in model.modules() if isinstance(m, SmallBatchLinear)]
     if not any(m.blocks is not None for m in linears):
@@ -175,13 +175,13 @@ def linear_bytes(model: torch.nn.Module) -> int | None:
     return sum(m.blocks[0].nbytes + m.blocks[1].nbytes if m.blocks is not None else m.weight.nbytes for m in linears)
 
 
-def measure(args: EngineArgs, batch: int, context: int, steps: int, q4_1: bool = True) -> dict:
-    """Prefill `batch` requests of `context` tokens, then time and profile `steps` decode steps; q4_1=False reads the
-    fp32 weights where Q4_1 blocks of them are held."""
+def measure(args: EngineArgs, batch: int, context: int, steps: int, gguf_blocks: bool = True) -> dict:
+    """Prefill `batch` requests of `context` tokens, then time and profile `steps` decode steps; gguf_blocks=False
+    reads the fp32 weights where GGUF blocks of them are held."""
     parts = build_engine(args)
     sched, runner = parts.scheduler, parts.runner
-    if not q4_1:
-        drop_q4_1_blocks(runner)
+    if not gguf_blocks:
+        drop_gguf_blocks(runner)
     gen = torch.Generator().manual_seed(0)
     vocab = parts.model_config.vocab_size
     for i in range(batch):
@@ -234,7 +234,7 @@ def measure(args: EngineArgs, batch: int, context: int, steps: int, q4_1: bool =
         args.quantization, elem)
     kv_bytes = batch * ctx * mc.num_layers * 2 * mc.num_kv_heads * mc.head_dim * elem  # K and V read once a step
     return {"batch": batch, "context": context, "backend": runner.attention_ops.name, "step_ms": step_s * 1e3,
-            "q4_1_read": linear_bytes(runner.model) is not None,
+            "gguf_blocks_read": linear_bytes(runner.model) is not None,
             "tok_s": batch / step_s,
             "model_flop_s": flops / step_s, "weight_bytes_s": weight_bytes / step_s, "flops": flops,
             "bytes": weight_bytes + kv_bytes, "step_s": step_s,
@@ -269,9 +269,9 @@ def main(argv=None) -> int:
                    help="comma-separated attention backends to compare (auto, torch, cpu; see kernels.select_ops)")
     p.add_argument("--packed-weights", default="on",
                    help="comma-separated on/off: bf16 linears prepacked for oneDNN (engine.execution.packing) or plain")
-    p.add_argument("--q4-1", default="on",
-                   help="comma-separated on/off: fp32 linears whose weights are a dequantized Q4_1 tensor (the "
-                        "packaged model's) read as those blocks, or as fp32 (engine.execution.packing.q4_1_blocks)")
+    p.add_argument("--gguf-blocks", default="on",
+                   help="comma-separated on/off: fp32 linears whose weights are a dequantized GGUF tensor (the "
+                        "packaged model's) read as those blocks, or as fp32 (engine.execution.packing.gguf_blocks)")
     p.add_argument("--enforce-eager", default="off",
                    help="comma-separated off/on: on runs every layer's ops from Python instead of the cpu backend's "
                         "one-call decode loop (engine.execution.cpu_decode_stack)")
@@ -293,18 +293,18 @@ def main(argv=None) -> int:
     print(f"# {report['machine']}; flags {' '.join(report['cpu_flags'])}; commit {report['commit']}; "
           f"{a.threads} thread(s); copy bandwidth {report['copy_bytes_s'] / 1e9:.1f} GB/s, read "
           f"{report['read_bytes_s'] / 1e9:.1f} GB/s")
-    print("dtype     attn  pack q4_1 eager batch  step ms   tok/s  GEMM@B GF/s  model GF/s  frac   wbytes/copy  "
+    print("dtype     attn  pack gguf eager batch  step ms   tok/s  GEMM@B GF/s  model GF/s  frac   wbytes/copy  "
           "roofline  gemm  attn  other  fused  python")
-    for name, backend, packing, q4_1, eager in ((n, be, pk, q, e) for n in a.dtypes.split(",")
+    for name, backend, packing, gguf, eager in ((n, be, pk, q, e) for n in a.dtypes.split(",")
                                                 for be in a.backends.split(",") for pk in a.packed_weights.split(",")
-                                                for q in a.q4_1.split(",") for e in a.enforce_eager.split(",")):
+                                                for q in a.gguf_blocks.split(",") for e in a.enforce_eager.split(",")):
         dt, _, quant = name.partition("+")
         for b in batches:
             args = replace(base, dtype=dt, quantization=quant or "none", attention_backend=backend,
                            packed_weights=packing == "on", enforce_eager=eager == "on",
                            kv_tokens=b * (a.context + 4 * a.steps + 32) + 64)
-            point = measure(args, b, a.context, a.steps, q4_1=q4_1 == "on")
-            point["q4_1"] = point.pop("q4_1_read")
+            point = measure(args, b, a.context, a.steps, gguf_blocks=gguf == "on")
+            point["gguf_blocks"] = point.pop("gguf_blocks_read")
             torch_dtype = getattr(torch, dt)  # the GEMM baseline stays the dense one: what int8 must beat
             point["dtype"], point["attention_backend"] = name, point.pop("backend")
             point["enforce_eager"] = eager == "on"
@@ -319,7 +319,7 @@ def main(argv=None) -> int:
                                              point.pop("bytes") / report["read_bytes_s"]) / point.pop("step_s")
             sp = point["split"]
             print(f"{name:9} {point['attention_backend']:5} {'on' if point['packed_weights'] else '-':4} "
-                  f"{'on' if point['q4_1'] else '-':4} {eager:5} "
+                  f"{'on' if point['gguf_blocks'] else '-':4} {eager:5} "
                   f"{b:5d} "
                   f"{point['step_ms']:8.1f} {point['tok_s']:7.1f} {point['gemm_flop_s'] / 1e9:11.1f} "
                   f"{point['model_flop_s'] / 1e9:11.1f} {point['fraction']:5.2f} {point['bandwidth_fraction']:12.2f}  "

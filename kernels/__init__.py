@@ -59,10 +59,10 @@ class AttentionOps:
     # one OpenMP region (`pdserve::decode_layers_fused`), or None.
     packed_bf16_linear: Callable[..., torch.Tensor] | None = None
     decode_layers_fused: Callable[..., torch.Tensor] | None = None
-    # fp32 y = x W^T (+ b) for a decode step's rows with W held as Q4_1 blocks, (x [M, K], qs [N, K / 2] uint8,
-    # dm [N, K / 32, 2] fp16, bias [N] | None) -> [M, N] (the cpu backend's `kernels/cpu_linear.c`;
-    # `engine.execution.packing.q4_1_blocks` finds the blocks of a dequantized Q4_1 weight), or None.
-    q4_1_linear: Callable[..., torch.Tensor] | None = None
+    # fp32 y = x W^T (+ b) for a decode step's rows with W held as GGUF blocks, (x [M, K], qs, scales, bias [N] |
+    # None) -> [M, N] (the cpu backend's `kernels/cpu_linear.c`; `engine.execution.packing.gguf_blocks` finds the
+    # blocks of a dequantized Q4_1 or Q8_0 weight), or None.
+    blocks_linear: Callable[..., torch.Tensor] | None = None
 
 
 def triton_usable(device: torch.device | str) -> bool:
@@ -135,4 +135,4 @@ def _cpu_ops() -> AttentionOps:
     return AttentionOps("cpu", c.rotary_and_write_kv, c.paged_decode_attention, c.prefill_attention, c.rms_norm,
                         c.silu_and_mul, small_batch_linear=c.linear_small_m, decode_layers=c.decode_layers,
                         packed_bf16_linear=c.linear_packed_bf16, decode_layers_fused=c.decode_layers_fused,
-                        q4_1_linear=c.linear_q4_1)
+                        blocks_linear=c.linear_blocks)

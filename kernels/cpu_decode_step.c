@@ -1,6 +1,6 @@
 /* A whole all-decode step of a dense pre-norm decoder in one OpenMP region: every layer's ops as worksharing loops
  * separated by barriers, at a decode step's few rows: bf16 with weights in oneDNN's packed layout, or fp32 with
- * nn.Linear's own weights through the small-M kernel or with the weights as Q4_1 blocks (all cpu_linear.c).
+ * nn.Linear's own weights through the small-M kernel or with the weights as GGUF blocks (all cpu_linear.c).
  *
  * Why: at batch 1 a step of SmolLM2-135M is ~270 ops whose arithmetic is small (the linears read 212 MB of layer
  * weights, the rest is a few KB a layer); each op as a parallel region of its own pays for starting the region's
@@ -27,13 +27,14 @@
 static inline void linear(const PdserveDecodeStep *a, int i, const void *x, void *y, int N, int K, float *buf) {
     if (a->is_bf16)
         linear_packed_bf16_rows(x, K, a->weights[i], a->biases[i], y, a->rows, N, K, a->padded_k[i]);
-    else if (a->q4_1)
-        linear_q4_1_rows(x, K, a->weights[i], a->weight_scales[i], a->biases[i], y, a->rows, N, K, buf);
+    else if (a->weight_blocks)
+        linear_blocks_rows(x, K, a->weights[i], a->weight_scales[i], a->weight_blocks, a->biases[i], y, a->rows, N, K,
+                           buf);
     else
         linear_small_m_rows(x, a->weights[i], a->biases[i], y, a->rows, N, K, K);
 }
 
-/* One layer, run by every thread of the enclosing region; buf: the thread's Q4_1 buffer (Q4_1 weights only). */
+/* One layer, run by every thread of the enclosing region; buf: the thread's buffer (weights as blocks only). */
 static void layer(const PdserveDecodeStep *a, int l, float *buf) {
     const int rows = a->rows, H = a->hidden_size, D = a->head_dim, Q = a->num_heads * D, bf = a->is_bf16;
     const int qkv_width = Q + 2 * a->num_kv_heads * D, I = a->intermediate;
@@ -63,14 +64,14 @@ static void layer(const PdserveDecodeStep *a, int l, float *buf) {
 }
 
 /* Every layer of the step described by `step` (cpu_kernels.h: PdserveDecodeStep), num_threads threads. The caller
- * has checked the slots, block tables and shapes (cpu_ops.cpp). Returns 0, or -1 with nothing computed when the Q4_1
- * buffers could not be allocated. */
+ * has checked the slots, block tables and shapes (cpu_ops.cpp). Returns 0, or -1 with nothing computed when the
+ * blocks' buffers could not be allocated. */
 int decode_step(const PdserveDecodeStep *step, int num_threads) {
-    float *bufs = step->q4_1 ? q4_1_buffers(step->max_k, num_threads) : NULL;
-    if (step->q4_1 && bufs == NULL) return -1;
+    float *bufs = step->weight_blocks ? blocks_buffers(step->max_k, num_threads) : NULL;
+    if (step->weight_blocks && bufs == NULL) return -1;
     #pragma omp parallel num_threads(num_threads)
     {
-        float *buf = bufs ? bufs + (size_t)omp_get_thread_num() * Q4_1_BUF_FLOATS(step->max_k) : NULL;
+        float *buf = bufs ? bufs + (size_t)omp_get_thread_num() * BLOCKS_BUF_FLOATS(step->max_k) : NULL;
         for (int l = 0; l < step->layers; l++) layer(step, l, buf);
     }
     free(bufs);

@@ -20,19 +20,19 @@
 
 /* One all-decode step of a dense pre-norm decoder, for decode_step (cpu_decode_step.c): bf16 with weights in oneDNN's
  * packed layout (linear_packed_bf16_rows), or fp32 with nn.Linear's own [N, K] weights (linear_small_m_rows) or with
- * the weights as Q4_1 blocks (linear_q4_1_rows: weights the qs, weight_scales the dm of cpu_linear.c). Per
+ * the weights as GGUF blocks (linear_blocks_rows: weights the qs, weight_scales the scales of cpu_linear.c). Per
  * layer l the linears are 4 * l + 0..3: qkv, o, gate_up, down; every tensor in the step's dtype unless named. Shapes:
  * rows tokens (one per sequence), hidden H, num_heads * head_dim = Q, num_kv_heads * head_dim = KV, intermediate I. */
 typedef struct {
-    int is_bf16;                            /* 1: bf16, packed weights; 0: fp32, plain or Q4_1 weights */
-    int q4_1;                               /* fp32 only: 1, the weights are Q4_1 blocks */
+    int is_bf16;                            /* 1: bf16, packed weights; 0: fp32, plain weights or blocks */
+    int weight_blocks;                      /* fp32 only: PDSERVE_Q4_1 / PDSERVE_Q8_0 blocks, 0: plain */
     int layers, rows, hidden_size, num_heads, num_kv_heads, head_dim, intermediate;
     int block_size, max_blocks;             /* the caches' block size, the block table's width */
     int64_t block_stride;                   /* cache elements between blocks (every layer's cache alike) */
     void *const *k_caches, *const *v_caches;  /* [layers] of [num_blocks, block_size, num_kv_heads, head_dim] */
-    const void *const *weights;             /* [4 * layers]: packed (bf16), [N, K] (fp32) or qs (Q4_1) */
-    const void *const *weight_scales;       /* [4 * layers]: dm (Q4_1 only) */
-    int max_k;                              /* Q4_1 only: the largest K of the linears (the buffers' size) */
+    const void *const *weights;             /* [4 * layers]: packed (bf16), [N, K] (fp32) or qs (blocks) */
+    const void *const *weight_scales;       /* [4 * layers]: the blocks' scales (blocks only) */
+    int max_k;                              /* blocks only: the largest K of the linears (the buffers' size) */
     const int *padded_k;                    /* [4 * layers]: the packed weights' K padded (bf16 only) */
     const void *const *biases;              /* [4 * layers], NULL: none */
     const void *const *post_norm;           /* [layers] of [H]: the post-attention norm */
@@ -70,8 +70,9 @@ typedef struct {
     void PDSERVE_ISA_NAME(linear_packed_bf16, isa)(const uint16_t *x, int64_t x_stride, const uint16_t *w,          \
                                                    const uint16_t *bias, uint16_t *y, int M, int N, int K,           \
                                                    int padded_k, int num_threads);                                   \
-    int PDSERVE_ISA_NAME(linear_q4_1, isa)(const float *x, int64_t x_stride, const uint8_t *qs, const uint16_t *dm,  \
-                                           const float *bias, float *y, int M, int N, int K, int num_threads);       \
+    int PDSERVE_ISA_NAME(linear_blocks, isa)(const float *x, int64_t x_stride, const void *qs, const uint16_t *scales,\
+                                             int format, const float *bias, float *y, int M, int N, int K,           \
+                                             int num_threads);                                                       \
     int PDSERVE_ISA_NAME(decode_step, isa)(const PdserveDecodeStep *step, int num_threads);                          \
     int PDSERVE_ISA_NAME(prefill_attention_bf16, isa)(                                                               \
         const uint16_t *query, const uint16_t *k_cache, const uint16_t *v_cache, const int32_t *cu_seqlens_q,        \
@@ -99,14 +100,16 @@ typedef struct {
                                                         int padded_k);                                               \
     void PDSERVE_ISA_NAME(linear_small_m_rows, isa)(const float *x, const float *w, const float *bias, float *y,     \
                                                     int M, int N, int K, int64_t x_stride);                          \
-    void PDSERVE_ISA_NAME(linear_q4_1_rows, isa)(const float *x, int64_t x_stride, const uint8_t *qs,                \
-                                                 const uint16_t *dm, const float *bias, float *y, int M, int N,      \
-                                                 int K, float *buf);                                                 \
-    float *PDSERVE_ISA_NAME(q4_1_buffers, isa)(int max_k, int num_threads);
+    void PDSERVE_ISA_NAME(linear_blocks_rows, isa)(const float *x, int64_t x_stride, const void *qs,                 \
+                                                   const uint16_t *scales, int format, const float *bias, float *y,  \
+                                                   int M, int N, int K, float *buf);                                 \
+    float *PDSERVE_ISA_NAME(blocks_buffers, isa)(int max_k, int num_threads);
 
-/* Floats of linear_q4_1_rows's per-thread buffer for rows of K weights: one block of output features (at most 4),
- * dequantized, and one row's scales. */
-#define Q4_1_BUF_FLOATS(K) (4 * (int64_t)(K) + (K) / 16)
+/* The GGUF block formats linear_blocks reads (cpu_linear.c), and the floats of its per-thread buffer for rows of K
+ * weights: one block of output features (at most 4), dequantized, and one row's scales. */
+#define PDSERVE_Q4_1 1
+#define PDSERVE_Q8_0 2
+#define BLOCKS_BUF_FLOATS(K) (4 * (int64_t)(K) + (K) / 16)
 
 /* prefill_attention_bf16's refusals (cpu_prefill_attention.c); a sequence index >= 0 names a bad table. */
 #define PREFILL_UNSUPPORTED (-2)  /* a build without AVX512_BF16: the caller keeps the blocked-GEMM path */
@@ -128,9 +131,9 @@ PDSERVE_DECLARE_KERNELS(PDSERVE_ISA)
 #define linear_packed_bf16 PDSERVE_ISA_NAME(linear_packed_bf16, PDSERVE_ISA)
 #define linear_packed_bf16_rows PDSERVE_ISA_NAME(linear_packed_bf16_rows, PDSERVE_ISA)
 #define linear_small_m_rows PDSERVE_ISA_NAME(linear_small_m_rows, PDSERVE_ISA)
-#define linear_q4_1 PDSERVE_ISA_NAME(linear_q4_1, PDSERVE_ISA)
-#define linear_q4_1_rows PDSERVE_ISA_NAME(linear_q4_1_rows, PDSERVE_ISA)
-#define q4_1_buffers PDSERVE_ISA_NAME(q4_1_buffers, PDSERVE_ISA)
+#define linear_blocks PDSERVE_ISA_NAME(linear_blocks, PDSERVE_ISA)
+#define linear_blocks_rows PDSERVE_ISA_NAME(linear_blocks_rows, PDSERVE_ISA)
+#define blocks_buffers PDSERVE_ISA_NAME(blocks_buffers, PDSERVE_ISA)
 #define decode_step PDSERVE_ISA_NAME(decode_step, PDSERVE_ISA)
 #define prefill_attention_bf16 PDSERVE_ISA_NAME(prefill_attention_bf16, PDSERVE_ISA)
 #define paged_decode_attention_check PDSERVE_ISA_NAME(paged_decode_attention_check, PDSERVE_ISA)

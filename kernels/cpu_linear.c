@@ -111,7 +111,7 @@ static inline void tile_4x3(const float *x, int64_t xs, int rows, const float *w
 
 /* y[m, n0 + j] = sum_k x[m, k] * wb[j, k] + (bias ? bias[n0 + j] : 0) for m < M, j < nb: one block of nb <= nbk
  * output features (nbk 4 below 4 rows, else 3), its weight rows wb [nb, K] dense. The block's tiles, in the order
- * linear_small_m_rows documents; the q4_1 kernel runs the same tiles over a block it dequantized, so both sum alike
+ * linear_small_m_rows documents; the blocks kernel runs the same tiles over a block it dequantized, so both sum alike
  * (one compiled copy for both, never inlined: two inlined copies may be vectorized differently under -ffast-math). */
 static __attribute__((noinline)) void block_rows(const float *x, int64_t x_stride, const float *wb,
                                                  const float *bias, float *y, int M, int N, int K, int n0, int nb) {
@@ -166,18 +166,20 @@ void linear_small_m(const float *x, const float *w, const float *bias, float *y,
 }
 
 
-/* ---- fp32 rows against weights held as Q4_1 blocks, for a decode step's few rows ----
+/* ---- fp32 rows against weights held as GGUF blocks (Q4_1, Q8_0), for a decode step's few rows ----
  *
- * Why: a model that comes as a Q4_1 GGUF (the packaged SmolLM2 does) is served as its fp32 dequantization, so a batch-1
- * step reads 4 bytes a weight where the file held 5 bits. Each weight is exactly d * q + m (q 0-15, d and m fp16, one
- * pair per 32 weights along K: engine.execution.packing.q4_1_blocks recovers them from the fp32 tensor and checks
- * every block reproduces it bit for bit). Read in that form, a step reads 6.4x fewer bytes of those linears and
- * computes with the very same fp32 weights: a lossless compression, not a quantization.
+ * Why: a model that comes as a GGUF (the packaged SmolLM2 is Q4_1 layers with a Q8_0 embedding) is served as its fp32
+ * dequantization, so a batch-1 step reads 4 bytes a weight where the file held 5 or 8.5 bits. Each weight is exactly
+ * what its block makes of it: Q4_1 d * q + m (q 0-15), Q8_0 d * q (q -128..127), d and m fp16, one block per 32
+ * weights along K (engine.execution.packing.gguf_blocks recovers them from the fp32 tensor and checks that every
+ * block reproduces it bit for bit). Read in that form, a step reads 6.4x (Q4_1) or 3.8x (Q8_0) fewer bytes of those
+ * linears and computes with the very same fp32 weights: a lossless compression, not a quantization.
  *
- * Layout: qs [N, K / 2] uint8, 16 bytes a block of 32 weights: byte 8h + j holds weight 16h + j in its low nibble and
- * weight 16h + 8 + j in its high one (h = 0, 1; j < 8), so 8 bytes zero-extended to 8 lanes give 16 weights with one
- * mask and one shift (a broadcast and a variable shift for each 8 ran ~1.5x slower at one row); dm [N, K / 32, 2]
- * fp16, (d, m) of each block. K a multiple of 32.
+ * Layout (`format`): PDSERVE_Q4_1: qs [N, K / 2] uint8, 16 bytes a block of 32 weights: byte 8h + j holds weight
+ * 16h + j in its low nibble and weight 16h + 8 + j in its high one (h = 0, 1; j < 8), so 8 bytes zero-extended to 8
+ * lanes give 16 weights with one mask and one shift (a broadcast and a variable shift for each 8 ran ~1.5x slower at
+ * one row); scales [N, K / 32, 2] fp16, (d, m) of each block. PDSERVE_Q8_0: qs [N, K] int8 in order; scales
+ * [N, K / 32] fp16, d of each block. K a multiple of 32.
  *
  * Form: each thread dequantizes one block of output features (the small-M kernel's block: 4 features below 4 rows,
  * else 3) into a buffer of fp32 rows, exactly, then runs the small-M kernel's tiles over it (block_rows): the sums
@@ -206,62 +208,82 @@ static inline void f16_to_f32(const uint16_t *h, float *out, int n) {
 }
 
 typedef uint8_t vq8 __attribute__((vector_size(8), aligned(1), may_alias));  /* unaligned */
+typedef int8_t vq8s __attribute__((vector_size(8), aligned(1), may_alias));
 typedef int32_t vqi __attribute__((vector_size(8 * sizeof(int32_t))));
 typedef float vq_f __attribute__((vector_size(8 * sizeof(float)), aligned(4), may_alias));
 
-/* out[k] = d_b * q[k] + m_b for k < K: one row's blocks, exact (d * q is exact in fp32: an 11-bit mantissa times a
- * 4-bit integer; the sum is one rounding, as the fp32 tensor's own dequantization did). dmf: K / 16 floats of
- * scratch for the row's scales. */
-static inline void dequant_q4_1_row(const uint8_t *qs, const uint16_t *dm, float *out, int K, float *dmf) {
-    f16_to_f32(dm, dmf, K / 16);
-    for (int b = 0; b < K / 32; b++) {
-        const float d = dmf[2 * b], m = dmf[2 * b + 1];
-        for (int h = 0; h < 2; h++) {
-#if defined(__AVX2__)  /* one vpmovzxbd: GCC 12 turns the generic conversion below into 8 byte loads */
-            const vqi v = (vqi)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qs + 16 * b + 8 * h)));
+/* 8 bytes at p widened to 8 int32 lanes, zero- or sign-extended: one vpmovzxbd / vpmovsxbd (GCC 12 turns the generic
+ * conversion into 8 byte loads). Macros, not functions: a function returning a 32-byte vector draws GCC's ABI
+ * warning in the builds without AVX. */
+#if defined(__AVX2__)
+#define WIDEN_U8(p) ((vqi)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p))))
+#define WIDEN_S8(p) ((vqi)_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p))))
 #else
-            const vqi v = __builtin_convertvector(*(const vq8 *)(qs + 16 * b + 8 * h), vqi);  /* zero-extended */
+#define WIDEN_U8(p) __builtin_convertvector(*(const vq8 *)(p), vqi)
+#define WIDEN_S8(p) __builtin_convertvector(*(const vq8s *)(p), vqi)
 #endif
-            *(vq_f *)(out + 32 * b + 16 * h) = __builtin_convertvector(v & 15, vq_f) * d + m;
-            *(vq_f *)(out + 32 * b + 16 * h + 8) = __builtin_convertvector(v >> 4, vq_f) * d + m;
+
+/* out[k] = weight k of one row, for k < K, exact: Q4_1 d * q + m (d * q is exact in fp32, an 11-bit mantissa times a
+ * 4-bit integer, and the sum one rounding, as the fp32 tensor's own dequantization did), Q8_0 d * q (exact: 11 x 8
+ * bits). sf: K / 16 floats of scratch for the row's scales. */
+static inline void dequant_row(const void *qs, const uint16_t *scales, int format, float *out, int K, float *sf) {
+    if (format == PDSERVE_Q4_1) {
+        const uint8_t *q = qs;
+        f16_to_f32(scales, sf, K / 16);
+        for (int b = 0; b < K / 32; b++) {
+            const float d = sf[2 * b], m = sf[2 * b + 1];
+            for (int h = 0; h < 2; h++) {
+                const vqi v = WIDEN_U8(q + 16 * b + 8 * h);
+                *(vq_f *)(out + 32 * b + 16 * h) = __builtin_convertvector(v & 15, vq_f) * d + m;  /* unaligned */
+                *(vq_f *)(out + 32 * b + 16 * h + 8) = __builtin_convertvector(v >> 4, vq_f) * d + m;
+            }
         }
+    } else {
+        const int8_t *q = qs;
+        f16_to_f32(scales, sf, K / 32);
+        for (int b = 0; b < K / 32; b++)
+            for (int g = 0; g < 4; g++)
+                *(vq_f *)(out + 32 * b + 8 * g) = __builtin_convertvector(WIDEN_S8(q + 32 * b + 8 * g), vq_f) * sf[b];
     }
 }
 
-/* y[m, n] = sum_k x[m, k] * W[n, k] + (bias ? bias[n] : 0), W the Q4_1 blocks qs / dm above; x: [M, K] fp32, rows
- * x_stride apart; bias [N] fp32 or NULL; y [M, N] fp32 dense; buf: the calling thread's own Q4_1_BUF_FLOATS(K)
- * floats. The calling thread's share of the features, as linear_small_m_rows (an orphaned worksharing loop, no
- * barrier at the end), and the same sums as that kernel over the dequantized tensor. */
-void linear_q4_1_rows(const float *x, int64_t x_stride, const uint8_t *qs, const uint16_t *dm, const float *bias,
-                      float *y, int M, int N, int K, float *buf) {
+/* y[m, n] = sum_k x[m, k] * W[n, k] + (bias ? bias[n] : 0), W the blocks qs / scales of `format` above; x: [M, K]
+ * fp32, rows x_stride apart; bias [N] fp32 or NULL; y [M, N] fp32 dense; buf: the calling thread's own
+ * BLOCKS_BUF_FLOATS(K) floats. The calling thread's share of the features, as linear_small_m_rows (an orphaned
+ * worksharing loop, no barrier at the end), and the same sums as that kernel over the dequantized tensor. */
+void linear_blocks_rows(const float *x, int64_t x_stride, const void *qs, const uint16_t *scales, int format,
+                        const float *bias, float *y, int M, int N, int K, float *buf) {
     const int nbk = M < 4 ? NB : 3;
     const int blocks = (N + nbk - 1) / nbk;
+    /* per row: bytes of qs, fp16 scales */
+    const int64_t row_bytes = format == PDSERVE_Q4_1 ? K / 2 : K, row_scales = format == PDSERVE_Q4_1 ? K / 16 : K / 32;
     #pragma omp for schedule(static) nowait
     for (int b = 0; b < blocks; b++) {
         const int n0 = b * nbk, nb = N - n0 < nbk ? N - n0 : nbk;
         for (int j = 0; j < nb; j++)
-            dequant_q4_1_row(qs + (int64_t)(n0 + j) * (K / 2), dm + (int64_t)(n0 + j) * (K / 16), buf + j * K, K,
-                             buf + NB * (int64_t)K);
+            dequant_row((const char *)qs + (n0 + j) * row_bytes, scales + (n0 + j) * row_scales, format, buf + j * K,
+                        K, buf + NB * (int64_t)K);
         block_rows(x, x_stride, buf, bias, y, M, N, K, n0, nb);
     }
 }
 
-/* linear_q4_1_rows in a parallel region of its own, num_threads threads. Returns 0, or -1 with nothing written when
- * the threads' buffers could not be allocated. */
-int linear_q4_1(const float *x, int64_t x_stride, const uint8_t *qs, const uint16_t *dm, const float *bias, float *y,
-                int M, int N, int K, int num_threads) {
-    float *bufs = q4_1_buffers(K, num_threads);
+/* linear_blocks_rows in a parallel region of its own, num_threads threads. Returns 0, or -1 with nothing written
+ * when the threads' buffers could not be allocated. */
+int linear_blocks(const float *x, int64_t x_stride, const void *qs, const uint16_t *scales, int format,
+                  const float *bias, float *y, int M, int N, int K, int num_threads) {
+    float *bufs = blocks_buffers(K, num_threads);
     if (bufs == NULL) return -1;
     #pragma omp parallel num_threads(num_threads)
-    linear_q4_1_rows(x, x_stride, qs, dm, bias, y, M, N, K, bufs + (size_t)omp_get_thread_num() * Q4_1_BUF_FLOATS(K));
+    linear_blocks_rows(x, x_stride, qs, scales, format, bias, y, M, N, K,
+                       bufs + (size_t)omp_get_thread_num() * BLOCKS_BUF_FLOATS(K));
     free(bufs);
     return 0;
 }
 
-/* One buffer of Q4_1_BUF_FLOATS(max_k) floats for each of num_threads threads, thread t's at
- * t * Q4_1_BUF_FLOATS(max_k), 64-byte aligned; NULL when out of memory. Freed with free(). */
-float *q4_1_buffers(int max_k, int num_threads) {
-    const size_t bytes = (size_t)num_threads * Q4_1_BUF_FLOATS(max_k) * sizeof(float);
+/* One buffer of BLOCKS_BUF_FLOATS(max_k) floats for each of num_threads threads, thread t's at
+ * t * BLOCKS_BUF_FLOATS(max_k), 64-byte aligned; NULL when out of memory. Freed with free(). */
+float *blocks_buffers(int max_k, int num_threads) {
+    const size_t bytes = (size_t)num_threads * BLOCKS_BUF_FLOATS(max_k) * sizeof(float);
     return aligned_alloc(64, (bytes + 63) / 64 * 64);
 }
 

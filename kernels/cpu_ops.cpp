@@ -54,7 +54,7 @@ struct Build {
     decltype(&causal_softmax_bf16_base) causal_softmax_bf16;
     decltype(&linear_small_m_base) linear_small_m;
     decltype(&linear_packed_bf16_base) linear_packed_bf16;
-    decltype(&linear_q4_1_base) linear_q4_1;
+    decltype(&linear_blocks_base) linear_blocks;
     decltype(&decode_step_base) decode_step;
     decltype(&paged_decode_attention_check_base) paged_decode_attention_check;
     decltype(&prefill_attention_bf16_base) prefill_attention_bf16;
@@ -63,7 +63,7 @@ struct Build {
 #define PDSERVE_BUILD(isa, runs_here)                                                                            \
     Build { #isa, runs_here, paged_decode_attention_##isa, rms_norm_##isa, silu_and_mul_##isa,                   \
             rotary_and_write_kv_##isa, causal_softmax_bf16_##isa, linear_small_m_##isa, linear_packed_bf16_##isa,  \
-            linear_q4_1_##isa, decode_step_##isa, paged_decode_attention_check_##isa, prefill_attention_bf16_##isa }
+            linear_blocks_##isa, decode_step_##isa, paged_decode_attention_check_##isa, prefill_attention_bf16_##isa }
 
 bool always() { return true; }
 
@@ -354,28 +354,38 @@ at::Tensor linear_small_m(const at::Tensor &x, const at::Tensor &weight, const s
                              at::get_num_threads());
     return out;
 }
-// y = x W^T + b in fp32 with W held as Q4_1 blocks (cpu_linear.c: qs [N, K / 2] uint8, two weights a byte; dm
-// [N, K / 32, 2] float16, each block's scale and minimum; engine.execution.packing.q4_1_blocks makes them). x [M, K]
-// float32 (rows may be strided), bias [N] float32 or None. The same sums as linear_small_m over the dequantized W.
-at::Tensor linear_q4_1(const at::Tensor &x, const at::Tensor &qs, const at::Tensor &dm,
-                       const std::optional<at::Tensor> &bias) {
+// The GGUF block format of a weight held as blocks (cpu_linear.c, engine.execution.packing.gguf_blocks), told by its
+// qs: uint8 (two weights a byte) Q4_1, int8 Q8_0; 0 for anything else.
+int blocks_format(const at::Tensor &qs) {
+    return qs.scalar_type() == at::kByte ? PDSERVE_Q4_1 : qs.scalar_type() == at::kChar ? PDSERVE_Q8_0 : 0;
+}
+
+// y = x W^T + b in fp32 with W held as GGUF blocks (cpu_linear.c): Q4_1 (qs [N, K / 2] uint8, scales [N, K / 32, 2]
+// float16: each block's scale and minimum) or Q8_0 (qs [N, K] int8, scales [N, K / 32] float16). x [M, K] float32
+// (rows may be strided), bias [N] float32 or None. The same sums as linear_small_m over the dequantized W.
+at::Tensor linear_blocks(const at::Tensor &x, const at::Tensor &qs, const at::Tensor &scales,
+                         const std::optional<at::Tensor> &bias) {
     check_cpu(x, "x");
     check_cpu(qs, "qs");
-    check_cpu(dm, "dm");
-    TORCH_CHECK_VALUE(x.scalar_type() == at::kFloat && x.dim() == 2, "linear_q4_1 takes float32 x [M, K], got ",
+    check_cpu(scales, "scales");
+    TORCH_CHECK_VALUE(x.scalar_type() == at::kFloat && x.dim() == 2, "linear_blocks takes float32 x [M, K], got ",
                       x.scalar_type(), " of shape ", x.sizes());
     const int64_t rows = x.size(0), in_features = x.size(1);
-    TORCH_CHECK_VALUE(qs.scalar_type() == at::kByte && qs.dim() == 2 && qs.size(1) * 2 == in_features &&
-                      in_features % 32 == 0 && qs.is_contiguous(), "linear_q4_1 takes qs [N, K / 2] uint8 contiguous "
-                      "with K a multiple of 32 (x has K = ", in_features, "), got ", qs.scalar_type(), " of shape ",
-                      qs.sizes());
+    const int format = blocks_format(qs);
+    const int64_t per_byte = format == PDSERVE_Q4_1 ? 2 : 1, scales_per_block = format == PDSERVE_Q4_1 ? 2 : 1;
+    TORCH_CHECK_VALUE(format != 0 && qs.dim() == 2 && qs.size(1) * per_byte == in_features && in_features % 32 == 0 &&
+                      qs.is_contiguous(), "linear_blocks takes qs [N, K / 2] uint8 (Q4_1) or [N, K] int8 (Q8_0), "
+                      "contiguous, with K a multiple of 32 (x has K = ", in_features, "), got ", qs.scalar_type(),
+                      " of shape ", qs.sizes());
     const int64_t out_features = qs.size(0);
-    TORCH_CHECK_VALUE(dm.scalar_type() == at::kHalf && dm.is_contiguous() &&
-                      dm.numel() == out_features * in_features / 16, "linear_q4_1 takes dm [N, K / 32, 2] float16 "
-                      "contiguous (", out_features, " x ", in_features / 32,
-                      " x 2), got ", dm.scalar_type(), " of shape ", dm.sizes());
+    TORCH_CHECK_VALUE(scales.scalar_type() == at::kHalf && scales.is_contiguous() &&
+                      scales.numel() == out_features * in_features / 32 * scales_per_block,
+                      "linear_blocks takes scales [N, K / 32", format == PDSERVE_Q4_1 ? ", 2" : "", "] float16 "
+                      "contiguous (N = ", out_features, ", K / 32 = ", in_features / 32, "), got ",
+                      scales.scalar_type(), " of shape ", scales.sizes());
     TORCH_CHECK_VALUE(rows <= INT32_MAX && out_features <= INT32_MAX && in_features <= INT32_MAX / 4,
-                      "linear_q4_1: dimensions past what it takes (", rows, ", ", out_features, ", ", in_features, ")");
+                      "linear_blocks: dimensions past what it takes (", rows, ", ", out_features, ", ", in_features,
+                      ")");
     at::Tensor b;
     if (bias) {
         check_cpu(*bias, "bias");
@@ -387,11 +397,11 @@ at::Tensor linear_q4_1(const at::Tensor &x, const at::Tensor &qs, const at::Tens
     const at::Tensor xs = x.stride(1) == 1 ? x : x.contiguous();
     at::Tensor out = at::empty({rows, out_features}, x.options());
     if (rows == 0 || out_features == 0) return out;
-    const int rc = kernels().linear_q4_1(xs.data_ptr<float>(), xs.stride(0), qs.data_ptr<uint8_t>(),
-                                         static_cast<const uint16_t *>(dm.data_ptr()),
-                                         bias ? b.data_ptr<float>() : nullptr, out.data_ptr<float>(), rows,
-                                         out_features, in_features, at::get_num_threads());
-    TORCH_CHECK(rc == 0, "linear_q4_1: out of memory for the dequantization buffers");
+    const int rc = kernels().linear_blocks(xs.data_ptr<float>(), xs.stride(0), qs.data_ptr(),
+                                           static_cast<const uint16_t *>(scales.data_ptr()), format,
+                                           bias ? b.data_ptr<float>() : nullptr, out.data_ptr<float>(), rows,
+                                           out_features, in_features, at::get_num_threads());
+    TORCH_CHECK(rc == 0, "linear_blocks: out of memory for the dequantization buffers");
     return out;
 }
 
@@ -541,10 +551,10 @@ at::Tensor decode_layers(const at::Tensor &residual, const at::Tensor &x, const 
 
 // decode_layers with the whole step in one OpenMP region (cpu_decode_step.c): the same ops in the same order, for bf16
 // weights in oneDNN's packed layout (linear_packed_bf16's linears) or fp32 nn.Linear weights (linear_small_m's), by
-// the dtype of x, or fp32 rows against Q4_1 blocks (linear_q4_1's) when scale_ptrs is given. weight_ptrs / padded_k:
+// the dtype of x, or fp32 rows against GGUF blocks (linear_blocks's) of format weight_blocks. weight_ptrs / padded_k:
 // 4 a layer (qkv, o, gate_up, down), the packed tensors' addresses and padded K as linear_packed_bf16 takes them, or
-// the fp32 weights' addresses ([N, K] contiguous; padded_k = K), or the Q4_1 qs (scale_ptrs: their dm; padded_k = K);
-// the caller keeps them alive. num_heads: query heads; intermediate: the MLP's width. Returns the final norm's output
+// the fp32 weights' addresses ([N, K] contiguous; padded_k = K), or the blocks' qs (scale_ptrs: their scales;
+// padded_k = K); the caller keeps them alive. num_heads: query heads; intermediate: the MLP's width. Returns the final norm's output
 // [B, hidden]; residual is updated in place. Everything the kernel trusts is checked here first (ValueError), with
 // nothing written on failure.
 at::Tensor decode_layers_fused(const at::Tensor &residual, const at::Tensor &x, const at::Tensor &cos,
@@ -555,7 +565,7 @@ at::Tensor decode_layers_fused(const at::Tensor &residual, const at::Tensor &x, 
                                      const c10::List<std::optional<at::Tensor>> &linear_biases,
                                      at::TensorList post_norm, at::TensorList next_norm, at::IntArrayRef windows,
                                      int64_t num_heads, int64_t intermediate, double eps, double scale,
-                                     at::IntArrayRef scale_ptrs) {
+                                     int64_t weight_blocks, at::IntArrayRef scale_ptrs) {
     const size_t layers = k_caches.size();
     TORCH_CHECK_VALUE(layers > 0, "decode_layers_fused: no layers");
     check_layer_lists("decode_layers_fused", layers,
@@ -569,11 +579,14 @@ at::Tensor decode_layers_fused(const at::Tensor &residual, const at::Tensor &x, 
     }
     TORCH_CHECK_VALUE(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat, "decode_layers_fused takes "
                       "bfloat16 (packed weights) or float32, got ", x.scalar_type());
-    const bool bf16 = x.scalar_type() == at::kBFloat16, q4_1 = !scale_ptrs.empty();
+    const bool bf16 = x.scalar_type() == at::kBFloat16, blocks = weight_blocks != 0;
     const at::ScalarType dtype = x.scalar_type();
-    TORCH_CHECK_VALUE(!q4_1 || (!bf16 && scale_ptrs.size() == 4 * layers), "decode_layers_fused: Q4_1 weights take "
-                      "float32 rows and 4 scale pointers a layer (", 4 * layers, "), got ", x.scalar_type(), " and ",
-                      scale_ptrs.size());
+    TORCH_CHECK_VALUE(weight_blocks == 0 || weight_blocks == PDSERVE_Q4_1 || weight_blocks == PDSERVE_Q8_0,
+                      "decode_layers_fused: weight_blocks must be 0 (plain), ", PDSERVE_Q4_1, " (Q4_1) or ",
+                      PDSERVE_Q8_0, " (Q8_0), got ", weight_blocks);
+    TORCH_CHECK_VALUE(blocks ? !bf16 && scale_ptrs.size() == 4 * layers : scale_ptrs.empty(), "decode_layers_fused: "
+                      "weights as blocks take float32 rows and 4 scale pointers a layer (", 4 * layers, "), plain ones "
+                      "none; got ", x.scalar_type(), " and ", scale_ptrs.size(), " for weight_blocks ", weight_blocks);
     TORCH_CHECK_VALUE(residual.sizes() == x.sizes(), "residual ", residual.sizes(), " != x ", x.sizes());
     const int64_t rows = x.size(0), hidden = x.size(1);
     const at::Tensor &k0 = k_caches[0];
@@ -605,11 +618,11 @@ at::Tensor decode_layers_fused(const at::Tensor &residual, const at::Tensor &x, 
                           padded_k[i] <= INT32_MAX,
                           "decode_layers_fused: linear ", i, " has padded width ", padded_k[i], " for ", k,
                           " input features");
-        TORCH_CHECK_VALUE(!q4_1 || (scale_ptrs[i] != 0 && k % 32 == 0 && k <= INT32_MAX / 4),
-                          "decode_layers_fused: Q4_1 linear ", i, " needs its scales and K a multiple of 32, got K = ",
-                          k);
+        TORCH_CHECK_VALUE(!blocks || (scale_ptrs[i] != 0 && k % 32 == 0 && k <= INT32_MAX / 4),
+                          "decode_layers_fused: linear ", i, " as blocks needs its scales and K a multiple of 32, got "
+                          "K = ", k);
         weights[i] = reinterpret_cast<const void *>(weight_ptrs[i]);
-        scales[i] = q4_1 ? reinterpret_cast<const void *>(scale_ptrs[i]) : nullptr;
+        scales[i] = blocks ? reinterpret_cast<const void *>(scale_ptrs[i]) : nullptr;
         padded[i] = static_cast<int>(padded_k[i]);
         max_k = std::max(max_k, k);
         const std::optional<at::Tensor> bias = linear_biases.get(i);
@@ -674,7 +687,7 @@ at::Tensor decode_layers_fused(const at::Tensor &residual, const at::Tensor &x, 
     const at::Tensor act = at::empty({rows, intermediate}, opts);
     const auto ptr = [](const at::Tensor &t) { return t.data_ptr(); };
     const PdserveDecodeStep step{
-        bf16 ? 1 : 0, q4_1 ? 1 : 0, static_cast<int>(layers), static_cast<int>(rows), static_cast<int>(hidden),
+        bf16 ? 1 : 0, static_cast<int>(weight_blocks), static_cast<int>(layers), static_cast<int>(rows), static_cast<int>(hidden),
         static_cast<int>(num_heads),
         static_cast<int>(kv_heads), static_cast<int>(head_dim), static_cast<int>(intermediate),
         static_cast<int>(block_size), static_cast<int>(tables.size(1)), k0.stride(0), kc.data(), vc.data(),
@@ -685,7 +698,7 @@ at::Tensor decode_layers_fused(const at::Tensor &residual, const at::Tensor &x, 
         ptr(residual), ptr(out), ptr(qkv), ptr(attn), ptr(proj), ptr(gate_up), ptr(act)};
     RECORD_FUNCTION("pdserve::decode_layers_fused:step", std::vector<c10::IValue>());
     TORCH_CHECK(kernels().decode_step(&step, at::get_num_threads()) == 0,
-                "decode_layers_fused: out of memory for the Q4_1 dequantization buffers");
+                "decode_layers_fused: out of memory for the blocks' dequantization buffers");
     return out;
 }
 
@@ -726,13 +739,13 @@ TORCH_LIBRARY(pdserve, m) {
     m.def("causal_softmax_(Tensor(a!) scores, int rows, float scale) -> ()");
     m.def("linear_small_m(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor");
     m.def("linear_packed_bf16(Tensor x, int weight_ptr, int out_features, int padded_k, Tensor? bias=None) -> Tensor");
-    m.def("linear_q4_1(Tensor x, Tensor qs, Tensor dm, Tensor? bias=None) -> Tensor");
+    m.def("linear_blocks(Tensor x, Tensor qs, Tensor scales, Tensor? bias=None) -> Tensor");
     m.def("prefill_attention_bf16(Tensor query, Tensor k_cache, Tensor v_cache, Tensor cu_seqlens_q, "
           "Tensor context_lens, Tensor block_tables, float scale) -> Tensor");
     m.def("decode_layers_fused(Tensor(a!) residual, Tensor x, Tensor cos, Tensor sin, Tensor slot_mapping, "
           "Tensor block_tables, Tensor context_lens, Tensor(b!)[] k_caches, Tensor(c!)[] v_caches, int[] weight_ptrs, "
           "int[] padded_k, Tensor?[] linear_biases, Tensor[] post_norm, Tensor[] next_norm, int[] windows, "
-          "int num_heads, int intermediate, float eps, float scale, int[] scale_ptrs=[]) -> Tensor");
+          "int num_heads, int intermediate, float eps, float scale, int weight_blocks=0, int[] scale_ptrs=[]) -> Tensor");
     m.def("decode_layers(Tensor(a!) residual, Tensor x, Tensor cos, Tensor sin, Tensor slot_mapping, "
           "Tensor block_tables, Tensor context_lens, Tensor(b!)[] k_caches, Tensor(c!)[] v_caches, "
           "Tensor[] linear_weights, Tensor?[] linear_aux, Tensor?[] linear_biases, Tensor[] post_norm, "
@@ -752,7 +765,7 @@ TORCH_LIBRARY_IMPL(pdserve, CPU, m) {
     m.impl("causal_softmax_", &causal_softmax_);
     m.impl("linear_small_m", &linear_small_m);
     m.impl("linear_packed_bf16", &linear_packed_bf16);
-    m.impl("linear_q4_1", &linear_q4_1);
+    m.impl("linear_blocks", &linear_blocks);
     m.impl("prefill_attention_bf16", &prefill_attention_bf16);
     m.impl("decode_layers_fused", &decode_layers_fused);
     m.impl("decode_layers", &decode_layers);

@@ -117,8 +117,8 @@ def _register_fakes() -> None:
     def _(x, weight_ptr, out_features, padded_k, bias=None):
         return x.new_empty((x.shape[0], out_features))
 
-    @torch.library.register_fake("pdserve::linear_q4_1")
-    def _(x, qs, dm, bias=None):
+    @torch.library.register_fake("pdserve::linear_blocks")
+    def _(x, qs, scales, bias=None):
         return x.new_empty((x.shape[0], qs.shape[0]))
 
     @torch.library.register_fake("pdserve::prefill_attention_bf16")
@@ -185,9 +185,10 @@ class CpuKernels:
         # ones) in one OpenMP region (`kernels/cpu_decode_step.c`, `engine.execution.cpu_decode_stack`).
         self.linear_packed_bf16 = ops.linear_packed_bf16.default
         self.decode_layers_fused = ops.decode_layers_fused.default
-        # fp32 (x [M, K], qs [N, K / 2] uint8, dm [N, K / 32, 2] fp16, bias [N] or None) -> x W^T + b [M, N] with W
-        # held as Q4_1 blocks (`kernels/cpu_linear.c`; `engine.execution.packing.q4_1_blocks`). Fast for small M only.
-        self.linear_q4_1 = ops.linear_q4_1.default
+        # fp32 (x [M, K], qs, scales, bias [N] or None) -> x W^T + b [M, N] with W held as GGUF blocks: Q4_1 (qs
+        # [N, K / 2] uint8, scales [N, K / 32, 2] fp16) or Q8_0 (qs [N, K] int8, scales [N, K / 32] fp16)
+        # (`kernels/cpu_linear.c`; `engine.execution.packing.gguf_blocks`). Fast for small M only.
+        self.linear_blocks = ops.linear_blocks.default
 
     @classmethod
     def load(cls) -> CpuKernels:

@@ -14,7 +14,7 @@ prepacked bf16, or fp32 through the small-batch kernel), `engine.execution.quant
 
 Two forms take a second op, `pdserve::decode_layers_fused`: bf16 packed linears whose layout the cpu backend's kernel
 reads (`PackedLinear.weight_ptr`) up to `PACKED_GEMV_ROWS` sequences, and fp32 through the small-batch kernel up to
-`SMALL_BATCH_ROWS` (reading the Q4_1 blocks instead when every linear holds them: `SmallBatchLinear.blocks`). The same
+`SMALL_BATCH_ROWS` (reading GGUF blocks instead when every linear holds them alike: `SmallBatchLinear.blocks`). The same
 ops again, but the whole step in one OpenMP region, the threads meeting at a barrier between ops instead of starting and
 joining a region for each of ~270 ops (kernels/cpu_decode_step.c). Its linears are the forward's own kernels at those
 rows, so the logits stay bit-equal to the model's forward.
@@ -36,6 +36,15 @@ from pdserve_server.kernels import AttentionOps
 # `pdserve::decode_layers`'s linear_form (kernels/cpu_ops.cpp).
 TORCH_LINEAR, PACKED_LINEAR, SMALL_M_LINEAR, INT8_LINEAR, INT4_LINEAR = 0, 1, 2, 3, 4
 _LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+# `pdserve::decode_layers_fused`'s weight_blocks (kernels/cpu_kernels.h: PDSERVE_Q4_1, PDSERVE_Q8_0).
+PLAIN_WEIGHTS, Q4_1_BLOCKS, Q8_0_BLOCKS = 0, 1, 2
+
+
+def _blocks_format(module: SmallBatchLinear) -> int | None:
+    """The GGUF block format a SmallBatchLinear holds its weight in as well (qs uint8: Q4_1, int8: Q8_0), or None."""
+    if module.blocks is None:
+        return None
+    return Q4_1_BLOCKS if module.blocks[0].dtype == torch.uint8 else Q8_0_BLOCKS
 
 
 def _linear(module: nn.Module) -> tuple[int, torch.Tensor, torch.Tensor | None] | None:
@@ -76,15 +85,16 @@ class CpuDecodeStack:
         self.eps, self.scale = model.cfg.rms_norm_eps, layers[0].self_attn.scale
         # The one-region step (None where it does not apply) and the most rows it takes: bf16 linears all read in
         # place by the backend's packed-layout kernel, or fp32 ones through its small-batch kernel.
-        self._fused_step, self._fused_rows, self.scale_ptrs = None, 0, []
+        self._fused_step, self._fused_rows, self.weight_blocks, self.scale_ptrs = None, 0, PLAIN_WEIGHTS, []
         modules = [m for m, _, _ in linears]
+        formats = {_blocks_format(m) for m in modules} if form == SMALL_M_LINEAR else {None}
         if fused_step is not None and form == PACKED_LINEAR and all(m.weight_ptr for m in modules):
             self._fused_step, self._fused_rows = fused_step, PACKED_GEMV_ROWS
             self.weight_ptrs = [m.weight_ptr for m in modules]
             self.padded_k = [m.padded_k for m in modules]
-        elif fused_step is not None and form == SMALL_M_LINEAR and all(m.blocks is not None for m in modules):
-            # Every linear held as Q4_1 blocks too: the step reads those (the same weights, 6.4x fewer bytes).
-            self._fused_step, self._fused_rows = fused_step, SMALL_BATCH_ROWS
+        elif fused_step is not None and len(formats) == 1 and None not in formats:
+            # Every linear held as blocks of one GGUF format too: the step reads those (the same weights, fewer bytes).
+            self._fused_step, self._fused_rows, self.weight_blocks = fused_step, SMALL_BATCH_ROWS, formats.pop()
             self.weight_ptrs = [m.blocks[0].data_ptr() for m in modules]
             self.scale_ptrs = [m.blocks[1].data_ptr() for m in modules]
             self.padded_k = [m.in_features for m in modules]
@@ -136,7 +146,7 @@ class CpuDecodeStack:
                     h, x, cos, sin, meta.slot_mapping, meta.decode_block_tables, meta.decode_context_lens,
                     [k for k, _ in kv_layers], [v for _, v in kv_layers], self.weight_ptrs, self.padded_k,
                     self.linear_biases, self.post_norm, self.next_norm, self.windows, self.num_heads,
-                    self.intermediate, self.eps, self.scale, self.scale_ptrs)
+                    self.intermediate, self.eps, self.scale, self.weight_blocks, self.scale_ptrs)
             return self._decode_layers(
                 h, x, cos, sin, meta.slot_mapping, meta.decode_block_tables, meta.decode_context_lens,
                 [k for k, _ in kv_layers], [v for _, v in kv_layers], self.linear_weights, self.linear_aux,

@@ -109,7 +109,7 @@ class ModelRunner:
             quantize_weight_only(self.model, quantization)
         elif packed_weights:
             pack_linears(self.model, self.attention_ops.small_batch_linear, self.attention_ops.packed_bf16_linear,
-                         self.attention_ops.q4_1_linear)
+                         self.attention_ops.blocks_linear)
         self.kv_cache = KVCache(model_config, cache_config, self.device)
         # All-decode steps' layers in one C++ call on CPU (the cpu backend; None elsewhere or for a model it cannot run)
         self.decode_stack = CpuDecodeStack.build(self.model, self.attention_ops) if cpu_decode_stack else None

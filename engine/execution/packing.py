@@ -25,11 +25,12 @@ weights streamed from DRAM, `bench/small_linear.py`): the kernel ran 1.3-2.8x to
 1.2-1.3x at 64, about even at 128 (1.04x) and slower at 256 (0.86x), so up to 64 rows (a decode step's at the
 default --max-num-seqs) take it.
 
-fp32 weights that are a Q4_1 GGUF's dequantization (the packaged default model's are) are also kept in that form
-(`q4_1_blocks`: each block of 32 weights along K is exactly d * q + m, checked bit for bit at load), and a decode
-step's rows read them there (`kernels/cpu_linear.c`, `linear_q4_1`): 5 bits a weight instead of 32, and the same
-fp32 weights and sums as the small-batch kernel on the fp32 tensor, so the logits do not change. Larger batches
-keep torch's GEMM on the fp32 tensor (the blocks cost 16% more memory beside it).
+fp32 weights that are a GGUF's dequantization (the packaged default model's layers are Q4_1, its embedding and tied
+LM head Q8_0) are also kept in that form (`gguf_blocks`: each block of 32 weights along K is exactly d * q + m or
+d * q, checked bit for bit at load), and a decode step's rows read them there (`kernels/cpu_linear.c`,
+`linear_blocks`): 5 or 8.5 bits a weight instead of 32, and the same fp32 weights and sums as the small-batch kernel
+on the fp32 tensor, so the logits do not change. Larger batches keep torch's GEMM on the fp32 tensor (the blocks cost
+16% or 27% more memory beside it).
 
 CPU only; anything else keeps `nn.Linear`. Unverified on GPU by construction: never applied there.
 """
@@ -44,7 +45,7 @@ from torch import nn
 SMALL_BATCH_ROWS = 64  # most rows a SmallBatchLinear sends to its kernel (the crossover in the module docstring)
 PACKED_GEMV_ROWS = 32  # most rows a PackedLinear sends to the packed-layout kernel (module docstring: ~level at 64)
 PACKED_BLOCK = 64  # output features per block of oneDNN's packed bf16 layout, as kernels/cpu_linear.c reads it
-Q4_1_BLOCK = 32  # weights along K per Q4_1 block (GGUF's QK4_1), each with an fp16 scale and minimum
+GGUF_BLOCK = 32  # weights along K per Q4_1 / Q8_0 block (GGUF's QK4_1, QK8_0), each with its fp16 scale
 
 
 def packing_supported(device: torch.device, dtype: torch.dtype) -> bool:
@@ -130,15 +131,15 @@ def q4_1_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | Non
 
     Returns:
         (qs [N, K / 2] uint8, 16 bytes a block: byte 8h + j holds weight 16h + j of the block in its low nibble and
-        weight 16h + 8 + j in its high one, h < 2, j < 8 (the kernel's layout, kernels/cpu_linear.c); dm [N, K / 32, 2]
-        float16: each block's d and m), or None: K not a multiple of 32, a block not of that form, or a scale out of
-        fp16's range.
+        weight 16h + 8 + j in its high one, h < 2, j < 8 (the kernel's layout, kernels/cpu_linear.c); scales
+        [N, K / 32, 2] float16: each block's d and m), or None: K not a multiple of 32, a block not of that form, or a
+        scale out of fp16's range.
     """
-    if weight.dtype != torch.float32 or weight.dim() != 2 or weight.shape[1] % Q4_1_BLOCK:
+    if weight.dtype != torch.float32 or weight.dim() != 2 or weight.shape[1] % GGUF_BLOCK:
         return None
     n, k = weight.shape
     with torch.inference_mode():
-        blocks = weight.detach().reshape(n, k // Q4_1_BLOCK, Q4_1_BLOCK)
+        blocks = weight.detach().reshape(n, k // GGUF_BLOCK, GGUF_BLOCK)
         low, high = blocks.amin(-1), blocks.amax(-1)
         m, d = low.half(), ((high - low) / 15).half()
         if not (torch.isfinite(m).all() and torch.isfinite(d).all()):
@@ -147,47 +148,79 @@ def q4_1_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | Non
         q = torch.round((blocks - m32) / torch.where(d32 == 0, 1.0, d32)).clamp_(0, 15)
         if not torch.equal(d32 * q + m32, blocks):
             return None
-        q = q.to(torch.uint8).reshape(n, k // Q4_1_BLOCK, 2, 2, 8)  # [.., half h, low/high nibble, j]
+        q = q.to(torch.uint8).reshape(n, k // GGUF_BLOCK, 2, 2, 8)  # [.., half h, low/high nibble, j]
         qs = (q[..., 0, :] | (q[..., 1, :] << 4)).reshape(n, k // 2)
         return qs.contiguous(), torch.stack([d, m], dim=-1).contiguous()
+
+
+def q8_0_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The Q8_0 form of an fp32 weight [N, K] that is exactly one, else None.
+
+    Q8_0 (GGUF): each block of 32 weights along K is d * q with q in -127..127 and d fp16 (llama.cpp's quantizer sets
+    d = amax / 127, so the block's largest magnitude has |q| = 127 and d = fp16(amax / 127) recovers it); returned only
+    when d * q reproduces every weight bit for bit (exact in fp32).
+
+    Returns:
+        (qs [N, K] int8 in order; scales [N, K / 32] float16), or None as `q4_1_blocks`.
+    """
+    if weight.dtype != torch.float32 or weight.dim() != 2 or weight.shape[1] % GGUF_BLOCK:
+        return None
+    n, k = weight.shape
+    with torch.inference_mode():
+        blocks = weight.detach().reshape(n, k // GGUF_BLOCK, GGUF_BLOCK)
+        d = (blocks.abs().amax(-1) / 127).half()
+        if not torch.isfinite(d).all():
+            return None
+        d32 = d.float().unsqueeze(-1)
+        q = torch.round(blocks / torch.where(d32 == 0, 1.0, d32)).clamp_(-127, 127)
+        if not torch.equal(d32 * q, blocks):
+            return None
+        return q.to(torch.int8).reshape(n, k).contiguous(), d.contiguous()
+
+
+def gguf_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The GGUF block form an fp32 weight [N, K] is exactly, fewest bytes first (`q4_1_blocks`, then `q8_0_blocks`),
+    as (qs, scales) for `kernels.AttentionOps.blocks_linear` (qs uint8 is Q4_1, int8 Q8_0), or None."""
+    return q4_1_blocks(weight) or q8_0_blocks(weight)
 
 
 class SmallBatchLinear(nn.Module):
     """y = x @ W^T + b in fp32 on CPU: up to `SMALL_BATCH_ROWS` rows through `small_m` (the cpu backend's kernel),
     more through torch's GEMM, both on nn.Linear's own weight tensor (no copy). x: [..., in] fp32 -> [..., out] fp32.
-    A weight that is a dequantized Q4_1 tensor (`q4_1_blocks`) is also held in that form, and the small batches read
-    it there through `q4_1` when given: the same weights, 6.4x fewer bytes.
+    A weight that is a dequantized GGUF tensor (`gguf_blocks`) is also held in that form, and the small batches read
+    it there through `blocks_linear` when given: the same weights, 3.8-6.4x fewer bytes.
 
     Numerics: fp32 with fp32 accumulation either way; the kernels sum in another order than torch's GEMM, so results
-    differ from F.linear in the last bits (`q4_1` sums exactly as `small_m` does).
+    differ from F.linear in the last bits (`blocks_linear` sums exactly as `small_m` does).
 
     Args:
         linear: a loaded fp32 `nn.Linear` on CPU (weight [out, in]).
         small_m: (x [M, in], weight [out, in], bias [out] | None) -> [M, out]
             (`kernels.AttentionOps.small_batch_linear`).
-        q4_1: (x [M, in], qs, dm, bias [out] | None) -> [M, out] (`kernels.AttentionOps.q4_1_linear`), or None.
+        blocks_linear: (x [M, in], qs, scales, bias [out] | None) -> [M, out] (`kernels.AttentionOps.blocks_linear`),
+            or None.
 
     Attributes:
-        blocks: (qs, dm) of `q4_1_blocks`, or None (no `q4_1`, or the weight is not of that form).
+        blocks: (qs, scales) of `gguf_blocks`, or None (no `blocks_linear`, or the weight is not of such a form).
     """
 
     def __init__(self, linear: nn.Linear, small_m: Callable[..., torch.Tensor],
-                 q4_1: Callable[..., torch.Tensor] | None = None):
+                 blocks_linear: Callable[..., torch.Tensor] | None = None):
         super().__init__()
         # Plain attributes, not parameters (as PackedLinear's): read on every call, and never moved after load.
         self.weight = linear.weight.detach()
         self.bias = None if linear.bias is None else linear.bias.detach()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self._small_m = small_m
-        self.blocks = q4_1_blocks(self.weight) if q4_1 is not None else None
-        self._q4_1 = q4_1 if self.blocks is not None else None
+        self.blocks = gguf_blocks(self.weight) if blocks_linear is not None else None
+        self._blocks_linear = blocks_linear if self.blocks is not None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x if x.dim() == 2 else x.reshape(-1, self.in_features)
         if rows.shape[0] > SMALL_BATCH_ROWS:
             y = F.linear(rows, self.weight, self.bias)
-        elif self._q4_1 is not None:
-            y = self._q4_1(rows, *self.blocks, self.bias)
+        elif self._blocks_linear is not None:
+            y = self._blocks_linear(rows, *self.blocks, self.bias)
         else:
             y = self._small_m(rows, self.weight, self.bias)
         return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)
@@ -195,11 +228,11 @@ class SmallBatchLinear(nn.Module):
 
 def pack_linears(model: nn.Module, small_batch_linear: Callable[..., torch.Tensor] | None = None,
                  packed_bf16_linear: Callable[..., torch.Tensor] | None = None,
-                 q4_1_linear: Callable[..., torch.Tensor] | None = None) -> int:
+                 blocks_linear: Callable[..., torch.Tensor] | None = None) -> int:
     """Replace the CPU `nn.Linear`s under `model` (projections and LM head), in place: bf16 ones by a `PackedLinear`
     where oneDNN packs bf16 (its small batches through `packed_bf16_linear` when given: the cpu backend's), fp32 ones
-    by a `SmallBatchLinear` over `small_batch_linear` when one is given (the cpu backend's), holding Q4_1 blocks for
-    `q4_1_linear` where the weight is of that form. Returns how many were replaced; the others are left as they
+    by a `SmallBatchLinear` over `small_batch_linear` when one is given (the cpu backend's), holding GGUF blocks for
+    `blocks_linear` where the weight is of such a form. Returns how many were replaced; the others are left as they
     are."""
     count = 0
     for name, child in list(model.named_children()):
@@ -208,8 +241,8 @@ def pack_linears(model: nn.Module, small_batch_linear: Callable[..., torch.Tenso
             count += 1
         elif (isinstance(child, nn.Linear) and small_batch_linear is not None and child.weight.device.type == "cpu"
               and child.weight.dtype == torch.float32):
-            setattr(model, name, SmallBatchLinear(child, small_batch_linear, q4_1_linear))
+            setattr(model, name, SmallBatchLinear(child, small_batch_linear, blocks_linear))
             count += 1
         else:
-            count += pack_linears(child, small_batch_linear, packed_bf16_linear, q4_1_linear)
+            count += pack_linears(child, small_batch_linear, packed_bf16_linear, blocks_linear)
     return count

@@ -140,35 +140,41 @@ def test_one_region_step_refuses_slots_and_blocks_outside_the_cache_and_writes_n
         assert torch.equal(kv, before)
 
 
-def test_a_model_of_q4_1_weights_decodes_from_its_blocks_with_the_same_logits():
-    """fp32 weights that are a Q4_1 tensor's dequantization (as the packaged GGUF's are) are held as Q4_1 blocks too,
-    and the one-region step reads those: the same logits bit for bit as the model's forward and as the same step
-    over the fp32 tensors (the blocks dropped), through prefill (torch's GEMM on the fp32 weights) and 6 decode
-    steps; a model whose weights are not of that form keeps reading fp32."""
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
+def test_a_model_of_gguf_weights_decodes_from_its_blocks_with_the_same_logits(fmt):
+    """fp32 weights that are a GGUF tensor's dequantization (as the packaged model's are: Q4_1 layers, a Q8_0 LM head)
+    are held as blocks too, and the one-region step and the LM head read those: the same logits bit for bit as the
+    model's forward and as the same step over the fp32 tensors (the blocks dropped), through prefill (torch's GEMM on
+    the fp32 weights) and 6 decode steps; a model whose weights are not of such a form keeps reading fp32."""
+    from pdserve_server.engine.execution.cpu_decode_stack import Q4_1_BLOCKS, Q8_0_BLOCKS
     from pdserve_server.engine.execution.packing import SmallBatchLinear
-    from test_kernels_cpu import q4_1_weight
+    from test_kernels_cpu import q4_1_weight, q8_0_weight
 
     model = _llama(num_attention_heads=8, num_key_value_heads=2)
+    make = q4_1_weight if fmt == "q4_1" else q8_0_weight
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():
-        for name, p in model.model.layers.named_parameters():
+        for p in model.model.layers.parameters():
             if p.dim() == 2:
-                p.copy_(q4_1_weight(*p.shape, g))
+                p.copy_(make(*p.shape, g))
+        model.lm_head.weight.copy_(q8_0_weight(*model.lm_head.weight.shape, g))
     prompts = [[(7 * i + j) % 250 for j in range(11 + 8 * (i % 2))] for i in range(3)]
     runner = _runner(model, torch.float32, True, prompts=3)
     stack = runner.decode_stack
     layer_linears = [m for m in runner.model.layers.modules() if isinstance(m, SmallBatchLinear)]
     assert len(layer_linears) == 8 and all(m.blocks is not None for m in layer_linears)
+    assert runner.model.lm_head.blocks[0].dtype == torch.int8
     assert stack._fused_step is not None and len(stack.scale_ptrs) == 8
+    assert stack.weight_blocks == (Q4_1_BLOCKS if fmt == "q4_1" else Q8_0_BLOCKS)
     from_blocks = greedy_steps(runner, prompts, 6)
     eager = greedy_steps(_runner(model, torch.float32, False, prompts=3), prompts, 6)
     fp32 = _runner(model, torch.float32, True, prompts=3)
     for m in fp32.model.modules():
         if isinstance(m, SmallBatchLinear):
-            m.blocks = m._q4_1 = None
+            m.blocks = m._blocks_linear = None
     fp32.decode_stack = CpuDecodeStack.build(fp32.model, fp32.attention_ops)
     assert fp32.decode_stack._fused_step is not None and fp32.decode_stack.scale_ptrs == []
     for a, b, c in zip(from_blocks, eager, greedy_steps(fp32, prompts, 6)):
         assert torch.equal(a, b) and torch.equal(a, c)
     plain = _runner(_llama(num_attention_heads=8, num_key_value_heads=2), torch.float32, True)
-    assert plain.decode_stack.scale_ptrs == []
+    assert plain.decode_stack.scale_ptrs == [] and plain.model.lm_head.blocks is None

@@ -487,61 +487,89 @@ def q4_1_weight(out_features: int, in_features: int, g: torch.Generator) -> torc
     return (d * q + m).reshape(out_features, in_features)
 
 
+def q8_0_weight(out_features: int, in_features: int, g: torch.Generator) -> torch.Tensor:
+    """An fp32 [N, K] weight that is a Q8_0 tensor's dequantization, as llama.cpp's quantizer makes one: each block of
+    32 along K is d * q with d = fp16(amax / 127), q = round(w / d) in -127..127."""
+    w = torch.randn(out_features, in_features // 32, 32, generator=g) * 0.05
+    d = (w.abs().amax(-1, keepdim=True) / 127).half().float()
+    return (d * torch.round(w / d).clamp(-127, 127)).reshape(out_features, in_features)
+
+
+def _dequantized(qs: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The fp32 weight [N, K] that GGUF blocks in the kernel's layout hold (engine.execution.packing.q4_1_blocks,
+    q8_0_blocks)."""
+    n = qs.shape[0]
+    if qs.dtype == torch.int8:
+        return (scales.float().unsqueeze(-1) * qs.view(n, -1, 32).float()).reshape(n, -1)
+    halves = qs.view(n, -1, 2, 8)  # byte 8h + j: weights 16h + j (low nibble), 16h + 8 + j (high)
+    q = torch.stack([halves & 15, halves >> 4], dim=-2).reshape(n, -1, 32).float()
+    return (scales[..., :1].float() * q + scales[..., 1:].float()).reshape(n, -1)
+
+
 @pytest.mark.parametrize("rows", [0, 1, 2, 3, 4, 5, 16, 33, 64])
 @pytest.mark.parametrize("out_features,in_features", [(7, 64), (576, 576), (1536, 576), (96, 1536)])
-def test_q4_1_linear_sums_as_the_small_batch_kernel_on_the_dequantized_weight(kernels, rows, out_features,
-                                                                             in_features):
-    """A weight that is a dequantized Q4_1 tensor, read as its blocks (`q4_1_blocks`, `linear_q4_1`): the same bits as
-    the fp32 small-batch kernel on the fp32 tensor, for every tile shape (rows below 4 and from 4, tails of rows and
-    features), with and without bias, x contiguous or a strided view; the blocks themselves reproduce the weight."""
-    from pdserve_server.engine.execution.packing import q4_1_blocks
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
+def test_blocks_linear_sums_as_the_small_batch_kernel_on_the_dequantized_weight(kernels, rows, out_features,
+                                                                               in_features, fmt):
+    """A weight that is a dequantized Q4_1 or Q8_0 tensor, read as its blocks (`gguf_blocks`, `linear_blocks`): the
+    same bits as the fp32 small-batch kernel on the fp32 tensor, for every tile shape (rows below 4 and from 4, tails
+    of rows and features), with and without bias, x contiguous or a strided view; the blocks reproduce the weight."""
+    from pdserve_server.engine.execution.packing import gguf_blocks
 
     g = torch.Generator().manual_seed(rows * 7 + out_features)
-    w = q4_1_weight(out_features, in_features, g)
-    blocks = q4_1_blocks(w)
+    w = (q4_1_weight if fmt == "q4_1" else q8_0_weight)(out_features, in_features, g)
+    blocks = gguf_blocks(w)
     assert blocks is not None
-    qs, dm = blocks
-    assert qs.shape == (out_features, in_features // 2) and qs.dtype == torch.uint8
-    assert dm.shape == (out_features, in_features // 32, 2) and dm.dtype == torch.float16
-    halves = qs.view(out_features, in_features // 32, 2, 8)  # byte 8h + j: weights 16h + j (low), 16h + 8 + j (high)
-    q = torch.stack([halves & 15, halves >> 4], dim=-2).reshape(out_features, in_features // 32, 32).float()
-    assert torch.equal(dm[..., :1].float() * q + dm[..., 1:].float(), w.view(out_features, -1, 32))
+    qs, scales = blocks
+    if fmt == "q4_1":
+        assert qs.shape == (out_features, in_features // 2) and qs.dtype == torch.uint8
+        assert scales.shape == (out_features, in_features // 32, 2) and scales.dtype == torch.float16
+    else:
+        assert qs.shape == (out_features, in_features) and qs.dtype == torch.int8
+        assert scales.shape == (out_features, in_features // 32) and scales.dtype == torch.float16
+    assert torch.equal(_dequantized(qs, scales), w)
     bias = torch.randn(out_features, generator=g)
     wide = torch.randn(rows, in_features + 5, generator=g)
     for x in (wide[:, :in_features].contiguous(), wide[:, :in_features]):
         for b in (None, bias):
-            ours = kernels.linear_q4_1(x, qs, dm, b)
+            ours = kernels.linear_blocks(x, qs, scales, b)
             assert ours.shape == (rows, out_features) and ours.dtype == torch.float32
             assert torch.equal(ours, kernels.linear_small_m(x, w, b))
 
 
-def test_q4_1_blocks_are_found_only_where_every_weight_is_one():
-    """`q4_1_blocks` answers None for what it cannot hold exactly: a weight of another form (one block off by an ulp
-    is enough), K not a multiple of 32, another dtype, a scale past fp16's range; a block of equal weights is d = 0."""
-    from pdserve_server.engine.execution.packing import q4_1_blocks
+def test_gguf_blocks_are_found_only_where_every_weight_is_one():
+    """`gguf_blocks` answers None for what it cannot hold exactly: a weight of another form (one weight off by an ulp
+    is enough), K not a multiple of 32, another dtype, a scale past fp16's range; Q4_1 where a weight is both (fewer
+    bytes); a block of equal weights is d = 0."""
+    from pdserve_server.engine.execution.packing import gguf_blocks, q4_1_blocks, q8_0_blocks
 
     g = torch.Generator().manual_seed(0)
-    w = q4_1_weight(8, 64, g)
-    assert q4_1_blocks(w) is not None
-    nudged = w.clone()
-    nudged[3, 40] = torch.nextafter(nudged[3, 40], torch.tensor(1.0))
-    assert q4_1_blocks(nudged) is None
-    assert q4_1_blocks(torch.randn(8, 64, generator=g)) is None
-    assert q4_1_blocks(q4_1_weight(8, 64, g)[:, :48].contiguous()) is None
-    assert q4_1_blocks(w.bfloat16()) is None
-    assert q4_1_blocks(w * 1e6) is None
+    for make, form in ((q4_1_weight, q4_1_blocks), (q8_0_weight, q8_0_blocks)):
+        w = make(8, 64, g)
+        assert form(w) is not None and gguf_blocks(w)[0].dtype == form(w)[0].dtype
+        nudged = w.clone()
+        nudged[3, 40] = torch.nextafter(nudged[3, 40], torch.tensor(1.0))
+        assert form(nudged) is None and gguf_blocks(nudged) is None
+        assert form(w[:, :48].contiguous()) is None
+        assert form(w.bfloat16()) is None
+        assert form(w * 1e6) is None
+    assert gguf_blocks(torch.randn(8, 64, generator=g)) is None
     flat = torch.full((2, 32), 0.25)
-    qs, dm = q4_1_blocks(flat)
-    assert torch.equal(dm[..., 0], torch.zeros(2, 1, dtype=torch.float16)) and (qs == 0).all()
+    qs, dm = gguf_blocks(flat)
+    assert qs.dtype == torch.uint8 and torch.equal(dm[..., 0], torch.zeros(2, 1, dtype=torch.float16))
 
 
-def test_q4_1_linear_refuses_what_it_does_not_compute(kernels):
+def test_blocks_linear_refuses_what_it_does_not_compute(kernels):
     qs, dm = torch.zeros(4, 32, dtype=torch.uint8), torch.zeros(4, 2, 2, dtype=torch.float16)
     with pytest.raises(ValueError, match="float32 x"):
-        kernels.linear_q4_1(torch.zeros(2, 64).bfloat16(), qs, dm, None)
+        kernels.linear_blocks(torch.zeros(2, 64).bfloat16(), qs, dm, None)
     with pytest.raises(ValueError, match="K a multiple of 32"):
-        kernels.linear_q4_1(torch.zeros(2, 48), qs[:, :24].contiguous(), dm, None)
-    with pytest.raises(ValueError, match=r"dm \[N, K / 32, 2\] float16"):
-        kernels.linear_q4_1(torch.zeros(2, 64), qs, dm.float(), None)
+        kernels.linear_blocks(torch.zeros(2, 48), qs[:, :24].contiguous(), dm, None)
+    with pytest.raises(ValueError, match=r"uint8 \(Q4_1\) or \[N, K\] int8 \(Q8_0\)"):
+        kernels.linear_blocks(torch.zeros(2, 64), qs.short(), dm, None)
+    with pytest.raises(ValueError, match=r"scales \[N, K / 32, 2\] float16"):
+        kernels.linear_blocks(torch.zeros(2, 64), qs, dm.float(), None)
+    with pytest.raises(ValueError, match=r"scales \[N, K / 32\] float16"):
+        kernels.linear_blocks(torch.zeros(2, 64), torch.zeros(4, 64, dtype=torch.int8), dm, None)
     with pytest.raises(ValueError, match="bias must be"):
-        kernels.linear_q4_1(torch.zeros(2, 64), qs, dm, torch.zeros(3))
+        kernels.linear_blocks(torch.zeros(2, 64), qs, dm, torch.zeros(3))
