@@ -554,9 +554,9 @@ at::Tensor decode_layers(const at::Tensor &residual, const at::Tensor &x, const 
 // the dtype of x, or fp32 rows against GGUF blocks (linear_blocks's) of format weight_blocks. weight_ptrs / padded_k:
 // 4 a layer (qkv, o, gate_up, down), the packed tensors' addresses and padded K as linear_packed_bf16 takes them, or
 // the fp32 weights' addresses ([N, K] contiguous; padded_k = K), or the blocks' qs (scale_ptrs: their scales;
-// padded_k = K); the caller keeps them alive. num_heads: query heads; intermediate: the MLP's width. Returns the final norm's output
-// [B, hidden]; residual is updated in place. Everything the kernel trusts is checked here first (ValueError), with
-// nothing written on failure.
+// padded_k = K); the caller keeps them alive. num_heads: query heads; intermediate: the MLP's width. Returns the final
+// norm's output [B, hidden]; residual is updated in place. Everything the kernel trusts is checked here first
+// (ValueError), with nothing written on failure.
 at::Tensor decode_layers_fused(const at::Tensor &residual, const at::Tensor &x, const at::Tensor &cos,
                                      const at::Tensor &sin, const at::Tensor &slot_mapping,
                                      const at::Tensor &block_tables, const at::Tensor &context_lens,
@@ -687,8 +687,8 @@ at::Tensor decode_layers_fused(const at::Tensor &residual, const at::Tensor &x, 
     const at::Tensor act = at::empty({rows, intermediate}, opts);
     const auto ptr = [](const at::Tensor &t) { return t.data_ptr(); };
     const PdserveDecodeStep step{
-        bf16 ? 1 : 0, static_cast<int>(weight_blocks), static_cast<int>(layers), static_cast<int>(rows), static_cast<int>(hidden),
-        static_cast<int>(num_heads),
+        bf16 ? 1 : 0, static_cast<int>(weight_blocks), static_cast<int>(layers), static_cast<int>(rows),
+        static_cast<int>(hidden), static_cast<int>(num_heads),
         static_cast<int>(kv_heads), static_cast<int>(head_dim), static_cast<int>(intermediate),
         static_cast<int>(block_size), static_cast<int>(tables.size(1)), k0.stride(0), kc.data(), vc.data(),
         weights.data(), scales.data(), static_cast<int>(max_k), padded.data(), biases.data(), post.data(),
@@ -745,7 +745,8 @@ TORCH_LIBRARY(pdserve, m) {
     m.def("decode_layers_fused(Tensor(a!) residual, Tensor x, Tensor cos, Tensor sin, Tensor slot_mapping, "
           "Tensor block_tables, Tensor context_lens, Tensor(b!)[] k_caches, Tensor(c!)[] v_caches, int[] weight_ptrs, "
           "int[] padded_k, Tensor?[] linear_biases, Tensor[] post_norm, Tensor[] next_norm, int[] windows, "
-          "int num_heads, int intermediate, float eps, float scale, int weight_blocks=0, int[] scale_ptrs=[]) -> Tensor");
+          "int num_heads, int intermediate, float eps, float scale, int weight_blocks=0, int[] scale_ptrs=[]) "
+          "-> Tensor");
     m.def("decode_layers(Tensor(a!) residual, Tensor x, Tensor cos, Tensor sin, Tensor slot_mapping, "
           "Tensor block_tables, Tensor context_lens, Tensor(b!)[] k_caches, Tensor(c!)[] v_caches, "
           "Tensor[] linear_weights, Tensor?[] linear_aux, Tensor?[] linear_biases, Tensor[] post_norm, "
