@@ -181,10 +181,11 @@ void linear_small_m(const float *x, const float *w, const float *bias, float *y,
  * one row); scales [N, K / 32, 2] fp16, (d, m) of each block. PDSERVE_Q8_0: qs [N, K] int8 in order; scales
  * [N, K / 32] fp16, d of each block. K a multiple of 32.
  *
- * Form: each thread dequantizes one block of output features (the small-M kernel's block: 4 features below 4 rows,
- * else 3) into a buffer of fp32 rows, exactly, then runs the small-M kernel's tiles over it (block_rows): the sums
- * are the small-M kernel's on the fp32 tensor, bit for bit, and each weight is dequantized once per call whatever M
- * is. */
+ * Form: each thread takes blocks of output features as the small-M kernel does (4 features below 4 rows, else 3).
+ * From 2 rows it dequantizes a block into a buffer of fp32 rows, exactly, then runs the small-M kernel's tiles over
+ * it (block_rows): the sums are the small-M kernel's on the fp32 tensor, bit for bit, and each weight is dequantized
+ * once per call whatever M is. At 1 row (a batch-1 decode step, where the dequantization is the work) the weights stay
+ * in registers and each block's scale is applied once (one_row_tile). */
 
 /* fp16 bits -> fp32 for n values, exact (every fp16 value is an fp32 one): F16C's conversion where the build has it,
  * else the bits rearranged (normal and subnormal values; infinities and NaN kept). */
@@ -247,22 +248,97 @@ static inline void dequant_row(const void *qs, const uint16_t *scales, int forma
     }
 }
 
+static inline float hsum8(vq_f v) {
+    float s = 0.0f;
+    for (int i = 0; i < 8; i++) s += v[i];
+    return s;
+}
+
+/* One row of x against nb (1-4) weight rows of the blocks, the weights dequantized in registers and never stored,
+ * each block's scale applied once to the block's partial dot product and Q4_1's minimum through the block's sum of x
+ * (a short pass of its own after the main loop):
+ *     y_n = sum_b d_nb * (sum_{k in b} x_k q_nk) + sum_b m_nb * xsum_b.
+ * The same fp32 products, summed in another order than the small-M kernel's over the dequantized tensor (the last
+ * bits differ, as torch's GEMM's do). At one row the dequantization is the step's work (each weight is read once):
+ * per 32 weights 2 loads, 2 masks/shifts, 4 conversions and 5 multiply-adds here against 13 vector ops with a store
+ * and a reload of every weight through the buffer. format and nb are constants at each call (always inlined): the
+ * loop has no branch and its accumulators stay in registers. qs: the first of the nb rows (rows row_bytes apart); sf:
+ * their scales in fp32 (rows row_sf apart: d, or d and m, per block); xsum [K / 32]: x's sum over each block (Q4_1
+ * only). */
+static inline __attribute__((always_inline)) void one_row_tile(const float *x, const float *xsum, const uint8_t *qs,
+                                                                int64_t row_bytes, const float *sf, int row_sf, int K,
+                                                                float out[NB], const int format, const int nb) {
+    vq_f tot[NB];
+    for (int j = 0; j < nb; j++) tot[j] = (vq_f){0};
+    for (int b = 0; b < K / 32; b++) {
+        const vq_f x0 = *(const vq_f *)(x + 32 * b), x1 = *(const vq_f *)(x + 32 * b + 8);
+        const vq_f x2 = *(const vq_f *)(x + 32 * b + 16), x3 = *(const vq_f *)(x + 32 * b + 24);
+        for (int j = 0; j < nb; j++) {
+            const uint8_t *q = qs + j * row_bytes;
+            vq_f lo, hi;  /* two independent FMA chains a block */
+            if (format == PDSERVE_Q4_1) {  /* byte 8h + i: weights 16h + i (low nibble), 16h + 8 + i (high) */
+                const vqi v0 = WIDEN_U8(q + 16 * b), v1 = WIDEN_U8(q + 16 * b + 8);
+                lo = __builtin_convertvector(v0 & 15, vq_f) * x0 + __builtin_convertvector(v0 >> 4, vq_f) * x1;
+                hi = __builtin_convertvector(v1 & 15, vq_f) * x2 + __builtin_convertvector(v1 >> 4, vq_f) * x3;
+                tot[j] += (lo + hi) * sf[j * row_sf + 2 * b];
+            } else {
+                const int8_t *s = (const int8_t *)q + 32 * b;
+                lo = __builtin_convertvector(WIDEN_S8(s), vq_f) * x0 +
+                     __builtin_convertvector(WIDEN_S8(s + 8), vq_f) * x1;
+                hi = __builtin_convertvector(WIDEN_S8(s + 16), vq_f) * x2 +
+                     __builtin_convertvector(WIDEN_S8(s + 24), vq_f) * x3;
+                tot[j] += (lo + hi) * sf[j * row_sf + b];
+            }
+        }
+    }
+    for (int j = 0; j < nb; j++) {
+        float mins = 0.0f;
+        if (format == PDSERVE_Q4_1)
+            for (int b = 0; b < K / 32; b++) mins += sf[j * row_sf + 2 * b + 1] * xsum[b];
+        out[j] = hsum8(tot[j]) + mins;
+    }
+}
+
 /* y[m, n] = sum_k x[m, k] * W[n, k] + (bias ? bias[n] : 0), W the blocks qs / scales of `format` above; x: [M, K]
  * fp32, rows x_stride apart; bias [N] fp32 or NULL; y [M, N] fp32 dense; buf: the calling thread's own
  * BLOCKS_BUF_FLOATS(K) floats. The calling thread's share of the features, as linear_small_m_rows (an orphaned
- * worksharing loop, no barrier at the end), and the same sums as that kernel over the dequantized tensor. */
+ * worksharing loop, no barrier at the end). From 2 rows the same sums as that kernel over the dequantized tensor,
+ * bit for bit (each weight dequantized once into the buffer serves every row); at 1 row one_row_tile's. */
 void linear_blocks_rows(const float *x, int64_t x_stride, const void *qs, const uint16_t *scales, int format,
                         const float *bias, float *y, int M, int N, int K, float *buf) {
     const int nbk = M < 4 ? NB : 3;
     const int blocks = (N + nbk - 1) / nbk;
-    /* per row: bytes of qs, fp16 scales */
-    const int64_t row_bytes = format == PDSERVE_Q4_1 ? K / 2 : K, row_scales = format == PDSERVE_Q4_1 ? K / 16 : K / 32;
+    /* per weight row: bytes of qs, fp16 scales */
+    const int64_t row_bytes = format == PDSERVE_Q4_1 ? K / 2 : K;
+    const int row_scales = format == PDSERVE_Q4_1 ? K / 16 : K / 32;
+    float *xsum = buf + NB * (int64_t)row_scales;  /* M = 1: after the block's scales */
+    if (M == 1 && format == PDSERVE_Q4_1)
+        for (int b = 0; b < K / 32; b++) {
+            float s = 0.0f;
+            for (int i = 0; i < 32; i++) s += x[32 * b + i];
+            xsum[b] = s;
+        }
     #pragma omp for schedule(static) nowait
     for (int b = 0; b < blocks; b++) {
         const int n0 = b * nbk, nb = N - n0 < nbk ? N - n0 : nbk;
+        const uint8_t *q = (const uint8_t *)qs + n0 * row_bytes;
+        if (M == 1) {
+            f16_to_f32(scales + (int64_t)n0 * row_scales, buf, nb * row_scales);
+            float out[NB];
+#define ONE_ROW(FORMAT) switch (nb) {                                                              \
+                case 1: one_row_tile(x, xsum, q, row_bytes, buf, row_scales, K, out, FORMAT, 1); break;     \
+                case 2: one_row_tile(x, xsum, q, row_bytes, buf, row_scales, K, out, FORMAT, 2); break;     \
+                case 3: one_row_tile(x, xsum, q, row_bytes, buf, row_scales, K, out, FORMAT, 3); break;     \
+                default: one_row_tile(x, xsum, q, row_bytes, buf, row_scales, K, out, FORMAT, 4); break;    \
+            }
+            if (format == PDSERVE_Q4_1) ONE_ROW(PDSERVE_Q4_1) else ONE_ROW(PDSERVE_Q8_0)
+#undef ONE_ROW
+            for (int j = 0; j < nb; j++) y[n0 + j] = out[j] + (bias ? bias[n0 + j] : 0.0f);
+            continue;
+        }
         for (int j = 0; j < nb; j++)
-            dequant_row((const char *)qs + (n0 + j) * row_bytes, scales + (n0 + j) * row_scales, format, buf + j * K,
-                        K, buf + NB * (int64_t)K);
+            dequant_row(q + j * row_bytes, scales + (int64_t)(n0 + j) * row_scales, format, buf + j * K, K,
+                        buf + NB * (int64_t)K);
         block_rows(x, x_stride, buf, bias, y, M, N, K, n0, nb);
     }
 }

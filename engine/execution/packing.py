@@ -28,9 +28,10 @@ default --max-num-seqs) take it.
 fp32 weights that are a GGUF's dequantization (the packaged default model's layers are Q4_1, its embedding and tied
 LM head Q8_0) are also kept in that form (`gguf_blocks`: each block of 32 weights along K is exactly d * q + m or
 d * q, checked bit for bit at load), and a decode step's rows read them there (`kernels/cpu_linear.c`,
-`linear_blocks`): 5 or 8.5 bits a weight instead of 32, and the same fp32 weights and sums as the small-batch kernel
-on the fp32 tensor, so the logits do not change. Larger batches keep torch's GEMM on the fp32 tensor (the blocks cost
-16% or 27% more memory beside it).
+`linear_blocks`): 5 or 8.5 bits a weight instead of 32, and the same fp32 weights: from 2 rows the same sums as the
+small-batch kernel on the fp32 tensor bit for bit, at 1 row the same products with each block's scale applied once
+(the last bits differ, as torch's GEMM's do). Larger batches keep torch's GEMM on the fp32 tensor (the blocks cost 16%
+or 27% more memory beside it).
 
 CPU only; anything else keeps `nn.Linear`. Unverified on GPU by construction: never applied there.
 """
@@ -191,7 +192,7 @@ class SmallBatchLinear(nn.Module):
     it there through `blocks_linear` when given: the same weights, 3.8-6.4x fewer bytes.
 
     Numerics: fp32 with fp32 accumulation either way; the kernels sum in another order than torch's GEMM, so results
-    differ from F.linear in the last bits (`blocks_linear` sums exactly as `small_m` does).
+    differ from F.linear in the last bits (`blocks_linear` sums exactly as `small_m` does from 2 rows).
 
     Args:
         linear: a loaded fp32 `nn.Linear` on CPU (weight [out, in]).

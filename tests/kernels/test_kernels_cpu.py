@@ -511,9 +511,10 @@ def _dequantized(qs: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
 def test_blocks_linear_sums_as_the_small_batch_kernel_on_the_dequantized_weight(kernels, rows, out_features,
                                                                                in_features, fmt):
-    """A weight that is a dequantized Q4_1 or Q8_0 tensor, read as its blocks (`gguf_blocks`, `linear_blocks`): the
-    same bits as the fp32 small-batch kernel on the fp32 tensor, for every tile shape (rows below 4 and from 4, tails
-    of rows and features), with and without bias, x contiguous or a strided view; the blocks reproduce the weight."""
+    """A weight that is a dequantized Q4_1 or Q8_0 tensor, read as its blocks (`gguf_blocks`, `linear_blocks`): from 2
+    rows the same bits as the fp32 small-batch kernel on the fp32 tensor, for every tile shape (rows below 4 and from
+    4, tails of rows and features); at 1 row (scales applied once a block, weights kept in registers) the same within
+    fp32 reassociation; with and without bias, x contiguous or a strided view; the blocks reproduce the weight."""
     from pdserve_server.engine.execution.packing import gguf_blocks
 
     g = torch.Generator().manual_seed(rows * 7 + out_features)
@@ -534,7 +535,10 @@ def test_blocks_linear_sums_as_the_small_batch_kernel_on_the_dequantized_weight(
         for b in (None, bias):
             ours = kernels.linear_blocks(x, qs, scales, b)
             assert ours.shape == (rows, out_features) and ours.dtype == torch.float32
-            assert torch.equal(ours, kernels.linear_small_m(x, w, b))
+            if rows == 1:
+                torch.testing.assert_close(ours, torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-5)
+            else:
+                assert torch.equal(ours, kernels.linear_small_m(x, w, b))
 
 
 def test_gguf_blocks_are_found_only_where_every_weight_is_one():
