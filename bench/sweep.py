@@ -207,7 +207,8 @@ def main(argv=None) -> int:
     pdserve_names = {n for n in starters if n.startswith("pdserve")} | set(variant_args)
     add_machine_fraction(results, model_dir, args.threads,
                          {name: weight_format(name, args.worker_args.split() + variant_args.get(name, []),
-                                              pdserve=name in pdserve_names)
+                                              pdserve=name in pdserve_names,
+                                              gguf_source=None if args.model_dir else "q4_1")
                           for name in results["systems"]})
     naive = {r["concurrency"]: r["output_tok_s"] for r in results["systems"].get("naive", [])}
     if naive:
@@ -226,12 +227,14 @@ def main(argv=None) -> int:
 DENSE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}  # bytes per weight of a dense dtype
 
 
-def weight_format(name: str, worker_args: list[str], pdserve: bool) -> str | None:
+def weight_format(name: str, worker_args: list[str], pdserve: bool, gguf_source: str | None = None) -> str | None:
     """How a system stores its matmul weights: a dense dtype (`DENSE_BYTES`), "int8" / "int4" (pdserve's
     --quantization), "gguf:<type>" (llama.cpp's quantized files, `systems.GGUF_TYPES`; its f32 / bf16 files are
-    dense), or None where the harness does not know (a
-    --peer). pdserve (`pdserve`: a built-in pdserve system or a --variant, whatever its name): its --dtype, auto
-    resolved for this CPU, unless quantized; the naive server fp32; vLLM its --dtype (float32, or bfloat16 for the
+    dense), "float32+gguf:<type>" (fp32 compute on weights read as the GGUF blocks they exactly are), or None where
+    the harness does not know (a --peer). pdserve (`pdserve`: a built-in pdserve system or a --variant, whatever its
+    name): its --dtype, auto resolved for this CPU, unless quantized; in fp32 on a model converted from a GGUF of type
+    `gguf_source` (the packaged default: q4_1) its decode steps read that file's blocks
+    (`engine.execution.packing.gguf_blocks`). The naive server fp32; vLLM its --dtype (float32, or bfloat16 for the
     -bf16 system)."""
     from pdserve_server.engine.args import EngineArgs
     from pdserve_server.engine.hardware import resolve_dtype
@@ -244,7 +247,10 @@ def weight_format(name: str, worker_args: list[str], pdserve: bool) -> str | Non
                 dtype = worker_args[i + 1]
             elif arg == "--quantization":
                 quantization = worker_args[i + 1]
-        return resolve_dtype(dtype, "cpu") if quantization == "none" else quantization
+        if quantization != "none":
+            return quantization
+        dtype = resolve_dtype(dtype, "cpu")
+        return f"float32+gguf:{gguf_source}" if dtype == "float32" and gguf_source else dtype
     if name in LLAMACPP_SYSTEMS:
         kind = LLAMACPP_SYSTEMS[name]
         return {"f32": "float32", "bf16": "bfloat16"}.get(kind, f"gguf:{kind}")
@@ -257,8 +263,10 @@ def weight_format(name: str, worker_args: list[str], pdserve: bool) -> str | Non
 
 def dense_dtype(fmt: str | None) -> str | None:
     """The dense dtype of a `weight_format`, the dtype of the GEMM rate the machine fraction is measured against;
-    None for quantized or unknown weights (no dense GEMM rate is their baseline: int4 at M = 1 beats it)."""
-    return fmt if fmt in DENSE_BYTES else None
+    None for quantized or unknown weights (no dense GEMM rate is their baseline: int4 at M = 1 beats it); fp32 for
+    fp32 compute on GGUF blocks."""
+    dense = (fmt or "").partition("+")[0]
+    return dense if dense in DENSE_BYTES else None
 
 
 def weight_bytes_per_token(fmt: str | None, shapes: list[tuple[int, int]]) -> float | None:
@@ -267,9 +275,9 @@ def weight_bytes_per_token(fmt: str | None, shapes: list[tuple[int, int]]) -> fl
     is left out. None where the format is unknown.
 
     Dense: 4 or 2 bytes a weight; int8 one byte plus a 2-byte scale per output channel; int4 half a byte plus a
-    2-byte scale and zero per group of 32 (`engine.execution.quantization`); gguf:<type>: that file's 2-D tensors at
-    their stored sizes, the token embedding counted as the tied LM head (the packaged Q4_1 file: Q4_1 layers, a Q8_0
-    head)."""
+    2-byte scale and zero per group of 32 (`engine.execution.quantization`); gguf:<type> (and float32+gguf:<type>,
+    which reads the same blocks): that file's 2-D tensors at their stored sizes, the token embedding counted as the
+    tied LM head (the packaged Q4_1 file: Q4_1 layers, a Q8_0 head)."""
     params = sum(k * n for k, n in shapes)
     if fmt in DENSE_BYTES:
         return params * DENSE_BYTES[fmt]
@@ -277,8 +285,8 @@ def weight_bytes_per_token(fmt: str | None, shapes: list[tuple[int, int]]) -> fl
         return params + 2 * sum(n for _, n in shapes)
     if fmt == "int4":
         return params * (0.5 + 4 / 32)
-    if fmt is not None and fmt.startswith("gguf:"):
-        return _gguf_matmul_bytes(fmt.partition(":")[2])
+    if fmt is not None and "gguf:" in fmt:
+        return _gguf_matmul_bytes(fmt.partition("gguf:")[2])
     return None
 
 

@@ -144,6 +144,10 @@ def test_sweep_names_no_dense_dtype_for_quantized_weights():
     assert system_dtype("llamacpp-f32", [], False) == "float32"
     assert system_dtype("llamacpp-bf16", [], False) == "bfloat16"
     assert system_dtype("llamacpp-q8_0", [], pdserve=False) is None
+    # fp32 on the packaged Q4_1 model: the compute is fp32 (its GEMM rate the baseline), the weights read as blocks
+    assert weight_format("p", ["--dtype", "float32"], pdserve=True, gguf_source="q4_1") == "float32+gguf:q4_1"
+    assert dense_dtype("float32+gguf:q4_1") == "float32"
+    assert weight_format("p", ["--dtype", "bfloat16"], pdserve=True, gguf_source="q4_1") == "bfloat16"
 
 
 @pytest.mark.parametrize("auto, peers", [("bfloat16", {"llamacpp-bf16", "vllm-bf16", "vllm-all-cores-bf16"}),
@@ -198,6 +202,8 @@ def test_sweep_weight_bytes_per_token(tiny_model_dir, real_model_dir):
     tensors = gguf.GGUFReader(str(default_model_path())).tensors
     gguf_2d = sum(int(t.n_bytes) for t in tensors if len(t.shape) == 2)
     assert weight_bytes_per_token("llamacpp", [], pdserve=False) == gguf_2d > 90e6  # Q4_1 layers, Q8_0 head
+    # pdserve fp32 on the packaged model reads the blocks of that same file (engine.execution.packing.gguf_blocks)
+    assert bytes_of(weight_format("p", ["--dtype", "float32"], True, gguf_source="q4_1"), shapes) == gguf_2d
 
 
 def test_linear_shapes_of_a_mixture_of_experts_count_the_router_and_top_k_experts():
