@@ -122,6 +122,55 @@ def _packed_layout(packed: torch.Tensor, weight: torch.Tensor,
     return (address, padded_k) if (got - want).abs().max().item() <= 0.05 * scale + 1e-6 else None
 
 
+def _q4_1_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """`q4_1_blocks` of a few rows (the temporaries are a few times their size)."""
+    n, k = weight.shape
+    blocks = weight.reshape(n, k // GGUF_BLOCK, GGUF_BLOCK)
+    low, high = blocks.amin(-1), blocks.amax(-1)
+    m, d = low.half(), ((high - low) / 15).half()
+    if not (torch.isfinite(m).all() and torch.isfinite(d).all()):
+        return None
+    d32, m32 = d.float().unsqueeze(-1), m.float().unsqueeze(-1)
+    q = torch.round((blocks - m32) / torch.where(d32 == 0, 1.0, d32)).clamp_(0, 15)
+    if not torch.equal(d32 * q + m32, blocks):
+        return None
+    q = q.to(torch.uint8).reshape(n, k // GGUF_BLOCK, 2, 2, 8)  # [.., half h, low/high nibble, j]
+    return (q[..., 0, :] | (q[..., 1, :] << 4)).reshape(n, k // 2), torch.stack([d, m], dim=-1)
+
+
+def _q8_0_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """`q8_0_blocks` of a few rows."""
+    n, k = weight.shape
+    blocks = weight.reshape(n, k // GGUF_BLOCK, GGUF_BLOCK)
+    d = (blocks.abs().amax(-1) / 127).half()
+    if not torch.isfinite(d).all():
+        return None
+    d32 = d.float().unsqueeze(-1)
+    q = torch.round(blocks / torch.where(d32 == 0, 1.0, d32)).clamp_(-127, 127)
+    if not torch.equal(d32 * q, blocks):
+        return None
+    return q.to(torch.int8).reshape(n, k), d
+
+
+def _by_rows(weight: torch.Tensor, rows_form: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor] | None],
+             chunk_elements: int = 1 << 24) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """rows_form over slices of `weight`'s rows (about chunk_elements weights each, so that checking a large LM head
+    does not hold several fp32 copies of it at once), concatenated; None as soon as one slice is not of the form."""
+    if weight.dtype != torch.float32 or weight.dim() != 2 or weight.shape[1] % GGUF_BLOCK:
+        return None
+    step = max(1, chunk_elements // max(1, weight.shape[1]))
+    parts = []
+    with torch.inference_mode():
+        for start in range(0, weight.shape[0], step):
+            part = rows_form(weight.detach()[start:start + step])
+            if part is None:
+                return None
+            parts.append(part)
+    if not parts:
+        return None
+    return torch.cat([p[0] for p in parts]).contiguous(), torch.cat([p[1] for p in parts]).contiguous()
+
+
 def q4_1_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The Q4_1 form of an fp32 weight [N, K] that is exactly one, else None.
 
@@ -136,22 +185,7 @@ def q4_1_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | Non
         [N, K / 32, 2] float16: each block's d and m), or None: K not a multiple of 32, a block not of that form, or a
         scale out of fp16's range.
     """
-    if weight.dtype != torch.float32 or weight.dim() != 2 or weight.shape[1] % GGUF_BLOCK:
-        return None
-    n, k = weight.shape
-    with torch.inference_mode():
-        blocks = weight.detach().reshape(n, k // GGUF_BLOCK, GGUF_BLOCK)
-        low, high = blocks.amin(-1), blocks.amax(-1)
-        m, d = low.half(), ((high - low) / 15).half()
-        if not (torch.isfinite(m).all() and torch.isfinite(d).all()):
-            return None
-        d32, m32 = d.float().unsqueeze(-1), m.float().unsqueeze(-1)
-        q = torch.round((blocks - m32) / torch.where(d32 == 0, 1.0, d32)).clamp_(0, 15)
-        if not torch.equal(d32 * q + m32, blocks):
-            return None
-        q = q.to(torch.uint8).reshape(n, k // GGUF_BLOCK, 2, 2, 8)  # [.., half h, low/high nibble, j]
-        qs = (q[..., 0, :] | (q[..., 1, :] << 4)).reshape(n, k // 2)
-        return qs.contiguous(), torch.stack([d, m], dim=-1).contiguous()
+    return _by_rows(weight, _q4_1_rows)
 
 
 def q8_0_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -164,19 +198,7 @@ def q8_0_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | Non
     Returns:
         (qs [N, K] int8 in order; scales [N, K / 32] float16), or None as `q4_1_blocks`.
     """
-    if weight.dtype != torch.float32 or weight.dim() != 2 or weight.shape[1] % GGUF_BLOCK:
-        return None
-    n, k = weight.shape
-    with torch.inference_mode():
-        blocks = weight.detach().reshape(n, k // GGUF_BLOCK, GGUF_BLOCK)
-        d = (blocks.abs().amax(-1) / 127).half()
-        if not torch.isfinite(d).all():
-            return None
-        d32 = d.float().unsqueeze(-1)
-        q = torch.round(blocks / torch.where(d32 == 0, 1.0, d32)).clamp_(-127, 127)
-        if not torch.equal(d32 * q, blocks):
-            return None
-        return q.to(torch.int8).reshape(n, k).contiguous(), d.contiguous()
+    return _by_rows(weight, _q8_0_rows)
 
 
 def gguf_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:

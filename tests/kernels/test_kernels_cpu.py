@@ -577,3 +577,19 @@ def test_blocks_linear_refuses_what_it_does_not_compute(kernels):
         kernels.linear_blocks(torch.zeros(2, 64), torch.zeros(4, 64, dtype=torch.int8), dm, None)
     with pytest.raises(ValueError, match="bias must be"):
         kernels.linear_blocks(torch.zeros(2, 64), qs, dm, torch.zeros(3))
+
+
+def test_gguf_blocks_are_checked_a_slice_of_rows_at_a_time_with_the_same_result():
+    """A large LM head is checked in slices of rows (bounded temporaries): the blocks equal the whole tensor's at once,
+    a ragged last slice included, and a bad weight in the last slice still refuses the whole tensor."""
+    from pdserve_server.engine.execution.packing import _by_rows, _q4_1_rows, _q8_0_rows
+
+    g = torch.Generator().manual_seed(3)
+    for make, rows_form in ((q4_1_weight, _q4_1_rows), (q8_0_weight, _q8_0_rows)):
+        w = make(100, 64, g)
+        whole = _by_rows(w, rows_form, chunk_elements=1 << 30)
+        sliced = _by_rows(w, rows_form, chunk_elements=64 * 7)  # 7 rows a slice: 14 slices and 2 rows
+        assert whole is not None and all(torch.equal(a, b) for a, b in zip(whole, sliced))
+        bad = w.clone()
+        bad[99, 3] += 1.0
+        assert _by_rows(bad, rows_form, chunk_elements=64 * 7) is None
