@@ -120,6 +120,17 @@ void check_same_dtype(const at::Tensor &t, const char *name, const at::Tensor &l
                       like.scalar_type(), ", got ", t.scalar_type());
 }
 
+// A linear's bias as its kernel reads it: [out_features] in x's dtype on the CPU, contiguous; an undefined tensor for
+// none (the kernel then takes NULL).
+at::Tensor checked_bias(const std::optional<at::Tensor> &bias, const at::Tensor &x, int64_t out_features) {
+    if (!bias) return at::Tensor();
+    check_cpu(*bias, "bias");
+    check_same_dtype(*bias, "bias", x, "x");
+    TORCH_CHECK_VALUE(bias->dim() == 1 && bias->size(0) == out_features, "bias must be [out_features=", out_features,
+                      "], got shape ", bias->sizes());
+    return bias->contiguous();
+}
+
 // A [num_blocks, block_size, num_kv_heads, head_dim] cache view whose (block_size, heads, head_dim) slab is dense
 // (dim 0 may be strided: the per-layer view of a cache holding all layers); v_cache the same shape and strides.
 void check_caches(const at::Tensor &k_cache, const at::Tensor &v_cache) {
@@ -336,14 +347,7 @@ at::Tensor linear_small_m(const at::Tensor &x, const at::Tensor &weight, const s
     const int64_t rows = x.size(0), out_features = weight.size(0), in_features = weight.size(1);
     TORCH_CHECK_VALUE(rows <= INT32_MAX && out_features <= INT32_MAX && in_features <= INT32_MAX,
                       "linear_small_m: dimensions past 2^31 (", rows, ", ", out_features, ", ", in_features, ")");
-    at::Tensor b;
-    if (bias) {
-        check_cpu(*bias, "bias");
-        check_same_dtype(*bias, "bias", x, "x");
-        TORCH_CHECK_VALUE(bias->dim() == 1 && bias->size(0) == out_features, "bias must be [out_features=",
-                          out_features, "], got shape ", bias->sizes());
-        b = bias->contiguous();
-    }
+    const at::Tensor b = checked_bias(bias, x, out_features);
     // Rows may be strided (a view of wider rows); the weight is nn.Linear's own dense tensor (never copied on the
     // engine's path).
     const at::Tensor xs = x.stride(1) == 1 ? x : x.contiguous(), w = weight.contiguous();
@@ -386,14 +390,7 @@ at::Tensor linear_blocks(const at::Tensor &x, const at::Tensor &qs, const at::Te
     TORCH_CHECK_VALUE(rows <= INT32_MAX && out_features <= INT32_MAX && in_features <= INT32_MAX / 4,
                       "linear_blocks: dimensions past what it takes (", rows, ", ", out_features, ", ", in_features,
                       ")");
-    at::Tensor b;
-    if (bias) {
-        check_cpu(*bias, "bias");
-        check_same_dtype(*bias, "bias", x, "x");
-        TORCH_CHECK_VALUE(bias->dim() == 1 && bias->size(0) == out_features, "bias must be [out_features=",
-                          out_features, "], got shape ", bias->sizes());
-        b = bias->contiguous();
-    }
+    const at::Tensor b = checked_bias(bias, x, out_features);
     const at::Tensor xs = x.stride(1) == 1 ? x : x.contiguous();
     at::Tensor out = at::empty({rows, out_features}, x.options());
     if (rows == 0 || out_features == 0) return out;
@@ -418,14 +415,7 @@ at::Tensor linear_packed_bf16(const at::Tensor &x, int64_t weight_ptr, int64_t o
                       padded_k % 2 == 0 && rows <= INT32_MAX && out_features <= INT32_MAX && padded_k <= INT32_MAX,
                       "linear_packed_bf16: a packed weight of ", out_features, " x ", padded_k, " (padded) does not "
                       "take x of ", in_features, " features (even, at most the padded width)");
-    at::Tensor b;
-    if (bias) {
-        check_cpu(*bias, "bias");
-        TORCH_CHECK_VALUE(bias->scalar_type() == at::kBFloat16 && bias->dim() == 1 && bias->size(0) == out_features,
-                          "bias must be [out_features=", out_features, "] bfloat16, got ", bias->scalar_type(),
-                          " of shape ", bias->sizes());
-        b = bias->contiguous();
-    }
+    const at::Tensor b = checked_bias(bias, x, out_features);  // x is bfloat16 (checked above)
     const at::Tensor xs = x.stride(1) == 1 ? x : x.contiguous();
     at::Tensor out = at::empty({rows, out_features}, x.options());
     if (rows == 0) return out;
