@@ -119,12 +119,17 @@ def _mask_constrained(logits: torch.Tensor, requests: list[Request], rows: list[
             logits[rows] = sub
 
 
+TWO_PASS_ROWS = 5  # fewest rows greedy_argmax takes in two passes (its docstring)
+
+
 def greedy_argmax(logits: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
     """`logits.argmax(dim=-1)` (the first index of each row's maximum; NaN counts as the maximum), computed in two
     passes: the maximum of every `chunk` columns, then the argmax inside the first chunk holding the row's maximum.
 
     Why: torch's CPU argmax does not vectorize its index tracking, while amax does; at 64 rows x 49152 (SmolLM2's
-    vocab) fp32 on one thread argmax took 2.05 ms and amax 0.17 ms, a measurable part of a decode step.
+    vocab) fp32 on one thread argmax took 2.05 ms and amax 0.17 ms, a measurable part of a decode step. Below
+    `TWO_PASS_ROWS` rows the two passes' dozen op calls cost more than they save (2 threads, AVX2 EPYC, 49152 columns:
+    argmax 51 / 56 / 101 us at 1 / 2 / 4 rows against 89 / 93 / 108, then 197 against 137 at 8), so argmax runs.
 
     Args:
         logits: [N, vocab] float, any device.
@@ -133,7 +138,7 @@ def greedy_argmax(logits: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
         [N] int64 on the logits' device, equal to `logits.argmax(dim=-1)`.
     """
     n, vocab = logits.shape
-    if vocab <= 2 * chunk or n == 0 or logits.device.type != "cpu":  # one fast kernel on a GPU, and no host sync
+    if vocab <= 2 * chunk or n < TWO_PASS_ROWS or logits.device.type != "cpu":  # a GPU: one kernel, no host sync
         return logits.argmax(dim=-1)
     whole = vocab // chunk * chunk
     maxima = logits[:, :whole].reshape(n, -1, chunk).amax(dim=-1)  # [N, whole / chunk]

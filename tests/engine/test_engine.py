@@ -237,14 +237,16 @@ def test_a_one_token_last_chunk_streams_its_layers_too(tiny_model_dir, prompts):
 @pytest.mark.parametrize("vocab", [100, 3000, 32000, 49152, 151936])
 def test_greedy_argmax_equals_torch_argmax(vocab):
     """The sampler's two-pass argmax (engine.execution.sampler.greedy_argmax) gives torch's answer, first index on ties
-    and NaN as the maximum included, for vocabularies with and without a partial last chunk, fp32 and bf16."""
+    and NaN as the maximum included, for vocabularies with and without a partial last chunk, fp32 and bf16: the cases
+    of 5 rows or more through the two passes, those of 1 and 4 rows (below TWO_PASS_ROWS) through torch's argmax."""
     g = torch.Generator().manual_seed(vocab)
-    cases = [torch.randn(9, vocab, generator=g), torch.zeros(3, vocab), torch.randn(4, vocab, generator=g).bfloat16()]
+    cases = [torch.randn(9, vocab, generator=g), torch.zeros(5, vocab), torch.randn(5, vocab, generator=g).bfloat16(),
+             torch.randn(1, vocab, generator=g), torch.randn(4, vocab, generator=g)]
     edges = torch.randn(5, vocab, generator=g)
     edges[0, -1] = edges[1, 0] = edges[2, vocab // 2] = 1e9  # the maximum in the last, first and middle columns
     edges[3, [7, vocab - 3]] = 50.0  # a tie: the first index wins
     edges[4, vocab - 2] = float("nan")
-    cases += [edges, torch.full((2, vocab), float("-inf"))]
+    cases += [edges, torch.full((5, vocab), float("-inf"))]
     for logits in cases:
         assert torch.equal(greedy_argmax(logits), logits.argmax(dim=-1))
 
