@@ -161,7 +161,7 @@ def drop_gguf_blocks(runner) -> None:
     numbers through the fp32 small-batch kernel, so the two forms can be timed against each other."""
     for m in runner.model.modules():
         if isinstance(m, SmallBatchLinear):
-            m.blocks = m._blocks_linear = None
+            m.blocks = None
     if runner.decode_stack is not None:
         runner.decode_stack = CpuDecodeStack.build(runner.model, runner.attention_ops)
 
@@ -230,11 +230,11 @@ def measure(args: EngineArgs, batch: int, context: int, steps: int, gguf_blocks:
     flops = 2 * matmul_params * batch + 4 * batch * ctx * mc.num_heads * mc.head_dim * mc.num_layers
     # Bytes per weight: int8 1, int4 half a byte plus a 2-byte scale and zero per 32-weight group.
     elem = torch.empty((), dtype=mc.torch_dtype).element_size()
-    weight_bytes = linear_bytes(runner.model) or matmul_params * {"int8": 1.0, "int4": 0.5 + 4 / 32}.get(
-        args.quantization, elem)
+    blocks_bytes = linear_bytes(runner.model)
+    weight_bytes = blocks_bytes or matmul_params * {"int8": 1.0, "int4": 0.5 + 4 / 32}.get(args.quantization, elem)
     kv_bytes = batch * ctx * mc.num_layers * 2 * mc.num_kv_heads * mc.head_dim * elem  # K and V read once a step
     return {"batch": batch, "context": context, "backend": runner.attention_ops.name, "step_ms": step_s * 1e3,
-            "gguf_blocks_read": linear_bytes(runner.model) is not None,
+            "gguf_blocks_read": blocks_bytes is not None,
             "tok_s": batch / step_s,
             "model_flop_s": flops / step_s, "weight_bytes_s": weight_bytes / step_s, "flops": flops,
             "bytes": weight_bytes + kv_bytes, "step_s": step_s,

@@ -29,7 +29,7 @@ from torch import nn
 from pdserve_server.engine.attention import AttentionMetadata
 from pdserve_server.engine.models.decoder import DecoderModel
 from pdserve_server.engine.execution.packing import (PACKED_GEMV_ROWS, SMALL_BATCH_ROWS, PackedLinear,
-                                                    SmallBatchLinear)
+                                                    SmallBatchLinear, blocks_format)
 from pdserve_server.engine.execution.quantization import Int4WeightOnlyLinear, Int8WeightOnlyLinear
 from pdserve_server.kernels import AttentionOps
 
@@ -40,11 +40,12 @@ _LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.d
 PLAIN_WEIGHTS, Q4_1_BLOCKS, Q8_0_BLOCKS = 0, 1, 2
 
 
+_WEIGHT_BLOCKS = {"q4_1": Q4_1_BLOCKS, "q8_0": Q8_0_BLOCKS}
+
+
 def _blocks_format(module: SmallBatchLinear) -> int | None:
-    """The GGUF block format a SmallBatchLinear holds its weight in as well (qs uint8: Q4_1, int8: Q8_0), or None."""
-    if module.blocks is None:
-        return None
-    return Q4_1_BLOCKS if module.blocks[0].dtype == torch.uint8 else Q8_0_BLOCKS
+    """The weight_blocks of the GGUF blocks a SmallBatchLinear holds its weight in as well, or None."""
+    return None if module.blocks is None else _WEIGHT_BLOCKS[blocks_format(module.blocks)]
 
 
 def _linear(module: nn.Module) -> tuple[int, torch.Tensor, torch.Tensor | None] | None:

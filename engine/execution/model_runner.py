@@ -18,7 +18,7 @@ from pdserve_server.engine.execution.cuda_graphs import DecodeGraphs
 from pdserve_server.engine.execution.kv_cache import KVCache
 from pdserve_server.engine.models.registry import architecture
 from pdserve_server.engine.outputs import RunnerOutput, SampledToken, ScheduledRequest, SchedulerOutput
-from pdserve_server.engine.execution.packing import SmallBatchLinear, pack_linears
+from pdserve_server.engine.execution.packing import SmallBatchLinear, blocks_format, pack_linears
 from pdserve_server.engine.parallel.tensor_parallel import SINGLE, TensorParallel
 from pdserve_server.engine.execution.quantization import quantize_weight_only
 from pdserve_server.engine.execution.sampler import Sampler
@@ -32,10 +32,10 @@ def _log_gguf_blocks(model: torch.nn.Module) -> None:
     """Say at load how many fp32 linears decode from GGUF blocks of their exact weights (engine.execution.packing), so
     a user sees why a GGUF-sourced model's batch-1 steps read fewer bytes than its dtype says."""
     linears = [m for m in model.modules() if isinstance(m, SmallBatchLinear)]
-    held = [m.blocks[0].dtype for m in linears if m.blocks is not None]
+    held = [blocks_format(m.blocks) for m in linears if m.blocks is not None]
     if held:
         log.info("%d of %d fp32 linears are exact GGUF tensors (%d Q4_1, %d Q8_0): decode steps read those blocks",
-                 len(held), len(linears), held.count(torch.uint8), held.count(torch.int8))
+                 len(held), len(linears), held.count("q4_1"), held.count("q8_0"))
 
 
 @dataclass

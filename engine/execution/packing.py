@@ -203,8 +203,14 @@ def q8_0_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | Non
 
 def gguf_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The GGUF block form an fp32 weight [N, K] is exactly, fewest bytes first (`q4_1_blocks`, then `q8_0_blocks`),
-    as (qs, scales) for `kernels.AttentionOps.blocks_linear` (qs uint8 is Q4_1, int8 Q8_0), or None."""
+    as (qs, scales) for `kernels.AttentionOps.blocks_linear` (`blocks_format` tells which), or None."""
     return q4_1_blocks(weight) or q8_0_blocks(weight)
+
+
+def blocks_format(blocks: tuple[torch.Tensor, torch.Tensor]) -> str:
+    """"q4_1" or "q8_0": the format of `gguf_blocks`' (qs, scales), told by qs's dtype (uint8: two weights a byte;
+    int8), as kernels/cpu_ops.cpp's linear_blocks tells it."""
+    return "q4_1" if blocks[0].dtype == torch.uint8 else "q8_0"
 
 
 class SmallBatchLinear(nn.Module):
@@ -224,7 +230,8 @@ class SmallBatchLinear(nn.Module):
             or None.
 
     Attributes:
-        blocks: (qs, scales) of `gguf_blocks`, or None (no `blocks_linear`, or the weight is not of such a form).
+        blocks: (qs, scales) of `gguf_blocks`, or None (no `blocks_linear`, or the weight is not of such a form);
+            the small batches read them while they are set (None reads the fp32 tensor).
     """
 
     def __init__(self, linear: nn.Linear, small_m: Callable[..., torch.Tensor],
@@ -235,14 +242,14 @@ class SmallBatchLinear(nn.Module):
         self.bias = None if linear.bias is None else linear.bias.detach()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self._small_m = small_m
+        self._blocks_linear = blocks_linear
         self.blocks = gguf_blocks(self.weight) if blocks_linear is not None else None
-        self._blocks_linear = blocks_linear if self.blocks is not None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x if x.dim() == 2 else x.reshape(-1, self.in_features)
         if rows.shape[0] > SMALL_BATCH_ROWS:
             y = F.linear(rows, self.weight, self.bias)
-        elif self._blocks_linear is not None:
+        elif self.blocks is not None:
             y = self._blocks_linear(rows, *self.blocks, self.bias)
         else:
             y = self._small_m(rows, self.weight, self.bias)

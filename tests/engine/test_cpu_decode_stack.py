@@ -147,7 +147,7 @@ def test_a_model_of_gguf_weights_decodes_from_its_blocks_with_the_same_logits(fm
     model's forward and as the same step over the fp32 tensors (the blocks dropped), through prefill (torch's GEMM on
     the fp32 weights) and 6 decode steps; a model whose weights are not of such a form keeps reading fp32."""
     from pdserve_server.engine.execution.cpu_decode_stack import Q4_1_BLOCKS, Q8_0_BLOCKS
-    from pdserve_server.engine.execution.packing import SmallBatchLinear
+    from pdserve_server.engine.execution.packing import SmallBatchLinear, blocks_format
     from test_kernels_cpu import q4_1_weight, q8_0_weight
 
     model = _llama(num_attention_heads=8, num_key_value_heads=2)
@@ -163,7 +163,7 @@ def test_a_model_of_gguf_weights_decodes_from_its_blocks_with_the_same_logits(fm
     stack = runner.decode_stack
     layer_linears = [m for m in runner.model.layers.modules() if isinstance(m, SmallBatchLinear)]
     assert len(layer_linears) == 8 and all(m.blocks is not None for m in layer_linears)
-    assert runner.model.lm_head.blocks[0].dtype == torch.int8
+    assert blocks_format(runner.model.lm_head.blocks) == "q8_0"
     assert stack._fused_step is not None and len(stack.scale_ptrs) == 8
     assert stack.weight_blocks == (Q4_1_BLOCKS if fmt == "q4_1" else Q8_0_BLOCKS)
     from_blocks = greedy_steps(runner, prompts, 6)
@@ -171,7 +171,7 @@ def test_a_model_of_gguf_weights_decodes_from_its_blocks_with_the_same_logits(fm
     fp32 = _runner(model, torch.float32, True, prompts=3)
     for m in fp32.model.modules():
         if isinstance(m, SmallBatchLinear):
-            m.blocks = m._blocks_linear = None
+            m.blocks = None
     fp32.decode_stack = CpuDecodeStack.build(fp32.model, fp32.attention_ops)
     assert fp32.decode_stack._fused_step is not None and fp32.decode_stack.scale_ptrs == []
     for a, b, c in zip(from_blocks, eager, greedy_steps(fp32, prompts, 6)):
