@@ -20,7 +20,9 @@ from pdserve_server.kv_transfer import get_backend
 from pdserve_server.kv_transfer.receiver import KvReceiver
 from pdserve_server.kv_transfer.sender import KvSender, TransferError
 from pdserve_server.kv_transfer.wire import PROTOCOL_VERSION
+from helpers import scrape_when, total
 from pdserve import Client, SamplingParams, tls_credentials
+from pdserve.client import build_request
 from pdserve.v1 import generate_pb2, worker_pb2, worker_pb2_grpc
 from pdserve_server.server_common.security import BearerTokenInterceptor, presented_token, read_api_keys
 
@@ -235,30 +237,43 @@ def workers(tiny_model_dir, launch_module):
         p.terminate()
 
 
-def coordinator(workers, tiny_model_dir, name, *flags) -> str:
-    """Start another coordinator in front of the same workers, with `flags`; returns its address."""
+def start_coordinator(workers, tiny_model_dir, name, *flags) -> dict:
+    """Start another coordinator in front of the same workers, with `flags`; returns its ready file's contents
+    ("address", and "metrics_url" with --metrics-port)."""
     secret_file = Path(workers.workdir) / "cluster.secret"
     args = ["coordinator", "--model", str(tiny_model_dir), "--served-model-name", "tiny", "--cluster-secret-file",
             str(secret_file), "--prefill", workers.worker_addresses["prefill-0"],
             "--decode", workers.worker_addresses["decode-0"], *flags]
     proc, ready, _ = _spawn(args, name, Path(workers.workdir), Path(workers.workdir), dict(__import__("os").environ))
     workers.extra = [*getattr(workers, "extra", []), proc]
-    return wait_ready([(name, proc, ready)], 120)[0]["address"]
+    return wait_ready([(name, proc, ready)], 120)[0]
+
+
+def coordinator(workers, tiny_model_dir, name, *flags) -> str:
+    """start_coordinator's address."""
+    return start_coordinator(workers, tiny_model_dir, name, *flags)["address"]
 
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
 
 
 @contextlib.contextmanager
-def paused(process: subprocess.Popen):
-    """The process stopped (SIGSTOP) for the block's duration: a worker paused this way cannot end the streams it
-    serves, so a test that needs a request in flight does not count on it outlasting the next call (on a loaded
-    machine it did not)."""
-    process.send_signal(signal.SIGSTOP)
+def one_request_held(client: Client, decode: subprocess.Popen, metrics_url: str, request_id: str = ""):
+    """One request of `client` (GREEDY, 4 tokens) in flight until the block resumes `decode` (SIGCONT) or ends,
+    whatever the machine's speed; yields its gRPC call. The decode worker is paused (SIGSTOP) before the request is
+    sent, so the request cannot end; the block starts once the coordinator counts it in flight (its
+    pdserve:num_requests_in_flight gauge, raised in the same step as the slot and the id are taken). Pausing after
+    the first token raced: on a loaded machine the worker had sent every token before the signal. At the block's
+    end the worker is resumed and the call cancelled (nothing if it already ended)."""
+    decode.send_signal(signal.SIGSTOP)
+    call = client.stub.Generate(build_request([5, 6, 7], GREEDY, request_id, ""), metadata=client.metadata)
     try:
-        yield
+        held = scrape_when(metrics_url, "pdserve:num_requests_in_flight", 1, timeout_s=120)
+        assert total(held, "pdserve:num_requests_in_flight") == 1, "the held request never reached the coordinator"
+        yield call
     finally:
-        process.send_signal(signal.SIGCONT)
+        decode.send_signal(signal.SIGCONT)
+        call.cancel()
 
 
 def test_tls_and_api_key_on_the_public_port(workers, tiny_model_dir, pki):
@@ -373,68 +388,65 @@ def test_worker_apis_and_kv_port_refuse_callers_without_the_cluster_secret(worke
 
 def test_one_caller_cannot_take_every_slot(workers, tiny_model_dir):
     """Sixty-four streams of one client used to fill every batch slot while other clients waited."""
-    address = coordinator(workers, tiny_model_dir, "fair-coordinator", "--max-in-flight-per-caller", "1")
-    with Client(address) as c:
-        stream = c.generate([5, 6, 7], SamplingParams(max_tokens=200, temperature=0, ignore_eos=True))
-        next(stream)  # one request in flight, held there while the decode worker is paused
-        with paused(workers.processes["decode-0"]), pytest.raises(grpc.RpcError) as e:
+    info = start_coordinator(workers, tiny_model_dir, "fair-coordinator", "--max-in-flight-per-caller", "1",
+                             "--metrics-port", "0")
+    with Client(info["address"]) as c:
+        with one_request_held(c, workers.processes["decode-0"], info["metrics_url"]), \
+                pytest.raises(grpc.RpcError) as e:
             c.complete([5, 6, 7], GREEDY)
-        stream.close()
     assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "sequences in flight" in e.value.details()
 
 
 def test_without_api_keys_a_presented_key_does_not_make_a_new_caller(workers, tiny_model_dir):
     """With no keys configured, any bearer token used to become a caller of its own: random keys bypassed
     --max-in-flight-per-caller (40 of 40 admitted where 10 should be). Without keys the caller is the peer."""
-    address = coordinator(workers, tiny_model_dir, "keyless-coordinator", "--max-in-flight-per-caller", "1")
+    info = start_coordinator(workers, tiny_model_dir, "keyless-coordinator", "--max-in-flight-per-caller", "1",
+                             "--metrics-port", "0")
+    address = info["address"]
     with Client(address, api_key="random-1") as first, Client(address, api_key="random-2") as second:
-        stream = first.generate([5, 6, 7], SamplingParams(max_tokens=200, temperature=0, ignore_eos=True))
-        next(stream)  # one request in flight for this peer, held there while the decode worker is paused
-        with paused(workers.processes["decode-0"]), pytest.raises(grpc.RpcError) as e:
+        with one_request_held(first, workers.processes["decode-0"], info["metrics_url"]), \
+                pytest.raises(grpc.RpcError) as e:
             second.complete([5, 6, 7], GREEDY)
-        stream.close()
     assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "sequences in flight" in e.value.details()
 
 
 def test_request_ids_belong_to_their_caller(workers, tiny_model_dir, pki):
     """Any key could Abort another key's request, probe which ids were in flight, or hold an id so that another
     key got ALREADY_EXISTS. Ids are scoped to the caller now."""
-    address = coordinator(workers, tiny_model_dir, "scoped-coordinator", "--api-keys-file", str(pki / "keys"))
+    info = start_coordinator(workers, tiny_model_dir, "scoped-coordinator", "--api-keys-file", str(pki / "keys"),
+                             "--metrics-port", "0")
+    address, decode = info["address"], workers.processes["decode-0"]
     with Client(address, api_key=KEY) as owner, Client(address, api_key="another-key") as other:
-        # As long as the context allows (3 + 250 of 256 tokens): the owner's request must still be running while
-        # the checks below are made. On a fast machine 40 tokens were done before the owner's second call came.
-        stream = owner.generate([5, 6, 7], SamplingParams(max_tokens=250, temperature=0, ignore_eos=True),
-                                request_id="shared")
-        next(stream)
-        with pytest.raises(grpc.RpcError) as e:  # the owner's own id is taken while its request runs
-            owner.complete([5, 6, 7], GREEDY, request_id="shared")
-        assert e.value.code() == grpc.StatusCode.ALREADY_EXISTS
-        assert other.abort("shared") is False  # not its request: out of reach, and not even confirmed to exist
-        assert other.complete([5, 6, 7], GREEDY, request_id="shared").completion_tokens == 4  # its own "shared"
-        chunks = list(stream)
-        assert chunks[-1].final is not None and chunks[-1].final.finish_reason == "length"  # not aborted
+        # The owner's request is held in flight (its decode worker paused) while the checks below are made: counting
+        # on 250 tokens outlasting them is a race a fast or a loaded machine can lose.
+        with one_request_held(owner, decode, info["metrics_url"], request_id="shared") as held:
+            with pytest.raises(grpc.RpcError) as e:  # the owner's own id is taken while its request runs
+                owner.complete([5, 6, 7], GREEDY, request_id="shared")
+            assert e.value.code() == grpc.StatusCode.ALREADY_EXISTS
+            assert other.abort("shared") is False  # not its request: out of reach, and not even confirmed to exist
+            decode.send_signal(signal.SIGCONT)
+            assert other.complete([5, 6, 7], GREEDY, request_id="shared").completion_tokens == 4  # its own "shared"
+            last = list(held)[-1]
+            assert last.WhichOneof("response") == "final" and last.final.usage.completion_tokens == 4  # not aborted
+        scrape_when(info["metrics_url"], "pdserve:num_requests_in_flight", 0)  # its Final is sent before it leaves
         assert owner.abort("shared") is False  # finished
 
 
 def test_refusals_say_whether_a_retry_can_help(workers, tiny_model_dir, pki):
     """'Server at capacity' carries a RetryInfo; a request bigger than the key's whole token burst is
     INVALID_ARGUMENT (it can never pass, a retryable RESOURCE_EXHAUSTED said otherwise); a refused key is logged."""
-    address = coordinator(workers, tiny_model_dir, "refusing-coordinator", "--max-in-flight", "1",
-                          "--rate-limit-tokens-per-s", "20", "--rate-limit-burst-s", "5", "--api-keys-file",
-                          str(pki / "keys"))
+    info = start_coordinator(workers, tiny_model_dir, "refusing-coordinator", "--max-in-flight", "1",
+                             "--rate-limit-tokens-per-s", "20", "--rate-limit-burst-s", "5", "--api-keys-file",
+                             str(pki / "keys"), "--metrics-port", "0")
+    address = info["address"]
     with Client(address, api_key=KEY) as c:
-        # The stream must still hold the one slot when the next call arrives. Counting on its 90 tokens taking longer
-        # than that call failed on a loaded CI machine (the stream ended first): the decode worker is paused instead,
-        # so the stream cannot end until it is resumed (its first token already came: it is surely in flight).
-        stream = c.generate([5, 6, 7], SamplingParams(max_tokens=90, temperature=0, ignore_eos=True))
-        next(stream)
-        with paused(workers.processes["decode-0"]), pytest.raises(grpc.RpcError) as e:
+        with one_request_held(c, workers.processes["decode-0"], info["metrics_url"]), \
+                pytest.raises(grpc.RpcError) as e:
             c.complete([5, 6, 7], GREEDY)
-        stream.close()
         assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "at capacity" in e.value.details()
         info = error_details_pb2.RetryInfo()
         assert rpc_status.from_call(e.value).details[0].Unpack(info) and info.retry_delay.ToTimedelta().seconds >= 1
-        for _ in range(300):  # until the closed stream has left the coordinator (its cancel is asynchronous)
+        for _ in range(300):  # until the held request has left the coordinator (its cancel is asynchronous)
             with pytest.raises(grpc.RpcError) as e:  # 203 tokens: more than the key's whole burst of 100
                 c.complete([5, 6, 7], SamplingParams(max_tokens=200, temperature=0))
             if "at capacity" not in e.value.details():
