@@ -264,7 +264,8 @@ def main(argv=None) -> int:
     p.add_argument("--model-dir", default=None, help="HF directory (default: the packaged SmolLM2-135M)")
     p.add_argument("--dtypes", default="float32,bfloat16",
                    help="comma-separated; DTYPE+int8 / DTYPE+int4 add weight-only quantized linears "
-                        "(e.g. bfloat16+int4)")
+                        "(e.g. bfloat16+int4); float32+gguf: the GGUF blocks against 8-bit batch-1 rows "
+                        "(--quantization gguf)")
     p.add_argument("--backends", default="auto",
                    help="comma-separated attention backends to compare (auto, torch, cpu; see kernels.select_ops)")
     p.add_argument("--packed-weights", default="on",
@@ -309,7 +310,8 @@ def main(argv=None) -> int:
             point["dtype"], point["attention_backend"] = name, point.pop("backend")
             point["enforce_eager"] = eager == "on"
             # bf16: oneDNN-prepacked weights; fp32: the cpu backend's small-batch kernel (engine.execution.packing)
-            point["packed_weights"] = packing == "on" and dt in ("bfloat16", "float32") and quant in ("", "none")
+            point["packed_weights"] = (packing == "on" and dt in ("bfloat16", "float32")
+                                       and quant in ("", "none", "gguf"))
             point["gemm_flop_s"] = gemm_rate(point.pop("shapes"), b, torch_dtype)
             point["fraction"] = point["model_flop_s"] / point["gemm_flop_s"]
             point["bandwidth_fraction"] = point["weight_bytes_s"] / report["copy_bytes_s"]

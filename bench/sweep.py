@@ -229,13 +229,13 @@ DENSE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}  # bytes per weight of
 
 def weight_format(name: str, worker_args: list[str], pdserve: bool, gguf_source: str | None = None) -> str | None:
     """How a system stores its matmul weights: a dense dtype (`DENSE_BYTES`), "int8" / "int4" (pdserve's
-    --quantization), "gguf:<type>" (llama.cpp's quantized files, `systems.GGUF_TYPES`; its f32 / bf16 files are
-    dense), "float32+gguf:<type>" (fp32 compute on weights read as the GGUF blocks they exactly are), or None where
-    the harness does not know (a --peer). pdserve (`pdserve`: a built-in pdserve system or a --variant, whatever its
-    name): its --dtype, auto resolved for this CPU, unless quantized; in fp32 on a model converted from a GGUF of type
-    `gguf_source` (the packaged default: q4_1) its decode steps read that file's blocks
-    (`engine.execution.packing.gguf_blocks`). The naive server fp32; vLLM its --dtype (float32, or bfloat16 for the
-    -bf16 system)."""
+    --quantization), "gguf:<type>" (llama.cpp's quantized files, `systems.GGUF_TYPES`, its f32 / bf16 files being
+    dense; and pdserve's --quantization gguf on a model converted from such a file), "float32+gguf:<type>" (fp32
+    compute on weights read as the GGUF blocks they exactly are), or None where the harness does not know (a --peer).
+    pdserve (`pdserve`: a built-in pdserve system or a --variant, whatever its name): its --dtype, auto resolved for
+    this CPU, unless quantized; in fp32 on a model converted from a GGUF of type `gguf_source` (the packaged default:
+    q4_1) its decode steps read that file's blocks (`engine.execution.packing.gguf_blocks`). The naive server fp32;
+    vLLM its --dtype (float32, or bfloat16 for the -bf16 system)."""
     from pdserve_server.engine.args import EngineArgs
     from pdserve_server.engine.hardware import resolve_dtype
 
@@ -247,6 +247,8 @@ def weight_format(name: str, worker_args: list[str], pdserve: bool, gguf_source:
                 dtype = worker_args[i + 1]
             elif arg == "--quantization":
                 quantization = worker_args[i + 1]
+        if quantization == "gguf":  # the model's own GGUF blocks, as llama.cpp reads them
+            return f"gguf:{gguf_source}" if gguf_source else None
         if quantization != "none":
             return quantization
         dtype = resolve_dtype(dtype, "cpu")

@@ -106,9 +106,12 @@ typedef struct {
     float *PDSERVE_ISA_NAME(blocks_buffers, isa)(int max_k, int num_threads);
 
 /* The GGUF block formats linear_blocks reads (cpu_linear.c), and the floats of its per-thread buffer for rows of K
- * weights: one block of output features (at most 4), dequantized, and one row's scales. */
+ * weights: one block of output features (at most 4), dequantized, and one row's scales. PDSERVE_Q8_ACTIVATIONS, or'ed
+ * into a format: a one-row call computes as llama.cpp does (x quantized to 8 bits a block, integer dot products). */
 #define PDSERVE_Q4_1 1
 #define PDSERVE_Q8_0 2
+#define PDSERVE_BLOCKS_FORMAT 3
+#define PDSERVE_Q8_ACTIVATIONS 4
 #define BLOCKS_BUF_FLOATS(K) (4 * (int64_t)(K) + (K) / 16)
 
 /* prefill_attention_bf16's refusals (cpu_prefill_attention.c); a sequence index >= 0 names a bad table. */

@@ -16,6 +16,7 @@
  * source serves SSE2, AVX2 and AVX-512.
  * fp32 sums are reassociated against torch's (per-lane partial sums): results differ in the last bits.
  */
+#include <math.h>
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -37,6 +38,9 @@
 #endif
 #define NB 4  /* weight rows (output features) per block */
 #define MB 2  /* x rows per pass over a block */
+#ifndef PF_ROWS
+#define PF_ROWS 16
+#endif
 
 typedef float vf __attribute__((vector_size(VW * sizeof(float)), aligned(4), may_alias));  /* unaligned loads */
 
@@ -232,6 +236,7 @@ static inline void dequant_row(const void *qs, const uint16_t *scales, int forma
         const uint8_t *q = qs;
         f16_to_f32(scales, sf, K / 16);
         for (int b = 0; b < K / 32; b++) {
+            __builtin_prefetch(q + PF_ROWS * (int64_t)K / 2 + 16 * b);  /* rows ahead: see PF_ROWS */
             const float d = sf[2 * b], m = sf[2 * b + 1];
             for (int h = 0; h < 2; h++) {
                 const vqi v = WIDEN_U8(q + 16 * b + 8 * h);
@@ -242,9 +247,11 @@ static inline void dequant_row(const void *qs, const uint16_t *scales, int forma
     } else {
         const int8_t *q = qs;
         f16_to_f32(scales, sf, K / 32);
-        for (int b = 0; b < K / 32; b++)
+        for (int b = 0; b < K / 32; b++) {
+            __builtin_prefetch(q + PF_ROWS * (int64_t)K + 32 * b);
             for (int g = 0; g < 4; g++)
                 *(vq_f *)(out + 32 * b + 8 * g) = __builtin_convertvector(WIDEN_S8(q + 32 * b + 8 * g), vq_f) * sf[b];
+        }
     }
 }
 
@@ -271,6 +278,8 @@ static inline __attribute__((always_inline)) void one_row_tile(const float *x, c
     vq_f tot[NB];
     for (int j = 0; j < nb; j++) tot[j] = (vq_f){0};
     for (int b = 0; b < K / 32; b++) {
+        __builtin_prefetch(qs + PF_ROWS * row_bytes + 64 * (format == PDSERVE_Q4_1 ? b : 2 * b));
+        if (format != PDSERVE_Q4_1) __builtin_prefetch(qs + PF_ROWS * row_bytes + 64 * (2 * b + 1));
         const vq_f x0 = *(const vq_f *)(x + 32 * b), x1 = *(const vq_f *)(x + 32 * b + 8);
         const vq_f x2 = *(const vq_f *)(x + 32 * b + 16), x3 = *(const vq_f *)(x + 32 * b + 24);
         for (int j = 0; j < nb; j++) {
@@ -299,6 +308,97 @@ static inline __attribute__((always_inline)) void one_row_tile(const float *x, c
     }
 }
 
+/* ---- the same blocks against one row quantized to 8 bits a block (PDSERVE_Q8_ACTIVATIONS): llama.cpp's arithmetic
+ *
+ * Why: at one row the exact kernel above is bound by its dequantization (each weight widened, converted and
+ * multiplied in fp32: ~10 G weights/s a core on AVX2, 2-core AMD EPYC), not by the bytes. llama.cpp quantizes the row
+ * instead (Q8_1 for Q4_1 weights, Q8_0 for Q8_0: per block of 32, d = max |x| / 127, q = round(x / d)) and takes
+ * integer dot products, 32 weights in one VPMADDUBSW (ggml-cpu's ggml_vec_dot_q4_1_q8_1 / _q8_0_q8_0). This is that
+ * arithmetic, with two differences that only remove error: the row's scales stay fp32 (llama.cpp rounds them to fp16)
+ * and Q4_1's minimum multiplies the exact fp32 sum of x over the block (llama.cpp's d * sum(q)). Lossy in the
+ * activations (a relative error of about 2^-8 per block of x), so it is opt-in: --quantization gguf.
+ *
+ * qx: K int8, x quantized; for Q4_1 each block's 32 in the order that pairs them with the nibbles as
+ * _mm256_set_m128i(bytes >> 4, bytes) & 15 lays them out (the low nibbles of bytes 0-15 are weights 0-7 and 16-23,
+ * the high ones 8-15 and 24-31: blocks_q8_row's permutation); dx [K / 32]: the row's scales. */
+
+/* x [K] fp32 -> qx [K] int8 and dx [K / 32] as described above; perm: Q4_1's order within each block. */
+static void blocks_q8_row(const float *x, int K, int perm, int8_t *qx, float *dx) {
+    for (int b = 0; b < K / 32; b++) {
+        const float *xb = x + 32 * b;
+        float amax = 0.0f;
+        for (int i = 0; i < 32; i++) amax = fabsf(xb[i]) > amax ? fabsf(xb[i]) : amax;
+        const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+        dx[b] = d;
+        for (int i = 0; i < 32; i++) {
+            /* weight i's place: 0-7 stay, 8-15 go to 16-23, 16-23 to 8-15, 24-31 stay */
+            const int at = perm && (i & 8) != (i & 16) / 2 ? i ^ 24 : i;
+            qx[32 * b + at] = (int8_t)lrintf(xb[i] * id);
+        }
+    }
+}
+
+/* out[j] = sum_b d_jb * dx_b * (sum_{k in b} q_jk qx_k) (+ sum_b m_jb * xsum_b for Q4_1) for j < nb weight rows of the
+ * blocks (rows row_bytes apart; sf their fp32 scales, rows row_sf apart, as one_row_tile takes them). format and nb
+ * are constants at each call (always inlined). Integer sums are exact (at most 32 * 128 * 127 in magnitude); the
+ * per-block products are summed in fp32. */
+static inline __attribute__((always_inline)) void one_row_q8_tile(const int8_t *qx, const float *dx, const float *xsum,
+                                                                   const uint8_t *qs, int64_t row_bytes,
+                                                                   const float *sf, int row_sf, int K,
+                                                                   float out[NB], const int format, const int nb) {
+    const int q41 = format == PDSERVE_Q4_1;
+#if defined(__AVX2__)
+    __m256 acc[NB];
+    for (int j = 0; j < nb; j++) acc[j] = _mm256_setzero_ps();
+    const __m256i low4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+    for (int b = 0; b < K / 32; b++) {
+        const __m256i xv = _mm256_loadu_si256((const __m256i *)(qx + 32 * b));
+        __builtin_prefetch(qs + PF_ROWS * row_bytes + 64 * (q41 ? b : 2 * b));
+        if (!q41) __builtin_prefetch(qs + PF_ROWS * row_bytes + 64 * (2 * b + 1));
+        for (int j = 0; j < nb; j++) {
+            const uint8_t *q = qs + j * row_bytes;
+            __m256i pairs;
+            if (q41) {
+                const __m128i raw = _mm_loadu_si128((const __m128i *)(q + 16 * b));
+                const __m256i w = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), low4);
+                pairs = _mm256_maddubs_epi16(w, xv);
+            } else {  /* signed x signed through VPMADDUBSW's unsigned operand: |w| and x with w's sign */
+                const __m256i w = _mm256_loadu_si256((const __m256i *)(q + 32 * b));
+                pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(xv, w));
+            }
+            const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones));
+            acc[j] = _mm256_fmadd_ps(dot, _mm256_set1_ps(sf[j * row_sf + (q41 ? 2 * b : b)] * dx[b]), acc[j]);
+        }
+    }
+    for (int j = 0; j < nb; j++) {
+        const __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc[j]), _mm256_extractf128_ps(acc[j], 1));
+        const __m128 h2 = _mm_add_ps(h, _mm_movehl_ps(h, h));
+        out[j] = _mm_cvtss_f32(_mm_add_ss(h2, _mm_movehdup_ps(h2)));
+    }
+#else
+    for (int j = 0; j < nb; j++) {
+        const uint8_t *q = qs + j * row_bytes;
+        float tot = 0.0f;
+        for (int b = 0; b < K / 32; b++) {
+            int32_t dot = 0;
+            if (q41)
+                for (int i = 0; i < 16; i++)
+                    dot += (q[16 * b + i] & 15) * qx[32 * b + i] + (q[16 * b + i] >> 4) * qx[32 * b + 16 + i];
+            else
+                for (int i = 0; i < 32; i++) dot += (int8_t)q[32 * b + i] * qx[32 * b + i];
+            tot += (float)dot * (sf[j * row_sf + (q41 ? 2 * b : b)] * dx[b]);
+        }
+        out[j] = tot;
+    }
+#endif
+    if (q41)
+        for (int j = 0; j < nb; j++) {
+            float mins = 0.0f;
+            for (int b = 0; b < K / 32; b++) mins += sf[j * row_sf + 2 * b + 1] * xsum[b];
+            out[j] += mins;
+        }
+}
+
 /* y[m, n] = sum_k x[m, k] * W[n, k] + (bias ? bias[n] : 0), W the blocks qs / scales of `format` above; x: [M, K]
  * fp32, rows x_stride apart; bias [N] fp32 or NULL; y [M, N] fp32 dense; buf: the calling thread's own
  * BLOCKS_BUF_FLOATS(K) floats. The calling thread's share of the features, as linear_small_m_rows (an orphaned
@@ -306,6 +406,8 @@ static inline __attribute__((always_inline)) void one_row_tile(const float *x, c
  * bit for bit (each weight dequantized once into the buffer serves every row); at 1 row one_row_tile's. */
 void linear_blocks_rows(const float *x, int64_t x_stride, const void *qs, const uint16_t *scales, int format,
                         const float *bias, float *y, int M, int N, int K, float *buf) {
+    const int q8 = M == 1 && (format & PDSERVE_Q8_ACTIVATIONS);
+    format &= PDSERVE_BLOCKS_FORMAT;
     const int nbk = M < 4 ? NB : 3;
     const int blocks = (N + nbk - 1) / nbk;
     /* per weight row: bytes of qs, fp16 scales */
@@ -318,6 +420,10 @@ void linear_blocks_rows(const float *x, int64_t x_stride, const void *qs, const 
             for (int i = 0; i < 32; i++) s += x[32 * b + i];
             xsum[b] = s;
         }
+    /* M = 1 with Q8 activations: the row's scales and its quantized values after xsum (K / 32 + K / 4 floats) */
+    float *dx = xsum + K / 32;
+    int8_t *qx = (int8_t *)(dx + K / 32);
+    if (q8) blocks_q8_row(x, K, format == PDSERVE_Q4_1, qx, dx);
     #pragma omp for schedule(static) nowait
     for (int b = 0; b < blocks; b++) {
         const int n0 = b * nbk, nb = N - n0 < nbk ? N - n0 : nbk;
@@ -331,8 +437,18 @@ void linear_blocks_rows(const float *x, int64_t x_stride, const void *qs, const 
                 case 3: one_row_tile(x, xsum, q, row_bytes, buf, row_scales, K, out, FORMAT, 3); break;     \
                 default: one_row_tile(x, xsum, q, row_bytes, buf, row_scales, K, out, FORMAT, 4); break;    \
             }
-            if (format == PDSERVE_Q4_1) ONE_ROW(PDSERVE_Q4_1) else ONE_ROW(PDSERVE_Q8_0)
+#define ONE_ROW_Q8(FORMAT) switch (nb) {                                                                     \
+                case 1: one_row_q8_tile(qx, dx, xsum, q, row_bytes, buf, row_scales, K, out, FORMAT, 1); break;     \
+                case 2: one_row_q8_tile(qx, dx, xsum, q, row_bytes, buf, row_scales, K, out, FORMAT, 2); break;     \
+                case 3: one_row_q8_tile(qx, dx, xsum, q, row_bytes, buf, row_scales, K, out, FORMAT, 3); break;     \
+                default: one_row_q8_tile(qx, dx, xsum, q, row_bytes, buf, row_scales, K, out, FORMAT, 4); break;    \
+            }
+            if (q8 && format == PDSERVE_Q4_1) ONE_ROW_Q8(PDSERVE_Q4_1)
+            else if (q8) ONE_ROW_Q8(PDSERVE_Q8_0)
+            else if (format == PDSERVE_Q4_1) ONE_ROW(PDSERVE_Q4_1)
+            else ONE_ROW(PDSERVE_Q8_0)
 #undef ONE_ROW
+#undef ONE_ROW_Q8
             for (int j = 0; j < nb; j++) y[n0 + j] = out[j] + (bias ? bias[n0 + j] : 0.0f);
             continue;
         }

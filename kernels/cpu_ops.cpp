@@ -366,9 +366,11 @@ int blocks_format(const at::Tensor &qs) {
 
 // y = x W^T + b in fp32 with W held as GGUF blocks (cpu_linear.c): Q4_1 (qs [N, K / 2] uint8, scales [N, K / 32, 2]
 // float16: each block's scale and minimum) or Q8_0 (qs [N, K] int8, scales [N, K / 32] float16). x [M, K] float32
-// (rows may be strided), bias [N] float32 or None. The same sums as linear_small_m over the dequantized W.
+// (rows may be strided), bias [N] float32 or None. The same sums as linear_small_m over the dequantized W; with
+// q8_activations, a one-row x is quantized to 8 bits a block of 32 and multiplied in integers (llama.cpp's arithmetic,
+// PDSERVE_Q8_ACTIVATIONS; lossy), more rows as without.
 at::Tensor linear_blocks(const at::Tensor &x, const at::Tensor &qs, const at::Tensor &scales,
-                         const std::optional<at::Tensor> &bias) {
+                         const std::optional<at::Tensor> &bias, bool q8_activations) {
     check_cpu(x, "x");
     check_cpu(qs, "qs");
     check_cpu(scales, "scales");
@@ -395,7 +397,8 @@ at::Tensor linear_blocks(const at::Tensor &x, const at::Tensor &qs, const at::Te
     at::Tensor out = at::empty({rows, out_features}, x.options());
     if (rows == 0 || out_features == 0) return out;
     const int rc = kernels().linear_blocks(xs.data_ptr<float>(), xs.stride(0), qs.data_ptr(),
-                                           static_cast<const uint16_t *>(scales.data_ptr()), format,
+                                           static_cast<const uint16_t *>(scales.data_ptr()),
+                                           format | (q8_activations ? PDSERVE_Q8_ACTIVATIONS : 0),
                                            bias ? b.data_ptr<float>() : nullptr, out.data_ptr<float>(), rows,
                                            out_features, in_features, at::get_num_threads());
     TORCH_CHECK(rc == 0, "linear_blocks: out of memory for the dequantization buffers");
@@ -544,9 +547,10 @@ at::Tensor decode_layers(const at::Tensor &residual, const at::Tensor &x, const 
 // the dtype of x, or fp32 rows against GGUF blocks (linear_blocks's) of format weight_blocks. weight_ptrs / padded_k:
 // 4 a layer (qkv, o, gate_up, down), the packed tensors' addresses and padded K as linear_packed_bf16 takes them, or
 // the fp32 weights' addresses ([N, K] contiguous; padded_k = K), or the blocks' qs (scale_ptrs: their scales;
-// padded_k = K); the caller keeps them alive. num_heads: query heads; intermediate: the MLP's width. Returns the final
-// norm's output [B, hidden]; residual is updated in place. Everything the kernel trusts is checked here first
-// (ValueError), with nothing written on failure.
+// padded_k = K; weight_blocks | PDSERVE_Q8_ACTIVATIONS: linear_blocks's q8_activations); the caller keeps them
+// alive. num_heads: query heads; intermediate: the MLP's width. Returns the final norm's output [B, hidden];
+// residual is updated in place. Everything the kernel trusts is checked here first (ValueError), with nothing written
+// on failure.
 at::Tensor decode_layers_fused(const at::Tensor &residual, const at::Tensor &x, const at::Tensor &cos,
                                      const at::Tensor &sin, const at::Tensor &slot_mapping,
                                      const at::Tensor &block_tables, const at::Tensor &context_lens,
@@ -571,9 +575,11 @@ at::Tensor decode_layers_fused(const at::Tensor &residual, const at::Tensor &x, 
                       "bfloat16 (packed weights) or float32, got ", x.scalar_type());
     const bool bf16 = x.scalar_type() == at::kBFloat16, blocks = weight_blocks != 0;
     const at::ScalarType dtype = x.scalar_type();
-    TORCH_CHECK_VALUE(weight_blocks == 0 || weight_blocks == PDSERVE_Q4_1 || weight_blocks == PDSERVE_Q8_0,
+    const int64_t block_format = weight_blocks & ~static_cast<int64_t>(PDSERVE_Q8_ACTIVATIONS);
+    TORCH_CHECK_VALUE(weight_blocks == 0 || block_format == PDSERVE_Q4_1 || block_format == PDSERVE_Q8_0,
                       "decode_layers_fused: weight_blocks must be 0 (plain), ", PDSERVE_Q4_1, " (Q4_1) or ",
-                      PDSERVE_Q8_0, " (Q8_0), got ", weight_blocks);
+                      PDSERVE_Q8_0, " (Q8_0), either with ", PDSERVE_Q8_ACTIVATIONS, " added for 8-bit activations, "
+                      "got ", weight_blocks);
     TORCH_CHECK_VALUE(blocks ? !bf16 && scale_ptrs.size() == 4 * layers : scale_ptrs.empty(), "decode_layers_fused: "
                       "weights as blocks take float32 rows and 4 scale pointers a layer (", 4 * layers, "), plain ones "
                       "none; got ", x.scalar_type(), " and ", scale_ptrs.size(), " for weight_blocks ", weight_blocks);
@@ -729,7 +735,7 @@ TORCH_LIBRARY(pdserve, m) {
     m.def("causal_softmax_(Tensor(a!) scores, int rows, float scale) -> ()");
     m.def("linear_small_m(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor");
     m.def("linear_packed_bf16(Tensor x, int weight_ptr, int out_features, int padded_k, Tensor? bias=None) -> Tensor");
-    m.def("linear_blocks(Tensor x, Tensor qs, Tensor scales, Tensor? bias=None) -> Tensor");
+    m.def("linear_blocks(Tensor x, Tensor qs, Tensor scales, Tensor? bias=None, bool q8_activations=False) -> Tensor");
     m.def("prefill_attention_bf16(Tensor query, Tensor k_cache, Tensor v_cache, Tensor cu_seqlens_q, "
           "Tensor context_lens, Tensor block_tables, float scale) -> Tensor");
     m.def("decode_layers_fused(Tensor(a!) residual, Tensor x, Tensor cos, Tensor sin, Tensor slot_mapping, "

@@ -118,7 +118,7 @@ def _register_fakes() -> None:
         return x.new_empty((x.shape[0], out_features))
 
     @torch.library.register_fake("pdserve::linear_blocks")
-    def _(x, qs, scales, bias=None):
+    def _(x, qs, scales, bias=None, q8_activations=False):
         return x.new_empty((x.shape[0], qs.shape[0]))
 
     @torch.library.register_fake("pdserve::prefill_attention_bf16")
@@ -187,7 +187,8 @@ class CpuKernels:
         self.decode_layers_fused = ops.decode_layers_fused.default
         # fp32 (x [M, K], qs, scales, bias [N] or None) -> x W^T + b [M, N] with W held as GGUF blocks: Q4_1 (qs
         # [N, K / 2] uint8, scales [N, K / 32, 2] fp16) or Q8_0 (qs [N, K] int8, scales [N, K / 32] fp16)
-        # (`kernels/cpu_linear.c`; `engine.execution.packing.gguf_blocks`). Fast for small M only.
+        # (`kernels/cpu_linear.c`; `engine.execution.packing.gguf_blocks`). Fast for small M only. q8_activations=True:
+        # a one-row x is quantized to 8 bits a block and multiplied in integers, as llama.cpp does (lossy).
         self.linear_blocks = ops.linear_blocks.default
 
     @classmethod

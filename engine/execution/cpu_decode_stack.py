@@ -36,16 +36,20 @@ from pdserve_server.kernels import AttentionOps
 # `pdserve::decode_layers`'s linear_form (kernels/cpu_ops.cpp).
 TORCH_LINEAR, PACKED_LINEAR, SMALL_M_LINEAR, INT8_LINEAR, INT4_LINEAR = 0, 1, 2, 3, 4
 _LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
-# `pdserve::decode_layers_fused`'s weight_blocks (kernels/cpu_kernels.h: PDSERVE_Q4_1, PDSERVE_Q8_0).
-PLAIN_WEIGHTS, Q4_1_BLOCKS, Q8_0_BLOCKS = 0, 1, 2
+# `pdserve::decode_layers_fused`'s weight_blocks (kernels/cpu_kernels.h: PDSERVE_Q4_1, PDSERVE_Q8_0, and
+# PDSERVE_Q8_ACTIVATIONS added for SmallBatchLinear.q8_activations).
+PLAIN_WEIGHTS, Q4_1_BLOCKS, Q8_0_BLOCKS, Q8_ACTIVATIONS = 0, 1, 2, 4
 
 
 _WEIGHT_BLOCKS = {"q4_1": Q4_1_BLOCKS, "q8_0": Q8_0_BLOCKS}
 
 
 def _blocks_format(module: SmallBatchLinear) -> int | None:
-    """The weight_blocks of the GGUF blocks a SmallBatchLinear holds its weight in as well, or None."""
-    return None if module.blocks is None else _WEIGHT_BLOCKS[blocks_format(module.blocks)]
+    """The weight_blocks of the GGUF blocks a SmallBatchLinear holds its weight in as well (with Q8_ACTIVATIONS when
+    it computes one row in 8 bits), or None."""
+    if module.blocks is None:
+        return None
+    return _WEIGHT_BLOCKS[blocks_format(module.blocks)] | (Q8_ACTIVATIONS if module.q8_activations else 0)
 
 
 def _linear(module: nn.Module) -> tuple[int, torch.Tensor, torch.Tensor | None] | None:

@@ -18,7 +18,7 @@ from pdserve_server.engine.execution.cuda_graphs import DecodeGraphs
 from pdserve_server.engine.execution.kv_cache import KVCache
 from pdserve_server.engine.models.registry import architecture
 from pdserve_server.engine.outputs import RunnerOutput, SampledToken, ScheduledRequest, SchedulerOutput
-from pdserve_server.engine.execution.packing import SmallBatchLinear, blocks_format, pack_linears
+from pdserve_server.engine.execution.packing import SmallBatchLinear, blocks_format, pack_linears, use_q8_activations
 from pdserve_server.engine.parallel.tensor_parallel import SINGLE, TensorParallel
 from pdserve_server.engine.execution.quantization import quantize_weight_only
 from pdserve_server.engine.execution.sampler import Sampler
@@ -79,9 +79,10 @@ class ModelRunner:
         seed: seed for unseeded sampling and random init.
         attention_backend: "auto" (Triton on CUDA, the C decode kernel on CPU), "triton", "cpu" or "torch".
         quantization: "none", "int8" or "int4" (weight-only linears, `engine.execution.quantization`; int4 in groups of
-        32). packed_weights: CPU forms of the linears (`engine.execution.packing`): bf16 prepacked for oneDNN, fp32
-        small batches
-            through the cpu backend's kernel (quantized layers are packed by their own op).
+            32), or "gguf" (GGUF blocks against 8-bit decode rows: `engine.execution.packing.use_q8_activations`;
+            needs packed_weights and linears that are exact GGUF tensors).
+        packed_weights: CPU forms of the linears (`engine.execution.packing`): bf16 prepacked for oneDNN, fp32 small
+            batches through the cpu backend's kernel (int8 / int4 layers are packed by their own op).
         cuda_graph_sizes: batch sizes of all-decode steps to capture as CUDA graphs (`engine.execution.cuda_graphs`);
             None = every step eager; ignored, with a warning, for an attention backend that cannot be captured.
         max_model_len: longest context in tokens; sizes the captured block tables (needed with graphs).
@@ -94,7 +95,8 @@ class ModelRunner:
 
     Raises:
         ValueError: an unknown or unusable attention backend (`kernels.select_ops`), quantization of a float32
-            model or of shapes int4 cannot pack, or graph sizes without max_model_len.
+            model or of shapes int4 cannot pack, "gguf" for a model without exact GGUF linears, or graph sizes
+            without max_model_len.
     """
 
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig,
@@ -115,12 +117,20 @@ class ModelRunner:
         if state_dict is not None:
             self.model.load_weights(state_dict)
         self.model.eval()
-        if quantization != "none":
+        if quantization in ("int8", "int4"):
             quantize_weight_only(self.model, quantization)
         elif packed_weights:
             pack_linears(self.model, self.attention_ops.small_batch_linear, self.attention_ops.packed_bf16_linear,
                          self.attention_ops.blocks_linear)
             _log_gguf_blocks(self.model)
+        switched = use_q8_activations(self.model) if quantization == "gguf" and packed_weights else 0
+        if switched:
+            log.info("--quantization gguf: %d linears take batch-1 rows quantized to 8 bits (llama.cpp's arithmetic)",
+                     switched)
+        elif quantization == "gguf":
+            raise ValueError("--quantization gguf computes the linears whose fp32 weights are exactly a GGUF's Q4_1 or "
+                             "Q8_0 blocks, and this model has none where they could be read (it needs a model that "
+                             "comes as such a GGUF, --dtype float32, the cpu attention backend and --packed-weights)")
         self.kv_cache = KVCache(model_config, cache_config, self.device)
         # All-decode steps' layers in one C++ call on CPU (the cpu backend; None elsewhere or for a model it cannot run)
         self.decode_stack = CpuDecodeStack.build(self.model, self.attention_ops) if cpu_decode_stack else None

@@ -148,6 +148,8 @@ def test_sweep_names_no_dense_dtype_for_quantized_weights():
     assert weight_format("p", ["--dtype", "float32"], pdserve=True, gguf_source="q4_1") == "float32+gguf:q4_1"
     assert dense_dtype("float32+gguf:q4_1") == "float32"
     assert weight_format("p", ["--dtype", "bfloat16"], pdserve=True, gguf_source="q4_1") == "bfloat16"
+    # --quantization gguf reads the same file's blocks as llama.cpp does (8-bit rows, integer dot products)
+    assert weight_format("p", ["--quantization", "gguf"], pdserve=True, gguf_source="q4_1") == "gguf:q4_1"
 
 
 @pytest.mark.parametrize("auto, peers", [("bfloat16", {"llamacpp-bf16", "vllm-bf16", "vllm-all-cores-bf16"}),

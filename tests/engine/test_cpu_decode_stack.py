@@ -140,14 +140,9 @@ def test_one_region_step_refuses_slots_and_blocks_outside_the_cache_and_writes_n
         assert torch.equal(kv, before)
 
 
-@pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
-def test_a_model_of_gguf_weights_decodes_from_its_blocks_with_the_same_logits(fmt):
-    """fp32 weights that are a GGUF tensor's dequantization (as the packaged model's are: Q4_1 layers, a Q8_0 LM head)
-    are held as blocks too, and the one-region step and the LM head read those: the same logits bit for bit as the
-    model's forward and as the same step over the fp32 tensors (the blocks dropped), through prefill (torch's GEMM on
-    the fp32 weights) and 6 decode steps; a model whose weights are not of such a form keeps reading fp32."""
-    from pdserve_server.engine.execution.cpu_decode_stack import Q4_1_BLOCKS, Q8_0_BLOCKS
-    from pdserve_server.engine.execution.packing import SmallBatchLinear, blocks_format
+def _gguf_llama(fmt: str):
+    """A tiny Llama whose layer weights are the dequantization of GGUF `fmt` ("q4_1" / "q8_0") tensors and whose LM
+    head a Q8_0 one's, as the packaged model's are."""
     from test_kernels_cpu import q4_1_weight, q8_0_weight
 
     model = _llama(num_attention_heads=8, num_key_value_heads=2)
@@ -158,6 +153,19 @@ def test_a_model_of_gguf_weights_decodes_from_its_blocks_with_the_same_logits(fm
             if p.dim() == 2:
                 p.copy_(make(*p.shape, g))
         model.lm_head.weight.copy_(q8_0_weight(*model.lm_head.weight.shape, g))
+    return model
+
+
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
+def test_a_model_of_gguf_weights_decodes_from_its_blocks_with_the_same_logits(fmt):
+    """fp32 weights that are a GGUF tensor's dequantization (as the packaged model's are: Q4_1 layers, a Q8_0 LM head)
+    are held as blocks too, and the one-region step and the LM head read those: the same logits bit for bit as the
+    model's forward and as the same step over the fp32 tensors (the blocks dropped), through prefill (torch's GEMM on
+    the fp32 weights) and 6 decode steps; a model whose weights are not of such a form keeps reading fp32."""
+    from pdserve_server.engine.execution.cpu_decode_stack import Q4_1_BLOCKS, Q8_0_BLOCKS
+    from pdserve_server.engine.execution.packing import SmallBatchLinear, blocks_format
+
+    model = _gguf_llama(fmt)
     prompts = [[(7 * i + j) % 250 for j in range(11 + 8 * (i % 2))] for i in range(3)]
     runner = _runner(model, torch.float32, True, prompts=3)
     stack = runner.decode_stack
@@ -178,3 +186,31 @@ def test_a_model_of_gguf_weights_decodes_from_its_blocks_with_the_same_logits(fm
         assert torch.equal(a, b) and torch.equal(a, c)
     plain = _runner(_llama(num_attention_heads=8, num_key_value_heads=2), torch.float32, True)
     assert plain.decode_stack.scale_ptrs == [] and plain.model.lm_head.blocks is None
+
+
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
+def test_quantization_gguf_takes_one_row_in_8_bits_and_more_rows_exactly(fmt):
+    """--quantization gguf: every linear held as GGUF blocks takes a one-row x quantized to 8 bits a block (llama.cpp's
+    arithmetic, `packing.use_q8_activations`), in the one-region step (weight_blocks | Q8_ACTIVATIONS) and in the
+    model's forward alike: their logits are equal bit for bit over 6 steps of one sequence, and near the exact
+    runner's without being equal (prefill's one logit row goes through the LM head's blocks too). Three sequences
+    (3-row steps) stay exact: the exact runner's logits bit for bit. A model without GGUF weights is refused."""
+    from pdserve_server.engine.execution.cpu_decode_stack import Q4_1_BLOCKS, Q8_0_BLOCKS, Q8_ACTIVATIONS
+
+    model = _gguf_llama(fmt)
+    one, three = [[(5 * j) % 250 for j in range(13)]], [[(7 * i + j) % 250 for j in range(11 + 8 * (i % 2))]
+                                                         for i in range(3)]
+    q8 = _runner(model, torch.float32, True, prompts=3, quantization="gguf")
+    assert q8.decode_stack.weight_blocks == (Q4_1_BLOCKS if fmt == "q4_1" else Q8_0_BLOCKS) | Q8_ACTIVATIONS
+    assert q8.model.lm_head.q8_activations
+    stacked = greedy_steps(q8, one, 6)
+    eager = greedy_steps(_runner(model, torch.float32, False, prompts=3, quantization="gguf"), one, 6)
+    assert all(torch.equal(a, b) for a, b in zip(stacked, eager))
+    exact = _runner(model, torch.float32, True, prompts=3)
+    first = greedy_steps(exact, one, 1)  # prefill and one decode step: the same inputs as the 8-bit runner's
+    for a, b in zip(stacked, first):
+        assert not torch.equal(a, b) and (a - b).abs().max() <= 0.05 * b.abs().max()
+    for a, b in zip(greedy_steps(q8, three, 3), greedy_steps(exact, three, 3)):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="exactly a GGUF's Q4_1 or Q8_0 blocks"):
+        _runner(_llama(num_attention_heads=8, num_key_value_heads=2), torch.float32, True, quantization="gguf")

@@ -541,6 +541,49 @@ def test_blocks_linear_sums_as_the_small_batch_kernel_on_the_dequantized_weight(
                 assert torch.equal(ours, kernels.linear_small_m(x, w, b))
 
 
+def _q8_reference(x: torch.Tensor, qs: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """y [1, N] of linear_blocks's q8_activations arithmetic, from its definition (kernels/cpu_linear.c): x [1, K]
+    quantized per block of 32 (d = max |x| / 127 in fp32, q = x / d rounded half to even), the blocks' integer dot
+    products with q, each times d_w * d; Q4_1's minimum times the exact sum of x over the block. Summed in float64."""
+    xb = x.view(-1, 32)
+    d = xb.abs().amax(-1, keepdim=True) / 127
+    q = torch.round(xb * torch.where(d != 0, 1 / d, torch.zeros_like(d)))
+    w_q = _dequantized(qs, torch.stack([torch.ones_like(scales[..., 0]), torch.zeros_like(scales[..., 0])], -1)
+                       if qs.dtype == torch.uint8 else torch.ones_like(scales)).view(qs.shape[0], -1, 32)
+    dots = (w_q.double() * q.double()).sum(-1)  # [N, K / 32], exact integers
+    d_w = (scales[..., 0] if qs.dtype == torch.uint8 else scales).double()
+    y = (dots * d_w * d.view(-1).double()).sum(-1)
+    if qs.dtype == torch.uint8:
+        y += (scales[..., 1].double() * xb.double().sum(-1)).sum(-1)
+    return y.unsqueeze(0)
+
+
+@pytest.mark.parametrize("out_features,in_features", [(7, 64), (576, 576), (96, 1536)])
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
+def test_blocks_linear_with_8_bit_activations_computes_as_llama_cpp(kernels, out_features, in_features, fmt):
+    """q8_activations (--quantization gguf): one row is quantized to 8 bits a block of 32 and multiplied in integers
+    against the blocks: the result is that arithmetic's (`_q8_reference`, within fp32 summation), at least 10x
+    nearer to it than to the exact product; a block of zeros in x is no division by zero; from 2 rows the flag
+    changes nothing (the exact kernel's bits)."""
+    from pdserve_server.engine.execution.packing import gguf_blocks
+
+    g = torch.Generator().manual_seed(out_features)
+    w = (q4_1_weight if fmt == "q4_1" else q8_0_weight)(out_features, in_features, g)
+    qs, scales = gguf_blocks(w)
+    bias = torch.randn(out_features, generator=g)
+    x = torch.randn(1, in_features, generator=g)
+    x[0, 32:64] = 0  # a block of zeros: its scale is 0
+    ours = kernels.linear_blocks(x, qs, scales, bias, True)
+    reference = (_q8_reference(x, qs, scales) + bias.double()).float()
+    exact = torch.nn.functional.linear(x, w, bias)
+    assert torch.isfinite(ours).all()
+    off, off_exact = (ours - reference).norm(), (ours - exact).norm()
+    assert off <= 1e-5 * reference.norm() and off * 10 <= off_exact
+    rows = torch.randn(3, in_features, generator=g)
+    assert torch.equal(kernels.linear_blocks(rows, qs, scales, bias, True), kernels.linear_blocks(rows, qs, scales,
+                                                                                                   bias))
+
+
 def test_gguf_blocks_are_found_only_where_every_weight_is_one():
     """`gguf_blocks` answers None for what it cannot hold exactly: a weight of another form (one weight off by an ulp
     is enough), K not a multiple of 32, another dtype, a scale past fp16's range; Q4_1 where a weight is both (fewer
