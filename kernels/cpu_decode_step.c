@@ -34,12 +34,20 @@ static inline void linear(const PdserveDecodeStep *a, int i, const void *x, void
         linear_small_m_rows(x, a->weights[i], a->biases[i], y, a->rows, N, K, K);
 }
 
+/* Weights as blocks: prefetch the start of this thread's share of linear i (linear_blocks_warm), before the barrier
+ * and the small ops that come ahead of it. */
+static inline void warm(const PdserveDecodeStep *a, int i, int N, int K) {
+    if (a->weight_blocks && i < 4 * a->layers)
+        linear_blocks_warm(a->weights[i], a->weight_scales[i], a->weight_blocks, a->rows, N, K);
+}
+
 /* One layer, run by every thread of the enclosing region; buf: the thread's buffer (weights as blocks only). */
 static void layer(const PdserveDecodeStep *a, int l, float *buf) {
     const int rows = a->rows, H = a->hidden_size, D = a->head_dim, Q = a->num_heads * D, bf = a->is_bf16;
     const int qkv_width = Q + 2 * a->num_kv_heads * D, I = a->intermediate;
 
     linear(a, 4 * l, a->hidden, a->qkv, qkv_width, H, buf);
+    warm(a, 4 * l + 1, H, Q);
     #pragma omp barrier
     rotary_and_write_kv_for(a->qkv, a->cos, a->sin, (char *)a->k_caches[l], (char *)a->v_caches[l], a->slot_mapping,
                             rows, a->num_heads, a->num_kv_heads, D, qkv_width, a->block_size,
@@ -50,14 +58,17 @@ static void layer(const PdserveDecodeStep *a, int l, float *buf) {
                                qkv_width, a->scale, a->windows[l], bf);
     #pragma omp barrier
     linear(a, 4 * l + 1, a->attn, a->proj, H, Q, buf);
+    warm(a, 4 * l + 2, 2 * I, H);
     #pragma omp barrier
     rms_norm_for(a->proj, a->residual, a->post_norm[l], a->hidden, rows, H, H, a->eps, bf);
     #pragma omp barrier
     linear(a, 4 * l + 2, a->hidden, a->gate_up, 2 * I, H, buf);
+    warm(a, 4 * l + 3, H, I);
     #pragma omp barrier
     silu_and_mul_for(a->gate_up, a->act, rows, I, bf);
     #pragma omp barrier
     linear(a, 4 * l + 3, a->act, a->proj, H, I, buf);
+    warm(a, 4 * l + 4, qkv_width, H);  /* the next layer's qkv */
     #pragma omp barrier
     rms_norm_for(a->proj, a->residual, a->next_norm[l], a->hidden, rows, H, H, a->eps, bf);
     #pragma omp barrier

@@ -103,7 +103,9 @@ typedef struct {
     void PDSERVE_ISA_NAME(linear_blocks_rows, isa)(const float *x, int64_t x_stride, const void *qs,                 \
                                                    const uint16_t *scales, int format, const float *bias, float *y,  \
                                                    int M, int N, int K, float *buf);                                 \
-    float *PDSERVE_ISA_NAME(blocks_buffers, isa)(int max_k, int num_threads);
+    float *PDSERVE_ISA_NAME(blocks_buffers, isa)(int max_k, int num_threads);                                      \
+    void PDSERVE_ISA_NAME(linear_blocks_warm, isa)(const void *qs, const uint16_t *scales, int format, int M, int N, \
+                                                   int K);
 
 /* The GGUF block formats linear_blocks reads (cpu_linear.c), and the floats of its per-thread buffer for rows of K
  * weights: one block of output features (at most 4), dequantized, and one row's scales. PDSERVE_Q8_ACTIVATIONS, or'ed
@@ -137,6 +139,7 @@ PDSERVE_DECLARE_KERNELS(PDSERVE_ISA)
 #define linear_blocks PDSERVE_ISA_NAME(linear_blocks, PDSERVE_ISA)
 #define linear_blocks_rows PDSERVE_ISA_NAME(linear_blocks_rows, PDSERVE_ISA)
 #define blocks_buffers PDSERVE_ISA_NAME(blocks_buffers, PDSERVE_ISA)
+#define linear_blocks_warm PDSERVE_ISA_NAME(linear_blocks_warm, PDSERVE_ISA)
 #define decode_step PDSERVE_ISA_NAME(decode_step, PDSERVE_ISA)
 #define prefill_attention_bf16 PDSERVE_ISA_NAME(prefill_attention_bf16, PDSERVE_ISA)
 #define paged_decode_attention_check PDSERVE_ISA_NAME(paged_decode_attention_check, PDSERVE_ISA)
