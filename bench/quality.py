@@ -3,6 +3,9 @@
 - Perplexity: HF transformers' LlamaForCausalLM on the packaged model, fp32 / bf16 / bf16 with int8 or int4
   weight-only linears (`engine.execution.quantization`, the same modules the engine uses), over a fixed window of
   real English text (bench/prompts.py's corpus, --ppl-tokens tokens from its start), one forward pass.
+- Decode perplexity: the same text through pdserve's engine one token a step (batch-1 decode steps, teacher-forced),
+  for every precision including fp32 with `--quantization gguf`, whose 8-bit rows exist only at batch 1 (HF has no
+  such forward: its perplexity column is empty there).
 - Agreement: pdserve's engine, greedy, 32 tokens on each of the 8 PROMPTS (shared with
   tests/engine/test_dtype.py), against the engine in fp32 (tokens before the first divergence over the stream's
   length: greedy streams differ entirely after one token).
@@ -24,7 +27,8 @@ sys.path.insert(0, str(HERE))
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "List three colors:", "Water boils at",
            "Once upon a time", "import numpy as np\n", "The quick brown fox", "1, 2, 3, 4,"]
-PRECISIONS = (("float32", "none"), ("bfloat16", "none"), ("bfloat16", "int8"), ("bfloat16", "int4"))
+PRECISIONS = (("float32", "none"), ("float32", "gguf"), ("bfloat16", "none"), ("bfloat16", "int8"),
+              ("bfloat16", "int4"))
 
 
 def perplexity(model_dir: str, ids: list[int], dtype: str, quantization: str) -> float:
@@ -40,6 +44,32 @@ def perplexity(model_dir: str, ids: list[int], dtype: str, quantization: str) ->
     with torch.inference_mode():
         logits = model(torch.tensor([ids])).logits[0, :-1].float()
     return math.exp(torch.nn.functional.cross_entropy(logits, torch.tensor(ids[1:])).item())
+
+
+def decode_perplexity(model_dir: str, ids: list[int], dtype: str, quantization: str) -> float:
+    """exp(mean next-token cross-entropy) of `ids` under pdserve's engine, fed one token a decode step (the first as
+    a one-token prefill): every logit row is a batch-1 step's, as a single stream's are."""
+    import torch
+
+    from pdserve_server.engine.args import EngineArgs
+    from pdserve_server.engine.builder import build_engine
+    from pdserve_server.engine.execution.model_runner import StepInputs
+
+    runner = build_engine(EngineArgs(model_dir=model_dir, dtype=dtype, quantization=quantization,
+                                     kv_tokens=len(ids) + 64, max_model_len=len(ids) + 16)).runner
+    bs = runner.block_size
+    table = list(range(-(-len(ids) // bs)))
+    slot = lambda p: table[p // bs] * bs + p % bs  # noqa: E731
+    logits = runner._forward(StepInputs(input_ids=ids[:1], positions=[0], slots=[slot(0)], prefill_query_lens=[1],
+                                        prefill_context_lens=[1], prefill_block_tables=[table], logit_rows=[0]), None)
+    rows = []
+    for p in range(1, len(ids)):
+        rows.append(logits.float())
+        if p < len(ids) - 1:
+            logits = runner._forward(StepInputs(input_ids=[ids[p]], positions=[p], slots=[slot(p)],
+                                                decode_block_tables=[table], decode_context_lens=[p + 1]), None)
+    nll = torch.nn.functional.cross_entropy(torch.cat(rows), torch.tensor(ids[1:]))
+    return math.exp(nll.item())
 
 
 def engine_greedy(model_dir: str, prompts: list[list[int]], dtype: str, quantization: str, n: int) -> list[list[int]]:
@@ -82,14 +112,21 @@ def main() -> None:
     rows, reference = [], None
     for dtype, quant in PRECISIONS:
         t = time.perf_counter()
-        ppl = perplexity(model_dir, text_ids, dtype, quant)
+        ppl = perplexity(model_dir, text_ids, dtype, quant) if quant != "gguf" else None
+        try:
+            decode_ppl = decode_perplexity(model_dir, text_ids, dtype, quant)
+        except ValueError as e:  # --quantization gguf on a model that is no GGUF's (the smoke test's tiny one)
+            print(f"{dtype:>9} {quant:>5}: skipped ({e})", flush=True)
+            continue
         greedy = engine_greedy(model_dir, prompts, dtype, quant, 32)
         reference = reference or greedy
-        row = {"dtype": dtype, "quantization": quant, "perplexity": ppl,
+        row = {"dtype": dtype, "quantization": quant, "perplexity": ppl, "decode_perplexity": decode_ppl,
                "agreement_vs_fp32": agreement(greedy, reference)}
         rows.append(row)
-        print(f"{dtype:>9} {quant:>5}: perplexity {ppl:.3f} over {len(text_ids)} tokens, greedy agreement with the "
-              f"fp32 engine {row['agreement_vs_fp32']:.2f} ({time.perf_counter() - t:.0f} s)", flush=True)
+        hf = f"{ppl:.3f}" if ppl is not None else "-"
+        print(f"{dtype:>9} {quant:>5}: perplexity {hf} (HF), {decode_ppl:.3f} (engine, one token a step) over "
+              f"{len(text_ids)} tokens, greedy agreement with the fp32 engine {row['agreement_vs_fp32']:.2f} "
+              f"({time.perf_counter() - t:.0f} s)", flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps({"commit": commit(), "date": time.strftime("%Y-%m-%d"),
                                               "machine": machine(), "cpu_flags": sorted(cpu_flags() & FLAGS_SHOWN),

@@ -79,6 +79,9 @@ def test_quality_smoke(tiny_model_dir, tmp_path):
     assert [(r["dtype"], r["quantization"]) for r in rows] == [("float32", "none"), ("bfloat16", "none"),
                                                                ("bfloat16", "int8"), ("bfloat16", "int4")]
     assert rows[0]["agreement_vs_fp32"] == 1.0 and all(r["perplexity"] > 1 for r in rows)
+    # the engine fed one token a step computes what HF's one forward pass does (fp32: the same model, exactly)
+    assert all(r["decode_perplexity"] > 1 for r in rows)
+    assert abs(rows[0]["decode_perplexity"] / rows[0]["perplexity"] - 1) < 1e-3
 
 
 def test_speculative_smoke(tiny_model_dir, tmp_path):
