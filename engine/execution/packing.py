@@ -262,10 +262,11 @@ class SmallBatchLinear(nn.Module):
 def use_q8_activations(model: nn.Module) -> int:
     """Have every `SmallBatchLinear` under `model` that holds GGUF blocks compute a one-row x as llama.cpp does:
     quantized to 8 bits per block of 32 (scale max |x| / 127, kept in fp32; llama.cpp's Q8_1 / Q8_0), integer dot
-    products against the blocks (kernels/cpu_linear.c, PDSERVE_Q8_ACTIVATIONS). Batch-1 decode steps then run at
-    about the bytes' speed (2 AVX2 cores: the packaged model's layers 3.8 against 4.9 ms exact, its LM head 0.85
-    against 1.0); from 2 rows, and prefill, the arithmetic stays exact. Lossy: each output's relative error is
-    about 1% on random weights (the row's rounding), as llama.cpp's. Returns how many linears were switched.
+    products against the blocks (kernels/cpu_linear.c, PDSERVE_Q8_ACTIVATIONS): fewer instructions a weight (2 AVX2
+    cores: the packaged model's layers 3.8 against 4.9 ms exact at one row, its LM head 0.85 against 1.0); from 2
+    rows, and prefill, the arithmetic stays exact. Lossy: about 1% relative error in each output on random weights
+    (the row's rounding), +1.2% perplexity on the packaged model (bench/quality.py), as llama.cpp's arithmetic has.
+    Returns how many linears were switched.
 
     Source: ggml-cpu's ggml_vec_dot_q4_1_q8_1 and ggml_vec_dot_q8_0_q8_0 (llama.cpp), whose arithmetic this is, with
     the row's scales in fp32 instead of fp16 and Q4_1's minimum against the exact sum of x.
