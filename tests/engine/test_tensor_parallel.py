@@ -307,7 +307,9 @@ def _cluster_outputs(launch, model_dir, name: str, tp: int, prompts: list[str], 
                      layerwise: bool = False) -> tuple[list, list, float]:
     """Greedy completions from a disaggregated cluster (one prefill, one decode worker) whose workers run `tp`
     ranks each, the workers' GetInfo answers, and the KV bytes the prefill worker sent layer by layer (with
-    `layerwise`: --kv-layerwise; else 0). The cluster is stopped before this returns."""
+    `layerwise`: --kv-layerwise; else 0). Every prompt goes through the prefill worker and the transfer: the
+    coordinator's --local-prefill-queue rule prefilled one on the decode worker on a loaded CI machine (its measured
+    queue looked slower), and the test that counted on a transfer failed. The cluster is stopped before this returns."""
     from pdserve import SamplingParams
     from pdserve.v1 import worker_pb2, worker_pb2_grpc
     from helpers import complete_all, scrape, total
@@ -315,7 +317,8 @@ def _cluster_outputs(launch, model_dir, name: str, tp: int, prompts: list[str], 
 
     cluster = launch(model_dir, name, worker_args=["--dtype", "float32", "--kv-tokens", "2048", "--max-model-len",
                                                    "512", "--tensor-parallel-size", str(tp),
-                                                   *(["--kv-layerwise", "--metrics-port", "0"] if layerwise else [])])
+                                                   *(["--kv-layerwise", "--metrics-port", "0"] if layerwise else [])],
+                     coordinator_args=["--no-local-prefill-queue"])
 
     outs = complete_all(cluster.address,
                         [(p, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)) for p in prompts])
