@@ -43,6 +43,9 @@
  * 1.0 ms; 4, 8 and 16 rows measured alike within noise, 16 best for the head. */
 #define PF_ROWS 16
 
+/* Output features a thread takes at a time for M rows (each small-M kernel here; linear_small_m_rows says why). */
+static inline int block_features(int M) { return M < 4 ? NB : 3; }
+
 typedef float vf __attribute__((vector_size(VW * sizeof(float)), aligned(4), may_alias));  /* unaligned loads */
 
 static inline vf vload(const float *p) { return *(const vf *)p; }
@@ -153,7 +156,7 @@ static __attribute__((noinline)) void block_rows(const float *x, int64_t x_strid
  * N % 3 features (one block) through the general tile. */
 void linear_small_m_rows(const float *x, const float *w, const float *bias, float *y, int M, int N, int K,
                          int64_t x_stride) {
-    const int nbk = M < 4 ? NB : 3;
+    const int nbk = block_features(M);
     const int blocks = (N + nbk - 1) / nbk;
     #pragma omp for schedule(static) nowait
     for (int b = 0; b < blocks; b++) {
@@ -191,6 +194,22 @@ void linear_small_m(const float *x, const float *w, const float *bias, float *y,
  * it (block_rows): the sums are the small-M kernel's on the fp32 tensor, bit for bit, and each weight is dequantized
  * once per call whatever M is. At 1 row (a batch-1 decode step, where the dequantization is the work) the weights stay
  * in registers and each block's scale is applied once (one_row_tile). */
+
+/* Per weight row of the blocks of `format`: bytes of qs, fp16 scales. */
+static inline int64_t blocks_row_bytes(int format, int K) { return format == PDSERVE_Q4_1 ? K / 2 : K; }
+static inline int blocks_row_scales(int format, int K) { return format == PDSERVE_Q4_1 ? K / 16 : K / 32; }
+
+/* In a one-row loop over the K / 32 blocks of NB rows starting at qs: prefetch the NB rows PF_ROWS ahead, spread over
+ * the loop (their 4 * row_bytes bytes are K / 32 cache lines for Q4_1, one a block, and K / 16 for Q8_0, two). */
+static inline void prefetch_rows_ahead(const uint8_t *qs, int64_t row_bytes, int b, int format) {
+    const uint8_t *ahead = qs + PF_ROWS * row_bytes;
+    if (format == PDSERVE_Q4_1) {
+        __builtin_prefetch(ahead + 64 * b);
+    } else {
+        __builtin_prefetch(ahead + 128 * b);
+        __builtin_prefetch(ahead + 128 * b + 64);
+    }
+}
 
 /* fp16 bits -> fp32 for n values, exact (every fp16 value is an fp32 one): F16C's conversion where the build has it,
  * else the bits rearranged (normal and subnormal values; infinities and NaN kept). */
@@ -279,8 +298,7 @@ static inline __attribute__((always_inline)) void one_row_tile(const float *x, c
     vq_f tot[NB];
     for (int j = 0; j < nb; j++) tot[j] = (vq_f){0};
     for (int b = 0; b < K / 32; b++) {
-        __builtin_prefetch(qs + PF_ROWS * row_bytes + 64 * (format == PDSERVE_Q4_1 ? b : 2 * b));
-        if (format != PDSERVE_Q4_1) __builtin_prefetch(qs + PF_ROWS * row_bytes + 64 * (2 * b + 1));
+        prefetch_rows_ahead(qs, row_bytes, b, format);
         const vq_f x0 = *(const vq_f *)(x + 32 * b), x1 = *(const vq_f *)(x + 32 * b + 8);
         const vq_f x2 = *(const vq_f *)(x + 32 * b + 16), x3 = *(const vq_f *)(x + 32 * b + 24);
         for (int j = 0; j < nb; j++) {
@@ -356,8 +374,7 @@ static inline __attribute__((always_inline)) void one_row_q8_tile(const int8_t *
     const __m256i low4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
     for (int b = 0; b < K / 32; b++) {
         const __m256i xv = _mm256_loadu_si256((const __m256i *)(qx + 32 * b));
-        __builtin_prefetch(qs + PF_ROWS * row_bytes + 64 * (q41 ? b : 2 * b));
-        if (!q41) __builtin_prefetch(qs + PF_ROWS * row_bytes + 64 * (2 * b + 1));
+        prefetch_rows_ahead(qs, row_bytes, b, format);
         for (int j = 0; j < nb; j++) {
             const uint8_t *q = qs + j * row_bytes;
             __m256i pairs;
@@ -412,11 +429,10 @@ void linear_blocks_rows(const float *x, int64_t x_stride, const void *qs, const 
                         const float *bias, float *y, int M, int N, int K, float *buf) {
     const int q8 = M == 1 && (format & PDSERVE_Q8_ACTIVATIONS);
     format &= PDSERVE_BLOCKS_FORMAT;
-    const int nbk = M < 4 ? NB : 3;
+    const int nbk = block_features(M);
     const int blocks = (N + nbk - 1) / nbk;
-    /* per weight row: bytes of qs, fp16 scales */
-    const int64_t row_bytes = format == PDSERVE_Q4_1 ? K / 2 : K;
-    const int row_scales = format == PDSERVE_Q4_1 ? K / 16 : K / 32;
+    const int64_t row_bytes = blocks_row_bytes(format, K);
+    const int row_scales = blocks_row_scales(format, K);
     float *xsum = buf + NB * (int64_t)row_scales;  /* M = 1: after the block's scales */
     if (M == 1 && format == PDSERVE_Q4_1)
         for (int b = 0; b < K / 32; b++) {
@@ -469,13 +485,13 @@ void linear_blocks_rows(const float *x, int64_t x_stride, const void *qs, const 
  * each thread's share overlap the small ops between the linears instead of waiting. */
 void linear_blocks_warm(const void *qs, const uint16_t *scales, int format, int M, int N, int K) {
     format &= PDSERVE_BLOCKS_FORMAT;
-    const int nbk = M < 4 ? NB : 3, blocks = (N + nbk - 1) / nbk;
+    const int nbk = block_features(M), blocks = (N + nbk - 1) / nbk;
     const int threads = omp_get_num_threads(), tid = omp_get_thread_num();
     const int q = blocks / threads, extra = blocks % threads;
     const int first = tid * q + (tid < extra ? tid : extra), n0 = first * nbk;
     if (n0 >= N) return;
     const int rows = N - n0 < PF_ROWS ? N - n0 : PF_ROWS;
-    const int64_t row_bytes = format == PDSERVE_Q4_1 ? K / 2 : K, row_scales = format == PDSERVE_Q4_1 ? K / 16 : K / 32;
+    const int64_t row_bytes = blocks_row_bytes(format, K), row_scales = blocks_row_scales(format, K);
     const char *w = (const char *)qs + n0 * row_bytes, *s = (const char *)(scales + n0 * row_scales);
     for (int64_t off = 0; off < rows * row_bytes; off += 64) __builtin_prefetch(w + off);
     for (int64_t off = 0; off < rows * row_scales * 2; off += 64) __builtin_prefetch(s + off);
