@@ -74,11 +74,11 @@ typedef struct {
                                              int format, const float *bias, float *y, int M, int N, int K,           \
                                              int num_threads);                                                       \
     int PDSERVE_ISA_NAME(decode_step, isa)(const PdserveDecodeStep *step, int num_threads);                          \
-    int PDSERVE_ISA_NAME(prefill_attention_bf16, isa)(                                                               \
-        const uint16_t *query, const uint16_t *k_cache, const uint16_t *v_cache, const int32_t *cu_seqlens_q,        \
-        const int32_t *context_lens, const int32_t *block_tables, uint16_t *out, int num_seqs, int num_q_heads,      \
+    int PDSERVE_ISA_NAME(prefill_attention, isa)(                                                                    \
+        const void *query, const void *k_cache, const void *v_cache, const int32_t *cu_seqlens_q,                    \
+        const int32_t *context_lens, const int32_t *block_tables, void *out, int num_seqs, int num_q_heads,          \
         int num_kv_heads, int head_dim, int block_size, int max_blocks, int64_t block_stride, int64_t q_stride,      \
-        float scale, int num_threads, int64_t num_blocks);                                                           \
+        float scale, int is_bf16, int num_threads, int64_t num_blocks);                                              \
     /* orphaned worksharing versions (no region of their own, no closing barrier): cpu_decode_step.c's parts */      \
     int PDSERVE_ISA_NAME(paged_decode_attention_check, isa)(const int32_t *block_tables, const int32_t *context_lens, \
                                                             int num_seqs, int block_size, int max_blocks,            \
@@ -116,8 +116,8 @@ typedef struct {
 #define PDSERVE_Q8_ACTIVATIONS 4
 #define BLOCKS_BUF_FLOATS(K) (4 * (int64_t)(K) + (K) / 16)
 
-/* prefill_attention_bf16's refusals (cpu_prefill_attention.c); a sequence index >= 0 names a bad table. */
-#define PREFILL_UNSUPPORTED (-2)  /* a build without AVX512_BF16: the caller keeps the blocked-GEMM path */
+/* prefill_attention's refusals (cpu_prefill_attention.c); a sequence index >= 0 names a bad table. */
+#define PREFILL_UNSUPPORTED (-2)  /* bf16 in a build without AVX512_BF16: the caller keeps the blocked-GEMM path */
 #define PREFILL_NO_MEMORY (-3)
 
 /* The stack arrays of cpu_decode.c bound what it takes; cpu_ops.py sends larger shapes to the torch reference. */
@@ -141,7 +141,7 @@ PDSERVE_DECLARE_KERNELS(PDSERVE_ISA)
 #define blocks_buffers PDSERVE_ISA_NAME(blocks_buffers, PDSERVE_ISA)
 #define linear_blocks_warm PDSERVE_ISA_NAME(linear_blocks_warm, PDSERVE_ISA)
 #define decode_step PDSERVE_ISA_NAME(decode_step, PDSERVE_ISA)
-#define prefill_attention_bf16 PDSERVE_ISA_NAME(prefill_attention_bf16, PDSERVE_ISA)
+#define prefill_attention PDSERVE_ISA_NAME(prefill_attention, PDSERVE_ISA)
 #define paged_decode_attention_check PDSERVE_ISA_NAME(paged_decode_attention_check, PDSERVE_ISA)
 #define paged_decode_attention_for PDSERVE_ISA_NAME(paged_decode_attention_for, PDSERVE_ISA)
 #define rms_norm_for PDSERVE_ISA_NAME(rms_norm_for, PDSERVE_ISA)

@@ -57,13 +57,13 @@ struct Build {
     decltype(&linear_blocks_base) linear_blocks;
     decltype(&decode_step_base) decode_step;
     decltype(&paged_decode_attention_check_base) paged_decode_attention_check;
-    decltype(&prefill_attention_bf16_base) prefill_attention_bf16;
+    decltype(&prefill_attention_base) prefill_attention;
 };
 
 #define PDSERVE_BUILD(isa, runs_here)                                                                            \
     Build { #isa, runs_here, paged_decode_attention_##isa, rms_norm_##isa, silu_and_mul_##isa,                   \
             rotary_and_write_kv_##isa, causal_softmax_bf16_##isa, linear_small_m_##isa, linear_packed_bf16_##isa,  \
-            linear_blocks_##isa, decode_step_##isa, paged_decode_attention_check_##isa, prefill_attention_bf16_##isa }
+            linear_blocks_##isa, decode_step_##isa, paged_decode_attention_check_##isa, prefill_attention_##isa }
 
 bool always() { return true; }
 
@@ -204,25 +204,27 @@ at::Tensor paged_decode_attention(const at::Tensor &query, const at::Tensor &k_c
     return out;
 }
 
-// Causal prefill attention for bf16 caches in one pass per tile of query rows (cpu_prefill_attention.c): the contract
-// of kernels.reference.prefill_attention without a sliding window. Returns an undefined tensor where the running
-// build has no AVX512_BF16 (the caller keeps the blocked-GEMM path, kernels/cpu_prefill.py).
-at::Tensor prefill_attention_bf16(const at::Tensor &query, const at::Tensor &k_cache, const at::Tensor &v_cache,
-                                  const at::Tensor &cu_seqlens_q, const at::Tensor &context_lens,
-                                  const at::Tensor &block_tables, double scale) {
+// Causal prefill attention in one pass per tile of query rows (cpu_prefill_attention.c): the contract of
+// kernels.reference.prefill_attention without a sliding window, for bf16 or fp32 caches. Returns an undefined tensor
+// for bf16 where the running build has no AVX512_BF16 (the caller keeps the blocked-GEMM path, kernels/cpu_prefill.py).
+at::Tensor prefill_attention(const at::Tensor &query, const at::Tensor &k_cache, const at::Tensor &v_cache,
+                             const at::Tensor &cu_seqlens_q, const at::Tensor &context_lens,
+                             const at::Tensor &block_tables, double scale) {
     check_cpu(query, "query");
-    TORCH_CHECK_VALUE(query.scalar_type() == at::kBFloat16 && query.dim() == 3 && query.stride(2) == 1 &&
+    const bool is_bf16 = query.scalar_type() == at::kBFloat16;
+    TORCH_CHECK_VALUE((is_bf16 || query.scalar_type() == at::kFloat) && query.dim() == 3 && query.stride(2) == 1 &&
                       query.stride(1) == query.size(2), "query must be [num_tokens, num_q_heads, head_dim] bfloat16 "
-                      "with heads dense, got ", query.scalar_type(), " of shape ", query.sizes(), " strides ",
-                      query.strides());
+                      "or float32 with heads dense, got ", query.scalar_type(), " of shape ", query.sizes(),
+                      " strides ", query.strides());
     check_caches(k_cache, v_cache);
     check_same_dtype(k_cache, "k_cache", query, "query");
     const int64_t tokens = query.size(0), num_q_heads = query.size(1), head_dim = query.size(2);
     const int64_t num_blocks = k_cache.size(0), block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
-    TORCH_CHECK_VALUE(k_cache.size(3) == head_dim && num_q_heads % num_kv_heads == 0 && head_dim % 64 == 0 &&
-                      head_dim <= PDSERVE_MAX_HEAD_DIM, "prefill_attention_bf16 takes head_dim a multiple of 64 up to ",
-                      PDSERVE_MAX_HEAD_DIM, " and whole GQA groups; got query ", query.sizes(), " and cache ",
-                      k_cache.sizes());
+    const int64_t dim_multiple = is_bf16 ? 64 : 32;  // bf16: VDPBF16PS's 64-dim P.V tiles; fp32: two AVX-512 vectors
+    TORCH_CHECK_VALUE(k_cache.size(3) == head_dim && num_q_heads % num_kv_heads == 0 &&
+                      head_dim % dim_multiple == 0 && head_dim <= PDSERVE_MAX_HEAD_DIM, "prefill_attention takes ",
+                      query.scalar_type(), " head_dim a multiple of ", dim_multiple, " up to ", PDSERVE_MAX_HEAD_DIM,
+                      " and whole GQA groups; got query ", query.sizes(), " and cache ", k_cache.sizes());
     for (const auto &[t, name] : {std::pair{&cu_seqlens_q, "cu_seqlens_q"}, std::pair{&context_lens, "context_lens"},
                                   std::pair{&block_tables, "block_tables"}}) {
         check_cpu(*t, name);
@@ -240,14 +242,13 @@ at::Tensor prefill_attention_bf16(const at::Tensor &query, const at::Tensor &k_c
                       " query tokens, got ", c[0], " to ", c[num_seqs]);
     at::Tensor out = at::empty(query.sizes(), query.options());
     if (tokens == 0) return out;
-    const int bad = kernels().prefill_attention_bf16(
-        static_cast<const uint16_t *>(query.data_ptr()), static_cast<const uint16_t *>(k_cache.data_ptr()),
-        static_cast<const uint16_t *>(v_cache.data_ptr()), c, lens.data_ptr<int32_t>(), tables.data_ptr<int32_t>(),
-        static_cast<uint16_t *>(out.data_ptr()), num_seqs, num_q_heads, num_kv_heads, head_dim, block_size,
-        tables.size(1), k_cache.stride(0), query.stride(0), static_cast<float>(scale), at::get_num_threads(),
-        num_blocks);
+    const int bad = kernels().prefill_attention(
+        query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), c, lens.data_ptr<int32_t>(),
+        tables.data_ptr<int32_t>(), out.data_ptr(), num_seqs, num_q_heads, num_kv_heads, head_dim, block_size,
+        tables.size(1), k_cache.stride(0), query.stride(0), static_cast<float>(scale), is_bf16,
+        at::get_num_threads(), num_blocks);
     if (bad == PREFILL_UNSUPPORTED) return at::Tensor();
-    TORCH_CHECK(bad != PREFILL_NO_MEMORY, "prefill_attention_bf16: out of memory for its scratch");
+    TORCH_CHECK(bad != PREFILL_NO_MEMORY, "prefill_attention: out of memory for its scratch");
     TORCH_CHECK_VALUE(bad < 0, "sequence ", bad, ": a chunk of ", c[bad + 1] - c[bad], " tokens in a context of ",
                       lens.data_ptr<int32_t>()[bad], " over block table row ", row_text(tables, bad),
                       " is longer than its context, needs more blocks than the row has or names a block outside "
@@ -736,7 +737,7 @@ TORCH_LIBRARY(pdserve, m) {
     m.def("linear_small_m(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor");
     m.def("linear_packed_bf16(Tensor x, int weight_ptr, int out_features, int padded_k, Tensor? bias=None) -> Tensor");
     m.def("linear_blocks(Tensor x, Tensor qs, Tensor scales, Tensor? bias=None, bool q8_activations=False) -> Tensor");
-    m.def("prefill_attention_bf16(Tensor query, Tensor k_cache, Tensor v_cache, Tensor cu_seqlens_q, "
+    m.def("prefill_attention(Tensor query, Tensor k_cache, Tensor v_cache, Tensor cu_seqlens_q, "
           "Tensor context_lens, Tensor block_tables, float scale) -> Tensor");
     m.def("decode_layers_fused(Tensor(a!) residual, Tensor x, Tensor cos, Tensor sin, Tensor slot_mapping, "
           "Tensor block_tables, Tensor context_lens, Tensor(b!)[] k_caches, Tensor(c!)[] v_caches, int[] weight_ptrs, "
@@ -763,7 +764,7 @@ TORCH_LIBRARY_IMPL(pdserve, CPU, m) {
     m.impl("linear_small_m", &linear_small_m);
     m.impl("linear_packed_bf16", &linear_packed_bf16);
     m.impl("linear_blocks", &linear_blocks);
-    m.impl("prefill_attention_bf16", &prefill_attention_bf16);
+    m.impl("prefill_attention", &prefill_attention);
     m.impl("decode_layers_fused", &decode_layers_fused);
     m.impl("decode_layers", &decode_layers);
 }

@@ -5,8 +5,9 @@ small-batch GEMM (`kernels/cpu_linear.c`), called as torch ops.
 The C sources are compiled when pdserve is installed (setup.py), once per ISA level (base, avx2, avx512,
 avx512_bf16 on x86), into one extension, `kernels/_C`, whose torch ops (`pdserve::*`, `kernels/cpu_ops.cpp`) run
 the best level the CPU has. Serving needs no compiler. `$PDSERVE_CPU_ISA` picks a level instead (tests, benchmarks).
-Prefill attention: bf16 caches on a CPU with AVX512_BF16 in C (`kernels/cpu_prefill_attention.c`), anything else
-from `kernels.cpu_prefill` (blocked GEMMs in torch, the softmax in C).
+Prefill attention without a sliding window: fp32 caches, and bf16 ones on a CPU with AVX512_BF16, in C
+(`kernels/cpu_prefill_attention.c`); anything else from `kernels.cpu_prefill` (bf16: blocked GEMMs in torch, the
+softmax in C; fp32: the reference's SDPA).
 
 CPU only: `select_ops` never picks it for another device.
 """
@@ -121,7 +122,7 @@ def _register_fakes() -> None:
     def _(x, qs, scales, bias=None, q8_activations=False):
         return x.new_empty((x.shape[0], qs.shape[0]))
 
-    @torch.library.register_fake("pdserve::prefill_attention_bf16")
+    @torch.library.register_fake("pdserve::prefill_attention")
     def _(query, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale):
         return query.new_empty(query.shape)
 
@@ -170,7 +171,7 @@ class CpuKernels:
         self._silu_and_mul = ops.silu_and_mul.default
         self._rotary_and_write_kv = ops.rotary_and_write_kv.default
         self._causal_softmax = ops.causal_softmax_.default
-        self._prefill_bf16 = ops.prefill_attention_bf16.default
+        self._prefill = ops.prefill_attention.default
         # fp32 (x [M, K], weight [N, K], bias [N] or None) -> x W^T + b [M, N] (`kernels/cpu_linear.c`); raises
         # ValueError on another dtype or mismatched shapes. Fast for small M only:
         # `engine.execution.packing.SmallBatchLinear`.
@@ -271,19 +272,22 @@ class CpuKernels:
                           cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, block_tables: torch.Tensor,
                           scale: float, max_query_len: int | None = None,
                           sliding_window: int | None = 0) -> torch.Tensor:
-        """The contract of `kernels.reference.prefill_attention`: bf16 caches without a sliding window, head_dim a
-        multiple of 64 up to 256, in the avx512_bf16 build: one pass per tile of query rows in C
-        (`kernels/cpu_prefill_attention.c`, VDPBF16PS scores and P.V); otherwise `kernels.cpu_prefill.
-        prefill_attention` (blocked GEMMs) with the softmax in C.
+        """The contract of `kernels.reference.prefill_attention`. Without a sliding window, in C, one pass per tile of
+        query rows (`kernels/cpu_prefill_attention.c`): fp32 caches with head_dim a multiple of 32 (fp32 FMAs; 2 AVX2
+        AMD EPYC Zen 3 cores, SmolLM2's layer at 1,000 tokens: ~3x the reference's SDPA with its explicit mask), bf16
+        ones with head_dim a multiple of 64 in the avx512_bf16 build (VDPBF16PS scores and P.V); head_dim up to 256.
+        Otherwise `kernels.cpu_prefill.prefill_attention` (bf16: blocked GEMMs with the softmax in C; fp32: the
+        reference).
 
         Raises:
             ValueError: a chunk longer than its context, a context longer than its block table row, or a block id
                 outside the cache (the C path; nothing computed), or bad shapes and dtypes.
         """
-        if (query.dtype == torch.bfloat16 and not sliding_window and query.dim() == 3
-                and query.shape[-1] % 64 == 0 and query.shape[-1] <= MAX_HEAD_DIM):
-            out = self._prefill_bf16(query, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale)
-            if out is not None:  # None: the running build has no AVX512_BF16
+        multiple = 64 if query.dtype == torch.bfloat16 else 32
+        if (query.dtype in _C_DTYPES and not sliding_window and query.dim() == 3
+                and query.shape[-1] % multiple == 0 and query.shape[-1] <= MAX_HEAD_DIM):
+            out = self._prefill(query, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale)
+            if out is not None:  # None: bf16 in a build without AVX512_BF16
                 return out
         return cpu_prefill.prefill_attention(query, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables,
                                              scale, max_query_len, sliding_window, softmax=self.causal_softmax,

@@ -1,19 +1,24 @@
-/* Causal prefill attention over paged bf16 K/V with AVX512_BF16 dot products: the scores, the softmax and P.V of a
- * tile of query rows in one pass over the keys they see, in cache-resident scratch.
+/* Causal prefill attention over paged K/V: the scores, the softmax and P.V of a tile of query rows in one pass over
+ * the keys they see, in cache-resident scratch. bf16 caches with AVX512_BF16 dot products; fp32 caches with fp32 FMAs
+ * in every build (vectors of the build's width).
  *
  * Why: the blocked-GEMM path (kernels/cpu_prefill.py) hands each block of query rows to torch's bf16 bmm twice, with
  * the scores written out as a bf16 matrix between them and the query and output blocks copied to and from the GQA
  * layout; on 2 AMD EPYC (Zen 5) cores it reaches 171-251 GFLOP/s on SmolLM2's layer (9 q / 3 kv heads, head_dim 64)
- * where oneDNN's GEMMs reach ~900, and it was ~35% of a 1,000-token prefill. Here a work item is (sequence, kv head,
+ * where oneDNN's GEMMs reach ~900, and it was ~35% of a 1,000-token prefill. fp32 caches went to torch's SDPA with
+ * an explicit causal mask (kernels.reference): 42 GFLOP/s of causal work for a 1,000-token prompt on 2 AVX2 AMD
+ * EPYC (Zen 3) cores against 126 for the layer's GEMMs, a third of the layer. Here a work item is (sequence, kv head,
  * RT query positions): all its G * RT query rows (the GQA group's heads at each position) are scored against the keys
- * with VDPBF16PS (16 keys a vector: each (sequence, kv head)'s K is repacked once a call so that one 64-byte load
- * holds 16 keys' pair of dims), the softmax runs in fp32 on the item's rows, and P.V uses VDPBF16PS again on V
- * repacked in key pairs. Items are spread over the threads dynamically (later positions see more keys).
+ * (bf16: VDPBF16PS, 16 keys a vector, each (sequence, kv head)'s K repacked once a call so that one 64-byte load holds
+ * 16 keys' pair of dims; fp32: FMAs, K repacked VW keys' same dim a vector), the softmax runs in fp32 on the item's
+ * rows, and P.V multiplies V (bf16: repacked in key pairs for VDPBF16PS; fp32: gathered dense) by the
+ * probabilities. Items are spread over the threads dynamically (later positions see more keys).
  *
- * Numerics: q.k in fp32 from exact bf16 products (VDPBF16PS), as SDPA; the softmax, its max and sum in fp32; the
+ * Numerics: q.k in fp32 (bf16: from exact bf16 products, as SDPA); the softmax, its max and sum in fp32; bf16: the
  * probabilities normalised and rounded to bf16 before P.V (the blocked-GEMM path and FlashAttention round them too),
- * P.V accumulated in fp32 and rounded to bf16 once. Only the avx512_bf16 build computes; the other builds return
- * PREFILL_UNSUPPORTED and the caller keeps the blocked-GEMM path.
+ * P.V accumulated in fp32 and rounded to bf16 once; fp32: every step in fp32, summed in another order than SDPA's.
+ * Only the avx512_bf16 build computes bf16; the other builds return PREFILL_UNSUPPORTED for it and the caller keeps
+ * the blocked-GEMM path.
  */
 #include <float.h>
 #include <math.h>
@@ -26,6 +31,14 @@
 
 #define RT 16  /* query positions per work item */
 
+/* 64-byte aligned scratch of at least `bytes` (aligned_alloc wants a multiple of the alignment). */
+static void *scratch(size_t bytes) { return aligned_alloc(64, (bytes + 63) / 64 * 64); }
+
+/* uint32 words pack_kv_bf16 writes for a context of `keys` keys: Kp, then Vp. */
+static inline int64_t packed_words_bf16(int keys, int D) {
+    return (int64_t)(keys + 15) / 16 * 16 * (D / 2) + (int64_t)(keys + 1) / 2 * D;
+}
+
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
 
@@ -35,14 +48,11 @@ static inline const uint16_t *kv_row(const uint16_t *cache, const int32_t *table
     return cache + (int64_t)table[j / block_size] * block_stride + ((int64_t)(j % block_size) * kv_heads + h) * D;
 }
 
-/* 64-byte aligned scratch of at least `bytes` (aligned_alloc wants a multiple of the alignment). */
-static void *scratch(size_t bytes) { return aligned_alloc(64, (bytes + 63) / 64 * 64); }
-
 /* Kp and Vp of one (sequence, kv head) over its `keys` context keys. Kp: 16 keys' pair of dims per 64 bytes,
  * [group of 16 keys][d pair][16] uint32 (keys past the context zero: their scores are never used); Vp: each key pair's
  * two values of each dim side by side (VDPBF16PS's pairs), [key pair][d] uint32, a missing second key zero. */
-static void pack_kv(uint32_t *kp, uint32_t *vp, const uint16_t *k_cache, const uint16_t *v_cache,
-                    const int32_t *table, int keys, int h, int kv_heads, int D, int block_size, int64_t block_stride) {
+static void pack_kv_bf16(uint32_t *kp, uint32_t *vp, const uint16_t *k_cache, const uint16_t *v_cache,
+                         const int32_t *table, int keys, int h, int kv_heads, int D, int block_size, int64_t block_stride) {
     const int groups = (keys + 15) / 16, pairs = (keys + 1) / 2, P2 = D / 2;
     for (int g = 0; g < groups; g++)
         for (int lane = 0; lane < 16; lane++) {
@@ -68,16 +78,11 @@ static void pack_kv(uint32_t *kp, uint32_t *vp, const uint16_t *k_cache, const u
     }
 }
 
-/* uint32 words pack_kv writes for a context of `keys` keys: Kp, then Vp. */
-static inline int64_t packed_words(int keys, int D) {
-    return (int64_t)(keys + 15) / 16 * 16 * (D / 2) + (int64_t)(keys + 1) / 2 * D;
-}
-
 /* One item: positions [t0, t1) of one sequence's chunk, kv head h, over the sequence's packed K/V (kp, vp). q: the
  * chunk's first row (rows q_stride apart); out likewise (rows o_stride apart). Returns 0, or -1 when its scratch
  * could not be allocated (nothing written). */
-static int attend_tile(const uint16_t *q, uint16_t *out, int64_t q_stride, int64_t o_stride, const uint32_t *kp,
-                       const uint32_t *vp, int prefix, int t0, int t1, int h, int G, int D, float scale) {
+static int attend_tile_bf16(const uint16_t *q, uint16_t *out, int64_t q_stride, int64_t o_stride, const uint32_t *kp,
+                            const uint32_t *vp, int prefix, int t0, int t1, int h, int G, int D, float scale) {
     const int keys = prefix + t1;               /* the keys the tile's last position sees */
     const int groups = (keys + 15) / 16, pairs = (keys + 1) / 2, P2 = D / 2;
     const int width = groups * 16;              /* score row length, whole 16-key groups */
@@ -181,26 +186,164 @@ static int attend_tile(const uint16_t *q, uint16_t *out, int64_t q_stride, int64
     free(p);
     return 0;
 }
+#else
+/* Never called: prefill_attention refuses bf16 first in a build without AVX512_BF16. */
+static void pack_kv_bf16(uint32_t *kp, uint32_t *vp, const void *k_cache, const void *v_cache, const int32_t *table,
+                         int keys, int h, int kv_heads, int D, int block_size, int64_t block_stride) {
+    (void)kp; (void)vp; (void)k_cache; (void)v_cache; (void)table; (void)keys; (void)h; (void)kv_heads; (void)D;
+    (void)block_size; (void)block_stride;
+}
+static int attend_tile_bf16(const uint16_t *q, uint16_t *out, int64_t q_stride, int64_t o_stride, const uint32_t *kp,
+                            const uint32_t *vp, int prefix, int t0, int t1, int h, int G, int D, float scale) {
+    (void)q; (void)out; (void)q_stride; (void)o_stride; (void)kp; (void)vp; (void)prefix; (void)t0; (void)t1;
+    (void)h; (void)G; (void)D; (void)scale;
+    return -1;
+}
 #endif
+
+
+/* The fp32 path, in every build: vectors of FW floats (the build's width; unaligned loads). */
+#if defined(__AVX512F__)
+#define FW 16
+#elif defined(__AVX__)
+#define FW 8
+#else
+#define FW 4
+#endif
+typedef float fv __attribute__((vector_size(FW * sizeof(float)), aligned(4), may_alias));
+
+/* Key j's row of kv head h in an fp32 cache paged as [num_blocks, block_size, num_kv_heads, head_dim]. */
+static inline const float *kv_row_f32(const float *cache, const int32_t *table, int j, int h, int block_size,
+                                      int64_t block_stride, int kv_heads, int D) {
+    return cache + (int64_t)table[j / block_size] * block_stride + ((int64_t)(j % block_size) * kv_heads + h) * D;
+}
+
+/* Floats pack_kv_f32 writes for a context of `keys` keys: Kp, then Vp. */
+static inline int64_t packed_floats(int keys, int D) {
+    return (int64_t)(keys + FW - 1) / FW * FW * D + (int64_t)keys * D;
+}
+
+/* Kp and Vp of one (sequence, kv head) over its `keys` context keys. Kp: [group of FW keys][d][FW], so that one vector
+ * holds FW keys' same dim (keys past the context zero: their scores are never used); Vp: [key][d], dense. */
+static void pack_kv_f32(float *kp, float *vp, const float *k_cache, const float *v_cache, const int32_t *table,
+                        int keys, int h, int kv_heads, int D, int block_size, int64_t block_stride) {
+    const int groups = (keys + FW - 1) / FW;
+    for (int g = 0; g < groups; g++)
+        for (int lane = 0; lane < FW; lane++) {
+            const int j = g * FW + lane;
+            float *dst = kp + (int64_t)g * D * FW + lane;
+            const float *src = j < keys ? kv_row_f32(k_cache, table, j, h, block_size, block_stride, kv_heads, D)
+                                        : NULL;
+            for (int d = 0; d < D; d++) dst[d * FW] = src ? src[d] : 0.0f;
+        }
+    for (int j = 0; j < keys; j++)
+        memcpy(vp + (int64_t)j * D, kv_row_f32(v_cache, table, j, h, block_size, block_stride, kv_heads, D),
+               sizeof(float) * D);
+}
+
+/* One fp32 item, as attend_tile: positions [t0, t1) of one sequence's chunk, kv head h, over the sequence's packed
+ * K/V (kp, vp); s: the calling thread's scratch of at least (t1 - t0) * G rows of the keys' whole FW groups. D a
+ * multiple of 2 * FW. */
+static void attend_tile_f32(const float *q, float *out, int64_t q_stride, int64_t o_stride, const float *kp,
+                            const float *vp, int prefix, int t0, int t1, int h, int G, int D, float scale, float *s) {
+    const int keys = prefix + t1;               /* the keys the tile's last position sees */
+    const int width = (keys + FW - 1) / FW * FW;  /* score row length, whole FW-key groups */
+    const int rows = (t1 - t0) * G;             /* row r: position t0 + r / G, head h * G + r % G */
+    /* Scores, 4 rows by 3 key groups at a time (12 accumulators; a short last block of rows repeats its last row). */
+    for (int r0 = 0; r0 < rows; r0 += 4) {
+        const float *qr[4];
+        int seen = 0;
+        for (int i = 0; i < 4; i++) {
+            const int r = r0 + i < rows ? r0 + i : rows - 1;
+            qr[i] = q + (int64_t)(t0 + r / G) * q_stride + (int64_t)(h * G + r % G) * D;
+            const int n = prefix + t0 + r / G + 1;
+            seen = n > seen ? n : seen;
+        }
+        const int ng = (seen + FW - 1) / FW;
+        for (int g = 0; g < ng; g += 3) {
+            const fv *k0 = (const fv *)(kp + (int64_t)g * D * FW);
+            const fv *k1 = g + 1 < ng ? k0 + D : k0, *k2 = g + 2 < ng ? k0 + 2 * D : k0;
+            fv a[4][3] = {{{0}}};
+            for (int d = 0; d < D; d++) {
+                const fv x0 = k0[d], x1 = k1[d], x2 = k2[d];
+                for (int i = 0; i < 4; i++) {
+                    const fv b = (fv){0} + qr[i][d];
+                    a[i][0] += x0 * b;
+                    a[i][1] += x1 * b;
+                    a[i][2] += x2 * b;
+                }
+            }
+            for (int i = 0; i < 4 && r0 + i < rows; i++)
+                for (int c = 0; c < 3 && g + c < ng; c++) *(fv *)(s + (int64_t)(r0 + i) * width + (g + c) * FW) = a[i][c];
+        }
+    }
+    /* Softmax of each row over the keys it sees, in fp32; zero past them (the P.V below reads its block's widest). */
+    for (int r = 0; r < rows; r++) {
+        const int n = prefix + t0 + r / G + 1;
+        float *sr = s + (int64_t)r * width;
+        float m = -FLT_MAX;
+        for (int j = 0; j < n; j++) m = sr[j] > m ? sr[j] : m;
+        float sum = 0.0f;
+        for (int j = 0; j < n; j++) {  /* a loop of its own so that expf vectorizes (libmvec) */
+            sr[j] = expf((sr[j] - m) * scale);
+            sum += sr[j];
+        }
+        const float inv = 1.0f / sum;
+        for (int j = 0; j < n; j++) sr[j] *= inv;
+        for (int j = n; j < width; j++) sr[j] = 0.0f;
+    }
+    /* P.V, 4 rows by 2 vectors of dims at a time (8 accumulators). */
+    for (int r0 = 0; r0 < rows; r0 += 4) {
+        int seen = 0;
+        const float *pr[4];
+        for (int i = 0; i < 4; i++) {
+            const int r = r0 + i < rows ? r0 + i : rows - 1;
+            pr[i] = s + (int64_t)r * width;
+            const int n = prefix + t0 + r / G + 1;
+            seen = n > seen ? n : seen;
+        }
+        for (int d0 = 0; d0 < D; d0 += 2 * FW) {
+            fv a[4][2] = {{{0}}};
+            for (int j = 0; j < seen; j++) {
+                const fv *vr = (const fv *)(vp + (int64_t)j * D + d0);
+                const fv v0 = vr[0], v1 = vr[1];
+                for (int i = 0; i < 4; i++) {
+                    const fv b = (fv){0} + pr[i][j];
+                    a[i][0] += v0 * b;
+                    a[i][1] += v1 * b;
+                }
+            }
+            for (int i = 0; i < 4 && r0 + i < rows; i++) {
+                const int r = r0 + i;
+                fv *o = (fv *)(out + (int64_t)(t0 + r / G) * o_stride + (int64_t)(h * G + r % G) * D + d0);
+                o[0] = a[i][0];
+                o[1] = a[i][1];
+            }
+        }
+    }
+}
 
 /* out[t, hq, :] = softmax(scale * q[t, hq] . K[:p+1]) . V[:p+1] for every query row of every sequence's chunk, p
  * its absolute position (prefix + index in the chunk), K/V of kv head hq / G (the reference:
  * kernels.reference.prefill_attention, without a sliding window).
- * query: [num_tokens, num_q_heads, head_dim] bf16, tokens q_stride elements apart (heads dense); out: the same shape,
- * dense. k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim] bf16, blocks block_stride elements apart.
- * cu_seqlens_q: [num_seqs + 1]; context_lens: [num_seqs] (cached prefix + chunk); block_tables: [num_seqs,
- * max_blocks] int32. head_dim a multiple of 64, at most PDSERVE_MAX_HEAD_DIM.
- * Returns -1 when done; PREFILL_UNSUPPORTED from builds without AVX512_BF16 and PREFILL_NO_MEMORY when scratch could
- * not be allocated (nothing computed in either case; with no memory, some rows may be); else the first sequence
- * whose chunk is longer than its context, whose context needs more blocks than its row has, or whose row names a
- * block outside [0, num_blocks) among those it reads, having computed nothing. */
-int prefill_attention_bf16(const uint16_t *query, const uint16_t *k_cache, const uint16_t *v_cache,
-                           const int32_t *cu_seqlens_q, const int32_t *context_lens, const int32_t *block_tables,
-                           uint16_t *out, int num_seqs, int num_q_heads, int num_kv_heads, int head_dim, int block_size,
-                           int max_blocks, int64_t block_stride, int64_t q_stride, float scale, int num_threads,
-                           int64_t num_blocks) {
-#if defined(__AVX512BF16__)
-    int items = 0;
+ * query: [num_tokens, num_q_heads, head_dim] bf16 (is_bf16) or fp32, tokens q_stride elements apart (heads dense);
+ * out: the same shape and dtype, dense. k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim] of the
+ * query's dtype, blocks block_stride elements apart. cu_seqlens_q: [num_seqs + 1]; context_lens: [num_seqs] (cached
+ * prefix + chunk); block_tables: [num_seqs, max_blocks] int32. head_dim at most PDSERVE_MAX_HEAD_DIM, a multiple of
+ * 64 (bf16) or 32 (fp32).
+ * Returns -1 when done; PREFILL_UNSUPPORTED for bf16 from builds without AVX512_BF16 and PREFILL_NO_MEMORY when
+ * scratch could not be allocated (nothing computed in either case; with no memory, some rows may be); else the first
+ * sequence whose chunk is longer than its context, whose context needs more blocks than its row has, or whose row
+ * names a block outside [0, num_blocks) among those it reads, having computed nothing. */
+int prefill_attention(const void *query, const void *k_cache, const void *v_cache, const int32_t *cu_seqlens_q,
+                      const int32_t *context_lens, const int32_t *block_tables, void *out, int num_seqs,
+                      int num_q_heads, int num_kv_heads, int head_dim, int block_size, int max_blocks,
+                      int64_t block_stride, int64_t q_stride, float scale, int is_bf16, int num_threads,
+                      int64_t num_blocks) {
+#if !defined(__AVX512BF16__)
+    if (is_bf16) return PREFILL_UNSUPPORTED;
+#endif
+    int items = 0, max_keys = 0;
     for (int i = 0; i < num_seqs; i++) {
         const int q_len = cu_seqlens_q[i + 1] - cu_seqlens_q[i], ctx = context_lens[i];
         if (q_len < 0 || q_len > ctx || ctx > (int64_t)max_blocks * block_size) return i;
@@ -209,31 +352,44 @@ int prefill_attention_bf16(const uint16_t *query, const uint16_t *k_cache, const
             if (block < 0 || block >= num_blocks) return i;
         }
         items += (q_len + RT - 1) / RT * num_kv_heads;
+        max_keys = ctx > max_keys ? ctx : max_keys;
     }
     const int G = num_q_heads / num_kv_heads;
-    /* Each (sequence, kv head)'s K/V packed once, in one buffer, before any tile reads them. */
+    /* Each (sequence, kv head)'s K/V packed once, in one buffer, before any tile reads them (offsets in 4-byte
+     * words, each start 64-byte aligned). */
     int64_t *offset = malloc(sizeof(int64_t) * ((size_t)num_seqs * num_kv_heads + 1));
     if (!offset) return PREFILL_NO_MEMORY;
     offset[0] = 0;
     for (int i = 0; i < num_seqs; i++)
         for (int h = 0; h < num_kv_heads; h++) {
             const int64_t at = (int64_t)i * num_kv_heads + h;
-            offset[at + 1] = offset[at] + (packed_words(context_lens[i], head_dim) + 15) / 16 * 16;
+            const int64_t words = is_bf16 ? packed_words_bf16(context_lens[i], head_dim)
+                                          : packed_floats(context_lens[i], head_dim);
+            offset[at + 1] = offset[at] + (words + 15) / 16 * 16;
         }
     uint32_t *packed = scratch((size_t)offset[(int64_t)num_seqs * num_kv_heads] * 4);
     if (!packed) {
         free(offset);
         return PREFILL_NO_MEMORY;
     }
+    /* fp32: each thread's scores, RT positions' rows of the longest context's whole groups */
+    const size_t scores_bytes = (size_t)RT * G * ((max_keys + FW - 1) / FW * FW) * sizeof(float);
     int failed = 0;
     #pragma omp parallel num_threads(num_threads) reduction(|:failed)
     {
+        float *s = is_bf16 ? NULL : scratch(scores_bytes);
+        failed |= !is_bf16 && !s;
         #pragma omp for schedule(dynamic, 1)
         for (int job = 0; job < num_seqs * num_kv_heads; job++) {
             const int i = job / num_kv_heads, h = job % num_kv_heads, keys = context_lens[i];
+            const int32_t *table = block_tables + (int64_t)i * max_blocks;
             uint32_t *kp = packed + offset[job];
-            pack_kv(kp, kp + (int64_t)(keys + 15) / 16 * 16 * (head_dim / 2), k_cache, v_cache,
-                    block_tables + (int64_t)i * max_blocks, keys, h, num_kv_heads, head_dim, block_size, block_stride);
+            if (is_bf16)
+                pack_kv_bf16(kp, kp + (int64_t)(keys + 15) / 16 * 16 * (head_dim / 2), k_cache, v_cache, table,
+                             keys, h, num_kv_heads, head_dim, block_size, block_stride);
+            else
+                pack_kv_f32((float *)kp, (float *)kp + (int64_t)(keys + FW - 1) / FW * FW * head_dim, k_cache,
+                            v_cache, table, keys, h, num_kv_heads, head_dim, block_size, block_stride);
         }
         /* the loop's barrier: every K/V is packed */
         #pragma omp for schedule(dynamic, 1)
@@ -251,18 +407,20 @@ int prefill_attention_bf16(const uint16_t *query, const uint16_t *k_cache, const
             const int t0 = tile * RT, t1 = t0 + RT < q_len ? t0 + RT : q_len;
             const int64_t o_stride = (int64_t)num_q_heads * head_dim;
             const uint32_t *kp = packed + offset[(int64_t)i * num_kv_heads + h];
-            failed |= attend_tile(query + (int64_t)start * q_stride, out + (int64_t)start * o_stride, q_stride,
-                                  o_stride, kp, kp + (int64_t)(keys + 15) / 16 * 16 * (head_dim / 2), prefix, t0, t1,
-                                  h, G, head_dim, scale) != 0;
+            if (is_bf16)
+                failed |= attend_tile_bf16((const uint16_t *)query + (int64_t)start * q_stride,
+                                           (uint16_t *)out + (int64_t)start * o_stride, q_stride, o_stride, kp,
+                                           kp + (int64_t)(keys + 15) / 16 * 16 * (head_dim / 2), prefix, t0, t1, h,
+                                           G, head_dim, scale) != 0;
+            else if (s)
+                attend_tile_f32((const float *)query + (int64_t)start * q_stride, (float *)out + (int64_t)start *
+                                o_stride, q_stride, o_stride, (const float *)kp, (const float *)kp +
+                                (int64_t)(keys + FW - 1) / FW * FW * head_dim, prefix, t0, t1, h, G, head_dim, scale,
+                                s);
         }
+        free(s);
     }
     free(packed);
     free(offset);
     return failed ? PREFILL_NO_MEMORY : -1;
-#else
-    (void)query; (void)k_cache; (void)v_cache; (void)cu_seqlens_q; (void)context_lens; (void)block_tables;
-    (void)out; (void)num_seqs; (void)num_q_heads; (void)num_kv_heads; (void)head_dim; (void)block_size;
-    (void)max_blocks; (void)block_stride; (void)q_stride; (void)scale; (void)num_threads; (void)num_blocks;
-    return PREFILL_UNSUPPORTED;
-#endif
 }

@@ -310,8 +310,8 @@ def test_blocked_prefill_matches_reference(kernels, softmax, dtype, block_size, 
     backend's prefill) in each build: chunks of 1 token, shorter and longer than one query block, whole prompts and
     chunks after cached prefixes that do and do not end on a block edge.
     16-bit: the scores are rounded to the cache dtype once (HF eager's numerics), so the bound is a few roundings
-    (seen: bf16 4-5e-3, relative Frobenius); one visible key masked wrongly moves rows by far more. fp32 is the
-    reference itself."""
+    (seen: bf16 4-5e-3, relative Frobenius); one visible key masked wrongly moves rows by far more. fp32: the torch
+    path is the reference itself; the backend's is the C kernel (fp32 reassociation)."""
     from pdserve_server.kernels.cpu_prefill import prefill_attention
 
     seqs = [(1, 1), (17, 17), (200, 3), (333 + 70, 70), (130, 130), (65 + 65, 65), (64 + 200, 200)]  # (ctx, chunk)
@@ -323,12 +323,13 @@ def test_blocked_prefill_matches_reference(kernels, softmax, dtype, block_size, 
     out = attend(q, k_cache, v_cache, cu, lens, table, d ** -0.5)
     ref = reference.prefill_attention(q, k_cache, v_cache, cu, lens, table, d ** -0.5)
     assert out.dtype == dtype and out.shape == q.shape
-    if dtype == torch.float32:
+    if dtype == torch.float32 and softmax == "torch":
         assert torch.equal(out, ref)
         return
+    bound = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-5}[dtype]
     for i, (s, e) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):  # every sequence, not just the sum
         err = float((out[s:e].double() - ref[s:e].double()).norm() / ref[s:e].double().norm())
-        assert err < (1e-2 if dtype == torch.bfloat16 else 2e-3), (i, seqs[i], err)
+        assert err < bound, (i, seqs[i], err)
 
 
 @pytest.mark.parametrize("rows,end", [(1, 1), (5, 5), (64, 300), (128, 128), (7, 4000)])
@@ -447,11 +448,11 @@ def test_packed_bf16_linear_refuses_what_it_does_not_compute(kernels):
 
 
 def test_prefill_attention_in_c_where_the_build_has_avx512_bf16(kernels):
-    """`pdserve::prefill_attention_bf16` (kernels/cpu_prefill_attention.c) computes in the avx512_bf16 build, within
+    """`pdserve::prefill_attention` (kernels/cpu_prefill_attention.c) computes bf16 in the avx512_bf16 build, within
     bf16 rounding of the reference (chunks of 1 to 40 tokens after prefixes, GQA groups of 4, head_dim 64 and 128;
     test_blocked_prefill_matches_reference runs it on longer chunks through the backend's prefill), refuses tables
     it would read outside of, and returns None from the other builds (the backend then runs the blocked GEMMs)."""
-    op = torch.ops.pdserve.prefill_attention_bf16.default
+    op = torch.ops.pdserve.prefill_attention.default
     for d in (64, 128):
         seqs = [(1, 1), (40, 40), (23 + 5, 5), (100 + 16, 16)]  # (ctx, chunk)
         k_cache, v_cache, table, lens = _paged([c for c, _ in seqs], 16, 2, d, torch.bfloat16, seed=d)
@@ -466,15 +467,54 @@ def test_prefill_attention_in_c_where_the_build_has_avx512_bf16(kernels):
         for i, (s, e) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
             err = float((out[s:e].double() - ref[s:e].double()).norm() / ref[s:e].double().norm())
             assert err < 1e-2, (d, seqs[i], err)
+    _check_prefill_refusals(op, q, k_cache, v_cache, cu, lens, table, multiple=64)
+
+
+def _check_prefill_refusals(op, q, k_cache, v_cache, cu, lens, table, multiple):
+    """`pdserve::prefill_attention` on tables it would read outside of and on a head_dim it does not take: a
+    ValueError naming the fault."""
+    short = lens.clone()
+    short[2] = int(cu[3] - cu[2]) - 1  # a context shorter than its chunk
     with pytest.raises(ValueError, match="longer than its context"):
-        op(q, k_cache, v_cache, cu, torch.tensor([1, 40, 4, 116], dtype=torch.int32), table, 0.1)
+        op(q, k_cache, v_cache, cu, short, table, 0.1)
     bad = table.clone()
     bad[1, 0] = k_cache.shape[0]
     with pytest.raises(ValueError, match="names a block outside"):
         op(q, k_cache, v_cache, cu, lens, bad, 0.1)
-    with pytest.raises(ValueError, match="head_dim a multiple of 64"):
-        op(q[..., :32].contiguous(), k_cache[..., :32].contiguous(), v_cache[..., :32].contiguous(), cu, lens, table,
+    d = multiple // 2
+    with pytest.raises(ValueError, match=f"head_dim a multiple of {multiple}"):
+        op(q[..., :d].contiguous(), k_cache[..., :d].contiguous(), v_cache[..., :d].contiguous(), cu, lens, table,
            0.1)
+
+
+@pytest.mark.parametrize("d", [32, 64, 128])
+def test_fp32_prefill_attention_in_c_matches_reference(kernels, d):
+    """fp32 caches through `pdserve::prefill_attention` in every build (FMAs on vectors of the build's width): within
+    fp32 reassociation of the reference's SDPA (1e-5 relative, each sequence) for chunks of 1 to 300 tokens, whole
+    prompts and chunks after cached prefixes on and off block edges, more positions than one tile (16) and tails of
+    rows and key groups, GQA groups of 4 and 1; the query a strided view of a fused qkv row (as the model passes it);
+    the same bits at 1 and 2 threads (each row is one thread's sum); and the refusals of the bf16 path."""
+    op = torch.ops.pdserve.prefill_attention.default
+    seqs = [(1, 1), (40, 40), (23 + 5, 5), (100 + 16, 16), (300, 300), (64 + 33, 33)]  # (ctx, chunk)
+    q_lens = [q for _, q in seqs]
+    cu = torch.tensor([0] + q_lens).cumsum(0).to(torch.int32)
+    threads = torch.get_num_threads()
+    for hq, hkv in ((8, 2), (4, 4)):
+        k_cache, v_cache, table, lens = _paged([c for c, _ in seqs], 16, hkv, d, torch.float32, seed=d + hq)
+        fused = torch.randn(sum(q_lens), hq + 2 * hkv, d, generator=torch.Generator().manual_seed(hq))
+        q = fused[:, :hq]  # tokens (hq + 2 hkv) * d apart, heads dense
+        out = op(q, k_cache, v_cache, cu, lens, table, d ** -0.5)
+        assert out.dtype == torch.float32 and out.shape == q.shape
+        ref = reference.prefill_attention(q.contiguous(), k_cache, v_cache, cu, lens, table, d ** -0.5)
+        for i, (s, e) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+            err = float((out[s:e].double() - ref[s:e].double()).norm() / ref[s:e].double().norm())
+            assert err < 1e-5, (hq, hkv, seqs[i], err)
+        torch.set_num_threads(1)
+        try:
+            assert torch.equal(op(q, k_cache, v_cache, cu, lens, table, d ** -0.5), out)
+        finally:
+            torch.set_num_threads(threads)
+    _check_prefill_refusals(op, q, k_cache, v_cache, cu, lens, table, multiple=32)
 
 
 def q4_1_weight(out_features: int, in_features: int, g: torch.Generator) -> torch.Tensor:
