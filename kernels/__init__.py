@@ -122,9 +122,9 @@ def select_ops(backend: str, device: torch.device | str) -> AttentionOps:
 
 def _cpu_ops() -> AttentionOps:
     """The "cpu" backend: the C decode kernel, KV write, per-token ops and small-batch fp32 linear
-    (`kernels.cpu_ops`), and prefill attention for 16-bit caches: in C for bf16 on a CPU with AVX512_BF16
-    (`kernels/cpu_prefill_attention.c`), else as blocked GEMMs (`kernels.cpu_prefill`, its softmax in C); fp32 takes
-    the reference's.
+    (`kernels.cpu_ops`), and prefill attention: in C for fp32 caches and for bf16 ones on a CPU with AVX512_BF16
+    (`kernels/cpu_prefill_attention.c`), else as blocked GEMMs (`kernels.cpu_prefill`, its softmax in C); a sliding
+    window takes the blocked GEMMs (16-bit) or the reference (fp32).
 
     Raises:
         KernelLoadError: the compiled kernels are missing or do not load.

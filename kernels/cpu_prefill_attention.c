@@ -52,7 +52,8 @@ static inline const uint16_t *kv_row(const uint16_t *cache, const int32_t *table
  * [group of 16 keys][d pair][16] uint32 (keys past the context zero: their scores are never used); Vp: each key pair's
  * two values of each dim side by side (VDPBF16PS's pairs), [key pair][d] uint32, a missing second key zero. */
 static void pack_kv_bf16(uint32_t *kp, uint32_t *vp, const uint16_t *k_cache, const uint16_t *v_cache,
-                         const int32_t *table, int keys, int h, int kv_heads, int D, int block_size, int64_t block_stride) {
+                         const int32_t *table, int keys, int h, int kv_heads, int D, int block_size,
+                         int64_t block_stride) {
     const int groups = (keys + 15) / 16, pairs = (keys + 1) / 2, P2 = D / 2;
     for (int g = 0; g < groups; g++)
         for (int lane = 0; lane < 16; lane++) {
@@ -274,7 +275,8 @@ static void attend_tile_f32(const float *q, float *out, int64_t q_stride, int64_
                 }
             }
             for (int i = 0; i < 4 && r0 + i < rows; i++)
-                for (int c = 0; c < 3 && g + c < ng; c++) *(fv *)(s + (int64_t)(r0 + i) * width + (g + c) * FW) = a[i][c];
+                for (int c = 0; c < 3 && g + c < ng; c++)
+                    *(fv *)(s + (int64_t)(r0 + i) * width + (g + c) * FW) = a[i][c];
         }
     }
     /* Softmax of each row over the keys it sees, in fp32; zero past them (the P.V below reads its block's widest). */
