@@ -39,6 +39,19 @@ static inline int64_t packed_words_bf16(int keys, int D) {
     return (int64_t)(keys + 15) / 16 * 16 * (D / 2) + (int64_t)(keys + 1) / 2 * D;
 }
 
+/* sr[j] = exp(scale * (sr[j] - max)) for j < n, in place (scale > 0, so the scores' max is the scaled ones'); returns
+ * their sum: a row's softmax before its normalisation. */
+static inline float exp_row(float *sr, int n, float scale) {
+    float m = -FLT_MAX;
+    for (int j = 0; j < n; j++) m = sr[j] > m ? sr[j] : m;
+    float sum = 0.0f;
+    for (int j = 0; j < n; j++) {  /* a loop of its own so that expf vectorizes (libmvec) */
+        sr[j] = expf((sr[j] - m) * scale);
+        sum += sr[j];
+    }
+    return sum;
+}
+
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
 
@@ -131,14 +144,7 @@ static int attend_tile_bf16(const uint16_t *q, uint16_t *out, int64_t q_stride, 
     for (int r = 0; r < rows; r++) {
         const int n = prefix + t0 + r / G + 1;
         float *sr = s + (int64_t)r * width;
-        float m = -FLT_MAX;
-        for (int j = 0; j < n; j++) m = sr[j] > m ? sr[j] : m;
-        float sum = 0.0f;
-        for (int j = 0; j < n; j++) {  /* a loop of its own so that expf vectorizes (libmvec) */
-            sr[j] = expf((sr[j] - m) * scale);
-            sum += sr[j];
-        }
-        const float inv = 1.0f / sum;
+        const float inv = 1.0f / exp_row(sr, n, scale);
         uint16_t *pr = p + (int64_t)r * pstride;
         const __m512 vinv = _mm512_set1_ps(inv);
         int j = 0;
@@ -283,14 +289,7 @@ static void attend_tile_f32(const float *q, float *out, int64_t q_stride, int64_
     for (int r = 0; r < rows; r++) {
         const int n = prefix + t0 + r / G + 1;
         float *sr = s + (int64_t)r * width;
-        float m = -FLT_MAX;
-        for (int j = 0; j < n; j++) m = sr[j] > m ? sr[j] : m;
-        float sum = 0.0f;
-        for (int j = 0; j < n; j++) {  /* a loop of its own so that expf vectorizes (libmvec) */
-            sr[j] = expf((sr[j] - m) * scale);
-            sum += sr[j];
-        }
-        const float inv = 1.0f / sum;
+        const float inv = 1.0f / exp_row(sr, n, scale);
         for (int j = 0; j < n; j++) sr[j] *= inv;
         for (int j = n; j < width; j++) sr[j] = 0.0f;
     }
