@@ -274,7 +274,7 @@ class CpuKernels:
                           sliding_window: int | None = 0) -> torch.Tensor:
         """The contract of `kernels.reference.prefill_attention`. Without a sliding window, in C, one pass per tile of
         query rows (`kernels/cpu_prefill_attention.c`): fp32 caches with head_dim a multiple of 32 (fp32 FMAs; 2 AVX2
-        AMD EPYC Zen 3 cores, SmolLM2's layer at 1,000 tokens: ~3x the reference's SDPA with its explicit mask), bf16
+        AMD EPYC Zen 3 cores, SmolLM2's layer: 1.9-3.5x the reference's SDPA with its explicit mask), bf16
         ones with head_dim a multiple of 64 in the avx512_bf16 build (VDPBF16PS scores and P.V); head_dim up to 256.
         Otherwise `kernels.cpu_prefill.prefill_attention` (bf16: blocked GEMMs with the softmax in C; fp32: the
         reference).
