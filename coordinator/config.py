@@ -56,6 +56,9 @@ class CoordinatorConfig:
         local_prefill_queue: disaggregated mode: a decode worker prefills a request itself when it is predicted to
             give the first token sooner than the prefill workers' queues would, each at its measured rate.
         (The three make `coordinator.router.LocalPrefillPolicy`.)
+        token_streams: read each decode worker's tokens from one stream per worker that carries every request's,
+            a message per engine step (worker.proto's StreamTokens), instead of from each request's Decode call;
+            workers that do not serve one are read per call.
         max_request_bytes: the largest request message the public port takes, bytes (gRPC refuses a larger one
             with RESOURCE_EXHAUSTED before parsing it); 0 = sized from the context window
             (`validation.request_bytes_limit`).
@@ -131,6 +134,9 @@ class CoordinatorConfig:
     local_prefill_queue: bool = field(default=True, metadata={
         "help": "disaggregated: a decode worker prefills a request itself when it would give the first token "
                 "sooner than the prefill workers' queues (measured rates)"})
+    token_streams: bool = field(default=True, metadata={
+        "help": "read a decode worker's tokens for every request from one stream, a message per engine step, "
+                "instead of a message per request per step on each request's call (off: per call)"})
     max_request_bytes: int = field(default=0, metadata={"min": 0,
         "help": "largest request message on the public port, bytes (0 = sized from the model's context window)"})
     rate_limit_requests_per_s: float = field(default=0.0, metadata={"min": 0, "help": "per key; 0 = unlimited"})

@@ -16,10 +16,12 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from pdserve_server.coordinator import token_stream
 from pdserve_server.coordinator.errors import RequestError, from_rpc_error
 from pdserve_server.coordinator.record import RequestRecord
 from pdserve_server.coordinator.router import Router, WorkerHandle
 from pdserve_server.coordinator.scheduling import RequestScheduling, check_first_token_deadline, without_deadline
+from pdserve_server.coordinator.token_stream import Subscription
 from pdserve.v1 import generate_pb2, worker_pb2
 from pdserve_server.server_common.tracing import tracer
 
@@ -27,6 +29,11 @@ from pdserve_server.server_common.tracing import tracer
 # transfer completes, so before the decode worker could have finished): the Final's Timings.transfer_ms and the
 # access record carry it instead of 0. Bounded, so a slow prefill worker cannot hold a finished request.
 TRANSFER_REPORT_WAIT_S = 1.0
+# A Decode call whose tokens go on a token stream ends after its last tokens were written there: once its end is
+# seen, its last tokens are waited for this long at most before the request fails as if the worker were lost.
+CALL_END_WAIT_S = 10.0
+# A request cut by the coordinator's drain (`Flow.shut_down`): no worker is at fault.
+SHUTTING_DOWN = "the server is shutting down; retry the request (its drain timeout passed)"
 
 log = logging.getLogger(__name__)
 
@@ -139,8 +146,7 @@ class WorkerCall:
             return None
         except (grpc.aio.AioRpcError, asyncio.CancelledError) as e:
             if self.flow.shutting_down:  # no worker is at fault: nothing to migrate, nobody to mark down
-                raise RequestError(grpc.StatusCode.UNAVAILABLE, "the server is shutting down; retry the request "
-                                                                "(its drain timeout passed)") from e
+                raise RequestError(grpc.StatusCode.UNAVAILABLE, SHUTTING_DOWN) from e
             if isinstance(e, asyncio.CancelledError):  # our own cancel (Abort) or the client's
                 raise
             if self.flow.aborted:
@@ -156,30 +162,110 @@ class WorkerCall:
                 await aclose()
 
 
-async def _decode_stream(call: WorkerCall, num_samples: int = 1) -> AsyncIterator[Tokens | WorkerFinish]:
-    """A Decode call's events until every one of its num_samples samples has finished: a DecodeTokens message
-    becomes one Tokens per sample it carries (in the order they first appear)."""
+def _events(tokens: worker_pb2.DecodeTokens, finished, sent_at: float) -> list[Tokens | WorkerFinish]:
+    """One worker message's events: a Tokens per sample its tokens belong to (in the order they first appear),
+    then a WorkerFinish per DecodeFinished."""
+    by_sample: dict[int, list] = {}
+    for t in tokens.tokens:
+        by_sample.setdefault(t.index, []).append(t)
+    out: list[Tokens | WorkerFinish] = [Tokens(ts, tokens.num_cached_tokens, index, sent_at)
+                                        for index, ts in by_sample.items()]
+    return out + [_finish(f) for f in finished]
+
+
+def _finish(f: worker_pb2.DecodeFinished) -> WorkerFinish:
+    return WorkerFinish(f.finish_reason, f.stop_token_id if f.HasField("stop_token_id") else None,
+                        f.num_draft_tokens, f.num_accepted_tokens, f.index)
+
+
+async def _decode_stream(call: WorkerCall, num_samples: int = 1,
+                         sub: Subscription | None = None) -> AsyncIterator[Tokens | WorkerFinish]:
+    """A Decode call's events until every one of its num_samples samples has finished, from the call's own stream
+    or, with `sub`, from its worker's token stream (the call then ends after its last tokens were sent there)."""
+    if sub is not None:
+        async for item in _token_stream_events(call, sub, num_samples):
+            yield item
+        return
     left = num_samples
     while True:
         msg = await call.next()
         if msg is None:
-            raise RequestError(grpc.StatusCode.UNAVAILABLE, f"decode worker {call.worker.address} ended the stream "
-                                                            "early", worker=call.worker.address,
-                               public="the decode worker ended the stream early")
+            raise _ended_early(call.worker)
         kind = msg.WhichOneof("response")
         if kind == "tokens":
-            by_sample: dict[int, list] = {}
-            for t in msg.tokens.tokens:
-                by_sample.setdefault(t.index, []).append(t)
-            for index, tokens in by_sample.items():
-                yield Tokens(tokens, msg.tokens.num_cached_tokens, index, msg.tokens.sent_at)
+            for item in _events(msg.tokens, (), msg.tokens.sent_at):
+                yield item
         elif kind == "finished":
-            f = msg.finished
-            yield WorkerFinish(f.finish_reason, f.stop_token_id if f.HasField("stop_token_id") else None,
-                               f.num_draft_tokens, f.num_accepted_tokens, f.index)
+            yield _finish(msg.finished)
             left -= 1
             if left == 0:
                 return
+
+
+async def _token_stream_events(call: WorkerCall, sub: Subscription,
+                               num_samples: int) -> AsyncIterator[Tokens | WorkerFinish]:
+    """`_decode_stream` over a token stream: the request's parts of it, while a task reads the call to its end
+    (its error, or an Abort's cancellation, ends this too)."""
+    watcher = asyncio.get_running_loop().create_task(token_stream.watch(call.next, sub))
+    left, call_ended = num_samples, False
+    try:
+        while True:
+            try:
+                # The call ends only after its last tokens were written on the stream, which the same connection
+                # delivers: waiting for them past its end is bounded, in case they never come.
+                item = await sub.get(CALL_END_WAIT_S if call_ended else None)
+            except TimeoutError:
+                raise _ended_early(call.worker) from None
+            if isinstance(item, token_stream.CallEnded):
+                call_ended = True
+                continue
+            part, sent_at = item
+            for event in _events(part.tokens, part.finished, sent_at):
+                yield event
+                if isinstance(event, WorkerFinish):
+                    left -= 1
+                    if left == 0:
+                        return
+    finally:
+        watcher.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await watcher
+
+
+def _ended_early(worker: WorkerHandle) -> RequestError:
+    return RequestError(grpc.StatusCode.UNAVAILABLE, f"decode worker {worker.address} ended the stream early",
+                        worker=worker.address, public="the decode worker ended the stream early")
+
+
+async def _subscribe(worker: WorkerHandle, flow: Flow, request_id: str, use: bool,
+                     timeout_s: float) -> Subscription | None:
+    """request_id's subscription to the worker's token stream when `use` and the worker serves one, else None (the
+    tokens come on the Decode call's own stream). Waiting for the stream to open is one of the flow's calls (an
+    Abort or the coordinator's drain cuts it, as they cut a worker call) and is bounded by timeout_s.
+
+    Raises:
+        RequestError: the stream could not be opened (the worker named), or did not open within timeout_s
+            (DEADLINE_EXCEEDED); UNAVAILABLE "shutting down" when the coordinator's drain cut it.
+        asyncio.CancelledError: an Abort.
+    """
+    if not use or worker.info is None or not worker.info.token_streams:
+        return None
+    if worker.token_stream is None:
+        worker.token_stream = token_stream.TokenStream(worker)
+    waiting = asyncio.ensure_future(worker.token_stream.subscribe(request_id))
+    flow.calls.append(waiting)
+    try:
+        return await asyncio.wait_for(waiting, timeout_s)
+    except TimeoutError:
+        raise RequestError(grpc.StatusCode.DEADLINE_EXCEEDED, f"{worker.info.role} worker {worker.address}: its "
+                           "token stream did not open within the request's deadline", worker=worker.address,
+                           public="the worker did not answer within the request's deadline") from None
+    except asyncio.CancelledError:
+        if flow.shutting_down:
+            raise RequestError(grpc.StatusCode.UNAVAILABLE, SHUTTING_DOWN) from None
+        raise
+    finally:
+        flow.calls.remove(waiting)
 
 
 def _pick_decode(router: Router, num_tokens: int, prompt: list[int] | None = None,
@@ -234,36 +320,44 @@ def _check_due(worker: WorkerHandle, num_tokens: int, due: tuple[float, str] | N
 async def run_colocated(router: Router, flow: Flow, request_id: str, prompt: list[int], generated: list[int],
                         sampling: generate_pb2.SamplingParams, timeout_s: float,
                         scheduling: worker_pb2.SchedulingHints | None = None,
-                        due: tuple[float, str] | None = None) -> AsyncIterator[Tokens | WorkerFinish]:
+                        due: tuple[float, str] | None = None,
+                        token_streams: bool = False) -> AsyncIterator[Tokens | WorkerFinish]:
     """One worker computes the prompt (and `generated`, the tokens a lost worker had sent) and decodes: a colocated
     worker, or a decode worker prefilling locally (`Router.local_prefill`). scheduling: the engine's hints; due:
-    when the first token must come (refused before the call when the worker's predicted wait passes it)."""
+    when the first token must come (refused before the call when the worker's predicted wait passes it);
+    token_streams: read the tokens from the worker's token stream where it serves one."""
     context = prompt + generated
     salt = scheduling.cache_salt if scheduling is not None else ""
     with router.lease(_pick_decode(router, len(prompt) + sampling.max_tokens, context, salt), len(context)) as worker:
         _check_due(worker, len(context), due)  # before the prompt joins its queue: the wait ahead of it
         with worker.prefill_queue.track(len(context)) as first_token:
             flow.prefill_worker = flow.decode_worker = worker.address
+            sub = await _subscribe(worker, flow, request_id, token_streams, timeout_s)
             call = WorkerCall(worker.decode.Decode(worker_pb2.DecodeRequest(
                 request_id=request_id, prompt_token_ids=prompt, sampling=sampling, output_token_ids=generated,
-                kv_source=worker_pb2.KV_SOURCE_LOCAL, scheduling=scheduling), timeout=timeout_s), worker, flow)
+                kv_source=worker_pb2.KV_SOURCE_LOCAL, scheduling=scheduling,
+                token_stream_id=sub.stream_id if sub is not None else ""), timeout=timeout_s), worker, flow)
             try:
-                async for item in _decode_stream(call, sampling.n or 1):
+                async for item in _decode_stream(call, sampling.n or 1, sub):
                     first_token()  # the prefill is done: a rate sample (once)
                     yield item
             finally:
+                if sub is not None:
+                    sub.close()
                 await call.close()
 
 
 async def run_disaggregated(router: Router, flow: Flow, request_id: str, prompt: list[int], generated: list[int],
                             sampling: generate_pb2.SamplingParams, arrival: float, timeout_s: float,
                             scheduling: worker_pb2.SchedulingHints | None = None,
-                            due: tuple[float, str] | None = None) -> AsyncIterator[Tokens | WorkerFinish]:
+                            due: tuple[float, str] | None = None,
+                            token_streams: bool = False) -> AsyncIterator[Tokens | WorkerFinish]:
     """Reserve on a decode worker, prefill on a prefill worker (first token streamed at once, KV pushed to the
     reservation), then stream the decode worker's tokens. A failed transfer surfaces as its own error.
     `generated`: tokens a lost worker had sent (a migration); both workers resume after them. scheduling: the
     engines' hints (the decode worker's without the TTFT deadline: the prefill worker gives the first token); due:
-    when the first token must come (refused before either call when the prefill worker's predicted wait passes it).
+    when the first token must come (refused before either call when the prefill worker's predicted wait passes it);
+    token_streams: read the decode worker's tokens from its token stream where it serves one.
     """
     context = prompt + generated  # what the prefill worker computes (and then holds in its prefix cache)
     salt = scheduling.cache_salt if scheduling is not None else ""
@@ -275,9 +369,11 @@ async def run_disaggregated(router: Router, flow: Flow, request_id: str, prompt:
         _check_due(prefill_choice, len(context), due)
         flow.decode_worker = decode.address
         decode_scheduling = without_deadline(scheduling) if scheduling is not None else None
+        sub = await _subscribe(decode, flow, request_id, token_streams, timeout_s)
         dcall = WorkerCall(decode.decode.Decode(worker_pb2.DecodeRequest(
             request_id=request_id, prompt_token_ids=prompt, sampling=sampling, output_token_ids=generated,
-            kv_source=worker_pb2.KV_SOURCE_REMOTE, scheduling=decode_scheduling), timeout=timeout_s), decode, flow,
+            kv_source=worker_pb2.KV_SOURCE_REMOTE, scheduling=decode_scheduling,
+            token_stream_id=sub.stream_id if sub is not None else ""), timeout=timeout_s), decode, flow,
             peer=prefill_choice.address)
         pcall: WorkerCall | None = None
         watcher: asyncio.Task | None = None
@@ -322,7 +418,7 @@ async def run_disaggregated(router: Router, flow: Flow, request_id: str, prompt:
             watcher = asyncio.create_task(watch_transfer())
             try:
                 recorded = False
-                async for item in _decode_stream(dcall):
+                async for item in _decode_stream(dcall, 1, sub):
                     if not recorded:  # the KV arrived and joined the batch: its blocks enter that prefix cache
                         router.record_prefix(decode, context, received=True, cache_salt=salt)
                         recorded = True
@@ -334,6 +430,8 @@ async def run_disaggregated(router: Router, flow: Flow, request_id: str, prompt:
                     raise transfer_error[0] from None
                 raise
         finally:
+            if sub is not None:
+                sub.close()
             dcall.call.cancel()
             if pcall is not None:
                 pcall.call.cancel()

@@ -323,15 +323,18 @@ class RequestPath:
         sched = flow.scheduling
         hints = sched.hints(first_sent) if sched is not None else None
         due = sched.first_token_due(flow.deadline, first_sent) if sched is not None else None
+        streams = self.config.token_streams
         if self.config.colocated or sampling.n > 1:  # samples fork from a prompt computed where they decode
-            return flows.run_colocated(router, flow, worker_rid, prompt, p.generated, sampling, timeout_s, hints, due)
+            return flows.run_colocated(router, flow, worker_rid, prompt, p.generated, sampling, timeout_s, hints, due,
+                                       streams)
         local = router.local_prefill(prompt + p.generated, self.cluster.local_prefill,
                                      hints.cache_salt if hints is not None else "")
         if local is not None:
             self.metrics.local_prefills.labels(self.config.model_name, local).inc()
-            return flows.run_colocated(router, flow, worker_rid, prompt, p.generated, sampling, timeout_s, hints, due)
+            return flows.run_colocated(router, flow, worker_rid, prompt, p.generated, sampling, timeout_s, hints, due,
+                                       streams)
         return flows.run_disaggregated(router, flow, worker_rid, prompt, p.generated, sampling, arrival_wall,
-                                       timeout_s, hints, due)
+                                       timeout_s, hints, due, streams)
 
     @staticmethod
     async def _relay(source, sample: SampleStream, flow: flows.Flow):

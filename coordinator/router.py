@@ -33,6 +33,7 @@ import grpc
 from pdserve_server.coordinator.errors import RequestError
 from pdserve_server.coordinator.prefill_queue import PrefillQueue
 from pdserve_server.coordinator.prefix_index import PrefixIndex, block_hashes
+from pdserve_server.coordinator.token_stream import TokenStream
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 
 
@@ -56,6 +57,8 @@ class WorkerHandle:
         blocks_routed: KV blocks of requests routed here since `stats` was taken (decode headroom estimate).
         prefill_queue: prompt tokens routed here for prefill, awaiting their first token, and the measured rate
             (prefill workers; decode workers for their local prefills).
+        token_stream: this coordinator's token stream to the worker (`coordinator.token_stream`; decode roles),
+            made on the first request that uses it.
     """
 
     address: str
@@ -71,6 +74,7 @@ class WorkerHandle:
     stats: worker_pb2.WorkerStats | None = None
     blocks_routed: int = 0
     prefill_queue: PrefillQueue = field(default_factory=PrefillQueue)
+    token_stream: TokenStream | None = None
 
     @classmethod
     def connect(cls, address: str, channel: grpc.aio.Channel) -> "WorkerHandle":

@@ -5,12 +5,15 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import AsyncIterator
 
 import grpc
 
 from pdserve_server.kv_transfer.choice import choose_backend
 from pdserve_server.decode_worker.reservations import Reservation, Reservations, ReservationState
+from pdserve_server.decode_worker.token_streams import Draining, TokenOutbox, TokenStreamClosed, TokenStreams
 from pdserve_server.engine.errors import EngineError, ErrorKind
+from pdserve_server.engine.core.async_engine import RequestStream
 from pdserve_server.engine.request import Request
 from pdserve_server.kv_transfer import release_transports
 from pdserve_server.kv_transfer.receiver import KvReceiver
@@ -39,12 +42,21 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
                  stream_interval: int = 1):
         self.worker, self.reservations, self.kv_timeout_s = worker, reservations, kv_timeout_s
         self.stream_interval = stream_interval
+        self.token_streams = TokenStreams(worker.metrics.token_stream_sent if worker is not None else lambda n: None)
 
     async def Decode(self, request: worker_pb2.DecodeRequest, context: grpc.aio.ServicerContext):
         rid = request.request_id
         remote = request.kv_source == worker_pb2.KV_SOURCE_REMOTE
         started = time.time()  # the TTFT deadline counts from the call's start
+        outbox: TokenOutbox | None = None
         try:
+            if request.token_stream_id:  # tokens go on the caller's StreamTokens stream, a message a step for all
+                try:
+                    outbox = self.token_streams.use(request.token_stream_id)
+                except Draining as e:  # the caller reads it as a lost worker: the request goes elsewhere
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+                except LookupError as e:
+                    await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
             # A remote-KV request gets its first token from the prefill worker: no deadline here, the rest applies.
             scheduling = scheduling_from_proto(request.scheduling if request.HasField("scheduling") else None,
                                                started, with_deadline=not remote)
@@ -68,39 +80,76 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
                                 {"pdserve.request_id": rid, "pdserve.kv.blocks": len(reserved.block_ids)})
                 else:
                     yield worker_pb2.DecodeResponse(reserved=worker_pb2.DecodeReserved())
-                decode_started, num_tokens = time.time(), 0
-                samples_left = req.sampling.n  # parallel sampling: one DecodeFinished per sample, the last ends it
-                pending: list = []  # --stream-interval: tokens held until N are due (the first and a finish go at once)
-                while True:
-                    new = await stream.next_batch()
-                    pending += new
-                    # held tokens carry no finish (a finish is sent at once): only the new ones need looking at
-                    if (num_tokens and len(pending) < self.stream_interval
-                            and all(ev.finish_reason is None for ev in new)):
+                async for tokens, finished, last in self._messages(stream, req):
+                    if outbox is not None:
+                        # The last entry waits for its write: this call then ends OK after its tokens were sent.
+                        await outbox.put(worker_pb2.RequestTokens(request_id=rid, tokens=tokens, finished=finished),
+                                         wait=last)
                         continue
-                    batch, pending = pending, []
-                    num_tokens += len(batch)
-                    yield worker_pb2.DecodeResponse(tokens=worker_pb2.DecodeTokens(
-                        tokens=[token_to_proto(ev.token, ev.index) for ev in batch],
-                        num_cached_tokens=max(ev.num_cached_tokens for ev in batch), sent_at=time.time()))
-                    for done in (ev for ev in batch if ev.finish_reason is not None):
-                        samples_left -= 1
-                        msg = worker_pb2.DecodeFinished(finish_reason=FINISH_REASON_TO_PROTO[done.finish_reason],
-                                                        num_draft_tokens=done.num_draft_tokens,
-                                                        num_accepted_tokens=done.num_accepted_tokens,
-                                                        index=done.index)
-                        if done.stop_token_id is not None:
-                            msg.stop_token_id = done.stop_token_id
-                        if samples_left == 0:
-                            # Recorded before the last message: a caller that has what it needs may end the call,
-                            # and the stream is then closed at this yield (code after it never runs).
-                            record_span("decode", decode_started, time.time(),
-                                        {"pdserve.request_id": rid, "gen_ai.usage.output_tokens": num_tokens})
+                    tokens.sent_at = time.time()
+                    yield worker_pb2.DecodeResponse(tokens=tokens)
+                    for msg in finished:
                         yield worker_pb2.DecodeResponse(finished=msg)
-                        if samples_left == 0:
-                            return
         except EngineError as e:
             await abort_with(context, e)
+        except TokenStreamClosed as e:  # the caller's token stream ended: its requests cannot be delivered
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        finally:
+            if outbox is not None:
+                outbox.release()
+
+    async def _messages(self, stream: RequestStream, req: Request
+                        ) -> AsyncIterator[tuple[worker_pb2.DecodeTokens, list[worker_pb2.DecodeFinished], bool]]:
+        """The request's tokens as it should send them: (tokens, the DecodeFinished of samples they ended, whether
+        it is the request's last), `stream_interval` tokens at a time (the first tokens and a finish at once).
+
+        Raises:
+            EngineError: as `RequestStream.next`.
+        """
+        decode_started, num_tokens = time.time(), 0
+        samples_left = req.sampling.n  # parallel sampling: one DecodeFinished per sample, the last ends it
+        pending: list = []  # --stream-interval: tokens held until N are due (the first and a finish go at once)
+        while True:
+            new = await stream.next_batch()
+            pending += new
+            # held tokens carry no finish (a finish is sent at once): only the new ones need looking at
+            if num_tokens and len(pending) < self.stream_interval and all(ev.finish_reason is None for ev in new):
+                continue
+            batch, pending = pending, []
+            num_tokens += len(batch)
+            tokens = worker_pb2.DecodeTokens(tokens=[token_to_proto(ev.token, ev.index) for ev in batch],
+                                             num_cached_tokens=max(ev.num_cached_tokens for ev in batch))
+            finished = []
+            for done in (ev for ev in batch if ev.finish_reason is not None):
+                samples_left -= 1
+                msg = worker_pb2.DecodeFinished(finish_reason=FINISH_REASON_TO_PROTO[done.finish_reason],
+                                                num_draft_tokens=done.num_draft_tokens,
+                                                num_accepted_tokens=done.num_accepted_tokens, index=done.index)
+                if done.stop_token_id is not None:
+                    msg.stop_token_id = done.stop_token_id
+                finished.append(msg)
+            if samples_left == 0:
+                # Recorded before the last message: a caller that has what it needs may end the call, and the
+                # stream is then closed at the caller's yield (code after it never runs).
+                record_span("decode", decode_started, time.time(),
+                            {"pdserve.request_id": req.request_id, "gen_ai.usage.output_tokens": num_tokens})
+            yield tokens, finished, samples_left == 0
+            if samples_left == 0:
+                return
+
+    async def StreamTokens(self, request: worker_pb2.TokenStreamRequest, context: grpc.aio.ServicerContext):
+        """Open the caller's token stream (`token_streams.TokenOutbox`) and send its messages until the caller
+        cancels it or the worker drains. INVALID_ARGUMENT / ALREADY_EXISTS for an empty or open stream_id."""
+        try:
+            outbox = self.token_streams.open(request.stream_id)
+        except ValueError as e:
+            code = grpc.StatusCode.ALREADY_EXISTS if request.stream_id else grpc.StatusCode.INVALID_ARGUMENT
+            await context.abort(code, str(e))
+        try:
+            async for batch in outbox.batches():
+                yield batch
+        finally:
+            self.token_streams.close(outbox)
 
     async def RenewLease(self, request: worker_pb2.RenewLeaseRequest, context: grpc.aio.ServicerContext):
         try:
@@ -156,7 +205,8 @@ async def serve(config: WorkerConfig) -> None:
     try:
         await serve_worker(config, worker, WorkerServicer(config.role, worker, kv_address, connector),
                            lambda server: worker_pb2_grpc.add_DecodeServicer_to_server(decode, server),
-                           "pdserve.v1.Decode", secret, tracing, kv_address=kv_address)
+                           "pdserve.v1.Decode", secret, tracing, on_drain=decode.token_streams.drain,
+                           kv_address=kv_address)
     finally:
         if receiver is not None:
             receiver.close()

@@ -54,12 +54,14 @@ class RunningServer:
         await self.health.set(LIVENESS_SERVICE, _status(live))
 
     async def serve_until_cancelled(self, drain_timeout_s: float, in_flight: Callable[[], int],
-                                    cut: Callable[[], None] | None = None) -> None:
+                                    cut: Callable[[], None] | None = None,
+                                    on_drain: Callable[[], None] | None = None) -> None:
         """Serve until the task is cancelled (SIGTERM/SIGINT), then drain: readiness NOT_SERVING, a short notice
         for pollers when requests are in flight, then refuse new calls and give in-flight ones what is left of
         drain_timeout_s to finish. `cut`, if given, is called CUT_MARGIN_S before that time is up while requests
-        remain, so they can end with a status of the server's choosing (grpc would cancel them). A second cancel
-        cuts the drain short."""
+        remain, so they can end with a status of the server's choosing (grpc would cancel them); `on_drain` as new
+        calls stop being taken (long-lived streams end once the requests they serve have, instead of holding the
+        stop for its whole grace). A second cancel cuts the drain short."""
         try:
             # Shielded: grpcio's wait_for_termination awaits the server's shutdown future itself, so cancelling it
             # cancelled that future, and the stop below then raised at once: every stream was cut when the drain
@@ -69,6 +71,8 @@ class RunningServer:
             await self.set_serving(False)
             notice = min(DRAIN_NOTICE_S, drain_timeout_s) if in_flight() and drain_timeout_s > 0 else 0.0
             await asyncio.sleep(notice)
+            if on_drain is not None:
+                on_drain()
             stopping = asyncio.ensure_future(self.server.stop(grace=drain_timeout_s - notice))
             if cut is not None:
                 await asyncio.wait({stopping}, timeout=max(0.0, drain_timeout_s - notice - CUT_MARGIN_S))

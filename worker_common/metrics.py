@@ -95,7 +95,19 @@ class WorkerMetrics:
         self.reservations_expired = Counter(
             "pdserve:kv_reservations_expired", "Decode reservations freed because no KV came within the lease.",
             LABELS, registry=registry).labels(*labels)
+        self.token_stream_messages = Counter(
+            "pdserve:token_stream_messages", "Messages sent on token streams (StreamTokens: a message per engine step "
+            "carrying the tokens of every request a coordinator has here).", LABELS, registry=registry).labels(*labels)
+        self.token_stream_parts = Counter(
+            "pdserve:token_stream_request_parts", "Requests' parts of the token stream messages (over "
+            "pdserve:token_stream_messages: the requests a message carries).", LABELS,
+            registry=registry).labels(*labels)
         self.labels = labels
+
+    def token_stream_sent(self, parts: int) -> None:
+        """A token stream message with `parts` requests' tokens was sent."""
+        self.token_stream_messages.inc()
+        self.token_stream_parts.inc(parts)
 
     def transfer_done(self, layerwise: bool, seconds: float, num_bytes: int, staged_bytes: int) -> None:
         """Record one finished KV send: seconds after the first token (see the histogram's help), bytes sent, and

@@ -174,6 +174,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             kv_connector=self.kv_connector,
             max_request_tokens=max_request_tokens(c.num_blocks, c.block_size, window, s.max_model_len),
             instance_id=self.instance_id, tensor_parallel_size=c.tensor_parallel_size, kv_sliding_window=window,
+            token_streams=self.role != "prefill",
             max_request_blocks=max_request_blocks(c.num_blocks, c.block_size, window, s.max_num_batched_tokens),
             kv_events=self.kv_events is not None, kv_offload_blocks=self.worker.kv_offload_blocks)
 
@@ -232,7 +233,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
 async def serve_worker(config: WorkerConfig, worker: WorkerEngine, servicer: WorkerServicer,
                        add_role: Callable[[grpc.aio.Server], None], role_service: str, secret: str | None,
-                       tracing: Tracing, **ready: str) -> None:
+                       tracing: Tracing, on_drain: Callable[[], None] | None = None, **ready: str) -> None:
     """Serve the Worker service plus the role's own until cancelled, then stop the server and the engine. An engine
     fault ends it too: readiness and liveness NOT_SERVING, the drain of a SIGTERM, then CommandError.
 
@@ -241,6 +242,7 @@ async def serve_worker(config: WorkerConfig, worker: WorkerEngine, servicer: Wor
         role_service: its full name, e.g. "pdserve.v1.Prefill" (for health and reflection).
         secret: the cluster secret callers must present (None: no authentication).
         tracing: the process's tracing (its server interceptors continue the coordinator's traces).
+        on_drain: called as a SIGTERM's drain starts (`RunningServer.serve_until_cancelled`).
         ready: extra fields for the ready file (e.g. kv_address).
 
     An engine process that dies is restarted in place instead when `config.engine_restart` is on
@@ -296,7 +298,7 @@ async def serve_worker(config: WorkerConfig, worker: WorkerEngine, servicer: Wor
                      **metrics_url(config.server, metrics))
     try:
         await running.serve_until_cancelled(config.server.drain_timeout_s,
-                                            in_flight=lambda: len(worker.engine.streams))
+                                            in_flight=lambda: len(worker.engine.streams), on_drain=on_drain)
     except asyncio.CancelledError:
         if not faults:
             raise

@@ -1,0 +1,145 @@
+"""The coordinator's end of a worker's token stream (`coordinator.token_stream`), over a scripted stream: parts go to
+their requests, one opening serves concurrent requests, and a stream that breaks ends every request on it with the
+worker's UNAVAILABLE (so they migrate) and is reopened by the next request."""
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from pdserve.v1 import worker_pb2
+from pdserve_server.coordinator.errors import RequestError
+from pdserve_server.coordinator.router import WorkerHandle
+from pdserve_server.coordinator.token_stream import CallEnded, TokenStream, watch
+
+
+class ScriptedCall:
+    """A StreamTokens call whose messages the test feeds (`feed`), or breaks (`fail`)."""
+
+    def __init__(self):
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.cancelled = False
+
+    def feed(self, *parts: tuple[str, list[int]]) -> None:
+        self.queue.put_nowait(worker_pb2.TokenStreamBatch(sent_at=1.0, requests=[
+            worker_pb2.RequestTokens(request_id=rid, tokens=worker_pb2.DecodeTokens(
+                tokens=[worker_pb2.SampledToken(token_id=t) for t in ids])) for rid, ids in parts]))
+
+    def fail(self) -> None:
+        self.queue.put_nowait(grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(),
+                                                   grpc.aio.Metadata(), "Socket closed"))
+
+    async def read(self):
+        item = await self.queue.get()
+        if isinstance(item, Exception):
+            raise item
+        return item
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class ScriptedDecodeStub:
+    def __init__(self):
+        self.calls: list[tuple[str, ScriptedCall]] = []
+
+    def StreamTokens(self, request):
+        call = ScriptedCall()
+        call.feed()  # the opening (empty) message
+        self.calls.append((request.stream_id, call))
+        return call
+
+
+def worker() -> WorkerHandle:
+    stub = ScriptedDecodeStub()
+    return WorkerHandle("10.0.0.9:7000", None, None, None, stub,
+                        info=worker_pb2.WorkerInfo(role="colocated", token_streams=True))
+
+
+def test_parts_reach_their_requests_and_one_opening_serves_concurrent_requests():
+    async def main():
+        w = worker()
+        stream = TokenStream(w)
+        a, b = await asyncio.gather(stream.subscribe("a"), stream.subscribe("b"))
+        assert len(w.decode.calls) == 1 and a.stream_id == b.stream_id == w.decode.calls[0][0]
+        call = w.decode.calls[0][1]
+        call.feed(("a", [1, 2]), ("b", [3]), ("gone", [4]))  # a part for a request that left is dropped
+        call.feed(("b", [5]))
+        part, sent_at = await a.get(5)
+        assert [t.token_id for t in part.tokens.tokens] == [1, 2] and sent_at == 1.0
+        assert [[t.token_id for t in (await b.get(5))[0].tokens.tokens] for _ in range(2)] == [[3], [5]]
+        a.close()
+        call.feed(("a", [9]))
+        call.feed(("b", [6]))
+        assert [t.token_id for t in (await b.get(5))[0].tokens.tokens] == [6]
+        with pytest.raises(TimeoutError):
+            await a.get(0.05)  # left: nothing more is handed to it
+
+    asyncio.run(main())
+
+
+def test_a_broken_stream_fails_its_requests_as_lost_and_the_next_request_reopens():
+    async def main():
+        w = worker()
+        stream = TokenStream(w)
+        a = await stream.subscribe("a")
+        first = w.decode.calls[0][1]
+        first.fail()
+        with pytest.raises(RequestError) as e:
+            await a.get(5)
+        assert e.value.code == grpc.StatusCode.UNAVAILABLE and e.value.worker == "10.0.0.9:7000"
+        assert first.cancelled
+        b = await stream.subscribe("b")
+        assert len(w.decode.calls) == 2 and b.stream_id != a.stream_id
+        w.decode.calls[1][1].feed(("b", [7]))
+        assert [t.token_id for t in (await b.get(5))[0].tokens.tokens] == [7]
+
+    asyncio.run(main())
+
+
+def test_a_stream_that_will_not_open_is_the_workers_error():
+    class Refusing(ScriptedDecodeStub):
+        def StreamTokens(self, request):
+            call = ScriptedCall()
+            call.fail()
+            return call
+
+    async def main():
+        w = worker()
+        w.decode = Refusing()
+        with pytest.raises(RequestError) as e:
+            await TokenStream(w).subscribe("a")
+        assert e.value.code == grpc.StatusCode.UNAVAILABLE and e.value.worker == "10.0.0.9:7000"
+
+    asyncio.run(main())
+
+
+def test_watch_hands_on_the_decode_calls_end():
+    async def main():
+        w = worker()
+        stream = TokenStream(w)
+        sub = await stream.subscribe("a")
+        messages = iter([worker_pb2.DecodeResponse(reserved=worker_pb2.DecodeReserved()), None])
+
+        async def ok():
+            return next(messages)
+
+        await watch(ok, sub)
+        assert isinstance(await sub.get(5), CallEnded)
+
+        async def failed():
+            raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED, "no room", worker="w")
+
+        await watch(failed, sub)
+        with pytest.raises(RequestError, match="no room"):
+            await sub.get(5)
+
+        async def aborted():
+            raise asyncio.CancelledError  # the call was cancelled (an Abort), not the watch
+
+        await watch(aborted, sub)
+        with pytest.raises(asyncio.CancelledError):
+            await sub.get(5)
+
+    asyncio.run(main())
