@@ -205,7 +205,8 @@ async def _decode_stream(call: WorkerCall, num_samples: int = 1,
 async def _token_stream_events(call: WorkerCall, sub: Subscription,
                                num_samples: int) -> AsyncIterator[Tokens | WorkerFinish]:
     """`_decode_stream` over a token stream: the request's parts of it, while a task reads the call to its end
-    (its error, or an Abort's cancellation, ends this too)."""
+    (its error, or an Abort's cancellation, ends this too). Parts that queued while the previous events were
+    being sent are merged: one Tokens per sample, stamped with the oldest part's send time."""
     watcher = asyncio.get_running_loop().create_task(token_stream.watch(call.next, sub))
     left, call_ended = num_samples, False
     try:
@@ -213,19 +214,32 @@ async def _token_stream_events(call: WorkerCall, sub: Subscription,
             try:
                 # The call ends only after its last tokens were written on the stream, which the same connection
                 # delivers: waiting for them past its end is bounded, in case they never come.
-                item = await sub.get(CALL_END_WAIT_S if call_ended else None)
+                items = await sub.take(CALL_END_WAIT_S if call_ended else None)
             except TimeoutError:
                 raise _ended_early(call.worker) from None
-            if isinstance(item, token_stream.CallEnded):
-                call_ended = True
-                continue
-            part, sent_at = item
-            for event in _events(part.tokens, part.finished, sent_at):
+            merged = worker_pb2.DecodeTokens()
+            finished: list = []
+            sent_at, error = 0.0, None
+            for item in items:
+                if isinstance(item, BaseException):
+                    error = item  # raised once the tokens before it are passed on
+                    break
+                if isinstance(item, token_stream.CallEnded):
+                    call_ended = True
+                    continue
+                part, stamp = item
+                merged.tokens.extend(part.tokens.tokens)
+                merged.num_cached_tokens = max(merged.num_cached_tokens, part.tokens.num_cached_tokens)
+                finished += part.finished
+                sent_at = min(sent_at, stamp) if sent_at else stamp
+            for event in _events(merged, finished, sent_at):
                 yield event
                 if isinstance(event, WorkerFinish):
                     left -= 1
                     if left == 0:
                         return
+            if error is not None:
+                raise error
     finally:
         watcher.cancel()
         with contextlib.suppress(asyncio.CancelledError):

@@ -10,6 +10,7 @@ migrate, as when their own calls fail); the next request opens a new one.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import uuid
 from dataclasses import dataclass, field
@@ -43,38 +44,37 @@ class _Open:
 
 class Subscription:
     """One request's events from its worker's token stream: (RequestTokens, sent_at seconds) pairs, then
-    `CallEnded` from its Decode call (`watch`), or an error. Leave with `close` (or `with`)."""
+    `CallEnded` from its Decode call (`watch`), or an error (RequestError, asyncio.CancelledError). Leave with
+    `close`."""
 
     def __init__(self, stream: _Open, request_id: str):
         self.stream_id, self.request_id = stream.stream_id, request_id
         self._stream = stream
-        self._queue: asyncio.Queue = asyncio.Queue()
+        self._items: collections.deque = collections.deque()
+        self._ready = asyncio.Event()
 
     def put(self, item) -> None:
-        self._queue.put_nowait(item)
+        self._items.append(item)
+        self._ready.set()
 
-    async def get(self, timeout_s: float | None = None):
-        """The next (RequestTokens, sent_at) or CallEnded.
+    async def take(self, timeout_s: float | None = None) -> list:
+        """Every event queued now, in order, once there is one: a request whose client reads slower than its worker
+        steps gets its waiting tokens in one go (one chunk to its client instead of one per step, as vLLM's output
+        collector merges a lagging request's outputs).
 
         Raises:
-            RequestError: the stream or the request's Decode call failed (the worker named).
-            asyncio.CancelledError: the Decode call was cancelled (an Abort).
             TimeoutError: nothing came within timeout_s.
         """
-        item = await (self._queue.get() if timeout_s is None else asyncio.wait_for(self._queue.get(), timeout_s))
-        if isinstance(item, BaseException):
-            raise item
-        return item
+        if not self._items:
+            self._ready.clear()
+            await (self._ready.wait() if timeout_s is None else asyncio.wait_for(self._ready.wait(), timeout_s))
+        items = list(self._items)
+        self._items.clear()
+        return items
 
     def close(self) -> None:
         if self._stream.subscriptions.get(self.request_id) is self:
             del self._stream.subscriptions[self.request_id]
-
-    def __enter__(self) -> Subscription:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
 
 class TokenStream:

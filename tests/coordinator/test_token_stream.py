@@ -51,6 +51,18 @@ class ScriptedDecodeStub:
         return call
 
 
+async def take_one(sub):
+    """The subscription's next event (these tests queue one at a time)."""
+    (item,) = await sub.take(5)
+    if isinstance(item, BaseException):
+        raise item
+    return item
+
+
+def ids(item) -> list[int]:
+    return [t.token_id for t in item[0].tokens.tokens]
+
+
 def worker() -> WorkerHandle:
     stub = ScriptedDecodeStub()
     return WorkerHandle("10.0.0.9:7000", None, None, None, stub,
@@ -66,15 +78,16 @@ def test_parts_reach_their_requests_and_one_opening_serves_concurrent_requests()
         call = w.decode.calls[0][1]
         call.feed(("a", [1, 2]), ("b", [3]), ("gone", [4]))  # a part for a request that left is dropped
         call.feed(("b", [5]))
-        part, sent_at = await a.get(5)
+        part, sent_at = await take_one(a)
         assert [t.token_id for t in part.tokens.tokens] == [1, 2] and sent_at == 1.0
-        assert [[t.token_id for t in (await b.get(5))[0].tokens.tokens] for _ in range(2)] == [[3], [5]]
+        # b's two parts queued while it was not reading: taken together, in order
+        assert [ids(item) for item in await b.take(5)] == [[3], [5]]
         a.close()
         call.feed(("a", [9]))
         call.feed(("b", [6]))
-        assert [t.token_id for t in (await b.get(5))[0].tokens.tokens] == [6]
+        assert ids(await take_one(b)) == [6]
         with pytest.raises(TimeoutError):
-            await a.get(0.05)  # left: nothing more is handed to it
+            await a.take(0.05)  # left: nothing more is handed to it
 
     asyncio.run(main())
 
@@ -87,13 +100,13 @@ def test_a_broken_stream_fails_its_requests_as_lost_and_the_next_request_reopens
         first = w.decode.calls[0][1]
         first.fail()
         with pytest.raises(RequestError) as e:
-            await a.get(5)
+            await take_one(a)
         assert e.value.code == grpc.StatusCode.UNAVAILABLE and e.value.worker == "10.0.0.9:7000"
         assert first.cancelled
         b = await stream.subscribe("b")
         assert len(w.decode.calls) == 2 and b.stream_id != a.stream_id
         w.decode.calls[1][1].feed(("b", [7]))
-        assert [t.token_id for t in (await b.get(5))[0].tokens.tokens] == [7]
+        assert ids(await take_one(b)) == [7]
 
     asyncio.run(main())
 
@@ -126,20 +139,59 @@ def test_watch_hands_on_the_decode_calls_end():
             return next(messages)
 
         await watch(ok, sub)
-        assert isinstance(await sub.get(5), CallEnded)
+        assert isinstance(await take_one(sub), CallEnded)
 
         async def failed():
             raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED, "no room", worker="w")
 
         await watch(failed, sub)
         with pytest.raises(RequestError, match="no room"):
-            await sub.get(5)
+            await take_one(sub)
 
         async def aborted():
             raise asyncio.CancelledError  # the call was cancelled (an Abort), not the watch
 
         await watch(aborted, sub)
         with pytest.raises(asyncio.CancelledError):
-            await sub.get(5)
+            await take_one(sub)
+
+    asyncio.run(main())
+
+
+def test_parts_that_queued_meanwhile_leave_as_one_event_and_an_error_after_them():
+    """A request whose previous chunk was still being sent gets the parts that queued meanwhile as one Tokens
+    (one chunk to its client), stamped with the oldest part's send time; an error that queued behind tokens is
+    raised only after they are passed on."""
+    from pdserve_server.coordinator.flow import Tokens, _token_stream_events
+
+    async def settle():
+        for _ in range(5):
+            await asyncio.sleep(0)
+
+    class PendingCall:  # the request's Decode call: reserved, then open until the test ends
+        def __init__(self, w):
+            self.worker = w
+
+        async def next(self):
+            await asyncio.Event().wait()
+
+    async def main():
+        w = worker()
+        sub = await TokenStream(w).subscribe("a")
+        stream = w.decode.calls[0][1]
+        events = _token_stream_events(PendingCall(w), sub, 1)
+        stream.feed(("a", [1]))
+        stream.feed(("a", [2, 3]))
+        await settle()
+        first = await anext(events)
+        assert isinstance(first, Tokens) and [t.token_id for t in first.tokens] == [1, 2, 3]
+        assert first.sent_at == 1.0
+        stream.feed(("a", [4]))
+        stream.fail()
+        await settle()
+        assert [t.token_id for t in (await anext(events)).tokens] == [4]
+        with pytest.raises(RequestError) as e:
+            await anext(events)
+        assert e.value.code == grpc.StatusCode.UNAVAILABLE
 
     asyncio.run(main())
