@@ -37,9 +37,11 @@ class _Open:
     """One opened stream: its id (what Decode calls name), the call, its reader and the requests reading it."""
 
     stream_id: str
-    call: grpc.aio.UnaryStreamCall
+    call: grpc.aio.StreamStreamCall
     subscriptions: dict[str, Subscription] = field(default_factory=dict)
     reader: asyncio.Task | None = None
+    taken: int = 0  # messages handed to their subscriptions (after the opening one): what the worker is told
+    acking: asyncio.Event = field(default_factory=asyncio.Event)  # `taken` moved since it was last sent
 
 
 class Subscription:
@@ -113,13 +115,26 @@ class TokenStream:
             RequestError: the worker's status.
         """
         stream_id = uuid.uuid4().hex
-        call = self.worker.decode.StreamTokens(worker_pb2.TokenStreamRequest(stream_id=stream_id))
+        call = self.worker.decode.StreamTokens()
         try:
+            await call.write(worker_pb2.TokenStreamRequest(stream_id=stream_id))
             await call.read()
         except grpc.aio.AioRpcError as e:
             raise from_rpc_error(e, self.worker_role, self.worker.address) from None
         opened = self._open = _Open(stream_id, call)
         opened.reader = asyncio.get_running_loop().create_task(self._read(opened))
+
+    @staticmethod
+    async def _ack(opened: _Open) -> None:
+        """Tell the worker how many messages were taken, as they are: one write at a time, so while one is under
+        way the next counts every message taken meanwhile."""
+        try:
+            while True:
+                await opened.acking.wait()
+                opened.acking.clear()
+                await opened.call.write(worker_pb2.TokenStreamRequest(taken=opened.taken))
+        except grpc.aio.AioRpcError:
+            pass  # the stream failed: its reader reports it
 
     @property
     def worker_role(self) -> str:
@@ -129,6 +144,7 @@ class TokenStream:
         """Hand each message's RequestTokens to its subscription until the stream ends; then end every
         subscription on it with UNAVAILABLE (their requests migrate) and let the next request reopen."""
         error: RequestError | None = None
+        acks = asyncio.get_running_loop().create_task(self._ack(opened))
         try:
             while True:
                 batch = await opened.call.read()
@@ -138,11 +154,14 @@ class TokenStream:
                     sub = opened.subscriptions.get(part.request_id)
                     if sub is not None:  # else the request already left (cancelled, or ended by a stop string)
                         sub.put((part, batch.sent_at))
+                opened.taken += 1
+                opened.acking.set()
         except grpc.aio.AioRpcError as e:
             error = from_rpc_error(e, self.worker_role, self.worker.address)
         except asyncio.CancelledError:
             pass
         finally:
+            acks.cancel()
             if self._open is opened:
                 self._open = None
             if error is None:

@@ -137,18 +137,30 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
             if samples_left == 0:
                 return
 
-    async def StreamTokens(self, request: worker_pb2.TokenStreamRequest, context: grpc.aio.ServicerContext):
-        """Open the caller's token stream (`token_streams.TokenOutbox`) and send its messages until the caller
-        cancels it or the worker drains. INVALID_ARGUMENT / ALREADY_EXISTS for an empty or open stream_id."""
+    async def StreamTokens(self, requests: AsyncIterator[worker_pb2.TokenStreamRequest],
+                           context: grpc.aio.ServicerContext):
+        """Open the caller's token stream (`token_streams.TokenOutbox`) under the id its first message names, move
+        its window with each later message's `taken`, and send its messages until the caller cancels it or the
+        worker drains. INVALID_ARGUMENT / ALREADY_EXISTS for a missing, empty or open stream_id."""
+        first = await anext(aiter(requests), None)
         try:
-            outbox = self.token_streams.open(request.stream_id)
+            outbox = self.token_streams.open(first.stream_id if first is not None else "")
         except ValueError as e:
-            code = grpc.StatusCode.ALREADY_EXISTS if request.stream_id else grpc.StatusCode.INVALID_ARGUMENT
+            code = grpc.StatusCode.ALREADY_EXISTS if first is not None and first.stream_id \
+                else grpc.StatusCode.INVALID_ARGUMENT
             await context.abort(code, str(e))
+
+        async def read_taken() -> None:
+            with contextlib.suppress(Exception):  # the call's end shows in the writes; nothing to report here
+                async for request in requests:
+                    outbox.taken(request.taken)
+
+        reader = asyncio.get_running_loop().create_task(read_taken())
         try:
             async for batch in outbox.batches():
                 yield batch
         finally:
+            reader.cancel()
             self.token_streams.close(outbox)
 
     async def RenewLease(self, request: worker_pb2.RenewLeaseRequest, context: grpc.aio.ServicerContext):

@@ -14,6 +14,10 @@ from collections.abc import AsyncIterator, Callable
 
 from pdserve.v1 import worker_pb2
 
+# Messages a stream has in flight beyond what its caller said it took (TokenStreamRequest.taken): tokens made while
+# the window is full wait and leave together. 2, so one message is read while the next is on its way.
+TOKEN_STREAM_WINDOW = 2
+
 # Tokens a stream holds unsent before the Decode calls adding to it wait for its next write: the caller reads
 # slower than the engine makes tokens, so the engine's own back-pressure (`RequestStream`'s max_unread_tokens,
 # which pauses a request whose tokens are not taken) applies instead of this buffer growing.
@@ -33,23 +37,27 @@ class TokenOutbox:
     """One StreamTokens stream: the `RequestTokens` the Decode calls naming it add, gathered until its next write.
 
     Every entry added while a write is not under way goes in the next message, so the tokens one engine step hands
-    its requests' Decode calls (all woken together) leave as one message. `batches` is the stream's writer; `put`
-    is called by the Decode calls. users: Decode calls naming the stream now (a draining worker ends a stream
-    nobody uses).
+    its requests' Decode calls (all woken together) leave as one message; while TOKEN_STREAM_WINDOW messages wait
+    for the caller to take them (`taken`), entries keep gathering (a slow reader gets larger messages, not a
+    backlog). `batches` is the stream's writer; `put` is called by the Decode calls. users: Decode calls naming
+    the stream now (a draining worker ends a stream nobody uses).
     """
 
     def __init__(self, stream_id: str, on_sent: Callable[[int], None] = lambda parts: None):
         self.stream_id, self._on_sent = stream_id, on_sent
         self.users = 0
         self._pending: list[worker_pb2.RequestTokens] = []
+        self._by_request: dict[str, worker_pb2.RequestTokens] = {}  # the pending entry of each request
         self._pending_tokens = 0
         self._wake = asyncio.Event()
         self._written: asyncio.Future = asyncio.get_running_loop().create_future()  # the gathering message's
         self._closed = False
         self._draining = False
+        self._sent = self._taken = 0  # messages written (after the opening one), and taken by the caller
 
     async def put(self, entry: worker_pb2.RequestTokens, wait: bool = False) -> None:
-        """Queue one request's tokens (and finishes) for the stream's next message.
+        """Queue one request's tokens (and finishes) for the stream's next message (merged with what the request
+        already has queued there).
 
         Args:
             wait: return only once that message is written (a request's last entry: its Decode call ends after it,
@@ -61,7 +69,14 @@ class TokenOutbox:
         """
         if self._closed:
             raise TokenStreamClosed(f"token stream {self.stream_id} is closed")
-        self._pending.append(entry)
+        gathered = self._by_request.get(entry.request_id)
+        if gathered is None:
+            self._by_request[entry.request_id] = entry
+            self._pending.append(entry)
+        else:  # the request's steps since the last message: one part (its tokens in order, then its finishes)
+            gathered.tokens.tokens.extend(entry.tokens.tokens)
+            gathered.tokens.num_cached_tokens = max(gathered.tokens.num_cached_tokens, entry.tokens.num_cached_tokens)
+            gathered.finished.extend(entry.finished)
         self._pending_tokens += len(entry.tokens.tokens)
         self._wake.set()
         if wait or self._pending_tokens >= MAX_PENDING_TOKENS:
@@ -75,14 +90,21 @@ class TokenOutbox:
         while not (self._draining and self.users == 0 and not self._pending):
             await self._wake.wait()
             self._wake.clear()
-            if not self._pending:
+            if not self._pending or self._sent - self._taken >= TOKEN_STREAM_WINDOW:
                 continue
             pending, written = self._pending, self._written
-            self._pending, self._pending_tokens = [], 0
+            self._pending, self._pending_tokens, self._by_request = [], 0, {}
             self._written = asyncio.get_running_loop().create_future()
             yield worker_pb2.TokenStreamBatch(requests=pending, sent_at=time.time())
+            self._sent += 1
             written.set_result(None)
             self._on_sent(len(pending))
+
+    def taken(self, count: int) -> None:
+        """The caller has taken `count` messages in all (TokenStreamRequest.taken): the window moves on."""
+        if count > self._taken:
+            self._taken = count
+            self._wake.set()
 
     def release(self) -> None:
         """A Decode call that named the stream ended."""

@@ -158,6 +158,16 @@ class _BearerUnaryStream(grpc.aio.UnaryStreamClientInterceptor):
         return await continuation(_with_token(client_call_details, self.token), request)
 
 
+class _BearerStreamStream(grpc.aio.StreamStreamClientInterceptor):
+    """Adds `authorization: Bearer <token>` to a channel's bidirectional calls."""
+
+    def __init__(self, token: str):
+        self.token = token
+
+    async def intercept_stream_stream(self, continuation, client_call_details, request_iterator):
+        return await continuation(_with_token(client_call_details, self.token), request_iterator)
+
+
 def server_credentials(cert: str | None, key: str | None, client_ca: str | None) -> grpc.ServerCredentials | None:
     """TLS credentials for a server from PEM files (None when no cert is given: plaintext). With client_ca, clients
     must present a certificate it signed (mTLS).
@@ -180,7 +190,8 @@ def internal_channel(address: str, tls_ca: str | None, token: str | None,
                      interceptors: list | None = None) -> grpc.aio.Channel:
     """A channel to another pdserve process: TLS verified against tls_ca when given (else plaintext), the cluster
     secret as a bearer token on every call when given, then `interceptors` (e.g. tracing's)."""
-    interceptors = [*([_BearerUnaryUnary(token), _BearerUnaryStream(token)] if token else []), *(interceptors or [])]
+    interceptors = [*([_BearerUnaryUnary(token), _BearerUnaryStream(token), _BearerStreamStream(token)] if token
+                      else []), *(interceptors or [])]
     interceptors = interceptors or None
     if tls_ca:
         credentials = grpc.ssl_channel_credentials(root_certificates=Path(tls_ca).read_bytes())

@@ -20,6 +20,10 @@ class ScriptedCall:
     def __init__(self):
         self.queue: asyncio.Queue = asyncio.Queue()
         self.cancelled = False
+        self.written: list[worker_pb2.TokenStreamRequest] = []  # what the coordinator sent: the name, then `taken`
+
+    async def write(self, request) -> None:
+        self.written.append(request)
 
     def feed(self, *parts: tuple[str, list[int]]) -> None:
         self.queue.put_nowait(worker_pb2.TokenStreamBatch(sent_at=1.0, requests=[
@@ -44,10 +48,10 @@ class ScriptedDecodeStub:
     def __init__(self):
         self.calls: list[tuple[str, ScriptedCall]] = []
 
-    def StreamTokens(self, request):
+    def StreamTokens(self):
         call = ScriptedCall()
         call.feed()  # the opening (empty) message
-        self.calls.append((request.stream_id, call))
+        self.calls.append(call)
         return call
 
 
@@ -74,8 +78,8 @@ def test_parts_reach_their_requests_and_one_opening_serves_concurrent_requests()
         w = worker()
         stream = TokenStream(w)
         a, b = await asyncio.gather(stream.subscribe("a"), stream.subscribe("b"))
-        assert len(w.decode.calls) == 1 and a.stream_id == b.stream_id == w.decode.calls[0][0]
-        call = w.decode.calls[0][1]
+        assert len(w.decode.calls) == 1 and a.stream_id == b.stream_id == w.decode.calls[0].written[0].stream_id
+        call = w.decode.calls[0]
         call.feed(("a", [1, 2]), ("b", [3]), ("gone", [4]))  # a part for a request that left is dropped
         call.feed(("b", [5]))
         part, sent_at = await take_one(a)
@@ -88,6 +92,9 @@ def test_parts_reach_their_requests_and_one_opening_serves_concurrent_requests()
         assert ids(await take_one(b)) == [6]
         with pytest.raises(TimeoutError):
             await a.take(0.05)  # left: nothing more is handed to it
+        # the worker was told of every message taken (4 after the opening), the last count being the total
+        assert call.written[-1].taken == 4 and [r.taken for r in call.written[1:]] == sorted(
+            r.taken for r in call.written[1:])
 
     asyncio.run(main())
 
@@ -97,7 +104,7 @@ def test_a_broken_stream_fails_its_requests_as_lost_and_the_next_request_reopens
         w = worker()
         stream = TokenStream(w)
         a = await stream.subscribe("a")
-        first = w.decode.calls[0][1]
+        first = w.decode.calls[0]
         first.fail()
         with pytest.raises(RequestError) as e:
             await take_one(a)
@@ -105,7 +112,7 @@ def test_a_broken_stream_fails_its_requests_as_lost_and_the_next_request_reopens
         assert first.cancelled
         b = await stream.subscribe("b")
         assert len(w.decode.calls) == 2 and b.stream_id != a.stream_id
-        w.decode.calls[1][1].feed(("b", [7]))
+        w.decode.calls[1].feed(("b", [7]))
         assert ids(await take_one(b)) == [7]
 
     asyncio.run(main())
@@ -113,7 +120,7 @@ def test_a_broken_stream_fails_its_requests_as_lost_and_the_next_request_reopens
 
 def test_a_stream_that_will_not_open_is_the_workers_error():
     class Refusing(ScriptedDecodeStub):
-        def StreamTokens(self, request):
+        def StreamTokens(self):
             call = ScriptedCall()
             call.fail()
             return call
@@ -178,7 +185,7 @@ def test_parts_that_queued_meanwhile_leave_as_one_event_and_an_error_after_them(
     async def main():
         w = worker()
         sub = await TokenStream(w).subscribe("a")
-        stream = w.decode.calls[0][1]
+        stream = w.decode.calls[0]
         events = _token_stream_events(PendingCall(w), sub, 1)
         stream.feed(("a", [1]))
         stream.feed(("a", [2, 3]))

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import grpc
 import pytest
 
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
-from pdserve_server.decode_worker.token_streams import MAX_PENDING_TOKENS, Draining, TokenStreamClosed, TokenStreams
+from pdserve_server.decode_worker.token_streams import (MAX_PENDING_TOKENS, TOKEN_STREAM_WINDOW, Draining,
+                                                       TokenStreamClosed, TokenStreams)
 
 # A mock colocated worker (the real scheduler, step times of a GPU profile, tokens a chain derived from the prompt):
 # streams are deterministic and cheap, so what these tests count is the protocol.
@@ -51,6 +53,27 @@ def test_entries_added_together_leave_in_one_message_and_a_last_entry_waits_for_
         await asyncio.wait_for(last, 5)
         await outbox.put(entry("a", 5))
         assert [r.request_id for r in (await nxt).requests] == ["a"]
+
+    asyncio.run(main())
+
+
+def test_past_the_window_entries_gather_until_the_caller_takes_a_message():
+    async def main():
+        outbox = TokenStreams().open("s")
+        batches = outbox.batches()
+        await anext(batches)
+        sent = []
+        for step in range(TOKEN_STREAM_WINDOW):  # the window's messages leave as their steps' tokens come
+            await outbox.put(entry("a", step))
+            sent.append(await asyncio.wait_for(anext(batches), 5))
+        gathering = asyncio.ensure_future(anext(batches))
+        for step in range(TOKEN_STREAM_WINDOW, 6):  # four more steps while the caller has taken none
+            await outbox.put(entry("a", step))
+            await settle()
+        assert not gathering.done()
+        outbox.taken(1)
+        msg = await asyncio.wait_for(gathering, 5)
+        assert [t.token_id for r in msg.requests for t in r.tokens.tokens] == list(range(TOKEN_STREAM_WINDOW, 6))
 
     asyncio.run(main())
 
@@ -126,6 +149,14 @@ def mock_cluster(tiny_model_dir, launch_module):
                          worker_args=MOCK[:2] + ["--mock-speedup", "1"] + MOCK[4:] + ["--metrics-port", "0"])
 
 
+async def open_stream(stub, md, stream_id: str):
+    """A token stream named stream_id, open (its empty first message read)."""
+    stream = stub.StreamTokens(metadata=md)
+    await stream.write(worker_pb2.TokenStreamRequest(stream_id=stream_id))
+    assert len((await stream.read()).requests) == 0  # open: Decode calls may name it now
+    return stream
+
+
 def _decode(stub, md, rid: str, prompt: list[int], max_tokens: int, stream_id: str):
     from pdserve.v1 import generate_pb2
 
@@ -151,14 +182,14 @@ def test_a_worker_sends_its_requests_tokens_on_one_stream_a_message_per_step(moc
     async def main():
         async with grpc.aio.insecure_channel(address) as channel:
             stub = worker_pb2_grpc.DecodeStub(channel)
-            stream = stub.StreamTokens(worker_pb2.TokenStreamRequest(stream_id="coord-1"), metadata=md)
-            assert len((await stream.read()).requests) == 0  # open: Decode calls may name it now
+            stream = await open_stream(stub, md, "coord-1")
             calls = {rid: _decode(stub, md, rid, p, 60, "coord-1") for rid, p in prompts.items()}
             tokens = {rid: [] for rid in prompts}
             finished, shared, messages = set(), 0, 0
             while len(finished) < len(prompts):
                 msg = await stream.read()
                 messages += 1
+                await stream.write(worker_pb2.TokenStreamRequest(taken=messages))
                 shared += len({r.request_id for r in msg.requests}) > 1
                 for part in msg.requests:
                     tokens[part.request_id] += [t.token_id for t in part.tokens.tokens]
@@ -177,6 +208,35 @@ def test_a_worker_sends_its_requests_tokens_on_one_stream_a_message_per_step(moc
     assert_idle(mock_cluster)
 
 
+def test_a_caller_that_takes_nothing_gets_the_steps_since_in_one_message(mock_cluster):
+    """The window: with TOKEN_STREAM_WINDOW messages untaken, the worker sends nothing more; the tokens of the ten
+    or more engine steps run meanwhile leave as one message once the caller says it took one."""
+    address, md = _worker(mock_cluster)
+
+    async def main():
+        async with grpc.aio.insecure_channel(address) as channel:
+            stub, worker = worker_pb2_grpc.DecodeStub(channel), worker_pb2_grpc.WorkerStub(channel)
+
+            async def steps() -> int:
+                return (await worker.GetStats(worker_pb2.WorkerStatsRequest(), metadata=md)).num_steps
+
+            stream = await open_stream(stub, md, "slow")
+            call = _decode(stub, md, "s", list(range(300, 340)), 200, "slow")
+            window = [await stream.read() for _ in range(TOKEN_STREAM_WINDOW)]
+            start, deadline = await steps(), time.monotonic() + 120
+            while await steps() < start + 10 and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            await stream.write(worker_pb2.TokenStreamRequest(taken=1))
+            msg = await stream.read()
+            call.cancel()
+            stream.cancel()
+            return window, msg
+
+    window, msg = asyncio.run(main())
+    assert all([r.request_id for r in m.requests] == ["s"] for m in window)
+    assert [r.request_id for r in msg.requests] == ["s"] and len(msg.requests[0].tokens.tokens) >= 10
+
+
 def test_token_stream_refusals_and_a_closed_stream_ends_its_calls(mock_cluster):
     """An unknown stream id: FAILED_PRECONDITION before anything is held; a second stream under an open id:
     ALREADY_EXISTS; an empty id: INVALID_ARGUMENT. A stream cancelled by its caller ends the Decode calls still
@@ -192,17 +252,19 @@ def test_token_stream_refusals_and_a_closed_stream_ends_its_calls(mock_cluster):
             with pytest.raises(grpc.aio.AioRpcError) as e:
                 _ = [r async for r in call]
             assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "StreamTokens" in e.value.details()
-            for stream_id, code in (("", grpc.StatusCode.INVALID_ARGUMENT), ("dup", grpc.StatusCode.ALREADY_EXISTS)):
-                first = stub.StreamTokens(worker_pb2.TokenStreamRequest(stream_id="dup"), metadata=md)
-                if stream_id == "dup":
-                    await first.read()
-                again = stub.StreamTokens(worker_pb2.TokenStreamRequest(stream_id=stream_id), metadata=md)
+            first = await open_stream(stub, md, "dup")
+            for stream_id, code in (("", grpc.StatusCode.INVALID_ARGUMENT), ("dup", grpc.StatusCode.ALREADY_EXISTS),
+                                    (None, grpc.StatusCode.INVALID_ARGUMENT)):  # None: the caller names nothing
+                again = stub.StreamTokens(metadata=md)
+                if stream_id is None:
+                    await again.done_writing()
+                else:
+                    await again.write(worker_pb2.TokenStreamRequest(stream_id=stream_id))
                 with pytest.raises(grpc.aio.AioRpcError) as e:
                     await again.read()
                 assert e.value.code() == code, e.value.details()
-                first.cancel()
-            stream = stub.StreamTokens(worker_pb2.TokenStreamRequest(stream_id="short"), metadata=md)
-            await stream.read()
+            first.cancel()
+            stream = await open_stream(stub, md, "short")
             long = _decode(stub, md, "long", list(range(50, 90)), 400, "short")
             assert (await long.read()).WhichOneof("response") == "reserved"
             while not (await stream.read()).requests:  # its tokens are flowing
