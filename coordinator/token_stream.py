@@ -40,8 +40,10 @@ class _Open:
     call: grpc.aio.StreamStreamCall
     subscriptions: dict[str, Subscription] = field(default_factory=dict)
     reader: asyncio.Task | None = None
+    ack_every: int = 1  # say `taken` this often (half the worker's window, TokenStreamBatch.window)
     taken: int = 0  # messages handed to their subscriptions (after the opening one): what the worker is told
-    acking: asyncio.Event = field(default_factory=asyncio.Event)  # `taken` moved since it was last sent
+    told: int = 0  # the last `taken` written
+    acking: asyncio.Event = field(default_factory=asyncio.Event)  # `taken` is due
 
 
 class Subscription:
@@ -118,21 +120,22 @@ class TokenStream:
         call = self.worker.decode.StreamTokens()
         try:
             await call.write(worker_pb2.TokenStreamRequest(stream_id=stream_id))
-            await call.read()
+            first = await call.read()
         except grpc.aio.AioRpcError as e:
             raise from_rpc_error(e, self.worker_role, self.worker.address) from None
-        opened = self._open = _Open(stream_id, call)
+        opened = self._open = _Open(stream_id, call, ack_every=max(1, first.window // 2))
         opened.reader = asyncio.get_running_loop().create_task(self._read(opened))
 
     @staticmethod
     async def _ack(opened: _Open) -> None:
-        """Tell the worker how many messages were taken, as they are: one write at a time, so while one is under
-        way the next counts every message taken meanwhile."""
+        """Tell the worker how many messages were taken, every `ack_every`: one write at a time, so while one is
+        under way the next counts every message taken meanwhile."""
         try:
             while True:
                 await opened.acking.wait()
                 opened.acking.clear()
-                await opened.call.write(worker_pb2.TokenStreamRequest(taken=opened.taken))
+                opened.told = opened.taken
+                await opened.call.write(worker_pb2.TokenStreamRequest(taken=opened.told))
         except grpc.aio.AioRpcError:
             pass  # the stream failed: its reader reports it
 
@@ -155,7 +158,8 @@ class TokenStream:
                     if sub is not None:  # else the request already left (cancelled, or ended by a stop string)
                         sub.put((part, batch.sent_at))
                 opened.taken += 1
-                opened.acking.set()
+                if opened.taken - opened.told >= opened.ack_every:
+                    opened.acking.set()
         except grpc.aio.AioRpcError as e:
             error = from_rpc_error(e, self.worker_role, self.worker.address)
         except asyncio.CancelledError:

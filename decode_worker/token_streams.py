@@ -15,8 +15,10 @@ from collections.abc import AsyncIterator, Callable
 from pdserve.v1 import worker_pb2
 
 # Messages a stream has in flight beyond what its caller said it took (TokenStreamRequest.taken): tokens made while
-# the window is full wait and leave together. 2, so one message is read while the next is on its way.
-TOKEN_STREAM_WINDOW = 2
+# the window is full wait and leave together. The caller says what it took every window / 2 messages: 4 keeps
+# that to one message back for two out (2 made it one for one, +25-50% coordinator CPU a token at one request a
+# worker step), and a reader that falls behind sees at most 4 steps queued before they merge.
+TOKEN_STREAM_WINDOW = 4
 
 # Tokens a stream holds unsent before the Decode calls adding to it wait for its next write: the caller reads
 # slower than the engine makes tokens, so the engine's own back-pressure (`RequestStream`'s max_unread_tokens,
@@ -86,7 +88,7 @@ class TokenOutbox:
         """The stream's messages: an empty one (the stream is open), then each gathering of entries, until the
         worker drains with no Decode call using the stream. The generator's consumer (gRPC) takes each message
         before the next is made, so resolving a message's `put(wait=True)` after its yield means it was written."""
-        yield worker_pb2.TokenStreamBatch()
+        yield worker_pb2.TokenStreamBatch(window=TOKEN_STREAM_WINDOW)
         while not (self._draining and self.users == 0 and not self._pending):
             await self._wake.wait()
             self._wake.clear()

@@ -67,6 +67,29 @@ def ids(item) -> list[int]:
     return [t.token_id for t in item[0].tokens.tokens]
 
 
+def test_the_worker_is_told_what_was_taken_every_half_window():
+    async def main():
+        w = worker()
+        w.decode.StreamTokens = lambda: opening_with_window(w, 4)
+        sub = await TokenStream(w).subscribe("a")
+        call = w.decode.calls[0]
+        for i in range(5):
+            call.feed(("a", [i]))
+            await sub.take(5)
+            for _ in range(5):
+                await asyncio.sleep(0)
+        assert [r.taken for r in call.written[1:]] == [2, 4]  # every 2 of a window of 4; the 5th not yet
+
+    asyncio.run(main())
+
+
+def opening_with_window(w, window: int) -> ScriptedCall:
+    call = ScriptedCall()
+    call.queue.put_nowait(worker_pb2.TokenStreamBatch(window=window))
+    w.decode.calls.append(call)
+    return call
+
+
 def worker() -> WorkerHandle:
     stub = ScriptedDecodeStub()
     return WorkerHandle("10.0.0.9:7000", None, None, None, stub,

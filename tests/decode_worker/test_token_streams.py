@@ -67,13 +67,14 @@ def test_past_the_window_entries_gather_until_the_caller_takes_a_message():
             await outbox.put(entry("a", step))
             sent.append(await asyncio.wait_for(anext(batches), 5))
         gathering = asyncio.ensure_future(anext(batches))
-        for step in range(TOKEN_STREAM_WINDOW, 6):  # four more steps while the caller has taken none
+        more = range(TOKEN_STREAM_WINDOW, TOKEN_STREAM_WINDOW + 4)
+        for step in more:  # four more steps while the caller has taken none
             await outbox.put(entry("a", step))
             await settle()
         assert not gathering.done()
         outbox.taken(1)
         msg = await asyncio.wait_for(gathering, 5)
-        assert [t.token_id for r in msg.requests for t in r.tokens.tokens] == list(range(TOKEN_STREAM_WINDOW, 6))
+        assert [[t.token_id for t in r.tokens.tokens] for r in msg.requests] == [list(more)]  # one part, merged
 
     asyncio.run(main())
 
