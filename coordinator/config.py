@@ -59,6 +59,10 @@ class CoordinatorConfig:
         token_streams: read each decode worker's tokens from one stream per worker that carries every request's,
             a message per engine step (worker.proto's StreamTokens), instead of from each request's Decode call;
             workers that do not serve one are read per call.
+        token_streams_min_requests: a request joins its worker's token stream only when this coordinator has at
+            least this many other requests on that worker (0: every request): with a request or two a worker step
+            a message per request costs less (no shared stream to keep moving) and adds no hop (docs/benchmarks.md,
+            "Token streams").
         max_request_bytes: the largest request message the public port takes, bytes (gRPC refuses a larger one
             with RESOURCE_EXHAUSTED before parsing it); 0 = sized from the context window
             (`validation.request_bytes_limit`).
@@ -137,6 +141,9 @@ class CoordinatorConfig:
     token_streams: bool = field(default=True, metadata={
         "help": "read a decode worker's tokens for every request from one stream, a message per engine step, "
                 "instead of a message per request per step on each request's call (off: per call)"})
+    token_streams_min_requests: int = field(default=4, metadata={"min": 0,
+        "help": "a request joins its worker's token stream when this coordinator has at least this many other "
+                "requests on that worker (0: every request); fewer read per call, which costs less there"})
     max_request_bytes: int = field(default=0, metadata={"min": 0,
         "help": "largest request message on the public port, bytes (0 = sized from the model's context window)"})
     rate_limit_requests_per_s: float = field(default=0.0, metadata={"min": 0, "help": "per key; 0 = unlimited"})

@@ -251,18 +251,21 @@ def _ended_early(worker: WorkerHandle) -> RequestError:
                         worker=worker.address, public="the decode worker ended the stream early")
 
 
-async def _subscribe(worker: WorkerHandle, flow: Flow, request_id: str, use: bool,
+async def _subscribe(worker: WorkerHandle, flow: Flow, request_id: str, min_requests: int | None,
                      timeout_s: float) -> Subscription | None:
-    """request_id's subscription to the worker's token stream when `use` and the worker serves one, else None (the
-    tokens come on the Decode call's own stream). Waiting for the stream to open is one of the flow's calls (an
-    Abort or the coordinator's drain cuts it, as they cut a worker call) and is bounded by timeout_s.
+    """request_id's subscription to the worker's token stream when the worker serves one and this coordinator has
+    at least min_requests other requests there (None: never), else None (the tokens come on the Decode call's own
+    stream). Waiting for the stream to open is one of the flow's calls (an Abort or the coordinator's drain cuts
+    it, as they cut a worker call) and is bounded by timeout_s.
 
     Raises:
         RequestError: the stream could not be opened (the worker named), or did not open within timeout_s
             (DEADLINE_EXCEEDED); UNAVAILABLE "shutting down" when the coordinator's drain cut it.
         asyncio.CancelledError: an Abort.
     """
-    if not use or worker.info is None or not worker.info.token_streams:
+    # `in_flight` counts this request too (`Router.lease`)
+    if min_requests is None or worker.info is None or not worker.info.token_streams \
+            or worker.in_flight - 1 < min_requests:
         return None
     if worker.token_stream is None:
         worker.token_stream = token_stream.TokenStream(worker)
@@ -335,11 +338,12 @@ async def run_colocated(router: Router, flow: Flow, request_id: str, prompt: lis
                         sampling: generate_pb2.SamplingParams, timeout_s: float,
                         scheduling: worker_pb2.SchedulingHints | None = None,
                         due: tuple[float, str] | None = None,
-                        token_streams: bool = False) -> AsyncIterator[Tokens | WorkerFinish]:
+                        token_streams: int | None = None) -> AsyncIterator[Tokens | WorkerFinish]:
     """One worker computes the prompt (and `generated`, the tokens a lost worker had sent) and decodes: a colocated
     worker, or a decode worker prefilling locally (`Router.local_prefill`). scheduling: the engine's hints; due:
     when the first token must come (refused before the call when the worker's predicted wait passes it);
-    token_streams: read the tokens from the worker's token stream where it serves one."""
+    token_streams: read the tokens from the worker's token stream where it serves one and this coordinator has at
+    least this many other requests there (None: never; `_subscribe`)."""
     context = prompt + generated
     salt = scheduling.cache_salt if scheduling is not None else ""
     with router.lease(_pick_decode(router, len(prompt) + sampling.max_tokens, context, salt), len(context)) as worker:
@@ -365,13 +369,13 @@ async def run_disaggregated(router: Router, flow: Flow, request_id: str, prompt:
                             sampling: generate_pb2.SamplingParams, arrival: float, timeout_s: float,
                             scheduling: worker_pb2.SchedulingHints | None = None,
                             due: tuple[float, str] | None = None,
-                            token_streams: bool = False) -> AsyncIterator[Tokens | WorkerFinish]:
+                            token_streams: int | None = None) -> AsyncIterator[Tokens | WorkerFinish]:
     """Reserve on a decode worker, prefill on a prefill worker (first token streamed at once, KV pushed to the
     reservation), then stream the decode worker's tokens. A failed transfer surfaces as its own error.
     `generated`: tokens a lost worker had sent (a migration); both workers resume after them. scheduling: the
     engines' hints (the decode worker's without the TTFT deadline: the prefill worker gives the first token); due:
     when the first token must come (refused before either call when the prefill worker's predicted wait passes it);
-    token_streams: read the decode worker's tokens from its token stream where it serves one.
+    token_streams: read the decode worker's tokens from its token stream, as in `run_colocated`.
     """
     context = prompt + generated  # what the prefill worker computes (and then holds in its prefix cache)
     salt = scheduling.cache_salt if scheduling is not None else ""

@@ -323,7 +323,8 @@ class RequestPath:
         sched = flow.scheduling
         hints = sched.hints(first_sent) if sched is not None else None
         due = sched.first_token_due(flow.deadline, first_sent) if sched is not None else None
-        streams = self.config.token_streams
+        # the fewest requests a worker needs from us for a request to join its token stream (None: never)
+        streams = self.config.token_streams_min_requests if self.config.token_streams else None
         if self.config.colocated or sampling.n > 1:  # samples fork from a prompt computed where they decode
             return flows.run_colocated(router, flow, worker_rid, prompt, p.generated, sampling, timeout_s, hints, due,
                                        streams)

@@ -225,3 +225,22 @@ def test_parts_that_queued_meanwhile_leave_as_one_event_and_an_error_after_them(
         assert e.value.code == grpc.StatusCode.UNAVAILABLE
 
     asyncio.run(main())
+
+
+def test_a_request_joins_the_token_stream_once_the_worker_has_enough_of_ours():
+    """`--token-streams-min-requests`: with fewer other requests of this coordinator on the worker, a request reads
+    its own call (a message per request costs less there); from that many on, the worker's token stream."""
+    from pdserve_server.coordinator.flow import Flow, _subscribe
+
+    async def main():
+        w = worker()
+        w.in_flight = 4  # this request and 3 others (`Router.lease` counts it)
+        assert await _subscribe(w, Flow("r"), "r", 4, 5.0) is None
+        assert await _subscribe(w, Flow("r"), "r", None, 5.0) is None  # --no-token-streams
+        w.in_flight = 5
+        sub = await _subscribe(w, Flow("r"), "r", 4, 5.0)
+        assert sub is not None and sub.stream_id == w.decode.calls[0].written[0].stream_id
+        w.in_flight = 1
+        assert await _subscribe(w, Flow("q"), "q", 0, 5.0) is not None  # 0: every request
+
+    asyncio.run(main())

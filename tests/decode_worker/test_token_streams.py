@@ -145,9 +145,10 @@ def test_ids_are_checked_and_a_draining_stream_ends_when_its_last_user_leaves():
 @pytest.fixture(scope="module")
 def mock_cluster(tiny_model_dir, launch_module):
     """A coordinator over one mock colocated worker at the profile's own speed (a step every few ms: requests
-    started together share steps)."""
+    started together share steps), every request's tokens on its token stream."""
     return launch_module(tiny_model_dir, colocated=True,
-                         worker_args=MOCK[:2] + ["--mock-speedup", "1"] + MOCK[4:] + ["--metrics-port", "0"])
+                         worker_args=MOCK[:2] + ["--mock-speedup", "1"] + MOCK[4:] + ["--metrics-port", "0"],
+                         coordinator_args=["--token-streams-min-requests", "0"])  # every request on the stream
 
 
 async def open_stream(stub, md, stream_id: str):
