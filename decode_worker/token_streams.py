@@ -16,8 +16,8 @@ from pdserve.v1 import worker_pb2
 
 # Messages a stream has in flight beyond what its caller said it took (TokenStreamRequest.taken): tokens made while
 # the window is full wait and leave together. The caller says what it took every window / 2 messages: 4 keeps
-# that to one message back for two out (2 made it one for one, +25-50% coordinator CPU a token at one request a
-# worker step), and a reader that falls behind sees at most 4 steps queued before they merge.
+# that to one message back for two out (2 made it one for one: +46-66% coordinator CPU a token at one request a
+# worker step, docs/benchmarks.md), and a reader that falls behind sees at most 4 steps queued before they merge.
 TOKEN_STREAM_WINDOW = 4
 
 # Tokens a stream holds unsent before the Decode calls adding to it wait for its next write: the caller reads
