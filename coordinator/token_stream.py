@@ -5,13 +5,15 @@ step for all of them, where a Decode call's own stream carries a message per req
 One reader task per stream hands each request's part (`RequestTokens`) to that request's `Subscription`; the
 request's Decode call still carries its reservation, its error status and its cancellation (which frees its blocks
 on the worker). A stream that fails ends every subscription on it with the worker's UNAVAILABLE (so its requests
-migrate, as when their own calls fail); the next request opens a new one.
+migrate, as when their own calls fail); the next request opens a new one. The coordinator says how many messages
+it has taken every half of the worker's window (`TokenStreamBatch.window`), so a worker whose coordinator falls
+behind merges its steps into fewer messages instead of queueing them (decode_worker/token_streams.py). Which
+requests use the stream: `flow._subscribe` (`--token-streams-min-requests`).
 """
 from __future__ import annotations
 
 import asyncio
 import collections
-import logging
 import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -23,8 +25,6 @@ from pdserve_server.coordinator.errors import RequestError, from_rpc_error
 
 if TYPE_CHECKING:
     from pdserve_server.coordinator.router import WorkerHandle
-
-log = logging.getLogger(__name__)
 
 
 @dataclass
