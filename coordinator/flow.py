@@ -231,7 +231,7 @@ async def _token_stream_events(call: WorkerCall, sub: Subscription,
                 merged.tokens.extend(part.tokens.tokens)
                 merged.num_cached_tokens = max(merged.num_cached_tokens, part.tokens.num_cached_tokens)
                 finished += part.finished
-                sent_at = min(sent_at, stamp) if sent_at else stamp
+                sent_at = sent_at or stamp  # parts come in order: the first is the oldest
             for event in _events(merged, finished, sent_at):
                 yield event
                 if isinstance(event, WorkerFinish):

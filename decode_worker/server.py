@@ -42,7 +42,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
                  stream_interval: int = 1):
         self.worker, self.reservations, self.kv_timeout_s = worker, reservations, kv_timeout_s
         self.stream_interval = stream_interval
-        self.token_streams = TokenStreams(worker.metrics.token_stream_sent if worker is not None else lambda n: None)
+        self.token_streams = TokenStreams(lambda parts: self.worker.metrics.token_stream_sent(parts))
 
     async def Decode(self, request: worker_pb2.DecodeRequest, context: grpc.aio.ServicerContext):
         rid = request.request_id

@@ -48,8 +48,7 @@ class TokenOutbox:
     def __init__(self, stream_id: str, on_sent: Callable[[int], None] = lambda parts: None):
         self.stream_id, self._on_sent = stream_id, on_sent
         self.users = 0
-        self._pending: list[worker_pb2.RequestTokens] = []
-        self._by_request: dict[str, worker_pb2.RequestTokens] = {}  # the pending entry of each request
+        self._pending: dict[str, worker_pb2.RequestTokens] = {}  # each request's entry, in the order they came
         self._pending_tokens = 0
         self._wake = asyncio.Event()
         self._written: asyncio.Future = asyncio.get_running_loop().create_future()  # the gathering message's
@@ -71,10 +70,9 @@ class TokenOutbox:
         """
         if self._closed:
             raise TokenStreamClosed(f"token stream {self.stream_id} is closed")
-        gathered = self._by_request.get(entry.request_id)
+        gathered = self._pending.get(entry.request_id)
         if gathered is None:
-            self._by_request[entry.request_id] = entry
-            self._pending.append(entry)
+            self._pending[entry.request_id] = entry
         else:  # the request's steps since the last message: one part (its tokens in order, then its finishes)
             gathered.tokens.tokens.extend(entry.tokens.tokens)
             gathered.tokens.num_cached_tokens = max(gathered.tokens.num_cached_tokens, entry.tokens.num_cached_tokens)
@@ -95,9 +93,9 @@ class TokenOutbox:
             if not self._pending or self._sent - self._taken >= TOKEN_STREAM_WINDOW:
                 continue
             pending, written = self._pending, self._written
-            self._pending, self._pending_tokens, self._by_request = [], 0, {}
+            self._pending, self._pending_tokens = {}, 0
             self._written = asyncio.get_running_loop().create_future()
-            yield worker_pb2.TokenStreamBatch(requests=pending, sent_at=time.time())
+            yield worker_pb2.TokenStreamBatch(requests=pending.values(), sent_at=time.time())
             self._sent += 1
             written.set_result(None)
             self._on_sent(len(pending))
