@@ -1,10 +1,11 @@
 """The compiled part of pdserve: the cpu backend's kernels as one torch extension, kernels/_C, built at install time.
 
 The C kernels (kernels/cpu_decode.c, kernels/cpu_layer_ops.c, kernels/cpu_linear.c, kernels/cpu_decode_step.c,
-kernels/cpu_prefill_attention.c) are compiled once per ISA level below, each with its own -m flags and its level's
-name in its symbols (kernels/cpu_kernels.h), and linked with the torch ops of kernels/cpu_ops.cpp, which pick one
-level at run time from the CPU's features. No -march=native: the library is built once (a wheel, a Docker build
-stage) and runs on whatever x86 CPU serves, so each level targets an ISA, and the run-time choice keeps AVX-512
+kernels/cpu_prefill_attention.c, kernels/cpu_int8_gemm.c) are compiled once per ISA level below, each with its own -m
+flags and its level's name in its symbols (kernels/cpu_kernels.h), and linked with the torch ops of
+kernels/cpu_ops.cpp, which pick one level at run time from the CPU's features. No -march=native: the library is
+built once (a wheel, a Docker build stage) and runs on whatever x86 CPU serves, so each level targets an ISA, and the
+run-time choice keeps AVX-512
 (and AVX512_BF16's VDPBF16PS) where the CPU has it.
 
 torch is a build dependency with an ABI: the extension must be built against the torch it runs with. Install torch
@@ -30,7 +31,7 @@ except ImportError as e:  # pragma: no cover - the message is the point
                      "pdserve with `pip install --no-build-isolation` (see scripts/install.sh)") from e
 
 C_SOURCES = ["kernels/cpu_decode.c", "kernels/cpu_layer_ops.c", "kernels/cpu_linear.c",
-             "kernels/cpu_decode_step.c", "kernels/cpu_prefill_attention.c"]
+             "kernels/cpu_decode_step.c", "kernels/cpu_prefill_attention.c", "kernels/cpu_int8_gemm.c"]
 HEADERS = ["kernels/cpu_bf16.h", "kernels/cpu_kernels.h"]
 # -ffast-math is for compiling only: linked with it, GCC < 13 adds crtfastmath.o, whose constructor turns on
 # flush-to-zero for the whole process (torch's numerics included) when the library loads. It lets the compiler

@@ -6,9 +6,12 @@
 - Decode perplexity: the same text through pdserve's engine one token a step (batch-1 decode steps, teacher-forced),
   for every precision including fp32 with `--quantization gguf`, whose 8-bit rows exist only at batch 1 (HF has no
   such forward: its perplexity column is empty there).
+- Prefill perplexity: the same text through pdserve's engine as one prefill (every row's logits): what
+  `--quantization w8a8_int8` changes, whose int8 products take only batches of more than 64 rows.
 - Agreement: pdserve's engine, greedy, 32 tokens on each of the 8 PROMPTS (shared with
   tests/engine/test_dtype.py), against the engine in fp32 (tokens before the first divergence over the stream's
-  length: greedy streams differ entirely after one token).
+  length: greedy streams differ entirely after one token); "long", the same with the text's first 96 tokens before
+  each prompt (prefills of more than 64 rows).
 
 Usage: python bench/quality.py [--ppl-tokens 1024] [--out F.json]
 """
@@ -27,8 +30,9 @@ sys.path.insert(0, str(HERE))
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "List three colors:", "Water boils at",
            "Once upon a time", "import numpy as np\n", "The quick brown fox", "1, 2, 3, 4,"]
-PRECISIONS = (("float32", "none"), ("float32", "gguf"), ("bfloat16", "none"), ("bfloat16", "int8"),
-              ("bfloat16", "int4"))
+PRECISIONS = (("float32", "none"), ("float32", "gguf"), ("float32", "w8a8_int8"), ("bfloat16", "none"),
+              ("bfloat16", "int8"), ("bfloat16", "int4"))
+LONG_CONTEXT = 96  # text tokens before each prompt in the "long" agreement
 
 
 def perplexity(model_dir: str, ids: list[int], dtype: str, quantization: str) -> float:
@@ -72,6 +76,25 @@ def decode_perplexity(model_dir: str, ids: list[int], dtype: str, quantization: 
     return math.exp(nll.item())
 
 
+def prefill_perplexity(model_dir: str, ids: list[int], dtype: str, quantization: str) -> float:
+    """exp(mean next-token cross-entropy) of `ids` under pdserve's engine, all of them one prefill step."""
+    import torch
+
+    from pdserve_server.engine.args import EngineArgs
+    from pdserve_server.engine.builder import build_engine
+    from pdserve_server.engine.execution.model_runner import StepInputs
+
+    runner = build_engine(EngineArgs(model_dir=model_dir, dtype=dtype, quantization=quantization,
+                                     kv_tokens=len(ids) + 64, max_model_len=len(ids) + 16)).runner
+    bs = runner.block_size
+    table = list(range(-(-len(ids) // bs)))
+    logits = runner._forward(StepInputs(input_ids=ids, positions=list(range(len(ids))),
+                                        slots=[table[p // bs] * bs + p % bs for p in range(len(ids))],
+                                        prefill_query_lens=[len(ids)], prefill_context_lens=[len(ids)],
+                                        prefill_block_tables=[table], logit_rows=list(range(len(ids) - 1))), None)
+    return math.exp(torch.nn.functional.cross_entropy(logits.float(), torch.tensor(ids[1:])).item())
+
+
 def engine_greedy(model_dir: str, prompts: list[list[int]], dtype: str, quantization: str, n: int) -> list[list[int]]:
     from pdserve_server.engine.args import EngineArgs
     from pdserve_server.engine.builder import build_engine
@@ -109,23 +132,28 @@ def main() -> None:
     tok = AutoTokenizer.from_pretrained(model_dir)
     text_ids = tok(corpus_text())["input_ids"][:args.ppl_tokens]
     prompts = [tok(p)["input_ids"] for p in PROMPTS]
-    rows, reference = [], None
+    long_prompts = [text_ids[:LONG_CONTEXT] + p for p in prompts]
+    rows, reference, long_reference = [], None, None
     for dtype, quant in PRECISIONS:
         t = time.perf_counter()
-        ppl = perplexity(model_dir, text_ids, dtype, quant) if quant != "gguf" else None
+        ppl = perplexity(model_dir, text_ids, dtype, quant) if quant not in ("gguf", "w8a8_int8") else None
         try:
             decode_ppl = decode_perplexity(model_dir, text_ids, dtype, quant)
         except ValueError as e:  # --quantization gguf on a model that is no GGUF's (the smoke test's tiny one)
-            print(f"{dtype:>9} {quant:>5}: skipped ({e})", flush=True)
+            print(f"{dtype:>9} {quant:>9}: skipped ({e})", flush=True)
             continue
+        prefill_ppl = prefill_perplexity(model_dir, text_ids, dtype, quant)
         greedy = engine_greedy(model_dir, prompts, dtype, quant, 32)
-        reference = reference or greedy
+        long_greedy = engine_greedy(model_dir, long_prompts, dtype, quant, 32)
+        reference, long_reference = reference or greedy, long_reference or long_greedy
         row = {"dtype": dtype, "quantization": quant, "perplexity": ppl, "decode_perplexity": decode_ppl,
-               "agreement_vs_fp32": agreement(greedy, reference)}
+               "prefill_perplexity": prefill_ppl, "agreement_vs_fp32": agreement(greedy, reference),
+               "agreement_long_vs_fp32": agreement(long_greedy, long_reference)}
         rows.append(row)
         hf = f"{ppl:.3f}" if ppl is not None else "-"
-        print(f"{dtype:>9} {quant:>5}: perplexity {hf} (HF), {decode_ppl:.3f} (engine, one token a step) over "
-              f"{len(text_ids)} tokens, greedy agreement with the fp32 engine {row['agreement_vs_fp32']:.2f} "
+        print(f"{dtype:>9} {quant:>9}: perplexity {hf} (HF), {prefill_ppl:.3f} (engine, one prefill), "
+              f"{decode_ppl:.3f} (engine, one token a step) over {len(text_ids)} tokens, greedy agreement with the "
+              f"fp32 engine {row['agreement_vs_fp32']:.2f}, long {row['agreement_long_vs_fp32']:.2f} "
               f"({time.perf_counter() - t:.0f} s)", flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps({"commit": commit(), "date": time.strftime("%Y-%m-%d"),

@@ -63,6 +63,10 @@ class AttentionOps:
     # None) -> [M, N] (the cpu backend's `kernels/cpu_linear.c`; `engine.execution.packing.gguf_blocks` finds the
     # blocks of a dequantized Q4_1 or Q8_0 weight), or None.
     blocks_linear: Callable[..., torch.Tensor] | None = None
+    # fp32 y = x W^T (+ b) through 8-bit integer products for prefill chunks, (x [M, K], wq [N, K] uint8, w_scale [N],
+    # bias [N] | None) -> [M, N] (the cpu backend's `kernels/cpu_int8_gemm.c`;
+    # `engine.execution.packing.use_w8a8`), or None.
+    int8_linear: Callable[..., torch.Tensor] | None = None
 
 
 def triton_usable(device: torch.device | str) -> bool:
@@ -135,4 +139,4 @@ def _cpu_ops() -> AttentionOps:
     return AttentionOps("cpu", c.rotary_and_write_kv, c.paged_decode_attention, c.prefill_attention, c.rms_norm,
                         c.silu_and_mul, small_batch_linear=c.linear_small_m, decode_layers=c.decode_layers,
                         packed_bf16_linear=c.linear_packed_bf16, decode_layers_fused=c.decode_layers_fused,
-                        blocks_linear=c.linear_blocks)
+                        blocks_linear=c.linear_blocks, int8_linear=c.linear_w8a8)

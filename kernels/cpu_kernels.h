@@ -1,5 +1,5 @@
 /* The C kernels' entry points (cpu_decode.c, cpu_layer_ops.c, cpu_linear.c, cpu_decode_step.c,
- * cpu_prefill_attention.c), as the torch ops of cpu_ops.cpp call them.
+ * cpu_prefill_attention.c, cpu_int8_gemm.c), as the torch ops of cpu_ops.cpp call them.
  *
  * setup.py compiles the C sources once per ISA level (base, avx2, avx512, avx512_bf16 on x86; base elsewhere), each
  * with that level's -m flags and -DPDSERVE_ISA=<level>, and links every build into the one extension kernels/_C;
@@ -105,7 +105,10 @@ typedef struct {
                                                    int M, int N, int K, float *buf);                                 \
     float *PDSERVE_ISA_NAME(blocks_buffers, isa)(int max_k, int num_threads);                                      \
     void PDSERVE_ISA_NAME(linear_blocks_warm, isa)(const void *qs, const uint16_t *scales, int format, int M, int N, \
-                                                   int K);
+                                                   int K);                                                           \
+    int PDSERVE_ISA_NAME(linear_w8a8, isa)(const float *x, int64_t x_stride, const uint8_t *wq,                      \
+                                           const float *w_scale, const float *bias, float *y, int M, int N, int K,   \
+                                           int num_threads);
 
 /* The GGUF block formats linear_blocks reads (cpu_linear.c), and the floats of its per-thread buffer for rows of K
  * weights: one block of output features (at most 4), dequantized, and one row's scales. PDSERVE_Q8_ACTIVATIONS, or'ed
@@ -115,6 +118,9 @@ typedef struct {
 #define PDSERVE_BLOCKS_FORMAT 3
 #define PDSERVE_Q8_ACTIVATIONS 4
 #define BLOCKS_BUF_FLOATS(K) (4 * (int64_t)(K) + (K) / 16)
+
+/* linear_w8a8's (cpu_int8_gemm.c) quantization block of x along K: K must be a multiple of it. */
+#define PDSERVE_W8A8_BLOCK 64
 
 /* prefill_attention's refusals (cpu_prefill_attention.c); a sequence index >= 0 names a bad table. */
 #define PREFILL_UNSUPPORTED (-2)  /* bf16 in a build without AVX512_BF16: the caller keeps the blocked-GEMM path */
@@ -140,6 +146,7 @@ PDSERVE_DECLARE_KERNELS(PDSERVE_ISA)
 #define linear_blocks_rows PDSERVE_ISA_NAME(linear_blocks_rows, PDSERVE_ISA)
 #define blocks_buffers PDSERVE_ISA_NAME(blocks_buffers, PDSERVE_ISA)
 #define linear_blocks_warm PDSERVE_ISA_NAME(linear_blocks_warm, PDSERVE_ISA)
+#define linear_w8a8 PDSERVE_ISA_NAME(linear_w8a8, PDSERVE_ISA)
 #define decode_step PDSERVE_ISA_NAME(decode_step, PDSERVE_ISA)
 #define prefill_attention PDSERVE_ISA_NAME(prefill_attention, PDSERVE_ISA)
 #define paged_decode_attention_check PDSERVE_ISA_NAME(paged_decode_attention_check, PDSERVE_ISA)

@@ -55,6 +55,7 @@ struct Build {
     decltype(&linear_small_m_base) linear_small_m;
     decltype(&linear_packed_bf16_base) linear_packed_bf16;
     decltype(&linear_blocks_base) linear_blocks;
+    decltype(&linear_w8a8_base) linear_w8a8;
     decltype(&decode_step_base) decode_step;
     decltype(&paged_decode_attention_check_base) paged_decode_attention_check;
     decltype(&prefill_attention_base) prefill_attention;
@@ -63,7 +64,8 @@ struct Build {
 #define PDSERVE_BUILD(isa, runs_here)                                                                            \
     Build { #isa, runs_here, paged_decode_attention_##isa, rms_norm_##isa, silu_and_mul_##isa,                   \
             rotary_and_write_kv_##isa, causal_softmax_bf16_##isa, linear_small_m_##isa, linear_packed_bf16_##isa,  \
-            linear_blocks_##isa, decode_step_##isa, paged_decode_attention_check_##isa, prefill_attention_##isa }
+            linear_blocks_##isa, linear_w8a8_##isa, decode_step_##isa, paged_decode_attention_check_##isa,         \
+            prefill_attention_##isa }
 
 bool always() { return true; }
 
@@ -406,6 +408,37 @@ at::Tensor linear_blocks(const at::Tensor &x, const at::Tensor &qs, const at::Te
     return out;
 }
 
+// y = x W^T + b in fp32 through 8-bit integer products (cpu_int8_gemm.c): W as 7-bit integers stored with 64 added,
+// wq [N, K] uint8 in [1, 127], and w_scale [N] float32 (engine.execution.packing.w8a8_weights); x [M, K] float32 (rows
+// may be strided), quantized per row per block of 64 here; bias [N] float32 or None. Lossy.
+at::Tensor linear_w8a8(const at::Tensor &x, const at::Tensor &wq, const at::Tensor &w_scale,
+                       const std::optional<at::Tensor> &bias) {
+    for (const auto &[t, name] : {std::pair{&x, "x"}, std::pair{&wq, "wq"}, std::pair{&w_scale, "w_scale"}})
+        check_cpu(*t, name);
+    TORCH_CHECK_VALUE(x.scalar_type() == at::kFloat && x.dim() == 2, "linear_w8a8 takes float32 x [M, K], got ",
+                      x.scalar_type(), " of shape ", x.sizes());
+    const int64_t rows = x.size(0), in_features = x.size(1), out_features = wq.size(0);
+    TORCH_CHECK_VALUE(wq.scalar_type() == at::kByte && wq.dim() == 2 && wq.size(1) == in_features &&
+                      wq.is_contiguous() && in_features % PDSERVE_W8A8_BLOCK == 0, "linear_w8a8 takes wq [N, K] uint8, "
+                      "contiguous, with K a multiple of ", PDSERVE_W8A8_BLOCK, " (x has K = ", in_features, "), got ",
+                      wq.scalar_type(), " of shape ", wq.sizes());
+    TORCH_CHECK_VALUE(w_scale.scalar_type() == at::kFloat && w_scale.is_contiguous() &&
+                      w_scale.numel() == out_features, "linear_w8a8 takes w_scale [N] float32 contiguous (N = ",
+                      out_features, "), got ", w_scale.scalar_type(), " of shape ", w_scale.sizes());
+    TORCH_CHECK_VALUE(rows <= INT32_MAX && out_features <= INT32_MAX && in_features <= INT32_MAX,
+                      "linear_w8a8: dimensions past 2^31 (", rows, ", ", out_features, ", ", in_features, ")");
+    const at::Tensor b = checked_bias(bias, x, out_features);
+    const at::Tensor xs = x.stride(1) == 1 ? x : x.contiguous();
+    at::Tensor out = at::empty({rows, out_features}, x.options());
+    if (rows == 0 || out_features == 0) return out;
+    const int rc = kernels().linear_w8a8(xs.data_ptr<float>(), xs.stride(0), wq.data_ptr<uint8_t>(),
+                                         w_scale.data_ptr<float>(), bias ? b.data_ptr<float>() : nullptr,
+                                         out.data_ptr<float>(), rows, out_features, in_features,
+                                         at::get_num_threads());
+    TORCH_CHECK(rc == 0, "linear_w8a8: out of memory for the quantized rows");
+    return out;
+}
+
 // y = x W^T + b for bf16 weights in oneDNN's packed layout (cpu_linear.c), read in place at the address oneDNN's
 // packed tensor holds (torch.ops.mkldnn.data_ptr): the caller keeps that tensor alive and has checked the layout
 // (engine.execution.packing.PackedLinear). x [M, K] bf16 (rows may be strided), bias [N] bf16 or None.
@@ -737,6 +770,7 @@ TORCH_LIBRARY(pdserve, m) {
     m.def("linear_small_m(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor");
     m.def("linear_packed_bf16(Tensor x, int weight_ptr, int out_features, int padded_k, Tensor? bias=None) -> Tensor");
     m.def("linear_blocks(Tensor x, Tensor qs, Tensor scales, Tensor? bias=None, bool q8_activations=False) -> Tensor");
+    m.def("linear_w8a8(Tensor x, Tensor wq, Tensor w_scale, Tensor? bias=None) -> Tensor");
     m.def("prefill_attention(Tensor query, Tensor k_cache, Tensor v_cache, Tensor cu_seqlens_q, "
           "Tensor context_lens, Tensor block_tables, float scale) -> Tensor");
     m.def("decode_layers_fused(Tensor(a!) residual, Tensor x, Tensor cos, Tensor sin, Tensor slot_mapping, "
@@ -764,6 +798,7 @@ TORCH_LIBRARY_IMPL(pdserve, CPU, m) {
     m.impl("linear_small_m", &linear_small_m);
     m.impl("linear_packed_bf16", &linear_packed_bf16);
     m.impl("linear_blocks", &linear_blocks);
+    m.impl("linear_w8a8", &linear_w8a8);
     m.impl("prefill_attention", &prefill_attention);
     m.impl("decode_layers_fused", &decode_layers_fused);
     m.impl("decode_layers", &decode_layers);

@@ -122,6 +122,10 @@ def _register_fakes() -> None:
     def _(x, qs, scales, bias=None, q8_activations=False):
         return x.new_empty((x.shape[0], qs.shape[0]))
 
+    @torch.library.register_fake("pdserve::linear_w8a8")
+    def _(x, wq, w_scale, bias=None):
+        return x.new_empty((x.shape[0], wq.shape[0]))
+
     @torch.library.register_fake("pdserve::prefill_attention")
     def _(query, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale):
         return query.new_empty(query.shape)
@@ -191,6 +195,10 @@ class CpuKernels:
         # (`kernels/cpu_linear.c`; `engine.execution.packing.gguf_blocks`). Fast for small M only. q8_activations=True:
         # a one-row x is quantized to 8 bits a block and multiplied in integers, as llama.cpp does (lossy).
         self.linear_blocks = ops.linear_blocks.default
+        # fp32 (x [M, K], wq [N, K] uint8 (7-bit integers + 64), w_scale [N], bias [N] or None) -> x W^T + b [M, N]
+        # through 8-bit integer products, x quantized per block of 64 (`kernels/cpu_int8_gemm.c`;
+        # `engine.execution.packing.w8a8_weights`). For prefill chunks; lossy.
+        self.linear_w8a8 = ops.linear_w8a8.default
 
     @classmethod
     def load(cls) -> CpuKernels:

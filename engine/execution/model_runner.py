@@ -18,7 +18,8 @@ from pdserve_server.engine.execution.cuda_graphs import DecodeGraphs
 from pdserve_server.engine.execution.kv_cache import KVCache
 from pdserve_server.engine.models.registry import architecture
 from pdserve_server.engine.outputs import RunnerOutput, SampledToken, ScheduledRequest, SchedulerOutput
-from pdserve_server.engine.execution.packing import SmallBatchLinear, blocks_format, pack_linears, use_q8_activations
+from pdserve_server.engine.execution.packing import (SmallBatchLinear, blocks_format, pack_linears, use_q8_activations,
+                                                     use_w8a8)
 from pdserve_server.engine.parallel.tensor_parallel import SINGLE, TensorParallel
 from pdserve_server.engine.execution.quantization import quantize_weight_only
 from pdserve_server.engine.execution.sampler import Sampler
@@ -80,7 +81,8 @@ class ModelRunner:
         attention_backend: "auto" (Triton on CUDA, the C decode kernel on CPU), "triton", "cpu" or "torch".
         quantization: "none", "int8" or "int4" (weight-only linears, `engine.execution.quantization`; int4 in groups of
             32), or "gguf" (GGUF blocks against 8-bit decode rows: `engine.execution.packing.use_q8_activations`;
-            needs packed_weights and linears that are exact GGUF tensors).
+            needs packed_weights and linears that are exact GGUF tensors), or "w8a8_int8" (fp32 prefill chunks as
+            8-bit integer products: `engine.execution.packing.use_w8a8`; needs packed_weights and the cpu backend).
         packed_weights: CPU forms of the linears (`engine.execution.packing`): bf16 prepacked for oneDNN, fp32 small
             batches through the cpu backend's kernel (int8 / int4 layers are packed by their own op).
         cuda_graph_sizes: batch sizes of all-decode steps to capture as CUDA graphs (`engine.execution.cuda_graphs`);
@@ -95,8 +97,8 @@ class ModelRunner:
 
     Raises:
         ValueError: an unknown or unusable attention backend (`kernels.select_ops`), quantization of a float32
-            model or of shapes int4 cannot pack, "gguf" for a model without exact GGUF linears, or graph sizes
-            without max_model_len.
+            model or of shapes int4 cannot pack, "gguf" for a model without exact GGUF linears, "w8a8_int8" where
+            no linear can take it, or graph sizes without max_model_len.
     """
 
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig,
@@ -131,6 +133,8 @@ class ModelRunner:
             raise ValueError("--quantization gguf computes the linears whose fp32 weights are exactly a GGUF's Q4_1 or "
                              "Q8_0 blocks, and this model has none where they could be read (it needs a model that "
                              "comes as such a GGUF, --dtype float32, the cpu attention backend and --packed-weights)")
+        if quantization == "w8a8_int8":
+            self._use_w8a8(packed_weights)
         self.kv_cache = KVCache(model_config, cache_config, self.device)
         # All-decode steps' layers in one C++ call on CPU (the cpu backend; None elsewhere or for a model it cannot run)
         self.decode_stack = CpuDecodeStack.build(self.model, self.attention_ops) if cpu_decode_stack else None
@@ -150,6 +154,17 @@ class ModelRunner:
             self.decode_graphs = DecodeGraphs(self.model, self.kv_cache.layers, cuda_graph_sizes,
                                               -(-max_model_len // self.block_size), self.kv_cache.scratch_slot,
                                               self.device, capture=self.device.type == "cuda")
+
+    def _use_w8a8(self, packed_weights: bool) -> None:
+        """--quantization w8a8_int8: the fp32 linears' prefill chunks through int8 products. Raises ValueError where
+        no linear takes them."""
+        switched = (use_w8a8(self.model, self.attention_ops.int8_linear)
+                    if packed_weights and self.attention_ops.int8_linear is not None else 0)
+        if not switched:
+            raise ValueError("--quantization w8a8_int8 computes float32 linears on CPU (--dtype float32, the cpu "
+                             "attention backend and --packed-weights) whose in_features are a multiple of 64, and this "
+                             "model has none")
+        log.info("--quantization w8a8_int8: %d linears take prefill chunks as 8-bit integer products", switched)
 
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         """Compute the step's tokens and sample for every request whose chunk reaches its last token; verify the

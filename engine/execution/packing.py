@@ -33,6 +33,11 @@ small-batch kernel on the fp32 tensor bit for bit, at 1 row the same products wi
 (the last bits differ, as torch's GEMM's do). Larger batches keep torch's GEMM on the fp32 tensor (the blocks cost 16%
 or 27% more memory beside it).
 
+`--quantization w8a8_int8` (`use_w8a8`): the fp32 layers' prefill chunks (more than `SMALL_BATCH_ROWS` rows) go
+through 8-bit integer products instead of torch's fp32 GEMM (`kernels/cpu_int8_gemm.c`: weights as 7-bit integers per
+output row, `w8a8_weights`; each row of x quantized per block of 64 on the fly), where an fp32 GEMM already runs at
+the FMA units' peak; decode steps keep the exact fp32 path above. Lossy, as SGLang's w8a8_int8 is.
+
 CPU only; anything else keeps `nn.Linear`. Unverified on GPU by construction: never applied there.
 """
 from __future__ import annotations
@@ -47,6 +52,8 @@ SMALL_BATCH_ROWS = 64  # most rows a SmallBatchLinear sends to its kernel (the c
 PACKED_GEMV_ROWS = 32  # most rows a PackedLinear sends to the packed-layout kernel (module docstring: ~level at 64)
 PACKED_BLOCK = 64  # output features per block of oneDNN's packed bf16 layout, as kernels/cpu_linear.c reads it
 GGUF_BLOCK = 32  # weights along K per Q4_1 / Q8_0 block (GGUF's QK4_1, QK8_0), each with its fp16 scale
+W8A8_BLOCK = 64  # x's quantization block along K in kernels/cpu_int8_gemm.c (PDSERVE_W8A8_BLOCK)
+W8A8_WEIGHT_MAX = 63  # 7-bit weights: VPMADDUBSW's int16 pair sums cannot saturate (kernels/cpu_int8_gemm.c)
 
 
 def packing_supported(device: torch.device, dtype: torch.dtype) -> bool:
@@ -234,6 +241,8 @@ class SmallBatchLinear(nn.Module):
             the small batches read them while they are set (None reads the fp32 tensor).
         q8_activations: a one-row x is quantized to 8 bits a block and multiplied in integers against the blocks
             (`use_q8_activations`); False (the default) keeps the exact fp32 arithmetic.
+        int8: the op that reads them with (wq, w_scale) of `w8a8_weights`, or None (the default): batches
+            of more than SMALL_BATCH_ROWS rows go through 8-bit integer products (`use_w8a8`) instead of torch's GEMM.
     """
 
     def __init__(self, linear: nn.Linear, small_m: Callable[..., torch.Tensor],
@@ -247,10 +256,14 @@ class SmallBatchLinear(nn.Module):
         self._blocks_linear = blocks_linear
         self.blocks = gguf_blocks(self.weight) if blocks_linear is not None else None
         self.q8_activations = False
+        self.int8: tuple[Callable[..., torch.Tensor], torch.Tensor, torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x if x.dim() == 2 else x.reshape(-1, self.in_features)
-        if rows.shape[0] > SMALL_BATCH_ROWS:
+        if rows.shape[0] > SMALL_BATCH_ROWS and self.int8 is not None:
+            op, *weights = self.int8
+            y = op(rows, *weights, self.bias)
+        elif rows.shape[0] > SMALL_BATCH_ROWS:
             y = F.linear(rows, self.weight, self.bias)
         elif self.blocks is not None:
             y = self._blocks_linear(rows, *self.blocks, self.bias, self.q8_activations)
@@ -275,6 +288,44 @@ def use_q8_activations(model: nn.Module) -> int:
     for m in linears:
         m.q8_activations = True
     return len(linears)
+
+
+def w8a8_weights(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """An fp32 weight [N, K] as `kernels/cpu_int8_gemm.c` reads it: (wq [N, K] uint8, w_scale [N] fp32) with
+    W ~= (wq - 64) * w_scale[:, None]: symmetric per output row, q = round(W / w_scale) in [-63, 63] (round half to
+    even: each weight within w_scale / 2 of its original), stored with 64 added (the kernel's unsigned operand).
+    Seven bits: the module docstring says why.
+
+    Raises:
+        ValueError: K is not a multiple of W8A8_BLOCK.
+    """
+    k = weight.shape[1]
+    if k % W8A8_BLOCK:
+        raise ValueError(f"int8 GEMMs need in_features divisible by {W8A8_BLOCK}, got {k}")
+    w = weight.detach().float()
+    scale = w.abs().amax(dim=1).clamp(min=1e-30) / W8A8_WEIGHT_MAX
+    q = torch.round(w / scale[:, None]).clamp(-W8A8_WEIGHT_MAX, W8A8_WEIGHT_MAX)
+    return (q + 64).to(torch.uint8).contiguous(), scale.contiguous()
+
+
+def use_w8a8(model: nn.Module, int8_linear: Callable[..., torch.Tensor]) -> int:
+    """Have every `SmallBatchLinear` under `model` but the LM head compute batches of more than SMALL_BATCH_ROWS rows
+    (prefill chunks) through 8-bit integer products: `int8_linear` (x [M, K], wq, w_scale, bias | None) -> [M, N]
+    (`kernels.AttentionOps.int8_linear`) over the layer's `w8a8_weights`, kept beside its fp32 weight (which decode
+    steps still read: +25% of the weights' bytes). The LM head stays fp32: it sees a step's sampled rows, rarely
+    more than SMALL_BATCH_ROWS, and its logits are what sampling reads. Lossy: +1.8% perplexity on the packaged model
+    in a simulation of this arithmetic (7-bit weights, x per block of 64; docs/benchmarks.md). Returns how many
+    linears were switched; a linear whose in_features is not a multiple of W8A8_BLOCK keeps torch's GEMM.
+
+    Source: SGLang's w8a8_int8 (per-channel int8 weights, x quantized on the fly) for the scheme; the 7-bit weights
+    and per-block x scales are this kernel's (AVX2 has no int8 dot product that cannot saturate).
+    """
+    count = 0
+    for name, m in model.named_modules():
+        if isinstance(m, SmallBatchLinear) and name.rpartition(".")[2] != "lm_head" and not m.in_features % W8A8_BLOCK:
+            m.int8 = (int8_linear, *w8a8_weights(m.weight))
+            count += 1
+    return count
 
 
 def pack_linears(model: nn.Module, small_batch_linear: Callable[..., torch.Tensor] | None = None,

@@ -74,14 +74,22 @@ def test_layerwise_smoke(tiny_model_dir, tmp_path):
 
 def test_quality_smoke(tiny_model_dir, tmp_path):
     out = tmp_path / "quality.json"
-    _run(["bench/quality.py", "--model-dir", str(tiny_model_dir), "--ppl-tokens", "64", "--out", str(out)], tmp_path)
+    _run(["bench/quality.py", "--model-dir", str(tiny_model_dir), "--ppl-tokens", "80", "--out", str(out)], tmp_path)
     rows = json.loads(out.read_text())["rows"]
-    assert [(r["dtype"], r["quantization"]) for r in rows] == [("float32", "none"), ("bfloat16", "none"),
-                                                               ("bfloat16", "int8"), ("bfloat16", "int4")]
-    assert rows[0]["agreement_vs_fp32"] == 1.0 and all(r["perplexity"] > 1 for r in rows)
-    # the engine fed one token a step computes what HF's one forward pass does (fp32: the same model, exactly)
-    assert all(r["decode_perplexity"] > 1 for r in rows)
-    assert abs(rows[0]["decode_perplexity"] / rows[0]["perplexity"] - 1) < 1e-3
+    assert [(r["dtype"], r["quantization"]) for r in rows] == [
+        ("float32", "none"), ("float32", "w8a8_int8"), ("bfloat16", "none"), ("bfloat16", "int8"),
+        ("bfloat16", "int4")]  # gguf skipped: the tiny model is no GGUF's
+    fp32, w8a8 = rows[0], rows[1]
+    assert fp32["agreement_vs_fp32"] == 1.0 and fp32["agreement_long_vs_fp32"] == 1.0
+    assert all(r["perplexity"] > 1 for r in rows if r["quantization"] != "w8a8_int8")
+    # the engine fed one token a step, or as one prefill, computes what HF's one forward pass does (fp32: the same
+    # model, exactly)
+    assert all(r["decode_perplexity"] > 1 and r["prefill_perplexity"] > 1 for r in rows)
+    assert abs(fp32["decode_perplexity"] / fp32["perplexity"] - 1) < 1e-3
+    assert abs(fp32["prefill_perplexity"] / fp32["perplexity"] - 1) < 1e-3
+    # w8a8_int8 changes only batches of more than 64 rows: the 80-token prefill, not one-token decode steps
+    assert w8a8["decode_perplexity"] == fp32["decode_perplexity"] and w8a8["agreement_vs_fp32"] == 1.0
+    assert w8a8["prefill_perplexity"] != fp32["prefill_perplexity"]
 
 
 def test_speculative_smoke(tiny_model_dir, tmp_path):

@@ -1,25 +1,12 @@
 """The C kernels (`kernels/cpu_ops.py`, the compiled `kernels/_C`) against the torch reference, in every ISA build of
-them that this CPU runs; the builds it cannot run are compiled all the same
-(tests/kernels/test_kernels_extension.py)."""
+them that this CPU runs (the `kernels` fixture, tests/kernels/kernel_builds.py); the builds it cannot run are compiled
+all the same (tests/kernels/test_kernels_extension.py)."""
 import pytest
 import torch
 
 from pdserve_server.kernels import reference
-from pdserve_server.kernels.cpu_ops import ALL_ISAS, CpuKernels, cpu_isa, cpu_isas, set_cpu_isa
-
-
-@pytest.fixture(scope="module", params=ALL_ISAS)
-def kernels(request):
-    """The ops, running the param's build: cpu_decode.c's AVX-512 intrinsics path (with VDPBF16PS in avx512_bf16) or
-    its AVX2 one (avx2) for head_dim 64 and 128, else the plain loops vectorized for the build's ISA (base: the
-    compiler's baseline)."""
-    k = CpuKernels.load()
-    if request.param not in cpu_isas():
-        pytest.skip(f"this CPU cannot run the {request.param} build of the kernels (only {cpu_isas()})")
-    default = cpu_isa()
-    set_cpu_isa(request.param)
-    yield k
-    set_cpu_isa(default)
+from pdserve_server.kernels.cpu_ops import cpu_isa
+from kernel_builds import kernels  # noqa: F401 (a fixture)
 
 
 def _paged(lengths, block_size, hkv, d, dtype, layers=3, layer=1, seed=0):
