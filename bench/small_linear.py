@@ -1,5 +1,7 @@
 """The cpu backend's fp32 small-M linear (`pdserve::linear_small_m`, kernels/cpu_linear.c) against torch's
-`F.linear` on one decode step's linears of a model, same process, interleaved.
+`F.linear` on one decode step's linears of a model, same process, interleaved; with `--kernel int8`, the int8 GEMM of
+`--quantization w8a8_int8` (`pdserve::linear_w8a8`, kernels/cpu_int8_gemm.c) against torch's fp32 `F.linear` on a
+prefill chunk's rows (the decoder layers' linears: the LM head keeps fp32 there).
 
 For each row count M (a decode batch), x of M rows goes through every linear of the model once per pass (its own
 weights, distinct tensors, so they stream from DRAM as in a step: SmolLM2-135M's are 538 MB in fp32), alternately
@@ -8,6 +10,7 @@ ours is faster). The weights are random (only shapes matter); the shapes come fr
 
     .venv/bin/python bench/small_linear.py                       # packaged model, M = 1 2 4 ... 64, 2 threads
     .venv/bin/python bench/small_linear.py --rows 16,32 --threads 1 --out result.json
+    .venv/bin/python bench/small_linear.py --kernel int8 --rows 128,512     # int8 GEMM, prefill-sized M
 """
 from __future__ import annotations
 
@@ -45,6 +48,7 @@ def main() -> None:
     parser.add_argument("--rows", default="1,2,4,8,16,32,64", help="row counts M, comma-separated")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=8)
+    parser.add_argument("--kernel", choices=("small_m", "int8"), default="small_m")
     parser.add_argument("--out", default=None, help="write the rows as JSON here")
     args = parser.parse_args()
 
@@ -57,11 +61,20 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     model_dir = Path(args.model_dir) if args.model_dir else resolve_model(None)
     shapes = linear_shapes(model_dir)
+    if args.kernel == "int8":
+        from pdserve_server.engine.execution.packing import W8A8_BLOCK, w8a8_weights
+
+        shapes = [(o, i, k) for o, i, k in shapes[:-1] if i % W8A8_BLOCK == 0]  # no LM head, as use_w8a8
     gen = torch.Generator().manual_seed(0)
     weights = [torch.randn(o, i, generator=gen) for o, i, k in shapes for _ in range(k)]
-    ours, theirs = torch.ops.pdserve.linear_small_m, torch.nn.functional.linear
+    theirs = torch.nn.functional.linear
+    if args.kernel == "int8":
+        packed = {id(w): w8a8_weights(w) for w in weights}
+        ours = lambda x, w: torch.ops.pdserve.linear_w8a8(x, *packed[id(w)], None)  # noqa: E731
+    else:
+        ours = lambda x, w: torch.ops.pdserve.linear_small_m(x, w, None)  # noqa: E731
     params = sum(w.numel() for w in weights)
-    print(f"# {machine()}; commit {commit()}; isa {cpu_isa()}; {args.threads} thread(s); "
+    print(f"# {machine()}; commit {commit()}; isa {cpu_isa()}; {args.threads} thread(s); kernel {args.kernel}; "
           f"{len(weights)} linears, {params * 4 / 1e6:.0f} MB fp32")
     print(f"{'M':>4} {'ours ms':>9} {'torch ms':>9} {'torch/ours':>11} {'ours GFLOP/s':>13}")
     rows = []
@@ -69,7 +82,7 @@ def main() -> None:
         xs = {w.shape[1]: torch.randn(m, w.shape[1], generator=gen) for w in weights}
         best = {"ours": float("inf"), "torch": float("inf")}
         for _ in range(args.repeats):
-            for name, fn in (("ours", lambda x, w: ours(x, w, None)), ("torch", theirs)):
+            for name, fn in (("ours", ours), ("torch", theirs)):
                 start = time.perf_counter()
                 for w in weights:
                     fn(xs[w.shape[1]], w)
@@ -81,7 +94,8 @@ def main() -> None:
               f"{row['ours_gflops']:>13.1f}")
     if args.out:
         Path(args.out).write_text(json.dumps({"machine": machine(), "commit": commit(), "isa": cpu_isa(),
-                                              "threads": args.threads, "rows": rows}, indent=1))
+                                              "threads": args.threads, "kernel": args.kernel, "rows": rows},
+                                             indent=1))
 
 
 if __name__ == "__main__":

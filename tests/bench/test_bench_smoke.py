@@ -253,3 +253,13 @@ def test_small_linear_smoke(tiny_model_dir, tmp_path):
     result = json.loads(out.read_text())
     assert [r["rows"] for r in result["rows"]] == [1, 5]
     assert all(r["ours_ms"] > 0 and r["torch_ms"] > 0 and r["ratio"] > 0 for r in result["rows"])
+
+
+def test_small_linear_smoke_with_the_int8_gemm(tiny_model_dir, tmp_path):
+    """`--kernel int8`: the int8 GEMM of --quantization w8a8_int8 on the decoder layers' shapes, both sides timed."""
+    out = tmp_path / "int8_linear.json"
+    _run(["bench/small_linear.py", "--model-dir", str(tiny_model_dir), "--kernel", "int8", "--rows", "65,130",
+          "--repeats", "1", "--threads", "1", "--out", str(out)], tmp_path)
+    result = json.loads(out.read_text())
+    assert result["kernel"] == "int8" and [r["rows"] for r in result["rows"]] == [65, 130]
+    assert all(r["ours_ms"] > 0 and r["torch_ms"] > 0 and r["ratio"] > 0 for r in result["rows"])
