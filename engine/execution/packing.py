@@ -241,7 +241,7 @@ class SmallBatchLinear(nn.Module):
             the small batches read them while they are set (None reads the fp32 tensor).
         q8_activations: a one-row x is quantized to 8 bits a block and multiplied in integers against the blocks
             (`use_q8_activations`); False (the default) keeps the exact fp32 arithmetic.
-        int8: the op that reads them with (wq, w_scale) of `w8a8_weights`, or None (the default): batches
+        int8: (op, wq, w_scale): `w8a8_weights`' tensors and the op that reads them, or None (the default): batches
             of more than SMALL_BATCH_ROWS rows go through 8-bit integer products (`use_w8a8`) instead of torch's GEMM.
     """
 
@@ -313,9 +313,9 @@ def use_w8a8(model: nn.Module, int8_linear: Callable[..., torch.Tensor]) -> int:
     (prefill chunks) through 8-bit integer products: `int8_linear` (x [M, K], wq, w_scale, bias | None) -> [M, N]
     (`kernels.AttentionOps.int8_linear`) over the layer's `w8a8_weights`, kept beside its fp32 weight (which decode
     steps still read: +25% of the weights' bytes). The LM head stays fp32: it sees a step's sampled rows, rarely
-    more than SMALL_BATCH_ROWS, and its logits are what sampling reads. Lossy: +1.8% perplexity on the packaged model
-    in a simulation of this arithmetic (7-bit weights, x per block of 64; docs/benchmarks.md). Returns how many
-    linears were switched; a linear whose in_features is not a multiple of W8A8_BLOCK keeps torch's GEMM.
+    more than SMALL_BATCH_ROWS, and its logits are what sampling reads. Lossy: +2.0% perplexity on the packaged model
+    through the engine as one prefill (bench/quality.py; docs/benchmarks.md). Returns how many linears were
+    switched; a linear whose in_features is not a multiple of W8A8_BLOCK keeps torch's GEMM.
 
     Source: SGLang's w8a8_int8 (per-channel int8 weights, x quantized on the fly) for the scheme; the 7-bit weights
     and per-block x scales are this kernel's (AVX2 has no int8 dot product that cannot saturate).
