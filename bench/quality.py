@@ -11,7 +11,8 @@
 - Agreement: pdserve's engine, greedy, 32 tokens on each of the 8 PROMPTS (shared with
   tests/engine/test_dtype.py), against the engine in fp32 (tokens before the first divergence over the stream's
   length: greedy streams differ entirely after one token); "long", the same with the text's first 96 tokens before
-  each prompt (prefills of more than 64 rows).
+  each prompt (the first prompt prefills them in a chunk of more than 64 rows, the others find that KV in the
+  prefix cache).
 
 Usage: python bench/quality.py [--ppl-tokens 1024] [--out F.json]
 """
@@ -50,46 +51,48 @@ def perplexity(model_dir: str, ids: list[int], dtype: str, quantization: str) ->
     return math.exp(torch.nn.functional.cross_entropy(logits, torch.tensor(ids[1:])).item())
 
 
-def decode_perplexity(model_dir: str, ids: list[int], dtype: str, quantization: str) -> float:
-    """exp(mean next-token cross-entropy) of `ids` under pdserve's engine, fed one token a decode step (the first as
-    a one-token prefill): every logit row is a batch-1 step's, as a single stream's are."""
-    import torch
+def engine_runner(model_dir: str, n: int, dtype: str, quantization: str):
+    """pdserve's model runner with a KV cache for one n-token sequence, its block table and each position's slot.
 
+    Raises:
+        ValueError: the precision does not apply to the model (`build_engine`: gguf on a model that is no GGUF's).
+    """
     from pdserve_server.engine.args import EngineArgs
     from pdserve_server.engine.builder import build_engine
+
+    runner = build_engine(EngineArgs(model_dir=model_dir, dtype=dtype, quantization=quantization, kv_tokens=n + 64,
+                                     max_model_len=n + 16)).runner
+    bs = runner.block_size
+    table = list(range(-(-n // bs)))
+    return runner, table, [table[p // bs] * bs + p % bs for p in range(n)]
+
+
+def decode_perplexity(runner, table: list[int], slots: list[int], ids: list[int]) -> float:
+    """exp(mean next-token cross-entropy) of `ids` under `engine_runner`'s runner, fed one token a decode step (the
+    first as a one-token prefill): every logit row is a batch-1 step's, as a single stream's are."""
+    import torch
+
     from pdserve_server.engine.execution.model_runner import StepInputs
 
-    runner = build_engine(EngineArgs(model_dir=model_dir, dtype=dtype, quantization=quantization,
-                                     kv_tokens=len(ids) + 64, max_model_len=len(ids) + 16)).runner
-    bs = runner.block_size
-    table = list(range(-(-len(ids) // bs)))
-    slot = lambda p: table[p // bs] * bs + p % bs  # noqa: E731
-    logits = runner._forward(StepInputs(input_ids=ids[:1], positions=[0], slots=[slot(0)], prefill_query_lens=[1],
+    logits = runner._forward(StepInputs(input_ids=ids[:1], positions=[0], slots=slots[:1], prefill_query_lens=[1],
                                         prefill_context_lens=[1], prefill_block_tables=[table], logit_rows=[0]), None)
     rows = []
     for p in range(1, len(ids)):
         rows.append(logits.float())
         if p < len(ids) - 1:
-            logits = runner._forward(StepInputs(input_ids=[ids[p]], positions=[p], slots=[slot(p)],
+            logits = runner._forward(StepInputs(input_ids=[ids[p]], positions=[p], slots=[slots[p]],
                                                 decode_block_tables=[table], decode_context_lens=[p + 1]), None)
     nll = torch.nn.functional.cross_entropy(torch.cat(rows), torch.tensor(ids[1:]))
     return math.exp(nll.item())
 
 
-def prefill_perplexity(model_dir: str, ids: list[int], dtype: str, quantization: str) -> float:
-    """exp(mean next-token cross-entropy) of `ids` under pdserve's engine, all of them one prefill step."""
+def prefill_perplexity(runner, table: list[int], slots: list[int], ids: list[int]) -> float:
+    """exp(mean next-token cross-entropy) of `ids` under `engine_runner`'s runner, all of them one prefill step."""
     import torch
 
-    from pdserve_server.engine.args import EngineArgs
-    from pdserve_server.engine.builder import build_engine
     from pdserve_server.engine.execution.model_runner import StepInputs
 
-    runner = build_engine(EngineArgs(model_dir=model_dir, dtype=dtype, quantization=quantization,
-                                     kv_tokens=len(ids) + 64, max_model_len=len(ids) + 16)).runner
-    bs = runner.block_size
-    table = list(range(-(-len(ids) // bs)))
-    logits = runner._forward(StepInputs(input_ids=ids, positions=list(range(len(ids))),
-                                        slots=[table[p // bs] * bs + p % bs for p in range(len(ids))],
+    logits = runner._forward(StepInputs(input_ids=ids, positions=list(range(len(ids))), slots=slots,
                                         prefill_query_lens=[len(ids)], prefill_context_lens=[len(ids)],
                                         prefill_block_tables=[table], logit_rows=list(range(len(ids) - 1))), None)
     return math.exp(torch.nn.functional.cross_entropy(logits.float(), torch.tensor(ids[1:])).item())
@@ -138,13 +141,16 @@ def main() -> None:
         t = time.perf_counter()
         ppl = perplexity(model_dir, text_ids, dtype, quant) if quant not in ("gguf", "w8a8_int8") else None
         try:
-            decode_ppl = decode_perplexity(model_dir, text_ids, dtype, quant)
+            runner = engine_runner(model_dir, len(text_ids), dtype, quant)
         except ValueError as e:  # --quantization gguf on a model that is no GGUF's (the smoke test's tiny one)
             print(f"{dtype:>9} {quant:>9}: skipped ({e})", flush=True)
             continue
-        prefill_ppl = prefill_perplexity(model_dir, text_ids, dtype, quant)
-        greedy = engine_greedy(model_dir, prompts, dtype, quant, 32)
-        long_greedy = engine_greedy(model_dir, long_prompts, dtype, quant, 32)
+        # each pass writes every position's KV before reading it: one runner serves both
+        decode_ppl = decode_perplexity(*runner, text_ids)
+        prefill_ppl = prefill_perplexity(*runner, text_ids)
+        del runner
+        outputs = engine_greedy(model_dir, prompts + long_prompts, dtype, quant, 32)  # one at a time, one engine
+        greedy, long_greedy = outputs[:len(prompts)], outputs[len(prompts):]
         reference, long_reference = reference or greedy, long_reference or long_greedy
         row = {"dtype": dtype, "quantization": quant, "perplexity": ppl, "decode_perplexity": decode_ppl,
                "prefill_perplexity": prefill_ppl, "agreement_vs_fp32": agreement(greedy, reference),
