@@ -1,5 +1,6 @@
 /* y = x W^T (+ b) with W in 7-bit integers and x quantized to 8 bits per block of 64 on the fly: the int8 GEMM of
- * `--quantization w8a8_int8`'s large batches (prefill chunks), engine/execution/packing.py.
+ * `--quantization w8a8_int8`'s decoder linears, prefill chunks and decode steps (engine/execution/packing.py; in the
+ * one-region decode step, cpu_decode_step.c, through linear_w8a8_for).
  *
  * Why: an fp32 prefill chunk's linears run at the FMA units' peak on a CPU without bf16 or int8 dot products (AVX2:
  * 2 x 8 fp32 multiply-adds a cycle a core; ~170 GFLOP/s on 2 cores of an AMD EPYC Zen 3, near all of it), so fewer
@@ -139,37 +140,43 @@ static void rows_out(const int8_t *qx, const float *sx, const float *x_offset, c
 #undef CASE
 }
 
+/* The worksharing body of linear_w8a8, orphaned (no region of its own): every thread of the enclosing region calls it
+ * with the same arguments. qx [M, K] and sx [M, K / QB + 1] are the caller's buffers, shared by the threads (x's
+ * quantized rows, their block scales, then one x_offset a row). Ends without a barrier after the products: the
+ * caller's next barrier orders y for its readers. Each output is computed by one thread in the same order whatever the
+ * thread count, so the region's build (linear_w8a8) and decode_step's give the same bits. */
+void linear_w8a8_for(const float *x, int64_t x_stride, const uint8_t *wq, const float *w_scale, const float *bias,
+                     float *y, int M, int N, int K, int8_t *qx, float *sx) {
+    const int nb = K / QB, pairs = (N + NR - 1) / NR;
+    float *x_offset = sx + (int64_t)M * nb;
+    #pragma omp for schedule(static)
+    for (int m = 0; m < M; m++)
+        x_offset[m] = quantize_row(x + (int64_t)m * x_stride, K, qx + (int64_t)m * K, sx + (int64_t)m * nb);
+    for (int mc = 0; mc < M; mc += MC) {
+        const int mend = mc + MC < M ? mc + MC : M;
+        #pragma omp for schedule(static) nowait
+        for (int p = 0; p < pairs; p++) {
+            const int n0 = p * NR, nr = N - n0 < NR ? N - n0 : NR;
+            for (int m0 = mc; m0 < mend; m0 += MR)
+                rows_out(qx, sx, x_offset, wq, w_scale, bias, y, m0, mend - m0 < MR ? mend - m0 : MR, n0, nr, N, K);
+        }
+    }
+}
+
 /* y [M, N] = x [M, K] W^T + bias, as the header comment says. x rows x_stride floats apart; wq [N, K] uint8 in
  * [1, 127] (q + 64), w_scale [N], bias [N] or NULL; K a multiple of QB (the caller checks). Returns 0, or -1 with
  * nothing written when the quantized x's buffer cannot be allocated. */
 int linear_w8a8(const float *x, int64_t x_stride, const uint8_t *wq, const float *w_scale, const float *bias, float *y,
                 int M, int N, int K, int num_threads) {
-    const int nb = K / QB;
     int8_t *qx = malloc((size_t)M * K);
-    float *sx = malloc((size_t)M * (nb + 1) * sizeof(float));
+    float *sx = malloc(W8A8_SX_FLOATS(M, K) * sizeof(float));
     if (!qx || !sx) {
         free(qx);
         free(sx);
         return -1;
     }
-    float *x_offset = sx + (size_t)M * nb;
-    const int pairs = (N + NR - 1) / NR;
     #pragma omp parallel num_threads(num_threads)
-    {
-        #pragma omp for schedule(static)
-        for (int m = 0; m < M; m++)
-            x_offset[m] = quantize_row(x + (int64_t)m * x_stride, K, qx + (int64_t)m * K, sx + (int64_t)m * nb);
-        for (int mc = 0; mc < M; mc += MC) {
-            const int mend = mc + MC < M ? mc + MC : M;
-            #pragma omp for schedule(static) nowait
-            for (int p = 0; p < pairs; p++) {
-                const int n0 = p * NR, nr = N - n0 < NR ? N - n0 : NR;
-                for (int m0 = mc; m0 < mend; m0 += MR)
-                    rows_out(qx, sx, x_offset, wq, w_scale, bias, y, m0, mend - m0 < MR ? mend - m0 : MR, n0, nr, N,
-                             K);
-            }
-        }
-    }
+    linear_w8a8_for(x, x_stride, wq, w_scale, bias, y, M, N, K, qx, sx);
     free(qx);
     free(sx);
     return 0;

@@ -19,20 +19,21 @@
 #define PDSERVE_ISA_NAME(name, isa) PDSERVE_PASTE(name, isa)
 
 /* One all-decode step of a dense pre-norm decoder, for decode_step (cpu_decode_step.c): bf16 with weights in oneDNN's
- * packed layout (linear_packed_bf16_rows), or fp32 with nn.Linear's own [N, K] weights (linear_small_m_rows) or with
- * the weights as GGUF blocks (linear_blocks_rows: weights the qs, weight_scales the scales of cpu_linear.c). Per
+ * packed layout (linear_packed_bf16_rows), or fp32 with nn.Linear's own [N, K] weights (linear_small_m_rows), with
+ * the weights as GGUF blocks (linear_blocks_rows: weights the qs, weight_scales the scales of cpu_linear.c) or as
+ * 7-bit integers (linear_w8a8_for: weights the wq [N, K] uint8, weight_scales the w_scale [N] fp32). Per
  * layer l the linears are 4 * l + 0..3: qkv, o, gate_up, down; every tensor in the step's dtype unless named. Shapes:
  * rows tokens (one per sequence), hidden H, num_heads * head_dim = Q, num_kv_heads * head_dim = KV, intermediate I. */
 typedef struct {
     int is_bf16;                            /* 1: bf16, packed weights; 0: fp32, plain weights or blocks */
-    int weight_blocks;                      /* fp32 only: PDSERVE_Q4_1 / PDSERVE_Q8_0 blocks, 0: plain */
+    int weight_blocks;                      /* fp32 only: PDSERVE_Q4_1 / PDSERVE_Q8_0 blocks, PDSERVE_W8A8, 0: plain */
     int layers, rows, hidden_size, num_heads, num_kv_heads, head_dim, intermediate;
     int block_size, max_blocks;             /* the caches' block size, the block table's width */
     int64_t block_stride;                   /* cache elements between blocks (every layer's cache alike) */
     void *const *k_caches, *const *v_caches;  /* [layers] of [num_blocks, block_size, num_kv_heads, head_dim] */
     const void *const *weights;             /* [4 * layers]: packed (bf16), [N, K] (fp32) or qs (blocks) */
-    const void *const *weight_scales;       /* [4 * layers]: the blocks' scales (blocks only) */
-    int max_k;                              /* blocks only: the largest K of the linears (the buffers' size) */
+    const void *const *weight_scales;       /* [4 * layers]: the blocks' scales or w_scale (blocks, W8A8 only) */
+    int max_k;                              /* the largest K of the linears (the blocks' and W8A8's buffers) */
     const int *padded_k;                    /* [4 * layers]: the packed weights' K padded (bf16 only) */
     const void *const *biases;              /* [4 * layers], NULL: none */
     const void *const *post_norm;           /* [layers] of [H]: the post-attention norm */
@@ -108,7 +109,10 @@ typedef struct {
                                                    int K);                                                           \
     int PDSERVE_ISA_NAME(linear_w8a8, isa)(const float *x, int64_t x_stride, const uint8_t *wq,                      \
                                            const float *w_scale, const float *bias, float *y, int M, int N, int K,   \
-                                           int num_threads);
+                                           int num_threads);                                                         \
+    void PDSERVE_ISA_NAME(linear_w8a8_for, isa)(const float *x, int64_t x_stride, const uint8_t *wq,                 \
+                                                const float *w_scale, const float *bias, float *y, int M, int N,      \
+                                                int K, int8_t *qx, float *sx);
 
 /* The GGUF block formats linear_blocks reads (cpu_linear.c), and the floats of its per-thread buffer for rows of K
  * weights: one block of output features (at most 4), dequantized, and one row's scales. PDSERVE_Q8_ACTIVATIONS, or'ed
@@ -119,8 +123,12 @@ typedef struct {
 #define PDSERVE_Q8_ACTIVATIONS 4
 #define BLOCKS_BUF_FLOATS(K) (4 * (int64_t)(K) + (K) / 16)
 
-/* linear_w8a8's (cpu_int8_gemm.c) quantization block of x along K: K must be a multiple of it. */
+/* linear_w8a8's (cpu_int8_gemm.c) quantization block of x along K: K must be a multiple of it; the floats of its
+ * scales buffer for M rows of K (each block's scale, then one offset a row); decode_step's weight form for it (a bit
+ * apart from the block formats and PDSERVE_Q8_ACTIVATIONS). */
 #define PDSERVE_W8A8_BLOCK 64
+#define W8A8_SX_FLOATS(M, K) ((size_t)(M) * ((K) / PDSERVE_W8A8_BLOCK + 1))
+#define PDSERVE_W8A8 8
 
 /* prefill_attention's refusals (cpu_prefill_attention.c); a sequence index >= 0 names a bad table. */
 #define PREFILL_UNSUPPORTED (-2)  /* bf16 in a build without AVX512_BF16: the caller keeps the blocked-GEMM path */
@@ -147,6 +155,7 @@ PDSERVE_DECLARE_KERNELS(PDSERVE_ISA)
 #define blocks_buffers PDSERVE_ISA_NAME(blocks_buffers, PDSERVE_ISA)
 #define linear_blocks_warm PDSERVE_ISA_NAME(linear_blocks_warm, PDSERVE_ISA)
 #define linear_w8a8 PDSERVE_ISA_NAME(linear_w8a8, PDSERVE_ISA)
+#define linear_w8a8_for PDSERVE_ISA_NAME(linear_w8a8_for, PDSERVE_ISA)
 #define decode_step PDSERVE_ISA_NAME(decode_step, PDSERVE_ISA)
 #define prefill_attention PDSERVE_ISA_NAME(prefill_attention, PDSERVE_ISA)
 #define paged_decode_attention_check PDSERVE_ISA_NAME(paged_decode_attention_check, PDSERVE_ISA)

@@ -581,8 +581,9 @@ at::Tensor decode_layers(const at::Tensor &residual, const at::Tensor &x, const 
 // the dtype of x, or fp32 rows against GGUF blocks (linear_blocks's) of format weight_blocks. weight_ptrs / padded_k:
 // 4 a layer (qkv, o, gate_up, down), the packed tensors' addresses and padded K as linear_packed_bf16 takes them, or
 // the fp32 weights' addresses ([N, K] contiguous; padded_k = K), or the blocks' qs (scale_ptrs: their scales;
-// padded_k = K; weight_blocks | PDSERVE_Q8_ACTIVATIONS: linear_blocks's q8_activations); the caller keeps them
-// alive. num_heads: query heads; intermediate: the MLP's width. Returns the final norm's output [B, hidden];
+// padded_k = K; weight_blocks | PDSERVE_Q8_ACTIVATIONS: linear_blocks's q8_activations), or with weight_blocks =
+// PDSERVE_W8A8 linear_w8a8's wq (scale_ptrs: its w_scale; padded_k = K); the caller keeps them alive. num_heads:
+// query heads; intermediate: the MLP's width. Returns the final norm's output [B, hidden];
 // residual is updated in place. Everything the kernel trusts is checked here first (ValueError), with nothing written
 // on failure.
 at::Tensor decode_layers_fused(const at::Tensor &residual, const at::Tensor &x, const at::Tensor &cos,
@@ -610,13 +611,15 @@ at::Tensor decode_layers_fused(const at::Tensor &residual, const at::Tensor &x, 
     const bool bf16 = x.scalar_type() == at::kBFloat16, blocks = weight_blocks != 0;
     const at::ScalarType dtype = x.scalar_type();
     const int64_t block_format = weight_blocks & ~static_cast<int64_t>(PDSERVE_Q8_ACTIVATIONS);
-    TORCH_CHECK_VALUE(weight_blocks == 0 || block_format == PDSERVE_Q4_1 || block_format == PDSERVE_Q8_0,
+    const bool w8a8 = weight_blocks == PDSERVE_W8A8;
+    TORCH_CHECK_VALUE(weight_blocks == 0 || w8a8 || block_format == PDSERVE_Q4_1 || block_format == PDSERVE_Q8_0,
                       "decode_layers_fused: weight_blocks must be 0 (plain), ", PDSERVE_Q4_1, " (Q4_1) or ",
                       PDSERVE_Q8_0, " (Q8_0), either with ", PDSERVE_Q8_ACTIVATIONS, " added for 8-bit activations, "
-                      "got ", weight_blocks);
+                      "or ", PDSERVE_W8A8, " (7-bit weights, 8-bit rows), got ", weight_blocks);
     TORCH_CHECK_VALUE(blocks ? !bf16 && scale_ptrs.size() == 4 * layers : scale_ptrs.empty(), "decode_layers_fused: "
-                      "weights as blocks take float32 rows and 4 scale pointers a layer (", 4 * layers, "), plain ones "
-                      "none; got ", x.scalar_type(), " and ", scale_ptrs.size(), " for weight_blocks ", weight_blocks);
+                      "weights as blocks or W8A8 take float32 rows and 4 scale pointers a layer (", 4 * layers,
+                      "), plain ones none; got ", x.scalar_type(), " and ", scale_ptrs.size(), " for weight_blocks ",
+                      weight_blocks);
     TORCH_CHECK_VALUE(residual.sizes() == x.sizes(), "residual ", residual.sizes(), " != x ", x.sizes());
     const int64_t rows = x.size(0), hidden = x.size(1);
     const at::Tensor &k0 = k_caches[0];
@@ -648,9 +651,10 @@ at::Tensor decode_layers_fused(const at::Tensor &residual, const at::Tensor &x, 
                           padded_k[i] <= INT32_MAX,
                           "decode_layers_fused: linear ", i, " has padded width ", padded_k[i], " for ", k,
                           " input features");
-        TORCH_CHECK_VALUE(!blocks || (scale_ptrs[i] != 0 && k % 32 == 0 && k <= INT32_MAX / 4),
-                          "decode_layers_fused: linear ", i, " as blocks needs its scales and K a multiple of 32, got "
-                          "K = ", k);
+        const int64_t k_multiple = w8a8 ? PDSERVE_W8A8_BLOCK : 32;
+        TORCH_CHECK_VALUE(!blocks || (scale_ptrs[i] != 0 && k % k_multiple == 0 && k <= INT32_MAX / 4),
+                          "decode_layers_fused: linear ", i, " as blocks or W8A8 needs its scales and K a multiple of ",
+                          k_multiple, ", got K = ", k);
         weights[i] = reinterpret_cast<const void *>(weight_ptrs[i]);
         scales[i] = blocks ? reinterpret_cast<const void *>(scale_ptrs[i]) : nullptr;
         padded[i] = static_cast<int>(padded_k[i]);
@@ -728,7 +732,7 @@ at::Tensor decode_layers_fused(const at::Tensor &residual, const at::Tensor &x, 
         ptr(residual), ptr(out), ptr(qkv), ptr(attn), ptr(proj), ptr(gate_up), ptr(act)};
     RECORD_FUNCTION("pdserve::decode_layers_fused:step", std::vector<c10::IValue>());
     TORCH_CHECK(kernels().decode_step(&step, at::get_num_threads()) == 0,
-                "decode_layers_fused: out of memory for the blocks' dequantization buffers");
+                "decode_layers_fused: out of memory for the blocks' or W8A8's buffers");
     return out;
 }
 

@@ -12,9 +12,10 @@ parallelism, sliding windows per layer allowed, whose linears are all one CPU fo
 prepacked bf16, or fp32 through the small-batch kernel), `engine.execution.quantization`'s (int8, int4) or plain
 `nn.Linear`. Everything else runs the model's forward (`CpuDecodeStack.build` returns None for a model it cannot run).
 
-Two forms take a second op, `pdserve::decode_layers_fused`: bf16 packed linears whose layout the cpu backend's kernel
-reads (`PackedLinear.weight_ptr`) up to `PACKED_GEMV_ROWS` sequences, and fp32 through the small-batch kernel up to
-`SMALL_BATCH_ROWS` (reading GGUF blocks instead when every linear holds them alike: `SmallBatchLinear.blocks`). The same
+Three forms take a second op, `pdserve::decode_layers_fused`: bf16 packed linears whose layout the cpu backend's kernel
+reads (`PackedLinear.weight_ptr`) up to `PACKED_GEMV_ROWS` sequences, fp32 through the small-batch kernel up to
+`SMALL_BATCH_ROWS` (reading GGUF blocks instead when every linear holds them alike: `SmallBatchLinear.blocks`), and
+`--quantization w8a8_int8`'s int8 GEMM (`SmallBatchLinear.int8`) at any rows (one row stays on the blocks). The same
 ops again, but the whole step in one OpenMP region, the threads meeting at a barrier between ops instead of starting and
 joining a region for each of ~270 ops (kernels/cpu_decode_step.c). Its linears are the forward's own kernels at those
 rows, so the logits stay bit-equal to the model's forward.
@@ -36,9 +37,9 @@ from pdserve_server.kernels import AttentionOps
 # `pdserve::decode_layers`'s linear_form (kernels/cpu_ops.cpp).
 TORCH_LINEAR, PACKED_LINEAR, SMALL_M_LINEAR, INT8_LINEAR, INT4_LINEAR = 0, 1, 2, 3, 4
 _LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
-# `pdserve::decode_layers_fused`'s weight_blocks (kernels/cpu_kernels.h: PDSERVE_Q4_1, PDSERVE_Q8_0, and
-# PDSERVE_Q8_ACTIVATIONS added for SmallBatchLinear.q8_activations).
-PLAIN_WEIGHTS, Q4_1_BLOCKS, Q8_0_BLOCKS, Q8_ACTIVATIONS = 0, 1, 2, 4
+# `pdserve::decode_layers_fused`'s weight_blocks (kernels/cpu_kernels.h: PDSERVE_Q4_1, PDSERVE_Q8_0,
+# PDSERVE_Q8_ACTIVATIONS added for SmallBatchLinear.q8_activations, and PDSERVE_W8A8 for SmallBatchLinear.int8).
+PLAIN_WEIGHTS, Q4_1_BLOCKS, Q8_0_BLOCKS, Q8_ACTIVATIONS, W8A8_WEIGHTS = 0, 1, 2, 4, 8
 
 
 _WEIGHT_BLOCKS = {"q4_1": Q4_1_BLOCKS, "q8_0": Q8_0_BLOCKS}
@@ -107,6 +108,14 @@ class CpuDecodeStack:
             self._fused_step, self._fused_rows = fused_step, SMALL_BATCH_ROWS
             self.weight_ptrs = [w.data_ptr() for w in self.linear_weights]
             self.padded_k = [m.in_features for m in modules]
+        # `--quantization w8a8_int8` (SmallBatchLinear.int8 on every linear; `build` leaves mixed forms to the
+        # forward): the one-region step through the int8 GEMM at any rows, as the forward computes them, but one row
+        # where the weights are held as blocks (the forward reads those there: fewer bytes than 8 bits a weight).
+        self._w8a8_ptrs: tuple[list[int], list[int]] | None = None
+        self._w8a8_one_row = self.weight_blocks == PLAIN_WEIGHTS
+        if fused_step is not None and form == SMALL_M_LINEAR and modules[0].int8 is not None:
+            self._w8a8_ptrs = ([m.int8[1].data_ptr() for m in modules], [m.int8[2].data_ptr() for m in modules])
+            self._fused_step, self.padded_k = fused_step, [m.in_features for m in modules]
         if self._fused_step is not None:
             self.num_heads = layers[0].self_attn.num_heads
             self.intermediate = modules[2].out_features // 2  # gate_up's width: gate and up side by side
@@ -125,6 +134,9 @@ class CpuDecodeStack:
         forms = {f[0] if f is not None else None for f in found}
         if len(forms) != 1 or None in forms:
             return None
+        int8 = {getattr(m, "int8", None) is not None for m in modules}
+        if int8 == {True, False} or (True in int8 and len({_blocks_format(m) for m in modules}) > 1):
+            return None  # int8 GEMMs on some linears, or blocks of mixed forms beside them: the forward mixes them
         return cls(model, ops.decode_layers, forms.pop(), [(m, w, aux) for m, (_, w, aux) in zip(modules, found)],
                    ops.decode_layers_fused)
 
@@ -146,12 +158,18 @@ class CpuDecodeStack:
             # fp32's small-batch kernel takes up to SMALL_BATCH_ROWS rows; beyond, torch's GEMM on the same weights
             # (SmallBatchLinear's own rule).
             form = TORCH_LINEAR if self.form == SMALL_M_LINEAR and x.shape[0] > SMALL_BATCH_ROWS else self.form
-            if self._fused_step is not None and x.shape[0] <= self._fused_rows:
+            fused = None
+            if self._w8a8_ptrs is not None and (x.shape[0] > 1 or self._w8a8_one_row):
+                fused = (*self._w8a8_ptrs, W8A8_WEIGHTS)
+            elif self._fused_step is not None and x.shape[0] <= self._fused_rows:
+                fused = (self.weight_ptrs, self.scale_ptrs, self.weight_blocks)
+            if fused is not None:
+                weight_ptrs, scale_ptrs, weight_blocks = fused
                 return self._fused_step(
                     h, x, cos, sin, meta.slot_mapping, meta.decode_block_tables, meta.decode_context_lens,
-                    [k for k, _ in kv_layers], [v for _, v in kv_layers], self.weight_ptrs, self.padded_k,
+                    [k for k, _ in kv_layers], [v for _, v in kv_layers], weight_ptrs, self.padded_k,
                     self.linear_biases, self.post_norm, self.next_norm, self.windows, self.num_heads,
-                    self.intermediate, self.eps, self.scale, self.weight_blocks, self.scale_ptrs)
+                    self.intermediate, self.eps, self.scale, weight_blocks, scale_ptrs)
             return self._decode_layers(
                 h, x, cos, sin, meta.slot_mapping, meta.decode_block_tables, meta.decode_context_lens,
                 [k for k, _ in kv_layers], [v for _, v in kv_layers], self.linear_weights, self.linear_aux,
