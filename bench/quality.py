@@ -7,12 +7,12 @@
   for every precision including fp32 with `--quantization gguf`, whose 8-bit rows exist only at batch 1 (HF has no
   such forward: its perplexity column is empty there).
 - Prefill perplexity: the same text through pdserve's engine as one prefill (every row's logits): what
-  `--quantization w8a8_int8` changes, whose int8 products take only batches of more than 64 rows.
+  `--quantization w8a8_int8` changes, whose int8 products take every batch but one row of the packaged model's
+  GGUF weights (which its batch-1 decode perplexity therefore shares with fp32).
 - Agreement: pdserve's engine, greedy, 32 tokens on each of the 8 PROMPTS (shared with
   tests/engine/test_dtype.py), against the engine in fp32 (tokens before the first divergence over the stream's
   length: greedy streams differ entirely after one token); "long", the same with the text's first 96 tokens before
-  each prompt (the first prompt prefills them in a chunk of more than 64 rows, the others find that KV in the
-  prefix cache).
+  each prompt (the first prompt prefills them in one chunk, the others find that KV in the prefix cache).
 
 Usage: python bench/quality.py [--ppl-tokens 1024] [--out F.json]
 """
