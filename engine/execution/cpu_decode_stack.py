@@ -135,8 +135,9 @@ class CpuDecodeStack:
         if len(forms) != 1 or None in forms:
             return None
         int8 = {getattr(m, "int8", None) is not None for m in modules}
-        if int8 == {True, False} or (True in int8 and len({_blocks_format(m) for m in modules}) > 1):
-            return None  # int8 GEMMs on some linears, or blocks of mixed forms beside them: the forward mixes them
+        if int8 == {True, False} or (True in int8 and (len({_blocks_format(m) for m in modules}) > 1
+                                                       or ops.decode_layers_fused is None)):
+            return None  # int8 GEMMs on some linears, blocks of mixed forms beside them, or no one-region step
         return cls(model, ops.decode_layers, forms.pop(), [(m, w, aux) for m, (_, w, aux) in zip(modules, found)],
                    ops.decode_layers_fused)
 

@@ -4,6 +4,8 @@ forward and in the one-region decode step (`engine.execution.cpu_decode_stack`) 
 weights held as GGUF blocks read the blocks; the LM head stays the fp32 runner's."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -88,6 +90,8 @@ def test_one_row_decodes_of_gguf_weights_read_the_blocks_and_more_rows_the_int8_
         assert torch.equal(a, b)
     assert calls[8:] == [sum(map(len, _prompts(3)))] * 8 + [3] * 8 * 4
     assert W8A8_WEIGHTS == 8  # kernels/cpu_kernels.h: PDSERVE_W8A8
+    no_region = replace(eager.attention_ops, decode_layers_fused=None)
+    assert CpuDecodeStack.build(eager.model, no_region) is None  # its C++ loop would compute fp32, the forward int8
     next(m for m in stacked.model.layers[0].modules() if isinstance(m, SmallBatchLinear)).blocks = None
     assert CpuDecodeStack.build(stacked.model, stacked.attention_ops) is None  # blocks on some linears: the forward
 
