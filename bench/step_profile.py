@@ -66,7 +66,7 @@ from hostinfo import FLAGS_SHOWN, commit, machine  # noqa: E402
 GEMM_OPS = {"aten::mm", "aten::addmm", "aten::mkldnn_linear", "mkldnn::_linear_pointwise", "aten::_mkl_linear",
             "mkl::_mkl_linear", "aten::_weight_int8pack_mm",
             "aten::_weight_int4pack_mm_for_cpu", "pdserve::linear_small_m", "pdserve::linear_packed_bf16",
-            "pdserve::linear_blocks"}
+            "pdserve::linear_blocks", "pdserve::linear_w8a8"}
 # Ranges counted whole: _instrument's around the ops a Python forward calls, and those pdserve::decode_layers opens
 # around the C calls it makes directly (kernels/cpu_ops.cpp).
 ATTENTION_RANGES = ("attention", "pdserve::decode_layers:attention")
@@ -184,10 +184,13 @@ def measure(args: EngineArgs, batch: int, context: int, steps: int, gguf_blocks:
         drop_gguf_blocks(runner)
     gen = torch.Generator().manual_seed(0)
     vocab = parts.model_config.vocab_size
+    # The first requests decode while the last are prefilled: their tokens must outlast the prefill steps too, or
+    # they finish before every request decodes together.
+    prefill_steps = -(-batch * context // args.max_num_batched_tokens)
     for i in range(batch):
         prompt = torch.randint(0, vocab, (context,), generator=gen).tolist()
-        sched.add_request(Request(f"r{i}", prompt, SamplingParams(max_tokens=4 * steps + 8, temperature=0.0,
-                                                                  ignore_eos=True)))
+        sched.add_request(Request(f"r{i}", prompt, SamplingParams(max_tokens=4 * steps + 8 + prefill_steps,
+                                                                  temperature=0.0, ignore_eos=True)))
 
     def step() -> tuple[int, float]:
         out = sched.schedule()
@@ -301,9 +304,11 @@ def main(argv=None) -> int:
                                                 for q in a.gguf_blocks.split(",") for e in a.enforce_eager.split(",")):
         dt, _, quant = name.partition("+")
         for b in batches:
+            prefill_steps = -(-b * a.context // base.max_num_batched_tokens)
             args = replace(base, dtype=dt, quantization=quant or "none", attention_backend=backend,
                            packed_weights=packing == "on", enforce_eager=eager == "on",
-                           kv_tokens=b * (a.context + 4 * a.steps + 32) + 64)
+                           # every request's prompt and tokens at once (measure's max_tokens)
+                           kv_tokens=b * (a.context + 4 * a.steps + 32 + prefill_steps) + 64)
             point = measure(args, b, a.context, a.steps, gguf_blocks=gguf == "on")
             point["gguf_blocks"] = point.pop("gguf_blocks_read")
             torch_dtype = getattr(torch, dt)  # the GEMM baseline stays the dense one: what int8 must beat
