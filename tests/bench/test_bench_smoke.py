@@ -275,3 +275,14 @@ def test_small_linear_smoke_int8_against_the_gguf_blocks(tiny_model_dir, tmp_pat
     result = json.loads(out.read_text())
     assert result["baseline"] == "blocks" and [r["rows"] for r in result["rows"]] == [1, 3]
     assert all(r["ours_ms"] > 0 and r["theirs_ms"] > 0 and r["ratio"] > 0 for r in result["rows"])
+
+
+def test_step_profile_smoke_where_prefill_outlasts_short_requests(tiny_model_dir, tmp_path):
+    """bench/step_profile.py's timed decode steps at a batch whose prefill takes more engine steps (64 x 256 tokens:
+    32 at 512 a step) than its requests' few timed tokens: every request still decodes in the timed steps (it once
+    ran them out first, then an empty step)."""
+    out = tmp_path / "step_profile.json"
+    _run(["bench/step_profile.py", "--model-dir", str(tiny_model_dir), "--dtypes", "float32", "--backends", "cpu",
+          "--batches", "64", "--context", "256", "--steps", "1", "--threads", "1", "--out", str(out)], tmp_path)
+    point, = json.loads(out.read_text())["points"]
+    assert point["batch"] == 64 and point["step_ms"] > 0 and point["tok_s"] > 0
