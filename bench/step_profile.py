@@ -177,19 +177,20 @@ def linear_bytes(model: torch.nn.Module) -> int | None:
 
 def measure(args: EngineArgs, batch: int, context: int, steps: int, gguf_blocks: bool = True) -> dict:
     """Prefill `batch` requests of `context` tokens, then time and profile `steps` decode steps; gguf_blocks=False
-    reads the fp32 weights where GGUF blocks of them are held."""
-    parts = build_engine(args)
+    reads the fp32 weights where GGUF blocks of them are held. The KV budget (args.kv_tokens) is sized here: every
+    request's prompt and tokens at once."""
+    # The first requests decode while the last are prefilled: their tokens must outlast the prefill steps too, or
+    # they finish before every request decodes together.
+    max_tokens = 4 * steps + 8 + -(-batch * context // args.max_num_batched_tokens)
+    parts = build_engine(replace(args, kv_tokens=batch * (context + max_tokens + 24) + 64))
     sched, runner = parts.scheduler, parts.runner
     if not gguf_blocks:
         drop_gguf_blocks(runner)
     gen = torch.Generator().manual_seed(0)
     vocab = parts.model_config.vocab_size
-    # The first requests decode while the last are prefilled: their tokens must outlast the prefill steps too, or
-    # they finish before every request decodes together.
-    prefill_steps = -(-batch * context // args.max_num_batched_tokens)
     for i in range(batch):
         prompt = torch.randint(0, vocab, (context,), generator=gen).tolist()
-        sched.add_request(Request(f"r{i}", prompt, SamplingParams(max_tokens=4 * steps + 8 + prefill_steps,
+        sched.add_request(Request(f"r{i}", prompt, SamplingParams(max_tokens=max_tokens,
                                                                   temperature=0.0, ignore_eos=True)))
 
     def step() -> tuple[int, float]:
@@ -304,11 +305,8 @@ def main(argv=None) -> int:
                                                 for q in a.gguf_blocks.split(",") for e in a.enforce_eager.split(",")):
         dt, _, quant = name.partition("+")
         for b in batches:
-            prefill_steps = -(-b * a.context // base.max_num_batched_tokens)
             args = replace(base, dtype=dt, quantization=quant or "none", attention_backend=backend,
-                           packed_weights=packing == "on", enforce_eager=eager == "on",
-                           # every request's prompt and tokens at once (measure's max_tokens)
-                           kv_tokens=b * (a.context + 4 * a.steps + 32 + prefill_steps) + 64)
+                           packed_weights=packing == "on", enforce_eager=eager == "on")
             point = measure(args, b, a.context, a.steps, gguf_blocks=gguf == "on")
             point["gguf_blocks"] = point.pop("gguf_blocks_read")
             torch_dtype = getattr(torch, dt)  # the GEMM baseline stays the dense one: what int8 must beat
