@@ -27,6 +27,8 @@ class EngineArgs:
             `engine.models.config_cache`); "" keeps nothing (engines built directly, as tests do).
         dtype: weights and KV dtype, or "auto" (the default: `engine.hardware.resolve_dtype`, the fastest dtype the
             device computes well, as vLLM's default is).
+        kv_cache_dtype: the KV cache's dtype, or "auto" (the default: `dtype`'s); "bfloat16" under a float32 model
+            halves the cache's bytes on the cpu backend (`engine.config.resolve_cache_dtype`).
         quantization: "none", "int8" or "int4": weight-only quantized linears (`engine.execution.quantization`; int4 in
             groups of 32 input channels; both need a bf16/fp16 dtype); "gguf": a GGUF model's exact blocks
             (`engine.execution.packing.gguf_blocks`) against decode rows quantized to 8 bits, as llama.cpp computes
@@ -80,6 +82,10 @@ class EngineArgs:
         "choices": DTYPE_CHOICES,
         "help": "weights and KV dtype; auto = bfloat16 on CPUs with AVX512_BF16/AMX and bf16 GPUs, else float32 "
                 "(float16 on older GPUs); float32 for exact parity with an fp32 reference"})
+    kv_cache_dtype: str = field(default="auto", metadata={
+        "choices": DTYPE_CHOICES,
+        "help": "KV cache dtype; auto = --dtype's; bfloat16 under a float32 model (cpu backend): half the KV bytes, so "
+                "faster long-context decode and twice the tokens per --kv-bytes, K/V rounded to bf16 (not exact)"})
     quantization: str = field(default="none", metadata={
         "choices": QUANTIZATION_CHOICES,
         "help": "int8 / int4 = weight-only int8 / int4 (groups of 32) linears (bf16/fp16 dtypes): faster "

@@ -9,7 +9,8 @@ from pathlib import Path
 import torch
 
 from pdserve_server.engine.args import EngineArgs
-from pdserve_server.engine.config import CacheConfig, SchedulerConfig, compat_hash, num_blocks_for_budget
+from pdserve_server.engine.config import (CacheConfig, SchedulerConfig, compat_hash, num_blocks_for_budget,
+                                          resolve_cache_dtype)
 from pdserve_server.engine.models.config import ModelConfig
 from pdserve_server.engine.models.config_cache import read_model_config
 from pdserve_server.engine.execution.cuda_graphs import capture_sizes
@@ -43,7 +44,8 @@ def resolve_configs(args: EngineArgs) -> tuple[ModelConfig, CacheConfig, Schedul
 
     Raises:
         FileNotFoundError / ValueError: from reading and validating the model config (unsupported architecture or
-            feature, named), a mock engine's profile that does not load or with TP, a KV budget under one block,
+            feature, named), a mock engine's profile that does not load or with TP, a KV budget under one block, a
+            --kv-cache-dtype the backend cannot hold (`engine.config.resolve_cache_dtype`),
             inconsistent speculative-decoding flags, or more tensor-parallel ranks than GPUs
             (`engine.parallel.tensor_parallel.check_devices`).
     """
@@ -59,9 +61,11 @@ def resolve_configs(args: EngineArgs) -> tuple[ModelConfig, CacheConfig, Schedul
     tp = args.tensor_parallel_size
     check_devices(args.device, tp)
     head_split(model_config.num_heads, model_config.num_kv_heads, tp, 0)  # heads that do not split: refused now
+    cache_dtype = resolve_cache_dtype(args.kv_cache_dtype, model_config.dtype, args.device, args.attention_backend)
     num_blocks = num_blocks_for_budget(model_config, args.block_size, args.kv_bytes,
-                                       None if args.kv_bytes is not None else args.kv_tokens, tp)
-    cache_config = CacheConfig(block_size=args.block_size, num_blocks=num_blocks, tensor_parallel_size=tp)
+                                       None if args.kv_bytes is not None else args.kv_tokens, tp, cache_dtype)
+    cache_config = CacheConfig(block_size=args.block_size, num_blocks=num_blocks, tensor_parallel_size=tp,
+                               cache_dtype=cache_dtype)
     max_len = args.max_model_len or model_config.max_position_embeddings
     scheduler_config = SchedulerConfig(
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,

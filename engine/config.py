@@ -8,7 +8,7 @@ import json
 from dataclasses import asdict, dataclass
 import torch
 
-from pdserve_server.engine.models.config import ModelConfig
+from pdserve_server.engine.models.config import DTYPES, ModelConfig
 from pdserve_server.engine.parallel.tensor_parallel import kv_heads_per_rank
 from pdserve_server.engine.speculative import SpeculativeConfig
 
@@ -21,38 +21,69 @@ class CacheConfig:
         block_size: tokens per KV block.
         num_blocks: blocks in the pool (the KV budget). Derive it with `num_blocks_for_budget`.
         tensor_parallel_size: ranks the KV heads of every block are split across (`engine.execution.kv_cache` layout).
+        cache_dtype: the cache's dtype name (`engine.models.config.DTYPES`), None: the model's
+            (`resolve_cache_dtype`).
     """
 
     block_size: int
     num_blocks: int
     tensor_parallel_size: int = 1
+    cache_dtype: str | None = None
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.num_blocks <= 0 or self.tensor_parallel_size <= 0:
             raise ValueError(f"block_size, num_blocks and tensor_parallel_size must be positive, got {self}")
+        if self.cache_dtype is not None and self.cache_dtype not in DTYPES:
+            raise ValueError(f"cache_dtype must be one of {sorted(DTYPES)} or None, got {self.cache_dtype!r}")
+
+    def torch_dtype(self, model: ModelConfig) -> torch.dtype:
+        """The KV cache's torch dtype for `model`: cache_dtype, or the model's own."""
+        return DTYPES[self.cache_dtype] if self.cache_dtype else model.torch_dtype
 
 
-def kv_bytes_per_block(model: ModelConfig, block_size: int, tensor_parallel_size: int = 1) -> int:
+def resolve_cache_dtype(name: str, model_dtype: str, device: str, attention_backend: str = "auto") -> str | None:
+    """`--kv-cache-dtype` as `CacheConfig.cache_dtype`: "auto" or the model's dtype is None (the model's); bfloat16
+    under a float32 model on a CPU (the cpu or torch attention backend) is a bf16 cache that the kernels write by
+    rounding to nearest even and read widened exactly (`kernels/cpu_decode.c`, `cpu_prefill_attention.c`,
+    `cpu_layer_ops.c`; `kernels.reference`), all arithmetic in fp32: the decode attention reads half the bytes (vLLM's
+    `--kv-cache-dtype`; llama.cpp's cache is 16-bit by default).
+
+    Raises:
+        ValueError: any other pairing (a narrower model over a wider cache, float16, a GPU or the Triton backend,
+            whose kernels read the cache in the model's dtype), saying what to pass instead.
+    """
+    if name in ("auto", model_dtype):
+        return None
+    if (name == "bfloat16" and model_dtype == "float32" and torch.device(device).type == "cpu"
+            and attention_backend in ("auto", "cpu", "torch")):
+        return name
+    raise ValueError(f"--kv-cache-dtype {name} with --dtype {model_dtype} on {device} (attention backend "
+                     f"{attention_backend}) is not supported: the KV cache takes the model's dtype (auto), or "
+                     "bfloat16 under a float32 model on a CPU with the cpu or torch attention backend")
+
+
+def kv_bytes_per_block(model: ModelConfig, block_size: int, tensor_parallel_size: int = 1,
+                       cache_dtype: str | None = None) -> int:
     """Bytes one KV block takes across all layers and ranks: layers x {K,V} x block_size x kv heads stored x
-    head_dim x itemsize, where the kv heads stored are tp x `kv_heads_per_rank` (num_kv_heads, more when tensor
-    parallelism pads or replicates them)."""
-    itemsize = torch.empty((), dtype=model.torch_dtype).element_size()
+    head_dim x itemsize (of `cache_dtype`, None: the model's dtype), where the kv heads stored are tp x
+    `kv_heads_per_rank` (num_kv_heads, more when tensor parallelism pads or replicates them)."""
+    itemsize = torch.empty((), dtype=DTYPES[cache_dtype] if cache_dtype else model.torch_dtype).element_size()
     tp = tensor_parallel_size
     heads = tp * kv_heads_per_rank(model.num_kv_heads, tp)
     return model.num_layers * 2 * block_size * heads * model.head_dim * itemsize
 
 
 def num_blocks_for_budget(model: ModelConfig, block_size: int, kv_bytes: int | None, kv_tokens: int | None,
-                          tensor_parallel_size: int = 1) -> int:
+                          tensor_parallel_size: int = 1, cache_dtype: str | None = None) -> int:
     """Number of KV blocks for a budget given in bytes or in tokens (exactly one of them), with the KV layout of
-    `tensor_parallel_size` ranks.
+    `tensor_parallel_size` ranks in `cache_dtype` (None: the model's dtype).
 
     Raises:
         ValueError: neither or both budgets given, or the budget holds less than one block.
     """
     if (kv_bytes is None) == (kv_tokens is None):
         raise ValueError("give exactly one of kv_bytes / kv_tokens")
-    n = (kv_bytes // kv_bytes_per_block(model, block_size, tensor_parallel_size) if kv_bytes is not None
+    n = (kv_bytes // kv_bytes_per_block(model, block_size, tensor_parallel_size, cache_dtype) if kv_bytes is not None
          else kv_tokens // block_size)
     if n < 1:
         raise ValueError(f"KV budget too small for one block of {block_size} tokens")
@@ -85,7 +116,8 @@ class SchedulerConfig:
 
 
 def compat_hash(model: ModelConfig, cache: CacheConfig) -> str:
-    """Hash that two workers must share to exchange KV blocks: model shapes, dtype, block size and layout.
+    """Hash that two workers must share to exchange KV blocks: model shapes, dtype, the cache's dtype, block size and
+    layout.
 
     The layout tag names the KV layout in `engine.execution.kv_cache` (a shard per rank, [num_blocks, layers, 2,
     block_size, kv_heads_per_rank, head_dim], block-major; a block travels as each rank's region); change it whenever
@@ -96,5 +128,6 @@ def compat_hash(model: ModelConfig, cache: CacheConfig) -> str:
     fields.pop("path")
     fields["block_size"] = cache.block_size
     fields["tensor_parallel_size"] = cache.tensor_parallel_size
+    fields["cache_dtype"] = cache.cache_dtype or model.dtype
     fields["layout"] = "block-major-shards-v3"
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]

@@ -65,15 +65,18 @@ def dense_within_block(cache: torch.Tensor) -> bool:
 
 
 def check_kv_caches(k_cache: torch.Tensor, v_cache: torch.Tensor, device: torch.device,
-                    dtype: torch.dtype) -> None:
-    """k_cache/v_cache: [num_blocks, block_size, num_kv_heads, head_dim], `dtype`, each (block_size, heads,
-    head_dim) slab dense so a token's heads are one row (dim 0 may be strided: the per-layer view of the cache).
+                    dtypes: tuple[torch.dtype, ...]) -> None:
+    """k_cache/v_cache: [num_blocks, block_size, num_kv_heads, head_dim], one dtype of `dtypes` for both, each
+    (block_size, heads, head_dim) slab dense so a token's heads are one row (dim 0 may be strided: the per-layer view
+    of the cache).
 
     Raises:
         ValueError: on any mismatch.
     """
+    check(not isinstance(v_cache, torch.Tensor) or not isinstance(k_cache, torch.Tensor)
+          or v_cache.dtype == k_cache.dtype, lambda: f"v_cache dtype {v_cache.dtype} != k_cache dtype {k_cache.dtype}")
     for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
-        check_tensor(name, c, 4, (dtype,), device, inner_contiguous=True)
+        check_tensor(name, c, 4, dtypes, device, inner_contiguous=True)
         check(dense_within_block(c),
               lambda: f"{name} must be dense within a block, got strides {c.stride()} for shape {tuple(c.shape)}")
     check(k_cache.shape == v_cache.shape,
@@ -81,19 +84,20 @@ def check_kv_caches(k_cache: torch.Tensor, v_cache: torch.Tensor, device: torch.
 
 
 def check_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                    context_lens: torch.Tensor, num_seqs: int) -> None:
+                    context_lens: torch.Tensor, num_seqs: int, mixed_kv: bool = False) -> None:
     """Checks shared by the attention wrappers: query [*, num_q_heads, head_dim] float with a dense last dim;
-    caches of the query's dtype and head_dim with num_q_heads a multiple of num_kv_heads; block_tables
+    caches of the query's dtype (with mixed_kv, of any float dtype, both alike: what the CPU kernels and the reference
+    read, `--kv-cache-dtype`) and head_dim with num_q_heads a multiple of num_kv_heads; block_tables
     [num_seqs, max_blocks] int32; context_lens [num_seqs] int32; all on the query's device.
 
     Raises:
         ValueError: naming the offending tensor and its shape.
     """
-    if _attention_ok(query, k_cache, v_cache, block_tables, context_lens, num_seqs):
+    if _attention_ok(query, k_cache, v_cache, block_tables, context_lens, num_seqs, mixed_kv):
         return  # one test on the path every call takes (5.3 -> 2.1 us per call on a 2-core EPYC); the checks below name what failed
     device = query.device
     check_tensor("query", query, 3, FLOAT_DTYPES, device, inner_contiguous=True)
-    check_kv_caches(k_cache, v_cache, device, query.dtype)
+    check_kv_caches(k_cache, v_cache, device, FLOAT_DTYPES if mixed_kv else (query.dtype,))
     num_q_heads, head_dim = query.shape[1:]
     num_kv_heads, cache_head_dim = k_cache.shape[2:]
     check(cache_head_dim == head_dim, lambda: f"query head_dim {head_dim} != cache head_dim {cache_head_dim} "
@@ -109,7 +113,7 @@ def check_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 
 
 def _attention_ok(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                  context_lens: torch.Tensor, num_seqs: int) -> bool:
+                  context_lens: torch.Tensor, num_seqs: int, mixed_kv: bool) -> bool:
     """`check_attention`'s conditions as one expression (each tensor's shape and strides read once)."""
     tensor = torch.Tensor
     if not (isinstance(query, tensor) and isinstance(k_cache, tensor) and isinstance(v_cache, tensor)
@@ -119,7 +123,8 @@ def _attention_ok(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     q_shape, k_shape, k_strides, v_strides = query.shape, k_cache.shape, k_cache.stride(), v_cache.stride()
     bt_shape = block_tables.shape
     return (len(q_shape) == 3 and dtype in FLOAT_DTYPES and query.stride(2) == 1 and len(k_shape) == 4
-            and k_cache.dtype == dtype and v_cache.dtype == dtype and v_cache.shape == k_shape
+            and (k_cache.dtype == dtype or (mixed_kv and k_cache.dtype in FLOAT_DTYPES))
+            and v_cache.dtype == k_cache.dtype and v_cache.shape == k_shape
             and k_strides[1:] == dense_block_strides(k_shape[2], k_shape[3]) and v_strides[1:] == k_strides[1:]
             and k_shape[3] == q_shape[2] and q_shape[1] % k_shape[2] == 0
             and block_tables.dtype == torch.int32 and len(bt_shape) == 2 and bt_shape[0] == num_seqs

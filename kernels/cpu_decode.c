@@ -118,8 +118,8 @@ static inline __attribute__((always_inline)) void attend_item(
         const void *query, const void *k_cache, const void *v_cache, const int32_t *block_tables,
         const int32_t *context_lens, void *out, int s, int kvh, int group, int num_q_heads, int head_dim,
         int block_size, int max_blocks, int64_t block_stride, int64_t token_stride, int64_t q_stride, float scale,
-        int sliding_window, int is_bf16, NextItem next) {
-    const size_t elem = is_bf16 ? 2 : 4;
+        int sliding_window, int is_bf16, int kv_bf16, NextItem next) {
+    const size_t elem = is_bf16 ? 2 : 4, kv_elem = kv_bf16 ? 2 : 4;
     const int ctx = context_lens[s], lo = window_start(ctx, sliding_window);
     float q[MAX_GROUP][MAX_HEAD_DIM], acc[MAX_GROUP][MAX_HEAD_DIM], m[MAX_GROUP], l[MAX_GROUP];
     float kb[MAX_BLOCK][MAX_HEAD_DIM], vb[MAX_BLOCK][MAX_HEAD_DIM];
@@ -131,18 +131,18 @@ static inline __attribute__((always_inline)) void attend_item(
         l[g] = 0.0f;
     }
     const int32_t *table = block_tables + (size_t)s * max_blocks;
-    const size_t row_bytes = (size_t)head_dim * elem;
+    const size_t row_bytes = (size_t)head_dim * kv_elem;
     for (int t0 = lo - lo % block_size; t0 < ctx; t0 += block_size) {
         const int n = ctx - t0 < block_size ? ctx - t0 : block_size;  /* tokens of this block in context */
         const int j0 = t0 < lo ? lo - t0 : 0;  /* the window's first block: its tokens before lo are not seen */
         const int64_t base = (int64_t)table[t0 / block_size] * block_stride + (int64_t)kvh * head_dim;
         const int64_t ahead = ahead_base(table, t0, ctx, block_size, block_stride, (int64_t)kvh * head_dim, next);
         for (int j = j0; j < n; j++) {  /* widen the block's rows once for all heads of the group */
-            if (ahead >= 0) prefetch_row(k_cache, v_cache, ahead + j * token_stride, row_bytes, elem);
-            load_row(kb[j], (const char *)k_cache + (base + j * token_stride) * elem, head_dim, is_bf16);
+            if (ahead >= 0) prefetch_row(k_cache, v_cache, ahead + j * token_stride, row_bytes, kv_elem);
+            load_row(kb[j], (const char *)k_cache + (base + j * token_stride) * kv_elem, head_dim, kv_bf16);
         }
         for (int j = j0; j < n; j++)
-            load_row(vb[j], (const char *)v_cache + (base + j * token_stride) * elem, head_dim, is_bf16);
+            load_row(vb[j], (const char *)v_cache + (base + j * token_stride) * kv_elem, head_dim, kv_bf16);
         for (int g = 0; g < group; g++) {
             float sc[MAX_BLOCK], bmax = -FLT_MAX;
             for (int j = j0; j < n; j++) {
@@ -215,10 +215,10 @@ static inline __attribute__((always_inline)) void attend_item_avx512(
         const void *query, const void *k_cache, const void *v_cache, const int32_t *block_tables,
         const int32_t *context_lens, void *out, int s, int kvh, int group, int num_q_heads, const int HD,
         int block_size, int max_blocks, int64_t block_stride, int64_t token_stride, int64_t q_stride, float scale,
-        int sliding_window, int is_bf16, NextItem next) {
+        int sliding_window, int is_bf16, int kv_bf16, NextItem next) {
     enum { NC_MAX = MAX_HEAD_DIM / 16 };
     const int NC = HD / 16;
-    const size_t elem = is_bf16 ? 2 : 4;
+    const size_t elem = is_bf16 ? 2 : 4, kv_elem = kv_bf16 ? 2 : 4;
     const int ctx = context_lens[s], lo = window_start(ctx, sliding_window);
     float acc[MAX_GROUP][MAX_HEAD_DIM] __attribute__((aligned(64))), m[MAX_GROUP], l[MAX_GROUP];
     float vb[16][MAX_HEAD_DIM] __attribute__((aligned(64)));
@@ -233,7 +233,7 @@ static inline __attribute__((always_inline)) void attend_item_avx512(
             _mm512_store_ps(acc[g] + 16 * c, _mm512_setzero_ps());
         }
 #ifdef __AVX512BF16__
-        if (is_bf16)
+        if (is_bf16 && kv_bf16)
             for (int c = 0; c < NC / 2; c++) qb[g][c] = _mm512_loadu_si512(qrow + c * 64);
 #endif
         m[g] = -FLT_MAX;
@@ -252,11 +252,12 @@ static inline __attribute__((always_inline)) void attend_item_avx512(
             const float *vrow[16];
             for (int j = 0; j < n; j++) {
                 const int64_t row = base + (int64_t)(c0 + j) * token_stride;
-                krow[j] = (const char *)k_cache + row * elem;
-                if (ahead >= 0) prefetch_row(k_cache, v_cache, ahead + (int64_t)(c0 + j) * token_stride, HD * elem, elem);
-                if (is_bf16) {  /* widen each V row once for all heads of the group */
+                krow[j] = (const char *)k_cache + row * kv_elem;
+                if (ahead >= 0)
+                    prefetch_row(k_cache, v_cache, ahead + (int64_t)(c0 + j) * token_stride, HD * kv_elem, kv_elem);
+                if (kv_bf16) {  /* widen each V row once for all heads of the group */
                     for (int c = 0; c < NC; c++)
-                        _mm512_store_ps(vb[j] + 16 * c, widen16((const char *)v_cache + row * elem + c * 32));
+                        _mm512_store_ps(vb[j] + 16 * c, widen16((const char *)v_cache + row * kv_elem + c * 32));
                     vrow[j] = vb[j];
                 } else {
                     vrow[j] = (const float *)v_cache + row;
@@ -267,7 +268,7 @@ static inline __attribute__((always_inline)) void attend_item_avx512(
                 for (int j = 0; j < 16; j++) {
                     if (j >= n) { lanes[j] = _mm512_setzero_ps(); continue; }
 #ifdef __AVX512BF16__
-                    if (is_bf16) {
+                    if (is_bf16 && kv_bf16) {
                         __m512 d = _mm512_setzero_ps();
                         for (int c = 0; c < NC / 2; c++)
                             d = _mm512_dpbf16_ps(d, (__m512bh)qb[g][c], (__m512bh)_mm512_loadu_si512(krow[j] + c * 64));
@@ -275,8 +276,9 @@ static inline __attribute__((always_inline)) void attend_item_avx512(
                         continue;
                     }
 #endif
-                    __m512 d = _mm512_mul_ps(qf[g][0], load16(krow[j], is_bf16));
-                    for (int c = 1; c < NC; c++) d = _mm512_fmadd_ps(qf[g][c], load16(krow[j] + c * 16 * elem, is_bf16), d);
+                    __m512 d = _mm512_mul_ps(qf[g][0], load16(krow[j], kv_bf16));
+                    for (int c = 1; c < NC; c++)
+                        d = _mm512_fmadd_ps(qf[g][c], load16(krow[j] + c * 16 * kv_elem, kv_bf16), d);
                     lanes[j] = d;
                 }
                 const __m512 sc = _mm512_mask_mov_ps(vlow, live, _mm512_mul_ps(hsum16(lanes), vscale));
@@ -352,10 +354,10 @@ static inline __attribute__((always_inline)) void attend_item_avx2(
         const void *query, const void *k_cache, const void *v_cache, const int32_t *block_tables,
         const int32_t *context_lens, void *out, int s, int kvh, int group, int num_q_heads, const int HD,
         int block_size, int max_blocks, int64_t block_stride, int64_t token_stride, int64_t q_stride, float scale,
-        int sliding_window, int is_bf16, NextItem next) {
+        int sliding_window, int is_bf16, int kv_bf16, NextItem next) {
     enum { NC_MAX = 128 / 8, PV = 8 };  /* HD <= 128 here; P.V in passes of PV vectors (AVX2 has 16 registers) */
     const int NC = HD / 8;
-    const size_t elem = is_bf16 ? 2 : 4;
+    const size_t elem = is_bf16 ? 2 : 4, kv_elem = kv_bf16 ? 2 : 4;
     const int ctx = context_lens[s], lo = window_start(ctx, sliding_window);
     float acc[MAX_GROUP][MAX_HEAD_DIM] __attribute__((aligned(32))), m[MAX_GROUP], l[MAX_GROUP];
     float vb[8][MAX_HEAD_DIM] __attribute__((aligned(32)));
@@ -383,12 +385,12 @@ static inline __attribute__((always_inline)) void attend_item_avx2(
             const float *vrow[8];
             for (int j = 0; j < n; j++) {
                 const int64_t row = base + (int64_t)(c0 + j) * token_stride;
-                krow[j] = (const char *)k_cache + row * elem;
+                krow[j] = (const char *)k_cache + row * kv_elem;
                 if (ahead >= 0)
-                    prefetch_row(k_cache, v_cache, ahead + (int64_t)(c0 + j) * token_stride, HD * elem, elem);
-                if (is_bf16) {  /* widen each V row once for all heads of the group */
+                    prefetch_row(k_cache, v_cache, ahead + (int64_t)(c0 + j) * token_stride, HD * kv_elem, kv_elem);
+                if (kv_bf16) {  /* widen each V row once for all heads of the group */
                     for (int c = 0; c < NC; c++)
-                        _mm256_store_ps(vb[j] + 8 * c, widen8((const char *)v_cache + row * elem + c * 16));
+                        _mm256_store_ps(vb[j] + 8 * c, widen8((const char *)v_cache + row * kv_elem + c * 16));
                     vrow[j] = vb[j];
                 } else {
                     vrow[j] = (const float *)v_cache + row;
@@ -398,9 +400,9 @@ static inline __attribute__((always_inline)) void attend_item_avx2(
                 __m256 lanes[8];
                 for (int j = 0; j < 8; j++) {
                     if (j >= n) { lanes[j] = _mm256_setzero_ps(); continue; }
-                    __m256 d = _mm256_mul_ps(qf[g][0], load8(krow[j], is_bf16));
+                    __m256 d = _mm256_mul_ps(qf[g][0], load8(krow[j], kv_bf16));
                     for (int c = 1; c < NC; c++)
-                        d = _mm256_fmadd_ps(qf[g][c], load8(krow[j] + c * 8 * elem, is_bf16), d);
+                        d = _mm256_fmadd_ps(qf[g][c], load8(krow[j] + c * 8 * kv_elem, kv_bf16), d);
                     lanes[j] = d;
                 }
                 const __m256 sc = _mm256_blendv_ps(vlow, _mm256_mul_ps(hsum8(lanes), vscale), live);
@@ -442,7 +444,8 @@ static inline __attribute__((always_inline)) void attend_item_avx2(
  * query: [num_seqs, num_q_heads, head_dim], fp32 or bf16 (is_bf16), heads dense within a sequence, sequences
  *     q_stride elements apart (the model's q is a view of its fused qkv rows: no copy to make it contiguous).
  * out: [num_seqs, num_q_heads, head_dim], contiguous, the query's dtype.
- * k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], the same dtype; a block is dense, blocks are
+ * k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], fp32 or bf16 (kv_bf16) whatever the query's
+ *     dtype (a bf16 cache under fp32 compute: half the bytes read, widened exactly); a block is dense, blocks are
  *     `block_stride` elements apart (a per-layer view of a cache holding all layers is strided in dim 0).
  * block_tables: [num_seqs, max_blocks] int32, contiguous; context_lens: [num_seqs] int32 (>= 1 each).
  * Work items are (sequence, kv head) pairs, split statically over `num_threads` OpenMP threads.
@@ -455,14 +458,14 @@ int paged_decode_attention(const void *query, const void *k_cache, const void *v
                            const int32_t *block_tables, const int32_t *context_lens, void *out,
                            int num_seqs, int num_q_heads, int num_kv_heads, int head_dim, int block_size,
                            int max_blocks, int64_t block_stride, int64_t q_stride, float scale, int sliding_window,
-                           int is_bf16, int num_threads, int64_t num_blocks) {
+                           int is_bf16, int kv_bf16, int num_threads, int64_t num_blocks) {
     const int bad = paged_decode_attention_check(block_tables, context_lens, num_seqs, block_size, max_blocks,
                                                  sliding_window, num_blocks);
     if (bad >= 0) return bad;
     #pragma omp parallel num_threads(num_threads)
     paged_decode_attention_for(query, k_cache, v_cache, block_tables, context_lens, out, num_seqs, num_q_heads,
                                num_kv_heads, head_dim, block_size, max_blocks, block_stride, q_stride, scale,
-                               sliding_window, is_bf16);
+                               sliding_window, is_bf16, kv_bf16);
     return -1;
 }
 
@@ -489,7 +492,7 @@ void paged_decode_attention_for(const void *query, const void *k_cache, const vo
                                 const int32_t *block_tables, const int32_t *context_lens, void *out, int num_seqs,
                                 int num_q_heads, int num_kv_heads, int head_dim, int block_size, int max_blocks,
                                 int64_t block_stride, int64_t q_stride, float scale, int sliding_window,
-                                int is_bf16) {
+                                int is_bf16, int kv_bf16) {
     const int group = num_q_heads / num_kv_heads;
     const int64_t token_stride = (int64_t)num_kv_heads * head_dim;
     #pragma omp for schedule(static) nowait
@@ -502,28 +505,33 @@ void paged_decode_attention_for(const void *query, const void *k_cache, const vo
             next = (NextItem){block_tables + (size_t)s2 * max_blocks + first, ctx2 - first * block_size,
                               (int64_t)((item + 1) % num_kv_heads) * head_dim};
         }
-#define ATTEND(HD, BF16) attend_item(query, k_cache, v_cache, block_tables, context_lens, out, s, kvh, group, \
-                                     num_q_heads, HD, block_size, max_blocks, block_stride, token_stride, q_stride, \
-                                     scale, sliding_window, BF16, next)
+#define ATTEND(HD, BF16, KV_BF16) attend_item(query, k_cache, v_cache, block_tables, context_lens, out, s, kvh, \
+        group, num_q_heads, HD, block_size, max_blocks, block_stride, token_stride, q_stride, scale, sliding_window, \
+        BF16, KV_BF16, next)
 /* head_dim 64 and 128 as compile-time constants: the AVX-512 or AVX2 path where the build has it, else the plain
  * loops */
 #ifdef HAVE_AVX512
-#define ATTEND_FIXED(HD, BF16) attend_item_avx512(query, k_cache, v_cache, block_tables, context_lens, out, s, kvh, \
-        group, num_q_heads, HD, block_size, max_blocks, block_stride, token_stride, q_stride, scale, sliding_window, \
-        BF16, next)
+#define ATTEND_FIXED(HD, BF16, KV_BF16) attend_item_avx512(query, k_cache, v_cache, block_tables, context_lens, out, \
+        s, kvh, group, num_q_heads, HD, block_size, max_blocks, block_stride, token_stride, q_stride, scale, \
+        sliding_window, BF16, KV_BF16, next)
 #elif defined(HAVE_AVX2)
-#define ATTEND_FIXED(HD, BF16) attend_item_avx2(query, k_cache, v_cache, block_tables, context_lens, out, s, kvh, \
-        group, num_q_heads, HD, block_size, max_blocks, block_stride, token_stride, q_stride, scale, sliding_window, \
-        BF16, next)
+#define ATTEND_FIXED(HD, BF16, KV_BF16) attend_item_avx2(query, k_cache, v_cache, block_tables, context_lens, out, \
+        s, kvh, group, num_q_heads, HD, block_size, max_blocks, block_stride, token_stride, q_stride, scale, \
+        sliding_window, BF16, KV_BF16, next)
 #else
 #define ATTEND_FIXED ATTEND
 #endif
-        if (head_dim == 64) {
-            if (is_bf16) ATTEND_FIXED(64, 1); else ATTEND_FIXED(64, 0);
-        } else if (head_dim == 128) {
-            if (is_bf16) ATTEND_FIXED(128, 1); else ATTEND_FIXED(128, 0);
+        /* the storage dtypes as compile-time constants too: bf16 or fp32 throughout, or an fp32 query over a bf16
+         * cache (--kv-cache-dtype bfloat16 under fp32 weights); a bf16 query over an fp32 cache, the plain loops */
+        const int form = is_bf16 ? (kv_bf16 ? 1 : -1) : (kv_bf16 ? 2 : 0);
+        if (head_dim == 64 && form >= 0) {
+            if (form == 1) ATTEND_FIXED(64, 1, 1); else if (form == 2) ATTEND_FIXED(64, 0, 1);
+            else ATTEND_FIXED(64, 0, 0);
+        } else if (head_dim == 128 && form >= 0) {
+            if (form == 1) ATTEND_FIXED(128, 1, 1); else if (form == 2) ATTEND_FIXED(128, 0, 1);
+            else ATTEND_FIXED(128, 0, 0);
         } else {
-            ATTEND(head_dim, is_bf16);
+            ATTEND(head_dim, is_bf16, kv_bf16);
         }
 #undef ATTEND_FIXED
 #undef ATTEND

@@ -55,6 +55,7 @@ static inline void warm(const PdserveDecodeStep *a, int i, int N, int K) {
 /* One layer, run by every thread of the enclosing region; t: its buffers. */
 static void layer(const PdserveDecodeStep *a, int l, const Scratch *t) {
     const int rows = a->rows, H = a->hidden_size, D = a->head_dim, Q = a->num_heads * D, bf = a->is_bf16;
+    const int kv_bf = a->kv_bf16;
     const int qkv_width = Q + 2 * a->num_kv_heads * D, I = a->intermediate;
 
     linear(a, 4 * l, a->hidden, a->qkv, qkv_width, H, t);
@@ -62,11 +63,11 @@ static void layer(const PdserveDecodeStep *a, int l, const Scratch *t) {
     #pragma omp barrier
     rotary_and_write_kv_for(a->qkv, a->cos, a->sin, (char *)a->k_caches[l], (char *)a->v_caches[l], a->slot_mapping,
                             rows, a->num_heads, a->num_kv_heads, D, qkv_width, a->block_size,
-                            a->block_stride * (bf ? 2 : 4), bf);
+                            a->block_stride * (kv_bf ? 2 : 4), bf, kv_bf);
     #pragma omp barrier
     paged_decode_attention_for(a->qkv, a->k_caches[l], a->v_caches[l], a->block_tables, a->context_lens, a->attn,
                                rows, a->num_heads, a->num_kv_heads, D, a->block_size, a->max_blocks, a->block_stride,
-                               qkv_width, a->scale, a->windows[l], bf);
+                               qkv_width, a->scale, a->windows[l], bf, kv_bf);
     #pragma omp barrier
     linear(a, 4 * l + 1, a->attn, a->proj, H, Q, t);
     warm(a, 4 * l + 2, 2 * I, H);

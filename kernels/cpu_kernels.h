@@ -8,7 +8,8 @@
  * this header renames when PDSERVE_ISA is set. Everything else in the sources is static.
  *
  * Tensors are passed as host pointers with their sizes and strides (in elements unless named bytes); the contracts
- * are at each definition. is_bf16: the rows are bf16, else fp32.
+ * are at each definition. is_bf16: the rows are bf16, else fp32; kv_bf16: the KV cache is bf16, else fp32 (a bf16
+ * cache under fp32 rows is --kv-cache-dtype bfloat16: rows rounded into it, widened out of it).
  */
 #ifndef PDSERVE_CPU_KERNELS_H
 #define PDSERVE_CPU_KERNELS_H
@@ -27,10 +28,12 @@
 typedef struct {
     int is_bf16;                            /* 1: bf16, packed weights; 0: fp32, plain weights or blocks */
     int weight_blocks;                      /* fp32 only: PDSERVE_Q4_1 / PDSERVE_Q8_0 blocks, PDSERVE_W8A8, 0: plain */
+    int kv_bf16;                            /* the caches are bf16 (always with is_bf16), else fp32 */
     int layers, rows, hidden_size, num_heads, num_kv_heads, head_dim, intermediate;
     int block_size, max_blocks;             /* the caches' block size, the block table's width */
     int64_t block_stride;                   /* cache elements between blocks (every layer's cache alike) */
-    void *const *k_caches, *const *v_caches;  /* [layers] of [num_blocks, block_size, num_kv_heads, head_dim] */
+    void *const *k_caches, *const *v_caches;  /* [layers] of [num_blocks, block_size, num_kv_heads, head_dim],
+                                                 kv_bf16's dtype */
     const void *const *weights;             /* [4 * layers]: packed (bf16), [N, K] (fp32) or qs (blocks) */
     const void *const *weight_scales;       /* [4 * layers]: the blocks' scales or w_scale (blocks, W8A8 only) */
     int max_k;                              /* the largest K of the linears (the blocks' and W8A8's buffers) */
@@ -55,7 +58,7 @@ typedef struct {
         const void *query, const void *k_cache, const void *v_cache, const int32_t *block_tables,                    \
         const int32_t *context_lens, void *out, int num_seqs, int num_q_heads, int num_kv_heads, int head_dim,       \
         int block_size, int max_blocks, int64_t block_stride, int64_t q_stride, float scale, int sliding_window,      \
-        int is_bf16, int num_threads, int64_t num_blocks);                                                           \
+        int is_bf16, int kv_bf16, int num_threads, int64_t num_blocks);                                              \
     void PDSERVE_ISA_NAME(rms_norm, isa)(const void *x, void *residual, const void *weight, void *out, int rows,     \
                                          int dim, int64_t x_stride, float eps, int is_bf16, int num_threads);        \
     void PDSERVE_ISA_NAME(silu_and_mul, isa)(const void *gate_up, void *out, int rows, int inter, int is_bf16,       \
@@ -63,7 +66,7 @@ typedef struct {
     int PDSERVE_ISA_NAME(rotary_and_write_kv, isa)(                                                                  \
         void *qkv, const void *cos_t, const void *sin_t, char *k_cache, char *v_cache, const int64_t *slot_mapping,  \
         int tokens, int num_heads, int num_kv_heads, int head_dim, int64_t token_stride, int block_size,             \
-        int64_t block_stride, int64_t num_blocks, int is_bf16, int num_threads);                                     \
+        int64_t block_stride, int64_t num_blocks, int is_bf16, int kv_bf16, int num_threads);                        \
     void PDSERVE_ISA_NAME(causal_softmax_bf16, isa)(uint16_t *scores, int64_t num_rows, int rows, int end,           \
                                                     float scale, int num_threads);                                   \
     void PDSERVE_ISA_NAME(linear_small_m, isa)(const float *x, const float *w, const float *bias, float *y, int M,   \
@@ -79,7 +82,7 @@ typedef struct {
         const void *query, const void *k_cache, const void *v_cache, const int32_t *cu_seqlens_q,                    \
         const int32_t *context_lens, const int32_t *block_tables, void *out, int num_seqs, int num_q_heads,          \
         int num_kv_heads, int head_dim, int block_size, int max_blocks, int64_t block_stride, int64_t q_stride,      \
-        float scale, int is_bf16, int num_threads, int64_t num_blocks);                                              \
+        float scale, int is_bf16, int kv_bf16, int num_threads, int64_t num_blocks);                                 \
     /* orphaned worksharing versions (no region of their own, no closing barrier): cpu_decode_step.c's parts */      \
     int PDSERVE_ISA_NAME(paged_decode_attention_check, isa)(const int32_t *block_tables, const int32_t *context_lens, \
                                                             int num_seqs, int block_size, int max_blocks,            \
@@ -88,14 +91,14 @@ typedef struct {
         const void *query, const void *k_cache, const void *v_cache, const int32_t *block_tables,                    \
         const int32_t *context_lens, void *out, int num_seqs, int num_q_heads, int num_kv_heads, int head_dim,       \
         int block_size, int max_blocks, int64_t block_stride, int64_t q_stride, float scale, int sliding_window,      \
-        int is_bf16);                                                                                                \
+        int is_bf16, int kv_bf16);                                                                                   \
     void PDSERVE_ISA_NAME(rms_norm_for, isa)(const void *x, void *residual, const void *weight, void *out, int rows, \
                                              int dim, int64_t x_stride, float eps, int is_bf16);                     \
     void PDSERVE_ISA_NAME(silu_and_mul_for, isa)(const void *gate_up, void *out, int rows, int inter, int is_bf16);  \
     void PDSERVE_ISA_NAME(rotary_and_write_kv_for, isa)(                                                             \
         void *qkv, const void *cos_t, const void *sin_t, char *k_cache, char *v_cache, const int64_t *slot_mapping,  \
         int tokens, int num_heads, int num_kv_heads, int head_dim, int64_t token_stride, int block_size,             \
-        int64_t block_stride, int is_bf16);                                                                          \
+        int64_t block_stride, int is_bf16, int kv_bf16);                                                             \
     void PDSERVE_ISA_NAME(linear_packed_bf16_rows, isa)(const uint16_t *x, int64_t x_stride, const uint16_t *w,     \
                                                         const uint16_t *bias, uint16_t *y, int M, int N, int K,      \
                                                         int padded_k);                                               \
@@ -131,7 +134,7 @@ typedef struct {
 #define PDSERVE_W8A8 8
 
 /* prefill_attention's refusals (cpu_prefill_attention.c); a sequence index >= 0 names a bad table. */
-#define PREFILL_UNSUPPORTED (-2)  /* bf16 in a build without AVX512_BF16: the caller keeps the blocked-GEMM path */
+#define PREFILL_UNSUPPORTED (-2)  /* bf16 in a build without AVX512_BF16 or over an fp32 cache: the caller's path */
 #define PREFILL_NO_MEMORY (-3)
 
 /* The stack arrays of cpu_decode.c bound what it takes; cpu_ops.py sends larger shapes to the torch reference. */

@@ -151,43 +151,52 @@ void silu_and_mul(const void *gate_up, void *out, int rows, int inter, int is_bf
     for (int r = 0; r < rows; r++) (is_bf16 ? silu_and_mul_row_bf16 : silu_and_mul_row_f32)(gate_up, out, r, inter);
 }
 
-/* Copy each token's K and V rows (row_bytes: num_kv_heads * head_dim elements) into its cache slot,
- * slot = block * block_size + offset; key/value rows are key_stride / value_stride bytes apart, cache blocks
- * block_stride bytes apart (a block's rows dense). Returns the first token whose slot is outside
- * [0, num_blocks * block_size), having written none, or -1. */
-static int write_kv_cache(const char *key, const char *value, char *k_cache, char *v_cache,
-                          const int64_t *slot_mapping, int tokens, int64_t row_bytes, int64_t key_stride,
-                          int64_t value_stride, int block_size, int64_t block_stride, int64_t num_blocks) {
-    for (int t = 0; t < tokens; t++)
-        if (slot_mapping[t] < 0 || slot_mapping[t] >= num_blocks * block_size) return t;
-    for (int t = 0; t < tokens; t++) {
-        const int64_t slot = slot_mapping[t];
-        const int64_t at = (slot / block_size) * block_stride + (slot % block_size) * row_bytes;
-        memcpy(k_cache + at, key + t * key_stride, (size_t)row_bytes);
-        memcpy(v_cache + at, value + t * value_stride, (size_t)row_bytes);
+/* n elements of a K or V row into its cache slot in the cache's dtype: copied when the dtypes match, else fp32 rounded
+ * to bf16 (nearest even, as torch's .to() does: --kv-cache-dtype bfloat16 under fp32 weights) or bf16 widened. */
+static inline void store_kv_row(char *dst, const char *src, int64_t n, int src_bf16, int dst_bf16) {
+    if (src_bf16 == dst_bf16) {
+        memcpy(dst, src, (size_t)n * (src_bf16 ? 2 : 4));
+    } else if (dst_bf16) {
+        const float *f = (const float *)src;
+        uint16_t *o = (uint16_t *)dst;
+        for (int64_t i = 0; i < n; i++) o[i] = f32_to_bf16(f[i]);
+    } else {
+        const uint16_t *b = (const uint16_t *)src;
+        float *o = (float *)dst;
+        for (int64_t i = 0; i < n; i++) o[i] = bf16_to_f32(b[i]);
     }
-    return -1;
+}
+
+/* One token's K and V rows (each n = num_kv_heads * head_dim elements, V right after K in its fused qkv row) into its
+ * cache slot, slot = block * block_size + offset, cache blocks block_stride bytes apart (a block's rows dense). */
+static inline void write_kv_token(const char *key, char *k_cache, char *v_cache, int64_t slot, int64_t n,
+                                  int block_size, int64_t block_stride, int is_bf16, int kv_bf16) {
+    const int64_t at = (slot / block_size) * block_stride + (slot % block_size) * n * (kv_bf16 ? 2 : 4);
+    store_kv_row(k_cache + at, key, n, is_bf16, kv_bf16);
+    store_kv_row(v_cache + at, key + n * (is_bf16 ? 2 : 4), n, is_bf16, kv_bf16);
 }
 
 /* RoPE on the q and k heads of each token's fused q/k/v row, then its k and v heads into the token's cache slot:
- * rotary_embedding over heads [0, num_heads + num_kv_heads), then write_kv_cache of heads [num_heads,
+ * rotary_embedding over heads [0, num_heads + num_kv_heads), then write_kv_token of heads [num_heads,
  * num_heads + num_kv_heads) as K and the last num_kv_heads as V. qkv: [tokens, num_heads + 2 * num_kv_heads,
- * head_dim], fp32 or bf16 (is_bf16), heads dense within a token, tokens token_stride elements apart; the cache
- * arguments as write_kv_cache's (block_stride in bytes). One call where the model made two: at batch 1 each
- * Python-to-C crossing costs a few microseconds per layer. Returns the first token whose slot is outside
- * [0, num_blocks * block_size), having changed nothing, or -1. */
+ * head_dim], fp32 or bf16 (is_bf16), heads dense within a token, tokens token_stride elements apart; the caches
+ * [num_blocks, block_size, num_kv_heads, head_dim] fp32 or bf16 (kv_bf16), blocks block_stride bytes apart. One call
+ * where the model made two: at batch 1 each Python-to-C crossing costs a few microseconds per layer. Returns the
+ * first token whose slot is outside [0, num_blocks * block_size), having changed nothing, or -1. */
 int rotary_and_write_kv(void *qkv, const void *cos_t, const void *sin_t, char *k_cache, char *v_cache,
                         const int64_t *slot_mapping, int tokens, int num_heads, int num_kv_heads, int head_dim,
                         int64_t token_stride, int block_size, int64_t block_stride, int64_t num_blocks, int is_bf16,
-                        int num_threads) {
+                        int kv_bf16, int num_threads) {
     for (int t = 0; t < tokens; t++)
         if (slot_mapping[t] < 0 || slot_mapping[t] >= num_blocks * block_size) return t;
     rotary_embedding(qkv, cos_t, sin_t, tokens, num_heads + num_kv_heads, head_dim, token_stride, is_bf16,
                      num_threads);
-    const int64_t elem = is_bf16 ? 2 : 4, row_bytes = (int64_t)num_kv_heads * head_dim * elem;
+    const int64_t elem = is_bf16 ? 2 : 4, n = (int64_t)num_kv_heads * head_dim;
     const char *key = (const char *)qkv + (int64_t)num_heads * head_dim * elem;
-    return write_kv_cache(key, key + row_bytes, k_cache, v_cache, slot_mapping, tokens, row_bytes,
-                          token_stride * elem, token_stride * elem, block_size, block_stride, num_blocks);
+    for (int t = 0; t < tokens; t++)
+        write_kv_token(key + t * token_stride * elem, k_cache, v_cache, slot_mapping[t], n, block_size, block_stride,
+                       is_bf16, kv_bf16);
+    return -1;
 }
 
 /* Causal softmax in place over one block of prefill scores (kernels/cpu_prefill.py): scores is [num_rows, end] bf16,
@@ -237,16 +246,14 @@ void silu_and_mul_for(const void *gate_up, void *out, int rows, int inter, int i
 /* rotary_and_write_kv's work per token, with every slot already checked to lie inside the cache. */
 void rotary_and_write_kv_for(void *qkv, const void *cos_t, const void *sin_t, char *k_cache, char *v_cache,
                              const int64_t *slot_mapping, int tokens, int num_heads, int num_kv_heads, int head_dim,
-                             int64_t token_stride, int block_size, int64_t block_stride, int is_bf16) {
-    const int64_t elem = is_bf16 ? 2 : 4, row_bytes = (int64_t)num_kv_heads * head_dim * elem;
+                             int64_t token_stride, int block_size, int64_t block_stride, int is_bf16,
+                             int kv_bf16) {
+    const int64_t elem = is_bf16 ? 2 : 4, n = (int64_t)num_kv_heads * head_dim;
     #pragma omp for schedule(static) nowait
     for (int t = 0; t < tokens; t++) {
         (is_bf16 ? rotary_token_bf16 : rotary_token_f32)(qkv, cos_t, sin_t, t, num_heads + num_kv_heads, head_dim,
                                                          token_stride);
         const char *key = (const char *)qkv + (t * token_stride + (int64_t)num_heads * head_dim) * elem;
-        const int64_t slot = slot_mapping[t];
-        const int64_t at = (slot / block_size) * block_stride + (slot % block_size) * row_bytes;
-        memcpy(k_cache + at, key, (size_t)row_bytes);
-        memcpy(v_cache + at, key + row_bytes, (size_t)row_bytes);
+        write_kv_token(key, k_cache, v_cache, slot_mapping[t], n, block_size, block_stride, is_bf16, kv_bf16);
     }
 }

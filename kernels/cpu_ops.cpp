@@ -134,10 +134,13 @@ at::Tensor checked_bias(const std::optional<at::Tensor> &bias, const at::Tensor 
 }
 
 // A [num_blocks, block_size, num_kv_heads, head_dim] cache view whose (block_size, heads, head_dim) slab is dense
-// (dim 0 may be strided: the per-layer view of a cache holding all layers); v_cache the same shape and strides.
+// (dim 0 may be strided: the per-layer view of a cache holding all layers), fp32 or bf16 whatever the rows' dtype
+// (--kv-cache-dtype); v_cache the same shape, strides and dtype.
 void check_caches(const at::Tensor &k_cache, const at::Tensor &v_cache) {
     check_cpu(k_cache, "k_cache");
     check_cpu(v_cache, "v_cache");
+    check_float(k_cache, "k_cache");
+    check_same_dtype(v_cache, "v_cache", k_cache, "k_cache");
     TORCH_CHECK_VALUE(k_cache.dim() == 4, "k_cache must have 4 dims, got shape ", k_cache.sizes());
     TORCH_CHECK_VALUE(v_cache.sizes() == k_cache.sizes(), "k_cache shape ", k_cache.sizes(), " != v_cache shape ",
                       v_cache.sizes());
@@ -166,7 +169,6 @@ at::Tensor paged_decode_attention(const at::Tensor &query, const at::Tensor &k_c
     TORCH_CHECK_VALUE(query.dim() == 3 && query.stride(2) == 1, "query must be [num_seqs, num_q_heads, head_dim] "
                       "with a dense last dim, got shape ", query.sizes(), " strides ", query.strides());
     check_caches(k_cache, v_cache);
-    check_same_dtype(k_cache, "k_cache", query, "query");
     const int64_t num_seqs = query.size(0), num_q_heads = query.size(1), head_dim = query.size(2);
     const int64_t num_blocks = k_cache.size(0), block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
     TORCH_CHECK_VALUE(k_cache.size(3) == head_dim, "query head_dim ", head_dim, " != cache head_dim ",
@@ -197,8 +199,8 @@ at::Tensor paged_decode_attention(const at::Tensor &query, const at::Tensor &k_c
     const int bad = kernels().paged_decode_attention(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr<int32_t>(), lens.data_ptr<int32_t>(),
         out.data_ptr(), num_seqs, num_q_heads, num_kv_heads, head_dim, block_size, tables.size(1), k_cache.stride(0),
-        q.stride(0), static_cast<float>(scale), static_cast<int>(sliding_window), is_bf16(q), at::get_num_threads(),
-        num_blocks);
+        q.stride(0), static_cast<float>(scale), static_cast<int>(sliding_window), is_bf16(q), is_bf16(k_cache),
+        at::get_num_threads(), num_blocks);
     TORCH_CHECK_VALUE(bad < 0, "sequence ", bad, ": a context of ", lens.data_ptr<int32_t>()[bad],  // on failure only
                       " tokens over block table row ", row_text(tables, bad),
                       " needs more blocks than the row has or names a block outside the cache (", num_blocks,
@@ -207,8 +209,9 @@ at::Tensor paged_decode_attention(const at::Tensor &query, const at::Tensor &k_c
 }
 
 // Causal prefill attention in one pass per tile of query rows (cpu_prefill_attention.c): the contract of
-// kernels.reference.prefill_attention without a sliding window, for bf16 or fp32 caches. Returns an undefined tensor
-// for bf16 where the running build has no AVX512_BF16 (the caller keeps the blocked-GEMM path, kernels/cpu_prefill.py).
+// kernels.reference.prefill_attention without a sliding window, for a bf16 query over bf16 caches or an fp32 one over
+// fp32 or bf16 caches. Returns an undefined tensor for bf16 where the running build has no AVX512_BF16 (the caller
+// keeps the blocked-GEMM path, kernels/cpu_prefill.py).
 at::Tensor prefill_attention(const at::Tensor &query, const at::Tensor &k_cache, const at::Tensor &v_cache,
                              const at::Tensor &cu_seqlens_q, const at::Tensor &context_lens,
                              const at::Tensor &block_tables, double scale) {
@@ -219,7 +222,8 @@ at::Tensor prefill_attention(const at::Tensor &query, const at::Tensor &k_cache,
                       "or float32 with heads dense, got ", query.scalar_type(), " of shape ", query.sizes(),
                       " strides ", query.strides());
     check_caches(k_cache, v_cache);
-    check_same_dtype(k_cache, "k_cache", query, "query");
+    TORCH_CHECK_VALUE(!is_bf16 || k_cache.scalar_type() == at::kBFloat16, "prefill_attention: a bfloat16 query takes "
+                      "bfloat16 caches, got ", k_cache.scalar_type());
     const int64_t tokens = query.size(0), num_q_heads = query.size(1), head_dim = query.size(2);
     const int64_t num_blocks = k_cache.size(0), block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
     const int64_t dim_multiple = is_bf16 ? 64 : 32;  // bf16: VDPBF16PS's 64-dim P.V tiles; fp32: two AVX-512 vectors
@@ -248,7 +252,7 @@ at::Tensor prefill_attention(const at::Tensor &query, const at::Tensor &k_cache,
         query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), c, lens.data_ptr<int32_t>(),
         tables.data_ptr<int32_t>(), out.data_ptr(), num_seqs, num_q_heads, num_kv_heads, head_dim, block_size,
         tables.size(1), k_cache.stride(0), query.stride(0), static_cast<float>(scale), is_bf16,
-        at::get_num_threads(), num_blocks);
+        k_cache.scalar_type() == at::kBFloat16, at::get_num_threads(), num_blocks);
     if (bad == PREFILL_UNSUPPORTED) return at::Tensor();
     TORCH_CHECK(bad != PREFILL_NO_MEMORY, "prefill_attention: out of memory for its scratch");
     TORCH_CHECK_VALUE(bad < 0, "sequence ", bad, ": a chunk of ", c[bad + 1] - c[bad], " tokens in a context of ",
@@ -305,7 +309,6 @@ void rotary_and_write_kv(const at::Tensor &qkv, const at::Tensor &cos, const at:
                       "(rotated in place), got strides ", qkv.strides(), " for shape ", qkv.sizes());
     TORCH_CHECK_VALUE(head_dim % 2 == 0, "RoPE needs an even head_dim, got ", head_dim);
     check_caches(k_cache, v_cache);
-    check_same_dtype(k_cache, "k_cache", qkv, "qkv");
     const int64_t num_blocks = k_cache.size(0), block_size = k_cache.size(1), kv_heads = k_cache.size(2);
     TORCH_CHECK_VALUE(k_cache.size(3) == head_dim && all_heads > 2 * kv_heads, "qkv ", qkv.sizes(),
                       " does not hold q heads and the k and v heads of a cache of shape ", k_cache.sizes());
@@ -324,7 +327,7 @@ void rotary_and_write_kv(const at::Tensor &qkv, const at::Tensor &cos, const at:
         qkv.data_ptr(), c.data_ptr(), s.data_ptr(), static_cast<char *>(k_cache.data_ptr()),
         static_cast<char *>(v_cache.data_ptr()), slots.data_ptr<int64_t>(), tokens, all_heads - 2 * kv_heads,
         kv_heads, head_dim, qkv.stride(0), block_size, k_cache.stride(0) * k_cache.element_size(), num_blocks,
-        is_bf16(qkv), at::get_num_threads());
+        is_bf16(qkv), is_bf16(k_cache), at::get_num_threads());
     TORCH_CHECK_VALUE(bad < 0, "slot ", slots.data_ptr<int64_t>()[bad], " of token ", bad,
                       " is outside the KV cache (", num_blocks, " blocks of ", block_size, " tokens)");
 }
@@ -624,10 +627,12 @@ at::Tensor decode_layers_fused(const at::Tensor &residual, const at::Tensor &x, 
     const int64_t rows = x.size(0), hidden = x.size(1);
     const at::Tensor &k0 = k_caches[0];
     check_caches(k0, v_caches[0]);
-    TORCH_CHECK_VALUE(k0.scalar_type() == dtype, "the caches must be ", dtype, ", got ", k0.scalar_type());
+    const at::ScalarType kv_dtype = k0.scalar_type();  // fp32 rows may read a bf16 cache (--kv-cache-dtype)
+    TORCH_CHECK_VALUE(kv_dtype == dtype || (!bf16 && kv_dtype == at::kBFloat16), "the caches must be ", dtype,
+                      bf16 ? "" : " or bfloat16", ", got ", kv_dtype);
     for (size_t l = 0; l < layers; l++)
         for (const at::Tensor *c : {&k_caches[l], &v_caches[l]})
-            TORCH_CHECK_VALUE(c->device().is_cpu() && c->scalar_type() == dtype && c->sizes() == k0.sizes() &&
+            TORCH_CHECK_VALUE(c->device().is_cpu() && c->scalar_type() == kv_dtype && c->sizes() == k0.sizes() &&
                               c->strides() == k0.strides(), "layer ", l, "'s cache ", c->sizes(), " ",
                               c->scalar_type(), " differs from layer 0's ", k0.sizes(), " (every layer's alike)");
     const int64_t num_blocks = k0.size(0), block_size = k0.size(1), kv_heads = k0.size(2), head_dim = k0.size(3);
@@ -721,7 +726,8 @@ at::Tensor decode_layers_fused(const at::Tensor &residual, const at::Tensor &x, 
     const at::Tensor act = at::empty({rows, intermediate}, opts);
     const auto ptr = [](const at::Tensor &t) { return t.data_ptr(); };
     const PdserveDecodeStep step{
-        bf16 ? 1 : 0, static_cast<int>(weight_blocks), static_cast<int>(layers), static_cast<int>(rows),
+        bf16 ? 1 : 0, static_cast<int>(weight_blocks), kv_dtype == at::kBFloat16 ? 1 : 0, static_cast<int>(layers),
+        static_cast<int>(rows),
         static_cast<int>(hidden), static_cast<int>(num_heads),
         static_cast<int>(kv_heads), static_cast<int>(head_dim), static_cast<int>(intermediate),
         static_cast<int>(block_size), static_cast<int>(tables.size(1)), k0.stride(0), kc.data(), vc.data(),

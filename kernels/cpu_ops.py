@@ -210,7 +210,8 @@ class CpuKernels:
                                block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                                sliding_window: int | None = 0) -> torch.Tensor:
         """Same contract as `kernels.reference.paged_decode_attention`: query [num_seqs, num_q_heads, head_dim],
-        caches [num_blocks, block_size, num_kv_heads, head_dim] of its dtype (dim 0 may be strided), block_tables
+        caches [num_blocks, block_size, num_kv_heads, head_dim] of its dtype or bf16 under an fp32 query
+        (`--kv-cache-dtype`; dim 0 may be strided), block_tables
         [num_seqs, max_blocks] int32, context_lens [num_seqs] int32, all CPU tensors; sliding_window W >= 1 attends
         over positions [max(0, context_len - W), context_len) only (HF's sliding-window mask; the C kernel reads
         none of the blocks before the window's), 0 or None over the whole context; returns [num_seqs,
@@ -228,7 +229,8 @@ class CpuKernels:
                 and k_shape[1] <= MAX_BLOCK and q_shape[1] <= MAX_GROUP * k_shape[2]):
             # checks its inputs; None is the op's 0 (no window)
             return self._decode(query, k_cache, v_cache, block_tables, context_lens, scale, sliding_window or 0)
-        check_attention(query, k_cache, v_cache, block_tables, context_lens, query.shape[0] if query.dim() else 0)
+        check_attention(query, k_cache, v_cache, block_tables, context_lens, query.shape[0] if query.dim() else 0,
+                        mixed_kv=True)
         check(query.device.type == "cpu", lambda: f"the cpu attention kernel needs CPU tensors, got {query.device}")
         return reference_decode_attention(query, k_cache, v_cache, block_tables, context_lens, scale, sliding_window)
 
@@ -281,7 +283,8 @@ class CpuKernels:
                           scale: float, max_query_len: int | None = None,
                           sliding_window: int | None = 0) -> torch.Tensor:
         """The contract of `kernels.reference.prefill_attention`. Without a sliding window, in C, one pass per tile of
-        query rows (`kernels/cpu_prefill_attention.c`): fp32 caches with head_dim a multiple of 32 (fp32 FMAs; 2 AVX2
+        query rows (`kernels/cpu_prefill_attention.c`): an fp32 query over fp32 or bf16 caches with head_dim a
+        multiple of 32 (fp32 FMAs, a bf16 cache widened as it is packed; 2 AVX2
         AMD EPYC Zen 3 cores, SmolLM2's layer: 1.9-3.5x the reference's SDPA with its explicit mask), bf16
         ones with head_dim a multiple of 64 in the avx512_bf16 build (VDPBF16PS scores and P.V); head_dim up to 256.
         Otherwise `kernels.cpu_prefill.prefill_attention` (bf16: blocked GEMMs with the softmax in C; fp32: the

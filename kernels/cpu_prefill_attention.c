@@ -219,10 +219,15 @@ static int attend_tile_bf16(const uint16_t *q, uint16_t *out, int64_t q_stride, 
 #endif
 typedef float fv __attribute__((vector_size(FW * sizeof(float)), aligned(4), may_alias));
 
-/* Key j's row of kv head h in an fp32 cache paged as [num_blocks, block_size, num_kv_heads, head_dim]. */
-static inline const float *kv_row_f32(const float *cache, const int32_t *table, int j, int h, int block_size,
-                                      int64_t block_stride, int kv_heads, int D) {
-    return cache + (int64_t)table[j / block_size] * block_stride + ((int64_t)(j % block_size) * kv_heads + h) * D;
+/* Element offset of key j's row of kv head h in a cache paged as [num_blocks, block_size, num_kv_heads, head_dim]. */
+static inline int64_t kv_row_at(const int32_t *table, int j, int h, int block_size, int64_t block_stride, int kv_heads,
+                                int D) {
+    return (int64_t)table[j / block_size] * block_stride + ((int64_t)(j % block_size) * kv_heads + h) * D;
+}
+
+/* Element d of the row at element offset `at` of an fp32 or bf16 (kv_bf16) cache, as fp32 (bf16 widened exactly). */
+static inline float kv_elem_f32(const void *cache, int64_t at, int d, int kv_bf16) {
+    return kv_bf16 ? bf16_to_f32(((const uint16_t *)cache)[at + d]) : ((const float *)cache)[at + d];
 }
 
 /* Floats pack_kv_f32 writes for a context of `keys` keys: Kp, then Vp. */
@@ -230,22 +235,31 @@ static inline int64_t packed_floats(int keys, int D) {
     return (int64_t)(keys + FW - 1) / FW * FW * D + (int64_t)keys * D;
 }
 
-/* Kp and Vp of one (sequence, kv head) over its `keys` context keys. Kp: [group of FW keys][d][FW], so that one vector
- * holds FW keys' same dim (keys past the context zero: their scores are never used); Vp: [key][d], dense. */
-static void pack_kv_f32(float *kp, float *vp, const float *k_cache, const float *v_cache, const int32_t *table,
-                        int keys, int h, int kv_heads, int D, int block_size, int64_t block_stride) {
+/* Kp and Vp of one (sequence, kv head) over its `keys` context keys, in fp32 from an fp32 or bf16 (kv_bf16) cache.
+ * Kp: [group of FW keys][d][FW], so that one vector holds FW keys' same dim (keys past the context zero: their scores
+ * are never used); Vp: [key][d], dense. */
+static void pack_kv_f32(float *kp, float *vp, const void *k_cache, const void *v_cache, const int32_t *table,
+                        int keys, int h, int kv_heads, int D, int block_size, int64_t block_stride, int kv_bf16) {
     const int groups = (keys + FW - 1) / FW;
     for (int g = 0; g < groups; g++)
         for (int lane = 0; lane < FW; lane++) {
             const int j = g * FW + lane;
             float *dst = kp + (int64_t)g * D * FW + lane;
-            const float *src = j < keys ? kv_row_f32(k_cache, table, j, h, block_size, block_stride, kv_heads, D)
-                                        : NULL;
-            for (int d = 0; d < D; d++) dst[d * FW] = src ? src[d] : 0.0f;
+            if (j < keys) {
+                const int64_t at = kv_row_at(table, j, h, block_size, block_stride, kv_heads, D);
+                for (int d = 0; d < D; d++) dst[d * FW] = kv_elem_f32(k_cache, at, d, kv_bf16);
+            } else {
+                for (int d = 0; d < D; d++) dst[d * FW] = 0.0f;
+            }
         }
-    for (int j = 0; j < keys; j++)
-        memcpy(vp + (int64_t)j * D, kv_row_f32(v_cache, table, j, h, block_size, block_stride, kv_heads, D),
-               sizeof(float) * D);
+    for (int j = 0; j < keys; j++) {
+        const int64_t at = kv_row_at(table, j, h, block_size, block_stride, kv_heads, D);
+        float *dst = vp + (int64_t)j * D;
+        if (kv_bf16)
+            for (int d = 0; d < D; d++) dst[d] = kv_elem_f32(v_cache, at, d, 1);
+        else
+            memcpy(dst, (const float *)v_cache + at, sizeof(float) * D);
+    }
 }
 
 /* One fp32 item, as attend_tile: positions [t0, t1) of one sequence's chunk, kv head h, over the sequence's packed
@@ -329,21 +343,23 @@ static void attend_tile_f32(const float *q, float *out, int64_t q_stride, int64_
  * kernels.reference.prefill_attention, without a sliding window).
  * query: [num_tokens, num_q_heads, head_dim] bf16 (is_bf16) or fp32, tokens q_stride elements apart (heads dense);
  * out: the same shape and dtype, dense. k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim] of the
- * query's dtype, blocks block_stride elements apart. cu_seqlens_q: [num_seqs + 1]; context_lens: [num_seqs] (cached
+ * query's dtype, or bf16 (kv_bf16) under an fp32 query (widened as they are packed), blocks block_stride elements
+ * apart. cu_seqlens_q: [num_seqs + 1]; context_lens: [num_seqs] (cached
  * prefix + chunk); block_tables: [num_seqs, max_blocks] int32. head_dim at most PDSERVE_MAX_HEAD_DIM, a multiple of
  * 64 (bf16) or 32 (fp32).
- * Returns -1 when done; PREFILL_UNSUPPORTED for bf16 from builds without AVX512_BF16 and PREFILL_NO_MEMORY when
- * scratch could not be allocated (nothing computed in either case; with no memory, some rows may be); else the first
- * sequence whose chunk is longer than its context, whose context needs more blocks than its row has, or whose row
- * names a block outside [0, num_blocks) among those it reads, having computed nothing. */
+ * Returns -1 when done; PREFILL_UNSUPPORTED for bf16 from builds without AVX512_BF16 or over an fp32 cache, and
+ * PREFILL_NO_MEMORY when scratch could not be allocated (nothing computed in either case; with no memory, some rows
+ * may be); else the first sequence whose chunk is longer than its context, whose context needs more blocks than its
+ * row has, or whose row names a block outside [0, num_blocks) among those it reads, having computed nothing. */
 int prefill_attention(const void *query, const void *k_cache, const void *v_cache, const int32_t *cu_seqlens_q,
                       const int32_t *context_lens, const int32_t *block_tables, void *out, int num_seqs,
                       int num_q_heads, int num_kv_heads, int head_dim, int block_size, int max_blocks,
-                      int64_t block_stride, int64_t q_stride, float scale, int is_bf16, int num_threads,
-                      int64_t num_blocks) {
+                      int64_t block_stride, int64_t q_stride, float scale, int is_bf16, int kv_bf16,
+                      int num_threads, int64_t num_blocks) {
 #if !defined(__AVX512BF16__)
     if (is_bf16) return PREFILL_UNSUPPORTED;
 #endif
+    if (is_bf16 && !kv_bf16) return PREFILL_UNSUPPORTED;
     int items = 0, max_keys = 0;
     for (int i = 0; i < num_seqs; i++) {
         const int q_len = cu_seqlens_q[i + 1] - cu_seqlens_q[i], ctx = context_lens[i];
@@ -390,7 +406,7 @@ int prefill_attention(const void *query, const void *k_cache, const void *v_cach
                              keys, h, num_kv_heads, head_dim, block_size, block_stride);
             else
                 pack_kv_f32((float *)kp, (float *)kp + (int64_t)(keys + FW - 1) / FW * FW * head_dim, k_cache,
-                            v_cache, table, keys, h, num_kv_heads, head_dim, block_size, block_stride);
+                            v_cache, table, keys, h, num_kv_heads, head_dim, block_size, block_stride, kv_bf16);
         }
         /* the loop's barrier: every K/V is packed */
         #pragma omp for schedule(dynamic, 1)

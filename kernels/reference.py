@@ -25,15 +25,16 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor
     """Scatter new keys/values into the paged cache, in place.
 
     Args:
-        key, value: [num_tokens, num_kv_heads, head_dim], the cache's dtype.
+        key, value: [num_tokens, num_kv_heads, head_dim], float; rounded to the cache's dtype where it differs
+            (`--kv-cache-dtype`: round to nearest even, torch's .to()).
         k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim].
         slot_mapping: [num_tokens] int64; slot = block_id * block_size + offset.
     """
     block_size = k_cache.shape[1]
     blocks = torch.div(slot_mapping, block_size, rounding_mode="floor")
     offsets = slot_mapping - blocks * block_size
-    k_cache[blocks, offsets] = key
-    v_cache[blocks, offsets] = value
+    k_cache[blocks, offsets] = key.to(k_cache.dtype)
+    v_cache[blocks, offsets] = value.to(v_cache.dtype)
 
 
 def _gather(cache: torch.Tensor, block_table: torch.Tensor, num_blocks: int) -> torch.Tensor:
@@ -54,7 +55,8 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
 
     Args:
         query: [num_seqs, num_q_heads, head_dim]; num_q_heads is a multiple of num_kv_heads.
-        k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim].
+        k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], float, read in the query's dtype (a bf16
+            cache under an fp32 query is widened exactly: `--kv-cache-dtype`).
         block_tables: [num_seqs, max_blocks] int32.
         context_lens: [num_seqs] int32, tokens to attend over (including the query's own token, already written).
         scale: softmax scale, usually head_dim ** -0.5.
@@ -78,8 +80,8 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     max_len = int(context_lens.max())
     num_blocks = -(-max_len // block_size)
-    k = _gather(k_cache, block_tables, num_blocks)  # [B, S, kvh, hd]
-    v = _gather(v_cache, block_tables, num_blocks)
+    k = _gather(k_cache, block_tables, num_blocks).to(query.dtype)  # [B, S, kvh, hd]
+    v = _gather(v_cache, block_tables, num_blocks).to(query.dtype)
     pos = torch.arange(k.shape[1], device=query.device)
     lens = context_lens[:, None].to(pos.device)
     attend = pos[None, :] < lens  # [B, S], False = padding
@@ -111,7 +113,7 @@ def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
 
     Args:
         query: [num_tokens, num_q_heads, head_dim].
-        k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim].
+        k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], read in the query's dtype.
         cu_seqlens_q: [num_seqs + 1] int32 prefix sums of query lengths.
         context_lens: [num_seqs] int32.
         block_tables: [num_seqs, max_blocks] int32.
@@ -135,8 +137,8 @@ def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         s, e = starts[i], starts[i + 1]
         q_len = e - s
         nb = -(-ctx // block_size)
-        k = _gather(k_cache, block_tables[i:i + 1], nb)[0, :ctx]  # [ctx, kvh, hd]
-        v = _gather(v_cache, block_tables[i:i + 1], nb)[0, :ctx]
+        k = _gather(k_cache, block_tables[i:i + 1], nb)[0, :ctx].to(query.dtype)  # [ctx, kvh, hd]
+        v = _gather(v_cache, block_tables[i:i + 1], nb)[0, :ctx].to(query.dtype)
         q_pos = torch.arange(ctx - q_len, ctx, device=query.device)
         k_pos = torch.arange(ctx, device=query.device)[None, :]
         mask = k_pos <= q_pos[:, None]  # [q_len, ctx]

@@ -44,7 +44,7 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor
         ValueError: a shape, stride, dtype or device mismatch (slot values are not checked: that would sync).
     """
     device = k_cache.device
-    check_kv_caches(k_cache, v_cache, device, k_cache.dtype)
+    check_kv_caches(k_cache, v_cache, device, (k_cache.dtype,))
     check(k_cache.dtype in FLOAT_DTYPES, lambda: f"unsupported cache dtype {k_cache.dtype}")
     _, _, num_kv_heads, head_dim = k_cache.shape
     for name, t in (("key", key), ("value", value)):

@@ -62,7 +62,7 @@ class WorkerEngine:
         tier_bytes = max(self.args.kv_offload_cpu_bytes,
                          self.args.kv_offload_disk_bytes if self.args.kv_offload_disk_dir else 0)
         m, c = self.model_config, self.cache_config
-        return tier_bytes // kv_bytes_per_block(m, c.block_size, c.tensor_parallel_size)
+        return tier_bytes // kv_bytes_per_block(m, c.block_size, c.tensor_parallel_size, c.cache_dtype)
 
     @property
     def compat_hash(self) -> str:
@@ -132,8 +132,8 @@ def describe(config: WorkerConfig, worker: WorkerEngine, ready: dict[str, str]) 
     threads = resolve_threads(e.threads)
     weights = m.dtype + (f" + {e.quantization} linears" if e.quantization != "none" else "")
     if e.mock_engine:  # nothing is computed: say whose step times it plays, and how fast
-        weights = f"MOCK ENGINE (step times of {e.mock_engine} x{e.mock_speedup:g} speed), {m.dtype} KV"
-    pool_bytes = c.num_blocks * kv_bytes_per_block(m, c.block_size, c.tensor_parallel_size)
+        weights = f"MOCK ENGINE (step times of {e.mock_engine} x{e.mock_speedup:g} speed)"
+    pool_bytes = c.num_blocks * kv_bytes_per_block(m, c.block_size, c.tensor_parallel_size, c.cache_dtype)
     tiers = [f"host memory {e.kv_offload_cpu_bytes / 2**20:.0f} MiB"] if e.kv_offload_cpu_bytes else []
     if e.kv_offload_disk_dir:
         tiers.append(f"disk {e.kv_offload_disk_dir} {e.kv_offload_disk_bytes / 2**30:.1f} GiB")
@@ -144,7 +144,7 @@ def describe(config: WorkerConfig, worker: WorkerEngine, ready: dict[str, str]) 
     return (f"model {m.name}, {weights} on {e.device}, {threads} threads"
             f"{f', tensor parallel {c.tensor_parallel_size}' if c.tensor_parallel_size > 1 else ''}; KV pool "
             f"{c.num_blocks} blocks x {c.block_size} tokens = {c.num_blocks * c.block_size} tokens "
-            f"({pool_bytes / 2**20:.1f} MiB); context {s.max_model_len} tokens, up to {s.max_num_seqs} sequences "
+            f"({c.cache_dtype or m.dtype}, {pool_bytes / 2**20:.1f} MiB); context {s.max_model_len} tokens, up to {s.max_num_seqs} sequences "
             f"and {s.max_num_batched_tokens} tokens a step{extra}")
 
 

@@ -42,15 +42,15 @@ class KVCache:
         scratch_slot: a KV slot in a block past the pool's, written only by padding (`engine.execution.cuda_graphs`).
 
     Args:
-        model: shapes and dtype.
-        cache: block size, count and TP size.
+        model: shapes (and the dtype, unless the cache has its own).
+        cache: block size, count, TP size and dtype.
         device: where the shard lives (the rank's device).
     """
 
     def __init__(self, model: ModelConfig, cache: CacheConfig, device: torch.device | str = "cpu"):
         self.block_size = cache.block_size
         self.num_blocks = cache.num_blocks
-        self.kv = torch.zeros(kv_shape(model, cache), dtype=model.torch_dtype, device=device)
+        self.kv = torch.zeros(kv_shape(model, cache), dtype=cache.torch_dtype(model), device=device)
         self.scratch_slot = cache.num_blocks * cache.block_size
         self.layers = [(self.kv[:, i, 0], self.kv[:, i, 1]) for i in range(model.num_layers)]
 
@@ -76,12 +76,12 @@ class KvShards:
     """
 
     def __init__(self, model: ModelConfig, cache: CacheConfig, shards: list[torch.Tensor]):
-        shape = kv_shape(model, cache)
+        shape, dtype = kv_shape(model, cache), cache.torch_dtype(model)
         if len(shards) != cache.tensor_parallel_size:
             raise ValueError(f"{len(shards)} KV shards for {cache.tensor_parallel_size} tensor-parallel ranks")
         for s in shards:
-            if tuple(s.shape) != shape or s.dtype != model.torch_dtype:
-                raise ValueError(f"KV shard {tuple(s.shape)} {s.dtype} is not {shape} {model.torch_dtype}")
+            if tuple(s.shape) != shape or s.dtype != dtype:
+                raise ValueError(f"KV shard {tuple(s.shape)} {s.dtype} is not {shape} {dtype}")
         self.shards = list(shards)
         self.num_blocks = cache.num_blocks
 

@@ -169,8 +169,12 @@ def test_unsupported_shapes_use_the_reference_and_bad_input_is_a_value_error(ker
     q_big = torch.randn(2, 4, 16)
     torch.testing.assert_close(kernels.paged_decode_attention(q_big, k_big, v_big, t_big, l_big, 0.25),
                                reference.paged_decode_attention(q_big, k_big, v_big, t_big, l_big, 0.25))
-    with pytest.raises(ValueError, match="dtype"):  # a query that does not match the cache
-        kernels.paged_decode_attention(q.float(), k_cache, v_cache, table, lens, 0.25)
+    with pytest.raises(ValueError, match="v_cache dtype torch.float32 != k_cache dtype torch.float16"):
+        kernels.paged_decode_attention(q, k_cache, v_cache.float(), table, lens, 0.25)
+    # an fp32 query reads a 16-bit cache widened (--kv-cache-dtype), in the reference here (a group of 20)
+    torch.testing.assert_close(kernels.paged_decode_attention(q.float(), k_cache, v_cache, table, lens, 0.25),
+                               reference.paged_decode_attention(q.float(), k_cache.float(), v_cache.float(), table,
+                                                                lens, 0.25))
     with pytest.raises(ValueError, match="block_tables"):
         kernels.paged_decode_attention(q, k_cache, v_cache, table.long(), lens, 0.25)
     k32, v32, t32, l32 = _paged([5, 20], 8, 1, 16, torch.float32)

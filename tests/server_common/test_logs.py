@@ -55,5 +55,12 @@ def test_a_worker_says_what_it_resolved_at_start(tiny_model_dir):
     # tiny: 2 layers x K,V x 2 kv heads x 16 dims, 64 blocks of 16 tokens
     itemsize = 2 if model.dtype == "bfloat16" else 4
     mib = 64 * 16 * 2 * 2 * 2 * 16 * itemsize / 2**20
-    assert f"KV pool {cache.num_blocks} blocks x 16 tokens = 1024 tokens ({mib:.1f} MiB)" in line, line
+    assert f"KV pool {cache.num_blocks} blocks x 16 tokens = 1024 tokens ({model.dtype}, {mib:.1f} MiB)" in line, line
     assert f"context {sched.max_model_len} tokens" in line and line.endswith(", kv_connector tcp")
+    # a bf16 cache under fp32 weights: half the bytes, said so
+    mib = 64 * 16 * 2 * 2 * 2 * 16 * 4 / 2**20
+    engine = EngineArgs(model_dir=str(tiny_model_dir), dtype="float32", kv_cache_dtype="bfloat16", kv_tokens=1024)
+    model, cache, sched = resolve_configs(engine)
+    worker = SimpleNamespace(model_config=model, cache_config=cache, scheduler_config=sched)
+    line = describe(WorkerConfig(role="decode", engine=engine), worker, {})
+    assert "float32 on cpu" in line and f"1024 tokens (bfloat16, {mib / 2:.1f} MiB)" in line, line
