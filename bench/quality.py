@@ -9,6 +9,7 @@
 - Prefill perplexity: the same text through pdserve's engine as one prefill (every row's logits): what
   `--quantization w8a8_int8` changes, whose int8 products take every batch but one row of the packaged model's
   GGUF weights (which its batch-1 decode perplexity therefore shares with fp32).
+- `--kv-cache-dtype bfloat16` rows: fp32 weights over a bf16 KV cache (no HF perplexity: HF has no such cache).
 - Agreement: pdserve's engine, greedy, 32 tokens on each of the 8 PROMPTS (shared with
   tests/engine/test_dtype.py), against the engine in fp32 (tokens before the first divergence over the stream's
   length: greedy streams differ entirely after one token); "long", the same with the text's first 96 tokens before
@@ -31,8 +32,10 @@ sys.path.insert(0, str(HERE))
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "List three colors:", "Water boils at",
            "Once upon a time", "import numpy as np\n", "The quick brown fox", "1, 2, 3, 4,"]
-PRECISIONS = (("float32", "none"), ("float32", "gguf"), ("float32", "w8a8_int8"), ("bfloat16", "none"),
-              ("bfloat16", "int8"), ("bfloat16", "int4"))
+# (dtype, quantization, kv_cache_dtype)
+PRECISIONS = (("float32", "none", "auto"), ("float32", "none", "bfloat16"), ("float32", "gguf", "auto"),
+              ("float32", "w8a8_int8", "auto"), ("float32", "w8a8_int8", "bfloat16"), ("bfloat16", "none", "auto"),
+              ("bfloat16", "int8", "auto"), ("bfloat16", "int4", "auto"))
 LONG_CONTEXT = 96  # text tokens before each prompt in the "long" agreement
 
 
@@ -51,7 +54,7 @@ def perplexity(model_dir: str, ids: list[int], dtype: str, quantization: str) ->
     return math.exp(torch.nn.functional.cross_entropy(logits, torch.tensor(ids[1:])).item())
 
 
-def engine_runner(model_dir: str, n: int, dtype: str, quantization: str):
+def engine_runner(model_dir: str, n: int, dtype: str, quantization: str, kv_cache_dtype: str = "auto"):
     """pdserve's model runner with a KV cache for one n-token sequence, its block table and each position's slot.
 
     Raises:
@@ -61,7 +64,7 @@ def engine_runner(model_dir: str, n: int, dtype: str, quantization: str):
     from pdserve_server.engine.builder import build_engine
 
     runner = build_engine(EngineArgs(model_dir=model_dir, dtype=dtype, quantization=quantization, kv_tokens=n + 64,
-                                     max_model_len=n + 16)).runner
+                                     max_model_len=n + 16, kv_cache_dtype=kv_cache_dtype)).runner
     bs = runner.block_size
     table = list(range(-(-n // bs)))
     return runner, table, [table[p // bs] * bs + p % bs for p in range(n)]
@@ -98,14 +101,15 @@ def prefill_perplexity(runner, table: list[int], slots: list[int], ids: list[int
     return math.exp(torch.nn.functional.cross_entropy(logits.float(), torch.tensor(ids[1:])).item())
 
 
-def engine_greedy(model_dir: str, prompts: list[list[int]], dtype: str, quantization: str, n: int) -> list[list[int]]:
+def engine_greedy(model_dir: str, prompts: list[list[int]], dtype: str, quantization: str, n: int,
+                  kv_cache_dtype: str = "auto") -> list[list[int]]:
     from pdserve_server.engine.args import EngineArgs
     from pdserve_server.engine.builder import build_engine
     from pdserve_server.engine.offline import generate
     from pdserve_server.engine.request import SamplingParams
 
     parts = build_engine(EngineArgs(model_dir=model_dir, dtype=dtype, quantization=quantization, kv_tokens=8192,
-                                    max_model_len=512))
+                                    max_model_len=512, kv_cache_dtype=kv_cache_dtype))
     return generate(parts, [[p] for p in prompts], SamplingParams(max_tokens=n, temperature=0.0))
 
 
@@ -137,27 +141,30 @@ def main() -> None:
     prompts = [tok(p)["input_ids"] for p in PROMPTS]
     long_prompts = [text_ids[:LONG_CONTEXT] + p for p in prompts]
     rows, reference, long_reference = [], None, None
-    for dtype, quant in PRECISIONS:
+    for dtype, quant, kv in PRECISIONS:
         t = time.perf_counter()
-        ppl = perplexity(model_dir, text_ids, dtype, quant) if quant not in ("gguf", "w8a8_int8") else None
+        name = f"{dtype:>9} {quant:>9}" + (f" {kv} KV" if kv != "auto" else "")
+        ppl = (perplexity(model_dir, text_ids, dtype, quant) if quant not in ("gguf", "w8a8_int8") and kv == "auto"
+               else None)
         try:
-            runner = engine_runner(model_dir, len(text_ids), dtype, quant)
+            runner = engine_runner(model_dir, len(text_ids), dtype, quant, kv)
         except ValueError as e:  # --quantization gguf on a model that is no GGUF's (the smoke test's tiny one)
-            print(f"{dtype:>9} {quant:>9}: skipped ({e})", flush=True)
+            print(f"{name}: skipped ({e})", flush=True)
             continue
         # each pass writes every position's KV before reading it: one runner serves both
         decode_ppl = decode_perplexity(*runner, text_ids)
         prefill_ppl = prefill_perplexity(*runner, text_ids)
         del runner
-        outputs = engine_greedy(model_dir, prompts + long_prompts, dtype, quant, 32)  # one at a time, one engine
+        outputs = engine_greedy(model_dir, prompts + long_prompts, dtype, quant, 32, kv)  # one at a time, one engine
         greedy, long_greedy = outputs[:len(prompts)], outputs[len(prompts):]
         reference, long_reference = reference or greedy, long_reference or long_greedy
-        row = {"dtype": dtype, "quantization": quant, "perplexity": ppl, "decode_perplexity": decode_ppl,
-               "prefill_perplexity": prefill_ppl, "agreement_vs_fp32": agreement(greedy, reference),
+        row = {"dtype": dtype, "quantization": quant, "kv_cache_dtype": kv, "perplexity": ppl,
+               "decode_perplexity": decode_ppl, "prefill_perplexity": prefill_ppl,
+               "agreement_vs_fp32": agreement(greedy, reference),
                "agreement_long_vs_fp32": agreement(long_greedy, long_reference)}
         rows.append(row)
         hf = f"{ppl:.3f}" if ppl is not None else "-"
-        print(f"{dtype:>9} {quant:>9}: perplexity {hf} (HF), {prefill_ppl:.3f} (engine, one prefill), "
+        print(f"{name}: perplexity {hf} (HF), {prefill_ppl:.3f} (engine, one prefill), "
               f"{decode_ppl:.3f} (engine, one token a step) over {len(text_ids)} tokens, greedy agreement with the "
               f"fp32 engine {row['agreement_vs_fp32']:.2f}, long {row['agreement_long_vs_fp32']:.2f} "
               f"({time.perf_counter() - t:.0f} s)", flush=True)

@@ -360,7 +360,7 @@ static inline __attribute__((always_inline)) void attend_item_avx2(
     const size_t elem = is_bf16 ? 2 : 4, kv_elem = kv_bf16 ? 2 : 4;
     const int ctx = context_lens[s], lo = window_start(ctx, sliding_window);
     float acc[MAX_GROUP][MAX_HEAD_DIM] __attribute__((aligned(32))), m[MAX_GROUP], l[MAX_GROUP];
-    float vb[8][MAX_HEAD_DIM] __attribute__((aligned(32)));
+    float kb[8][MAX_HEAD_DIM] __attribute__((aligned(32))), vb[8][MAX_HEAD_DIM] __attribute__((aligned(32)));
     __m256 qf[MAX_GROUP][NC_MAX];
     for (int g = 0; g < group; g++) {
         const char *qrow = (const char *)query + ((size_t)s * q_stride + (size_t)(kvh * group + g) * HD) * elem;
@@ -381,18 +381,20 @@ static inline __attribute__((always_inline)) void attend_item_avx2(
         for (int c0 = t0 < lo ? lo - t0 : 0; c0 < in_block; c0 += 8) {
             const int n = in_block - c0 < 8 ? in_block - c0 : 8;
             const __m256 live = _mm256_cmp_ps(iota, _mm256_set1_ps((float)n), _CMP_LT_OQ);
-            const char *krow[8];
-            const float *vrow[8];
+            const float *krow[8], *vrow[8];
             for (int j = 0; j < n; j++) {
                 const int64_t row = base + (int64_t)(c0 + j) * token_stride;
-                krow[j] = (const char *)k_cache + row * kv_elem;
                 if (ahead >= 0)
                     prefetch_row(k_cache, v_cache, ahead + (int64_t)(c0 + j) * token_stride, HD * kv_elem, kv_elem);
-                if (kv_bf16) {  /* widen each V row once for all heads of the group */
-                    for (int c = 0; c < NC; c++)
+                if (kv_bf16) {  /* widen each K and V row once for all heads of the group (compute-bound) */
+                    for (int c = 0; c < NC; c++) {
+                        _mm256_store_ps(kb[j] + 8 * c, widen8((const char *)k_cache + row * kv_elem + c * 16));
                         _mm256_store_ps(vb[j] + 8 * c, widen8((const char *)v_cache + row * kv_elem + c * 16));
+                    }
+                    krow[j] = kb[j];
                     vrow[j] = vb[j];
                 } else {
+                    krow[j] = (const float *)k_cache + row;
                     vrow[j] = (const float *)v_cache + row;
                 }
             }
@@ -400,9 +402,8 @@ static inline __attribute__((always_inline)) void attend_item_avx2(
                 __m256 lanes[8];
                 for (int j = 0; j < 8; j++) {
                     if (j >= n) { lanes[j] = _mm256_setzero_ps(); continue; }
-                    __m256 d = _mm256_mul_ps(qf[g][0], load8(krow[j], kv_bf16));
-                    for (int c = 1; c < NC; c++)
-                        d = _mm256_fmadd_ps(qf[g][c], load8(krow[j] + c * 8 * kv_elem, kv_bf16), d);
+                    __m256 d = _mm256_mul_ps(qf[g][0], _mm256_loadu_ps(krow[j]));
+                    for (int c = 1; c < NC; c++) d = _mm256_fmadd_ps(qf[g][c], _mm256_loadu_ps(krow[j] + 8 * c), d);
                     lanes[j] = d;
                 }
                 const __m256 sc = _mm256_blendv_ps(vlow, _mm256_mul_ps(hsum8(lanes), vscale), live);

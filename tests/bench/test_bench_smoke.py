@@ -76,12 +76,16 @@ def test_quality_smoke(tiny_model_dir, tmp_path):
     out = tmp_path / "quality.json"
     _run(["bench/quality.py", "--model-dir", str(tiny_model_dir), "--ppl-tokens", "80", "--out", str(out)], tmp_path)
     rows = json.loads(out.read_text())["rows"]
-    assert [(r["dtype"], r["quantization"]) for r in rows] == [
-        ("float32", "none"), ("float32", "w8a8_int8"), ("bfloat16", "none"), ("bfloat16", "int8"),
-        ("bfloat16", "int4")]  # gguf skipped: the tiny model is no GGUF's
-    fp32, w8a8 = rows[0], rows[1]
+    assert [(r["dtype"], r["quantization"], r["kv_cache_dtype"]) for r in rows] == [
+        ("float32", "none", "auto"), ("float32", "none", "bfloat16"), ("float32", "w8a8_int8", "auto"),
+        ("float32", "w8a8_int8", "bfloat16"), ("bfloat16", "none", "auto"), ("bfloat16", "int8", "auto"),
+        ("bfloat16", "int4", "auto")]  # gguf skipped: the tiny model is no GGUF's
+    fp32, bf16_kv, w8a8 = rows[0], rows[1], rows[2]
     assert fp32["agreement_vs_fp32"] == 1.0 and fp32["agreement_long_vs_fp32"] == 1.0
-    assert all(r["perplexity"] > 1 for r in rows if r["quantization"] != "w8a8_int8")
+    assert all(r["perplexity"] > 1 for r in rows if r["quantization"] != "w8a8_int8" and r["kv_cache_dtype"] == "auto")
+    # a bf16 cache rounds K/V only: near fp32, not equal
+    for key in ("decode_perplexity", "prefill_perplexity"):
+        assert bf16_kv[key] != fp32[key] and abs(bf16_kv[key] / fp32[key] - 1) < 0.05
     # the engine fed one token a step, or as one prefill, computes what HF's one forward pass does (fp32: the same
     # model, exactly)
     assert all(r["decode_perplexity"] > 1 and r["prefill_perplexity"] > 1 for r in rows)
