@@ -73,7 +73,7 @@ def resolve_configs(args: EngineArgs) -> tuple[ModelConfig, CacheConfig, Schedul
         enable_prefix_caching=args.enable_prefix_caching, vocab_size=model_config.vocab_size,
         speculative=SpeculativeConfig(args.speculative_ngram_tokens, args.speculative_ngram_max,
                                       args.speculative_ngram_min, args.speculative_disable_batch_size),
-        itl_target_ms=args.itl_target_ms)
+        itl_target_ms=args.itl_target_ms, burst_prefill_tokens=args.burst_prefill_tokens)
     return model_config, cache_config, scheduler_config
 
 

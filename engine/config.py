@@ -104,6 +104,9 @@ class SchedulerConfig:
         itl_target_ms: while requests are decoding, cap each step's prefill tokens so the step is predicted to
             take at most this long, ms (`engine.scheduling.step_cost`; at least a block of prefill a step); 0 = no cap
             beyond max_num_batched_tokens.
+        burst_prefill_tokens: when every prompt token still to compute (waiting requests' and unfinished chunks')
+            totals at most this, one step takes them all, beside the decodes (`Scheduler._step_tokens`); 0 or at
+            most max_num_batched_tokens = off.
     """
 
     max_num_batched_tokens: int
@@ -113,6 +116,7 @@ class SchedulerConfig:
     vocab_size: int
     speculative: SpeculativeConfig = SpeculativeConfig()
     itl_target_ms: float = 0.0
+    burst_prefill_tokens: int = 0
 
 
 def compat_hash(model: ModelConfig, cache: CacheConfig) -> str:

@@ -10,8 +10,8 @@ a request of higher priority is waiting: then the chunk yields its budget), pree
 (lowest priority, newest) when blocks run out; then waiting requests join in policy order while budget, batch slots
 and blocks allow, preempting running requests of lower priority for a slot or blocks. A preempted request frees its
 blocks and recomputes its prompt and output later: no token is lost. With an ITL target, a step that decodes takes
-only the prefill tokens its measured costs allow (`engine.scheduling.step_cost`). Owned by the engine thread; not
-thread-safe.
+only the prefill tokens its measured costs allow (`engine.scheduling.step_cost`); with a burst budget, a step takes
+every prompt token left when they fit it (`_step_tokens`). Owned by the engine thread; not thread-safe.
 """
 from __future__ import annotations
 
@@ -199,7 +199,8 @@ class Scheduler:
         `SchedulerOutput.failed`; they are gone from the scheduler."""
         out = SchedulerOutput()
         self._expire(out)
-        budget = StepBudget(self.config.max_num_batched_tokens, self._prefill_cap())
+        step_tokens = self._step_tokens()
+        budget = StepBudget(step_tokens, self._prefill_cap())
         spec = self.config.speculative
         speculate = spec.enabled and len(self.running) <= spec.disable_batch_size
         head = self.waiting.peek()
@@ -210,7 +211,7 @@ class Scheduler:
             if req.fork_pending and req.num_computed_tokens >= self._target(req) and not self._fork(req):
                 i += 1  # no block for the samples' copies yet: the fork waits for one
                 continue
-            n = budget.chunk(self._target(req) - req.num_computed_tokens, self._chunk_limit(req))
+            n = budget.chunk(self._target(req) - req.num_computed_tokens, self._chunk_limit(req, step_tokens))
             # A prefill chunk gives its budget to a more important waiting request (decodes still run), and waits
             # when the decodes' latency target is spent.
             if n is None or (n > 1 and head is not None and self.policy.outranks(head, req)):
@@ -248,7 +249,7 @@ class Scheduler:
             if req.num_computed_tokens == 0:
                 computed_blocks = self.kv.get_computed_blocks(req, self.step_cost.marginal_ms_per_prefill_token)
             num_computed = req.num_computed_tokens or len(computed_blocks) * self.kv.block_size
-            n = budget.chunk(self._target(req) - num_computed, self._chunk_limit(req))
+            n = budget.chunk(self._target(req) - num_computed, self._chunk_limit(req, step_tokens))
             if n is None:  # the decodes' latency target is spent: admissions wait for the next step
                 break
             if not self.kv.allocate_slots(req.request_id, num_computed + n, computed_blocks, num_computed):
@@ -283,11 +284,30 @@ class Scheduler:
             out.block_copies, self._block_copies = self._block_copies, []
         return out
 
-    def _chunk_limit(self, req: Request) -> int:
-        """Most tokens one step computes for req: the step's budget, less for a request longer than the pool under
-        a sliding window (`KVCacheManager.max_chunk`), so that its window and one chunk fit the pool alone. A
-        request that fits whole is never capped."""
-        budget = self.config.max_num_batched_tokens
+    def _step_tokens(self) -> int:
+        """The step's token budget: max_num_batched_tokens, or, when every prompt token still to compute (waiting
+        requests' and running ones' unfinished chunks, prefix-cache hits counted as work) totals at most
+        `SchedulerConfig.burst_prefill_tokens`, that many plus a token for each running request. Why: a burst of
+        arrivals (16 requests at once) prefilled 512 tokens a step stalled the requests already decoding at every
+        step until the last prompt was in, each stall a long inter-token gap; taken in one step it stalls them once
+        (what vLLM's 2,048-token default budget does to such a burst), while a steady stream of arrivals keeps the
+        smaller steps."""
+        base, burst = self.config.max_num_batched_tokens, self.config.burst_prefill_tokens
+        if burst <= base or not self.waiting:
+            return base
+        left = 0
+        for req in (*self.running, *self.waiting):
+            todo = self._target(req) - req.num_computed_tokens
+            left += todo if todo > 1 else 0
+            if left > burst:
+                return base
+        return burst + len(self.running)
+
+    def _chunk_limit(self, req: Request, step_tokens: int | None = None) -> int:
+        """Most tokens one step computes for req: the step's budget (`step_tokens`, default max_num_batched_tokens),
+        less for a request longer than the pool under a sliding window (`KVCacheManager.max_chunk`), so that its
+        window and one chunk fit the pool alone. A request that fits whole is never capped."""
+        budget = step_tokens or self.config.max_num_batched_tokens
         cap = self.kv.max_chunk
         if cap is None or self.kv.blocks_needed(max_context(req)) <= self.kv.num_usable_blocks:
             return budget

@@ -14,9 +14,10 @@ from pdserve_server.engine.scheduling.step_cost import StepCost
 BLOCK = 4
 
 
-def scheduler(num_blocks=32, budget=16, max_seqs=8, prefix_caching=True, itl_target_ms=0.0) -> Scheduler:
+def scheduler(num_blocks=32, budget=16, max_seqs=8, prefix_caching=True, itl_target_ms=0.0, burst=0) -> Scheduler:
     config = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs, max_model_len=256,
-                             enable_prefix_caching=prefix_caching, vocab_size=1000, itl_target_ms=itl_target_ms)
+                             enable_prefix_caching=prefix_caching, vocab_size=1000, itl_target_ms=itl_target_ms,
+                             burst_prefill_tokens=burst)
     return Scheduler(config, KVCacheManager(num_blocks, BLOCK, prefix_caching))
 
 
@@ -415,3 +416,26 @@ def test_the_step_budget_caps_prefill_chunks_never_decodes():
     assert uncapped.chunk(500, limit=64) == 8
     uncapped.take(8)
     assert not uncapped and uncapped.chunk(5, limit=64) == 0
+
+
+def test_a_burst_that_fits_the_burst_budget_is_prefilled_in_one_step_beside_the_decodes():
+    """16 prompts arriving while one request decodes: with a 512-token budget they stall its tokens over four steps;
+    with a 2,048-token burst budget they go in one step, and the steady state keeps the 512-token steps."""
+    shapes = {}
+    for burst in (0, 2048):
+        s = scheduler(num_blocks=1024, budget=512, max_seqs=32, burst=burst)
+        s.add_request(request("a", 100, max_tokens=40))
+        step(s)  # a's prefill, alone: nothing else had arrived
+        for i in range(15):
+            s.add_request(request(f"r{i}", 100, max_tokens=40, first=100 + 50 * i))  # distinct, in vocabulary
+        shapes[burst] = [shape(step(s)[0]) for _ in range(4)]
+        assert_accounting(s)
+    assert [sum(n for _, n in prefills) for _, prefills in shapes[0]] == [511, 506, 483, 0]  # a's decode stalls 3x
+    assert shapes[2048][0] == (["a"], [(f"r{i}", 100) for i in range(15)])  # all 15 in one step, a decodes
+    assert all(not prefills and len(decodes) == 16 for decodes, prefills in shapes[2048][1:])
+    # more waiting than the burst budget: the usual budget, a chunk at a time
+    s = scheduler(num_blocks=1024, budget=512, max_seqs=32, burst=1024)
+    for i in range(12):
+        s.add_request(request(f"r{i}", 100, first=100 + 50 * i))
+    out, _ = step(s)
+    assert out.num_tokens == 512
