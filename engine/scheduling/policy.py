@@ -89,11 +89,6 @@ class RequestQueue:
         self._by_tenant: dict[str, list[Request]] = {}
         self._len = 0
 
-    def __iter__(self) -> Iterator[Request]:
-        """Every queued request, tenant by tenant (not in the policy's order)."""
-        for queue in self._by_tenant.values():
-            yield from queue
-
     def push(self, req: Request) -> None:
         queue = self._by_tenant.setdefault(req.scheduling.tenant, [])
         bisect.insort(queue, req, key=self.policy.static_key)
