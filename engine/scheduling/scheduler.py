@@ -285,23 +285,28 @@ class Scheduler:
         return out
 
     def _step_tokens(self) -> int:
-        """The step's token budget: max_num_batched_tokens, or, when every prompt token still to compute (waiting
-        requests' and running ones' unfinished chunks, prefix-cache hits counted as work) totals at most
-        `SchedulerConfig.burst_prefill_tokens`, that many plus a token for each running request. Why: a burst of
-        arrivals (16 requests at once) prefilled 512 tokens a step stalled the requests already decoding at every
-        step until the last prompt was in, each stall a long inter-token gap; taken in one step it stalls them once
-        (what vLLM's 2,048-token default budget does to such a burst), while a steady stream of arrivals keeps the
-        smaller steps."""
+        """The step's token budget: max_num_batched_tokens, or, in a burst, `SchedulerConfig.burst_prefill_tokens` plus
+        a token for each running request. A burst: every prompt token still to compute (waiting requests' and
+        running ones' unfinished chunks, prefix-cache hits counted as work) totals at most the burst budget, and the
+        requests it would prefill outnumber those decoding. Why: sixteen arrivals at once prefilled 512 tokens a step
+        stalled the requests already decoding at every step until the last prompt was in, each stall a long
+        inter-token gap; one step stalls them once (what vLLM's 2,048-token default budget does to such a burst).
+        Where more requests decode than arrive (a closed loop's steady state at 64), one big step would stall all of
+        them for a few arrivals: measured 4% of throughput at S c=64 (docs/benchmarks.md), so the usual steps."""
         base, burst = self.config.max_num_batched_tokens, self.config.burst_prefill_tokens
         if burst <= base or not self.waiting:
             return base
-        left = 0
+        left, prefilling, decoding = 0, len(self.waiting), 0
         for req in (*self.running, *self.waiting):
             todo = self._target(req) - req.num_computed_tokens
-            left += todo if todo > 1 else 0
+            if todo > 1:
+                left += todo
+                prefilling += req.status == RequestStatus.RUNNING
+            elif req.status == RequestStatus.RUNNING:
+                decoding += 1
             if left > burst:
                 return base
-        return burst + len(self.running)
+        return burst + len(self.running) if prefilling > decoding else base
 
     def _chunk_limit(self, req: Request, step_tokens: int | None = None) -> int:
         """Most tokens one step computes for req: the step's budget (`step_tokens`, default max_num_batched_tokens),

@@ -427,7 +427,7 @@ def test_a_burst_that_fits_the_burst_budget_is_prefilled_in_one_step_beside_the_
         s.add_request(request("a", 100, max_tokens=40))
         step(s)  # a's prefill, alone: nothing else had arrived
         for i in range(15):
-            s.add_request(request(f"r{i}", 100, max_tokens=40, first=100 + 50 * i))  # distinct, in vocabulary
+            s.add_request(request(f"r{i}", 100, max_tokens=40, first=100 + 50 * i))  # distinct, in vocab
         shapes[burst] = [shape(step(s)[0]) for _ in range(4)]
         assert_accounting(s)
     assert [sum(n for _, n in prefills) for _, prefills in shapes[0]] == [511, 506, 483, 0]  # a's decode stalls 3x
@@ -439,3 +439,13 @@ def test_a_burst_that_fits_the_burst_budget_is_prefilled_in_one_step_beside_the_
         s.add_request(request(f"r{i}", 100, first=100 + 50 * i))
     out, _ = step(s)
     assert out.num_tokens == 512
+    # more requests decoding than arriving (a closed loop's steady state): the usual budget too
+    s = scheduler(num_blocks=1024, budget=128, max_seqs=32, burst=2048)
+    for i in range(12):
+        s.add_request(request(f"d{i}", 8, max_tokens=40, first=100 + 50 * i))
+    step(s)  # 12 prompts of 8: within the budget, one step
+    for i in range(5):
+        s.add_request(request(f"r{i}", 100, first=120 + 50 * i))
+    out, _ = step(s)
+    assert len(out.decodes) == 12 and out.num_tokens == 128
+    assert_accounting(s)
