@@ -109,9 +109,10 @@ class EngineArgs:
         "help": "while requests decode, cap a step's prefill chunk so the step is predicted to take at most this "
                 "long, ms (stall-free batching from measured step costs; at least a block a step); 0 = no cap"})
     burst_prefill_tokens: int = field(default=0, metadata={"min": 0,
-        "help": "when the prompt tokens left to prefill (waiting and partly computed requests) total at most this, "
-                "one step takes them all beside the decodes: a burst of arrivals stalls the decoding requests once "
-                "instead of once per --max-num-batched-tokens chunk (fewer long inter-token gaps); 0 = off"})
+        "help": "when the prompt tokens left to prefill (waiting and partly computed requests) total at most this "
+                "and those requests outnumber the decoding ones, one step takes them all beside the decodes: a burst "
+                "of arrivals stalls the decoding requests once instead of once per --max-num-batched-tokens chunk "
+                "(fewer long inter-token gaps, at some throughput); 0 = off"})
     max_model_len: int = field(default=0, metadata={"min": 0,
         "help": "most prompt + output tokens per request (0 = the model's context length)"})
     enable_prefix_caching: bool = field(default=True, metadata={"help": "reuse cached prefix KV blocks"})

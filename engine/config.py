@@ -105,8 +105,8 @@ class SchedulerConfig:
             take at most this long, ms (`engine.scheduling.step_cost`; at least a block of prefill a step); 0 = no cap
             beyond max_num_batched_tokens.
         burst_prefill_tokens: when every prompt token still to compute (waiting requests' and unfinished chunks')
-            totals at most this, one step takes them all, beside the decodes (`Scheduler._step_tokens`); 0 or at
-            most max_num_batched_tokens = off.
+            totals at most this and those requests outnumber the decoding ones, one step takes them all, beside the
+            decodes (`Scheduler._step_tokens`); 0 or at most max_num_batched_tokens = off.
     """
 
     max_num_batched_tokens: int
