@@ -204,6 +204,30 @@ def test_tiny_model_cluster_matches_hf(tiny_model_dir, mode, launch):
     assert_idle(c)
 
 
+def test_a_bf16_kv_cache_travels_between_fp32_workers(tiny_model_dir, launch):
+    """--kv-cache-dtype bfloat16 on both workers: the prefill worker writes bf16 K/V, the blocks travel at half the
+    bytes, and the decode worker continues from them; every stream equals the in-process engine's with the same
+    flags (the same kernels over the same bf16 cache), one request at a time."""
+    from pdserve_server.engine.args import EngineArgs
+    from pdserve_server.engine.builder import build_engine
+    from pdserve_server.engine.offline import generate
+    from pdserve_server.engine.request import SamplingParams as EngineSampling
+
+    args = ["--dtype", "float32", "--kv-cache-dtype", "bfloat16", "--kv-tokens", "2048", "--max-model-len", "512",
+            "--max-num-batched-tokens", "32", "--connector", "tcp"]
+    c = launch(tiny_model_dir, worker_args=args)
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, 49152) for _ in range(n)] for n in (5, 40)]
+    with Client(c.address) as client:
+        outs = [client.complete(p, greedy(8, ignore_eos=True), timeout=120).token_ids for p in prompts]
+    parts = build_engine(EngineArgs(model_dir=str(tiny_model_dir), dtype="float32", kv_cache_dtype="bfloat16",
+                                    kv_tokens=2048, max_model_len=512, max_num_batched_tokens=32))
+    assert str(parts.runner.kv_cache.kv.dtype) == "torch.bfloat16"
+    assert outs == generate(parts, [[p] for p in prompts], EngineSampling(max_tokens=8, temperature=0.0,
+                                                                          ignore_eos=True))
+    assert_idle(c)
+
+
 def test_two_prefill_two_decode_workers_all_take_requests(tiny_model_dir, launch):
     """Routing spreads load per role: sequential requests alternate, concurrent ones spread by load."""
     c = launch(tiny_model_dir, worker_args=["--dtype", "float32", "--kv-tokens", "2048", "--max-model-len", "512",
