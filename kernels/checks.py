@@ -73,12 +73,11 @@ def check_kv_caches(k_cache: torch.Tensor, v_cache: torch.Tensor, device: torch.
     Raises:
         ValueError: on any mismatch.
     """
-    check(not isinstance(v_cache, torch.Tensor) or not isinstance(k_cache, torch.Tensor)
-          or v_cache.dtype == k_cache.dtype, lambda: f"v_cache dtype {v_cache.dtype} != k_cache dtype {k_cache.dtype}")
     for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
         check_tensor(name, c, 4, dtypes, device, inner_contiguous=True)
         check(dense_within_block(c),
               lambda: f"{name} must be dense within a block, got strides {c.stride()} for shape {tuple(c.shape)}")
+    check(v_cache.dtype == k_cache.dtype, lambda: f"v_cache dtype {v_cache.dtype} != k_cache dtype {k_cache.dtype}")
     check(k_cache.shape == v_cache.shape,
           lambda: f"k_cache shape {tuple(k_cache.shape)} != v_cache shape {tuple(v_cache.shape)}")
 

@@ -154,17 +154,10 @@ void silu_and_mul(const void *gate_up, void *out, int rows, int inter, int is_bf
 /* n elements of a K or V row into its cache slot in the cache's dtype: copied when the dtypes match, else fp32 rounded
  * to bf16 (nearest even, as torch's .to() does: --kv-cache-dtype bfloat16 under fp32 weights) or bf16 widened. */
 static inline void store_kv_row(char *dst, const char *src, int64_t n, int src_bf16, int dst_bf16) {
-    if (src_bf16 == dst_bf16) {
+    if (src_bf16 == dst_bf16)
         memcpy(dst, src, (size_t)n * (src_bf16 ? 2 : 4));
-    } else if (dst_bf16) {
-        const float *f = (const float *)src;
-        uint16_t *o = (uint16_t *)dst;
-        for (int64_t i = 0; i < n; i++) o[i] = f32_to_bf16(f[i]);
-    } else {
-        const uint16_t *b = (const uint16_t *)src;
-        float *o = (float *)dst;
-        for (int64_t i = 0; i < n; i++) o[i] = bf16_to_f32(b[i]);
-    }
+    else
+        for (int64_t i = 0; i < n; i++) store(dst, i, load(src, i, src_bf16), dst_bf16);
 }
 
 /* One token's K and V rows (each n = num_kv_heads * head_dim elements, V right after K in its fused qkv row) into its

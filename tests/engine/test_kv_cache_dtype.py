@@ -12,27 +12,8 @@ from pdserve_server.engine.config import (CacheConfig, compat_hash, kv_bytes_per
 from pdserve_server.engine.execution.model_runner import ModelRunner
 from pdserve_server.engine.models.config import ModelConfig
 from pdserve_server.kernels import reference as ref
+from kernel_builds import kernels  # noqa: F401 (a fixture: the ops, once per build this CPU runs)
 from test_tp_heads import BLOCK, _llama, greedy_steps
-
-cpu_ops = pytest.importorskip("pdserve_server.kernels.cpu_ops")
-
-
-def _isas() -> list[str]:
-    try:
-        return cpu_ops.cpu_isas()
-    except cpu_ops.KernelLoadError:
-        return []
-
-
-@pytest.fixture
-def kernels():
-    try:
-        k = cpu_ops.CpuKernels.load()
-    except cpu_ops.KernelLoadError as e:
-        pytest.skip(f"cpu kernels not built: {e}")
-    best = cpu_ops.cpu_isas()[0]
-    yield k
-    cpu_ops.set_cpu_isa(best)
 
 
 def _cache(head_dim: int, g: torch.Generator, num_blocks: int = 48, block_size: int = 16, kv_heads: int = 3):
@@ -41,10 +22,8 @@ def _cache(head_dim: int, g: torch.Generator, num_blocks: int = 48, block_size: 
     return kv[:, 1, 0], kv[:, 1, 1]
 
 
-@pytest.mark.parametrize("isa", _isas())
 @pytest.mark.parametrize("head_dim", [64, 128, 32])  # 64 / 128: the AVX paths; 32: the plain loops
-def test_decode_and_prefill_attention_over_a_bf16_cache_match_the_reference(kernels, isa, head_dim):
-    cpu_ops.set_cpu_isa(isa)
+def test_decode_and_prefill_attention_over_a_bf16_cache_match_the_reference(kernels, head_dim):
     g = torch.Generator().manual_seed(head_dim)
     k_cache, v_cache = _cache(head_dim, g)
     tables = torch.randperm(48, generator=g)[:40].view(5, 8).int()
@@ -67,9 +46,7 @@ def test_decode_and_prefill_attention_over_a_bf16_cache_match_the_reference(kern
     torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
 
 
-@pytest.mark.parametrize("isa", _isas())
-def test_the_kv_write_rounds_fp32_rows_into_a_bf16_cache_as_torch_does(kernels, isa):
-    cpu_ops.set_cpu_isa(isa)
+def test_the_kv_write_rounds_fp32_rows_into_a_bf16_cache_as_torch_does(kernels):
     g = torch.Generator().manual_seed(1)
     k_cache, v_cache = _cache(64, g)
     qkv = torch.randn(4, 9 + 2 * 3, 64, generator=g) * 100  # large values: rounding, not only truncation
@@ -94,7 +71,7 @@ def _prompts(n: int) -> list[list[int]]:
     return [[(7 * i + 3 * j) % 250 for j in range(11 + 8 * (i % 2))] for i in range(n)]
 
 
-def test_a_float32_model_over_a_bf16_cache(kernels):
+def test_a_float32_model_over_a_bf16_cache():
     model = _llama(num_attention_heads=8, num_key_value_heads=2, head_dim=16)
     prompts = _prompts(3)
     stacked = _runner(model, "bfloat16")
