@@ -36,9 +36,13 @@ class CacheConfig:
         if self.cache_dtype is not None and self.cache_dtype not in DTYPES:
             raise ValueError(f"cache_dtype must be one of {sorted(DTYPES)} or None, got {self.cache_dtype!r}")
 
+    def dtype_name(self, model: ModelConfig) -> str:
+        """The KV cache's dtype name for `model`: cache_dtype, or the model's own."""
+        return self.cache_dtype or model.dtype
+
     def torch_dtype(self, model: ModelConfig) -> torch.dtype:
-        """The KV cache's torch dtype for `model`: cache_dtype, or the model's own."""
-        return DTYPES[self.cache_dtype] if self.cache_dtype else model.torch_dtype
+        """`dtype_name` as a torch dtype."""
+        return DTYPES[self.dtype_name(model)]
 
 
 def resolve_cache_dtype(name: str, model_dtype: str, device: str, attention_backend: str = "auto") -> str | None:
@@ -67,7 +71,7 @@ def kv_bytes_per_block(model: ModelConfig, block_size: int, tensor_parallel_size
     """Bytes one KV block takes across all layers and ranks: layers x {K,V} x block_size x kv heads stored x
     head_dim x itemsize (of `cache_dtype`, None: the model's dtype), where the kv heads stored are tp x
     `kv_heads_per_rank` (num_kv_heads, more when tensor parallelism pads or replicates them)."""
-    itemsize = torch.empty((), dtype=DTYPES[cache_dtype] if cache_dtype else model.torch_dtype).element_size()
+    itemsize = torch.empty((), dtype=DTYPES[cache_dtype or model.dtype]).element_size()
     tp = tensor_parallel_size
     heads = tp * kv_heads_per_rank(model.num_kv_heads, tp)
     return model.num_layers * 2 * block_size * heads * model.head_dim * itemsize
@@ -118,6 +122,14 @@ class SchedulerConfig:
     itl_target_ms: float = 0.0
     burst_prefill_tokens: int = 0
 
+    @property
+    def max_step_tokens(self) -> int:
+        """The most tokens one step may schedule: a burst step's (burst_prefill_tokens plus a token for each of
+        max_num_seqs running requests, `Scheduler._step_tokens`) where bursts are on, else max_num_batched_tokens."""
+        if self.burst_prefill_tokens > self.max_num_batched_tokens:
+            return self.burst_prefill_tokens + self.max_num_seqs
+        return self.max_num_batched_tokens
+
 
 def compat_hash(model: ModelConfig, cache: CacheConfig) -> str:
     """Hash that two workers must share to exchange KV blocks: model shapes, dtype, the cache's dtype, block size and
@@ -132,6 +144,6 @@ def compat_hash(model: ModelConfig, cache: CacheConfig) -> str:
     fields.pop("path")
     fields["block_size"] = cache.block_size
     fields["tensor_parallel_size"] = cache.tensor_parallel_size
-    fields["cache_dtype"] = cache.cache_dtype or model.dtype
+    fields["cache_dtype"] = cache.dtype_name(model)
     fields["layout"] = "block-major-shards-v3"
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]

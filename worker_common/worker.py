@@ -144,8 +144,8 @@ def describe(config: WorkerConfig, worker: WorkerEngine, ready: dict[str, str]) 
     return (f"model {m.name}, {weights} on {e.device}, {threads} threads"
             f"{f', tensor parallel {c.tensor_parallel_size}' if c.tensor_parallel_size > 1 else ''}; KV pool "
             f"{c.num_blocks} blocks x {c.block_size} tokens = {c.num_blocks * c.block_size} tokens "
-            f"({c.cache_dtype or m.dtype}, {pool_bytes / 2**20:.1f} MiB); context {s.max_model_len} tokens, up to {s.max_num_seqs} sequences "
-            f"and {s.max_num_batched_tokens} tokens a step{extra}")
+            f"({c.dtype_name(m)}, {pool_bytes / 2**20:.1f} MiB); context {s.max_model_len} tokens, up to "
+            f"{s.max_num_seqs} sequences and {s.max_num_batched_tokens} tokens a step{extra}")
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):

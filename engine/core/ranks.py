@@ -230,13 +230,11 @@ SHM_SLOT_MAX_BYTES = 32 << 20  # per rank and buffer; a larger collective (huge 
 
 
 def shm_slot_bytes(model: ModelConfig, scheduler: SchedulerConfig, size: int, itemsize: int) -> int:
-    """Bytes of each rank's shared-memory slot: the larger of a full step's hidden states ([step tokens, hidden], the
-    largest all-reduce; a burst step's too, `Scheduler._step_tokens`) and a decode step's vocab-parallel logits
+    """Bytes of each rank's shared-memory slot: the larger of a full step's hidden states ([max_step_tokens, hidden],
+    the largest all-reduce) and a decode step's vocab-parallel logits
     ([max_num_seqs, vocab / size], the all-gather), in the model dtype's `itemsize`, at most SHM_SLOT_MAX_BYTES. A
     step's inputs (msgpack, a few bytes a token and a block) fit in it too; what does not fit goes through gloo."""
-    tokens = max(scheduler.max_num_batched_tokens,
-                 scheduler.burst_prefill_tokens + scheduler.max_num_seqs if scheduler.burst_prefill_tokens else 0)
-    hidden = tokens * model.hidden_size
+    hidden = scheduler.max_step_tokens * model.hidden_size
     logits = scheduler.max_num_seqs * vocab_per_rank(model.vocab_size, size)
     return min(max(hidden, logits) * itemsize, SHM_SLOT_MAX_BYTES)
 

@@ -297,13 +297,15 @@ class Scheduler:
         if burst <= base or not self.waiting:
             return base
         left, prefilling, decoding = 0, len(self.waiting), 0
-        for req in (*self.running, *self.waiting):
+        for req in self.running:
             todo = self._target(req) - req.num_computed_tokens
             if todo > 1:
-                left += todo
-                prefilling += req.status == RequestStatus.RUNNING
-            elif req.status == RequestStatus.RUNNING:
+                left, prefilling = left + todo, prefilling + 1
+            else:
                 decoding += 1
+        for req in self.waiting:
+            todo = self._target(req) - req.num_computed_tokens
+            left += todo if todo > 1 else 0
             if left > burst:
                 return base
         return burst + len(self.running) if prefilling > decoding else base

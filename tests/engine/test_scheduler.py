@@ -449,3 +449,23 @@ def test_a_burst_that_fits_the_burst_budget_is_prefilled_in_one_step_beside_the_
     out, _ = step(s)
     assert len(out.decodes) == 12 and out.num_tokens == 128
     assert_accounting(s)
+
+
+def test_a_burst_step_fits_max_step_tokens_and_the_tp_slot_is_sized_for_it():
+    """`SchedulerConfig.max_step_tokens` bounds every step, a burst's too; TP's shared-memory slot holds that many
+    rows of hidden states (fp32), so a burst step's all-reduce stays off gloo."""
+    from types import SimpleNamespace
+
+    from pdserve_server.engine.core.ranks import shm_slot_bytes
+
+    s = scheduler(num_blocks=1024, budget=512, max_seqs=32, burst=2048)
+    assert s.config.max_step_tokens == 2048 + 32 and scheduler(budget=512).config.max_step_tokens == 512
+    s.add_request(request("a", 100, max_tokens=40))
+    step(s)
+    for i in range(15):
+        s.add_request(request(f"r{i}", 100, max_tokens=40, first=100 + 50 * i))
+    out, _ = step(s)
+    assert out.num_tokens == 1 + 1500 <= s.config.max_step_tokens
+    model = SimpleNamespace(hidden_size=64, vocab_size=1000)
+    assert shm_slot_bytes(model, s.config, 2, 4) == (2048 + 32) * 64 * 4
+    assert shm_slot_bytes(model, scheduler(budget=512, max_seqs=32).config, 2, 4) == 512 * 64 * 4
