@@ -177,14 +177,15 @@ def test_random_cancellations_do_not_leak(cluster):
 @pytest.mark.parametrize("mode", ["ucx", "tcp", "nccl", "colocated", "tcp+layerwise", "nccl+layerwise"])
 def test_tiny_model_cluster_matches_hf(tiny_model_dir, mode, launch):
     """A random-weight Llama built from a config, through each topology / connector (whole blocks after the first
-    token, or layer-wise streaming during the last prefill chunk), equals HF greedy. A budget of 32 tokens makes
-    the 40- and 64-token prompts chunked, so layer-wise streaming sends earlier chunks' blocks too; the last
+    token, or layer-wise streaming during the last prefill chunk), equals HF greedy. A budget of 32 tokens (bursts
+    off) makes the 40- and 64-token prompts chunked, so layer-wise streaming sends earlier chunks' blocks too; the last
     request (max_tokens 1) finishes at its first token, which ends a layer-wise stream without decoding. The
     49-token prompt comes again at the end: the prefill worker's prefix cache then holds all but its last token,
     a one-token last chunk (its layer-wise stream once waited forever for a signal that never came)."""
     connector, _, layerwise = mode.partition("+")
     args = ["--dtype", "float32", "--kv-tokens", "2048", "--max-model-len", "512", "--max-num-batched-tokens", "32",
-            "--connector", "tcp" if mode == "colocated" else connector, *(["--kv-layerwise"] if layerwise else [])]
+            "--burst-prefill-tokens", "0", "--connector", "tcp" if mode == "colocated" else connector,
+            *(["--kv-layerwise"] if layerwise else [])]
     c = launch(tiny_model_dir, colocated=mode == "colocated", worker_args=args)
     rng = random.Random(1)
     prompts = [[rng.randrange(3, 49152) for _ in range(n)] for n in (3, 17, 40, 64, 20)]

@@ -178,7 +178,7 @@ def test_conditional_disaggregation_and_decode_workers_prefilling_without_a_pref
 
 def test_a_decode_worker_prefills_while_the_prefill_queue_is_long_then_disaggregation_resumes(tiny_model_dir,
                                                                                                 tmp_path):
-    """Conditional disaggregation on live queue state: a slow prefill worker (4 prompt tokens a step)
+    """Conditional disaggregation on live queue state: a slow prefill worker (4 prompt tokens a step, bursts off)
     gets a burst of long prompts; the first is routed to it, and while it is queued there the decode worker, which
     would give a first token sooner, prefills some of the others itself. Once the burst is served a request goes to
     the prefill worker again (its queue is empty). Greedy output equals HF's either way."""
@@ -188,7 +188,8 @@ def test_a_decode_worker_prefills_while_the_prefill_queue_is_long_then_disaggreg
 
     p = Processes(tiny_model_dir, tmp_path)
     try:
-        prefill, decode = p.start_all(("prefill", "prefill", *WORKER, "--max-num-batched-tokens", "4"),
+        prefill, decode = p.start_all(("prefill", "prefill", *WORKER, "--max-num-batched-tokens", "4",
+                                       "--burst-prefill-tokens", "0"),
                                       ("decode", "decode", *WORKER))
         coordinator = p.start("coordinator", "coordinator", "--prefill", prefill, "--decode", decode,
                               "--metrics-port", "0")

@@ -45,7 +45,8 @@ def test_concurrent_greedy_matches_hf(tiny_model_dir, prompts, budget, num_block
     a small pool forces preemption. The Triton row runs the whole model through the kernels."""
     parts = build_engine(EngineArgs(dtype="float32", model_dir=str(tiny_model_dir), block_size=8,
                                     kv_tokens=num_blocks * 8,
-                                    max_num_batched_tokens=budget, max_model_len=512, attention_backend=backend))
+                                    max_num_batched_tokens=budget, burst_prefill_tokens=0, max_model_len=512,
+                                    attention_backend=backend))
     assert parts.runner.attention_ops.name == backend
     reqs = [greedy(f"r{i}", p, 4 + 3 * i) for i, p in enumerate(prompts)]
     run_to_completion(parts, reqs)
@@ -187,7 +188,7 @@ def test_layer_signals_come_as_each_layer_of_the_last_chunk_is_written(tiny_mode
     """Layer-wise streaming's engine half: only the last chunk signals; at layer l's signal that layer's K/V is
     final for every block of the request (earlier chunks included) and layer l+1's is not yet written."""
     parts = build_engine(EngineArgs(dtype="float32", model_dir=str(tiny_model_dir), block_size=8, kv_tokens=64 * 8,
-                                    max_num_batched_tokens=24, max_model_len=512))
+                                    max_num_batched_tokens=24, burst_prefill_tokens=0, max_model_len=512))
     kv = parts.runner.kv_cache.kv  # [blocks, layers, 2, block_size, kv_heads, head_dim]
     prompt = prompts[6][:60]  # 60 tokens in chunks of 24: the signals come in the third step only
     req = Request("s", prompt, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), prefill_only=True)

@@ -125,7 +125,7 @@ def test_the_scheduler_is_the_real_one(config_dir):
     prompt = list(range(10, 310))
     runs = {}
     for budget in (64, 512):
-        parts = mock_engine(config_dir, max_num_batched_tokens=budget)
+        parts = mock_engine(config_dir, max_num_batched_tokens=budget, burst_prefill_tokens=0)
         seen = []
         run_until_idle(parts, [Request("r", prompt, SamplingParams(max_tokens=3, temperature=0.0))],
                        on_step=lambda out: seen.append(StepShape.of_output(out)))

@@ -158,7 +158,7 @@ def run_greedy(model_dir: str, prompts: list[list[int]], max_tokens: list[int], 
     parts, requests, chunked) where chunked says some prefill was split (a later chunk then attends over K/V
     already in cached blocks)."""
     parts = build_engine(EngineArgs(dtype="float32", model_dir=model_dir, block_size=8, kv_tokens=2048,
-                                    max_num_batched_tokens=16,
+                                    max_num_batched_tokens=16, burst_prefill_tokens=0,
                                     max_model_len=512, attention_backend=backend))
     reqs = [Request(f"r{i}", p, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
             for i, (p, n) in enumerate(zip(prompts, max_tokens))]
@@ -259,7 +259,8 @@ def test_blocks_behind_every_layers_window_go_back_during_the_run(request, model
     Qwen2 config): every block is kept. The pool is whole and consistent after."""
     model_dir = request.getfixturevalue(model_fixture)
     parts = build_engine(EngineArgs(dtype="float32", model_dir=model_dir, block_size=8, kv_tokens=2048,
-                                    max_num_batched_tokens=16, max_model_len=512, attention_backend="torch"))
+                                    max_num_batched_tokens=16, burst_prefill_tokens=0, max_model_len=512,
+                                    attention_backend="torch"))
     kv = parts.scheduler.kv
     assert kv.sliding_window == window
     rng = random.Random(1)
@@ -290,7 +291,8 @@ def test_a_request_longer_than_the_kv_pool_runs_under_a_sliding_window(mistral_w
     request on the same pool without a window (the windowless Mistral) is refused at admission."""
     def engine(model_dir):
         return build_engine(EngineArgs(dtype="float32", model_dir=model_dir, block_size=8, kv_tokens=40,
-                                       max_num_batched_tokens=16, max_model_len=512, attention_backend=backend))
+                                       max_num_batched_tokens=16, burst_prefill_tokens=0, max_model_len=512,
+                                       attention_backend=backend))
 
     rng = random.Random(2)
     prompt = [rng.randrange(3, VOCAB) for _ in range(100)]

@@ -97,7 +97,8 @@ def test_speculative_decoding_leaves_the_samples_unchanged(tiny_model_dir, engin
     """With n-gram drafts on, the step before the fork (one token left of the shared part) is no decode: it must
     not get drafts; the samples' own decodes may."""
     import dataclasses
-    parts = build_engine(dataclasses.replace(engine_args, speculative_ngram_tokens=3, max_num_batched_tokens=19))
+    parts = build_engine(dataclasses.replace(engine_args, speculative_ngram_tokens=3, max_num_batched_tokens=19,
+                                                     burst_prefill_tokens=0))
     prompt = [5, 6, 7, 8] * 5 + [5]  # repetitive: drafts are proposed; budget 19: the 20th token is a step alone
     outputs = by_sample(run_until_idle(parts, [sampled("r", prompt, n=2, max_tokens=16)]))
     expected = hf_greedy(tiny_model_dir, prompt, 16)

@@ -451,6 +451,28 @@ def test_a_burst_that_fits_the_burst_budget_is_prefilled_in_one_step_beside_the_
     assert_accounting(s)
 
 
+def test_the_default_configuration_prefills_a_cohort_of_64_short_prompts_in_one_step(tiny_model_dir):
+    """`pdserve serve`'s defaults (`EngineArgs()`): 512-token steps, bursts up to 8,192 tokens. 64 prompts of 100
+    tokens arriving together (the sweep's S c=64) go in one step and then decode together; 90 of them, more tokens
+    than the burst budget, go 512 a step."""
+    from pdserve_server.engine.args import EngineArgs
+    from pdserve_server.engine.builder import resolve_configs
+
+    _, cache, config = resolve_configs(EngineArgs(model_dir=str(tiny_model_dir), dtype="float32"))
+    assert (config.max_num_batched_tokens, config.burst_prefill_tokens) == (512, 8192)
+    s = Scheduler(config, KVCacheManager(cache.num_blocks, cache.block_size, True))
+    for i in range(64):
+        s.add_request(request(f"r{i}", 100, max_tokens=5, first=3 + 5 * i))
+    out, _ = step(s)
+    assert len(out.prefills) == 64 and out.num_tokens == 6400
+    assert all(len(step(s)[0].decodes) == 64 for _ in range(3))  # all of them, each step
+    assert_accounting(s)
+    s = Scheduler(config, KVCacheManager(cache.num_blocks, cache.block_size, True))
+    for i in range(90):  # 9,000 prompt tokens: past the burst budget
+        s.add_request(request(f"r{i}", 100, max_tokens=5, first=3 + 5 * i))
+    assert step(s)[0].num_tokens == 512
+
+
 def test_a_burst_step_fits_max_step_tokens_and_the_tp_slot_is_sized_for_it():
     """`SchedulerConfig.max_step_tokens` bounds every step, a burst's too; TP's shared-memory slot holds that many
     rows of hidden states (fp32), so a burst step's all-reduce stays off gloo."""

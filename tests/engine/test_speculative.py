@@ -125,7 +125,7 @@ def test_drafts_only_take_blocks_no_other_request_could_need(tiny_model_dir):
     """Draft slots beyond a request's blocks come only from spare blocks: one per running request plus the step's
     remaining budget stay free for the others, so speculation never causes a preemption."""
     parts = build_engine(EngineArgs(dtype="float32", model_dir=str(tiny_model_dir), kv_tokens=16 * 6, max_model_len=512,
-                                    max_num_batched_tokens=32, speculative_ngram_tokens=4,
+                                    max_num_batched_tokens=32, burst_prefill_tokens=0, speculative_ngram_tokens=4,
                                     speculative_ngram_min=1))
     s = parts.scheduler
     req = Request("a", list(range(100, 116)), SamplingParams(temperature=0.0, max_tokens=40), eos_token_ids=(2,))

@@ -23,7 +23,7 @@ pytestmark = pytest.mark.e2e  # starts real rank processes
 
 def engine_args(model_dir, tp: int, **kw) -> EngineArgs:
     return EngineArgs(dtype="float32", model_dir=str(model_dir), block_size=8, kv_tokens=2048, max_model_len=512,
-                      max_num_batched_tokens=32, tensor_parallel_size=tp, **kw)
+                      max_num_batched_tokens=32, burst_prefill_tokens=0, tensor_parallel_size=tp, **kw)
 
 
 def run_engine(args: EngineArgs, scenario):
