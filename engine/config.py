@@ -123,10 +123,15 @@ class SchedulerConfig:
     burst_prefill_tokens: int = 0
 
     @property
+    def bursts(self) -> bool:
+        """Whether a burst of arrivals may take a step past max_num_batched_tokens (`Scheduler._step_tokens`)."""
+        return self.burst_prefill_tokens > self.max_num_batched_tokens
+
+    @property
     def max_step_tokens(self) -> int:
         """The most tokens one step may schedule: a burst step's (burst_prefill_tokens plus a token for each of
         max_num_seqs running requests, `Scheduler._step_tokens`) where bursts are on, else max_num_batched_tokens."""
-        if self.burst_prefill_tokens > self.max_num_batched_tokens:
+        if self.bursts:
             return self.burst_prefill_tokens + self.max_num_seqs
         return self.max_num_batched_tokens
 

@@ -294,7 +294,7 @@ class Scheduler:
         Where more requests decode than arrive (a closed loop's steady state at 64), one big step would stall all of
         them for a few arrivals: measured 4% of throughput at S c=64 (docs/benchmarks.md), so the usual steps."""
         base, burst = self.config.max_num_batched_tokens, self.config.burst_prefill_tokens
-        if burst <= base or not self.waiting:
+        if not self.config.bursts or not self.waiting:
             return base
         left, prefilling, decoding = 0, len(self.waiting), 0
         for req in self.running:

@@ -57,10 +57,13 @@ def test_a_worker_says_what_it_resolved_at_start(tiny_model_dir):
     mib = 64 * 16 * 2 * 2 * 2 * 16 * itemsize / 2**20
     assert f"KV pool {cache.num_blocks} blocks x 16 tokens = 1024 tokens ({model.dtype}, {mib:.1f} MiB)" in line, line
     assert f"context {sched.max_model_len} tokens" in line and line.endswith(", kv_connector tcp")
+    assert "512 tokens a step (a burst of arrivals up to 8192 in one)" in line, line  # the default: bursts on
     # a bf16 cache under fp32 weights: half the bytes, said so
     mib = 64 * 16 * 2 * 2 * 2 * 16 * 4 / 2**20
-    engine = EngineArgs(model_dir=str(tiny_model_dir), dtype="float32", kv_cache_dtype="bfloat16", kv_tokens=1024)
+    engine = EngineArgs(model_dir=str(tiny_model_dir), dtype="float32", kv_cache_dtype="bfloat16", kv_tokens=1024,
+                        burst_prefill_tokens=0)
     model, cache, sched = resolve_configs(engine)
     worker = SimpleNamespace(model_config=model, cache_config=cache, scheduler_config=sched)
     line = describe(WorkerConfig(role="decode", engine=engine), worker, {})
     assert "float32 on cpu" in line and f"1024 tokens (bfloat16, {mib / 2:.1f} MiB)" in line, line
+    assert "512 tokens a step" in line and "burst" not in line, line
