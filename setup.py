@@ -44,10 +44,11 @@ _AVX2 = ["-mavx2", "-mfma", "-mf16c"]
 _AVX512 = _AVX2 + ["-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mprefer-vector-width=512"]
 # Level -> its -m flags; kernels/cpu_ops.cpp checks the same features before it runs a level. base, for any CPU:
 # plain x86-64 (SSE2) named explicitly on x86, since a compiler may default to a later level (x86-64-v3 has AVX2,
-# which any CPU would then be run), the compiler's default target elsewhere. AMX CPUs run avx512_bf16 (the hot loops
-# use no tiles).
+# which any CPU would then be run), the compiler's default target elsewhere. avx512_vnni adds VPDPBUSD (the int8
+# GEMM's block products; Cascade Lake, Ice Lake), avx512_bf16 VDPBF16PS on top (every CPU with it has VNNI: Cooper
+# Lake, Sapphire Rapids, Zen 4 and 5). AMX CPUs run avx512_bf16 (the hot loops use no tiles).
 ISA_LEVELS = ({"base": ["-march=x86-64", "-mtune=generic"], "avx2": _AVX2, "avx512": _AVX512,
-               "avx512_bf16": _AVX512 + ["-mavx512bf16"]}
+               "avx512_vnni": _AVX512 + ["-mavx512vnni"], "avx512_bf16": _AVX512 + ["-mavx512vnni", "-mavx512bf16"]}
               if X86 else {"base": []})
 
 

@@ -1,11 +1,11 @@
 /* The C kernels' entry points (cpu_decode.c, cpu_layer_ops.c, cpu_linear.c, cpu_decode_step.c,
  * cpu_prefill_attention.c, cpu_int8_gemm.c), as the torch ops of cpu_ops.cpp call them.
  *
- * setup.py compiles the C sources once per ISA level (base, avx2, avx512, avx512_bf16 on x86; base elsewhere), each
- * with that level's -m flags and -DPDSERVE_ISA=<level>, and links every build into the one extension kernels/_C;
- * cpu_ops.cpp picks a build at run time from the CPU's features. So that the builds can share a library, each build's
- * entry points carry its level as a suffix (paged_decode_attention_avx2): the sources keep the plain names, which
- * this header renames when PDSERVE_ISA is set. Everything else in the sources is static.
+ * setup.py compiles the C sources once per ISA level (base, avx2, avx512, avx512_vnni, avx512_bf16 on x86; base
+ * elsewhere), each with that level's -m flags and -DPDSERVE_ISA=<level>, and links every build into the one extension
+ * kernels/_C; cpu_ops.cpp picks a build at run time from the CPU's features. So that the builds can share a library,
+ * each build's entry points carry its level as a suffix (paged_decode_attention_avx2): the sources keep the plain
+ * names, which this header renames when PDSERVE_ISA is set. Everything else in the sources is static.
  *
  * Tensors are passed as host pointers with their sizes and strides (in elements unless named bytes); the contracts
  * are at each definition. is_bf16: the rows are bf16, else fp32; kv_bf16: the KV cache is bf16, else fp32 (a bf16

@@ -37,6 +37,7 @@ PDSERVE_DECLARE_KERNELS(base)
 #ifdef PDSERVE_X86_LEVELS
 PDSERVE_DECLARE_KERNELS(avx2)
 PDSERVE_DECLARE_KERNELS(avx512)
+PDSERVE_DECLARE_KERNELS(avx512_vnni)
 PDSERVE_DECLARE_KERNELS(avx512_bf16)
 #endif
 }
@@ -82,13 +83,16 @@ bool has_avx512() {
            __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
 }
 
-bool has_avx512_bf16() { return has_avx512() && __builtin_cpu_supports("avx512bf16"); }
+bool has_avx512_vnni() { return has_avx512() && __builtin_cpu_supports("avx512vnni"); }
+
+bool has_avx512_bf16() { return has_avx512_vnni() && __builtin_cpu_supports("avx512bf16"); }
 #endif
 
 // Best first: the default is the first that runs here.
 const Build kBuilds[] = {
 #ifdef PDSERVE_X86_LEVELS
     PDSERVE_BUILD(avx512_bf16, has_avx512_bf16),
+    PDSERVE_BUILD(avx512_vnni, has_avx512_vnni),
     PDSERVE_BUILD(avx512, has_avx512),
     PDSERVE_BUILD(avx2, has_avx2),
 #endif

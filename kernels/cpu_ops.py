@@ -3,7 +3,7 @@ layer's small per-token ops and the KV-cache write in C (`kernels/cpu_layer_ops.
 small-batch GEMM (`kernels/cpu_linear.c`), called as torch ops.
 
 The C sources are compiled when pdserve is installed (setup.py), once per ISA level (base, avx2, avx512,
-avx512_bf16 on x86), into one extension, `kernels/_C`, whose torch ops (`pdserve::*`, `kernels/cpu_ops.cpp`) run
+avx512_vnni, avx512_bf16 on x86), into one extension, `kernels/_C`, whose torch ops (`pdserve::*`, `kernels/cpu_ops.cpp`) run
 the best level the CPU has. Serving needs no compiler. `$PDSERVE_CPU_ISA` picks a level instead (tests, benchmarks).
 Prefill attention without a sliding window: fp32 caches, and bf16 ones on a CPU with AVX512_BF16, in C
 (`kernels/cpu_prefill_attention.c`); anything else from `kernels.cpu_prefill` (bf16: blocked GEMMs in torch, the
@@ -33,7 +33,7 @@ _C_DTYPES = (torch.float32, torch.bfloat16)  # what the C code reads; fp16 goes 
 _HIDDEN = -2.0 ** 100
 ISA_ENV = "PDSERVE_CPU_ISA"
 # The ISA levels setup.py builds (ISA_LEVELS), best first.
-ALL_ISAS = (("avx512_bf16", "avx512", "avx2", "base") if platform.machine().lower() in ("x86_64", "amd64")
+ALL_ISAS = (("avx512_bf16", "avx512_vnni", "avx512", "avx2", "base") if platform.machine().lower() in ("x86_64", "amd64")
             else ("base",))
 _FIX = ("reinstall pdserve so that its build compiles the kernels (bash scripts/install.sh, or pip install "
         "--no-build-isolation -e . with the torch it runs with), or serve with --attention-backend torch (the "
@@ -140,8 +140,8 @@ def _register_fakes() -> None:
 
 
 def cpu_isa() -> str:
-    """The ISA level whose build the ops run now ("avx512_bf16", "avx512", "avx2" or "base"). Raises
-    KernelLoadError (see `load_library`)."""
+    """The ISA level whose build the ops run now ("avx512_bf16", "avx512_vnni", "avx512", "avx2" or "base").
+    Raises KernelLoadError (see `load_library`)."""
     load_library()
     return torch.ops.pdserve.cpu_isa()
 

@@ -20,7 +20,9 @@ from pdserve_server.kernels.cpu_ops import ALL_ISAS, CpuKernels, KernelLoadError
 # What each level's build was compiled for (setup.py ISA_LEVELS), as /proc/cpuinfo names the flags.
 ISA_FLAGS = {"base": set(), "avx2": {"avx2", "fma"},
              "avx512": {"avx2", "fma", "avx512f", "avx512bw", "avx512dq", "avx512vl"},
-             "avx512_bf16": {"avx2", "fma", "avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_bf16"}}
+             "avx512_vnni": {"avx2", "fma", "avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_vnni"},
+             "avx512_bf16": {"avx2", "fma", "avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_vnni",
+                             "avx512_bf16"}}
 
 
 @pytest.fixture
