@@ -80,7 +80,7 @@ def main() -> None:
     model_dir = Path(args.model_dir) if args.model_dir else resolve_model(None)
     shapes = linear_shapes(model_dir)
     if args.kernel == "int8":
-        from pdserve_server.engine.execution.packing import W8A8_BLOCK, w8a8_weights
+        from pdserve_server.engine.execution.packing import W8A8_BLOCK, w8a8_packed, w8a8_weights
 
         shapes = [(o, i, k) for o, i, k in shapes[:-1] if i % W8A8_BLOCK == 0]  # no LM head, as use_w8a8
     gen = torch.Generator().manual_seed(0)
@@ -95,7 +95,7 @@ def main() -> None:
         blocks = {id(w): q4_1_blocks(w) for w in weights}
         theirs = lambda x, w: torch.ops.pdserve.linear_blocks(x, *blocks[id(w)], None, x.shape[0] == 1)  # noqa: E731
     if args.kernel == "int8":
-        packed = {id(w): w8a8_weights(w) for w in weights}
+        packed = {id(w): (w8a8_packed(wq), w_scale) for w in weights for wq, w_scale in [w8a8_weights(w)]}
         ours = lambda x, w: torch.ops.pdserve.linear_w8a8(x, *packed[id(w)], None)  # noqa: E731
     else:
         ours = lambda x, w: torch.ops.pdserve.linear_small_m(x, w, None)  # noqa: E731

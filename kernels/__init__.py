@@ -63,8 +63,8 @@ class AttentionOps:
     # None) -> [M, N] (the cpu backend's `kernels/cpu_linear.c`; `engine.execution.packing.gguf_blocks` finds the
     # blocks of a dequantized Q4_1 or Q8_0 weight), or None.
     blocks_linear: Callable[..., torch.Tensor] | None = None
-    # fp32 y = x W^T (+ b) through 8-bit integer products for prefill chunks, (x [M, K], wq [N, K] uint8, w_scale [N],
-    # bias [N] | None) -> [M, N] (the cpu backend's `kernels/cpu_int8_gemm.c`;
+    # fp32 y = x W^T (+ b) through 8-bit integer products, (x [M, K], wq packed [ceil(N / 16), K / 4, 64] uint8,
+    # w_scale [N], bias [N] | None) -> [M, N] (the cpu backend's `kernels/cpu_int8_gemm.c`;
     # `engine.execution.packing.use_w8a8`), or None.
     int8_linear: Callable[..., torch.Tensor] | None = None
 

@@ -6,13 +6,9 @@
  * 2 x 8 fp32 multiply-adds a cycle a core; ~170 GFLOP/s on 2 cores of an AMD EPYC Zen 3, near all of it), so fewer
  * bytes cannot help and only cheaper arithmetic can. AVX2's VPMADDUBSW multiplies 32 unsigned 8-bit by 32 signed 8-bit
  * values and adds adjacent pairs into 16 int16 lanes, VPMADDWD against ones widens them to 8 int32 sums: 32 products
- * in two instructions where fp32 takes four FMAs. One thread, 60 x 1536 x 576, this tile structure: 124 against 77
- * GOPS for the same tiles in fp32 FMAs; every decoder linear of SmolLM2-135M on 2 threads, 1.32-1.43x torch's fp32
- * GEMM at 512 and 128 rows (bench/small_linear.py --kernel int8; docs/benchmarks.md, "--quantization w8a8_int8").
- * With AVX-512 a block of 64 is one register: AVX512BW's 512-bit VPMADDUBSW + VPMADDWD (the avx512 build), or
- * AVX512-VNNI's VPDPBUSD, which multiplies, adds each four adjacent products and widens to 16 int32 sums in one
- * instruction (the avx512_vnni and avx512_bf16 builds): 64 products in one instruction where AVX2 takes four, and
- * each block's convert and FMA on 16 lanes instead of 8.
+ * in two instructions where fp32 takes four FMAs. AVX512-VNNI's VPDPBUSD multiplies 64 such pairs, adds each four
+ * adjacent products and accumulates them into 16 int32 lanes in one instruction (the avx512_vnni and avx512_bf16
+ * builds; the avx512 build takes 512-bit VPMADDUBSW + VPMADDWD).
  *
  * The numbers (engine.execution.packing.w8a8_weights, bench/quality.py):
  * - W: symmetric per output row, scale w_scale[n] = max |W[n, :]| / 63 and q in [-63, 63], stored as q + 64 in
@@ -28,29 +24,46 @@
  *   only, so it is one number a row, computed as the row is quantized). Integer block sums exact (|sum| <= 64 x 127 x
  *   127 < 2^24, so exact in fp32 too), scales applied in fp32.
  *
- * Tiles: 6 rows of x by 2 rows of W (12 fp32 accumulators of 8 lanes), K in steps of one 64-block, each thread a
- * static range of W's row pairs over blocks of MC rows of x (MC x K bytes of x stay in L2 while the thread's rows of W
- * stream past them). Builds without AVX2 run the same integer arithmetic in plain loops.
+ * Layout (oneDNN's and llama.cpp's for VNNI GEMMs; engine.execution.packing.w8a8_packed): W's rows in groups of 16
+ * (the last padded with zero weights), each group K / 4 runs of 64 bytes, run t holding W[n, 4t .. 4t + 3] for the
+ * group's 16 rows n in turn: wp [ceil(N / 16), K / 4, 16, 4]. One run is one 512-bit register, and a product with x's
+ * four bytes k = 4t .. 4t + 3 broadcast to every lane gives the 16 output columns' partial sums in their own lanes:
+ * no horizontal sums, each block's int32 sums converted and scaled once for 16 columns, the outputs stored as
+ * vectors. Why not [N, K] rows: there each (row of x, row of W) pair sums its lanes apart, a horizontal sum per
+ * output and a convert and FMA per block per output; on an Ice Lake Xeon that tile (VPDPBUSD over a block of 64 per
+ * instruction) reached 0.85x torch's fp32 GEMM at 512 rows.
+ *
+ * Tiles: MR rows of x by NG groups of 16 columns (AVX-512: 6 x 2, an fp32 and an int32 accumulator each, 24 of the 32
+ * registers; AVX2: 2 rows by one group as two halves of 8 lanes, in its 16 registers), K in runs of 4 within blocks of
+ * 64, each thread a static range of W's groups over blocks of MC rows of x (MC x K bytes of x stay in L2 while the
+ * thread's groups of W stream past them). Builds without AVX2 run the same integer arithmetic in plain loops.
  */
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "cpu_kernels.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
 #define HAVE_AVX512 1
+#define MR 6  /* x rows per tile */
+#define NG 2  /* groups of 16 W rows per tile */
 #elif defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define HAVE_AVX2 1
+#define MR 2
+#define NG 1
+#else
+#define MR 4
+#define NG 1
 #endif
 
-#define QB PDSERVE_W8A8_BLOCK  /* x's quantization block along K */
-#define MR 6   /* x rows per tile */
-#define NR 2   /* W rows per tile */
-#define MC 96  /* x rows per pass over a thread's W rows (a multiple of MR) */
+#define QB PDSERVE_W8A8_BLOCK   /* x's quantization block along K */
+#define GN PDSERVE_W8A8_GROUP   /* W rows per packed group */
+#define MC 96  /* x rows per pass over a thread's groups of W (a multiple of each MR) */
 
 /* x row [K] fp32 -> qx [K] and sx [K / QB] (each block's scale); returns the row's x_offset. */
 static float quantize_row(const float *x, int K, int8_t *qx, float *sx) {
@@ -73,105 +86,145 @@ static float quantize_row(const float *x, int K, int8_t *qx, float *sx) {
     return offset;
 }
 
+/* x's four bytes qx[k .. k + 3] as one int32 (to broadcast: each lane's four products take them in order). */
+static inline __attribute__((always_inline)) int32_t four_bytes(const int8_t *qx) {
+    int32_t v;
+    memcpy(&v, qx, sizeof v);
+    return v;
+}
+
+/* The outputs of 16 columns n0 .. n0 + 15 of one row: y[n] = w_scale[n] * (acc[n - n0] - offset) + bias[n] for the
+ * columns below N (the last group's padding rows are dropped). */
+static inline __attribute__((always_inline)) void store_group(const float *acc, float offset, const float *w_scale,
+                                                              const float *bias, float *y, int n0, int N) {
+    const int n_end = n0 + GN < N ? n0 + GN : N;
+    for (int n = n0; n < n_end; n++) y[n] = w_scale[n] * (acc[n - n0] - offset) + (bias ? bias[n] : 0.0f);
+}
+
 #ifdef HAVE_AVX512
-/* One block's products w [64] (unsigned) x a [64] (signed) as 16 int32 sums of four adjacent products each. Exact
- * both ways: VPDPBUSD does not saturate, and VPMADDUBSW's pair sums stay under 32767 with 7-bit weights. */
-static inline __attribute__((always_inline)) __m512i block_dot(__m512i w, __m512i a) {
+/* iacc + the products of one run: 16 lanes, each four unsigned weight bytes of w by the four signed bytes of x in
+ * every lane of xb. Exact both ways: VPDPBUSD does not saturate, and VPMADDUBSW's pair sums stay under 32767 with
+ * 7-bit weights. */
+static inline __attribute__((always_inline)) __m512i run_dot(__m512i iacc, __m512i w, __m512i xb) {
 #ifdef __AVX512VNNI__
-    return _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, a);
+    return _mm512_dpbusd_epi32(iacc, w, xb);
 #else
-    return _mm512_madd_epi16(_mm512_maddubs_epi16(w, a), _mm512_set1_epi16(1));
+    return _mm512_add_epi32(iacc, _mm512_madd_epi16(_mm512_maddubs_epi16(w, xb), _mm512_set1_epi16(1)));
 #endif
 }
 #endif
 
-/* out[i][j] = sum_b sx[i, b] * sum_{k in b} w[j, k] * qx[i, k] for i < mr, j < nr (constants at each call). */
-static inline __attribute__((always_inline)) void tile(const int8_t *qx, const float *sx, const uint8_t *w, int K,
-                                                       const int mr, const int nr, float out[MR][NR]) {
+/* y rows m0 .. m0 + mr, columns of groups g0 .. g0 + ng (mr <= MR, ng <= NG: constants at each call). qx, sx,
+ * x_offset: the quantized rows of x from row 0; wp the packed W from group 0. */
+static inline __attribute__((always_inline)) void tile(const int8_t *qx, const float *sx, const float *x_offset,
+                                                       const uint8_t *wp, const float *w_scale, const float *bias,
+                                                       float *y, int m0, int g0, int N, int K, const int mr,
+                                                       const int ng) {
     const int nb = K / QB;
+    const int64_t group_bytes = (int64_t)K * GN;
+    const int8_t *xq = qx + (int64_t)m0 * K;
+    const float *xs = sx + (int64_t)m0 * nb;
+    const uint8_t *w = wp + (int64_t)g0 * group_bytes;
 #if defined(HAVE_AVX512)
-    __m512 acc[MR][NR];
+    __m512 acc[MR][NG];
     for (int i = 0; i < mr; i++)
-        for (int j = 0; j < nr; j++) acc[i][j] = _mm512_setzero_ps();
+        for (int j = 0; j < ng; j++) acc[i][j] = _mm512_setzero_ps();
     for (int b = 0; b < nb; b++) {
-        const int64_t k = (int64_t)b * QB;
-        __m512i wv[NR];
-        for (int j = 0; j < nr; j++) wv[j] = _mm512_loadu_si512((const void *)(w + (int64_t)j * K + k));
-        for (int i = 0; i < mr; i++) {
-            const __m512i a = _mm512_loadu_si512((const void *)(qx + (int64_t)i * K + k));
-            const __m512 s = _mm512_set1_ps(sx[(int64_t)i * nb + b]);
-            for (int j = 0; j < nr; j++)
-                acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(block_dot(wv[j], a)), s, acc[i][j]);
-        }
-    }
-    for (int i = 0; i < mr; i++)
-        for (int j = 0; j < nr; j++) out[i][j] = _mm512_reduce_add_ps(acc[i][j]);
-#elif defined(HAVE_AVX2)
-    const __m256i ones = _mm256_set1_epi16(1);
-    __m256 acc[MR][NR];
-    for (int i = 0; i < mr; i++)
-        for (int j = 0; j < nr; j++) acc[i][j] = _mm256_setzero_ps();
-    for (int b = 0; b < nb; b++) {
-        const int64_t k = (int64_t)b * QB;
-        __m256i w0[NR], w1[NR];
-        for (int j = 0; j < nr; j++) {
-            w0[j] = _mm256_loadu_si256((const __m256i *)(w + (int64_t)j * K + k));
-            w1[j] = _mm256_loadu_si256((const __m256i *)(w + (int64_t)j * K + k + 32));
-        }
-        for (int i = 0; i < mr; i++) {
-            const __m256i a0 = _mm256_loadu_si256((const __m256i *)(qx + (int64_t)i * K + k));
-            const __m256i a1 = _mm256_loadu_si256((const __m256i *)(qx + (int64_t)i * K + k + 32));
-            const __m256 s = _mm256_broadcast_ss(sx + (int64_t)i * nb + b);
-            for (int j = 0; j < nr; j++) {
-                const __m256i d = _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(w0[j], a0), ones),
-                                                   _mm256_madd_epi16(_mm256_maddubs_epi16(w1[j], a1), ones));
-                acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), s, acc[i][j]);
+        __m512i iacc[MR][NG];
+        for (int i = 0; i < mr; i++)
+            for (int j = 0; j < ng; j++) iacc[i][j] = _mm512_setzero_si512();
+        for (int k = b * QB; k < (b + 1) * QB; k += 4) {
+            __m512i wv[NG];
+            for (int j = 0; j < ng; j++) wv[j] = _mm512_loadu_si512((const void *)(w + j * group_bytes + k * GN));
+            for (int i = 0; i < mr; i++) {
+                const __m512i xb = _mm512_set1_epi32(four_bytes(xq + (int64_t)i * K + k));
+                for (int j = 0; j < ng; j++) iacc[i][j] = run_dot(iacc[i][j], wv[j], xb);
             }
         }
+        for (int i = 0; i < mr; i++) {
+            const __m512 s = _mm512_set1_ps(xs[(int64_t)i * nb + b]);
+            for (int j = 0; j < ng; j++) acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iacc[i][j]), s, acc[i][j]);
+        }
     }
     for (int i = 0; i < mr; i++)
-        for (int j = 0; j < nr; j++) {
-            __m128 v = _mm_add_ps(_mm256_castps256_ps128(acc[i][j]), _mm256_extractf128_ps(acc[i][j], 1));
-            v = _mm_add_ps(v, _mm_movehl_ps(v, v));
-            out[i][j] = _mm_cvtss_f32(_mm_add_ss(v, _mm_movehdup_ps(v)));
+        for (int j = 0; j < ng; j++) {
+            const int n0 = (g0 + j) * GN;
+            float *yr = y + (int64_t)(m0 + i) * N;
+            if (n0 + GN <= N) {
+                const __m512 b = bias ? _mm512_loadu_ps(bias + n0) : _mm512_setzero_ps();
+                const __m512 v = _mm512_sub_ps(acc[i][j], _mm512_set1_ps(x_offset[m0 + i]));
+                _mm512_storeu_ps(yr + n0, _mm512_fmadd_ps(_mm512_loadu_ps(w_scale + n0), v, b));
+            } else {
+                float out[GN];
+                _mm512_storeu_ps(out, acc[i][j]);
+                store_group(out, x_offset[m0 + i], w_scale, bias, yr, n0, N);
+            }
+        }
+#elif defined(HAVE_AVX2)
+    /* A group's 16 lanes as two halves of 8 (h): its run's first 32 bytes are columns 0-7, the next 32 columns 8-15. */
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc[MR][2 * NG];
+    for (int i = 0; i < mr; i++)
+        for (int h = 0; h < 2 * ng; h++) acc[i][h] = _mm256_setzero_ps();
+    for (int b = 0; b < nb; b++) {
+        __m256i iacc[MR][2 * NG];
+        for (int i = 0; i < mr; i++)
+            for (int h = 0; h < 2 * ng; h++) iacc[i][h] = _mm256_setzero_si256();
+        for (int k = b * QB; k < (b + 1) * QB; k += 4) {
+            __m256i wv[2 * NG];
+            for (int h = 0; h < 2 * ng; h++)
+                wv[h] = _mm256_loadu_si256((const __m256i *)(w + (h / 2) * group_bytes + k * GN + (h % 2) * 32));
+            for (int i = 0; i < mr; i++) {
+                const __m256i xb = _mm256_set1_epi32(four_bytes(xq + (int64_t)i * K + k));
+                for (int h = 0; h < 2 * ng; h++)
+                    iacc[i][h] = _mm256_add_epi32(iacc[i][h], _mm256_madd_epi16(_mm256_maddubs_epi16(wv[h], xb), ones));
+            }
+        }
+        for (int i = 0; i < mr; i++) {
+            const __m256 s = _mm256_broadcast_ss(xs + (int64_t)i * nb + b);
+            for (int h = 0; h < 2 * ng; h++) acc[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iacc[i][h]), s, acc[i][h]);
+        }
+    }
+    for (int i = 0; i < mr; i++)
+        for (int j = 0; j < ng; j++) {
+            float out[GN];
+            _mm256_storeu_ps(out, acc[i][2 * j]);
+            _mm256_storeu_ps(out + 8, acc[i][2 * j + 1]);
+            store_group(out, x_offset[m0 + i], w_scale, bias, y + (int64_t)(m0 + i) * N, (g0 + j) * GN, N);
         }
 #else
     for (int i = 0; i < mr; i++)
-        for (int j = 0; j < nr; j++) {
-            float acc = 0.0f;
+        for (int j = 0; j < ng; j++) {
+            const uint8_t *wg = w + j * group_bytes;
+            float acc[GN] = {0.0f};
             for (int b = 0; b < nb; b++) {
-                int32_t d = 0;
+                int32_t d[GN] = {0};
                 for (int k = b * QB; k < (b + 1) * QB; k++)
-                    d += (int32_t)qx[(int64_t)i * K + k] * w[(int64_t)j * K + k];
-                acc += (float)d * sx[(int64_t)i * nb + b];
+                    for (int l = 0; l < GN; l++)
+                        d[l] += (int32_t)xq[(int64_t)i * K + k] * wg[(int64_t)(k / 4) * 4 * GN + 4 * l + k % 4];
+                for (int l = 0; l < GN; l++) acc[l] += (float)d[l] * xs[(int64_t)i * nb + b];
             }
-            out[i][j] = acc;
+            store_group(acc, x_offset[m0 + i], w_scale, bias, y + (int64_t)(m0 + i) * N, (g0 + j) * GN, N);
         }
 #endif
 }
 
-/* y[m0 + i, n0 + j] for i < mr, j < nr: the tile, the row's offset taken off, the weight row's scale and the bias
- * applied. */
-static inline __attribute__((always_inline)) void tile_out(const int8_t *qx, const float *sx, const float *x_offset,
-                                                           const uint8_t *wq, const float *w_scale, const float *bias,
-                                                           float *y, int m0, int n0, int N, int K, const int mr,
-                                                           const int nr) {
-    float out[MR][NR];
-    tile(qx + (int64_t)m0 * K, sx + (int64_t)m0 * (K / QB), wq + (int64_t)n0 * K, K, mr, nr, out);
-    for (int i = 0; i < mr; i++)
-        for (int j = 0; j < nr; j++)
-            y[(int64_t)(m0 + i) * N + n0 + j] = w_scale[n0 + j] * (out[i][j] - x_offset[m0 + i]) +
-                                                (bias ? bias[n0 + j] : 0.0f);
-}
-
-/* Rows m0 .. m0 + rows (rows <= MR) against W rows n0 .. n0 + nr: a constant mr for each case. */
-static void rows_out(const int8_t *qx, const float *sx, const float *x_offset, const uint8_t *wq,
-                     const float *w_scale, const float *bias, float *y, int m0, int rows, int n0, int nr, int N, int K) {
+/* Rows m0 .. m0 + rows (rows <= MR) against groups g0 .. g0 + ng (ng <= NG): a constant mr and ng for each case. */
+static void rows_out(const int8_t *qx, const float *sx, const float *x_offset, const uint8_t *wp,
+                     const float *w_scale, const float *bias, float *y, int m0, int rows, int g0, int ng, int N, int K) {
 #define CASE(R) case R: \
-        if (nr == NR) tile_out(qx, sx, x_offset, wq, w_scale, bias, y, m0, n0, N, K, R, NR); \
-        else tile_out(qx, sx, x_offset, wq, w_scale, bias, y, m0, n0, N, K, R, 1); \
+        if (ng == NG) tile(qx, sx, x_offset, wp, w_scale, bias, y, m0, g0, N, K, R, NG); \
+        else tile(qx, sx, x_offset, wp, w_scale, bias, y, m0, g0, N, K, R, 1); \
         break;
-    switch (rows) { CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) }
+    switch (rows) {
+        CASE(1) CASE(2)
+#if MR > 2
+        CASE(3) CASE(4)
+#endif
+#if MR > 4
+        CASE(5) CASE(6)
+#endif
+    }
 #undef CASE
 }
 
@@ -180,9 +233,9 @@ static void rows_out(const int8_t *qx, const float *sx, const float *x_offset, c
  * quantized rows, their block scales, then one x_offset a row). Ends without a barrier after the products: the
  * caller's next barrier orders y for its readers. Each output is computed by one thread in the same order whatever the
  * thread count, so the region's build (linear_w8a8) and decode_step's give the same bits. */
-void linear_w8a8_for(const float *x, int64_t x_stride, const uint8_t *wq, const float *w_scale, const float *bias,
+void linear_w8a8_for(const float *x, int64_t x_stride, const uint8_t *wp, const float *w_scale, const float *bias,
                      float *y, int M, int N, int K, int8_t *qx, float *sx) {
-    const int nb = K / QB, pairs = (N + NR - 1) / NR;
+    const int nb = K / QB, groups = (N + GN - 1) / GN, units = (groups + NG - 1) / NG;
     float *x_offset = sx + (int64_t)M * nb;
     #pragma omp for schedule(static)
     for (int m = 0; m < M; m++)
@@ -190,18 +243,19 @@ void linear_w8a8_for(const float *x, int64_t x_stride, const uint8_t *wq, const 
     for (int mc = 0; mc < M; mc += MC) {
         const int mend = mc + MC < M ? mc + MC : M;
         #pragma omp for schedule(static) nowait
-        for (int p = 0; p < pairs; p++) {
-            const int n0 = p * NR, nr = N - n0 < NR ? N - n0 : NR;
+        for (int u = 0; u < units; u++) {
+            const int g0 = u * NG, ng = groups - g0 < NG ? groups - g0 : NG;
             for (int m0 = mc; m0 < mend; m0 += MR)
-                rows_out(qx, sx, x_offset, wq, w_scale, bias, y, m0, mend - m0 < MR ? mend - m0 : MR, n0, nr, N, K);
+                rows_out(qx, sx, x_offset, wp, w_scale, bias, y, m0, mend - m0 < MR ? mend - m0 : MR, g0, ng, N, K);
         }
     }
 }
 
-/* y [M, N] = x [M, K] W^T + bias, as the header comment says. x rows x_stride floats apart; wq [N, K] uint8 in
- * [1, 127] (q + 64), w_scale [N], bias [N] or NULL; K a multiple of QB (the caller checks). Returns 0, or -1 with
- * nothing written when the quantized x's buffer cannot be allocated. */
-int linear_w8a8(const float *x, int64_t x_stride, const uint8_t *wq, const float *w_scale, const float *bias, float *y,
+/* y [M, N] = x [M, K] W^T + bias, as the header comment says. x rows x_stride floats apart; wp W packed as the
+ * layout above ([ceil(N / 16), K / 4, 16, 4] uint8 in [1, 127], q + 64), w_scale [N], bias [N] or NULL; K a multiple
+ * of QB (the caller checks). Returns 0, or -1 with nothing written when the quantized x's buffer cannot be
+ * allocated. */
+int linear_w8a8(const float *x, int64_t x_stride, const uint8_t *wp, const float *w_scale, const float *bias, float *y,
                 int M, int N, int K, int num_threads) {
     int8_t *qx = malloc((size_t)M * K);
     float *sx = malloc(W8A8_SX_FLOATS(M, K) * sizeof(float));
@@ -211,7 +265,7 @@ int linear_w8a8(const float *x, int64_t x_stride, const uint8_t *wq, const float
         return -1;
     }
     #pragma omp parallel num_threads(num_threads)
-    linear_w8a8_for(x, x_stride, wq, w_scale, bias, y, M, N, K, qx, sx);
+    linear_w8a8_for(x, x_stride, wp, w_scale, bias, y, M, N, K, qx, sx);
     free(qx);
     free(sx);
     return 0;

@@ -22,9 +22,10 @@
 /* One all-decode step of a dense pre-norm decoder, for decode_step (cpu_decode_step.c): bf16 with weights in oneDNN's
  * packed layout (linear_packed_bf16_rows), or fp32 with nn.Linear's own [N, K] weights (linear_small_m_rows), with
  * the weights as GGUF blocks (linear_blocks_rows: weights the qs, weight_scales the scales of cpu_linear.c) or as
- * 7-bit integers (linear_w8a8_for: weights the wq [N, K] uint8, weight_scales the w_scale [N] fp32). Per
- * layer l the linears are 4 * l + 0..3: qkv, o, gate_up, down; every tensor in the step's dtype unless named. Shapes:
- * rows tokens (one per sequence), hidden H, num_heads * head_dim = Q, num_kv_heads * head_dim = KV, intermediate I. */
+ * 7-bit integers (linear_w8a8_for: weights the packed wp [ceil(N / 16), K / 4, 16, 4] uint8, weight_scales the
+ * w_scale [N] fp32). Per layer l the linears are 4 * l + 0..3: qkv, o, gate_up, down; every tensor in the step's
+ * dtype unless named. Shapes: rows tokens (one per sequence), hidden H, num_heads * head_dim = Q, num_kv_heads *
+ * head_dim = KV, intermediate I. */
 typedef struct {
     int is_bf16;                            /* 1: bf16, packed weights; 0: fp32, plain weights or blocks */
     int weight_blocks;                      /* fp32 only: PDSERVE_Q4_1 / PDSERVE_Q8_0 blocks, PDSERVE_W8A8, 0: plain */
@@ -130,6 +131,7 @@ typedef struct {
  * scales buffer for M rows of K (each block's scale, then one offset a row); decode_step's weight form for it (a bit
  * apart from the block formats and PDSERVE_Q8_ACTIVATIONS). */
 #define PDSERVE_W8A8_BLOCK 64
+#define PDSERVE_W8A8_GROUP 16  /* W's rows per packed group (cpu_int8_gemm.c's layout) */
 #define W8A8_SX_FLOATS(M, K) ((size_t)(M) * ((K) / PDSERVE_W8A8_BLOCK + 1))
 #define PDSERVE_W8A8 8
 

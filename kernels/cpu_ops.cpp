@@ -416,22 +416,26 @@ at::Tensor linear_blocks(const at::Tensor &x, const at::Tensor &qs, const at::Te
 }
 
 // y = x W^T + b in fp32 through 8-bit integer products (cpu_int8_gemm.c): W as 7-bit integers stored with 64 added,
-// wq [N, K] uint8 in [1, 127], and w_scale [N] float32 (engine.execution.packing.w8a8_weights); x [M, K] float32 (rows
-// may be strided), quantized per row per block of 64 here; bias [N] float32 or None. Lossy.
+// in [1, 127], packed in groups of 16 rows (wp [ceil(N / 16), K / 4, 64] uint8: engine.execution.packing.w8a8_packed),
+// and w_scale [N] float32 (w8a8_weights), which gives N; x [M, K] float32 (rows may be strided), quantized per row per
+// block of 64 here; bias [N] float32 or None. Lossy.
 at::Tensor linear_w8a8(const at::Tensor &x, const at::Tensor &wq, const at::Tensor &w_scale,
                        const std::optional<at::Tensor> &bias) {
     for (const auto &[t, name] : {std::pair{&x, "x"}, std::pair{&wq, "wq"}, std::pair{&w_scale, "w_scale"}})
         check_cpu(*t, name);
     TORCH_CHECK_VALUE(x.scalar_type() == at::kFloat && x.dim() == 2, "linear_w8a8 takes float32 x [M, K], got ",
                       x.scalar_type(), " of shape ", x.sizes());
-    const int64_t rows = x.size(0), in_features = x.size(1), out_features = wq.size(0);
-    TORCH_CHECK_VALUE(wq.scalar_type() == at::kByte && wq.dim() == 2 && wq.size(1) == in_features &&
-                      wq.is_contiguous() && in_features % PDSERVE_W8A8_BLOCK == 0, "linear_w8a8 takes wq [N, K] uint8, "
-                      "contiguous, with K a multiple of ", PDSERVE_W8A8_BLOCK, " (x has K = ", in_features, "), got ",
-                      wq.scalar_type(), " of shape ", wq.sizes());
-    TORCH_CHECK_VALUE(w_scale.scalar_type() == at::kFloat && w_scale.is_contiguous() &&
-                      w_scale.numel() == out_features, "linear_w8a8 takes w_scale [N] float32 contiguous (N = ",
-                      out_features, "), got ", w_scale.scalar_type(), " of shape ", w_scale.sizes());
+    const int64_t rows = x.size(0), in_features = x.size(1), out_features = w_scale.numel();
+    TORCH_CHECK_VALUE(w_scale.scalar_type() == at::kFloat && w_scale.dim() == 1 && w_scale.is_contiguous(),
+                      "linear_w8a8 takes w_scale [N] float32 contiguous, got ", w_scale.scalar_type(), " of shape ",
+                      w_scale.sizes());
+    const int64_t groups = (out_features + PDSERVE_W8A8_GROUP - 1) / PDSERVE_W8A8_GROUP;
+    TORCH_CHECK_VALUE(wq.scalar_type() == at::kByte && wq.dim() == 3 && wq.size(0) == groups &&
+                      wq.size(1) * 4 == in_features && wq.size(2) == 4 * PDSERVE_W8A8_GROUP && wq.is_contiguous() &&
+                      in_features % PDSERVE_W8A8_BLOCK == 0, "linear_w8a8 takes wq packed [ceil(N / ",
+                      PDSERVE_W8A8_GROUP, "), K / 4, ", 4 * PDSERVE_W8A8_GROUP, "] uint8, contiguous, with K a "
+                      "multiple of ", PDSERVE_W8A8_BLOCK, " (x has K = ", in_features, ", w_scale N = ", out_features,
+                      "), got ", wq.scalar_type(), " of shape ", wq.sizes());
     TORCH_CHECK_VALUE(rows <= INT32_MAX && out_features <= INT32_MAX && in_features <= INT32_MAX,
                       "linear_w8a8: dimensions past 2^31 (", rows, ", ", out_features, ", ", in_features, ")");
     const at::Tensor b = checked_bias(bias, x, out_features);
@@ -589,7 +593,7 @@ at::Tensor decode_layers(const at::Tensor &residual, const at::Tensor &x, const 
 // 4 a layer (qkv, o, gate_up, down), the packed tensors' addresses and padded K as linear_packed_bf16 takes them, or
 // the fp32 weights' addresses ([N, K] contiguous; padded_k = K), or the blocks' qs (scale_ptrs: their scales;
 // padded_k = K; weight_blocks | PDSERVE_Q8_ACTIVATIONS: linear_blocks's q8_activations), or with weight_blocks =
-// PDSERVE_W8A8 linear_w8a8's wq (scale_ptrs: its w_scale; padded_k = K); the caller keeps them alive. num_heads:
+// PDSERVE_W8A8 linear_w8a8's packed wq (scale_ptrs: its w_scale; padded_k = K); the caller keeps them alive. num_heads:
 // query heads; intermediate: the MLP's width. Returns the final norm's output [B, hidden];
 // residual is updated in place. Everything the kernel trusts is checked here first (ValueError), with nothing written
 // on failure.

@@ -124,7 +124,7 @@ def _register_fakes() -> None:
 
     @torch.library.register_fake("pdserve::linear_w8a8")
     def _(x, wq, w_scale, bias=None):
-        return x.new_empty((x.shape[0], wq.shape[0]))
+        return x.new_empty((x.shape[0], w_scale.shape[0]))
 
     @torch.library.register_fake("pdserve::prefill_attention")
     def _(query, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale):
@@ -195,9 +195,9 @@ class CpuKernels:
         # (`kernels/cpu_linear.c`; `engine.execution.packing.gguf_blocks`). Fast for small M only. q8_activations=True:
         # a one-row x is quantized to 8 bits a block and multiplied in integers, as llama.cpp does (lossy).
         self.linear_blocks = ops.linear_blocks.default
-        # fp32 (x [M, K], wq [N, K] uint8 (7-bit integers + 64), w_scale [N], bias [N] or None) -> x W^T + b [M, N]
-        # through 8-bit integer products, x quantized per block of 64 (`kernels/cpu_int8_gemm.c`;
-        # `engine.execution.packing.w8a8_weights`). For prefill chunks; lossy.
+        # fp32 (x [M, K], wq packed [ceil(N / 16), K / 4, 64] uint8 (7-bit integers + 64), w_scale [N], bias [N] or
+        # None) -> x W^T + b [M, N] through 8-bit integer products, x quantized per block of 64
+        # (`kernels/cpu_int8_gemm.c`; `engine.execution.packing.w8a8_weights`, `w8a8_packed`). Lossy.
         self.linear_w8a8 = ops.linear_w8a8.default
 
     @classmethod

@@ -34,8 +34,8 @@ small-batch kernel on the fp32 tensor bit for bit, at 1 row the same products wi
 or 27% more memory beside it).
 
 `--quantization w8a8_int8` (`use_w8a8`): the fp32 decoder layers' linears go through 8-bit integer products
-(`kernels/cpu_int8_gemm.c`: weights as 7-bit integers per output row, `w8a8_weights`; each row of x quantized per block
-of 64 on the fly). Prefill chunks, where torch's fp32 GEMM already runs at the FMA units' peak: fewer instructions a
+(`kernels/cpu_int8_gemm.c`: weights as 7-bit integers per output row, `w8a8_weights`, in groups of 16 rows for VNNI-style
+dot products, `w8a8_packed`; each row of x quantized per block of 64 on the fly). Prefill chunks, where torch's fp32 GEMM already runs at the FMA units' peak: fewer instructions a
 product (1.32-1.43x torch at 128-512 rows); decode steps of 2 to 64 rows: also a quarter of the fp32 weight bytes (every
 decoder linear of SmolLM2-135M, 2 threads, AVX2 AMD EPYC: 1.3-1.6x the Q4_1 blocks, 1.4-2.2x the fp32 kernel). One
 row of weights held as GGUF blocks stays on those (5 bits a weight: faster there); the LM head stays fp32. Lossy, as
@@ -56,6 +56,7 @@ PACKED_GEMV_ROWS = 32  # most rows a PackedLinear sends to the packed-layout ker
 PACKED_BLOCK = 64  # output features per block of oneDNN's packed bf16 layout, as kernels/cpu_linear.c reads it
 GGUF_BLOCK = 32  # weights along K per Q4_1 / Q8_0 block (GGUF's QK4_1, QK8_0), each with its fp16 scale
 W8A8_BLOCK = 64  # x's quantization block along K in kernels/cpu_int8_gemm.c (PDSERVE_W8A8_BLOCK)
+W8A8_GROUP = 16  # W's rows per packed group in kernels/cpu_int8_gemm.c (PDSERVE_W8A8_GROUP)
 W8A8_WEIGHT_MAX = 63  # 7-bit weights: VPMADDUBSW's int16 pair sums cannot saturate (kernels/cpu_int8_gemm.c)
 
 
@@ -244,8 +245,9 @@ class SmallBatchLinear(nn.Module):
             the small batches read them while they are set (None reads the fp32 tensor).
         q8_activations: a one-row x is quantized to 8 bits a block and multiplied in integers against the blocks
             (`use_q8_activations`); False (the default) keeps the exact fp32 arithmetic.
-        int8: (op, wq, w_scale): `w8a8_weights`' tensors and the op that reads them, or None (the default): every
-            row count goes through 8-bit integer products (`use_w8a8`), but one row where `blocks` is set.
+        int8: (op, wp, w_scale): `w8a8_weights`' tensors (wq as `w8a8_packed`) and the op that reads them, or None
+            (the default): every row count goes through 8-bit integer products (`use_w8a8`), but one row where
+            `blocks` is set.
     """
 
     def __init__(self, linear: nn.Linear, small_m: Callable[..., torch.Tensor],
@@ -311,6 +313,20 @@ def w8a8_weights(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (q + 64).to(torch.uint8).contiguous(), scale.contiguous()
 
 
+def w8a8_packed(wq: torch.Tensor) -> torch.Tensor:
+    """`w8a8_weights`' wq [N, K] in the layout `kernels/cpu_int8_gemm.c` reads (its header says why): rows in groups
+    of W8A8_GROUP, the last padded with zero weights (stored 64), each group K / 4 runs of W8A8_GROUP x 4 bytes, run t
+    holding wq[n, 4t .. 4t + 3] for the group's rows n in turn. Returns wp [ceil(N / 16), K / 4, 64] uint8,
+    contiguous (K a multiple of 4, as W8A8_BLOCK makes it)."""
+    n, k = wq.shape
+    groups = -(-n // W8A8_GROUP)
+    padded = torch.full((groups * W8A8_GROUP, k), 64, dtype=torch.uint8)
+    padded[:n] = wq
+    # [G, 16, K / 4, 4] -> [G, K / 4, 16, 4]: the four bytes of a run stay together, the group's rows side by side.
+    runs = padded.view(groups, W8A8_GROUP, k // 4, 4).transpose(1, 2)
+    return runs.reshape(groups, k // 4, 4 * W8A8_GROUP).contiguous()
+
+
 def use_w8a8(model: nn.Module, int8_linear: Callable[..., torch.Tensor]) -> int:
     """Have every `SmallBatchLinear` under `model` but the LM head compute its rows through 8-bit integer products
     (the module docstring): `int8_linear` (x [M, K], wq, w_scale, bias | None) -> [M, N]
@@ -326,7 +342,8 @@ def use_w8a8(model: nn.Module, int8_linear: Callable[..., torch.Tensor]) -> int:
     count = 0
     for name, m in model.named_modules():
         if isinstance(m, SmallBatchLinear) and name.rpartition(".")[2] != "lm_head" and not m.in_features % W8A8_BLOCK:
-            m.int8 = (int8_linear, *w8a8_weights(m.weight))
+            wq, w_scale = w8a8_weights(m.weight)
+            m.int8 = (int8_linear, w8a8_packed(wq), w_scale)
             count += 1
     return count
 

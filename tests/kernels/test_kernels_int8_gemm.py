@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from kernel_builds import kernels  # noqa: F401 (a fixture)
-from pdserve_server.engine.execution.packing import W8A8_BLOCK, W8A8_WEIGHT_MAX, w8a8_weights
+from pdserve_server.engine.execution.packing import W8A8_BLOCK, W8A8_GROUP, W8A8_WEIGHT_MAX, w8a8_packed, w8a8_weights
 
 
 def w8a8_reference(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -23,18 +23,19 @@ def w8a8_reference(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor, bia
 
 
 @pytest.mark.parametrize("rows,out_features,in_features", [
-    (1, 1, 64), (2, 3, 64), (5, 7, 128), (6, 2, 192), (7, 5, 576), (13, 11, 192), (65, 1536, 576), (200, 96, 1536)])
+    (1, 1, 64), (2, 3, 64), (5, 7, 128), (6, 2, 192), (7, 5, 576), (13, 11, 192), (3, 16, 64), (9, 40, 128),
+    (65, 1536, 576), (200, 96, 1536)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_int8_linear_computes_its_arithmetic(kernels, rows, out_features, in_features, with_bias):
-    """Every tile shape (rows past a multiple of 6, an odd number of weight rows, more rows than a pass of 96): the
-    kernel's sums equal the definition's up to fp32 rounding. A block's q may differ by one at a rounding tie (the
+    """Every tile shape (rows past a multiple of 6, weight rows in part of a group of 16, an odd number of groups,
+    more rows than a pass of 96): the kernel's sums equal the definition's up to fp32 rounding. A block's q may differ by one at a rounding tie (the
     kernel's -ffast-math may compute 127 / max as a reciprocal), moving an output by about one step of x's scale."""
     g = torch.Generator().manual_seed(rows * 1000 + out_features)
     x = torch.randn(rows, in_features, generator=g)
     x[0, :W8A8_BLOCK] = 0.0  # an all-zero block: scale 0, no division by it
     wq, w_scale = w8a8_weights(torch.randn(out_features, in_features, generator=g) * 0.05)
     bias = torch.randn(out_features, generator=g) if with_bias else None
-    ours = kernels.linear_w8a8(x, wq, w_scale, bias)
+    ours = kernels.linear_w8a8(x, w8a8_packed(wq), w_scale, bias)
     ref = w8a8_reference(x, wq, w_scale, bias)
     assert ours.shape == (rows, out_features) and ours.dtype == torch.float32
     torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-3 * ref.abs().max().item())
@@ -48,8 +49,9 @@ def test_int8_linear_reads_strided_rows_and_is_near_the_fp32_linear(kernels):
     x = wide[:, 576:2 * 576]
     weight = torch.randn(1536, 576, generator=g) * 0.05
     wq, w_scale = w8a8_weights(weight)
-    ours = kernels.linear_w8a8(x, wq, w_scale, None)
-    assert torch.equal(ours, kernels.linear_w8a8(x.contiguous(), wq, w_scale, None))
+    wp = w8a8_packed(wq)
+    ours = kernels.linear_w8a8(x, wp, w_scale, None)
+    assert torch.equal(ours, kernels.linear_w8a8(x.contiguous(), wp, w_scale, None))
     exact = F.linear(x, weight)
     assert (ours - exact).norm() / exact.norm() < 0.03
 
@@ -65,13 +67,27 @@ def test_w8a8_weights_are_seven_bit_rows_with_their_scales():
         w8a8_weights(torch.zeros(4, 96))
 
 
+def test_w8a8_packed_puts_four_bytes_of_each_row_side_by_side_in_groups_of_16():
+    """wq[n, k] lands at [n // 16, k // 4, 4 * (n % 16) + k % 4]; the last group's missing rows hold 64 (weight 0)."""
+    n, k = 20, 128
+    wq = torch.randint(1, 128, (n, k), dtype=torch.uint8)
+    wp = w8a8_packed(wq)
+    assert wp.shape == (2, k // 4, 4 * W8A8_GROUP) and wp.dtype == torch.uint8 and wp.is_contiguous()
+    rows, cols = torch.meshgrid(torch.arange(n), torch.arange(k), indexing="ij")
+    assert torch.equal(wp[rows // 16, cols // 4, 4 * (rows % 16) + cols % 4], wq)
+    assert (wp[1, :, 4 * (n % 16):] == 64).all()
+
+
 def test_int8_linear_refuses_what_it_does_not_compute(kernels):
     wq, w_scale = w8a8_weights(torch.randn(4, 64))
+    wp = w8a8_packed(wq)
     for x, w, s, b, match in [
-            (torch.zeros(2, 64).bfloat16(), wq, w_scale, None, "float32 x"),
-            (torch.zeros(2, 96), torch.zeros(4, 96, dtype=torch.uint8), w_scale, None, "multiple of 64"),
-            (torch.zeros(2, 64), wq.to(torch.int8), w_scale, None, "uint8"),
-            (torch.zeros(2, 64), wq, w_scale[:3].contiguous(), None, "w_scale"),
-            (torch.zeros(2, 64), wq, w_scale, torch.zeros(3), "bias")]:
+            (torch.zeros(2, 64).bfloat16(), wp, w_scale, None, "float32 x"),
+            (torch.zeros(2, 96), torch.full((1, 24, 64), 64, dtype=torch.uint8), w_scale, None, "multiple of 64"),
+            (torch.zeros(2, 64), wp.to(torch.int8), w_scale, None, "uint8"),
+            (torch.zeros(2, 64), wq, w_scale, None, "packed"),  # rows as w8a8_weights gives them, not packed
+            (torch.zeros(2, 64), wp, torch.zeros(17), None, "w_scale N = 17"),  # two groups' worth of scales
+            (torch.zeros(2, 64), wp, w_scale.double(), None, "w_scale"),
+            (torch.zeros(2, 64), wp, w_scale, torch.zeros(3), "bias")]:
         with pytest.raises(ValueError, match=match):
             kernels.linear_w8a8(x, w, s, b)
