@@ -36,8 +36,9 @@
  * Tiles: MR rows of x by NG groups of 16 columns, an int32 accumulator each for the block and an fp32 one across
  * blocks (AVX-512: 8 x 2, the 16 int32 accumulators in registers and the fp32 ones, touched once a block, let spill:
  * on an Ice Lake Xeon 1.26x the 6 x 2 tile at 512 rows, 12 x 2 slower again; AVX2: 2 rows by one group as two halves
- * of 8 lanes, in its 16 registers: 4 rows spilled and ran 0.6-0.8x), K in runs of 4 within blocks of 64, each thread a static range of W's groups over blocks of MC rows of x (MC x K bytes of x stay in L2 while the
- * thread's groups of W stream past them). Builds without AVX2 run the same integer arithmetic in plain loops.
+ * of 8 lanes, in its 16 registers: 4 rows spilled and ran 0.6-0.8x), K in runs of 4 within blocks of 64, each
+ * thread a static range of W's groups over blocks of MC rows of x (MC x K bytes of x stay in L2 while the thread's
+ * groups of W stream past them). Builds without AVX2 run the same integer arithmetic in plain loops.
  */
 #include <math.h>
 #include <omp.h>
@@ -212,7 +213,8 @@ static inline __attribute__((always_inline)) void tile(const int8_t *qx, const f
 
 /* Rows m0 .. m0 + rows (rows <= MR) against groups g0 .. g0 + ng (ng <= NG): a constant mr and ng for each case. */
 static void rows_out(const int8_t *qx, const float *sx, const float *x_offset, const uint8_t *wp,
-                     const float *w_scale, const float *bias, float *y, int m0, int rows, int g0, int ng, int N, int K) {
+                     const float *w_scale, const float *bias, float *y, int m0, int rows, int g0, int ng, int N,
+                     int K) {
 #define CASE(R) case R: \
         if (ng == NG) tile(qx, sx, x_offset, wp, w_scale, bias, y, m0, g0, N, K, R, NG); \
         else tile(qx, sx, x_offset, wp, w_scale, bias, y, m0, g0, N, K, R, 1); \

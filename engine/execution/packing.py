@@ -34,10 +34,12 @@ small-batch kernel on the fp32 tensor bit for bit, at 1 row the same products wi
 or 27% more memory beside it).
 
 `--quantization w8a8_int8` (`use_w8a8`): the fp32 decoder layers' linears go through 8-bit integer products
-(`kernels/cpu_int8_gemm.c`: weights as 7-bit integers per output row, `w8a8_weights`, in groups of 16 rows for VNNI-style
-dot products, `w8a8_packed`; each row of x quantized per block of 64 on the fly). Prefill chunks, where torch's fp32 GEMM already runs at the FMA units' peak: fewer instructions a
-product (1.32-1.43x torch at 128-512 rows); decode steps of 2 to 64 rows: also a quarter of the fp32 weight bytes (every
-decoder linear of SmolLM2-135M, 2 threads, AVX2 AMD EPYC: 1.3-1.6x the Q4_1 blocks, 1.4-2.2x the fp32 kernel). One
+(`kernels/cpu_int8_gemm.c`: weights as 7-bit integers per output row, `w8a8_weights`, in groups of 16 rows for
+VNNI-style dot products, `w8a8_packed`; each row of x quantized per block of 64 on the fly). Prefill chunks, where
+torch's fp32 GEMM already runs at the FMA units' peak: fewer instructions a product (1.32-1.43x torch at 128-512 rows on
+an AVX2 AMD EPYC, 1.77x at 512 with AVX512-VNNI on an Ice Lake Xeon); decode steps of 2 to 64 rows: also a quarter of
+the fp32 weight bytes (every decoder linear of SmolLM2-135M, 2 threads, AVX2 AMD EPYC: 1.3-1.6x the Q4_1 blocks,
+1.4-2.2x the fp32 kernel). One
 row of weights held as GGUF blocks stays on those (5 bits a weight: faster there); the LM head stays fp32. Lossy, as
 SGLang's w8a8_int8 is.
 

@@ -364,11 +364,12 @@ def test_c_causal_softmax_with_a_window_matches_torch(kernels, rows, end, window
 
 @pytest.mark.parametrize("rows,out_features,in_features", [(1, 7, 3), (2, 1536, 576), (3, 576, 1536), (5, 13, 100),
                                                             (32, 64, 8), (0, 4, 8), (4, 6, 3), (6, 14, 100),
-                                                            (7, 576, 1536), (17, 13, 37)])
+                                                            (7, 576, 1536), (17, 13, 37), (9, 11, 100)])
 def test_small_batch_linear_matches_torch(kernels, rows, out_features, in_features):
     """fp32 x W^T (+ b) against F.linear: odd sizes take every tail of the tiles (2 rows x 4 features below 4 rows,
-    4 x 3 from 4 rows on, then the last rows % 4 rows and features % 3 features) and of the vector loop over K; x as a
-    strided view (the rows of a wider tensor) is read in place."""
+    4 x 3 from 4 rows on, 4 x 6 in the AVX-512 builds, then the last rows % 4 rows and the features past the last
+    whole tile, up to 5 of them) and of the vector loop over K; x as a strided view (the rows of a wider tensor) is
+    read in place."""
     g = torch.Generator().manual_seed(rows * 1000 + in_features)
     w, bias = torch.randn(out_features, in_features, generator=g), torch.randn(out_features, generator=g)
     wide = torch.randn(rows, in_features + 5, generator=g)
@@ -538,7 +539,7 @@ def _dequantized(qs: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("rows", [0, 1, 2, 3, 4, 5, 16, 33, 64])
-@pytest.mark.parametrize("out_features,in_features", [(7, 64), (576, 576), (1536, 576), (96, 1536)])
+@pytest.mark.parametrize("out_features,in_features", [(7, 64), (11, 64), (576, 576), (1536, 576), (96, 1536)])
 @pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
 def test_blocks_linear_sums_as_the_small_batch_kernel_on_the_dequantized_weight(kernels, rows, out_features,
                                                                                in_features, fmt):
