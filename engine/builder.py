@@ -14,7 +14,7 @@ from pdserve_server.engine.config import (CacheConfig, SchedulerConfig, compat_h
 from pdserve_server.engine.models.config import ModelConfig
 from pdserve_server.engine.models.config_cache import read_model_config
 from pdserve_server.engine.execution.cuda_graphs import capture_sizes
-from pdserve_server.engine.hardware import resolve_dtype
+from pdserve_server.engine.hardware import keep_freed_memory, resolve_dtype
 from pdserve_server.engine.scheduling.kv_cache_manager import KVCacheManager, sliding_kv_window
 from pdserve_server.engine.execution.loader import load_state_dict
 from pdserve_server.engine.mock.runner import MockRunner
@@ -89,6 +89,8 @@ def build_runner(args: EngineArgs, model_config: ModelConfig, cache_config: Cach
     if args.mock_engine:
         return MockRunner(model_config, cache_config, load_profile(args.mock_engine), args.mock_speedup,
                           device=rank_device(args.device, tp.rank), seed=args.seed)
+    if torch.device(args.device).type == "cpu":
+        keep_freed_memory()  # before the weights load: large tensors from the heap, reused step after step
     state = None if args.random_weights else load_state_dict(Path(args.model_dir))
     graphs = torch.device(args.device).type == "cuda" and not args.enforce_eager
     return ModelRunner(model_config, cache_config, state, device=rank_device(args.device, tp.rank), seed=args.seed,
