@@ -171,7 +171,7 @@ static inline void tile_4x6(const float *x, int64_t xs, int rows, const float *w
 #endif
 
 /* y[m, n0 + j] = sum_k x[m, k] * wb[j, k] + (bias ? bias[n0 + j] : 0) for m < M, j < nb: one block of nb <= nbk
- * output features (nbk 4 below 4 rows, else 3), its weight rows wb [nb, K] dense. The block's tiles, in the order
+ * output features (nbk 4 below 4 rows, else TILE_N: 3, or 6 with AVX-512), its weight rows wb [nb, K] dense. The block's tiles, in the order
  * linear_small_m_rows documents; the blocks kernel runs the same tiles over a block it dequantized, so both sum alike
  * (one compiled copy for both, never inlined: two inlined copies may be vectorized differently under -ffast-math). */
 static __attribute__((noinline)) void block_rows(const float *x, int64_t x_stride, const float *wb,
@@ -210,8 +210,8 @@ static __attribute__((noinline)) void block_rows(const float *x, int64_t x_strid
  * x: [M, K] fp32, rows x_stride apart (dense within a row); w: [N, K] fp32 dense; bias: [N] or NULL; y: [M, N]
  * dense. Threads split the output features: blocks of 4 for M < 4 (the 2 x 4 tile: 4 weight streams keep a 1-row
  * pass off the FMA latency; 3 streams were ~10% slower at M = 1), else blocks of 3 through the 4 x 3 tile (1.1-1.3x
- * the 2 x 4 tile at M = 16-32, 2-core AMD EPYC VM, AVX2), the last M % 4 rows as a tile of repeated rows; the last
- * N % 3 features (one block) through the general tile. */
+ * the 2 x 4 tile at M = 16-32, 2-core AMD EPYC VM, AVX2; blocks of 6 through the 4 x 6 tile with AVX-512), the last
+ * M % 4 rows as a tile of repeated rows; the last N % TILE_N features (one block) through the general tile. */
 void linear_small_m_rows(const float *x, const float *w, const float *bias, float *y, int M, int N, int K,
                          int64_t x_stride) {
     const int nbk = block_features(M);

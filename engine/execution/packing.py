@@ -39,9 +39,8 @@ VNNI-style dot products, `w8a8_packed`; each row of x quantized per block of 64 
 torch's fp32 GEMM already runs at the FMA units' peak: fewer instructions a product (1.32-1.43x torch at 128-512 rows on
 an AVX2 AMD EPYC, 1.77x at 512 with AVX512-VNNI on an Ice Lake Xeon); decode steps of 2 to 64 rows: also a quarter of
 the fp32 weight bytes (every decoder linear of SmolLM2-135M, 2 threads, AVX2 AMD EPYC: 1.3-1.6x the Q4_1 blocks,
-1.4-2.2x the fp32 kernel). One
-row of weights held as GGUF blocks stays on those (5 bits a weight: faster there); the LM head stays fp32. Lossy, as
-SGLang's w8a8_int8 is.
+1.4-2.2x the fp32 kernel). One row of weights held as GGUF blocks stays on those (5 bits a weight: faster there); the
+LM head stays fp32. Lossy, as SGLang's w8a8_int8 is.
 
 CPU only; anything else keeps `nn.Linear`. Unverified on GPU by construction: never applied there.
 """
@@ -331,7 +330,7 @@ def w8a8_packed(wq: torch.Tensor) -> torch.Tensor:
 
 def use_w8a8(model: nn.Module, int8_linear: Callable[..., torch.Tensor]) -> int:
     """Have every `SmallBatchLinear` under `model` but the LM head compute its rows through 8-bit integer products
-    (the module docstring): `int8_linear` (x [M, K], wq, w_scale, bias | None) -> [M, N]
+    (the module docstring): `int8_linear` (x [M, K], wp, w_scale, bias | None) -> [M, N]
     (`kernels.AttentionOps.int8_linear`) over the layer's `w8a8_weights`, kept beside its fp32 weight (+25% of the
     weights' bytes); a one-row x of a linear that holds GGUF blocks keeps reading those. The LM head stays fp32: its
     logits are what sampling reads. Lossy: +2.0% perplexity on the packaged model through the engine as one prefill
