@@ -77,14 +77,15 @@ def keep_freed_memory() -> bool:
     allocation served by mmap (M_MMAP_MAX 0) and the heap's free top kept up to 2 GiB (M_TRIM_THRESHOLD). Returns
     False, changing nothing, where the C library has no mallopt (not glibc).
 
-    Why: glibc serves every allocation above its mmap threshold (32 MB at most, whatever it adapts to) with fresh
-    pages and unmaps them when freed, so each large activation of a big CPU prefill step is page-faulted and zeroed
-    anew, every layer, every step: a burst of 64 prompts of 100 tokens makes SmolLM2-135M's gate_up output [6400,
-    3072] fp32, 79 MB. Ice Lake Xeon, 2 cores: a [6400, 1536] fp32 tensor allocated and filled in 12.1 ms, filled in
-    place in 1.7, allocated and filled with this setting in 3.4; that 6,400-token prefill step took 6.9-7.6 s in 8 of
-    8 runs without it, 5.9-6.5 s in 7 of 8 with it (docs/benchmarks.md). vLLM's CPU guide and PyTorch's performance
-    guide preload tcmalloc or jemalloc for the same reason; glibc's own setting needs no preload. The cost: the process keeps the memory its largest step used, as
-    those allocators do. Process-wide, applied once the engine runs on the CPU (`engine.builder.build_runner`)."""
+    Why: glibc serves every allocation above its mmap threshold (32 MB at most, whatever it adapts to) with fresh pages
+    and unmaps them when freed, so each large activation of a big CPU prefill step is page-faulted and zeroed anew,
+    every layer, every step: a burst of 64 prompts of 100 tokens makes SmolLM2-135M's gate_up output [6400, 3072] fp32,
+    79 MB. Ice Lake Xeon, 2 cores: a [6400, 1536] fp32 tensor allocated and filled in 12.1 ms, filled in place in 1.7,
+    allocated and filled with this setting in 3.4; that 6,400-token prefill step took 6.9-7.6 s in 8 of 8 runs without
+    it, 5.9-6.5 s in 7 of 8 with it (docs/benchmarks.md). vLLM's CPU guide and PyTorch's performance guide preload
+    tcmalloc or jemalloc for the same reason; glibc's own setting needs no preload. The cost: the process keeps the
+    memory its largest step used, as those allocators do. Process-wide, applied once the engine runs on the CPU
+    (`engine.builder.build_runner`)."""
     import ctypes
 
     try:

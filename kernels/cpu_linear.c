@@ -91,6 +91,20 @@ static inline __attribute__((always_inline)) void dot_tile(const float *x, int64
 }
 
 
+/* out[i][j] for a 4-row tile's accumulators acc[i][j] (i < 4, j < nj, row-major): each lane sum (hsum), then the K %
+ * VW tail from k on; xr the tile's 4 x rows, w its nj weight rows K apart. One definition, so that every 4-row tile
+ * sums an output alike. */
+static inline void tile_sums(const vf *acc, int nj, const float *const xr[4], const float *w, int K, int k,
+                             float *out) {
+    for (int i = 0; i < 4; i++)
+        for (int j = 0; j < nj; j++) {
+            float s = hsum(acc[i * nj + j]);
+            for (int t = k; t < K; t++) s += xr[i][t] * w[(int64_t)j * K + t];
+            out[i * nj + j] = s;
+        }
+}
+
+#if VW != 16
 /* The tile of 4 or more rows: 4 x rows by 3 weight rows, 12 accumulators (with the 3 weight vectors and one x vector,
  * the 16 vector registers of AVX2), 7 loads per 12 FMAs against the 2 x 4 tile's 6 per 8. Named variables, not
  * arrays: written as arrays, GCC spilled one accumulator to the stack inside the loop (a store-load chain each
@@ -116,21 +130,16 @@ static inline void tile_4x3(const float *x, int64_t xs, int rows, const float *w
         a30 += u * v0; a31 += u * v1; a32 += u * v2;
     }
     const vf acc[4][3] = {{a00, a01, a02}, {a10, a11, a12}, {a20, a21, a22}, {a30, a31, a32}};
-    const float *xr[4] = {x0, x1, x2, x3};
-    for (int i = 0; i < 4; i++)
-        for (int j = 0; j < 3; j++) {
-            float s = hsum(acc[i][j]);
-            for (int t = k; t < K; t++) s += xr[i][t] * w[(int64_t)j * K + t];
-            out[i][j] = s;
-        }
+    const float *const xr[4] = {x0, x1, x2, x3};
+    tile_sums(&acc[0][0], 3, xr, w, K, k, &out[0][0]);
 }
-
-#if VW == 16
-/* tile_4x3 with 6 weight rows, for AVX-512's 32 registers: 24 accumulators, 6 weight vectors and one x vector. Each
- * x vector loaded (from L1 or L2: a decode step's rows) serves 6 FMAs instead of 3. Ice Lake Xeon, 2 threads, every
- * linear of SmolLM2-135M against torch's GEMM in the same run (bench/small_linear.py): 0.89x / 0.60x at 16 / 64 rows
- * with 4 x 3 tiles, 1.08x / 0.99x with these. Every output is summed exactly as tile_4x3 sums it (its own lanes over
- * K in order, then hsum, then the tail), so the results are the same bits. */
+#define TILE_4XN tile_4x3
+#else
+/* tile_4x3 (the other builds' tile) with 6 weight rows, for AVX-512's 32 registers: 24 accumulators, 6 weight vectors
+ * and one x vector. Each x vector loaded (from L1 or L2: a decode step's rows) serves 6 FMAs instead of 3. Ice Lake
+ * Xeon, 2 threads, every linear of SmolLM2-135M against torch's GEMM in the same run (bench/small_linear.py): 0.89x /
+ * 0.60x at 16 / 64 rows with 4 x 3 tiles, 1.08x / 0.99x with these. Every output is summed exactly as tile_4x3 sums it
+ * (its own lanes over K in order, then tile_sums), so the results are the same bits. */
 #define ACC6(i) vf a##i##0 = {0}, a##i##1 = {0}, a##i##2 = {0}, a##i##3 = {0}, a##i##4 = {0}, a##i##5 = {0}
 #define FMA6(i) a##i##0 += u * v0; a##i##1 += u * v1; a##i##2 += u * v2; \
                 a##i##3 += u * v3; a##i##4 += u * v4; a##i##5 += u * v5
@@ -154,26 +163,20 @@ static inline void tile_4x6(const float *x, int64_t xs, int rows, const float *w
         FMA6(3);
     }
     const vf acc[4][6] = {ROW6(0), ROW6(1), ROW6(2), ROW6(3)};
-    const float *xr[4] = {x0, x1, x2, x3};
-    for (int i = 0; i < 4; i++)
-        for (int j = 0; j < 6; j++) {
-            float s = hsum(acc[i][j]);
-            for (int t = k; t < K; t++) s += xr[i][t] * w[(int64_t)j * K + t];
-            out[i][j] = s;
-        }
+    const float *const xr[4] = {x0, x1, x2, x3};
+    tile_sums(&acc[0][0], 6, xr, w, K, k, &out[0][0]);
 }
 #undef ACC6
 #undef FMA6
 #undef ROW6
 #define TILE_4XN tile_4x6
-#else
-#define TILE_4XN tile_4x3
 #endif
 
-/* y[m, n0 + j] = sum_k x[m, k] * wb[j, k] + (bias ? bias[n0 + j] : 0) for m < M, j < nb: one block of nb <= nbk
- * output features (nbk 4 below 4 rows, else TILE_N: 3, or 6 with AVX-512), its weight rows wb [nb, K] dense. The block's tiles, in the order
- * linear_small_m_rows documents; the blocks kernel runs the same tiles over a block it dequantized, so both sum alike
- * (one compiled copy for both, never inlined: two inlined copies may be vectorized differently under -ffast-math). */
+/* y[m, n0 + j] = sum_k x[m, k] * wb[j, k] + (bias ? bias[n0 + j] : 0) for m < M, j < nb: one block of nb <= nbk output
+ * features (nbk 4 below 4 rows, else TILE_N: 3, or 6 with AVX-512), its weight rows wb [nb, K] dense. The block's
+ * tiles, in the order linear_small_m_rows documents; the blocks kernel runs the same tiles over a block it dequantized,
+ * so both sum alike (one compiled copy for both, never inlined: two inlined copies may be vectorized differently under
+ * -ffast-math). */
 static __attribute__((noinline)) void block_rows(const float *x, int64_t x_stride, const float *wb,
                                                  const float *bias, float *y, int M, int N, int K, int n0, int nb) {
     if (nb == TILE_N && M >= 4) {

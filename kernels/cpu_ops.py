@@ -2,12 +2,12 @@
 layer's small per-token ops and the KV-cache write in C (`kernels/cpu_layer_ops.c`), and the fp32 linear layers'
 small-batch GEMM (`kernels/cpu_linear.c`), called as torch ops.
 
-The C sources are compiled when pdserve is installed (setup.py), once per ISA level (base, avx2, avx512,
-avx512_vnni, avx512_bf16 on x86), into one extension, `kernels/_C`, whose torch ops (`pdserve::*`, `kernels/cpu_ops.cpp`) run
-the best level the CPU has. Serving needs no compiler. `$PDSERVE_CPU_ISA` picks a level instead (tests, benchmarks).
-Prefill attention without a sliding window: fp32 caches, and bf16 ones on a CPU with AVX512_BF16, in C
-(`kernels/cpu_prefill_attention.c`); anything else from `kernels.cpu_prefill` (bf16: blocked GEMMs in torch, the
-softmax in C; fp32: the reference's SDPA).
+The C sources are compiled when pdserve is installed (setup.py), once per ISA level (base, avx2, avx512, avx512_vnni,
+avx512_bf16 on x86), into one extension, `kernels/_C`, whose torch ops (`pdserve::*`, `kernels/cpu_ops.cpp`) run the
+best level the CPU has. Serving needs no compiler. `$PDSERVE_CPU_ISA` picks a level instead (tests, benchmarks). Prefill
+attention without a sliding window: fp32 caches, and bf16 ones on a CPU with AVX512_BF16, in C
+(`kernels/cpu_prefill_attention.c`); anything else from `kernels.cpu_prefill` (bf16: blocked GEMMs in torch, the softmax
+in C; fp32: the reference's SDPA).
 
 CPU only: `select_ops` never picks it for another device.
 """
@@ -33,8 +33,8 @@ _C_DTYPES = (torch.float32, torch.bfloat16)  # what the C code reads; fp16 goes 
 _HIDDEN = -2.0 ** 100
 ISA_ENV = "PDSERVE_CPU_ISA"
 # The ISA levels setup.py builds (ISA_LEVELS), best first.
-ALL_ISAS = (("avx512_bf16", "avx512_vnni", "avx512", "avx2", "base") if platform.machine().lower() in ("x86_64", "amd64")
-            else ("base",))
+ALL_ISAS = (("avx512_bf16", "avx512_vnni", "avx512", "avx2", "base")
+            if platform.machine().lower() in ("x86_64", "amd64") else ("base",))
 _FIX = ("reinstall pdserve so that its build compiles the kernels (bash scripts/install.sh, or pip install "
         "--no-build-isolation -e . with the torch it runs with), or serve with --attention-backend torch (the "
         "slower torch reference)")
