@@ -35,7 +35,8 @@ class EngineArgs:
             (`packing.use_q8_activations`; float32); "w8a8_int8": float32 decoder linears computed as 8-bit integer
             products, prefill chunks and decode steps (`packing.use_w8a8`; the cpu backend).
         block_size: tokens per KV block.
-        kv_tokens: KV budget in tokens; ignored when kv_bytes is set.
+        kv_tokens: KV budget in tokens; ignored when kv_bytes is set. None with kv_bytes None: sized from the memory
+            free at start (`engine.config.auto_kv_tokens`).
         kv_bytes: KV budget in bytes (overrides kv_tokens); None = use kv_tokens.
         max_num_batched_tokens: token budget per engine step (prefill chunks + one token per decode).
         itl_target_ms: the prefill cap while requests decode (`SchedulerConfig.itl_target_ms`), ms; 0 = none.
@@ -100,8 +101,10 @@ class EngineArgs:
         "help": "CPU linears (engine.execution.packing): bf16 weights reordered once at load into oneDNN's blocked "
                 "layout, fp32 decode batches through the cpu backend's small-batch kernel; no effect elsewhere"})
     block_size: int = field(default=16, metadata={"min": 1, "help": "tokens per KV block"})
-    kv_tokens: int = field(default=16384, metadata={
-        "min": 1, "help": "KV budget in tokens (ignored when --kv-bytes is set)"})
+    kv_tokens: int | None = field(default=None, metadata={
+        "min": 1, "help": "KV budget in tokens (ignored when --kv-bytes is set); default: room for --max-num-seqs "
+                          "requests of --max-model-len tokens within a tenth of the memory free at start on CPU (half "
+                          "of a GPU's), at least 16,384 tokens (engine.config.auto_kv_tokens)"})
     kv_bytes: int | None = field(default=None, metadata={
         "min": 1, "help": "KV budget in bytes (overrides --kv-tokens)"})
     max_num_batched_tokens: int = field(default=512, metadata={"min": 1, "help": "token budget per engine step"})
@@ -110,11 +113,11 @@ class EngineArgs:
         "help": "while requests decode, cap a step's prefill chunk so the step is predicted to take at most this "
                 "long, ms (stall-free batching from measured step costs; at least a block a step); 0 = no cap"})
     burst_prefill_tokens: int = field(default=8192, metadata={"min": 0,
-        "help": "when the prompt tokens left to prefill (waiting and partly computed requests) total at most this "
-                "and those requests outnumber the decoding ones, one step takes them all beside the decodes: a burst "
-                "of arrivals stalls the decoding requests once instead of once per --max-num-batched-tokens chunk, "
-                "and its requests then decode together (lower TTFT p99 and ITL p99; every first token of the burst "
-                "comes with that step); 0 = off"})
+        "help": "when the requests with prompt tokens left to prefill (waiting and partly computed ones) are at "
+                "least as many as the decoding ones, a step takes up to this many prompt tokens beside the decodes: "
+                "a burst of arrivals stalls the decoding requests once per this many tokens instead of once per "
+                "--max-num-batched-tokens chunk, and its requests then decode together (lower TTFT p99 and ITL p99); "
+                "0 = off"})
     max_model_len: int = field(default=0, metadata={"min": 0,
         "help": "most prompt + output tokens per request (0 = the model's context length)"})
     enable_prefix_caching: bool = field(default=True, metadata={"help": "reuse cached prefix KV blocks"})

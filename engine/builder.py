@@ -9,12 +9,12 @@ from pathlib import Path
 import torch
 
 from pdserve_server.engine.args import EngineArgs
-from pdserve_server.engine.config import (CacheConfig, SchedulerConfig, compat_hash, num_blocks_for_budget,
-                                          resolve_cache_dtype)
+from pdserve_server.engine.config import (AUTO_KV_MEMORY_FRACTION, CacheConfig, SchedulerConfig, auto_kv_tokens,
+                                          compat_hash, kv_bytes_per_block, num_blocks_for_budget, resolve_cache_dtype)
 from pdserve_server.engine.models.config import ModelConfig
 from pdserve_server.engine.models.config_cache import read_model_config
 from pdserve_server.engine.execution.cuda_graphs import capture_sizes
-from pdserve_server.engine.hardware import keep_freed_memory, resolve_dtype
+from pdserve_server.engine.hardware import free_memory_bytes, keep_freed_memory, resolve_dtype
 from pdserve_server.engine.scheduling.kv_cache_manager import KVCacheManager, sliding_kv_window
 from pdserve_server.engine.execution.loader import load_state_dict
 from pdserve_server.engine.mock.runner import MockRunner
@@ -62,14 +62,21 @@ def resolve_configs(args: EngineArgs) -> tuple[ModelConfig, CacheConfig, Schedul
     check_devices(args.device, tp)
     head_split(model_config.num_heads, model_config.num_kv_heads, tp, 0)  # heads that do not split: refused now
     cache_dtype = resolve_cache_dtype(args.kv_cache_dtype, model_config.dtype, args.device, args.attention_backend)
+    max_len = min(args.max_model_len or model_config.max_position_embeddings, model_config.max_position_embeddings)
+    kv_tokens = args.kv_tokens
+    if args.kv_bytes is None and kv_tokens is None:  # sized from the memory free now (`auto_kv_tokens`)
+        block_bytes = kv_bytes_per_block(model_config, args.block_size, tp, cache_dtype)
+        device = torch.device(args.device).type
+        free = free_memory_bytes(args.device)
+        kv_tokens = auto_kv_tokens(block_bytes // args.block_size, None if free is None else free * (
+            tp if device == "cuda" else 1), AUTO_KV_MEMORY_FRACTION.get(device, 0.1), args.max_num_seqs, max_len)
     num_blocks = num_blocks_for_budget(model_config, args.block_size, args.kv_bytes,
-                                       None if args.kv_bytes is not None else args.kv_tokens, tp, cache_dtype)
+                                       None if args.kv_bytes is not None else kv_tokens, tp, cache_dtype)
     cache_config = CacheConfig(block_size=args.block_size, num_blocks=num_blocks, tensor_parallel_size=tp,
                                cache_dtype=cache_dtype)
-    max_len = args.max_model_len or model_config.max_position_embeddings
     scheduler_config = SchedulerConfig(
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-        max_model_len=min(max_len, model_config.max_position_embeddings),
+        max_model_len=max_len,
         enable_prefix_caching=args.enable_prefix_caching, vocab_size=model_config.vocab_size,
         speculative=SpeculativeConfig(args.speculative_ngram_tokens, args.speculative_ngram_max,
                                       args.speculative_ngram_min, args.speculative_disable_batch_size),

@@ -77,6 +77,33 @@ def kv_bytes_per_block(model: ModelConfig, block_size: int, tensor_parallel_size
     return model.num_layers * 2 * block_size * heads * model.head_dim * itemsize
 
 
+# The default KV budget (`auto_kv_tokens`): the share of the memory free at start a pool takes, per device type.
+AUTO_KV_MEMORY_FRACTION = {"cpu": 0.1, "cuda": 0.5}
+AUTO_KV_MIN_TOKENS = 16384  # the fixed default before the budget was sized from memory
+
+
+def auto_kv_tokens(bytes_per_token: int, free_bytes: int | None, fraction: float, max_num_seqs: int,
+                   max_model_len: int) -> int:
+    """The KV budget, tokens, when neither --kv-tokens nor --kv-bytes is given: room for max_num_seqs requests of
+    max_model_len tokens (more never widens the running batch), within `fraction` of `free_bytes` (the memory free
+    on the device at start, `engine.hardware.free_memory_bytes`; None: unknown), and never under the smaller of
+    that room and AUTO_KV_MIN_TOKENS. As vLLM sizes its pool from memory (`--gpu-memory-utilization`;
+    VLLM_CPU_KVCACHE_SPACE on CPU) instead of a fixed count.
+
+    Why: a fixed 16,384 tokens held only 14 of 16 requests of 1,128 tokens; at 16 concurrent 1,000-token prompts
+    the last two were preempted and recomputed: 37.6 s against 29.7 s with room for all (SmolLM2-135M fp32, Ice
+    Lake Xeon, 2 cores, offline engine; docs/benchmarks.md).
+
+    Args:
+        bytes_per_token: KV bytes one token takes across all layers and ranks (`kv_bytes_per_block` / block_size).
+    """
+    need = max_num_seqs * max_model_len
+    floor = min(need, AUTO_KV_MIN_TOKENS)
+    if free_bytes is None:
+        return floor
+    return max(floor, min(need, int(free_bytes * fraction) // max(bytes_per_token, 1)))
+
+
 def num_blocks_for_budget(model: ModelConfig, block_size: int, kv_bytes: int | None, kv_tokens: int | None,
                           tensor_parallel_size: int = 1, cache_dtype: str | None = None) -> int:
     """Number of KV blocks for a budget given in bytes or in tokens (exactly one of them), with the KV layout of
@@ -108,8 +135,8 @@ class SchedulerConfig:
         itl_target_ms: while requests are decoding, cap each step's prefill tokens so the step is predicted to
             take at most this long, ms (`engine.scheduling.step_cost`; at least a block of prefill a step); 0 = no cap
             beyond max_num_batched_tokens.
-        burst_prefill_tokens: when every prompt token still to compute (waiting requests' and unfinished chunks')
-            totals at most this and those requests outnumber the decoding ones, one step takes them all, beside the
+        burst_prefill_tokens: when the requests with prompt tokens still to compute (waiting ones and unfinished
+            chunks) are at least as many as the decoding ones, a step takes up to this many prompt tokens beside the
             decodes (`Scheduler._step_tokens`); 0 or at most max_num_batched_tokens = off.
     """
 

@@ -94,3 +94,33 @@ def keep_freed_memory() -> bool:
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     return bool(mallopt(_M_MMAP_MAX, 0)) and bool(mallopt(_M_TRIM_THRESHOLD, 2**31 - 1))
+
+
+def free_memory_bytes(device: str) -> int | None:
+    """Bytes a KV pool could still take on `device`, measured now; None where unknown.
+
+    CPU: the smaller of the kernel's MemAvailable (/proc/meminfo) and /dev/shm's free bytes, since a served
+    engine's pool is shared memory between the worker and its engine process (`engine.execution.kv_cache.share`);
+    CUDA: the device's free bytes (`torch.cuda.mem_get_info`).
+    """
+    import os
+
+    if device.startswith("cuda"):
+        import torch
+
+        try:
+            return int(torch.cuda.mem_get_info(torch.device(device))[0])
+        except (RuntimeError, AssertionError):
+            return None
+    found = []
+    try:
+        with open("/proc/meminfo") as f:
+            found += [int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:")]
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        shm = os.statvfs("/dev/shm")
+        found.append(shm.f_bavail * shm.f_frsize)
+    except OSError:
+        pass
+    return min(found) if found else None
