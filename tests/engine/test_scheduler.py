@@ -433,12 +433,25 @@ def test_a_burst_that_fits_the_burst_budget_is_prefilled_in_one_step_beside_the_
     assert [sum(n for _, n in prefills) for _, prefills in shapes[0]] == [511, 506, 483, 0]  # a's decode stalls 3x
     assert shapes[2048][0] == (["a"], [(f"r{i}", 100) for i in range(15)])  # all 15 in one step, a decodes
     assert all(not prefills and len(decodes) == 16 for decodes, prefills in shapes[2048][1:])
-    # more waiting than the burst budget: the usual budget, a chunk at a time
+    # more waiting than the burst budget: steps of the burst budget, whole prompts in order and then a chunk
     s = scheduler(num_blocks=1024, budget=512, max_seqs=32, burst=1024)
     for i in range(12):
-        s.add_request(request(f"r{i}", 100, first=100 + 50 * i))
+        s.add_request(request(f"r{i}", 100, max_tokens=40, first=100 + 50 * i))
     out, _ = step(s)
-    assert out.num_tokens == 512
+    assert out.num_tokens == 1024 and [n for _, n in shape(out)[1]] == [100] * 10 + [24]
+    # then 10 decode while 2 still prefill: more decode than arrive, the usual budget
+    out, _ = step(s)
+    assert len(out.decodes) == 10 and out.num_tokens == 10 + 176
+    assert_accounting(s)
+    # as many arriving as decoding: a burst step again (sixteen arrivals past the budget go in two steps)
+    s = scheduler(num_blocks=1024, budget=128, max_seqs=32, burst=800)
+    for i in range(16):
+        s.add_request(request(f"r{i}", 100, max_tokens=40, first=100 + 50 * i))
+    first, _ = step(s)
+    assert [n for _, n in shape(first)[1]] == [100] * 8  # 800 tokens: eight whole prompts
+    second, _ = step(s)
+    assert len(second.decodes) == 8 and [n for _, n in shape(second)[1]] == [100] * 8
+    assert_accounting(s)
     # more requests decoding than arriving (a closed loop's steady state): the usual budget too
     s = scheduler(num_blocks=1024, budget=128, max_seqs=32, burst=2048)
     for i in range(12):
@@ -454,7 +467,7 @@ def test_a_burst_that_fits_the_burst_budget_is_prefilled_in_one_step_beside_the_
 def test_the_default_configuration_prefills_a_cohort_of_64_short_prompts_in_one_step(tiny_model_dir):
     """`pdserve serve`'s defaults (`EngineArgs()`): 512-token steps, bursts up to 8,192 tokens. 64 prompts of 100
     tokens arriving together (the sweep's S c=64) go in one step and then decode together; 90 of them, more tokens
-    than the burst budget, go 512 a step."""
+    than the burst budget, go 64 (max_num_seqs) in the first step, the rest as slots free."""
     from pdserve_server.engine.args import EngineArgs
     from pdserve_server.engine.builder import resolve_configs
 
@@ -470,7 +483,9 @@ def test_the_default_configuration_prefills_a_cohort_of_64_short_prompts_in_one_
     s = Scheduler(config, KVCacheManager(cache.num_blocks, cache.block_size, True))
     for i in range(90):  # 9,000 prompt tokens: past the burst budget
         s.add_request(request(f"r{i}", 100, max_tokens=5, first=3 + 5 * i))
-    assert step(s)[0].num_tokens == 512
+    assert step(s)[0].num_tokens == 6400  # max_num_seqs (64) of them in the burst step
+    out, _ = step(s)
+    assert len(out.decodes) == 64 and out.num_tokens == 64  # no slot for the rest until one finishes
 
 
 def test_a_burst_step_fits_max_step_tokens_and_the_tp_slot_is_sized_for_it():
