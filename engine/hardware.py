@@ -96,12 +96,13 @@ def keep_freed_memory() -> bool:
     return bool(mallopt(_M_MMAP_MAX, 0)) and bool(mallopt(_M_TRIM_THRESHOLD, 2**31 - 1))
 
 
-def free_memory_bytes(device: str) -> int | None:
+def free_memory_bytes(device: str, cgroup: Path = Path("/sys/fs/cgroup")) -> int | None:
     """Bytes a KV pool could still take on `device`, measured now; None where unknown.
 
-    CPU: the smaller of the kernel's MemAvailable (/proc/meminfo) and /dev/shm's free bytes, since a served
-    engine's pool is shared memory between the worker and its engine process (`engine.execution.kv_cache.share`);
-    CUDA: the device's free bytes (`torch.cuda.mem_get_info`).
+    CPU: the smallest of the kernel's MemAvailable (/proc/meminfo), the process's cgroup headroom (its memory limit
+    less its usage, cgroup v2 or v1 under `cgroup`: a container's limit, which MemAvailable, the host's, ignores) and
+    /dev/shm's free bytes, since a served engine's pool is shared memory between the worker and its engine process
+    (`engine.execution.kv_cache.share`); CUDA: the device's free bytes (`torch.cuda.mem_get_info`).
     """
     import os
 
@@ -118,6 +119,16 @@ def free_memory_bytes(device: str) -> int | None:
             found += [int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:")]
     except (OSError, ValueError, IndexError):
         pass
+    for limit_file, usage_file in (("memory.max", "memory.current"),
+                                   ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes")):
+        try:
+            limit = (cgroup / limit_file).read_text().strip()
+            usage = int((cgroup / usage_file).read_text())
+        except (OSError, ValueError):
+            continue
+        if limit != "max" and int(limit) < 2**62:  # v1 writes "no limit" as a number near 2^63
+            found.append(max(0, int(limit) - usage))
+        break
     try:
         shm = os.statvfs("/dev/shm")
         found.append(shm.f_bavail * shm.f_frsize)

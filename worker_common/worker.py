@@ -145,7 +145,8 @@ def describe(config: WorkerConfig, worker: WorkerEngine, ready: dict[str, str]) 
             f"{f', tensor parallel {c.tensor_parallel_size}' if c.tensor_parallel_size > 1 else ''}; KV pool "
             f"{c.num_blocks} blocks x {c.block_size} tokens = {c.num_blocks * c.block_size} tokens "
             f"({c.dtype_name(m)}, {pool_bytes / 2**20:.1f} MiB"
-            f"{', sized from free memory' if e.kv_tokens is None and e.kv_bytes is None else ''}); context {s.max_model_len} tokens, up to "
+            f"{', sized from free memory' if e.kv_tokens is None and e.kv_bytes is None else ''}); "
+            f"context {s.max_model_len} tokens, up to "
             f"{s.max_num_seqs} sequences and {s.max_num_batched_tokens} tokens a step"
             f"{f' (a burst of arrivals up to {s.burst_prefill_tokens} in one)' if s.bursts else ''}{extra}")
 

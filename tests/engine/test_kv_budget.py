@@ -32,6 +32,22 @@ def test_this_machine_reports_its_free_memory_within_its_total():
     assert 0 < free <= total
 
 
+@pytest.mark.parametrize("limit_file, usage_file", [("memory.max", "memory.current"),
+                                                     ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes")])
+def test_a_containers_memory_limit_bounds_the_free_memory_the_host_reports(tmp_path, limit_file, usage_file):
+    """A pod limited to 4 GiB on a large host: MemAvailable is the host's, the cgroup's headroom is what counts."""
+    host = free_memory_bytes("cpu", cgroup=tmp_path / "none")
+    if host is None or host < 2**30:
+        pytest.skip("this machine reports no free memory, or under 1 GiB")
+    (tmp_path / limit_file).parent.mkdir(parents=True, exist_ok=True)
+    (tmp_path / limit_file).write_text(f"{2**30}\n")
+    (tmp_path / usage_file).write_text(f"{2**28}\n")
+    assert free_memory_bytes("cpu", cgroup=tmp_path) == 2**30 - 2**28
+    (tmp_path / limit_file).write_text("max\n" if limit_file == "memory.max" else f"{2**63 - 4096}\n")
+    unlimited = free_memory_bytes("cpu", cgroup=tmp_path)  # no limit: the host's figures (which move a little)
+    assert unlimited is not None and abs(unlimited - host) < host // 4
+
+
 def test_resolve_configs_sizes_the_pool_from_free_memory_unless_a_budget_is_given(tiny_model_dir, monkeypatch):
     free = 3 * 10**8
     monkeypatch.setattr(builder, "free_memory_bytes", lambda device: free)
