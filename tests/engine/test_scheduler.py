@@ -303,14 +303,17 @@ def test_the_cap_never_stops_a_prompt_from_progressing():
     assert_accounting(s)
 
 
-@pytest.mark.parametrize("num_blocks, chunks", [(8, [16, 16, 16, 12]), (5, [8] * 7 + [4])])
-def test_a_windowed_request_longer_than_the_pool_runs_within_its_window(num_blocks, chunks):
+@pytest.mark.parametrize("num_blocks, burst, chunks", [(8, 0, [16, 16, 16, 12]), (5, 0, [8] * 7 + [4]),
+                                                       (8, 64, [20, 16, 16, 8]), (5, 64, [8] * 7 + [4])])
+def test_a_windowed_request_longer_than_the_pool_runs_within_its_window(num_blocks, burst, chunks):
     """Window 6, blocks of 4, a 60-token prompt and 20 outputs (20 blocks) on a pool of 7 or 4 usable blocks:
     refused without the window; with it admitted, prefilled in chunks small enough that the window and a chunk fit
     (16 = the budget on 7 blocks; 8 on 4), decoded to the end without a preemption, never holding more blocks than
-    the pool, and every block back after. A remote-KV request of the same size reserves only its window's blocks."""
+    the pool, and every block back after. A remote-KV request of the same size reserves only its window's blocks.
+    With a burst budget the lone request's first step is a burst step, its chunk still capped by the window (20
+    tokens on 7 blocks, 8 on 4)."""
     config = SchedulerConfig(max_num_batched_tokens=16, max_num_seqs=8, max_model_len=256,
-                             enable_prefix_caching=True, vocab_size=1000)
+                             enable_prefix_caching=True, vocab_size=1000, burst_prefill_tokens=burst)
     plain = Scheduler(config, KVCacheManager(num_blocks, BLOCK, True))
     failure = plain.add_request(request("long", 60, max_tokens=20))
     assert failure is not None and "KV blocks" in failure.message
