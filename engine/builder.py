@@ -65,11 +65,13 @@ def resolve_configs(args: EngineArgs) -> tuple[ModelConfig, CacheConfig, Schedul
     max_len = min(args.max_model_len or model_config.max_position_embeddings, model_config.max_position_embeddings)
     kv_tokens = args.kv_tokens
     if args.kv_bytes is None and kv_tokens is None:  # sized from the memory free now (`auto_kv_tokens`)
-        block_bytes = kv_bytes_per_block(model_config, args.block_size, tp, cache_dtype)
-        device = torch.device(args.device).type
+        on_gpu = torch.device(args.device).type == "cuda"
         free = free_memory_bytes(args.device)
-        kv_tokens = auto_kv_tokens(block_bytes // args.block_size, None if free is None else free * (
-            tp if device == "cuda" else 1), AUTO_KV_MEMORY_FRACTION.get(device, 0.1), args.max_num_seqs, max_len)
+        if free is not None and on_gpu:
+            free *= tp  # a shard on each rank's GPU; the pool's bytes per token count every rank's
+        per_token = kv_bytes_per_block(model_config, args.block_size, tp, cache_dtype) // args.block_size
+        kv_tokens = auto_kv_tokens(per_token, free, AUTO_KV_MEMORY_FRACTION["cuda" if on_gpu else "cpu"],
+                                   args.max_num_seqs, max_len)
     num_blocks = num_blocks_for_budget(model_config, args.block_size, args.kv_bytes,
                                        None if args.kv_bytes is not None else kv_tokens, tp, cache_dtype)
     cache_config = CacheConfig(block_size=args.block_size, num_blocks=num_blocks, tensor_parallel_size=tp,
@@ -96,10 +98,11 @@ def build_runner(args: EngineArgs, model_config: ModelConfig, cache_config: Cach
     if args.mock_engine:
         return MockRunner(model_config, cache_config, load_profile(args.mock_engine), args.mock_speedup,
                           device=rank_device(args.device, tp.rank), seed=args.seed)
-    if torch.device(args.device).type == "cpu":
+    kind = torch.device(args.device).type
+    if kind == "cpu":
         keep_freed_memory()  # before the weights load: large tensors from the heap, reused step after step
     state = None if args.random_weights else load_state_dict(Path(args.model_dir))
-    graphs = torch.device(args.device).type == "cuda" and not args.enforce_eager
+    graphs = kind == "cuda" and not args.enforce_eager
     return ModelRunner(model_config, cache_config, state, device=rank_device(args.device, tp.rank), seed=args.seed,
                        attention_backend=args.attention_backend, quantization=args.quantization,
                        packed_weights=args.packed_weights,
