@@ -78,10 +78,16 @@ class BuildKernels(BuildExtension):
 # is mapped to its place in the namespace, which has no __init__.py of its own (an implicit namespace package).
 SERVER_PACKAGES = ["cli", "server_common", "coordinator", "worker_common", "prefill_worker", "decode_worker", "engine",
                    "kernels", "kv_transfer"]
+# kernels/ has no __init__.py (its backend choice is kernels/backends.py): a process started in the repository's root
+# (`python -m pytest`, `python -m pdserve_server...`) has that root on sys.path, and a regular package named kernels
+# there would shadow Hugging Face's, which transformers (>= 5) imports; a namespace portion never shadows a regular
+# package, wherever it sits on sys.path.
+NAMESPACE_PACKAGES = ["kernels"]
 
 setup(
     package_dir={f"pdserve_server.{top}": top for top in SERVER_PACKAGES},
-    packages=[f"pdserve_server.{p}" for p in find_packages(include=[f"{top}*" for top in SERVER_PACKAGES])],
+    packages=[f"pdserve_server.{p}" for p in find_packages(include=[f"{top}*" for top in SERVER_PACKAGES])
+              + NAMESPACE_PACKAGES],
     ext_modules=[CppExtension(
         "pdserve_server.kernels._C", ["kernels/cpu_ops.cpp"], include_dirs=["kernels"], depends=C_SOURCES + HEADERS,
         define_macros=[("PDSERVE_TORCH_VERSION", torch.__version__)] + ([("PDSERVE_X86_LEVELS", None)] if X86 else []),

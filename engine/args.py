@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pdserve_server.kernels import BACKENDS as ATTENTION_BACKENDS
+from pdserve_server.kernels.backends import BACKENDS as ATTENTION_BACKENDS
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 DTYPE_CHOICES = ("auto",) + DTYPE_NAMES

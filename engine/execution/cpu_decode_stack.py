@@ -32,7 +32,7 @@ from pdserve_server.engine.models.decoder import DecoderModel
 from pdserve_server.engine.execution.packing import (PACKED_GEMV_ROWS, SMALL_BATCH_ROWS, PackedLinear,
                                                     SmallBatchLinear, blocks_format)
 from pdserve_server.engine.execution.quantization import Int4WeightOnlyLinear, Int8WeightOnlyLinear
-from pdserve_server.kernels import AttentionOps
+from pdserve_server.kernels.backends import AttentionOps
 
 # `pdserve::decode_layers`'s linear_form (kernels/cpu_ops.cpp).
 TORCH_LINEAR, PACKED_LINEAR, SMALL_M_LINEAR, INT8_LINEAR, INT4_LINEAR = 0, 1, 2, 3, 4

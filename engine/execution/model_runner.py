@@ -24,7 +24,7 @@ from pdserve_server.engine.parallel.tensor_parallel import SINGLE, TensorParalle
 from pdserve_server.engine.execution.quantization import quantize_weight_only
 from pdserve_server.engine.execution.sampler import Sampler
 from pdserve_server.engine.speculative import accept_greedy
-from pdserve_server.kernels import select_ops
+from pdserve_server.kernels.backends import select_ops
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +96,7 @@ class ModelRunner:
             compare).
 
     Raises:
-        ValueError: an unknown or unusable attention backend (`kernels.select_ops`), quantization of a float32
+        ValueError: an unknown or unusable attention backend (`kernels.backends.select_ops`), quantization of a float32
             model or of shapes int4 cannot pack, "gguf" for a model without exact GGUF linears, "w8a8_int8" where
             no linear can take it, or graph sizes without max_model_len.
     """

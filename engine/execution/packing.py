@@ -79,7 +79,7 @@ class PackedLinear(nn.Module):
     Args:
         linear: a loaded bf16 `nn.Linear` on CPU (weight [out, in]).
         gemv: (x [M, in] bf16, weight_ptr, out, padded_k, bias [out] | None) -> [M, out]
-            (`kernels.AttentionOps.packed_bf16_linear`), or None.
+            (`kernels.backends.AttentionOps.packed_bf16_linear`), or None.
 
     Attributes:
         weight_ptr, padded_k: the packed tensor's address and its K padded to whole pairs (what `gemv` and the fused
@@ -215,7 +215,7 @@ def q8_0_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | Non
 
 def gguf_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The GGUF block form an fp32 weight [N, K] is exactly, fewest bytes first (`q4_1_blocks`, then `q8_0_blocks`),
-    as (qs, scales) for `kernels.AttentionOps.blocks_linear` (`blocks_format` tells which), or None."""
+    as (qs, scales) for `kernels.backends.AttentionOps.blocks_linear` (`blocks_format` tells which), or None."""
     return q4_1_blocks(weight) or q8_0_blocks(weight)
 
 
@@ -237,9 +237,9 @@ class SmallBatchLinear(nn.Module):
     Args:
         linear: a loaded fp32 `nn.Linear` on CPU (weight [out, in]).
         small_m: (x [M, in], weight [out, in], bias [out] | None) -> [M, out]
-            (`kernels.AttentionOps.small_batch_linear`).
-        blocks_linear: (x [M, in], qs, scales, bias [out] | None) -> [M, out] (`kernels.AttentionOps.blocks_linear`),
-            or None.
+            (`kernels.backends.AttentionOps.small_batch_linear`).
+        blocks_linear: (x [M, in], qs, scales, bias [out] | None) -> [M, out]
+            (`kernels.backends.AttentionOps.blocks_linear`), or None.
 
     Attributes:
         blocks: (qs, scales) of `gguf_blocks`, or None (no `blocks_linear`, or the weight is not of such a form);
@@ -331,8 +331,8 @@ def w8a8_packed(wq: torch.Tensor) -> torch.Tensor:
 def use_w8a8(model: nn.Module, int8_linear: Callable[..., torch.Tensor]) -> int:
     """Have every `SmallBatchLinear` under `model` but the LM head compute its rows through 8-bit integer products
     (the module docstring): `int8_linear` (x [M, K], wp, w_scale, bias | None) -> [M, N]
-    (`kernels.AttentionOps.int8_linear`) over the layer's `w8a8_weights`, kept beside its fp32 weight (+25% of the
-    weights' bytes); a one-row x of a linear that holds GGUF blocks keeps reading those. The LM head stays fp32: its
+    (`kernels.backends.AttentionOps.int8_linear`) over the layer's `w8a8_weights`, kept beside its fp32 weight (+25% of
+    the weights' bytes); a one-row x of a linear that holds GGUF blocks keeps reading those. The LM head stays fp32: its
     logits are what sampling reads. Lossy: +2.0% perplexity on the packaged model through the engine as one prefill
     (bench/quality.py; docs/benchmarks.md). Returns how many linears were switched; a linear whose in_features is not
     a multiple of W8A8_BLOCK keeps the fp32 forms.

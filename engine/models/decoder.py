@@ -16,7 +16,7 @@ from pdserve_server.engine.models.layers import Attention, GatedMLP, RMSNorm, Ro
 from pdserve_server.engine.models.moe import SparseMoE
 from pdserve_server.engine.models.sharding import shard, vocab_parallel_embed, vocab_parallel_logits, vocab_per_rank
 from pdserve_server.engine.parallel.tensor_parallel import SINGLE, TensorParallel
-from pdserve_server.kernels import AttentionOps
+from pdserve_server.kernels.backends import AttentionOps
 
 
 class DecoderLayer(nn.Module):
@@ -96,7 +96,7 @@ class DecoderModel(nn.Module):
 
     forward() takes one packed step (tokens of many sequences concatenated) and the per-layer paged KV cache
     views; it writes the step's K/V into the cache and returns hidden states. Use `load_weights` to fill it from
-    an HF state dict. `ops` are the paged attention ops (`kernels.select_ops`). `CHECKPOINT` says how the
+    an HF state dict. `ops` are the paged attention ops (`kernels.backends.select_ops`). `CHECKPOINT` says how the
     checkpoint names the MLP tensors; an architecture with other names subclasses this and sets it.
 
     With tensor parallelism (`tp.size` > 1) this is one rank's share (`engine.models.sharding` says which

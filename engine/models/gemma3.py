@@ -36,7 +36,7 @@ from pdserve_server.engine.models.interface import ArchFlags, CheckpointNames
 from pdserve_server.engine.models.layers import Attention, GatedMLP, RMSNorm, RotaryEmbedding
 from pdserve_server.engine.models.sharding import shard, vocab_parallel_embed, vocab_parallel_logits, vocab_per_rank
 from pdserve_server.engine.parallel.tensor_parallel import SINGLE, TensorParallel
-from pdserve_server.kernels import AttentionOps
+from pdserve_server.kernels.backends import AttentionOps
 
 _NAME = "gemma3_text"
 

@@ -135,7 +135,7 @@ class CheckpointNames:
 
 class CausalLM(Protocol):
     """The network an architecture module exports as `Model` (an `nn.Module`), built as `Model(cfg, ops, tp)` from
-    an `engine.models.config.ModelConfig`, the worker's `kernels.AttentionOps` and the rank's
+    an `engine.models.config.ModelConfig`, the worker's `kernels.backends.AttentionOps` and the rank's
     `engine.parallel.tensor_parallel.TensorParallel` (default: no tensor parallelism)."""
 
     CHECKPOINT: ClassVar[CheckpointNames]

@@ -17,7 +17,7 @@ from pdserve_server.engine.attention import AttentionMetadata
 from pdserve_server.engine.models.config import ModelConfig
 from pdserve_server.engine.models.interface import Llama3RopeScaling
 from pdserve_server.engine.parallel.tensor_parallel import SINGLE, TensorParallel
-from pdserve_server.kernels import AttentionOps
+from pdserve_server.kernels.backends import AttentionOps
 
 
 class RMSNorm(nn.Module):

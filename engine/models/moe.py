@@ -20,7 +20,7 @@ from torch import nn
 
 from pdserve_server.engine.models.interface import MoEConfig
 from pdserve_server.engine.parallel.tensor_parallel import SINGLE, TensorParallel
-from pdserve_server.kernels import AttentionOps
+from pdserve_server.kernels.backends import AttentionOps
 
 
 class Experts(nn.Module):

@@ -75,5 +75,24 @@ def test_the_install_puts_no_generic_top_level_package():
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, cwd="/")
     repo = str(Path(__file__).resolve().parents[2])
     found = json.loads(out.stdout)
-    assert not {n: o for n, o in found.items() if o and o.startswith(repo)}, found
+    assert not {n: o for n, o in found.items() if o and Path(o).parent == Path(repo) / n}, found
     assert loaded_after("import pdserve_server.kernels, pdserve_server.engine.mock") >= {"kernels", "engine"}
+
+
+def test_the_repository_root_shadows_no_installed_package():
+    """A process started in the repository's root has that root first on sys.path (`python -m pytest`, `python -c`),
+    so a folder there that is a regular package would win over an installed module of its name: `kernels/` did, and
+    transformers (>= 5, which imports Hugging Face's `kernels`) failed to load any model. So no regular package in
+    the root may share a name with an installed module, and `kernels/` is a namespace portion (setup.py)."""
+    repo = Path(__file__).resolve().parents[2]
+    regular = sorted(d.name for d in repo.iterdir() if (d / "__init__.py").is_file())
+    probe = ("import importlib.util, json\n"
+             f"print(json.dumps({{n: bool(importlib.util.find_spec(n)) for n in {regular!r}}}))\n")
+    installed = json.loads(subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                                          check=True, cwd="/").stdout)
+    assert not [n for n, found in installed.items() if found], installed
+    assert not (repo / "kernels" / "__init__.py").exists()
+    probe = "import importlib.util; s = importlib.util.find_spec('kernels'); print(s and s.origin)"
+    origin = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True,
+                            cwd=repo).stdout.strip()
+    assert origin == "None" or Path(origin).parent != repo / "kernels", origin

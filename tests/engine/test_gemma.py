@@ -15,7 +15,7 @@ from pdserve_server.engine.execution.loader import load_state_dict
 from pdserve_server.engine.models.gemma3 import Model
 from pdserve_server.engine.offline import run_until_idle
 from pdserve_server.engine.request import Request, SamplingParams
-from pdserve_server.kernels import select_ops
+from pdserve_server.kernels.backends import select_ops
 from test_models import VOCAB, run_greedy
 
 LAYER_TYPES = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"]

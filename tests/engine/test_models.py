@@ -16,7 +16,7 @@ from pdserve_server.engine.models.config import ModelConfig
 from pdserve_server.engine.models.decoder import DecoderModel
 from pdserve_server.engine.offline import run_until_idle
 from pdserve_server.engine.request import Request, SamplingParams
-from pdserve_server.kernels import select_ops
+from pdserve_server.kernels.backends import select_ops
 
 VOCAB = 1024
 TINY = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

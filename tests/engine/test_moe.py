@@ -13,7 +13,7 @@ from pdserve_server.engine.models.config import ModelConfig
 from pdserve_server.engine.models.decoder import DecoderModel
 from pdserve_server.engine.models.interface import MoEConfig
 from pdserve_server.engine.models.moe import SparseMoE
-from pdserve_server.kernels import select_ops
+from pdserve_server.kernels.backends import select_ops
 from test_models import TINY, VOCAB, _save_random, run_greedy
 
 MOE = dict(TINY, num_experts_per_tok=2)

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from pdserve_server.engine.hardware import cpu_flags
-from pdserve_server.kernels import cpu_ops, select_ops
+from pdserve_server.kernels import cpu_ops
+from pdserve_server.kernels.backends import select_ops
 from pdserve_server.kernels.cpu_ops import ALL_ISAS, CpuKernels, KernelLoadError, cpu_isa, cpu_isas, set_cpu_isa
 
 # What each level's build was compiled for (setup.py ISA_LEVELS), as /proc/cpuinfo names the flags.

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from pdserve_server.kernels import reference as ref
-from pdserve_server.kernels import select_ops
+from pdserve_server.kernels.backends import select_ops
 from pdserve_server.kernels.triton_cache import write_kv_cache
 from pdserve_server.kernels.triton_prefill import PrefillConfig
 

@@ -1,5 +1,6 @@
 """Attention and KV-cache ops over the paged KV cache, and a decoder layer's small per-token ops: Triton kernels
-and C beside pure-torch references.
+and C beside pure-torch references; this module picks one backend's set (`select_ops`). The folder has no
+__init__.py on purpose (setup.py, NAMESPACE_PACKAGES: it must never shadow Hugging Face's `kernels`).
 
 Each op has one signature and up to three implementations: `kernels.reference` (torch; defines the semantics, runs
 anywhere), `kernels.triton_*` (Triton; CUDA, or CPU under TRITON_INTERPRET=1 for tests) and, for CPU workers,
