@@ -119,15 +119,16 @@ typedef struct {
                                                 int K, int8_t *qx, float *sx);
 
 /* The GGUF block formats linear_blocks reads (cpu_linear.c), and the floats of its per-thread buffer for rows of K
- * weights: one block of output features (at most BLOCK_ROWS_MAX), dequantized, and one row's scales.
+ * weights: one block of output features (at most BLOCK_ROWS_MAX), dequantized, the same block as a panel (AVX2's
+ * panel kernel), and one row's scales.
  * PDSERVE_Q8_ACTIVATIONS, or'ed into a format: a one-row call computes as llama.cpp does (x quantized to 8 bits a
  * block, integer dot products). */
 #define PDSERVE_Q4_1 1
 #define PDSERVE_Q8_0 2
 #define PDSERVE_BLOCKS_FORMAT 3
 #define PDSERVE_Q8_ACTIVATIONS 4
-#define BLOCK_ROWS_MAX 6  /* weight rows a thread dequantizes at a time (cpu_linear.c's block_features) */
-#define BLOCKS_BUF_FLOATS(K) (BLOCK_ROWS_MAX * (int64_t)(K) + (K) / 16)
+#define BLOCK_ROWS_MAX 16  /* weight rows a thread dequantizes at a time (cpu_linear.c's blocks_features) */
+#define BLOCKS_BUF_FLOATS(K) (2 * BLOCK_ROWS_MAX * (int64_t)(K) + (K) / 16)
 
 /* linear_w8a8's (cpu_int8_gemm.c) quantization block of x along K: K must be a multiple of it; the floats of its
  * scales buffer for M rows of K (each block's scale, then one offset a row); decode_step's weight form for it (a bit

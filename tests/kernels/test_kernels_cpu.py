@@ -545,8 +545,10 @@ def test_blocks_linear_sums_as_the_small_batch_kernel_on_the_dequantized_weight(
                                                                                in_features, fmt):
     """A weight that is a dequantized Q4_1 or Q8_0 tensor, read as its blocks (`gguf_blocks`, `linear_blocks`): from 2
     rows the same bits as the fp32 small-batch kernel on the fp32 tensor, for every tile shape (rows below 4 and from
-    4, tails of rows and features); at 1 row (scales applied once a block, weights kept in registers) the same within
-    fp32 reassociation; with and without bias, x contiguous or a strided view; the blocks reproduce the weight."""
+    4, tails of rows and features), except the avx2 build from 24 rows (panels of 16 features, each output summed in
+    order of k: torch's result within fp32 reassociation, and a row's bits the same at any row count from 24); at 1 row
+    (scales applied once a block, weights kept in registers) the same within fp32 reassociation; with and without
+    bias, x contiguous or a strided view; the blocks reproduce the weight."""
     from pdserve_server.engine.execution.packing import gguf_blocks
 
     g = torch.Generator().manual_seed(rows * 7 + out_features)
@@ -569,6 +571,11 @@ def test_blocks_linear_sums_as_the_small_batch_kernel_on_the_dequantized_weight(
             assert ours.shape == (rows, out_features) and ours.dtype == torch.float32
             if rows == 1:
                 torch.testing.assert_close(ours, torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-5)
+            elif rows >= 24 and cpu_isa() == "avx2":
+                torch.testing.assert_close(ours, torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-5)
+                assert torch.equal(kernels.linear_blocks(x[:24], qs, scales, b), ours[:24])
+                # the last row in another place of its tile of 6
+                assert torch.equal(kernels.linear_blocks(x[1:], qs, scales, b)[-1], ours[-1])
             else:
                 assert torch.equal(ours, kernels.linear_small_m(x, w, b))
 
