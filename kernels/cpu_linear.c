@@ -586,7 +586,8 @@ static inline int blocks_features(int M) { return block_features(M); }
  * fp32, rows x_stride apart; bias [N] fp32 or NULL; y [M, N] fp32 dense; buf: the calling thread's own
  * BLOCKS_BUF_FLOATS(K) floats. The calling thread's share of the features, as linear_small_m_rows (an orphaned
  * worksharing loop, no barrier at the end). From 2 rows the same sums as that kernel over the dequantized tensor,
- * bit for bit (each weight dequantized once into the buffer serves every row); at 1 row one_row_tile's, or with
+ * bit for bit (each weight dequantized once into the buffer serves every row), except in the AVX2 build from
+ * PANEL_MIN_ROWS rows (blocks of 16 features through panels: panel_block); at 1 row one_row_tile's, or with
  * PDSERVE_Q8_ACTIVATIONS or'ed into format one_row_q8_tile's (x quantized once by each thread into its buffer). */
 void linear_blocks_rows(const float *x, int64_t x_stride, const void *qs, const uint16_t *scales, int format,
                         const float *bias, float *y, int M, int N, int K, float *buf) {
