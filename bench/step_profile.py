@@ -271,7 +271,8 @@ def main(argv=None) -> int:
                         "(e.g. bfloat16+int4); float32+gguf: the GGUF blocks against 8-bit batch-1 rows "
                         "(--quantization gguf)")
     p.add_argument("--backends", default="auto",
-                   help="comma-separated attention backends to compare (auto, torch, cpu; see kernels.backends.select_ops)")
+                   help="comma-separated attention backends to compare (auto, torch, cpu; see "
+                        "kernels.backends.select_ops)")
     p.add_argument("--packed-weights", default="on",
                    help="comma-separated on/off: bf16 linears prepacked for oneDNN (engine.execution.packing) or plain")
     p.add_argument("--gguf-blocks", default="on",
