@@ -404,6 +404,8 @@ async def run_disaggregated(router: Router, flow: Flow, request_id: str, prompt:
                     raise RequestError(grpc.StatusCode.UNAVAILABLE, f"decode worker {decode.address} did not "
                                                                     "reserve", worker=decode.address,
                                        public="the decode worker did not reserve KV blocks")
+                log.debug("request %s: KV blocks reserved on %s, prefill on %s", request_id, decode.address,
+                          prefill.address)
                 pcall = WorkerCall(prefill.prefill.Prefill(worker_pb2.PrefillRequest(
                     request_id=request_id, prompt_token_ids=prompt, sampling=sampling, output_token_ids=generated,
                     kv_address=decode.info.kv_address, arrival_time=arrival,

@@ -152,7 +152,8 @@ def test_a_decode_worker_lost_mid_transfer_is_blamed_not_the_prefill_worker(tiny
         prefill, d0, d1 = p.start_all(("p0", "prefill", *WORKER), ("d0", "decode", *WORKER), ("d1", "decode", *WORKER))
         decode = {"d0": d0, "d1": d1}
         coordinator = p.start("coordinator", "coordinator", "--stats-interval-s", "60", f"--prefill={prefill}",
-                              "--no-local-prefill-queue", *(f"--decode={a}" for a in decode.values()))
+                              "--no-local-prefill-queue", "--log-level", "DEBUG",
+                              *(f"--decode={a}" for a in decode.values()))
         prompt, n = list(range(1000, 1100)), 24
         first, result = threading.Event(), {}
 
@@ -172,8 +173,12 @@ def test_a_decode_worker_lost_mid_transfer_is_blamed_not_the_prefill_worker(tiny
         os.kill(p.procs["p0"].pid, signal.SIGSTOP)
         reader = threading.Thread(target=read)
         reader.start()
-        held = wait_for(lambda: next((name for name in decode if requests_on(p, decode[name])), None), 60,
-                        "a decode worker reserved the request")
+        # The coordinator's log, not the decode worker's stats: a worker counts the request before its reservation
+        # reply is written, and one stopped in between would hold the coordinator before it calls the prefill worker.
+        log_file = tmp_path / "coordinator.log"
+        held = wait_for(lambda: next((name for name, a in decode.items()
+                                      if f"KV blocks reserved on {a}," in log_file.read_text()), None), 60,
+                        "the coordinator has a decode worker's reservation")
         os.kill(p.procs[held].pid, signal.SIGSTOP)
         os.kill(p.procs["p0"].pid, signal.SIGCONT)
         assert first.wait(60), "the prefill worker's first token reached the client"
