@@ -21,6 +21,7 @@
 #include <float.h>
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "cpu_bf16.h"
@@ -67,6 +68,62 @@ static inline void store_outputs(void *out, float acc[][MAX_HEAD_DIM], const flo
     }
 }
 
+/* A work unit's keys: [lo, hi) of its sequence's context (the window's keys, or one split's share of them:
+ * split_keys). partial: NULL to write the unit's normalised outputs, else where its partial state goes (finish_item)
+ * for merge_item to combine. */
+typedef struct {
+    int lo, hi;
+    float *partial;
+} Keys;
+
+/* Floats of one unit's partial state: for each query head of the group its running max m, its sum l and its
+ * unnormalised acc [head_dim]. */
+static inline int64_t partial_floats(int group, int head_dim) { return (int64_t)group * (head_dim + 2); }
+
+/* A unit's end: its outputs (store_outputs, `keys` > 0 keys seen), or its state in `partial`. */
+static inline void finish_item(void *out, float acc[][MAX_HEAD_DIM], const float *m, const float *l, int s, int kvh,
+                               int group, int num_q_heads, int head_dim, int keys, int is_bf16, float *partial) {
+    if (partial == NULL) {
+        store_outputs(out, acc, l, s, kvh, group, num_q_heads, head_dim, keys, is_bf16);
+        return;
+    }
+    for (int g = 0; g < group; g++) {
+        float *p = partial + (int64_t)g * (head_dim + 2);
+        p[0] = m[g];
+        p[1] = l[g];
+        memcpy(p + 2, acc[g], (size_t)head_dim * sizeof(float));
+    }
+}
+
+/* Item (s, kvh)'s outputs from its `splits` units' states (finish_item; units `partial_floats` apart): per query
+ * head M = max m_u, l = sum_u l_u e^(m_u - M), acc = sum_u acc_u e^(m_u - M), out = acc / l (the rescaling of the
+ * online softmax across ranges: FlashDecoding, Dao et al. 2023; vLLM's paged attention v2). Units that saw no key
+ * (l_u = 0) are skipped: their m_u is -FLT_MAX, which e^(m_u - M) must not meet under -ffast-math. */
+static void merge_item(const float *partials, int splits, void *out, int s, int kvh, int group, int num_q_heads,
+                       int head_dim, int is_bf16) {
+    float acc[MAX_GROUP][MAX_HEAD_DIM], l[MAX_GROUP];
+    const int64_t unit = partial_floats(group, head_dim);
+    int seen = 0;
+    for (int g = 0; g < group; g++) {
+        float top = -FLT_MAX;
+        for (int u = 0; u < splits; u++) {
+            const float *p = partials + u * unit + (int64_t)g * (head_dim + 2);
+            if (p[1] > 0.0f && p[0] > top) top = p[0];
+        }
+        l[g] = 0.0f;
+        for (int d = 0; d < head_dim; d++) acc[g][d] = 0.0f;
+        for (int u = 0; u < splits; u++) {
+            const float *p = partials + u * unit + (int64_t)g * (head_dim + 2);
+            if (!(p[1] > 0.0f)) continue;
+            const float c = expf(p[0] - top);
+            l[g] += p[1] * c;
+            for (int d = 0; d < head_dim; d++) acc[g][d] += c * p[2 + d];
+            seen = 1;
+        }
+    }
+    store_outputs(out, acc, l, s, kvh, group, num_q_heads, head_dim, seen, is_bf16);
+}
+
 /* Blocks sit anywhere in the cache, where the hardware prefetcher cannot follow the block table: without software
  * prefetch the loads of each block's rows took half of the kernel's samples (perf). Each token's K and V rows of
  * the block PF_AHEAD blocks ahead are requested as this block's rows are loaded, one row per token, rather than
@@ -110,17 +167,27 @@ static inline int window_start(int ctx, int sliding_window) {
     return sliding_window > 0 && ctx > sliding_window ? ctx - sliding_window : 0;
 }
 
+/* Split p of `splits` of the keys a sequence of ctx tokens sees, [window_start, ctx): near-equal ranges cut at
+ * multiples of 8 keys (the AVX2 path's chunk; AVX-512's 16 may cut one chunk in two). splits = 1: all of them. */
+static inline Keys split_keys(int ctx, int sliding_window, int p, int splits) {
+    const int lo = window_start(ctx, sliding_window), span = ctx > lo ? ctx - lo : 0;
+    int a = lo + (int)((int64_t)span * p / splits), b = lo + (int)((int64_t)span * (p + 1) / splits);
+    a = p == 0 ? lo : (a / 8 * 8 > lo ? a / 8 * 8 : lo);
+    b = p + 1 == splits ? ctx : (b / 8 * 8 > lo ? b / 8 * 8 : lo);
+    return (Keys){a, b, NULL};
+}
+
 /* One work item: sequence s, kv head kvh, all `group` query heads that share it, over keys [window_start, ctx): the
  * blocks before the window's are never read. Always inlined into the callers below with head_dim a compile-time
  * constant (64, 128) where it can be, so that the loops over head_dim unroll and the accumulators stay in registers;
  * the generic call keeps it a runtime value. */
 static inline __attribute__((always_inline)) void attend_item(
-        const void *query, const void *k_cache, const void *v_cache, const int32_t *block_tables,
-        const int32_t *context_lens, void *out, int s, int kvh, int group, int num_q_heads, int head_dim,
-        int block_size, int max_blocks, int64_t block_stride, int64_t token_stride, int64_t q_stride, float scale,
-        int sliding_window, int is_bf16, int kv_bf16, NextItem next) {
+        const void *query, const void *k_cache, const void *v_cache, const int32_t *block_tables, Keys keys,
+        void *out, int s, int kvh, int group, int num_q_heads, int head_dim, int block_size, int max_blocks,
+        int64_t block_stride, int64_t token_stride, int64_t q_stride, float scale, int is_bf16, int kv_bf16,
+        NextItem next) {
     const size_t elem = is_bf16 ? 2 : 4, kv_elem = kv_bf16 ? 2 : 4;
-    const int ctx = context_lens[s], lo = window_start(ctx, sliding_window);
+    const int ctx = keys.hi, lo = keys.lo;  /* ctx: the range's end (the context's, unsplit) */
     float q[MAX_GROUP][MAX_HEAD_DIM], acc[MAX_GROUP][MAX_HEAD_DIM], m[MAX_GROUP], l[MAX_GROUP];
     float kb[MAX_BLOCK][MAX_HEAD_DIM], vb[MAX_BLOCK][MAX_HEAD_DIM];
     for (int g = 0; g < group; g++) {
@@ -169,7 +236,7 @@ static inline __attribute__((always_inline)) void attend_item(
                 for (int d = 0; d < head_dim; d++) acc[g][d] += sc[j] * vb[j][d];
         }
     }
-    store_outputs(out, acc, l, s, kvh, group, num_q_heads, head_dim, ctx, is_bf16);
+    finish_item(out, acc, m, l, s, kvh, group, num_q_heads, head_dim, ctx - lo, is_bf16, keys.partial);
 }
 
 #ifdef HAVE_AVX512
@@ -212,14 +279,14 @@ static inline __m512 hsum16(const __m512 *v) {
  * missing lanes are masked: rows past the context are never read). The window's first block starts its chunks at
  * the window's first token. */
 static inline __attribute__((always_inline)) void attend_item_avx512(
-        const void *query, const void *k_cache, const void *v_cache, const int32_t *block_tables,
-        const int32_t *context_lens, void *out, int s, int kvh, int group, int num_q_heads, const int HD,
-        int block_size, int max_blocks, int64_t block_stride, int64_t token_stride, int64_t q_stride, float scale,
-        int sliding_window, int is_bf16, int kv_bf16, NextItem next) {
+        const void *query, const void *k_cache, const void *v_cache, const int32_t *block_tables, Keys keys,
+        void *out, int s, int kvh, int group, int num_q_heads, const int HD, int block_size, int max_blocks,
+        int64_t block_stride, int64_t token_stride, int64_t q_stride, float scale, int is_bf16, int kv_bf16,
+        NextItem next) {
     enum { NC_MAX = MAX_HEAD_DIM / 16 };
     const int NC = HD / 16;
     const size_t elem = is_bf16 ? 2 : 4, kv_elem = kv_bf16 ? 2 : 4;
-    const int ctx = context_lens[s], lo = window_start(ctx, sliding_window);
+    const int ctx = keys.hi, lo = keys.lo;  /* ctx: the range's end (the context's, unsplit) */
     float acc[MAX_GROUP][MAX_HEAD_DIM] __attribute__((aligned(64))), m[MAX_GROUP], l[MAX_GROUP];
     float vb[16][MAX_HEAD_DIM] __attribute__((aligned(64)));
     __m512 qf[MAX_GROUP][NC_MAX];
@@ -306,7 +373,7 @@ static inline __attribute__((always_inline)) void attend_item_avx512(
             }
         }
     }
-    store_outputs(out, acc, l, s, kvh, group, num_q_heads, HD, ctx, is_bf16);
+    finish_item(out, acc, m, l, s, kvh, group, num_q_heads, HD, ctx - lo, is_bf16, keys.partial);
 }
 #endif
 
@@ -351,14 +418,14 @@ static inline float hadd8(__m256 v) {
  * a time; a block's (or the context's) last partial chunk masks its missing lanes, whose rows are never read. The
  * window's first block starts its chunks at the window's first token. */
 static inline __attribute__((always_inline)) void attend_item_avx2(
-        const void *query, const void *k_cache, const void *v_cache, const int32_t *block_tables,
-        const int32_t *context_lens, void *out, int s, int kvh, int group, int num_q_heads, const int HD,
-        int block_size, int max_blocks, int64_t block_stride, int64_t token_stride, int64_t q_stride, float scale,
-        int sliding_window, int is_bf16, int kv_bf16, NextItem next) {
+        const void *query, const void *k_cache, const void *v_cache, const int32_t *block_tables, Keys keys,
+        void *out, int s, int kvh, int group, int num_q_heads, const int HD, int block_size, int max_blocks,
+        int64_t block_stride, int64_t token_stride, int64_t q_stride, float scale, int is_bf16, int kv_bf16,
+        NextItem next) {
     enum { NC_MAX = 128 / 8, PV = 8 };  /* HD <= 128 here; P.V in passes of PV vectors (AVX2 has 16 registers) */
     const int NC = HD / 8;
     const size_t elem = is_bf16 ? 2 : 4, kv_elem = kv_bf16 ? 2 : 4;
-    const int ctx = context_lens[s], lo = window_start(ctx, sliding_window);
+    const int ctx = keys.hi, lo = keys.lo;  /* ctx: the range's end (the context's, unsplit) */
     float acc[MAX_GROUP][MAX_HEAD_DIM] __attribute__((aligned(32))), m[MAX_GROUP], l[MAX_GROUP];
     float kb[8][MAX_HEAD_DIM] __attribute__((aligned(32))), vb[8][MAX_HEAD_DIM] __attribute__((aligned(32)));
     __m256 qf[MAX_GROUP][NC_MAX];
@@ -435,7 +502,7 @@ static inline __attribute__((always_inline)) void attend_item_avx2(
             }
         }
     }
-    store_outputs(out, acc, l, s, kvh, group, num_q_heads, HD, ctx, is_bf16);
+    finish_item(out, acc, m, l, s, kvh, group, num_q_heads, HD, ctx - lo, is_bf16, keys.partial);
 }
 #endif
 
@@ -449,7 +516,8 @@ static inline __attribute__((always_inline)) void attend_item_avx2(
  *     dtype (a bf16 cache under fp32 compute: half the bytes read, widened exactly); a block is dense, blocks are
  *     `block_stride` elements apart (a per-layer view of a cache holding all layers is strided in dim 0).
  * block_tables: [num_seqs, max_blocks] int32, contiguous; context_lens: [num_seqs] int32 (>= 1 each).
- * Work items are (sequence, kv head) pairs, split statically over `num_threads` OpenMP threads.
+ * Work units are (sequence, kv head) pairs, or ranges of their keys when there are few (paged_decode_attention_for),
+ * split statically over `num_threads` OpenMP threads.
  * A sequence with context_len <= 0 gets zeros (the caller never sends one; defined rather than NaN).
  * Returns the first sequence whose context needs more than max_blocks blocks or whose table names a block outside
  * [0, num_blocks) among those its window reads, having computed nothing, or -1. Checked here rather than by the
@@ -463,10 +531,14 @@ int paged_decode_attention(const void *query, const void *k_cache, const void *v
     const int bad = paged_decode_attention_check(block_tables, context_lens, num_seqs, block_size, max_blocks,
                                                  sliding_window, num_blocks);
     if (bad >= 0) return bad;
+    /* the split items' scratch; without it (no memory) nothing is split: the same attention, other last bits */
+    const int64_t floats = pdserve_attention_partials(num_seqs, num_kv_heads, num_q_heads / num_kv_heads, head_dim);
+    float *partials = floats > 0 ? malloc((size_t)floats * sizeof(float)) : NULL;
     #pragma omp parallel num_threads(num_threads)
     paged_decode_attention_for(query, k_cache, v_cache, block_tables, context_lens, out, num_seqs, num_q_heads,
                                num_kv_heads, head_dim, block_size, max_blocks, block_stride, q_stride, scale,
-                               sliding_window, is_bf16, kv_bf16);
+                               sliding_window, is_bf16, kv_bf16, partials);
+    free(partials);
     return -1;
 }
 
@@ -486,39 +558,46 @@ int paged_decode_attention_check(const int32_t *block_tables, const int32_t *con
     return -1;
 }
 
-/* paged_decode_attention's work on tables that passed its check, as an orphaned worksharing loop over the (sequence,
- * kv head) items: run by every thread of the enclosing OpenMP region (or alone outside one), no barrier at the end
- * (cpu_decode_step.c holds one region over a whole step). */
+/* paged_decode_attention's work on tables that passed its check, as orphaned worksharing loops: run by every thread of
+ * the enclosing OpenMP region (or alone outside one), no barrier at the end (cpu_decode_step.c holds one region over a
+ * whole step). Units are (sequence, kv head, split) triples in order; with partials (pdserve_attention_partials floats,
+ * or NULL: nothing split) and fewer than PDSERVE_SPLIT_UNITS items, each item's keys go as several units, and after
+ * a barrier the items' states are merged. Why: at batch 1 SmolLM2 has 3 items (kv heads) for 2 threads, and one
+ * thread idled a third of the attention (perf: 22% of a 1-row step's samples in OpenMP waits at contexts of 100-800
+ * tokens). The split depends on the batch alone: the same bits whatever the thread count. */
 void paged_decode_attention_for(const void *query, const void *k_cache, const void *v_cache,
                                 const int32_t *block_tables, const int32_t *context_lens, void *out, int num_seqs,
                                 int num_q_heads, int num_kv_heads, int head_dim, int block_size, int max_blocks,
                                 int64_t block_stride, int64_t q_stride, float scale, int sliding_window,
-                                int is_bf16, int kv_bf16) {
-    const int group = num_q_heads / num_kv_heads;
-    const int64_t token_stride = (int64_t)num_kv_heads * head_dim;
+                                int is_bf16, int kv_bf16, float *partials) {
+    const int group = num_q_heads / num_kv_heads, items = num_seqs * num_kv_heads;
+    const int splits = partials != NULL ? pdserve_attention_splits(items) : 1, units = items * splits;
+    const int64_t token_stride = (int64_t)num_kv_heads * head_dim, unit_floats = partial_floats(group, head_dim);
     #pragma omp for schedule(static) nowait
-    for (int item = 0; item < num_seqs * num_kv_heads; item++) {
-        const int s = item / num_kv_heads, kvh = item % num_kv_heads;
+    for (int u = 0; u < units; u++) {
+        const int item = u / splits, s = item / num_kv_heads, kvh = item % num_kv_heads;
+        Keys keys = split_keys(context_lens[s], sliding_window, u % splits, splits);
+        if (splits > 1) keys.partial = partials + (int64_t)u * unit_floats;
         NextItem next = {NULL, 0, 0};
-        if (item + 1 < num_seqs * num_kv_heads) {
-            const int s2 = (item + 1) / num_kv_heads, ctx2 = context_lens[s2];
-            const int first = window_start(ctx2, sliding_window) / block_size;
-            next = (NextItem){block_tables + (size_t)s2 * max_blocks + first, ctx2 - first * block_size,
-                              (int64_t)((item + 1) % num_kv_heads) * head_dim};
+        if (u + 1 < units) {
+            const int item2 = (u + 1) / splits, s2 = item2 / num_kv_heads;
+            const Keys keys2 = split_keys(context_lens[s2], sliding_window, (u + 1) % splits, splits);
+            const int first = keys2.lo / block_size;
+            next = (NextItem){block_tables + (size_t)s2 * max_blocks + first, keys2.hi - first * block_size,
+                              (int64_t)(item2 % num_kv_heads) * head_dim};
         }
-#define ATTEND(HD, BF16, KV_BF16) attend_item(query, k_cache, v_cache, block_tables, context_lens, out, s, kvh, \
-        group, num_q_heads, HD, block_size, max_blocks, block_stride, token_stride, q_stride, scale, sliding_window, \
-        BF16, KV_BF16, next)
+#define ATTEND(HD, BF16, KV_BF16) attend_item(query, k_cache, v_cache, block_tables, keys, out, s, kvh, group, \
+        num_q_heads, HD, block_size, max_blocks, block_stride, token_stride, q_stride, scale, BF16, KV_BF16, next)
 /* head_dim 64 and 128 as compile-time constants: the AVX-512 or AVX2 path where the build has it, else the plain
  * loops */
 #ifdef HAVE_AVX512
-#define ATTEND_FIXED(HD, BF16, KV_BF16) attend_item_avx512(query, k_cache, v_cache, block_tables, context_lens, out, \
-        s, kvh, group, num_q_heads, HD, block_size, max_blocks, block_stride, token_stride, q_stride, scale, \
-        sliding_window, BF16, KV_BF16, next)
+#define ATTEND_FIXED(HD, BF16, KV_BF16) attend_item_avx512(query, k_cache, v_cache, block_tables, keys, out, s, kvh, \
+        group, num_q_heads, HD, block_size, max_blocks, block_stride, token_stride, q_stride, scale, BF16, KV_BF16, \
+        next)
 #elif defined(HAVE_AVX2)
-#define ATTEND_FIXED(HD, BF16, KV_BF16) attend_item_avx2(query, k_cache, v_cache, block_tables, context_lens, out, \
-        s, kvh, group, num_q_heads, HD, block_size, max_blocks, block_stride, token_stride, q_stride, scale, \
-        sliding_window, BF16, KV_BF16, next)
+#define ATTEND_FIXED(HD, BF16, KV_BF16) attend_item_avx2(query, k_cache, v_cache, block_tables, keys, out, s, kvh, \
+        group, num_q_heads, HD, block_size, max_blocks, block_stride, token_stride, q_stride, scale, BF16, KV_BF16, \
+        next)
 #else
 #define ATTEND_FIXED ATTEND
 #endif
@@ -536,5 +615,12 @@ void paged_decode_attention_for(const void *query, const void *k_cache, const vo
         }
 #undef ATTEND_FIXED
 #undef ATTEND
+    }
+    if (splits > 1) {
+        #pragma omp barrier
+        #pragma omp for schedule(static) nowait
+        for (int item = 0; item < items; item++)
+            merge_item(partials + (int64_t)item * splits * unit_floats, splits, out, item / num_kv_heads,
+                       item % num_kv_heads, group, num_q_heads, head_dim, is_bf16);
     }
 }

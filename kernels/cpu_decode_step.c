@@ -30,6 +30,7 @@ typedef struct {
     float *buf;
     int8_t *qx;
     float *sx;
+    float *partials;
 } Scratch;
 
 /* y [rows, N] = x [rows, K] W^T + b in the step's form; x rows K apart. The calling thread's share. */
@@ -67,7 +68,7 @@ static void layer(const PdserveDecodeStep *a, int l, const Scratch *t) {
     #pragma omp barrier
     paged_decode_attention_for(a->qkv, a->k_caches[l], a->v_caches[l], a->block_tables, a->context_lens, a->attn,
                                rows, a->num_heads, a->num_kv_heads, D, a->block_size, a->max_blocks, a->block_stride,
-                               qkv_width, a->scale, a->windows[l], bf, kv_bf);
+                               qkv_width, a->scale, a->windows[l], bf, kv_bf, t->partials);
     #pragma omp barrier
     linear(a, 4 * l + 1, a->attn, a->proj, H, Q, t);
     warm(a, 4 * l + 2, 2 * I, H);
@@ -94,19 +95,25 @@ int decode_step(const PdserveDecodeStep *step, int num_threads) {
     float *bufs = blocks ? blocks_buffers(step->max_k, num_threads) : NULL;
     int8_t *qx = w8a8 ? malloc((size_t)step->rows * step->max_k) : NULL;
     float *sx = w8a8 ? malloc(W8A8_SX_FLOATS(step->rows, step->max_k) * sizeof(float)) : NULL;
-    if ((blocks && bufs == NULL) || (w8a8 && (qx == NULL || sx == NULL))) {
+    const int64_t split = pdserve_attention_partials(step->rows, step->num_kv_heads,
+                                                     step->num_heads / step->num_kv_heads, step->head_dim);
+    float *partials = split > 0 ? malloc((size_t)split * sizeof(float)) : NULL;  /* shared: each unit its own part */
+    if ((blocks && bufs == NULL) || (w8a8 && (qx == NULL || sx == NULL)) || (split > 0 && partials == NULL)) {
         free(bufs);
         free(qx);
         free(sx);
+        free(partials);
         return -1;
     }
     #pragma omp parallel num_threads(num_threads)
     {
-        const Scratch t = {bufs ? bufs + (size_t)omp_get_thread_num() * BLOCKS_BUF_FLOATS(step->max_k) : NULL, qx, sx};
+        const Scratch t = {bufs ? bufs + (size_t)omp_get_thread_num() * BLOCKS_BUF_FLOATS(step->max_k) : NULL, qx, sx,
+                           partials};
         for (int l = 0; l < step->layers; l++) layer(step, l, &t);
     }
     free(bufs);
     free(qx);
     free(sx);
+    free(partials);
     return 0;
 }

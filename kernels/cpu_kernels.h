@@ -92,7 +92,7 @@ typedef struct {
         const void *query, const void *k_cache, const void *v_cache, const int32_t *block_tables,                    \
         const int32_t *context_lens, void *out, int num_seqs, int num_q_heads, int num_kv_heads, int head_dim,       \
         int block_size, int max_blocks, int64_t block_stride, int64_t q_stride, float scale, int sliding_window,      \
-        int is_bf16, int kv_bf16);                                                                                   \
+        int is_bf16, int kv_bf16, float *partials);                                                                  \
     void PDSERVE_ISA_NAME(rms_norm_for, isa)(const void *x, void *residual, const void *weight, void *out, int rows, \
                                              int dim, int64_t x_stride, float eps, int is_bf16);                     \
     void PDSERVE_ISA_NAME(silu_and_mul_for, isa)(const void *gate_up, void *out, int rows, int inter, int is_bf16);  \
@@ -146,6 +146,20 @@ typedef struct {
 #define PDSERVE_MAX_GROUP 16    /* query heads per kv head */
 #define PDSERVE_MAX_HEAD_DIM 256
 #define PDSERVE_MAX_BLOCK 64    /* tokens per KV block */
+
+/* Paged decode attention's split keys (cpu_decode.c, attention_splits): fewer than PDSERVE_SPLIT_UNITS (sequence, kv
+ * head) items each go as ceil(PDSERVE_SPLIT_UNITS / items) ranges of their keys, whose partial softmax states a merge
+ * combines. A function of the batch alone, never of the thread count. */
+#define PDSERVE_SPLIT_UNITS 16
+static inline int pdserve_attention_splits(int items) {
+    return items >= PDSERVE_SPLIT_UNITS ? 1 : (PDSERVE_SPLIT_UNITS + items - 1) / items;
+}
+/* Floats of scratch paged_decode_attention_for needs for the partial states of split items (0: none split): per
+ * unit and query head of the group, its running max, its sum and its head_dim accumulators. */
+static inline int64_t pdserve_attention_partials(int num_seqs, int num_kv_heads, int group, int head_dim) {
+    const int items = num_seqs * num_kv_heads, splits = pdserve_attention_splits(items);
+    return splits > 1 ? (int64_t)items * splits * group * (head_dim + 2) : 0;
+}
 
 #ifdef PDSERVE_ISA  /* compiling one level's build: declare its entry points, then rename the definitions to them */
 PDSERVE_DECLARE_KERNELS(PDSERVE_ISA)

@@ -91,6 +91,33 @@ def test_decode_with_sliding_window_matches_reference(kernels, dtype, block_size
             assert (full[i].float() - ref[i].float()).abs().max() > 0.1, (n, window)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("lengths,window", [([1000], 0), ([1000], 300), ([1, 37, 300], 0), ([7], 0)])
+def test_decode_of_few_sequences_splits_their_keys_with_the_same_bits_on_any_thread_count(kernels, dtype, lengths,
+                                                                                          window):
+    """Fewer than 16 (sequence, kv head) items (a batch of 1-5 of SmolLM2's 3 kv heads) split each item's keys in
+    ranges merged after (cpu_decode.c, paged_decode_attention_for): the reference's result, from a window's middle
+    too (keys before it NaN), and the same bits on 1 and 2 threads (the split follows the batch, not the threads)."""
+    block_size, hq, hkv, d = 16, 9, 3, 64
+    k_cache, v_cache, table, lens = _paged(lengths, block_size, hkv, d, dtype, seed=len(lengths))
+    q = torch.randn(len(lengths), hq + 2 * hkv, d, generator=torch.Generator().manual_seed(1)).to(dtype)[:, :hq]
+    ref = reference.paged_decode_attention(q, k_cache, v_cache, table, lens, d ** -0.5, sliding_window=window)
+    if window:
+        _poison_before(k_cache, v_cache, table, [max(0, n - window) for n in lengths], block_size)
+    old = torch.get_num_threads()
+    outs = []
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            outs.append(kernels.paged_decode_attention(q, k_cache, v_cache, table, lens, d ** -0.5,
+                                                       sliding_window=window))
+    finally:
+        torch.set_num_threads(old)
+    tol = dict(rtol=1e-5, atol=2e-6) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(outs[1], ref, **tol)
+    assert torch.equal(outs[0], outs[1])
+
+
 def test_decode_with_a_window_reads_and_checks_only_the_windows_blocks(kernels):
     """Blocks before the window are neither read nor checked (an engine may leave their table entries stale);
     the window's own blocks still are."""
