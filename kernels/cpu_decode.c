@@ -177,7 +177,7 @@ static inline Keys split_keys(int ctx, int sliding_window, int p, int splits) {
     return (Keys){a, b, NULL};
 }
 
-/* One work item: sequence s, kv head kvh, all `group` query heads that share it, over keys [window_start, ctx): the
+/* One work unit: sequence s, kv head kvh, all `group` query heads that share it, over keys [keys.lo, keys.hi): the
  * blocks before the window's are never read. Always inlined into the callers below with head_dim a compile-time
  * constant (64, 128) where it can be, so that the loops over head_dim unroll and the accumulators stay in registers;
  * the generic call keeps it a runtime value. */
@@ -358,7 +358,8 @@ static inline __attribute__((always_inline)) void attend_item_avx512(
                     m[g] = cmax;
                 }
                 float p[16] __attribute__((aligned(64)));
-                _mm512_store_ps(p, _mm512_sub_ps(sc, _mm512_set1_ps(m[g])));
+                /* dead lanes at 0 before expf, as in the AVX2 path: -FLT_MAX - m takes libmvec's scalar fallback */
+                _mm512_store_ps(p, _mm512_maskz_sub_ps(live, sc, _mm512_set1_ps(m[g])));
                 for (int j = 0; j < 16; j++) p[j] = expf(p[j]);  /* vectorized by the compiler (libmvec) */
                 const __m512 pv = _mm512_maskz_mov_ps(live, _mm512_load_ps(p));
                 l[g] += _mm512_reduce_add_ps(pv);

@@ -89,7 +89,7 @@ static void layer(const PdserveDecodeStep *a, int l, const Scratch *t) {
 
 /* Every layer of the step described by `step` (cpu_kernels.h: PdserveDecodeStep), num_threads threads. The caller
  * has checked the slots, block tables and shapes (cpu_ops.cpp). Returns 0, or -1 with nothing computed when the
- * blocks' or W8A8's buffers could not be allocated. */
+ * blocks', W8A8's or the split attention's buffers could not be allocated. */
 int decode_step(const PdserveDecodeStep *step, int num_threads) {
     const int w8a8 = step->weight_blocks == PDSERVE_W8A8, blocks = step->weight_blocks && !w8a8;
     float *bufs = blocks ? blocks_buffers(step->max_k, num_threads) : NULL;

@@ -147,12 +147,12 @@ typedef struct {
 #define PDSERVE_MAX_HEAD_DIM 256
 #define PDSERVE_MAX_BLOCK 64    /* tokens per KV block */
 
-/* Paged decode attention's split keys (cpu_decode.c, attention_splits): fewer than PDSERVE_SPLIT_UNITS (sequence, kv
+/* Paged decode attention's split keys (cpu_decode.c, paged_decode_attention_for): fewer than PDSERVE_SPLIT_UNITS (sequence, kv
  * head) items each go as ceil(PDSERVE_SPLIT_UNITS / items) ranges of their keys, whose partial softmax states a merge
  * combines. A function of the batch alone, never of the thread count. */
 #define PDSERVE_SPLIT_UNITS 16
 static inline int pdserve_attention_splits(int items) {
-    return items >= PDSERVE_SPLIT_UNITS ? 1 : (PDSERVE_SPLIT_UNITS + items - 1) / items;
+    return items >= PDSERVE_SPLIT_UNITS || items <= 0 ? 1 : (PDSERVE_SPLIT_UNITS + items - 1) / items;
 }
 /* Floats of scratch paged_decode_attention_for needs for the partial states of split items (0: none split): per
  * unit and query head of the group, its running max, its sum and its head_dim accumulators. */

@@ -746,7 +746,7 @@ at::Tensor decode_layers_fused(const at::Tensor &residual, const at::Tensor &x, 
         ptr(residual), ptr(out), ptr(qkv), ptr(attn), ptr(proj), ptr(gate_up), ptr(act)};
     RECORD_FUNCTION("pdserve::decode_layers_fused:step", std::vector<c10::IValue>());
     TORCH_CHECK(kernels().decode_step(&step, at::get_num_threads()) == 0,
-                "decode_layers_fused: out of memory for the blocks' or W8A8's buffers");
+                "decode_layers_fused: out of memory for the blocks', W8A8's or split attention's buffers");
     return out;
 }
 
