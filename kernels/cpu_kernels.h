@@ -147,9 +147,9 @@ typedef struct {
 #define PDSERVE_MAX_HEAD_DIM 256
 #define PDSERVE_MAX_BLOCK 64    /* tokens per KV block */
 
-/* Paged decode attention's split keys (cpu_decode.c, paged_decode_attention_for): fewer than PDSERVE_SPLIT_UNITS (sequence, kv
- * head) items each go as ceil(PDSERVE_SPLIT_UNITS / items) ranges of their keys, whose partial softmax states a merge
- * combines. A function of the batch alone, never of the thread count. */
+/* Paged decode attention's split keys (cpu_decode.c, paged_decode_attention_for): fewer than PDSERVE_SPLIT_UNITS
+ * (sequence, kv head) items each go as ceil(PDSERVE_SPLIT_UNITS / items) ranges of their keys, whose partial softmax
+ * states a merge combines. A function of the batch alone, never of the thread count. */
 #define PDSERVE_SPLIT_UNITS 16
 static inline int pdserve_attention_splits(int items) {
     return items >= PDSERVE_SPLIT_UNITS || items <= 0 ? 1 : (PDSERVE_SPLIT_UNITS + items - 1) / items;
