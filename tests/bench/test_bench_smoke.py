@@ -13,8 +13,8 @@ ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.e2e
 
 
-def _run(args, tmp_path, timeout=600):
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+def _run(args, tmp_path, timeout=600, **env_set):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | env_set
     proc = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
@@ -23,14 +23,17 @@ def _run(args, tmp_path, timeout=600):
 
 def test_sweep_smoke(tiny_model_dir, tmp_path):
     out = tmp_path / "sweep"
-    _run(["bench/sweep.py", "--model-dir", str(tiny_model_dir), "--systems", "naive,llamacpp",
-          "--llama-server", str(tmp_path / "no-llama-server"), "--workload", "seed",
-          "--variant", "colocated-x2=colocatedx2:",  # two colocated workers behind one coordinator
-          "--variant", "pdserve-disagg=disagg:|--local-prefill-tokens 64",  # coordinator flags after the |
-          "--concurrency", "1,3", "--num-requests", "3", "--output-len", "5",
-          "--threads", "1", "--out-dir", str(out)], tmp_path)
+    stdout = _run(["bench/sweep.py", "--model-dir", str(tiny_model_dir), "--systems", "naive,llamacpp",
+                   "--llama-server", str(tmp_path / "no-llama-server"), "--workload", "seed",
+                   "--variant", "colocated-x2=colocatedx2:",  # two colocated workers behind one coordinator
+                   "--variant", "pdserve-disagg=disagg:|--local-prefill-tokens 64",  # coordinator flags after the |
+                   "--concurrency", "1,3", "--num-requests", "3", "--output-len", "5",
+                   "--threads", "1", "--out-dir", str(out)], tmp_path, OMP_WAIT_POLICY="PASSIVE")
     results = json.loads((out / "results.json").read_text())
     assert set(results["systems"]) == {"pdserve-disagg", "naive", "colocated-x2"}
+    # the OpenMP setting every system inherits (it halves a CPU engine's batch-1 speed) is recorded and named
+    assert results["config"]["thread_env"]["OMP_WAIT_POLICY"] == "PASSIVE"
+    assert "inherits OMP_WAIT_POLICY=PASSIVE" in stdout
     assert (out / "logs" / "colocated-1.log").exists()  # the variant's second worker started
     assert "no-llama-server" in results["not_run"]["llamacpp"]  # a peer that cannot start is said, the rest run
     assert results["config"]["workload"] == "seed" and results["config"]["input_len"] > 10
