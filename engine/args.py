@@ -32,8 +32,8 @@ class EngineArgs:
         quantization: "none", "int8" or "int4": weight-only quantized linears (`engine.execution.quantization`; int4 in
             groups of 32 input channels; both need a bf16/fp16 dtype); "gguf": a GGUF model's exact blocks
             (`engine.execution.packing.gguf_blocks`) against decode rows quantized to 8 bits, as llama.cpp computes
-            (`packing.use_q8_activations`; float32); "w8a8_int8": float32 decoder linears computed as 8-bit integer
-            products, prefill chunks and decode steps (`packing.use_w8a8`; the cpu backend).
+            (`packing.use_q8_activations`; float32); "w8a8_int8": float32 linears (decoder layers and LM head) computed
+            as 8-bit integer products, prefill chunks and decode steps (`packing.use_w8a8`; the cpu backend).
         block_size: tokens per KV block.
         kv_tokens: KV budget in tokens; ignored when kv_bytes is set. None with kv_bytes None: sized from the memory
             free at start (`engine.config.auto_kv_tokens`).
@@ -94,9 +94,9 @@ class EngineArgs:
         "help": "int8 / int4 = weight-only int8 / int4 (groups of 32) linears (bf16/fp16 dtypes): faster "
                 "small-batch decode on CPU, slower at large batches; gguf = a GGUF model's Q4_1 / Q8_0 linears "
                 "computed as llama.cpp does at batch 1 (the row quantized to 8 bits a block, integer dot products; "
-                "float32 on the cpu backend): faster batch-1 decode, not exact; w8a8_int8 = float32 decoder linears "
-                "computed as int8 products (7-bit weights, activations quantized per block of 64; cpu backend): "
-                "faster prefill and batched decode on CPUs without bf16 units, not exact"})
+                "float32 on the cpu backend): faster batch-1 decode, not exact; w8a8_int8 = float32 linears (layers "
+                "and LM head) computed as int8 products (7-bit weights, activations quantized per block of 64; cpu "
+                "backend): faster prefill and batched decode on CPUs without bf16 units, not exact"})
     packed_weights: bool = field(default=True, metadata={
         "help": "CPU linears (engine.execution.packing): bf16 weights reordered once at load into oneDNN's blocked "
                 "layout, fp32 decode batches through the cpu backend's small-batch kernel; no effect elsewhere"})

@@ -397,7 +397,7 @@ static inline __attribute__((always_inline)) void one_row_tile(const float *x, c
  * SmolLM2-135M's layer linears at one row: 3.8 ms here against 4.9 exact; its Q8_0 LM head 0.85 against 1.0.
  * This is that arithmetic, with two differences that only remove error: the row's scales stay fp32 (llama.cpp rounds
  * them to fp16) and Q4_1's minimum multiplies the exact fp32 sum of x over the block (llama.cpp's d * sum(q)). Lossy
- * in the activations (a relative error of about 2^-8 per block of x; +1.2% perplexity on the packaged model,
+ * in the activations (a relative error of about 2^-8 per block of x; +1.2-1.7% perplexity on the packaged model,
  * bench/quality.py), so it is opt-in: --quantization gguf.
  *
  * qx: K int8, x quantized; for Q4_1 each block's 32 in the order that pairs them with the nibbles as

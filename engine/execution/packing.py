@@ -39,8 +39,8 @@ VNNI-style dot products, `w8a8_packed`; each row of x quantized per block of 64 
 torch's fp32 GEMM already runs at the FMA units' peak: fewer instructions a product (1.32-1.43x torch at 128-512 rows on
 an AVX2 AMD EPYC, 1.77x at 512 with AVX512-VNNI on an Ice Lake Xeon); decode steps of 2 to 64 rows: also a quarter of
 the fp32 weight bytes (every decoder linear of SmolLM2-135M, 2 threads, AVX2 AMD EPYC: 1.3-1.6x the Q4_1 blocks,
-1.4-2.2x the fp32 kernel). One row of weights held as GGUF blocks stays on those (5 bits a weight: faster there); the
-LM head stays fp32. Lossy, as SGLang's w8a8_int8 is.
+1.4-2.2x the fp32 kernel); the LM head too. One row of weights held as GGUF blocks stays on those (5 or 8.5 bits a
+weight: faster there, and exact). Lossy, as SGLang's w8a8_int8 and llama.cpp's Q8_0 are.
 
 CPU only; anything else keeps `nn.Linear`. Unverified on GPU by construction: never applied there.
 """
@@ -284,7 +284,8 @@ def use_q8_activations(model: nn.Module) -> int:
     products against the blocks (kernels/cpu_linear.c, PDSERVE_Q8_ACTIVATIONS): fewer instructions a weight (2 AVX2
     cores: the packaged model's layers 3.8 against 4.9 ms exact at one row, its LM head 0.85 against 1.0); from 2
     rows, and prefill, the arithmetic stays exact. Lossy: about 1% relative error in each output on random weights
-    (the row's rounding), +1.2% perplexity on the packaged model (bench/quality.py), as llama.cpp's arithmetic has.
+    (the row's rounding), +1.2-1.7% perplexity on the packaged model (bench/quality.py; the spread is rounding: which
+    values round which way moved with the split decode attention's last bits), as llama.cpp's arithmetic has.
     Returns how many linears were switched.
 
     Source: ggml-cpu's ggml_vec_dot_q4_1_q8_1 and ggml_vec_dot_q8_0_q8_0 (llama.cpp), whose arithmetic this is, with
@@ -329,20 +330,22 @@ def w8a8_packed(wq: torch.Tensor) -> torch.Tensor:
 
 
 def use_w8a8(model: nn.Module, int8_linear: Callable[..., torch.Tensor]) -> int:
-    """Have every `SmallBatchLinear` under `model` but the LM head compute its rows through 8-bit integer products
-    (the module docstring): `int8_linear` (x [M, K], wp, w_scale, bias | None) -> [M, N]
+    """Have every `SmallBatchLinear` under `model`, the LM head included, compute its rows through 8-bit integer
+    products (the module docstring): `int8_linear` (x [M, K], wp, w_scale, bias | None) -> [M, N]
     (`kernels.backends.AttentionOps.int8_linear`) over the layer's `w8a8_weights`, kept beside its fp32 weight (+25% of
-    the weights' bytes); a one-row x of a linear that holds GGUF blocks keeps reading those. The LM head stays fp32: its
-    logits are what sampling reads. Lossy: +2.0% perplexity on the packaged model through the engine as one prefill
-    (bench/quality.py; docs/benchmarks.md). Returns how many linears were switched; a linear whose in_features is not
-    a multiple of W8A8_BLOCK keeps the fp32 forms.
+    the weights' bytes); a one-row x of a linear that holds GGUF blocks keeps reading those. The LM head as llama.cpp's
+    Q8_0 models compute theirs (SGLang's and vLLM's w8a8 keep it in 16 bits): at a decode step's 64 rows it was a
+    fifth of the step in fp32 and runs 1.8x faster as int8 products (SmolLM2-135M's 49,152 x 576 head, 2 AVX2 cores),
+    for +0.1% perplexity (+0.8% over a bf16 KV cache). Lossy: +2.2% perplexity in all on the packaged model through
+    the engine as one prefill (bench/quality.py; docs/benchmarks.md). Returns how many linears were switched; a
+    linear whose in_features is not a multiple of W8A8_BLOCK keeps the fp32 forms.
 
     Source: SGLang's w8a8_int8 (per-channel int8 weights, x quantized on the fly) for the scheme; the 7-bit weights
     and per-block x scales are this kernel's (AVX2 has no int8 dot product that cannot saturate).
     """
     count = 0
-    for name, m in model.named_modules():
-        if isinstance(m, SmallBatchLinear) and name.rpartition(".")[2] != "lm_head" and not m.in_features % W8A8_BLOCK:
+    for m in model.modules():
+        if isinstance(m, SmallBatchLinear) and not m.in_features % W8A8_BLOCK:
             wq, w_scale = w8a8_weights(m.weight)
             m.int8 = (int8_linear, w8a8_packed(wq), w_scale)
             count += 1

@@ -1,7 +1,7 @@
 """--quantization w8a8_int8 in the model runner: every decoder linear computes its rows through the int8 GEMM
 (`engine.execution.packing.use_w8a8`, `kernels/cpu_int8_gemm.c`), prefill chunks and decode steps alike, in the model's
-forward and in the one-region decode step (`engine.execution.cpu_decode_stack`) with the same bits; one-row decodes of
-weights held as GGUF blocks read the blocks; the LM head stays the fp32 runner's."""
+forward and in the one-region decode step (`engine.execution.cpu_decode_stack`) with the same bits, the LM head too;
+one-row decodes of weights held as GGUF blocks read the blocks."""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -42,17 +42,17 @@ def _prompts(n: int) -> list[list[int]]:
     return [[(7 * i + 3 * j) % 250 for j in range(11 + 8 * (i % 2))] for i in range(n)]
 
 
-def test_every_decoder_linear_takes_the_int8_gemm_and_the_lm_head_stays_fp32():
+def test_every_linear_takes_the_int8_gemm_the_lm_head_too():
     model = _model()
     int8 = _runner(model, "w8a8_int8", stack=False)
     linears = {name: m for name, m in int8.model.named_modules() if isinstance(m, SmallBatchLinear)}
-    assert linears["lm_head"].int8 is None
-    assert sorted(n for n, m in linears.items() if m.int8 is not None) == sorted(n for n in linears if n != "lm_head")
+    assert "lm_head" in linears and all(m.int8 is not None for m in linears.values())
     assert len(linears) == 1 + 4 * model.config.num_hidden_layers  # qkv, o, gate_up, down a layer
     calls = _count_int8_calls(int8)
     prompts = _prompts(2)
     ours, ref = greedy_steps(int8, prompts, 3), greedy_steps(_runner(model, "none"), prompts, 3)
-    assert calls == [sum(map(len, prompts))] * 8 + [2] * 8 * 3  # the prefill step, then 3 decode steps of 2 rows
+    # the prefill step's 8 layer linears, its LM head over the 2 logit rows, then 3 decode steps of 2 rows
+    assert calls == [sum(map(len, prompts))] * 8 + [2] + [2] * 9 * 3
     for a, b in zip(ours, ref):  # lossy, and the decodes read the prefill's KV: near, not equal
         assert not torch.equal(a, b) and (a - b).abs().max() <= 0.05 * b.abs().max()
 
@@ -85,10 +85,12 @@ def test_one_row_decodes_of_gguf_weights_read_the_blocks_and_more_rows_the_int8_
     one = _prompts(1)
     for a, b in zip(greedy_steps(stacked, one, 4), greedy_steps(eager, one, 4)):
         assert torch.equal(a, b)
-    assert calls == [len(one[0])] * 8  # the prefill only: the one-row decodes read the blocks
+    # the prefill's layers, then only the LM head's one row a step (fp32 here, not blocks): the layers' one-row
+    # decodes read the blocks
+    assert calls == [len(one[0])] * 8 + [1] * 5
     for a, b in zip(greedy_steps(stacked, _prompts(3), 4), greedy_steps(eager, _prompts(3), 4)):
         assert torch.equal(a, b)
-    assert calls[8:] == [sum(map(len, _prompts(3)))] * 8 + [3] * 8 * 4
+    assert calls[13:] == [sum(map(len, _prompts(3)))] * 8 + [3] + [3] * 9 * 4
     assert W8A8_WEIGHTS == 8  # kernels/cpu_kernels.h: PDSERVE_W8A8
     no_region = replace(eager.attention_ops, decode_layers_fused=None)
     assert CpuDecodeStack.build(eager.model, no_region) is None  # its C++ loop would compute fp32, the forward int8
