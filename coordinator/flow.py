@@ -80,6 +80,7 @@ class Flow:
     request_id: str
     caller: str = ""  # API key id or peer, for per-caller limits
     calls: list = field(default_factory=list)
+    worker_calls: list[WorkerCall] = field(default_factory=list)  # the calls of `calls` that are WorkerCalls
     aborted: bool = False
     timings: FlowTimings = field(default_factory=FlowTimings)
     prefill_worker: str = ""
@@ -106,6 +107,15 @@ class Flow:
         for call in self.calls:
             call.cancel()
 
+    def abandon(self, address: str, why: str) -> None:
+        """Membership found the worker at `address` gone (it stopped answering health checks): cut this request's
+        calls to it, each then failing as a lost worker's call (UNAVAILABLE, naming it), so the request migrates.
+        A frozen worker (a stopped process, a hung host) holds its calls open otherwise, with their first token
+        or next tokens, until HTTP/2 keepalive or the request's deadline ends them."""
+        for call in self.worker_calls:
+            if call.worker.address == address:
+                call.abandon(why)
+
     def first_token(self) -> None:
         """The request's first token reached its client: its prompt stops counting as queued."""
         self.queued_tokens = 0
@@ -130,14 +140,22 @@ class WorkerCall:
     def __init__(self, call, worker: WorkerHandle, flow: Flow, peer: str | None = None):
         self.call, self.worker, self.flow, self.peer = call, worker, flow, peer
         self._responses = call.__aiter__()
+        self.lost: str | None = None  # why membership cut the call (`abandon`)
         flow.calls.append(call)
+        flow.worker_calls.append(self)
+
+    def abandon(self, why: str) -> None:
+        """Cut the call because its worker is gone (`Flow.abandon`): its reader gets a lost worker's UNAVAILABLE."""
+        self.lost = why
+        self.call.cancel()
 
     async def next(self):
         """The next message, or None when the worker ended the stream.
 
         Raises:
             RequestError: the worker's status (connection loss: UNAVAILABLE), naming the worker; UNAVAILABLE
-                "shutting down" when the coordinator's drain cut the request (`Flow.shut_down`).
+                "shutting down" when the coordinator's drain cut the request (`Flow.shut_down`); UNAVAILABLE naming
+                the worker when membership cut the call (`abandon`).
             asyncio.CancelledError: the request was aborted (Abort RPC).
         """
         try:
@@ -147,6 +165,12 @@ class WorkerCall:
         except (grpc.aio.AioRpcError, asyncio.CancelledError) as e:
             if self.flow.shutting_down:  # no worker is at fault: nothing to migrate, nobody to mark down
                 raise RequestError(grpc.StatusCode.UNAVAILABLE, SHUTTING_DOWN) from e
+            task = asyncio.current_task()
+            if self.lost is not None and not self.flow.aborted and not (task is not None and task.cancelling()):
+                role = self.worker.info.role if self.worker.info is not None else "a"
+                raise RequestError(grpc.StatusCode.UNAVAILABLE, f"{role} worker {self.worker.address}: {self.lost}",
+                                   worker=self.worker.address,
+                                   public=f"the {role} worker serving this request was lost (UNAVAILABLE)") from e
             if isinstance(e, asyncio.CancelledError):  # our own cancel (Abort) or the client's
                 raise
             if self.flow.aborted:

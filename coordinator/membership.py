@@ -6,7 +6,8 @@ replica: the platform's own discovery, no registry of ours), or "@FILE" lists re
 polled every `stats_interval_s` (health of its role's service, then GetStats): a worker that fails
 `MAX_FAILED_POLLS` polls in a row, reports NOT_SERVING (engine fault, draining) or disagrees with the cluster's KV
 layout leaves the routing set; one that answers again rejoins, its GetInfo re-read when its instance_id changed
-(a restart: new KV port). Requests in flight on a worker that leaves fail on their own calls (UNAVAILABLE).
+(a restart: new KV port). Requests in flight on a worker that leaves fail on their own calls (UNAVAILABLE); on one
+that stopped answering its polls, membership cuts their calls (`Flow.abandon`), and they migrate.
 """
 from __future__ import annotations
 
@@ -170,7 +171,12 @@ class Membership:
         except grpc.aio.AioRpcError as e:
             w.failures += 1
             if w.failures >= MAX_FAILED_POLLS:
-                self._set_live(w, False, f"unreachable ({e.code().name})")
+                why = f"unreachable ({e.code().name})"
+                self._set_live(w, False, why)
+                # Its requests migrate now: a frozen worker's calls stay open (no error comes) until keepalive or
+                # their deadlines end them. A draining worker (NOT_SERVING, below) keeps its requests.
+                for flow in list(self.cluster.flows.values()):
+                    flow.abandon(w.address, f"stopped answering health checks, {why}")
             return
         w.failures = 0  # it answers: a busy worker is alive, whatever its stats take
         if health.status != health_pb2.HealthCheckResponse.SERVING:

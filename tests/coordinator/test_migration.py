@@ -42,12 +42,13 @@ def requests_on(p: Processes, address: str) -> int:
     return stats.num_requests
 
 
-def kill_the_one_serving(p: Processes, names: list[str], addresses: dict[str, str]) -> str:
+def kill_the_one_serving(p: Processes, names: list[str], addresses: dict[str, str], kill=None) -> str:
+    """kill(name) (default: SIGKILL) the one of `names` that holds a request; returns its name."""
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         for name in names:
             if requests_on(p, addresses[name]):
-                p.kill(name)
+                (kill or p.kill)(name)
                 return name
     pytest.fail(f"none of {names} holds the request")
 
@@ -90,6 +91,31 @@ def test_decode_worker_lost_mid_stream(tiny_model_dir, tmp_path, topology):
         assert "resuming on other workers after" in log and "(migration 1 of at most 2)" in log
     finally:
         p.stop()
+
+
+def test_a_frozen_decode_worker_is_cut_loose_and_its_request_migrates(tiny_model_dir, tmp_path):
+    """A decode worker frozen mid-stream (SIGSTOP: no error ever comes, its connection stays open) leaves routing
+    after two failed polls, and membership then cuts its calls: the request resumes on the other worker about 10 s
+    after the freeze (two polls' 5 s deadlines). Before, the frozen call held the stream until HTTP/2 keepalive ended
+    it (20 s + 10 s at best; once not within 60 s in CI) or the request's deadline did."""
+    p = Processes(tiny_model_dir, tmp_path)
+    try:
+        for n in ("d0", "d1"):
+            p.spawn(n, "decode", *SLOW_MOCK)
+        p.spawn("p0", "prefill", *SLOW_MOCK)
+        addresses = dict(zip(("d0", "d1"), p.wait("d0", "d1")))
+        coordinator = p.start("coordinator", "coordinator", "--stats-interval-s", "0.5", f"--prefill={p.wait('p0')[0]}",
+                              *(f"--decode={a}" for a in addresses.values()))
+        n = 230
+        freeze = lambda name: os.kill(p.procs[name].pid, signal.SIGSTOP)  # noqa: E731
+        ids, final = stream_with_a_kill(coordinator, n, lambda: kill_the_one_serving(p, ["d0", "d1"], addresses,
+                                                                                     freeze))
+        assert final.finish_reason == "length" and final.completion_tokens == n == len(ids)
+        assert ids == derived(tiny_model_dir, PROMPT, n)  # nothing repeated, nothing lost
+        log = (tmp_path / "coordinator.log").read_text()
+        assert "stopped answering health checks" in log and "(migration 1 of at most 2)" in log
+    finally:
+        p.stop()  # SIGKILL ends a stopped process too
 
 
 def test_prefill_worker_lost_before_the_first_token(tiny_model_dir, tmp_path):
