@@ -1,7 +1,7 @@
 """The cpu backend's fp32 small-M linear (`pdserve::linear_small_m`, kernels/cpu_linear.c) against torch's
 `F.linear` on one decode step's linears of a model, same process, interleaved; with `--kernel int8`, the int8 GEMM of
 `--quantization w8a8_int8` (`pdserve::linear_w8a8`, kernels/cpu_int8_gemm.c) against torch's fp32 `F.linear` on a
-prefill chunk's rows (the decoder layers' linears: the LM head keeps fp32 there). `--baseline` names what "theirs"
+prefill chunk's rows (every linear it takes, the LM head included since `99d53c9`). `--baseline` names what "theirs"
 is: torch's `F.linear` (the default), our fp32 small-M kernel, or our GGUF-blocks kernel over Q4_1 weights (the
 packaged model's form, the weights then made exactly Q4_1; `pdserve::linear_blocks`, x of one row quantized to 8 bits
 as `--quantization gguf` computes it, more rows exact): what a decode step's rows read without `w8a8_int8`.
@@ -82,7 +82,7 @@ def main() -> None:
     if args.kernel == "int8":
         from pdserve_server.engine.execution.packing import W8A8_BLOCK, w8a8_packed, w8a8_weights
 
-        shapes = [(o, i, k) for o, i, k in shapes[:-1] if i % W8A8_BLOCK == 0]  # no LM head, as use_w8a8
+        shapes = [(o, i, k) for o, i, k in shapes if i % W8A8_BLOCK == 0]  # what use_w8a8 switches, LM head too
     gen = torch.Generator().manual_seed(0)
     make = q4_1_exact if args.baseline == "blocks" else lambda o, i, g: torch.randn(o, i, generator=g)
     weights = [make(o, i, gen) for o, i, k in shapes for _ in range(k)]
