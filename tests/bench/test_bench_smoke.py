@@ -264,7 +264,7 @@ def test_small_linear_smoke(tiny_model_dir, tmp_path):
 
 
 def test_small_linear_smoke_with_the_int8_gemm(tiny_model_dir, tmp_path):
-    """`--kernel int8`: the int8 GEMM of --quantization w8a8_int8 on the shapes it takes (layers, LM head), both timed."""
+    """`--kernel int8`: the int8 GEMM of --quantization w8a8_int8 on the shapes it takes (layers, LM head), timed."""
     out = tmp_path / "int8_linear.json"
     _run(["bench/small_linear.py", "--model-dir", str(tiny_model_dir), "--kernel", "int8", "--rows", "65,130",
           "--repeats", "1", "--threads", "1", "--out", str(out)], tmp_path)
