@@ -1,6 +1,6 @@
 /* y = x W^T (+ b) with W in 7-bit integers and x quantized to 8 bits per block of 64 on the fly: the int8 GEMM of
- * `--quantization w8a8_int8`'s decoder linears, prefill chunks and decode steps (engine/execution/packing.py; in the
- * one-region decode step, cpu_decode_step.c, through linear_w8a8_for).
+ * `--quantization w8a8_int8`'s linears and LM head, prefill chunks and decode steps (engine/execution/packing.py; in
+ * the one-region decode step, cpu_decode_step.c, through linear_w8a8_for).
  *
  * Why: an fp32 prefill chunk's linears run at the FMA units' peak on a CPU without bf16 or int8 dot products (AVX2:
  * 2 x 8 fp32 multiply-adds a cycle a core; ~170 GFLOP/s on 2 cores of an AMD EPYC Zen 3, near all of it), so fewer

@@ -81,7 +81,7 @@ class ModelRunner:
         attention_backend: "auto" (Triton on CUDA, the C decode kernel on CPU), "triton", "cpu" or "torch".
         quantization: "none", "int8" or "int4" (weight-only linears, `engine.execution.quantization`; int4 in groups of
             32), or "gguf" (GGUF blocks against 8-bit decode rows: `engine.execution.packing.use_q8_activations`;
-            needs packed_weights and linears that are exact GGUF tensors), or "w8a8_int8" (fp32 decoder linears as
+            needs packed_weights and linears that are exact GGUF tensors), or "w8a8_int8" (fp32 linears, LM head too, as
             8-bit integer products: `engine.execution.packing.use_w8a8`; needs packed_weights and the cpu backend).
         packed_weights: CPU forms of the linears (`engine.execution.packing`): bf16 prepacked for oneDNN, fp32 small
             batches through the cpu backend's kernel (int8 / int4 layers are packed by their own op).
@@ -156,7 +156,7 @@ class ModelRunner:
                                               self.device, capture=self.device.type == "cuda")
 
     def _use_w8a8(self, packed_weights: bool) -> None:
-        """--quantization w8a8_int8: the fp32 decoder linears through int8 products. Raises ValueError where
+        """--quantization w8a8_int8: the fp32 linears (LM head too) through int8 products. Raises ValueError where
         no linear takes them."""
         switched = (use_w8a8(self.model, self.attention_ops.int8_linear)
                     if packed_weights and self.attention_ops.int8_linear is not None else 0)
