@@ -87,18 +87,24 @@ def from_rpc_error(e: grpc.aio.AioRpcError, role: str, address: str, peer: str |
     worker's send): the peer is named, so membership takes the lost worker out of routing, not the healthy one."""
     code = e.code()
     reason = worker_reason(e)
-    lost = code in LOST_CODES and reason == worker_pb2.WORKER_ERROR_REASON_UNSPECIFIED
+    if code in LOST_CODES and reason == worker_pb2.WORKER_ERROR_REASON_UNSPECIFIED:
+        return lost_worker(role, address, e.details())
     if code in LOST_CODES:
         code = grpc.StatusCode.UNAVAILABLE
     message = f"{role} worker {address}: {e.details()}"
-    # The client is told what happened, not where: a lost connection's text is gRPC's and the transport's; a
-    # status the worker wrote (a grammar that does not compile, a prompt too long for it) is meant for the caller.
-    public = (f"the {role} worker serving this request was lost ({code.name})" if lost
-              else f"{role} worker: {e.details()}")
+    public = f"{role} worker: {e.details()}"  # a status the worker wrote is meant for the caller
     if peer is not None and reason == worker_pb2.WORKER_ERROR_REASON_TRANSFER_FAILED:
         return RequestError(code, f"{message} (its KV transfer peer {peer} is suspected)", worker=peer,
                             public=f"{public} (KV transfer failed)")
     return RequestError(code, message, worker=address, public=public)
+
+
+def lost_worker(role: str, address: str, detail: str) -> RequestError:
+    """UNAVAILABLE naming the worker at `address` as lost (the request migrates): a lost connection's status, or a
+    call membership cut (`flow.WorkerCall.abandon`). The client is told what happened, not where: `detail` (gRPC's and
+    the transport's text, or membership's) goes to the log only."""
+    return RequestError(grpc.StatusCode.UNAVAILABLE, f"{role} worker {address}: {detail}", worker=address,
+                        public=f"the {role} worker serving this request was lost (UNAVAILABLE)")
 
 
 # Statuses passed on as UNAVAILABLE (the request migrates); without a reason the worker wrote, the call was lost

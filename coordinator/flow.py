@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from pdserve_server.coordinator import token_stream
-from pdserve_server.coordinator.errors import RequestError, from_rpc_error
+from pdserve_server.coordinator.errors import RequestError, from_rpc_error, lost_worker
 from pdserve_server.coordinator.record import RequestRecord
 from pdserve_server.coordinator.router import Router, WorkerHandle
 from pdserve_server.coordinator.scheduling import RequestScheduling, check_first_token_deadline, without_deadline
@@ -79,8 +79,7 @@ class Flow:
 
     request_id: str
     caller: str = ""  # API key id or peer, for per-caller limits
-    calls: list = field(default_factory=list)
-    worker_calls: list[WorkerCall] = field(default_factory=list)  # the calls of `calls` that are WorkerCalls
+    calls: list = field(default_factory=list)  # what `cancel` cuts: WorkerCalls, and waits for a token stream
     aborted: bool = False
     timings: FlowTimings = field(default_factory=FlowTimings)
     prefill_worker: str = ""
@@ -112,8 +111,8 @@ class Flow:
         calls to it, each then failing as a lost worker's call (UNAVAILABLE, naming it), so the request migrates.
         A frozen worker (a stopped process, a hung host) holds its calls open otherwise, with their first token
         or next tokens, until HTTP/2 keepalive or the request's deadline ends them."""
-        for call in self.worker_calls:
-            if call.worker.address == address:
+        for call in self.calls:
+            if isinstance(call, WorkerCall) and call.worker.address == address:
                 call.abandon(why)
 
     def first_token(self) -> None:
@@ -141,8 +140,10 @@ class WorkerCall:
         self.call, self.worker, self.flow, self.peer = call, worker, flow, peer
         self._responses = call.__aiter__()
         self.lost: str | None = None  # why membership cut the call (`abandon`)
-        flow.calls.append(call)
-        flow.worker_calls.append(self)
+        flow.calls.append(self)
+
+    def cancel(self) -> None:
+        self.call.cancel()
 
     def abandon(self, why: str) -> None:
         """Cut the call because its worker is gone (`Flow.abandon`): its reader gets a lost worker's UNAVAILABLE."""
@@ -167,10 +168,7 @@ class WorkerCall:
                 raise RequestError(grpc.StatusCode.UNAVAILABLE, SHUTTING_DOWN) from e
             task = asyncio.current_task()
             if self.lost is not None and not self.flow.aborted and not (task is not None and task.cancelling()):
-                role = self.worker.info.role if self.worker.info is not None else "a"
-                raise RequestError(grpc.StatusCode.UNAVAILABLE, f"{role} worker {self.worker.address}: {self.lost}",
-                                   worker=self.worker.address,
-                                   public=f"the {role} worker serving this request was lost (UNAVAILABLE)") from e
+                raise lost_worker(self.worker.info.role, self.worker.address, self.lost) from e
             if isinstance(e, asyncio.CancelledError):  # our own cancel (Abort) or the client's
                 raise
             if self.flow.aborted:
