@@ -172,12 +172,7 @@ static inline __attribute__((always_inline)) void tile(const int8_t *qx, const f
         __m256i iacc[MR][2 * NG];
         for (int i = 0; i < mr; i++)
             for (int h = 0; h < 2 * ng; h++) iacc[i][h] = _mm256_setzero_si256();
-        /* Unrolled by 4 with a constant trip count: rolled, the loop's own instructions and register copies left the
-         * multiply ports idle (+20-25% at 64 rows alternated on a Zen 3); unrolled 16, GCC reassociated the int32 sums
-         * into a tree of spilled products. */
-        _Pragma("GCC unroll 4")
-        for (int kk = 0; kk < QB; kk += 4) {
-            const int k = b * QB + kk;
+        for (int k = b * QB; k < (b + 1) * QB; k += 4) {
             __m256i wv[2 * NG];
             for (int h = 0; h < 2 * ng; h++)
                 wv[h] = _mm256_loadu_si256((const __m256i *)(w + (h / 2) * group_bytes + k * GN + (h % 2) * 32));
