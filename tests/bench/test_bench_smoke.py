@@ -264,13 +264,32 @@ def test_small_linear_smoke(tiny_model_dir, tmp_path):
 
 
 def test_small_linear_smoke_with_the_int8_gemm(tiny_model_dir, tmp_path):
-    """`--kernel int8`: the int8 GEMM of --quantization w8a8_int8 on the shapes it takes (layers, LM head), timed."""
+    """`--kernel int8`: the int8 GEMM of --quantization w8a8_int8 on the shapes it takes (layers, LM head), timed;
+    with `--ceiling`, where the library runs a vector build, each row also against the CPU's ceiling for that build's
+    instruction mix (bench/int8_ceiling.c, built with the system's compiler), probed around it."""
+    from pdserve_server.kernels.cpu_ops import cpu_isa, load_library
+
+    load_library()
+    vector = cpu_isa() != "base"
     out = tmp_path / "int8_linear.json"
     _run(["bench/small_linear.py", "--model-dir", str(tiny_model_dir), "--kernel", "int8", "--rows", "65,130",
-          "--repeats", "1", "--threads", "1", "--out", str(out)], tmp_path)
+          "--repeats", "1", "--threads", "1", "--out", str(out)] + (["--ceiling"] if vector else []), tmp_path)
     result = json.loads(out.read_text())
     assert result["kernel"] == "int8" and [r["rows"] for r in result["rows"]] == [65, 130]
     assert all(r["ours_ms"] > 0 and r["theirs_ms"] > 0 and r["ratio"] > 0 for r in result["rows"])
+    if vector:
+        assert result["ceiling_mix"] in ("avx2", "avx512", "avx512_vnni")
+        for r in result["rows"]:
+            assert r["ceiling_gops"] == max(r["ceiling_probes"]) > 0 and len(r["ceiling_probes"]) == 2
+            assert r["of_ceiling"] == r["ours_gflops"] / r["ceiling_gops"]
+
+
+def test_small_linear_ceiling_asks_for_the_int8_kernel():
+    """`--ceiling` without `--kernel int8` is a one-line usage error before anything is built or timed."""
+    proc = subprocess.run([sys.executable, "bench/small_linear.py", "--ceiling"], capture_output=True, text=True,
+                          cwd=ROOT, timeout=120)
+    assert proc.returncode == 2 and "--ceiling measures the int8 GEMM's ceiling: add --kernel int8" in proc.stderr
+    assert "Traceback" not in proc.stderr
 
 
 def test_small_linear_smoke_int8_against_the_gguf_blocks(tiny_model_dir, tmp_path):
