@@ -143,12 +143,13 @@ class WorkerCall:
         flow.calls.append(self)
 
     def cancel(self) -> None:
+        """Cancel the gRPC call (`Flow.cancel`: an Abort, a client gone, a drain); its reader's `next` raises."""
         self.call.cancel()
 
     def abandon(self, why: str) -> None:
         """Cut the call because its worker is gone (`Flow.abandon`): its reader gets a lost worker's UNAVAILABLE."""
         self.lost = why
-        self.call.cancel()
+        self.cancel()
 
     async def next(self):
         """The next message, or None when the worker ended the stream.
@@ -177,7 +178,7 @@ class WorkerCall:
 
     async def close(self) -> None:
         """Cancel the call (the worker frees what it holds) and close the response stream."""
-        self.call.cancel()
+        self.cancel()
         aclose = getattr(self._responses, "aclose", None)  # an interceptor's generator: let it finish its span
         if aclose is not None:
             with contextlib.suppress(Exception, asyncio.CancelledError):
