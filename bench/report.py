@@ -17,9 +17,11 @@ COLUMNS = [("concurrency", "conc", "{:d}"), ("completed", "done", "{:d}"), ("fai
 def markdown(results: dict) -> str:
     """results: {"config": ..., "systems": {name: [level rows]}} -> Markdown (times in ms)."""
     cfg = results["config"]
+    rounds = ("" if cfg.get("rounds", 1) == 1 else
+              f" in each of {cfg['rounds']} rounds (order reversed each round; medians over them)")
     lines = [f"Model `{cfg['model']}`; workload {cfg.get('workload', 'docs')}, input {cfg['input_len']} / output "
              f"{cfg['output_len']} tokens "
-             f"(range ratio {cfg['range_ratio']}); {cfg['num_requests']} requests per level; SLO TTFT <= "
+             f"(range ratio {cfg['range_ratio']}); {cfg['num_requests']} requests per level{rounds}; SLO TTFT <= "
              f"{cfg['slo_ttft_ms']:.0f} ms, TPOT <= {cfg['slo_tpot_ms']:.0f} ms. Times in ms. frac: model FLOP/s over "
              f"the same-run dense GEMM rate in the system's dtype; bw frac (concurrency 1): weight bytes read per "
              f"second over the same-run copy bandwidth.", ""]
@@ -32,6 +34,21 @@ def markdown(results: dict) -> str:
         lines.append("")
     for name, why in results.get("not_run", {}).items():
         lines += [f"**{name}**: not run: {why}", ""]
+    versus = results.get("versus_peers", {})
+    if versus.get("combined"):
+        per_round = versus.get("rounds", [])
+        lines.append("Against the better peer at each level (output tok/s ratio; TTFT p99 and ITL p99 ratios, below 1 "
+                     "is better" + ("; each round's tok/s ratio in brackets" if per_round else "") + "):")
+        lines.append("")
+        for name, by_conc in versus["combined"].items():
+            cells = []
+            for conc, v in by_conc.items():
+                per = [r[name][conc]["ratio"] for r in per_round if conc in r.get(name, {})]
+                cells.append(f"c={conc}: {v['ratio']:.2f}x {v['peer']}" + (
+                    " [" + ", ".join(f"{x:.2f}" for x in per) + "]" if per else "") +
+                    f" (TTFT p99 {v['ttft_p99_ratio']:.2f}, ITL p99 {v['itl_p99_ratio']:.2f})")
+            lines.append(f"- {name}: " + "; ".join(cells))
+        lines.append("")
     ratios = results.get("ratios", {})
     if ratios:
         lines.append("Output-throughput ratio against the naive baseline at the same concurrency:")

@@ -23,6 +23,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+from interleave import combine, head_to_head, round_order  # noqa: E402
 from loadgen import run_level  # noqa: E402
 from metrics import Slo, summarize  # noqa: E402
 from prompts import make_requests, seed_requests  # noqa: E402
@@ -84,8 +85,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--worker-args", default="", help="extra flags for pdserve workers, e.g. '--kv-tokens 8192'")
     p.add_argument("--quick", action="store_true",
                    help="output 32 tokens, max(concurrency, 16) requests per level, 180 s per level at most")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run every system this many times, the order reversed each round (ABC CBA ...), so a "
+                        "machine that drifts favours no system; a level's figures are medians over the rounds "
+                        "(bench/interleave.py), each round's kept in results.json")
     p.add_argument("--out-dir", default=None, help="default bench/results/<UTC timestamp>")
     args = p.parse_args(argv)
+    if args.rounds < 1:
+        p.error(f"--rounds must be at least 1, got {args.rounds}")
     if args.systems is None:
         args.systems = ",".join(default_systems())
     if args.output_len is None:
@@ -161,8 +168,9 @@ def main(argv=None) -> int:
                           "range_ratio": args.range_ratio, "num_requests": "max(c,16)" if args.quick else
                           args.num_requests, "levels": levels, "slo_ttft_ms": args.slo_ttft_ms,
                           "slo_tpot_ms": args.slo_tpot_ms, "threads": args.threads, "machine": machine(),
-                          "commit": commit(), "date": datetime.datetime.utcnow().isoformat(timespec="seconds") + "Z",
-                          "quick": args.quick, "worker_args": args.worker_args, "variants": args.variant,
+                          "commit": commit(), "date": utc_now(),
+                          "quick": args.quick, "rounds": args.rounds, "worker_args": args.worker_args,
+                          "variants": args.variant,
                           "thread_env": {k: os.environ[k] for k in THREAD_ENV if k in os.environ}},
                "systems": {}}
     starters = {
@@ -201,8 +209,11 @@ def main(argv=None) -> int:
     if results["config"]["thread_env"]:
         print("note: every system inherits " + " ".join(f"{k}={v}" for k, v in results["config"]["thread_env"].items())
               + " from this shell", flush=True)
-    for name, start in plan:
-        print(f"starting {name} ...", flush=True)
+    per_round: list[dict[str, list[dict]]] = [{} for _ in range(args.rounds)]
+    for rnd, (name, start) in round_order(plan, args.rounds):
+        print(f"starting {name}" + (f" (round {rnd + 1} of {args.rounds})" if args.rounds > 1 else "") + " ...",
+              flush=True)
+        results.setdefault("order", []).append({"round": rnd, "system": name, "start": utc_now()})
         try:
             system = start()
         except (RuntimeError, FileNotFoundError) as e:  # a peer that cannot start is reported, the rest still run
@@ -210,15 +221,24 @@ def main(argv=None) -> int:
             results.setdefault("not_run", {})[name] = str(e)
             continue
         try:
-            results["systems"][name] = asyncio.run(_run(system, args, tokenizer, levels, slo))
+            per_round[rnd][name] = asyncio.run(_run(system, args, tokenizer, levels, slo))
         finally:
             system.stop()
+    for name, _ in plan:
+        rows = [r[name] for r in per_round if name in r]
+        if rows:
+            results["systems"][name] = combine(rows) if args.rounds > 1 else rows[0]
     pdserve_names = {n for n in starters if n.startswith("pdserve")} | set(variant_args)
     add_machine_fraction(results, model_dir, args.threads,
                          {name: weight_format(name, args.worker_args.split() + variant_args.get(name, []),
                                               pdserve=name in pdserve_names,
                                               gguf_source=None if args.model_dir else "q4_1")
                           for name in results["systems"]})
+    if args.rounds > 1:
+        results["rounds"] = per_round
+    is_ours = pdserve_names.__contains__
+    results["versus_peers"] = {"combined": head_to_head(results["systems"], is_ours),
+                               "rounds": [head_to_head(r, is_ours) for r in per_round] if args.rounds > 1 else []}
     naive = {r["concurrency"]: r["output_tok_s"] for r in results["systems"].get("naive", [])}
     if naive:
         results["ratios"] = {name: {r["concurrency"]: r["output_tok_s"] / naive[r["concurrency"]]
@@ -388,6 +408,10 @@ def _start_vllm(args, model_dir: str, levels: list[int], log_dir: Path, all_core
     if not binary:
         raise FileNotFoundError("no vllm command: run `bash bench/install_peers.sh vllm`, or pass --vllm")
     return systems.start_vllm(binary, model_dir, args.threads, max(levels), str(log_dir), all_cores, dtype)
+
+
+def utc_now() -> str:
+    return datetime.datetime.utcnow().isoformat(timespec="seconds") + "Z"
 
 
 async def _run(system, args, tokenizer, levels, slo):

@@ -28,9 +28,14 @@ def test_sweep_smoke(tiny_model_dir, tmp_path):
                    "--variant", "colocated-x2=colocatedx2:",  # two colocated workers behind one coordinator
                    "--variant", "pdserve-disagg=disagg:|--local-prefill-tokens 64",  # coordinator flags after the |
                    "--concurrency", "1,3", "--num-requests", "3", "--output-len", "5",
-                   "--threads", "1", "--out-dir", str(out)], tmp_path, OMP_WAIT_POLICY="PASSIVE")
+                   "--threads", "1", "--rounds", "2", "--out-dir", str(out)], tmp_path, OMP_WAIT_POLICY="PASSIVE")
     results = json.loads((out / "results.json").read_text())
     assert set(results["systems"]) == {"pdserve-disagg", "naive", "colocated-x2"}
+    # two rounds, the second in the reverse order; a level's row is the median of both, its counts summed
+    started = [(run["round"], run["system"]) for run in results["order"]]
+    first = [s for r, s in started if r == 0]
+    assert [s for r, s in started if r == 1] == first[::-1] and "naive" in first
+    assert [set(r) for r in results["rounds"]] == [set(results["systems"])] * 2
     # the OpenMP setting every system inherits (it halves a CPU engine's batch-1 speed) is recorded and named
     assert results["config"]["thread_env"]["OMP_WAIT_POLICY"] == "PASSIVE"
     assert "inherits OMP_WAIT_POLICY=PASSIVE" in stdout
@@ -41,7 +46,7 @@ def test_sweep_smoke(tiny_model_dir, tmp_path):
     for name, rows in results["systems"].items():
         assert [r["concurrency"] for r in rows] == [1, 3]
         for r in rows:
-            assert (r["completed"], r["failed"], r["output_tokens"]) == (3, 0, 15), (name, r)
+            assert (r["rounds"], r["completed"], r["failed"], r["output_tokens"]) == (2, 6, 0, 30), (name, r)
             assert 0 < r["ttft_ms_p50"] <= r["e2e_ms_p50"] and r["itl_ms_p50"] > 0
             assert r["machine_fraction"] > 0 and r["gemm_flop_s"] > 0  # against the fp32 GEMM rate at c rows
             # weight bytes/s over copy bandwidth, where one step reads every weight per token
