@@ -33,7 +33,8 @@ class EngineArgs:
             groups of 32 input channels; both need a bf16/fp16 dtype); "gguf": a GGUF model's exact blocks
             (`engine.execution.packing.gguf_blocks`) against decode rows quantized to 8 bits, as llama.cpp computes
             (`packing.use_q8_activations`; float32); "w8a8_int8": float32 linears (decoder layers and LM head) computed
-            as 8-bit integer products, prefill chunks and decode steps (`packing.use_w8a8`; the cpu backend).
+            as 8-bit integer products, prefill chunks and decode steps (`packing.use_w8a8`; the cpu backend; a GGUF
+            model's batch-1 rows read its blocks as "gguf" does).
         block_size: tokens per KV block.
         kv_tokens: KV budget in tokens; ignored when kv_bytes is set. None with kv_bytes None: sized from the memory
             free at start (`engine.config.auto_kv_tokens`).
@@ -96,7 +97,8 @@ class EngineArgs:
                 "computed as llama.cpp does at batch 1 (the row quantized to 8 bits a block, integer dot products; "
                 "float32 on the cpu backend): faster batch-1 decode, not exact; w8a8_int8 = float32 linears (layers "
                 "and LM head) computed as int8 products (7-bit weights, activations quantized per block of 64; cpu "
-                "backend): faster prefill and batched decode on CPUs without bf16 units, not exact"})
+                "backend; a GGUF model's batch-1 rows as gguf): faster prefill and decode on CPUs without bf16 units, "
+                "not exact"})
     packed_weights: bool = field(default=True, metadata={
         "help": "CPU linears (engine.execution.packing): bf16 weights reordered once at load into oneDNN's blocked "
                 "layout, fp32 decode batches through the cpu backend's small-batch kernel; no effect elsewhere"})

@@ -110,7 +110,8 @@ class CpuDecodeStack:
             self.padded_k = [m.in_features for m in modules]
         # `--quantization w8a8_int8` (SmallBatchLinear.int8 on every linear; `build` leaves mixed forms to the
         # forward): the one-region step through the int8 GEMM at any rows, as the forward computes them, but one row
-        # where the weights are held as blocks (the forward reads those there: fewer bytes than 8 bits a weight).
+        # where the weights are held as blocks (the forward reads those there with 8-bit rows: fewer bytes than 8 bits
+        # a weight).
         self._w8a8_ptrs: tuple[list[int], list[int]] | None = None
         self._w8a8_one_row = self.weight_blocks == PLAIN_WEIGHTS
         if fused_step is not None and form == SMALL_M_LINEAR and modules[0].int8 is not None:

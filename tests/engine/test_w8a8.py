@@ -1,7 +1,8 @@
 """--quantization w8a8_int8 in the model runner: every decoder linear computes its rows through the int8 GEMM
 (`engine.execution.packing.use_w8a8`, `kernels/cpu_int8_gemm.c`), prefill chunks and decode steps alike, in the model's
 forward and in the one-region decode step (`engine.execution.cpu_decode_stack`) with the same bits, the LM head too;
-one-row decodes of weights held as GGUF blocks read the blocks."""
+one-row decodes of weights held as GGUF blocks read the blocks, with the row quantized to 8 bits (llama.cpp's
+arithmetic, `packing.use_q8_activations`)."""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 from pdserve_server.engine.config import CacheConfig
-from pdserve_server.engine.execution.cpu_decode_stack import Q4_1_BLOCKS, W8A8_WEIGHTS, CpuDecodeStack
+from pdserve_server.engine.execution.cpu_decode_stack import Q4_1_BLOCKS, Q8_ACTIVATIONS, W8A8_WEIGHTS, CpuDecodeStack
 from pdserve_server.engine.execution.model_runner import ModelRunner
 from pdserve_server.engine.execution.packing import SMALL_BATCH_ROWS, SmallBatchLinear
 from pdserve_server.engine.models.config import ModelConfig
@@ -80,7 +81,10 @@ def test_one_row_decodes_of_gguf_weights_read_the_blocks_and_more_rows_the_int8_
                 p.copy_(q4_1_weight(*p.shape, g))
     stacked, eager = _runner(model, "w8a8_int8"), _runner(model, "w8a8_int8", stack=False)
     stack = stacked.decode_stack
-    assert stack.weight_blocks == Q4_1_BLOCKS and stack._w8a8_ptrs is not None and not stack._w8a8_one_row
+    assert stack.weight_blocks == Q4_1_BLOCKS | Q8_ACTIVATIONS  # one row: the blocks against 8-bit rows
+    assert stack._w8a8_ptrs is not None and not stack._w8a8_one_row
+    assert all(m.q8_activations == (m.blocks is not None) for m in stacked.model.modules()
+               if isinstance(m, SmallBatchLinear))
     calls = _count_int8_calls(eager)
     one = _prompts(1)
     for a, b in zip(greedy_steps(stacked, one, 4), greedy_steps(eager, one, 4)):
