@@ -224,6 +224,8 @@ def main(argv=None) -> int:
             per_round[rnd][name] = asyncio.run(_run(system, args, tokenizer, levels, slo))
         finally:
             system.stop()
+        # what has run so far, so a sweep stopped part-way (an hour at L) keeps it; removed once results.json is written
+        (out_dir / "partial.json").write_text(json.dumps({**results, "rounds": per_round}, indent=1))
     for name, _ in plan:
         rows = [r[name] for r in per_round if name in r]
         if rows:
@@ -245,6 +247,7 @@ def main(argv=None) -> int:
                                     for r in rows if naive.get(r["concurrency"])}
                              for name, rows in results["systems"].items() if name != "naive"}
     (out_dir / "results.json").write_text(json.dumps(results, indent=1))
+    (out_dir / "partial.json").unlink(missing_ok=True)
     (out_dir / "results.md").write_text(markdown(results))
     plot(results, out_dir / "results.png")
     print(markdown(results))

@@ -36,6 +36,7 @@ def test_sweep_smoke(tiny_model_dir, tmp_path):
     first = [s for r, s in started if r == 0]
     assert [s for r, s in started if r == 1] == first[::-1] and "naive" in first
     assert [set(r) for r in results["rounds"]] == [set(results["systems"])] * 2
+    assert not (out / "partial.json").exists()  # written after each system, gone once results.json is
     # the OpenMP setting every system inherits (it halves a CPU engine's batch-1 speed) is recorded and named
     assert results["config"]["thread_env"]["OMP_WAIT_POLICY"] == "PASSIVE"
     assert "inherits OMP_WAIT_POLICY=PASSIVE" in stdout
