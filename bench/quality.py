@@ -8,7 +8,7 @@
   such forward: its perplexity column is empty there).
 - Prefill perplexity: the same text through pdserve's engine as one prefill (every row's logits): what
   `--quantization w8a8_int8` changes, whose int8 products take every batch but one row of the packaged model's
-  GGUF weights (which its batch-1 decode perplexity therefore shares with fp32).
+  GGUF weights (which its batch-1 decode computes as `--quantization gguf` does, sharing that perplexity).
 - `--kv-cache-dtype bfloat16` rows: fp32 weights over a bf16 KV cache (no HF perplexity: HF has no such cache).
 - Agreement: pdserve's engine, greedy, 32 tokens on each of the 8 PROMPTS (shared with
   tests/engine/test_dtype.py), against the engine in fp32 (tokens before the first divergence over the stream's
