@@ -11,7 +11,7 @@ import statistics
 from typing import Callable, Iterable, TypeVar
 
 T = TypeVar("T")
-SUMMED = ("completed", "failed", "output_tokens", "duration_s")  # counts over all rounds, not a typical round
+SUMMED = ("completed", "failed", "output_tokens", "duration_s")  # totals over all rounds (counts and time), not medians
 
 
 def round_order(plan: list[T], rounds: int) -> list[tuple[int, T]]:
@@ -27,7 +27,7 @@ def round_order(plan: list[T], rounds: int) -> list[tuple[int, T]]:
 
 def combine(per_round: list[list[dict]]) -> list[dict]:
     """One system's level rows from several rounds -> one row per level: the median of each number over the rounds
-    that ran the level (counts summed), `rounds` the number of them, and the rounds' errors together.
+    that ran the level (SUMMED's totals summed), `rounds` the number of them, and the rounds' errors together.
 
     per_round: [[row per level] per round]; a row has `concurrency`, numbers from bench/metrics.summarize and
     optionally `errors` (list of str).

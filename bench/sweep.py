@@ -414,6 +414,7 @@ def _start_vllm(args, model_dir: str, levels: list[int], log_dir: Path, all_core
 
 
 def utc_now() -> str:
+    """The current UTC time as ISO 8601 to the second, e.g. "2026-12-07T14:42:29Z" (results' dates and start times)."""
     return datetime.datetime.utcnow().isoformat(timespec="seconds") + "Z"
 
 
