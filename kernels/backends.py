@@ -64,6 +64,9 @@ class AttentionOps:
     # None) -> [M, N] (the cpu backend's `kernels/cpu_linear.c`; `engine.execution.packing.gguf_blocks` finds the
     # blocks of a dequantized Q4_1 or Q8_0 weight), or None.
     blocks_linear: Callable[..., torch.Tensor] | None = None
+    # blocks_linear also computes prefill rows faster than torch's fp32 GEMM (the AVX2 build's panels,
+    # `kernels/cpu_linear.c`), so `SmallBatchLinear` sends it every row count, not only a decode step's.
+    blocks_prefill: bool = False
     # fp32 y = x W^T (+ b) through 8-bit integer products, (x [M, K], wq packed [ceil(N / 16), K / 4, 64] uint8,
     # w_scale [N], bias [N] | None) -> [M, N] (the cpu backend's `kernels/cpu_int8_gemm.c`;
     # `engine.execution.packing.use_w8a8`), or None.
@@ -134,10 +137,10 @@ def _cpu_ops() -> AttentionOps:
     Raises:
         KernelLoadError: the compiled kernels are missing or do not load.
     """
-    from pdserve_server.kernels.cpu_ops import CpuKernels
+    from pdserve_server.kernels.cpu_ops import CpuKernels, cpu_isa
 
     c = CpuKernels.load()
     return AttentionOps("cpu", c.rotary_and_write_kv, c.paged_decode_attention, c.prefill_attention, c.rms_norm,
                         c.silu_and_mul, small_batch_linear=c.linear_small_m, decode_layers=c.decode_layers,
                         packed_bf16_linear=c.linear_packed_bf16, decode_layers_fused=c.decode_layers_fused,
-                        blocks_linear=c.linear_blocks, int8_linear=c.linear_w8a8)
+                        blocks_linear=c.linear_blocks, blocks_prefill=cpu_isa() == "avx2", int8_linear=c.linear_w8a8)

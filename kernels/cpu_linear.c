@@ -492,12 +492,19 @@ static inline __attribute__((always_inline)) void one_row_q8_tile(const int8_t *
  * 24 rows 41 against 43-56 ms, 48 rows 68-71 against 96-111, 64 rows 90-93 against 111-132; its Q8_0 LM head at 64
  * rows 24-25 against 26-31 ms.
  *
+ * Prefill chunks take the panels too (engine.execution.packing: AttentionOps.blocks_prefill): at a short prompt's rows
+ * torch's fp32 GEMM repacks its weight on every call. Every layer linear of SmolLM2-135M, 2 threads, M = 100 / 1,000:
+ * 167 / 183 against torch's 136-141 / 170-175 GFLOP/s. Past PANEL_CHUNK_ROWS rows a call runs the rows in chunks of
+ * it (each block dequantized and transposed again for each chunk, where the chunk's x stays in cache): at 4,096 rows
+ * without chunks 145 against torch's 161, with chunks of 256 157 / 155 (96: 140 / 148; 512: 151 / 141, a slower phase).
+ *
  * Numerics: each output is its terms summed in order of k, one FMA a term, then the bias added: the same bits
  * whatever the rows' count, their place in a tile or the threads (the dot-product tiles' per-lane sums differ from
  * these in the last bits, as torch's GEMM's do). */
 #if defined(__AVX2__) && !defined(__AVX512F__)
 #define PANELS 1
 #define PANEL 16
+#define PANEL_CHUNK_ROWS 256  /* most rows a pass over the blocks takes (above) */
 #define PANEL_MIN_ROWS 24  /* at 16 rows the transpose's share made it level (two runs: 1.16x and 0.85x) */
 
 static inline int blocks_features(int M) { return M >= PANEL_MIN_ROWS ? PANEL : block_features(M); }
@@ -591,6 +598,17 @@ static inline int blocks_features(int M) { return block_features(M); }
  * PDSERVE_Q8_ACTIVATIONS or'ed into format one_row_q8_tile's (x quantized once by each thread into its buffer). */
 void linear_blocks_rows(const float *x, int64_t x_stride, const void *qs, const uint16_t *scales, int format,
                         const float *bias, float *y, int M, int N, int K, float *buf) {
+#if defined(PANELS)
+    /* More rows in equal chunks of at most PANEL_CHUNK_ROWS (each past PANEL_MIN_ROWS, so every row takes the panels),
+     * each chunk an orphaned loop of its own (disjoint rows of y, no barrier). */
+    if (M > PANEL_CHUNK_ROWS) {
+        const int chunks = (M + PANEL_CHUNK_ROWS - 1) / PANEL_CHUNK_ROWS, rows = (M + chunks - 1) / chunks;
+        for (int m0 = 0; m0 < M; m0 += rows)
+            linear_blocks_rows(x + m0 * x_stride, x_stride, qs, scales, format, bias, y + (int64_t)m0 * N,
+                               M - m0 < rows ? M - m0 : rows, N, K, buf);
+        return;
+    }
+#endif
     const int q8 = M == 1 && (format & PDSERVE_Q8_ACTIVATIONS);
     format &= PDSERVE_BLOCKS_FORMAT;
     const int nbk = blocks_features(M);

@@ -123,7 +123,7 @@ class ModelRunner:
             quantize_weight_only(self.model, quantization)
         elif packed_weights:
             pack_linears(self.model, self.attention_ops.small_batch_linear, self.attention_ops.packed_bf16_linear,
-                         self.attention_ops.blocks_linear)
+                         self.attention_ops.blocks_linear, self.attention_ops.blocks_prefill)
             _log_gguf_blocks(self.model)
         switched = use_q8_activations(self.model) if quantization == "gguf" and packed_weights else 0
         if switched:

@@ -30,8 +30,13 @@ LM head Q8_0) are also kept in that form (`gguf_blocks`: each block of 32 weight
 d * q, checked bit for bit at load), and a decode step's rows read them there (`kernels/cpu_linear.c`,
 `linear_blocks`): 5 or 8.5 bits a weight instead of 32, and the same fp32 weights: from 2 rows the same sums as the
 small-batch kernel on the fp32 tensor bit for bit, at 1 row the same products with each block's scale applied once
-(the last bits differ, as torch's GEMM's do). Larger batches keep torch's GEMM on the fp32 tensor (the blocks cost 16%
-or 27% more memory beside it).
+(the last bits differ, as torch's GEMM's do). Where the kernel's build has panels (AVX2: 16 features dequantized
+and transposed once, 6 x 16 FMA tiles; `AttentionOps.blocks_prefill`), prefill chunks read the blocks too: torch's
+GEMM packs its weight on every call, which at a short prompt's rows costs a third of its kernel time. The packaged
+model's 100-token prompt, the engine's whole prefill step, 2 AVX2 AMD EPYC cores, the two alternating (ABBA), 30
+each: 211 ms p50 through torch's GEMM, 164 through the panels (1.29x; 1.46x in a slower phase); sixteen such prompts
+in one step 2,805 against 2,640 ms (1.06x). Elsewhere larger batches keep torch's GEMM on the fp32 tensor (the blocks
+cost 16% or 27% more memory beside it).
 
 `--quantization w8a8_int8` (`use_w8a8`): the fp32 decoder layers' linears go through 8-bit integer products
 (`kernels/cpu_int8_gemm.c`: weights as 7-bit integers per output row, `w8a8_weights`, in groups of 16 rows for
@@ -229,7 +234,8 @@ class SmallBatchLinear(nn.Module):
     """y = x @ W^T + b in fp32 on CPU: up to `SMALL_BATCH_ROWS` rows through `small_m` (the cpu backend's kernel),
     more through torch's GEMM, both on nn.Linear's own weight tensor (no copy). x: [..., in] fp32 -> [..., out] fp32.
     A weight that is a dequantized GGUF tensor (`gguf_blocks`) is also held in that form, and the small batches read
-    it there through `blocks_linear` when given: the same weights, 3.8-6.4x fewer bytes.
+    it there through `blocks_linear` when given: the same weights, 3.8-6.4x fewer bytes; with `blocks_prefill`, every
+    row count does (the module docstring says where and why).
 
     Numerics: fp32 with fp32 accumulation either way; the kernels sum in another order than torch's GEMM, so results
     differ from F.linear in the last bits (`blocks_linear` sums exactly as `small_m` does from 2 rows).
@@ -240,6 +246,8 @@ class SmallBatchLinear(nn.Module):
             (`kernels.backends.AttentionOps.small_batch_linear`).
         blocks_linear: (x [M, in], qs, scales, bias [out] | None) -> [M, out]
             (`kernels.backends.AttentionOps.blocks_linear`), or None.
+        blocks_prefill: blocks_linear also takes more than SMALL_BATCH_ROWS rows
+            (`kernels.backends.AttentionOps.blocks_prefill`).
 
     Attributes:
         blocks: (qs, scales) of `gguf_blocks`, or None (no `blocks_linear`, or the weight is not of such a form);
@@ -252,7 +260,7 @@ class SmallBatchLinear(nn.Module):
     """
 
     def __init__(self, linear: nn.Linear, small_m: Callable[..., torch.Tensor],
-                 blocks_linear: Callable[..., torch.Tensor] | None = None):
+                 blocks_linear: Callable[..., torch.Tensor] | None = None, blocks_prefill: bool = False):
         super().__init__()
         # Plain attributes, not parameters (as PackedLinear's): read on every call, and never moved after load.
         self.weight = linear.weight.detach()
@@ -261,6 +269,7 @@ class SmallBatchLinear(nn.Module):
         self._small_m = small_m
         self._blocks_linear = blocks_linear
         self.blocks = gguf_blocks(self.weight) if blocks_linear is not None else None
+        self._blocks_rows = None if blocks_prefill else SMALL_BATCH_ROWS  # most rows the blocks take; None: any
         self.q8_activations = False
         self.int8: tuple[Callable[..., torch.Tensor], torch.Tensor, torch.Tensor] | None = None
 
@@ -269,10 +278,10 @@ class SmallBatchLinear(nn.Module):
         if self.int8 is not None and (rows.shape[0] > 1 or self.blocks is None):
             op, *weights = self.int8
             y = op(rows, *weights, self.bias)
+        elif self.blocks is not None and (self._blocks_rows is None or rows.shape[0] <= self._blocks_rows):
+            y = self._blocks_linear(rows, *self.blocks, self.bias, self.q8_activations)
         elif rows.shape[0] > SMALL_BATCH_ROWS:
             y = F.linear(rows, self.weight, self.bias)
-        elif self.blocks is not None:
-            y = self._blocks_linear(rows, *self.blocks, self.bias, self.q8_activations)
         else:
             y = self._small_m(rows, self.weight, self.bias)
         return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)
@@ -358,12 +367,12 @@ def use_w8a8(model: nn.Module, int8_linear: Callable[..., torch.Tensor]) -> int:
 
 def pack_linears(model: nn.Module, small_batch_linear: Callable[..., torch.Tensor] | None = None,
                  packed_bf16_linear: Callable[..., torch.Tensor] | None = None,
-                 blocks_linear: Callable[..., torch.Tensor] | None = None) -> int:
+                 blocks_linear: Callable[..., torch.Tensor] | None = None, blocks_prefill: bool = False) -> int:
     """Replace the CPU `nn.Linear`s under `model` (projections and LM head), in place: bf16 ones by a `PackedLinear`
     where oneDNN packs bf16 (its small batches through `packed_bf16_linear` when given: the cpu backend's), fp32 ones
     by a `SmallBatchLinear` over `small_batch_linear` when one is given (the cpu backend's), holding GGUF blocks for
-    `blocks_linear` where the weight is of such a form. Returns how many were replaced; the others are left as they
-    are."""
+    `blocks_linear` where the weight is of such a form (at every row count with `blocks_prefill`). Returns how many
+    were replaced; the others are left as they are."""
     count = 0
     for name, child in list(model.named_children()):
         if isinstance(child, nn.Linear) and packing_supported(child.weight.device, child.weight.dtype):
@@ -371,8 +380,8 @@ def pack_linears(model: nn.Module, small_batch_linear: Callable[..., torch.Tenso
             count += 1
         elif (isinstance(child, nn.Linear) and small_batch_linear is not None and child.weight.device.type == "cpu"
               and child.weight.dtype == torch.float32):
-            setattr(model, name, SmallBatchLinear(child, small_batch_linear, blocks_linear))
+            setattr(model, name, SmallBatchLinear(child, small_batch_linear, blocks_linear, blocks_prefill))
             count += 1
         else:
-            count += pack_linears(child, small_batch_linear, packed_bf16_linear, blocks_linear)
+            count += pack_linears(child, small_batch_linear, packed_bf16_linear, blocks_linear, blocks_prefill)
     return count

@@ -257,6 +257,44 @@ def test_small_batch_linear_sends_decode_batches_to_the_kernel_and_prefill_to_to
     assert isinstance(model[0], SmallBatchLinear) and isinstance(model[1][0], SmallBatchLinear)
 
 
+def test_small_batch_linear_sends_every_row_count_to_the_blocks_where_they_take_prefill():
+    """A weight held as GGUF blocks: up to SMALL_BATCH_ROWS rows read the blocks, more go to F.linear on the fp32
+    tensor, unless blocks_prefill (the AVX2 build's panels) sends every row count to the blocks; pack_linears passes
+    the flag to each linear it swaps in."""
+    from pdserve_server.engine.execution.packing import SMALL_BATCH_ROWS, SmallBatchLinear, pack_linears
+
+    calls = []
+
+    def blocks(x, qs, scales, bias, q8):
+        calls.append(x.shape[0])
+        return torch.zeros(x.shape[0], 64)
+
+    def small_m(x, weight, bias):
+        raise AssertionError("a weight held as blocks never reads the fp32 tensor through the small-M kernel")
+
+    g = torch.Generator().manual_seed(0)
+    lin = nn.Linear(32, 64, bias=False)
+    q = torch.randint(-127, 128, (64, 32), generator=g)
+    q[:, 0] = 127  # exactly Q8_0: a block of 32 weights is d * q, its largest |q| 127
+    with torch.no_grad():
+        lin.weight.copy_(q.float() * 0.5)
+    x = torch.randn(SMALL_BATCH_ROWS + 1, 32)
+    decode_only = SmallBatchLinear(lin, small_m, blocks)
+    assert decode_only.blocks is not None
+    torch.testing.assert_close(decode_only(x), lin(x))  # torch's GEMM, not the stub
+    decode_only(x[:SMALL_BATCH_ROWS])
+    assert calls == [SMALL_BATCH_ROWS]
+    every = SmallBatchLinear(lin, small_m, blocks, blocks_prefill=True)
+    assert torch.equal(every(x), torch.zeros(SMALL_BATCH_ROWS + 1, 64))
+    assert calls == [SMALL_BATCH_ROWS, SMALL_BATCH_ROWS + 1]
+
+    model = nn.Sequential(nn.Linear(32, 64, bias=False))
+    model[0].weight.data.copy_(lin.weight)
+    assert pack_linears(model, small_m, None, blocks, blocks_prefill=True) == 1
+    model(x)
+    assert calls[-1] == SMALL_BATCH_ROWS + 1
+
+
 def test_an_fp32_engine_on_the_cpu_backend_runs_the_small_batch_kernel(tiny_model_dir):
     """The cpu backend's fp32 engine swaps its linears (LM head included) for SmallBatchLinear over the compiled
     kernel, and gives the greedy tokens of the plain nn.Linear engine (decode batches of 1-6 rows through the kernel,

@@ -565,7 +565,7 @@ def _dequantized(qs: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return (scales[..., :1].float() * q + scales[..., 1:].float()).reshape(n, -1)
 
 
-@pytest.mark.parametrize("rows", [0, 1, 2, 3, 4, 5, 16, 33, 64])
+@pytest.mark.parametrize("rows", [0, 1, 2, 3, 4, 5, 16, 33, 64, 280])
 @pytest.mark.parametrize("out_features,in_features", [(7, 64), (11, 64), (576, 576), (1536, 576), (96, 1536)])
 @pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
 def test_blocks_linear_sums_as_the_small_batch_kernel_on_the_dequantized_weight(kernels, rows, out_features,
@@ -573,7 +573,8 @@ def test_blocks_linear_sums_as_the_small_batch_kernel_on_the_dequantized_weight(
     """A weight that is a dequantized Q4_1 or Q8_0 tensor, read as its blocks (`gguf_blocks`, `linear_blocks`): from 2
     rows the same bits as the fp32 small-batch kernel on the fp32 tensor, for every tile shape (rows below 4 and from
     4, tails of rows and features), except the avx2 build from 24 rows (panels of 16 features, each output summed in
-    order of k: torch's result within fp32 reassociation, and a row's bits the same at any row count from 24); at 1 row
+    order of k: torch's result within fp32 reassociation, and a row's bits the same at any row count from 24, past 256
+    rows too, where a call runs them in chunks); at 1 row
     (scales applied once a block, weights kept in registers) the same within fp32 reassociation; with and without
     bias, x contiguous or a strided view; the blocks reproduce the weight."""
     from pdserve_server.engine.execution.packing import gguf_blocks
