@@ -18,7 +18,9 @@ reads (`PackedLinear.weight_ptr`) up to `PACKED_GEMV_ROWS` sequences, fp32 throu
 `--quantization w8a8_int8`'s int8 GEMM (`SmallBatchLinear.int8`) at any rows (one row stays on the blocks). The same
 ops again, but the whole step in one OpenMP region, the threads meeting at a barrier between ops instead of starting and
 joining a region for each of ~270 ops (kernels/cpu_decode_step.c). Its linears are the forward's own kernels at those
-rows, so the logits stay bit-equal to the model's forward.
+rows, so the logits stay bit-equal to the model's forward. Past those rows (more than `--max-num-seqs`'s default
+64 sequences decoding) fp32 linears take torch's GEMM here, where the forward on an AVX2 CPU reads GGUF blocks at any
+row count (`SmallBatchLinear`, `blocks_prefill`): those steps' logits differ from the forward's in the last bits.
 """
 from __future__ import annotations
 
@@ -158,7 +160,7 @@ class CpuDecodeStack:
             cos, sin = model.rope.tables(positions, h.dtype)
             x = model.ops.rms_norm(h, self.first_norm, self.eps)
             # fp32's small-batch kernel takes up to SMALL_BATCH_ROWS rows; beyond, torch's GEMM on the same weights
-            # (SmallBatchLinear's own rule).
+            # (SmallBatchLinear's own rule but for blocks_prefill: the module docstring).
             form = TORCH_LINEAR if self.form == SMALL_M_LINEAR and x.shape[0] > SMALL_BATCH_ROWS else self.form
             fused = None
             if self._w8a8_ptrs is not None and (x.shape[0] > 1 or self._w8a8_one_row):
