@@ -128,6 +128,29 @@ def test_reused_request_id_never_gets_the_old_requests_events(tiny_model_dir):
     assert results == [run_process_engine(tiny_model_dir, alone)] * 20
 
 
+def test_an_output_whose_handling_raises_does_not_stop_the_others(tiny_model_dir, caplog):
+    """The worker reads the engine's outputs as its socket wakes it, every queued message a wake: one message whose
+    handling raises (a bug) is logged and skipped, and every later message is still read: another request
+    completes, and so does the one whose tokens were in the failed message, with the tokens that came after it."""
+
+    async def scenario(engine):
+        dispatch, raised = engine.requests.dispatch, []
+
+        def failing_once(events):
+            if not raised and any(isinstance(ev, TokenOutput) for ev in events):
+                raised.append(events)
+                raise RuntimeError("a bug in one message's handling")
+            dispatch(events)
+        engine.requests.dispatch = failing_once
+        first = await asyncio.wait_for(generate(engine, greedy("hit", PROMPTS[0], n=12)), 60)
+        second = await asyncio.wait_for(generate(engine, greedy("after", PROMPTS[1], n=12)), 60)
+        return raised, first, second
+    raised, first, second = run_process_engine(tiny_model_dir, scenario)
+    lost = sum(isinstance(ev, TokenOutput) for ev in raised[0])
+    assert lost >= 1 and len(first) == 12 - lost and len(second) == 12
+    assert "could not be handled" in caplog.text
+
+
 def test_killed_engine_fails_every_stream_at_once(tiny_model_dir):
     """kill -9 of the engine process: every open stream ends with ENGINE_DIED (the worker maps it to UNAVAILABLE),
     a new request is refused the same way, and the fault listeners hear why."""
