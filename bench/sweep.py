@@ -218,7 +218,8 @@ def main(argv=None) -> int:
             system = start()
         except (RuntimeError, FileNotFoundError) as e:  # a peer that cannot start is reported, the rest still run
             print(f"{name}: not run: {e}", flush=True)
-            results.setdefault("not_run", {})[name] = str(e)
+            # per round: a system that failed to start in one round may have run in another (its rows are those)
+            results.setdefault("not_run", {})[name if args.rounds == 1 else f"{name} (round {rnd + 1})"] = str(e)
             continue
         try:
             per_round[rnd][name] = asyncio.run(_run(system, args, tokenizer, levels, slo))
