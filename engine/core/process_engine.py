@@ -80,7 +80,6 @@ class ProcessEngine(EngineStreams):
         self._call_ids = itertools.count()
         self._process: multiprocessing.process.BaseProcess | None = None
         self._stopping = False
-        self._reading = False  # the loop watches the outputs socket (`_on_outputs`)
         self._dir: str | None = None
         self._zmq = self._commands = self._outputs = None
 
@@ -140,7 +139,6 @@ class ProcessEngine(EngineStreams):
         self._stats = answer.stats
         self._loop.add_reader(self._process.sentinel, self._on_exit)
         self._loop.add_reader(self._outputs.FD, self._on_outputs)
-        self._reading = True
         self._loop.call_soon(self._on_outputs)  # what came before the reader (its FD may have signalled already)
         log.info("engine process %d started", self.pid)
 
@@ -284,9 +282,9 @@ class ProcessEngine(EngineStreams):
             self.requests.fault(msg.message)
 
     def _stop_reading(self) -> None:
-        if self._reading and self._loop is not None and self._outputs is not None:
+        """Stop watching the outputs socket (a no-op when it is not watched, or the loop has closed)."""
+        if self._loop is not None and self._outputs is not None:
             self._loop.remove_reader(self._outputs.FD)
-        self._reading = False
 
     def _on_exit(self) -> None:
         """The engine process is gone without being asked: fail everything in flight and tell the listeners."""
