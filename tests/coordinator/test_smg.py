@@ -448,7 +448,13 @@ def test_client_disconnect_through_smg_frees_the_request(cluster, openai_client)
     """The HTTP client goes after two chunks: smg aborts the request on the coordinator (when it next writes to the
     gone client), which ends it early and frees it on the workers. The decode worker's engine process runs a tenth
     of the time meanwhile, so the 300 tokens take seconds and the abort, not the last token, ends the request
-    however loaded the machine (the clean-clone CI of d9f8b6b, under load, once saw them all come first)."""
+    however loaded the machine (the clean-clone CI of d9f8b6b, under load, once saw them all come first).
+
+    smg learns that its client went only when a write to it fails, and it writes only text: a token that ends inside
+    a UTF-8 character is held back. The random model's greedy text is not the same on every CPU (in the CI of
+    bceb7a0 it held invalid UTF-8, which this machine's does not, and all 300 tokens came out before the client had
+    two chunks of text), so a regex keeps every token to ASCII letters (a write each) and asks for more characters
+    than 300 tokens can hold (no EOS is allowed before max_tokens)."""
     from helpers import engine_processes
 
     access = re.compile(r"request (chatcmpl-\S+) (\w+): \d+ prompt \+ (\d+) output tokens, finish (\w+)")
@@ -458,7 +464,8 @@ def test_client_disconnect_through_smg_frees_the_request(cluster, openai_client)
     assert len(engine) == 1, engine
     with throttled(engine):
         stream = openai_client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=300,
-                                                       temperature=0, stream=True, extra_body={"ignore_eos": True})
+                                                       temperature=0, stream=True,
+                                                       extra_body={"regex": "[a-z ]{9000,}"})
         got = 0
         for chunk in stream:
             got += bool(chunk.choices and chunk.choices[0].delta.content)
@@ -472,3 +479,4 @@ def test_client_disconnect_through_smg_frees_the_request(cluster, openai_client)
     rid, status, output_tokens, finish = ended[-1]
     assert int(output_tokens) < 300 and (status == "CANCELLED" or finish == "abort"), ended[-1]
     assert_idle(cluster, timeout_s=60)  # ... and the workers hold nothing for it
+
