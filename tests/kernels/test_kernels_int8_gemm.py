@@ -27,7 +27,7 @@ def w8a8_reference(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor, bia
     (65, 1536, 576), (200, 96, 1536)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_int8_linear_computes_its_arithmetic(kernels, rows, out_features, in_features, with_bias):
-    """Every tile shape (rows past a multiple of a tile's 2 or 8, weight rows in part of a group of 16, an odd number
+    """Every tile shape (rows past a multiple of a tile's 4 or 8, weight rows in part of a group of 16, an odd number
     of groups, more rows than a pass of 96): the kernel's sums equal the definition's up to fp32 rounding. A block's q
     may differ by one at a rounding tie (the kernel's -ffast-math may compute 127 / max as a reciprocal), moving an
     output by about one step of x's scale."""
