@@ -118,7 +118,6 @@ static inline __attribute__((always_inline)) __m512i run_dot(__m512i iacc, __m51
 }
 #endif
 
-
 #ifdef HAVE_AVX2
 /* One block of QB along K for 4 rows of x (x: row 0's block, rows K bytes apart) by one group of 16 W rows (w: the
  * group's runs of the block): a[2i + h] = row i's int32 sums against columns 8h .. 8h + 7, exactly the sums the
@@ -226,7 +225,6 @@ static inline __attribute__((always_inline)) void tile(const int8_t *qx, const f
     for (int i = 0; i < mr; i++)
         for (int h = 0; h < 2 * ng; h++) acc[i][h] = _mm256_setzero_ps();
     for (int b = 0; b < nb; b++) {
-        __m256i iacc[MR][2 * NG];
         if (mr == 4) {  /* a full tile: the block's products in block_4x16 (the same sums as below) */
             __m256i a[8];
             block_4x16(w + (int64_t)b * QB * GN, xq + (int64_t)b * QB, K, ones, a);
@@ -237,6 +235,7 @@ static inline __attribute__((always_inline)) void tile(const int8_t *qx, const f
             }
             continue;
         }
+        __m256i iacc[MR][2 * NG];
         for (int i = 0; i < mr; i++)
             for (int h = 0; h < 2 * ng; h++) iacc[i][h] = _mm256_setzero_si256();
         for (int k = b * QB; k < (b + 1) * QB; k += 4) {

@@ -479,4 +479,3 @@ def test_client_disconnect_through_smg_frees_the_request(cluster, openai_client)
     rid, status, output_tokens, finish = ended[-1]
     assert int(output_tokens) < 300 and (status == "CANCELLED" or finish == "abort"), ended[-1]
     assert_idle(cluster, timeout_s=60)  # ... and the workers hold nothing for it
-
