@@ -120,13 +120,13 @@ static inline __attribute__((always_inline)) __m512i run_dot(__m512i iacc, __m51
 
 #ifdef HAVE_AVX2
 /* One block of QB along K for 4 rows of x (x: row 0's block, rows K bytes apart) by one group of 16 W rows (w: the
- * group's runs of the block): a[2i + h] = row i's int32 sums against columns 8h .. 8h + 7, exactly the sums the
+ * group's runs of the block): a[i][h] = row i's int32 sums against columns 8h .. 8h + 7, exactly the sums the
  * intrinsics in `tile` compute for fewer rows. In assembly so that the 8 sums, the group's two half-runs, the
  * broadcast and two products stay in 14 of AVX2's 16 registers: given the same loop as intrinsics, GCC hoisted the
  * four broadcasts and spilled two sums to the stack, and their store-to-load round trip each k-step bounded the
  * loop (4 rows then ran 1.03x the 2-row tile). Two k-steps an iteration: 5% faster than one. */
 static inline __attribute__((always_inline)) void block_4x16(const uint8_t *w, const int8_t *x, int64_t K,
-                                                           __m256i ones, __m256i a[8]) {
+                                                           __m256i ones, __m256i a[4][2]) {
     const int8_t *x3 = x + 3 * K;
     int n = QB / 8;
     __m256i w0, w1, xb, t0, t1;
@@ -164,8 +164,8 @@ static inline __attribute__((always_inline)) void block_4x16(const uint8_t *w, c
         "add $8, %[x3]\n\t"
         "dec %[n]\n\t"
         "jnz 1b\n\t"
-        : [a0] "=&x"(a[0]), [a1] "=&x"(a[1]), [a2] "=&x"(a[2]), [a3] "=&x"(a[3]), [a4] "=&x"(a[4]),
-          [a5] "=&x"(a[5]), [a6] "=&x"(a[6]), [a7] "=&x"(a[7]), [w] "+r"(w), [x] "+r"(x), [x3] "+r"(x3),
+        : [a0] "=&x"(a[0][0]), [a1] "=&x"(a[0][1]), [a2] "=&x"(a[1][0]), [a3] "=&x"(a[1][1]), [a4] "=&x"(a[2][0]),
+          [a5] "=&x"(a[2][1]), [a6] "=&x"(a[3][0]), [a7] "=&x"(a[3][1]), [w] "+r"(w), [x] "+r"(x), [x3] "+r"(x3),
           [n] "+r"(n), [w0] "=&x"(w0), [w1] "=&x"(w1), [xb] "=&x"(xb), [t0] "=&x"(t0), [t1] "=&x"(t1)
         : [K] "r"(K), [ones] "x"(ones)
         : "memory", "cc");
@@ -225,27 +225,22 @@ static inline __attribute__((always_inline)) void tile(const int8_t *qx, const f
     for (int i = 0; i < mr; i++)
         for (int h = 0; h < 2 * ng; h++) acc[i][h] = _mm256_setzero_ps();
     for (int b = 0; b < nb; b++) {
-        if (mr == 4) {  /* a full tile: the block's products in block_4x16 (the same sums as below) */
-            __m256i a[8];
-            block_4x16(w + (int64_t)b * QB * GN, xq + (int64_t)b * QB, K, ones, a);
-            for (int i = 0; i < 4; i++) {
-                const __m256 s = _mm256_broadcast_ss(xs + (int64_t)i * nb + b);
-                for (int h = 0; h < 2; h++)
-                    acc[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a[2 * i + h]), s, acc[i][h]);
-            }
-            continue;
-        }
         __m256i iacc[MR][2 * NG];
-        for (int i = 0; i < mr; i++)
-            for (int h = 0; h < 2 * ng; h++) iacc[i][h] = _mm256_setzero_si256();
-        for (int k = b * QB; k < (b + 1) * QB; k += 4) {
-            __m256i wv[2 * NG];
-            for (int h = 0; h < 2 * ng; h++)
-                wv[h] = _mm256_loadu_si256((const __m256i *)(w + (h / 2) * group_bytes + k * GN + (h % 2) * 32));
-            for (int i = 0; i < mr; i++) {
-                const __m256i xb = _mm256_set1_epi32(four_bytes(xq + (int64_t)i * K + k));
+        if (mr == MR) {  /* a full tile (4 x 2 sums, NG = 1): the same sums as the loop below, in assembly */
+            block_4x16(w + (int64_t)b * QB * GN, xq + (int64_t)b * QB, K, ones, iacc);
+        } else {
+            for (int i = 0; i < mr; i++)
+                for (int h = 0; h < 2 * ng; h++) iacc[i][h] = _mm256_setzero_si256();
+            for (int k = b * QB; k < (b + 1) * QB; k += 4) {
+                __m256i wv[2 * NG];
                 for (int h = 0; h < 2 * ng; h++)
-                    iacc[i][h] = _mm256_add_epi32(iacc[i][h], _mm256_madd_epi16(_mm256_maddubs_epi16(wv[h], xb), ones));
+                    wv[h] = _mm256_loadu_si256((const __m256i *)(w + (h / 2) * group_bytes + k * GN + (h % 2) * 32));
+                for (int i = 0; i < mr; i++) {
+                    const __m256i xb = _mm256_set1_epi32(four_bytes(xq + (int64_t)i * K + k));
+                    for (int h = 0; h < 2 * ng; h++)
+                        iacc[i][h] = _mm256_add_epi32(iacc[i][h],
+                                                      _mm256_madd_epi16(_mm256_maddubs_epi16(wv[h], xb), ones));
+                }
             }
         }
         for (int i = 0; i < mr; i++) {
