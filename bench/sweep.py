@@ -44,13 +44,15 @@ ALL_SYSTEMS = ("pdserve-disagg", "pdserve-colocated", "naive", *LLAMACPP_SYSTEMS
 def default_systems() -> tuple[str, ...]:
     """pdserve both ways, the naive baseline, and each peer in its best dense precision on this CPU: bf16 where
     the CPU has native bf16 arithmetic (AVX512-BF16 or AMX: what pdserve's `--dtype auto` picks too), else fp32
-    (a peer's bf16 is emulated there, slower than its fp32)."""
+    (a peer's bf16 is emulated there, slower than its fp32); and llama.cpp's quantized GGUFs of the same weights
+    (Q4_1, the packaged file itself, and Q8_0), which a llama.cpp user serves: on an AMD EPYC Zen 4 with AVX512-BF16
+    its Q8_0 ran 94-104 tok/s at one short request against its bf16's 70-75 (docs/benchmarks.md)."""
     from pdserve_server.engine.hardware import resolve_dtype
 
     bf16 = resolve_dtype("auto", "cpu") == "bfloat16"
     peers = ("llamacpp-bf16", "vllm-bf16", "vllm-all-cores-bf16") if bf16 else ("llamacpp-f32", "vllm",
                                                                                 "vllm-all-cores")
-    return ("pdserve-disagg", "pdserve-colocated", "naive", *peers)
+    return ("pdserve-disagg", "pdserve-colocated", "naive", *peers, "llamacpp", "llamacpp-q8_0")
 
 
 WORKLOADS = ("docs", "seed")
@@ -59,7 +61,8 @@ WORKLOADS = ("docs", "seed")
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--systems", default=None, help=f"comma list from {ALL_SYSTEMS} (default: `default_systems`, "
-                                                   "pdserve and each peer in this CPU's best dense precision)")
+                                                   "pdserve, each peer in this CPU's best dense precision, llama.cpp's "
+                                                   "Q4_1 and Q8_0)")
     p.add_argument("--peer", action="append", default=[], help="name=http://host:port[,model] (repeat)")
     p.add_argument("--variant", action="append", default=[],
                    help="NAME=disagg|colocated[xN]:WORKER_ARGS[|COORDINATOR_ARGS], a further pdserve system with "

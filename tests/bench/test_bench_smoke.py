@@ -182,14 +182,15 @@ def test_sweep_names_no_dense_dtype_for_quantized_weights():
                                          ("float32", {"llamacpp-f32", "vllm", "vllm-all-cores"})])
 def test_the_sweep_runs_each_peer_in_this_cpus_best_dense_precision(monkeypatch, auto, peers):
     """A peer's bf16 is emulated on a CPU without AVX512-BF16 or AMX (slower than its fp32): the default systems
-    follow what pdserve's --dtype auto picks on the same CPU."""
+    follow what pdserve's --dtype auto picks on the same CPU, beside llama.cpp's Q4_1 and Q8_0 GGUFs on either."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
     from pdserve_server.engine import hardware
     from sweep import ALL_SYSTEMS, default_systems
 
     monkeypatch.setattr(hardware, "resolve_dtype", lambda dtype, device: auto)
     chosen = default_systems()
-    assert set(chosen) == {"pdserve-disagg", "pdserve-colocated", "naive", *peers} and set(chosen) <= set(ALL_SYSTEMS)
+    assert set(chosen) == {"pdserve-disagg", "pdserve-colocated", "naive", *peers, "llamacpp", "llamacpp-q8_0"}
+    assert set(chosen) <= set(ALL_SYSTEMS)
 
 
 def test_sweep_weight_bytes_per_token(tiny_model_dir, real_model_dir):
