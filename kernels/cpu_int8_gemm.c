@@ -37,12 +37,12 @@
  * blocks (AVX-512: 8 x 2, the 16 int32 accumulators in registers and the fp32 ones, touched once a block, let spill:
  * on an Ice Lake Xeon 1.26x the 6 x 2 tile at 512 rows, 12 x 2 slower again; with VNNI a block's products in
  * assembly (`block_8x32`): on 2 cores of an AMD EPYC Zen 4, the packaged model's four linear shapes x 30 layers,
- * alternated, 1.16x the intrinsics at 512 rows, 1.12x at 64, bit-identical outputs; AVX2: 4 rows by one group as two halves
- * of 8 lanes, a block's products in assembly (`block_4x16`) so its 8 int32 sums keep to registers: on 2 cores of an
- * AMD EPYC Zen 3, the packaged model's four linear shapes x 30 layers, alternated: 1.10-1.40x the 2-row tile at 64
- * rows over six runs, 1.08x at 256, 1.11x at 7; bit-identical outputs), K in runs of 4 within blocks of 64, each
- * thread a static range of W's groups over blocks of MC rows of x (MC x K bytes of x stay in L2 while the thread's
- * groups of W stream past them). Builds without AVX2 run the same integer arithmetic in plain loops.
+ * alternated, 1.16x the intrinsics at 512 rows, 1.12x at 64, bit-identical outputs; AVX2: 4 rows by one group as two
+ * halves of 8 lanes, a block's products in assembly (`block_4x16`) so its 8 int32 sums keep to registers: on 2 cores
+ * of an AMD EPYC Zen 3, the packaged model's four linear shapes x 30 layers, alternated: 1.10-1.40x the 2-row tile
+ * at 64 rows over six runs, 1.08x at 256, 1.11x at 7; bit-identical outputs), K in runs of 4 within blocks of 64,
+ * each thread a static range of W's groups over blocks of MC rows of x (MC x K bytes of x stay in L2 while the
+ * thread's groups of W stream past them). Builds without AVX2 run the same integer arithmetic in plain loops.
  */
 #include <math.h>
 #include <omp.h>

@@ -8,8 +8,8 @@ AVX512_BF16: 4.4 against oneDNN's 6.6 ms at M = 1 (61 against 41 GB/s), 9.9 / 11
 64. In the one-region decode step (engine.execution.cpu_decode_stack) the kernel also saves a parallel region per op:
 on an AMD EPYC Zen 4 (2 cores, bf16 steps of SmolLM2 at ~145 tokens of context, the two caps alternated, medians of
 4-6) a step of 40 / 48 / 64 sequences took 44.1 / 56.3 / 69.8 ms with it against 47.9 / 67.5 / 69.9 through oneDNN,
-so the kernel takes up to 64 rows. The layout is oneDNN's choice, not a contract: each packed weight is checked against torch's linear at load, and
-one the kernel does not read as torch computes it stays on oneDNN at every M.
+so the kernel takes up to 64 rows. The layout is oneDNN's choice, not a contract: each packed weight is checked
+against torch's linear at load, and one the kernel does not read as torch computes it stays on oneDNN at every M.
 
 A plain `F.linear` on bf16 CPU tensors hands oneDNN the weights in PyTorch's [out, in] layout on every call, so
 each call either reorders them or runs a kernel for the plain layout. Reordering once at load is what PyTorch's
